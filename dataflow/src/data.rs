@@ -1,0 +1,177 @@
+//! The seeded data sources of `shared/WORKLOADS.md`, as pure functions of (seed, step, rows).
+//!
+//! Any actor can build any batch slice on its own: data-parallel rank `r` of `n` takes the `r`-th
+//! contiguous slice of the global batch, so a dp=N step sees exactly the rows of the dp=1 step.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::rng::SplitMix64;
+
+/// Where a training job's samples come from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataSpec {
+    /// Gaussian clusters (the mlp workload), drawn from `seed`.
+    Clusters {
+        /// Seed of the pool.
+        seed: u64,
+    },
+    /// The nearly predictable byte stream of the gpt workload, drawn from `seed`.
+    SyntheticBytes {
+        /// Seed of the stream.
+        seed: u64,
+    },
+    /// The bytes of a text file (character-level language modelling).
+    TextFile {
+        /// Path of the file, read by each actor.
+        path: String,
+    },
+}
+
+/// A slice of a batch of dense rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DenseBatch {
+    /// Rows in this slice.
+    pub rows: usize,
+    /// Row-major features, `rows × features`.
+    pub x: Vec<f32>,
+    /// One class per row.
+    pub labels: Vec<u32>,
+}
+
+/// A slice of a batch of token sequences.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenBatch {
+    /// Sequences in this slice.
+    pub seqs: usize,
+    /// Row-major inputs, `seqs × ctx`.
+    pub inputs: Vec<u32>,
+    /// Next-token targets, `seqs × ctx`.
+    pub targets: Vec<u32>,
+}
+
+/// The mlp workload's pool: `classes` Gaussian clusters in `features` dimensions.
+#[derive(Debug, Clone)]
+pub struct ClusterPool {
+    features: usize,
+    points: Vec<f32>,
+    labels: Vec<u32>,
+}
+
+/// Points in the cluster pool (WORKLOADS.md).
+pub const CLUSTER_POOL_ROWS: usize = 4096;
+
+impl ClusterPool {
+    /// Draws the pool: centres ~ N(0, 1), point = its centre + N(0, 1), labels uniform.
+    pub fn new(seed: u64, features: usize, classes: usize) -> ClusterPool {
+        let mut rng = SplitMix64::keyed(&[seed, 0xC1_u64]);
+        let centres: Vec<f32> = (0..classes * features).map(|_| rng.gaussian() as f32).collect();
+        let mut points = Vec::with_capacity(CLUSTER_POOL_ROWS * features);
+        let mut labels = Vec::with_capacity(CLUSTER_POOL_ROWS);
+        for _ in 0..CLUSTER_POOL_ROWS {
+            let label = rng.below(classes as u64) as usize;
+            labels.push(label as u32);
+            let centre = &centres[label * features..(label + 1) * features];
+            points.extend(centre.iter().map(|c| c + rng.gaussian() as f32));
+        }
+        ClusterPool { features, points, labels }
+    }
+
+    /// Rows `rows` (indices within the global batch) of step `step` with global batch `batch`.
+    pub fn batch(&self, step: u64, batch: usize, rows: Range<usize>) -> DenseBatch {
+        let start = (step as usize * batch) % CLUSTER_POOL_ROWS;
+        let mut x = Vec::with_capacity(rows.len() * self.features);
+        let mut labels = Vec::with_capacity(rows.len());
+        for r in rows.clone() {
+            let i = (start + r) % CLUSTER_POOL_ROWS;
+            x.extend_from_slice(&self.points[i * self.features..(i + 1) * self.features]);
+            labels.push(self.labels[i]);
+        }
+        DenseBatch { rows: rows.len(), x, labels }
+    }
+}
+
+/// A token stream cut into next-token-prediction sequences.
+#[derive(Debug, Clone)]
+pub struct TokenStream {
+    tokens: Vec<u8>,
+}
+
+/// Length of the synthetic byte stream (WORKLOADS.md).
+pub const SYNTHETIC_STREAM_LEN: usize = 1 << 20;
+
+impl TokenStream {
+    /// The synthetic stream: `t[0] = 0`, `t[i+1] = (5·t[i] + 17 + n_i) mod 256`, `n_i ∈ {0..3}`.
+    pub fn synthetic(seed: u64) -> TokenStream {
+        let mut rng = SplitMix64::keyed(&[seed, 0xB7_u64]);
+        let mut tokens = Vec::with_capacity(SYNTHETIC_STREAM_LEN);
+        let mut t: u32 = 0;
+        for _ in 0..SYNTHETIC_STREAM_LEN {
+            tokens.push(t as u8);
+            t = (5 * t + 17 + rng.below(4) as u32) % 256;
+        }
+        TokenStream { tokens }
+    }
+
+    /// A stream over the given bytes (e.g. a text file).
+    pub fn from_bytes(tokens: Vec<u8>) -> TokenStream {
+        TokenStream { tokens }
+    }
+
+    /// Bytes in the stream.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the stream is empty.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Sequences `seqs` of step `step` with `batch` sequences per global batch and context `ctx`.
+    /// Sequence `j` starts at `((step·batch + j)·(ctx+1)) mod (len − ctx − 1)`.
+    ///
+    /// # Panics
+    /// When the stream is not longer than `ctx + 1` bytes (callers check this up front).
+    pub fn batch(&self, step: u64, batch: usize, ctx: usize, seqs: Range<usize>) -> TokenBatch {
+        let span = self.tokens.len() - (ctx + 1);
+        let mut inputs = Vec::with_capacity(seqs.len() * ctx);
+        let mut targets = Vec::with_capacity(seqs.len() * ctx);
+        for j in seqs.clone() {
+            let start = ((step as usize * batch + j) * (ctx + 1)) % span;
+            let window = &self.tokens[start..start + ctx + 1];
+            inputs.extend(window[..ctx].iter().map(|&t| t as u32));
+            targets.extend(window[1..].iter().map(|&t| t as u32));
+        }
+        TokenBatch { seqs: seqs.len(), inputs, targets }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_parallel_slices_concatenate_to_the_global_batch() {
+        let pool = ClusterPool::new(3, 8, 4);
+        let whole = pool.batch(70, 64, 0..64);
+        let halves = [pool.batch(70, 64, 0..32), pool.batch(70, 64, 32..64)];
+        assert_eq!([halves[0].x.clone(), halves[1].x.clone()].concat(), whole.x);
+        assert_eq!([halves[0].labels.clone(), halves[1].labels.clone()].concat(), whole.labels);
+    }
+
+    #[test]
+    fn synthetic_stream_follows_its_recurrence() {
+        let s = TokenStream::synthetic(1);
+        assert_eq!(s.len(), SYNTHETIC_STREAM_LEN);
+        assert_eq!(s.tokens[0], 0);
+        for w in s.tokens.windows(2).take(1000) {
+            let base = (5 * w[0] as u32 + 17) % 256;
+            assert!((0..4).any(|n| (base + n) % 256 == w[1] as u32));
+        }
+        let b = s.batch(2, 16, 128, 3..5);
+        assert_eq!(b.inputs.len(), 256);
+        assert_eq!(b.inputs[1..128], b.targets[..127]);
+    }
+}

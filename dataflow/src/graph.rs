@@ -1,0 +1,91 @@
+//! The dataflow graph IR: compute nodes placed on actors, joined by edges that move tensors.
+//!
+//! A training step, a pipeline schedule and a user's map-reduce are all graphs of this one type.
+//! Node order is the schedule: lowering keeps it per actor. Edges are transfers (send ↔ recv) and
+//! collectives (all-reduce, whose adjoint is the identity on the reduced gradient).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::instruction::{CollectiveKind, ComputeOp};
+use crate::ActorId;
+
+/// What a node does.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeOp {
+    /// Local compute on one actor: reads `inputs`, writes `outputs` (names local to the actor).
+    Compute {
+        /// Where it runs.
+        actor: ActorId,
+        /// What it runs.
+        op: ComputeOp,
+        /// Tensors read.
+        inputs: Vec<String>,
+        /// Tensors written.
+        outputs: Vec<String>,
+    },
+    /// A point-to-point edge: `tensor` on `from` arrives as `as_name` on `to`.
+    Transfer {
+        /// Sender.
+        from: ActorId,
+        /// Receiver.
+        to: ActorId,
+        /// The sender's tensor.
+        tensor: String,
+        /// The receiver's name for it.
+        as_name: String,
+    },
+    /// A collective edge over `group`: every member's `tensor` is replaced by the result.
+    Collective {
+        /// Which collective.
+        kind: CollectiveKind,
+        /// Members, in ring order.
+        group: Vec<ActorId>,
+        /// The tensor (same name on every member).
+        tensor: String,
+    },
+}
+
+/// A dataflow graph over `actors` actors.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Graph {
+    /// Number of actors.
+    pub actors: usize,
+    /// Nodes in schedule order.
+    pub nodes: Vec<NodeOp>,
+    /// Size in bytes of tensors whose size is known, by name (for memory and bandwidth estimates).
+    pub tensor_bytes: BTreeMap<String, u64>,
+}
+
+impl Graph {
+    /// An empty graph over `actors` actors.
+    pub fn new(actors: usize) -> Graph {
+        Graph { actors, ..Graph::default() }
+    }
+
+    /// Appends a compute node.
+    pub fn compute(&mut self, actor: ActorId, op: ComputeOp, inputs: &[&str], outputs: &[&str]) {
+        self.nodes.push(NodeOp::Compute {
+            actor,
+            op,
+            inputs: inputs.iter().map(|s| s.to_string()).collect(),
+            outputs: outputs.iter().map(|s| s.to_string()).collect(),
+        });
+    }
+
+    /// Appends a transfer edge.
+    pub fn transfer(&mut self, from: ActorId, tensor: &str, to: ActorId, as_name: &str) {
+        self.nodes.push(NodeOp::Transfer {
+            from,
+            to,
+            tensor: tensor.to_string(),
+            as_name: as_name.to_string(),
+        });
+    }
+
+    /// Appends a collective edge.
+    pub fn collective(&mut self, kind: CollectiveKind, group: Vec<ActorId>, tensor: &str) {
+        self.nodes.push(NodeOp::Collective { kind, group, tensor: tensor.to_string() });
+    }
+}

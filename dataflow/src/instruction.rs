@@ -1,0 +1,172 @@
+//! Instructions: the entries of an actor's stream, the unit the runtime executes and reports.
+//!
+//! Tensors are named per actor (`act.0`, `grad.1`, `batch`); an instruction reads and writes names,
+//! so a stream is plain data that can be printed, diffed and simulated.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{ActorId, DeviceSpec};
+
+/// Local compute on one actor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ComputeOp {
+    /// Build this actor's slice (rows `start..end` of the global batch) of the step's batch.
+    LoadBatch {
+        /// First row of the global batch.
+        start: usize,
+        /// One past the last row.
+        end: usize,
+    },
+    /// Forward of blocks `start..end` (a segment) on micro-batch `mb`; keeps what backward needs.
+    Forward {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// Loss of the last segment's output against the batch's targets.
+    Loss {
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// Backward of blocks `start..end`: parameter gradients into the segment's gradient bucket and
+    /// the input gradient for the segment before.
+    Backward {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// Optimizer step on the flat parameters of blocks `start..end`.
+    OptimizerStep {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
+    /// A user computation, looked up by name in the job's function table.
+    User {
+        /// The registered function's name.
+        name: String,
+    },
+    /// Hand the input tensor to the caller under `key` (results of user dataflow graphs).
+    Output {
+        /// The key the caller reads it under.
+        key: String,
+    },
+}
+
+/// A collective operation over a group of actors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CollectiveKind {
+    /// Element-wise sum; every member ends with the total.
+    AllReduceSum,
+}
+
+/// One entry of an actor's instruction stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Instruction {
+    /// Local compute.
+    Compute {
+        /// What to run.
+        op: ComputeOp,
+        /// Tensors read.
+        inputs: Vec<String>,
+        /// Tensors written.
+        outputs: Vec<String>,
+    },
+    /// Send a local tensor to a peer (does not wait for the peer).
+    Send {
+        /// Local tensor.
+        tensor: String,
+        /// Receiving actor.
+        to: ActorId,
+        /// Matches the peer's `Recv`.
+        tag: u64,
+    },
+    /// Receive a tensor from a peer into a local name (waits for it).
+    Recv {
+        /// Local name of the received tensor.
+        tensor: String,
+        /// Sending actor.
+        from: ActorId,
+        /// Matches the peer's `Send`.
+        tag: u64,
+    },
+    /// Start a collective on a local tensor; it runs while the stream goes on.
+    StartCollective {
+        /// Which collective.
+        kind: CollectiveKind,
+        /// The local tensor, replaced by the result.
+        tensor: String,
+        /// Members in ring order.
+        group: Vec<ActorId>,
+        /// Identifies the collective across members.
+        tag: u64,
+    },
+    /// Wait until a started collective has finished on this actor.
+    WaitCollective {
+        /// The tensor the collective replaces.
+        tensor: String,
+        /// The collective's tag.
+        tag: u64,
+    },
+}
+
+impl Instruction {
+    /// Tensors this instruction needs to exist locally before it runs.
+    pub fn reads(&self) -> Vec<&str> {
+        match self {
+            Instruction::Compute { inputs, .. } => inputs.iter().map(String::as_str).collect(),
+            Instruction::Send { tensor, .. } | Instruction::StartCollective { tensor, .. } => {
+                vec![tensor]
+            }
+            Instruction::Recv { .. } | Instruction::WaitCollective { .. } => vec![],
+        }
+    }
+}
+
+impl fmt::Display for ComputeOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ComputeOp::LoadBatch { start, end } => write!(f, "LoadBatch(rows {start}..{end})"),
+            ComputeOp::Forward { start, end, mb } => write!(f, "Forward(blocks {start}..{end}, mb {mb})"),
+            ComputeOp::Loss { mb } => write!(f, "Loss(mb {mb})"),
+            ComputeOp::Backward { start, end, mb } => write!(f, "Backward(blocks {start}..{end}, mb {mb})"),
+            ComputeOp::OptimizerStep { start, end } => write!(f, "OptimizerStep(blocks {start}..{end})"),
+            ComputeOp::User { name } => write!(f, "Run({name})"),
+            ComputeOp::Output { key } => write!(f, "Output({key})"),
+        }
+    }
+}
+
+impl fmt::Display for Instruction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Instruction::Compute { op, .. } => write!(f, "{op}"),
+            Instruction::Send { tensor, to, tag } => write!(f, "Send({tensor} → actor {to}, tag {tag})"),
+            Instruction::Recv { tensor, from, tag } => write!(f, "Recv({tensor} ← actor {from}, tag {tag})"),
+            Instruction::StartCollective { kind, tensor, group, tag } => {
+                write!(f, "{kind:?}({tensor}, group {group:?}, tag {tag})")
+            }
+            Instruction::WaitCollective { tensor, tag } => write!(f, "Wait({tensor}, tag {tag})"),
+        }
+    }
+}
+
+/// One actor's instruction stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActorStream {
+    /// The actor.
+    pub actor: ActorId,
+    /// Its device.
+    pub device: DeviceSpec,
+    /// Instructions in execution order.
+    pub instructions: Vec<Instruction>,
+}

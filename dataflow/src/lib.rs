@@ -1,0 +1,54 @@
+//! `archipelago-dataflow`: the pure, deterministic half of archipelago.
+//!
+//! It turns a [`Program`] (a model description, a parallel plan, an optimizer and a data source)
+//! into a [`Plan`]: the mesh, the placement of blocks on actors, one instruction stream per actor
+//! (MPMD) and a memory estimate per actor. Nothing here starts a thread, opens a socket or touches
+//! a tensor: plans are serde data that print as JSON and are checked before any actor starts.
+//!
+//! The pipeline of [`compile`]:
+//! 1. [`passes::data_parallel`] builds the dataflow [`graph::Graph`] of one training step: it
+//!    replicates the model over the `dp` axis of the [`Mesh`], cuts the backward into gradient
+//!    buckets and joins the replicas' buckets with all-reduce edges.
+//! 2. [`passes::lower`] splits that graph into one [`ActorStream`] per actor.
+//! 3. [`verify::verify`] simulates the streams: every send has its receive, every group enters its
+//!    collectives in the same order, every tensor is defined before it is used; a deadlock is
+//!    reported naming who waits for whom.
+//! 4. [`memory::estimate`] accounts parameters, gradients, optimizer state, activations and
+//!    communication buffers per actor, and refuses plans over a device's memory budget.
+//!
+//! The same graph IR serves user-declared dataflow graphs ([`flow::FlowGraph`]) that are not
+//! training loops at all.
+//!
+//! ```
+//! use archipelago_dataflow::{compile, ModelSpec, Program, ParallelPlan};
+//! let program = Program::new(ModelSpec::parse("mlp:in=16,hidden=32,layers=2,out=4").unwrap())
+//!     .with_plan(ParallelPlan { dp: 2, batch: 8, ..ParallelPlan::default() });
+//! let plan = compile(&program).unwrap();
+//! assert_eq!(plan.actors.len(), 2);
+//! ```
+
+pub mod data;
+pub mod device;
+pub mod error;
+pub mod flow;
+pub mod graph;
+pub mod instruction;
+pub mod memory;
+pub mod mesh;
+pub mod model_spec;
+pub mod passes;
+pub mod plan;
+pub mod program;
+pub mod rng;
+pub mod verify;
+
+pub use device::DeviceSpec;
+pub use error::PlanError;
+pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction};
+pub use mesh::Mesh;
+pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
+pub use plan::{ActorPlan, Bucket, Plan, compile};
+pub use program::{OptimizerSpec, ParallelPlan, Program};
+
+/// Index of an actor in a plan: its rank in the mesh.
+pub type ActorId = usize;

@@ -1,0 +1,4 @@
+//! Compiler passes, one file each: a parallelism is a pass that builds or rewrites the graph.
+
+pub mod data_parallel;
+pub mod lower;

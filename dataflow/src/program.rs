@@ -1,0 +1,140 @@
+//! The program a user declares: a model, a parallel plan, an optimizer, a data source, devices.
+//!
+//! Flags of `archipelago train`/`plan` map one to one onto these fields; later parallelisms add
+//! fields with defaults, so programs written today keep compiling.
+
+use serde::{Deserialize, Serialize};
+
+use crate::data::DataSpec;
+use crate::model_spec::{InputKind, ModelDesc, ModelSpec};
+use crate::DeviceSpec;
+
+/// How the work is split over devices.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParallelPlan {
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// Global batch (rows or sequences) per step, over all replicas.
+    pub batch: usize,
+    /// Gradient bucket size in bytes: a bucket's all-reduce starts as soon as its gradients exist.
+    pub bucket_bytes: u64,
+    /// Memory budget per device in bytes; `None` means unchecked.
+    pub device_memory: Option<u64>,
+}
+
+impl Default for ParallelPlan {
+    fn default() -> Self {
+        ParallelPlan { dp: 1, batch: 64, bucket_bytes: 25 << 20, device_memory: None }
+    }
+}
+
+/// The optimizer, run on flat parameter shards.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub enum OptimizerSpec {
+    /// Adam (Kingma & Ba, 2015) with bias correction; no weight decay.
+    Adam {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root of the second moment.
+        eps: f32,
+    },
+    /// Plain SGD: `p -= lr · g`.
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+    },
+}
+
+impl OptimizerSpec {
+    /// Adam with the workloads' learning rate 1e-3 and PyTorch's defaults otherwise.
+    pub fn adam(lr: f32) -> OptimizerSpec {
+        OptimizerSpec::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8 }
+    }
+
+    /// f32 state values kept per parameter (Adam: m and v).
+    pub fn state_floats_per_param(&self) -> u64 {
+        match self {
+            OptimizerSpec::Adam { .. } => 2,
+            OptimizerSpec::Sgd { .. } => 0,
+        }
+    }
+}
+
+/// A whole training job as the compiler sees it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Program {
+    /// The model's blocks.
+    pub model: ModelDesc,
+    /// The parallel plan.
+    pub plan: ParallelPlan,
+    /// The optimizer.
+    pub optimizer: OptimizerSpec,
+    /// Where samples come from.
+    pub data: DataSpec,
+    /// Seed of initialisation (and of the synthetic data unless the data spec says otherwise).
+    pub seed: u64,
+    /// Devices to run on, one per actor; empty means `cpu:0 .. cpu:N-1`.
+    pub devices: Vec<DeviceSpec>,
+}
+
+impl Program {
+    /// A program for a zoo model with its workload's data, batch and Adam at lr 1e-3.
+    pub fn new(model: ModelSpec) -> Program {
+        let desc = model.desc();
+        let (data, batch) = match desc.input {
+            InputKind::Dense { .. } => (DataSpec::Clusters { seed: 0 }, 64),
+            InputKind::Tokens { .. } => (DataSpec::SyntheticBytes { seed: 0 }, 16),
+        };
+        Program {
+            model: desc,
+            plan: ParallelPlan { batch, ..ParallelPlan::default() },
+            optimizer: OptimizerSpec::adam(1e-3),
+            data,
+            seed: 0,
+            devices: Vec::new(),
+        }
+    }
+
+    /// The same program for a user-described model (the caller provides the blocks at run time).
+    pub fn custom(model: ModelDesc, data: DataSpec) -> Program {
+        Program {
+            model,
+            plan: ParallelPlan::default(),
+            optimizer: OptimizerSpec::adam(1e-3),
+            data,
+            seed: 0,
+            devices: Vec::new(),
+        }
+    }
+
+    /// Replaces the parallel plan.
+    pub fn with_plan(mut self, plan: ParallelPlan) -> Program {
+        self.plan = plan;
+        self
+    }
+
+    /// Replaces the seed (initialisation and synthetic data alike).
+    pub fn with_seed(mut self, seed: u64) -> Program {
+        self.seed = seed;
+        match &mut self.data {
+            DataSpec::Clusters { seed: s } | DataSpec::SyntheticBytes { seed: s } => *s = seed,
+            DataSpec::TextFile { .. } => {}
+        }
+        self
+    }
+
+    /// Replaces the optimizer.
+    pub fn with_optimizer(mut self, optimizer: OptimizerSpec) -> Program {
+        self.optimizer = optimizer;
+        self
+    }
+
+    /// The device of each actor of a mesh of `n` actors.
+    pub fn devices_for(&self, n: usize) -> Vec<DeviceSpec> {
+        if self.devices.is_empty() { DeviceSpec::cpus(n) } else { self.devices.clone() }
+    }
+}

@@ -1,0 +1,240 @@
+//! The verifier: simulate every actor's stream before anything runs.
+//!
+//! Sends are buffered (they never block); a `Recv` blocks until its matching send happened; each
+//! actor runs its collectives one at a time in the order it started them, and a collective
+//! completes only when it is at the head of every member's queue — so members that enter
+//! collectives in different orders deadlock here exactly as they would at run time. A tensor must
+//! exist on an actor before an instruction reads it, and must not be read while a collective is
+//! rewriting it. When no actor can move, the report names who waits for whom.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+
+use crate::instruction::Instruction;
+use crate::{ActorId, PlanError};
+
+struct ActorSim<'a> {
+    stream: &'a [Instruction],
+    pc: usize,
+    defined: HashSet<&'a str>,
+    in_collective: HashSet<&'a str>,
+    comm_queue: VecDeque<u64>,
+    completed: HashSet<u64>,
+}
+
+struct CollectiveFacts<'a> {
+    group: &'a [ActorId],
+    tensor: &'a str,
+}
+
+/// Checks that `streams` (indexed by actor) run to completion without deadlock.
+pub fn verify(streams: &[Vec<Instruction>]) -> Result<(), PlanError> {
+    let mut actors: Vec<ActorSim> = streams
+        .iter()
+        .map(|s| ActorSim {
+            stream: s,
+            pc: 0,
+            defined: HashSet::new(),
+            in_collective: HashSet::new(),
+            comm_queue: VecDeque::new(),
+            completed: HashSet::new(),
+        })
+        .collect();
+    let mut in_flight: BTreeSet<(ActorId, ActorId, u64)> = BTreeSet::new();
+    let mut collectives: BTreeMap<u64, CollectiveFacts> = BTreeMap::new();
+    loop {
+        let mut progress = false;
+        for me in 0..actors.len() {
+            while advance(me, &mut actors, &mut in_flight, &mut collectives)? {
+                progress = true;
+            }
+        }
+        progress |= complete_collectives(&mut actors, &collectives);
+        if !progress {
+            break;
+        }
+    }
+    let stuck: Vec<ActorId> = (0..actors.len())
+        .filter(|&a| actors[a].pc < actors[a].stream.len() || !actors[a].comm_queue.is_empty())
+        .collect();
+    if !stuck.is_empty() {
+        return Err(PlanError::Deadlock(explain(&stuck, &actors, &collectives)));
+    }
+    if let Some((from, to, tag)) = in_flight.iter().next() {
+        return Err(PlanError::Malformed(format!(
+            "actor {from} sends tag {tag} to actor {to}, which never receives it"
+        )));
+    }
+    Ok(())
+}
+
+/// Runs `me`'s next instruction if it can run; `Ok(false)` when it is blocked or finished.
+fn advance<'a>(
+    me: ActorId,
+    actors: &mut [ActorSim<'a>],
+    in_flight: &mut BTreeSet<(ActorId, ActorId, u64)>,
+    collectives: &mut BTreeMap<u64, CollectiveFacts<'a>>,
+) -> Result<bool, PlanError> {
+    let n = actors.len();
+    let sim = &mut actors[me];
+    let Some(instruction) = sim.stream.get(sim.pc) else { return Ok(false) };
+    let at = |why: String| {
+        PlanError::Malformed(format!("actor {me}, instruction {} `{instruction}`: {why}", sim.pc))
+    };
+    for read in instruction.reads() {
+        if sim.in_collective.contains(read) {
+            return Err(at(format!("reads `{read}` while a collective is still rewriting it")));
+        }
+        if !sim.defined.contains(read) {
+            return Err(at(format!("reads `{read}`, which no earlier instruction of this actor produced")));
+        }
+    }
+    match instruction {
+        Instruction::Compute { outputs, .. } => {
+            sim.defined.extend(outputs.iter().map(String::as_str));
+        }
+        Instruction::Send { to, tag, .. } => {
+            if *to >= n {
+                return Err(at(format!("actor {to} does not exist")));
+            }
+            in_flight.insert((me, *to, *tag));
+        }
+        Instruction::Recv { tensor, from, tag } => {
+            if !in_flight.remove(&(*from, me, *tag)) {
+                return Ok(false);
+            }
+            sim.defined.insert(tensor);
+        }
+        Instruction::StartCollective { tensor, group, tag, .. } => {
+            if !group.contains(&me) {
+                return Err(at("this actor is not a member of the group".into()));
+            }
+            if let Some(&bad) = group.iter().find(|&&a| a >= n) {
+                return Err(at(format!("group member {bad} does not exist")));
+            }
+            let facts = collectives.entry(*tag).or_insert(CollectiveFacts { group, tensor });
+            if facts.group != group.as_slice() || facts.tensor != tensor {
+                return Err(at(format!(
+                    "members disagree on collective tag {tag}: group {:?} on `{}` elsewhere",
+                    facts.group, facts.tensor
+                )));
+            }
+            sim.in_collective.insert(tensor);
+            sim.comm_queue.push_back(*tag);
+        }
+        Instruction::WaitCollective { tensor, tag } => {
+            if !sim.completed.contains(tag) {
+                return Ok(false);
+            }
+            sim.in_collective.remove(tensor.as_str());
+        }
+    }
+    sim.pc += 1;
+    Ok(true)
+}
+
+/// Completes every collective that is at the head of all its members' queues.
+fn complete_collectives(actors: &mut [ActorSim], collectives: &BTreeMap<u64, CollectiveFacts>) -> bool {
+    let mut progress = false;
+    loop {
+        let ready = (0..actors.len()).find_map(|a| {
+            let tag = *actors[a].comm_queue.front()?;
+            let group = collectives[&tag].group;
+            group.iter().all(|&m| actors[m].comm_queue.front() == Some(&tag)).then_some((tag, group))
+        });
+        let Some((tag, group)) = ready else { return progress };
+        for &m in group {
+            actors[m].comm_queue.pop_front();
+            actors[m].completed.insert(tag);
+        }
+        progress = true;
+    }
+}
+
+fn explain(stuck: &[ActorId], actors: &[ActorSim], collectives: &BTreeMap<u64, CollectiveFacts>) -> String {
+    let mut lines = Vec::new();
+    for &a in stuck.iter().take(8) {
+        let sim = &actors[a];
+        let waiting = match sim.stream.get(sim.pc) {
+            Some(Instruction::Recv { from, tag, .. }) => {
+                format!("waits for actor {from} to send tag {tag}")
+            }
+            Some(Instruction::WaitCollective { tag, .. }) => format!("waits for collective tag {tag} to finish"),
+            Some(other) => format!("is blocked at `{other}`"),
+            None => "finished its stream".to_string(),
+        };
+        let mut line = match sim.stream.get(sim.pc) {
+            Some(i) => format!("actor {a} at instruction {} `{i}` {waiting}", sim.pc),
+            None => format!("actor {a} {waiting}"),
+        };
+        if let Some(tag) = sim.comm_queue.front() {
+            let others: Vec<String> = collectives[tag]
+                .group
+                .iter()
+                .filter(|&&m| actors[m].comm_queue.front() != Some(tag))
+                .map(|&m| match actors[m].comm_queue.front() {
+                    Some(t) => format!("actor {m} is in collective tag {t} (entered in a different order)"),
+                    None => format!("actor {m} has not started it"),
+                })
+                .collect();
+            line.push_str(&format!("; its collective tag {tag} waits: {}", others.join(", ")));
+        }
+        lines.push(line);
+    }
+    if stuck.len() > 8 {
+        lines.push(format!("… and {} more actors", stuck.len() - 8));
+    }
+    lines.join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::instruction::{CollectiveKind, ComputeOp};
+
+    fn make(name: &str) -> Instruction {
+        Instruction::Compute { op: ComputeOp::User { name: "f".into() }, inputs: vec![], outputs: vec![name.into()] }
+    }
+    fn start(tensor: &str, tag: u64) -> Instruction {
+        Instruction::StartCollective { kind: CollectiveKind::AllReduceSum, tensor: tensor.into(), group: vec![0, 1], tag }
+    }
+    fn wait(tensor: &str, tag: u64) -> Instruction {
+        Instruction::WaitCollective { tensor: tensor.into(), tag }
+    }
+
+    #[test]
+    fn matched_streams_pass() {
+        let s = vec![
+            vec![make("a"), make("b"), start("a", 1), start("b", 2), wait("a", 1), wait("b", 2)],
+            vec![make("a"), make("b"), start("a", 1), start("b", 2), wait("b", 2), wait("a", 1)],
+        ];
+        verify(&s).unwrap();
+    }
+
+    #[test]
+    fn collectives_in_different_orders_deadlock_and_are_named() {
+        let s = vec![
+            vec![make("a"), make("b"), start("a", 1), start("b", 2), wait("a", 1), wait("b", 2)],
+            vec![make("a"), make("b"), start("b", 2), start("a", 1), wait("a", 1), wait("b", 2)],
+        ];
+        let err = verify(&s).unwrap_err().to_string();
+        assert!(err.contains("deadlock") && err.contains("different order"), "{err}");
+    }
+
+    #[test]
+    fn recv_cycle_deadlocks_and_unmatched_send_is_refused() {
+        let recv = |from, tag| Instruction::Recv { tensor: "x".into(), from, tag };
+        let send = |to, tag| Instruction::Send { tensor: "y".into(), to, tag };
+        let cycle = vec![vec![recv(1, 1), make("y"), send(1, 2)], vec![recv(0, 2), make("y"), send(0, 1)]];
+        let err = verify(&cycle).unwrap_err().to_string();
+        assert!(err.contains("actor 0") && err.contains("waits for actor 1"), "{err}");
+        let unmatched = vec![vec![make("y"), send(1, 5)], vec![]];
+        assert!(verify(&unmatched).unwrap_err().to_string().contains("never receives"));
+    }
+
+    #[test]
+    fn use_before_definition_is_refused() {
+        let read = Instruction::Send { tensor: "nope".into(), to: 1, tag: 0 };
+        let err = verify(&[vec![read], vec![]]).unwrap_err().to_string();
+        assert!(err.contains("nope"), "{err}");
+    }
+}
