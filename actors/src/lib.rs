@@ -1,1 +1,26 @@
-//! placeholder
+//! `archipelago-actors`: everything that runs on a host.
+//!
+//! - [`device_actor`]: the ractor actor that owns a burn device and runs an instruction stream;
+//! - [`executor`]: the interpreter of a stream (compute, sends, receives, collectives);
+//! - [`trainer`]: the training computations (segments, loss, backward, optimizer) on burn;
+//! - [`fabric`]: how tensors move between actors, with the in-process implementation;
+//! - [`collectives`]: the chunked, pipelined ring all-reduce and the per-actor collective worker;
+//! - [`flat_optimizer`]: Adam and SGD on flat shards;
+//! - [`block`] and [`zoo`]: the burn glue (block trait, parameter flattening) and the models.
+
+pub mod backend;
+pub mod block;
+pub mod collectives;
+pub mod device_actor;
+pub mod error;
+pub mod executor;
+pub mod fabric;
+pub mod flat_optimizer;
+pub mod flow_functions;
+pub mod host_tensor;
+pub mod trainer;
+pub mod zoo;
+
+pub use backend::{CpuBackend, device_for};
+pub use error::ActorFailure;
+pub use host_tensor::HostTensor;

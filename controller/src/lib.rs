@@ -1,1 +1,32 @@
-//! placeholder
+//! `archipelago-controller`: the single controller of an archipelago job.
+//!
+//! It compiles a [`Program`](archipelago_dataflow::Program) into a verified plan, starts one
+//! device actor per mesh position, sends each its instruction stream once, then drives the steps:
+//! `Step{n}` to every actor at once, `StepDone` back from each (Pathways-style parallel
+//! dispatch). It never touches tensor bytes: control is typed messages, data moves actor to actor.
+//!
+//! ```no_run
+//! use archipelago_controller::{Controller, TrainOptions};
+//! use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
+//! let program = Program::new(ModelSpec::parse("mlp-8x1024").unwrap())
+//!     .with_plan(ParallelPlan { dp: 2, batch: 64, ..ParallelPlan::default() });
+//! let controller = Controller::local(DeviceSpec::cpus(2));
+//! let report = controller.train(&program, &TrainOptions { steps: 30, ..TrainOptions::default() }).unwrap();
+//! println!("final loss {}", report.final_loss);
+//! ```
+
+mod actor_gang;
+pub mod bench;
+pub mod cli;
+pub mod error;
+pub mod flow_job;
+pub mod local;
+pub mod process_stats;
+pub mod report;
+pub mod train_job;
+
+pub use error::JobError;
+pub use flow_job::FlowRun;
+pub use local::Controller;
+pub use report::{StepRecord, TrainReport};
+pub use train_job::{StepProgress, TrainOptions};

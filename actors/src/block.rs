@@ -1,0 +1,221 @@
+//! The block trait and parameter flattening for burn modules.
+//!
+//! A model is an ordered list of blocks. A block is any burn [`Module`] with a forward on an
+//! [`Activation`]; implementing [`BlockModule`] is all a user writes. Parameters cross into the
+//! runtime as one flat `f32` vector per block, in the module's declaration order
+//! ([`ModuleVisitor`] to read, [`ModuleMapper`] to write back, keeping each `ParamId`), so that
+//! buckets, collectives and optimizers work on plain slices.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor, TensorData};
+
+use archipelago_dataflow::rng::SplitMix64;
+
+/// What flows between blocks.
+#[derive(Debug, Clone)]
+pub enum Activation<B: Backend> {
+    /// Dense rows `[batch, features]`.
+    Rows(Tensor<B, 2>),
+    /// Token ids `[batch, seq]`.
+    Tokens(Tensor<B, 2, Int>),
+    /// A sequence of vectors `[batch, seq, width]`.
+    Seq(Tensor<B, 3>),
+}
+
+impl<B: AutodiffBackend> Activation<B> {
+    /// A fresh leaf of the autodiff graph with the same values (the input of a segment), so a
+    /// segment's backward stops at its input and yields the input's gradient.
+    pub fn leaf(&self) -> Activation<B> {
+        match self {
+            Activation::Rows(t) => Activation::Rows(t.clone().detach().require_grad()),
+            Activation::Seq(t) => Activation::Seq(t.clone().detach().require_grad()),
+            Activation::Tokens(t) => Activation::Tokens(t.clone()),
+        }
+    }
+
+    /// The gradient of this leaf, removed from `grads` (None for token ids).
+    pub fn take_grad(&self, grads: &mut B::Gradients) -> Option<Activation<B>> {
+        match self {
+            Activation::Rows(t) => t.grad_remove(grads).map(|g| Activation::Rows(Tensor::from_inner(g))),
+            Activation::Seq(t) => t.grad_remove(grads).map(|g| Activation::Seq(Tensor::from_inner(g))),
+            Activation::Tokens(_) => None,
+        }
+    }
+
+    /// `sum(self ⊙ upstream)`: backpropagating it gives the vector–Jacobian product of the
+    /// segment that produced `self` with the upstream gradient.
+    ///
+    /// # Panics
+    /// When the two activations are of different kinds.
+    pub fn dot(&self, upstream: &Activation<B>) -> Tensor<B, 1> {
+        match (self, upstream) {
+            (Activation::Rows(y), Activation::Rows(g)) => (y.clone() * g.clone()).sum(),
+            (Activation::Seq(y), Activation::Seq(g)) => (y.clone() * g.clone()).sum(),
+            _ => panic!("upstream gradient does not match the activation kind"),
+        }
+    }
+}
+
+/// A burn module that can be a block: a forward on an activation.
+pub trait BlockModule<B: AutodiffBackend>: Module<B> + Send + 'static {
+    /// The block's forward.
+    fn forward(&self, x: Activation<B>) -> Activation<B>;
+}
+
+/// A block as the runtime holds it (object safe).
+pub trait Block<B: AutodiffBackend>: Send {
+    /// The forward.
+    fn forward(&self, x: Activation<B>) -> Activation<B>;
+    /// Number of f32 parameters.
+    fn num_params(&self) -> usize;
+    /// Parameter paths and shapes in flattening order.
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)>;
+    /// Copies the parameters into `out` (length [`Block::num_params`]).
+    fn write_params(&self, out: &mut [f32]);
+    /// Replaces the parameters with `flat`, keeping ids and `require_grad`.
+    fn load_params(self: Box<Self>, flat: &[f32]) -> Box<dyn Block<B>>;
+    /// Moves this block's parameter gradients out of `grads` into `out` (zeros where none).
+    fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32]);
+}
+
+impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
+    fn forward(&self, x: Activation<B>) -> Activation<B> {
+        BlockModule::forward(self, x)
+    }
+
+    fn num_params(&self) -> usize {
+        Module::num_params(self)
+    }
+
+    fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let mut v = ShapeVisitor { path: Vec::new(), out: Vec::new() };
+        self.visit(&mut v);
+        v.out
+    }
+
+    fn write_params(&self, out: &mut [f32]) {
+        let mut v = FlattenVisitor { out, offset: 0 };
+        self.visit(&mut v);
+    }
+
+    fn load_params(self: Box<Self>, flat: &[f32]) -> Box<dyn Block<B>> {
+        let mut mapper = LoadMapper { flat, offset: 0 };
+        Box::new((*self).map(&mut mapper))
+    }
+
+    fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32]) {
+        let mut v = GradVisitor::<B> { grads, out, offset: 0 };
+        self.visit(&mut v);
+    }
+}
+
+struct ShapeVisitor {
+    path: Vec<String>,
+    out: Vec<(String, Vec<usize>)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for ShapeVisitor {
+    fn enter_module(&mut self, name: &str, _: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _: &str, _: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        self.out.push((self.path.join("."), param.val().dims().to_vec()));
+    }
+}
+
+struct FlattenVisitor<'a> {
+    out: &'a mut [f32],
+    offset: usize,
+}
+
+impl<B: Backend> ModuleVisitor<B> for FlattenVisitor<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let data = param.val().into_data().convert::<f32>();
+        let values = data.as_slice::<f32>().expect("f32 parameters");
+        self.out[self.offset..self.offset + values.len()].copy_from_slice(values);
+        self.offset += values.len();
+    }
+}
+
+struct GradVisitor<'a, B: AutodiffBackend> {
+    grads: &'a mut B::Gradients,
+    out: &'a mut [f32],
+    offset: usize,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradVisitor<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let tensor = param.val();
+        let n = tensor.shape().num_elements();
+        let target = &mut self.out[self.offset..self.offset + n];
+        match tensor.grad_remove(self.grads) {
+            Some(grad) => {
+                let data = grad.into_data().convert::<f32>();
+                target.copy_from_slice(data.as_slice::<f32>().expect("f32 gradients"));
+            }
+            None => target.fill(0.0),
+        }
+        self.offset += n;
+    }
+}
+
+struct LoadMapper<'a> {
+    flat: &'a [f32],
+    offset: usize,
+}
+
+impl<B: Backend> ModuleMapper<B> for LoadMapper<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let values = self.flat[self.offset..self.offset + n].to_vec();
+        self.offset += n;
+        let mut fresh = Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device());
+        if tensor.is_require_grad() {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// Deterministic initial parameters of block `index` under `seed`, from its parameter shapes:
+/// LayerNorm `gamma` = 1 and `beta` = 0; embedding tables ~ N(0, 0.02); other matrices
+/// `[fan_in, fan_out]` ~ U(±1/√fan_in) (burn's and PyTorch's Linear default); vectors next to a
+/// matrix (biases) ~ U(±1/√fan_in) of that matrix; other vectors 0.
+pub fn deterministic_init(shapes: &[(String, Vec<usize>)], seed: u64, index: usize) -> Vec<f32> {
+    let mut rng = SplitMix64::keyed(&[seed, index as u64, 0x1417]);
+    let mut out = Vec::new();
+    for (path, shape) in shapes {
+        let n: usize = shape.iter().product();
+        let leaf = path.rsplit('.').next().unwrap_or(path);
+        let parent = path.rsplit_once('.').map_or("", |(p, _)| p);
+        let sibling_fan_in = shapes
+            .iter()
+            .find(|(p, s)| s.len() == 2 && p.rsplit_once('.').map_or("", |(q, _)| q) == parent)
+            .map(|(_, s)| s[0]);
+        match (leaf, shape.len()) {
+            ("gamma", _) => out.extend(std::iter::repeat_n(1.0, n)),
+            ("beta", _) => out.extend(std::iter::repeat_n(0.0, n)),
+            (_, 2) if path.contains("embedding") => {
+                out.extend((0..n).map(|_| (0.02 * rng.gaussian()) as f32));
+            }
+            (_, 2) => {
+                let bound = 1.0 / (shape[0] as f64).sqrt();
+                out.extend((0..n).map(|_| rng.uniform_in(-bound, bound) as f32));
+            }
+            _ => match sibling_fan_in {
+                Some(fan_in) => {
+                    let bound = 1.0 / (fan_in as f64).sqrt();
+                    out.extend((0..n).map(|_| rng.uniform_in(-bound, bound) as f32));
+                }
+                None => out.extend(std::iter::repeat_n(0.0, n)),
+            },
+        }
+    }
+    out
+}

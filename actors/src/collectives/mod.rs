@@ -1,0 +1,10 @@
+//! Collectives on top of the fabric, and the worker thread that runs them beside compute.
+
+pub mod ring_all_reduce;
+pub mod worker;
+
+pub use ring_all_reduce::ring_all_reduce;
+pub use worker::{CollectiveWorker, PendingCollective};
+
+/// Default chunk of a pipelined collective: 1 MiB of f32 (fits in cache, amortises messaging).
+pub const DEFAULT_CHUNK_ELEMS: usize = 1 << 18;

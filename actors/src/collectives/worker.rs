@@ -1,0 +1,86 @@
+//! The collective worker: one thread per actor that runs its collectives in the order they were
+//! started, while the actor's compute thread goes on (DDP-style overlap of backward and
+//! all-reduce).
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use archipelago_dataflow::{ActorId, CollectiveKind};
+
+use super::ring_all_reduce;
+use crate::fabric::{Fabric, FabricError};
+use crate::host_tensor::HostTensor;
+
+struct Job {
+    kind: CollectiveKind,
+    edge: u64,
+    group: Vec<ActorId>,
+    tensor: HostTensor,
+    done: mpsc::Sender<Result<HostTensor, FabricError>>,
+}
+
+/// A started collective; [`PendingCollective::wait`] returns its result.
+pub struct PendingCollective {
+    done: mpsc::Receiver<Result<HostTensor, FabricError>>,
+}
+
+impl PendingCollective {
+    /// Blocks until the collective finished on this actor.
+    pub fn wait(self) -> Result<HostTensor, FabricError> {
+        self.done
+            .recv()
+            .unwrap_or_else(|_| Err(FabricError::Aborted("the collective worker stopped".into())))
+    }
+}
+
+/// Runs one actor's collectives on a thread of its own.
+pub struct CollectiveWorker {
+    jobs: Option<mpsc::Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl CollectiveWorker {
+    /// Starts the worker of actor `me`.
+    pub fn spawn(me: ActorId, fabric: Arc<dyn Fabric>, chunk_elems: usize) -> CollectiveWorker {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name(format!("collectives-{me}"))
+            .spawn(move || {
+                for job in queue {
+                    let result = match job.kind {
+                        CollectiveKind::AllReduceSum => {
+                            let shape = job.tensor.shape.clone();
+                            let mut data = job.tensor.into_vec();
+                            ring_all_reduce(fabric.as_ref(), me, &job.group, job.edge, &mut data, chunk_elems)
+                                .map(|()| HostTensor::new(shape, data))
+                        }
+                    };
+                    let _ = job.done.send(result);
+                }
+            })
+            .expect("spawn collective worker");
+        CollectiveWorker { jobs: Some(jobs), thread: Some(thread) }
+    }
+
+    /// Queues a collective; it runs after every collective started before it.
+    pub fn start(&self, kind: CollectiveKind, edge: u64, group: Vec<ActorId>, tensor: HostTensor) -> PendingCollective {
+        let (done, result) = mpsc::channel();
+        let job = Job { kind, edge, group, tensor, done };
+        if let Some(jobs) = &self.jobs
+            && let Err(mpsc::SendError(job)) = jobs.send(job)
+        {
+            let _ = job.done.send(Err(FabricError::Aborted("the collective worker stopped".into())));
+        }
+        PendingCollective { done: result }
+    }
+}
+
+impl Drop for CollectiveWorker {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}

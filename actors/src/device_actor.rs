@@ -1,0 +1,162 @@
+//! The device actor: a ractor actor that owns one device and runs its instruction stream.
+//!
+//! The actor receives control messages (`Step`, queries, `Stop`) and hands the work to a
+//! dedicated OS thread that owns the burn module and the executor — compute never blocks the
+//! async runtime, and one thread per device keeps kernels single-threaded (one actor per core).
+//! Results go straight to the controller's event channel as [`ActorEvent`]s.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::sync::mpsc::UnboundedSender;
+
+use archipelago_dataflow::{ActorId, DeviceSpec, Instruction};
+
+use crate::error::ActorFailure;
+use crate::executor::{Computation, Executor, StepReport};
+use crate::fabric::Fabric;
+
+/// Builds an actor's computation on its own thread (so the burn module is made where it lives).
+pub type ComputationFactory = Box<dyn FnOnce() -> Result<Box<dyn Computation>, String> + Send>;
+
+/// What actors tell the controller.
+#[derive(Debug)]
+pub enum ActorEvent {
+    /// The actor built its computation and waits for steps.
+    Ready {
+        /// The actor.
+        actor: ActorId,
+    },
+    /// A step finished on this actor.
+    StepDone(Box<StepReport>),
+    /// The actor failed (while starting or in a step).
+    Failed(Box<ActorFailure>),
+}
+
+/// Control messages of a device actor.
+pub enum DeviceMsg {
+    /// Run the stream once as step `n`.
+    Step(u64),
+    /// Reply with the sum of squares of each block's parameters.
+    BlockSquares(RpcReplyPort<Vec<f64>>),
+    /// Reply with a copy of each block's parameters (tests and debugging; copies the bytes).
+    BlockParams(RpcReplyPort<Vec<Vec<f32>>>),
+}
+
+/// Everything a device actor needs to start.
+pub struct DeviceActorArgs {
+    /// The job's name.
+    pub job: String,
+    /// The actor's id.
+    pub actor: ActorId,
+    /// Its device.
+    pub device: DeviceSpec,
+    /// Its instruction stream.
+    pub stream: Vec<Instruction>,
+    /// Builds its computation.
+    pub computation: ComputationFactory,
+    /// The fabric to its peers.
+    pub fabric: Arc<dyn Fabric>,
+    /// Where to send events.
+    pub events: UnboundedSender<ActorEvent>,
+}
+
+enum Work {
+    Step(u64),
+    Squares(RpcReplyPort<Vec<f64>>),
+    Params(RpcReplyPort<Vec<Vec<f32>>>),
+}
+
+/// The actor's state: the channel to its executor thread.
+pub struct DeviceState {
+    work: Option<mpsc::Sender<Work>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The device actor.
+pub struct DeviceActor;
+
+impl Actor for DeviceActor {
+    type Msg = DeviceMsg;
+    type State = DeviceState;
+    type Arguments = DeviceActorArgs;
+
+    async fn pre_start(&self, _myself: ActorRef<DeviceMsg>, args: DeviceActorArgs) -> Result<DeviceState, ActorProcessingErr> {
+        let (work, queue) = mpsc::channel::<Work>();
+        let name = format!("actor-{}-{}", args.actor, args.device);
+        let thread = std::thread::Builder::new().name(name).spawn(move || executor_thread(args, queue))?;
+        Ok(DeviceState { work: Some(work), thread: Some(thread) })
+    }
+
+    async fn handle(&self, _myself: ActorRef<DeviceMsg>, message: DeviceMsg, state: &mut DeviceState) -> Result<(), ActorProcessingErr> {
+        let work = match message {
+            DeviceMsg::Step(n) => Work::Step(n),
+            DeviceMsg::BlockSquares(reply) => Work::Squares(reply),
+            DeviceMsg::BlockParams(reply) => Work::Params(reply),
+        };
+        if let Some(queue) = &state.work {
+            // A closed queue means the executor thread ended after a failure it already reported.
+            let _ = queue.send(work);
+        }
+        Ok(())
+    }
+
+    async fn post_stop(&self, _myself: ActorRef<DeviceMsg>, state: &mut DeviceState) -> Result<(), ActorProcessingErr> {
+        state.work.take();
+        if let Some(thread) = state.thread.take() {
+            tokio::task::spawn_blocking(move || thread.join()).await?.ok();
+        }
+        Ok(())
+    }
+}
+
+fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
+    let DeviceActorArgs { job, actor, device, stream, computation, fabric, events } = args;
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(computation))
+        .unwrap_or_else(|p| Err(crate::error::panic_message(p.as_ref())));
+    let computation = match built {
+        Ok(c) => c,
+        Err(message) => {
+            fabric.abort(&format!("actor {actor} failed to start"));
+            let failure = ActorFailure {
+                job,
+                step: 0,
+                actor,
+                device,
+                index: None,
+                instruction: "building its blocks".into(),
+                message,
+                secondary: false,
+            };
+            let _ = events.send(ActorEvent::Failed(Box::new(failure)));
+            return;
+        }
+    };
+    let mut executor = Executor::new(&job, actor, device, stream, computation, fabric);
+    let _ = events.send(ActorEvent::Ready { actor });
+    for work in queue {
+        match work {
+            Work::Step(n) => match executor.run_step(n) {
+                Ok(report) => {
+                    let _ = events.send(ActorEvent::StepDone(Box::new(report)));
+                }
+                Err(failure) => {
+                    let _ = events.send(ActorEvent::Failed(Box::new(failure)));
+                }
+            },
+            Work::Squares(reply) => {
+                let squares = executor
+                    .block_params()
+                    .iter()
+                    .map(|p| p.iter().map(|&x| (x as f64) * (x as f64)).sum())
+                    .collect();
+                let _ = reply.send(squares);
+            }
+            Work::Params(reply) => {
+                let _ = reply.send(executor.block_params());
+            }
+        }
+    }
+}

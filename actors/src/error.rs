@@ -1,0 +1,43 @@
+//! Failures of an actor, carrying job, step, actor, device and instruction.
+
+use archipelago_dataflow::{ActorId, DeviceSpec};
+
+/// Why an actor could not finish a step (or could not start).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("job {job}, step {step}, actor {actor} on {device}, {}: {message}", instruction_label(*index, instruction))]
+pub struct ActorFailure {
+    /// The job's name.
+    pub job: String,
+    /// The step (0 while starting).
+    pub step: u64,
+    /// The actor.
+    pub actor: ActorId,
+    /// Its device.
+    pub device: DeviceSpec,
+    /// Index of the instruction in the stream, when one was running.
+    pub index: Option<usize>,
+    /// The instruction, printed (or what the actor was doing).
+    pub instruction: String,
+    /// What went wrong.
+    pub message: String,
+    /// Whether this actor only stopped because another one failed first.
+    pub secondary: bool,
+}
+
+fn instruction_label(index: Option<usize>, instruction: &str) -> String {
+    match index {
+        Some(i) => format!("instruction {i} `{instruction}`"),
+        None => instruction.to_string(),
+    }
+}
+
+/// The text of a caught panic.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        format!("panicked: {s}")
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        format!("panicked: {s}")
+    } else {
+        "panicked".to_string()
+    }
+}

@@ -1,0 +1,216 @@
+//! The executor: runs one actor's instruction stream for a step.
+//!
+//! Sends, receives and collectives are the same for every job; local compute is delegated to a
+//! [`Computation`] (training on burn, or user functions). Every instruction is timed, a panic in
+//! compute is caught and becomes an [`ActorFailure`] naming the instruction, and a failure aborts
+//! the fabric so that no peer waits forever for this actor.
+
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use archipelago_dataflow::{ActorId, ComputeOp, DeviceSpec, Instruction};
+
+use crate::collectives::{CollectiveWorker, DEFAULT_CHUNK_ELEMS, PendingCollective};
+use crate::error::{ActorFailure, panic_message};
+use crate::fabric::{Fabric, FabricError, Tag};
+use crate::host_tensor::HostTensor;
+
+/// An actor's named host tensors (gradient buckets, received tensors, user values).
+#[derive(Default)]
+pub struct TensorTable {
+    tensors: HashMap<String, HostTensor>,
+}
+
+impl TensorTable {
+    /// Stores `tensor` under `name`.
+    pub fn insert(&mut self, name: String, tensor: HostTensor) {
+        self.tensors.insert(name, tensor);
+    }
+    /// Takes the tensor out.
+    pub fn remove(&mut self, name: &str) -> Option<HostTensor> {
+        self.tensors.remove(name)
+    }
+    /// Looks at a tensor.
+    pub fn get(&self, name: &str) -> Option<&HostTensor> {
+        self.tensors.get(name)
+    }
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.tensors.values().map(HostTensor::bytes).sum()
+    }
+}
+
+/// What a computation reports at the end of a step.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepMetrics {
+    /// This actor's share of the loss (summed over actors by the controller).
+    pub loss: Option<f32>,
+    /// Parameters + gradients + optimizer state held now.
+    pub model_state_bytes: u64,
+    /// The most held during the step.
+    pub peak_model_state_bytes: u64,
+    /// Bytes of the weights the compute modules hold beside the f32 master parameters.
+    pub compute_weight_bytes: u64,
+}
+
+/// Local compute of an actor.
+pub trait Computation: Send {
+    /// Runs one compute instruction.
+    fn compute(
+        &mut self,
+        step: u64,
+        op: &ComputeOp,
+        inputs: &[String],
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String>;
+    /// Called after the last instruction of a step.
+    fn finish_step(&mut self) -> StepMetrics;
+    /// The parameters of each block (training only; empty otherwise).
+    fn block_params(&self) -> Vec<Vec<f32>> {
+        Vec::new()
+    }
+}
+
+/// Time spent in one instruction.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstructionTiming {
+    /// Index in the stream.
+    pub index: usize,
+    /// The instruction, printed.
+    pub label: String,
+    /// Start, seconds after the step began on this actor.
+    pub start_s: f64,
+    /// Duration in seconds.
+    pub seconds: f64,
+}
+
+/// What an actor reports for a finished step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// The actor.
+    pub actor: ActorId,
+    /// The step.
+    pub step: u64,
+    /// Metrics of the computation.
+    pub metrics: StepMetrics,
+    /// Wall time of the whole stream.
+    pub seconds: f64,
+    /// Per-instruction timings.
+    pub timings: Vec<InstructionTiming>,
+}
+
+/// Runs one actor's stream step after step.
+pub struct Executor {
+    job: String,
+    actor: ActorId,
+    device: DeviceSpec,
+    stream: Vec<Instruction>,
+    computation: Box<dyn Computation>,
+    fabric: Arc<dyn Fabric>,
+    collectives: CollectiveWorker,
+    table: TensorTable,
+}
+
+impl Executor {
+    /// An executor for `actor` running `stream` with `computation` over `fabric`.
+    pub fn new(
+        job: &str,
+        actor: ActorId,
+        device: DeviceSpec,
+        stream: Vec<Instruction>,
+        computation: Box<dyn Computation>,
+        fabric: Arc<dyn Fabric>,
+    ) -> Executor {
+        let collectives = CollectiveWorker::spawn(actor, fabric.clone(), DEFAULT_CHUNK_ELEMS);
+        Executor {
+            job: job.to_string(),
+            actor,
+            device,
+            stream,
+            computation,
+            fabric,
+            collectives,
+            table: TensorTable::default(),
+        }
+    }
+
+    /// The computation's block parameters.
+    pub fn block_params(&self) -> Vec<Vec<f32>> {
+        self.computation.block_params()
+    }
+
+    /// Runs the stream once as step `step`. On failure the fabric is aborted.
+    pub fn run_step(&mut self, step: u64) -> Result<StepReport, ActorFailure> {
+        let began = Instant::now();
+        let mut timings = Vec::with_capacity(self.stream.len());
+        let mut pending: HashMap<u64, PendingCollective> = HashMap::new();
+        for index in 0..self.stream.len() {
+            let started = Instant::now();
+            if let Err((message, secondary)) = self.run_one(step, index, &mut pending) {
+                let failure = ActorFailure {
+                    job: self.job.clone(),
+                    step,
+                    actor: self.actor,
+                    device: self.device,
+                    index: Some(index),
+                    instruction: self.stream[index].to_string(),
+                    message,
+                    secondary,
+                };
+                self.fabric.abort(&format!("actor {} failed at step {step}", self.actor));
+                self.table = TensorTable::default();
+                return Err(failure);
+            }
+            timings.push(InstructionTiming {
+                index,
+                label: self.stream[index].to_string(),
+                start_s: (started - began).as_secs_f64(),
+                seconds: started.elapsed().as_secs_f64(),
+            });
+        }
+        let metrics = self.computation.finish_step();
+        Ok(StepReport { actor: self.actor, step, metrics, seconds: began.elapsed().as_secs_f64(), timings })
+    }
+
+    fn run_one(&mut self, step: u64, index: usize, pending: &mut HashMap<u64, PendingCollective>) -> Result<(), (String, bool)> {
+        let edge = |tag: u64| (step << 32) | tag;
+        let fabric_err = |e: FabricError| {
+            let secondary = matches!(e, FabricError::Aborted(_));
+            (e.to_string(), secondary)
+        };
+        match &self.stream[index] {
+            Instruction::Compute { op, inputs, outputs } => {
+                let (computation, table) = (&mut self.computation, &mut self.table);
+                match catch_unwind(AssertUnwindSafe(|| computation.compute(step, op, inputs, outputs, table))) {
+                    Ok(result) => result.map_err(|m| (m, false)),
+                    Err(payload) => Err((panic_message(payload.as_ref()), false)),
+                }
+            }
+            Instruction::Send { tensor, to, tag } => {
+                let value = self.table.get(tensor).cloned().ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
+                self.fabric.send(self.actor, *to, Tag { edge: edge(*tag), seq: 0 }, value).map_err(fabric_err)
+            }
+            Instruction::Recv { tensor, from, tag } => {
+                let value = self.fabric.recv(self.actor, *from, Tag { edge: edge(*tag), seq: 0 }).map_err(fabric_err)?;
+                self.table.insert(tensor.clone(), value);
+                Ok(())
+            }
+            Instruction::StartCollective { kind, tensor, group, tag } => {
+                let value = self.table.remove(tensor).ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
+                pending.insert(*tag, self.collectives.start(*kind, edge(*tag), group.clone(), value));
+                Ok(())
+            }
+            Instruction::WaitCollective { tensor, tag } => {
+                let started = pending.remove(tag).ok_or_else(|| (format!("collective {tag} was not started"), false))?;
+                let value = started.wait().map_err(fabric_err)?;
+                self.table.insert(tensor.clone(), value);
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,56 @@
+//! Host tensors: f32 data in a shared buffer with a shape — what crosses the fabric.
+//!
+//! In-process, a send moves the `Arc`, never the bytes; `into_vec` gives the buffer back without a
+//! copy when nobody else holds it.
+
+use std::sync::Arc;
+
+/// A dense f32 tensor in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// Dimensions, outermost first.
+    pub shape: Vec<usize>,
+    /// Row-major values, shared.
+    pub data: Arc<Vec<f32>>,
+}
+
+impl HostTensor {
+    /// A tensor owning `data` with `shape` (the product of `shape` must equal `data.len()`).
+    ///
+    /// # Panics
+    /// When the shape does not match the data length.
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> HostTensor {
+        assert_eq!(shape.iter().product::<usize>(), data.len(), "shape {shape:?} does not match {} values", data.len());
+        HostTensor { shape, data: Arc::new(data) }
+    }
+
+    /// A flat (1-D) tensor.
+    pub fn flat(data: Vec<f32>) -> HostTensor {
+        HostTensor { shape: vec![data.len()], data: Arc::new(data) }
+    }
+
+    /// A scalar as a 1-element tensor.
+    pub fn scalar(value: f32) -> HostTensor {
+        HostTensor::flat(vec![value])
+    }
+
+    /// Number of values.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Whether it holds no values.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+
+    /// Bytes of payload.
+    pub fn bytes(&self) -> u64 {
+        4 * self.data.len() as u64
+    }
+
+    /// The values; a copy only when the buffer is shared.
+    pub fn into_vec(self) -> Vec<f32> {
+        Arc::try_unwrap(self.data).unwrap_or_else(|shared| shared.as_ref().clone())
+    }
+}

@@ -1,0 +1,70 @@
+//! The model zoo: the workloads of `shared/WORKLOADS.md` as blocks, and the [`ModelBuilder`]
+//! trait through which users bring their own.
+//!
+//! Every actor builds its own copy of each block it holds (burn's autodiff graph must not be
+//! shared between actor threads), and every block is initialised from `(seed, block index)`
+//! alone, so a dp=N run starts from exactly the weights of dp=1.
+
+mod gpt;
+mod mlp;
+
+pub use gpt::{GptEmbedding, GptHead, TransformerLayer};
+pub use mlp::{LinearBlock, LinearReluBlock};
+
+use burn::tensor::backend::AutodiffBackend;
+
+use archipelago_dataflow::{ActorId, ModelDesc, ModelSpec};
+
+use crate::block::Block;
+
+/// Where and why a block is being built.
+#[derive(Debug, Clone, Copy)]
+pub struct BuildContext {
+    /// The job's seed.
+    pub seed: u64,
+    /// The actor that will hold the block.
+    pub actor: ActorId,
+    /// The block's index in the model.
+    pub block: usize,
+}
+
+/// Builds a model's blocks on an actor. The runtime overwrites the parameters a builder produces
+/// with [`crate::block::deterministic_init`], so builders need not be seeded.
+pub trait ModelBuilder<B: AutodiffBackend>: Send + Sync {
+    /// The compiler's view of the model (must agree with the blocks built).
+    fn desc(&self) -> ModelDesc;
+    /// Builds block `ctx.block` on `device`.
+    fn build_block(&self, ctx: &BuildContext, device: &B::Device) -> Box<dyn Block<B>>;
+}
+
+/// A zoo model from its spec.
+#[derive(Debug, Clone)]
+pub struct ZooModel(pub ModelSpec);
+
+impl<B: AutodiffBackend> ModelBuilder<B> for ZooModel {
+    fn desc(&self) -> ModelDesc {
+        self.0.desc()
+    }
+
+    fn build_block(&self, ctx: &BuildContext, device: &B::Device) -> Box<dyn Block<B>> {
+        match self.0 {
+            ModelSpec::Mlp { input, hidden, layers, out } => {
+                let width_in = if ctx.block == 0 { input } else { hidden };
+                if ctx.block < layers {
+                    Box::new(LinearReluBlock::new(width_in, hidden, device))
+                } else {
+                    Box::new(LinearBlock::new(width_in, out, device))
+                }
+            }
+            ModelSpec::Gpt { vocab, ctx: context, d, layers, heads } => {
+                if ctx.block == 0 {
+                    Box::new(GptEmbedding::new(vocab, context, d, device))
+                } else if ctx.block <= layers {
+                    Box::new(TransformerLayer::new(d, heads, device))
+                } else {
+                    Box::new(GptHead::new(d, vocab, device))
+                }
+            }
+        }
+    }
+}

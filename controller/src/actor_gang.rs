@@ -1,0 +1,173 @@
+//! A gang of device actors started together for one job: all or nothing.
+//!
+//! Starting spawns every actor and waits until each has built its computation; a step sends
+//! `Step{n}` to all at once and collects one `StepDone` from each. The first failure stops the
+//! gang and is reported with its root cause (an actor that failed on its own, not one that only
+//! stopped because a peer did); silence past the watchdog names the actors that did not report.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ractor::{Actor, ActorRef};
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+use tokio::task::JoinHandle;
+
+use archipelago_actors::device_actor::{ActorEvent, ComputationFactory, DeviceActor, DeviceActorArgs, DeviceMsg};
+use archipelago_actors::executor::StepReport;
+use archipelago_actors::fabric::Fabric;
+use archipelago_actors::ActorFailure;
+use archipelago_dataflow::{ActorStream};
+
+use crate::JobError;
+
+/// Running device actors of one job.
+pub struct ActorGang {
+    job: String,
+    actors: Vec<ActorRef<DeviceMsg>>,
+    handles: Vec<JoinHandle<()>>,
+    events: UnboundedReceiver<ActorEvent>,
+    fabric: Arc<dyn Fabric>,
+    watchdog: Duration,
+}
+
+impl ActorGang {
+    /// Spawns one actor per stream (with the matching computation factory) and waits until all
+    /// are ready.
+    pub async fn start(
+        job: &str,
+        streams: Vec<ActorStream>,
+        factories: Vec<ComputationFactory>,
+        fabric: Arc<dyn Fabric>,
+        watchdog: Duration,
+    ) -> Result<ActorGang, JobError> {
+        let (tx, events) = unbounded_channel();
+        let mut gang = ActorGang { job: job.to_string(), actors: Vec::new(), handles: Vec::new(), events, fabric, watchdog };
+        for (stream, computation) in streams.into_iter().zip(factories) {
+            let args = DeviceActorArgs {
+                job: job.to_string(),
+                actor: stream.actor,
+                device: stream.device,
+                stream: stream.instructions,
+                computation,
+                fabric: gang.fabric.clone(),
+                events: tx.clone(),
+            };
+            match Actor::spawn(None, DeviceActor, args).await {
+                Ok((actor, handle)) => {
+                    gang.actors.push(actor);
+                    gang.handles.push(handle);
+                }
+                Err(e) => {
+                    gang.stop().await;
+                    return Err(JobError::Runtime(format!("cannot spawn actor {}: {e}", stream.actor)));
+                }
+            }
+        }
+        if let Err(e) = gang.collect(0, |event| matches!(event, ActorEvent::Ready { .. }).then_some(())).await {
+            gang.stop().await;
+            return Err(e);
+        }
+        Ok(gang)
+    }
+
+    /// Number of actors.
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        self.actors.len()
+    }
+
+    /// Runs step `n` on every actor; the reports come back in actor order.
+    pub async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
+        for actor in &self.actors {
+            actor.cast(DeviceMsg::Step(n)).map_err(|e| JobError::Runtime(format!("cannot reach an actor: {e}")))?;
+        }
+        let mut reports = self
+            .collect(n, |event| match event {
+                ActorEvent::StepDone(report) => Some(*report),
+                _ => None,
+            })
+            .await?;
+        reports.sort_by_key(|r| r.actor);
+        Ok(reports)
+    }
+
+    /// Asks actor `actor` a question and waits for the answer.
+    pub async fn ask<T: Send + 'static>(
+        &self,
+        actor: usize,
+        message: impl FnOnce(ractor::RpcReplyPort<T>) -> DeviceMsg,
+    ) -> Result<T, JobError> {
+        self.actors[actor]
+            .call(message, Some(self.watchdog))
+            .await
+            .map_err(|e| JobError::Runtime(format!("actor {actor} did not answer: {e}")))?
+            .success_or(())
+            .map_err(|_| JobError::Runtime(format!("actor {actor} did not answer in time")))
+    }
+
+    /// Stops every actor and waits for them.
+    pub async fn stop(&mut self) {
+        for actor in &self.actors {
+            actor.stop(None);
+        }
+        for handle in self.handles.drain(..) {
+            let _ = handle.await;
+        }
+        self.actors.clear();
+    }
+
+    /// Waits for one event per actor that `accept` turns into a value; fails on the first
+    /// failure (after looking briefly for its root cause) or on silence.
+    async fn collect<T>(&mut self, step: u64, accept: impl Fn(ActorEvent) -> Option<T>) -> Result<Vec<T>, JobError> {
+        let mut waiting: BTreeSet<usize> = (0..self.actors.len()).collect();
+        let mut out = Vec::with_capacity(self.actors.len());
+        let started = Instant::now();
+        while !waiting.is_empty() {
+            let event = match tokio::time::timeout(self.watchdog, self.events.recv()).await {
+                Ok(Some(event)) => event,
+                Ok(None) => return Err(JobError::Runtime("every actor is gone".into())),
+                Err(_) => {
+                    self.fabric.abort("the controller's watchdog stopped a silent step");
+                    return Err(JobError::Hang {
+                        job: self.job.clone(),
+                        step,
+                        silent: waiting.into_iter().collect(),
+                        waited_s: started.elapsed().as_secs_f64(),
+                    });
+                }
+            };
+            match event {
+                ActorEvent::Failed(failure) => return Err(self.root_cause(*failure).await),
+                ActorEvent::Ready { actor } => {
+                    waiting.remove(&actor);
+                    if let Some(v) = accept(ActorEvent::Ready { actor }) {
+                        out.push(v);
+                    }
+                }
+                ActorEvent::StepDone(report) => {
+                    waiting.remove(&report.actor);
+                    if let Some(v) = accept(ActorEvent::StepDone(report)) {
+                        out.push(v);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn root_cause(&mut self, first: ActorFailure) -> JobError {
+        self.fabric.abort(&format!("actor {} failed", first.actor));
+        let mut root = first;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while root.secondary {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.events.recv()).await {
+                Ok(Some(ActorEvent::Failed(f))) if !f.secondary => root = *f,
+                Ok(Some(_)) => {}
+                _ => break,
+            }
+        }
+        JobError::Actor(Box::new(root))
+    }
+}

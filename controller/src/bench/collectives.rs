@@ -1,0 +1,66 @@
+//! Collective benchmarks: the in-process ring all-reduce beside a memcpy of the same bytes.
+
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use serde_json::{Value, json};
+
+use archipelago_actors::collectives::{DEFAULT_CHUNK_ELEMS, ring_all_reduce};
+use archipelago_actors::fabric::InProcessFabric;
+
+use crate::process_stats::load_avg;
+use crate::report::median;
+
+/// Median time of a `bytes` all-reduce across `members` threads, and of a memcpy of `bytes`
+/// into a reused buffer, with bandwidths and their ratio.
+pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value {
+    let elems = bytes / 4;
+    let src = vec![1.0f32; elems];
+    let mut dst = vec![0.0f32; elems];
+    let mut memcpy_s = Vec::new();
+    for _ in 0..reps {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        memcpy_s.push(t.elapsed().as_secs_f64());
+    }
+    drop((src, dst));
+    let fabric = Arc::new(InProcessFabric::new(members, std::time::Duration::from_secs(60)));
+    let barrier = Arc::new(Barrier::new(members));
+    let group: Vec<usize> = (0..members).collect();
+    let handles: Vec<_> = (0..members)
+        .map(|me| {
+            let (fabric, barrier, group) = (fabric.clone(), barrier.clone(), group.clone());
+            std::thread::spawn(move || {
+                let mut data = vec![me as f32; elems];
+                let mut times = Vec::new();
+                for rep in 0..reps as u64 {
+                    barrier.wait();
+                    let t = Instant::now();
+                    ring_all_reduce(fabric.as_ref(), me, &group, rep, &mut data, DEFAULT_CHUNK_ELEMS).expect("all-reduce");
+                    barrier.wait();
+                    times.push(t.elapsed().as_secs_f64());
+                }
+                times
+            })
+        })
+        .collect();
+    let mut times: Vec<Vec<f64>> = handles.into_iter().map(|h| h.join().expect("member")).collect();
+    let mut slowest: Vec<f64> = (0..reps).map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max)).collect();
+    let all_reduce = median(&mut slowest);
+    let memcpy = median(&mut memcpy_s);
+    times.clear();
+    let n = members as f64;
+    let gbs = |s: f64| bytes as f64 / s / 1e9;
+    json!({
+        "name": "all_reduce_in_process",
+        "config": { "bytes": bytes, "members": members, "algorithm": "ring, chunked, pipelined", "chunk_bytes": DEFAULT_CHUNK_ELEMS * 4, "reps": reps },
+        "median_s": all_reduce,
+        "algbw_gb_per_s": gbs(all_reduce),
+        "busbw_gb_per_s": gbs(all_reduce) * 2.0 * (n - 1.0) / n,
+        "memcpy_median_s": memcpy,
+        "memcpy_gb_per_s": gbs(memcpy),
+        "algbw_fraction_of_memcpy": memcpy / all_reduce,
+        "load_avg": load_avg(),
+    })
+}

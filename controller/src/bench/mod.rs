@@ -1,0 +1,46 @@
+//! `archipelago bench`: figures as JSON, each with its unit, configuration and the load average,
+//! and the physical limit measured in the same run where there is one (memcpy for collectives).
+
+mod collectives;
+mod training;
+
+use std::path::PathBuf;
+
+use clap::Args;
+use serde_json::json;
+
+use crate::process_stats::load_avg;
+
+/// Flags of `bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Fewer repetitions (under two minutes).
+    #[arg(long)]
+    pub quick: bool,
+    /// Also write the JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Runs the suite and prints its JSON.
+pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let reps = if args.quick { 5 } else { 15 };
+    let all_reduce = collectives::all_reduce_vs_memcpy(64 << 20, 2, reps);
+    eprintln!("all-reduce: {all_reduce}");
+    let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
+    let training = training::mlp_dp_scaling(warmup, timed)?;
+    eprintln!("training: {training}");
+    let out = json!({
+        "suite": "foundation",
+        "quick": args.quick,
+        "collectives": [all_reduce],
+        "training": training,
+        "load_avg_end": load_avg(),
+    });
+    let text = serde_json::to_string_pretty(&out)?;
+    println!("{text}");
+    if let Some(path) = &args.json {
+        std::fs::write(path, &text)?;
+    }
+    Ok(())
+}

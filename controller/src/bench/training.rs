@@ -1,0 +1,38 @@
+//! Training benchmarks: mlp-8x1024 steps/s at dp=1 and dp=2, one core per actor.
+
+use serde_json::{Value, json};
+
+use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
+
+use crate::process_stats::load_avg;
+use crate::report::median;
+use crate::train_job::TrainOptions;
+use crate::Controller;
+
+/// Median step time (slowest rank: the controller's step wall time) after `warmup` steps.
+pub fn mlp_dp_scaling(warmup: u64, timed: u64) -> anyhow::Result<Value> {
+    let mut runs = Vec::new();
+    let mut steps_per_s = Vec::new();
+    for dp in [1, 2] {
+        let program = Program::new(ModelSpec::mlp_8x1024())
+            .with_plan(ParallelPlan { dp, batch: 64, ..ParallelPlan::default() });
+        let controller = Controller::local(DeviceSpec::cpus(dp));
+        let options = TrainOptions { steps: warmup + timed, job: format!("bench-dp{dp}"), ..TrainOptions::default() };
+        let report = controller.train(&program, &options)?;
+        let mut times: Vec<f64> = report.steps.iter().skip(warmup as usize).map(|s| s.time_s).collect();
+        let step_s = median(&mut times);
+        steps_per_s.push(1.0 / step_s);
+        runs.push(json!({
+            "name": format!("mlp-8x1024 dp={dp}"),
+            "config": { "model": "mlp-8x1024", "dp": dp, "global_batch": 64, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 },
+            "median_step_s": step_s,
+            "steps_per_s": 1.0 / step_s,
+            "samples_per_s": 64.0 / step_s,
+            "compute_s_per_actor": report.actors.iter().map(|a| a.compute_s).collect::<Vec<_>>(),
+            "comm_wait_s_per_actor": report.actors.iter().map(|a| a.comm_wait_s).collect::<Vec<_>>(),
+            "final_loss": report.final_loss,
+            "load_avg": load_avg(),
+        }));
+    }
+    Ok(json!({ "runs": runs, "dp2_speedup_over_dp1": steps_per_s[1] / steps_per_s[0] }))
+}

@@ -1,0 +1,186 @@
+//! The `archipelago` command line: `train`, `plan` and `bench`.
+//!
+//! `train` and `plan` share one flag set, so `plan` shows exactly what `train` would run. Later
+//! parallelisms add flags here (`--pp`, `--schedule`, `--zero`, `--offload`, `--tp`,
+//! `--controller`) and fields to the program; the report's keys only grow.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use clap::{Args, Parser, Subcommand};
+use serde::Serialize;
+
+use archipelago_dataflow::data::DataSpec;
+use archipelago_dataflow::{DeviceSpec, InputKind, ModelSpec, OptimizerSpec, ParallelPlan, Program};
+
+use crate::train_job::{StepProgress, TrainOptions};
+
+/// archipelago: one typed Rust program for a whole multi-device training job.
+#[derive(Debug, Parser)]
+#[command(name = "archipelago", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train a model on the embedded controller (this process, one CPU actor per device).
+    Train(TrainArgs),
+    /// Compile and verify a job without starting any actor; print mesh, streams and memory.
+    Plan(PlanArgs),
+    /// Run the benchmarks and print JSON.
+    Bench(crate::bench::BenchArgs),
+}
+
+/// The flags that describe a job (shared by `train` and `plan`).
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct JobArgs {
+    /// Model: `mlp-8x1024`, `gpt-tiny`, `mlp:in=I,hidden=H,layers=L,out=O` or
+    /// `gpt:vocab=V,ctx=C,d=D,layers=L,heads=H`.
+    #[arg(long, default_value = "mlp-8x1024")]
+    pub model: String,
+    /// Data-parallel replicas (one CPU device each).
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Global batch per step (default: 64 rows for mlp, 16 sequences for gpt).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Steps to train.
+    #[arg(long, default_value_t = 30)]
+    pub steps: u64,
+    /// Adam learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f32,
+    /// Seed of initialisation and synthetic data.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Train a gpt on the bytes of this text file instead of the synthetic stream.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Gradient bucket size in MiB (an all-reduce starts as each bucket's gradients are ready).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Memory budget per device in bytes; plans that do not fit are refused.
+    #[arg(long)]
+    pub device_memory: Option<u64>,
+}
+
+impl JobArgs {
+    /// The program these flags describe.
+    pub fn program(&self) -> anyhow::Result<Program> {
+        let spec = ModelSpec::parse(&self.model)?;
+        let mut program = Program::new(spec).with_seed(self.seed);
+        if let Some(path) = &self.data {
+            if !matches!(program.model.input, InputKind::Tokens { .. }) {
+                anyhow::bail!("--data trains a gpt on text; `{}` is not a gpt model", self.model);
+            }
+            program.data = DataSpec::TextFile { path: path.display().to_string() };
+        }
+        program.plan = ParallelPlan {
+            dp: self.dp,
+            batch: self.batch.unwrap_or(program.plan.batch),
+            bucket_bytes: (self.bucket_mb * (1u64 << 20) as f64).max(1.0) as u64,
+            device_memory: self.device_memory,
+        };
+        program.optimizer = OptimizerSpec::adam(self.lr);
+        program.devices = DeviceSpec::cpus(self.dp);
+        Ok(program)
+    }
+}
+
+/// Flags of `train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// The job.
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Write the JSON report here.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Seconds a receive may wait for a peer before the run stops with a hang report.
+    #[arg(long, default_value_t = 120)]
+    pub patience_s: u64,
+    /// Print only the summary.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Flags of `plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The job.
+    #[command(flatten)]
+    pub job: JobArgs,
+    /// Print the plan as JSON instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `archipelago train`.
+pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
+    let program = args.job.program()?;
+    let controller = crate::Controller::local(program.devices.clone());
+    let plan = controller.plan(&program)?;
+    let steps = args.job.steps;
+    let batch = program.plan.batch as f64;
+    let every = (steps / 10).max(1);
+    let quiet = args.quiet;
+    println!(
+        "training {} ({} parameters) on {} actor(s) [{}], global batch {}, {} steps",
+        program.model.name,
+        program.model.params(),
+        plan.actors.len(),
+        plan.mesh,
+        program.plan.batch,
+        steps
+    );
+    let on_step = Arc::new(move |p: &StepProgress| {
+        if !quiet && (p.step % every == 0 || p.step == 1 || p.step == p.steps) {
+            println!(
+                "step {:>5}/{}  loss {:.4}  {:.3} s/step  {:.1} samples/s",
+                p.step,
+                p.steps,
+                p.loss,
+                p.time_s,
+                batch / p.time_s.max(1e-9)
+            );
+        }
+    });
+    let options = TrainOptions {
+        steps,
+        job: format!("train-{}", program.model.name),
+        patience: std::time::Duration::from_secs(args.patience_s),
+        flags: serde_json::to_value(&args.job)?,
+        on_step: Some(on_step),
+    };
+    let report = controller.train(&program, &options)?;
+    println!(
+        "done: final loss {:.4}, parameter L2 {:.6}, {:.1} samples/s{}, peak RSS {:.0} MiB",
+        report.final_loss,
+        report.param_l2,
+        report.samples_per_s,
+        report.tokens_per_s.map(|t| format!(" ({t:.0} tokens/s)")).unwrap_or_default(),
+        report.peak_rss_bytes as f64 / (1u64 << 20) as f64
+    );
+    if let Some(path) = &args.report {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
+        println!("report written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// Runs `archipelago plan`.
+pub fn plan(args: &PlanArgs) -> anyhow::Result<()> {
+    let program = args.job.program()?;
+    let controller = crate::Controller::local(program.devices.clone());
+    let plan = controller.plan(&program)?;
+    if args.json {
+        println!("{}", plan.to_json());
+    } else {
+        print!("{}", plan.summary());
+    }
+    Ok(())
+}

@@ -1,0 +1,30 @@
+//! Errors of a job as the controller reports them.
+
+use archipelago_actors::ActorFailure;
+use archipelago_dataflow::PlanError;
+
+/// Why a job did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// The plan was refused before any actor started.
+    #[error("plan refused: {0}")]
+    Plan(#[from] PlanError),
+    /// An actor failed; the run was stopped.
+    #[error("{0}")]
+    Actor(Box<ActorFailure>),
+    /// Actors went silent past the watchdog's patience.
+    #[error("job {job}, step {step}: no report for {waited_s:.0} s from actors {silent:?} (the others finished the step); they are stuck or dead")]
+    Hang {
+        /// The job.
+        job: String,
+        /// The step.
+        step: u64,
+        /// Actors that did not report.
+        silent: Vec<usize>,
+        /// Seconds waited.
+        waited_s: f64,
+    },
+    /// The runtime itself failed (spawning an actor, a closed channel).
+    #[error("runtime: {0}")]
+    Runtime(String),
+}

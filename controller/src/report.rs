@@ -1,0 +1,89 @@
+//! The training report: a stable JSON interface (keys are added, never renamed).
+
+use serde::{Deserialize, Serialize};
+
+/// One step as the controller saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    /// Step number, from 1.
+    pub step: u64,
+    /// Global mean loss.
+    pub loss: f32,
+    /// Wall time from sending `Step` to the last `StepDone`.
+    pub time_s: f64,
+}
+
+/// Memory of one actor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActorRecord {
+    /// The actor.
+    pub actor: usize,
+    /// Its device.
+    pub device: String,
+    /// Parameters + gradients + optimizer state held at the end of the last step.
+    pub model_state_bytes: u64,
+    /// The most held during a step.
+    pub peak_model_state_bytes: u64,
+    /// The plan's estimate of its model state (parameters + gradients + optimizer).
+    pub estimated_model_state_bytes: u64,
+    /// The compute copy of the weights inside the burn modules, beside the f32 master copy
+    /// counted in `model_state_bytes`.
+    pub compute_weight_bytes: u64,
+    /// Median over steps of the time spent in compute instructions.
+    pub compute_s: f64,
+    /// Median over steps of the time spent waiting in receives and collectives.
+    pub comm_wait_s: f64,
+    /// Median time of each instruction of the actor's stream, in stream order.
+    pub instructions: Vec<InstructionRecord>,
+}
+
+/// Median time of one instruction over the steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstructionRecord {
+    /// The instruction, printed.
+    pub instruction: String,
+    /// Median seconds.
+    pub median_s: f64,
+}
+
+/// What `archipelago train --report` writes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainReport {
+    /// The model spec.
+    pub model: String,
+    /// The flags as given.
+    pub plan: serde_json::Value,
+    /// Parameter count.
+    pub params: u64,
+    /// Every step.
+    pub steps: Vec<StepRecord>,
+    /// Loss of the last step.
+    pub final_loss: f32,
+    /// L2 norm of all final parameters.
+    pub param_l2: f64,
+    /// L2 norm of each block's final parameters, in block order.
+    pub block_l2: Vec<f64>,
+    /// Per-actor memory and time.
+    pub actors: Vec<ActorRecord>,
+    /// Peak RSS of this process.
+    pub peak_rss_bytes: u64,
+    /// Samples per second (median step time, after the first step).
+    pub samples_per_s: f64,
+    /// Tokens per second (token models only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_s: Option<f64>,
+    /// Median step time in seconds (after the first step).
+    pub median_step_s: f64,
+    /// Load average (1, 5, 15 min) at the end.
+    pub load_avg: [f64; 3],
+}
+
+/// The median of `values` (0 for none).
+pub fn median(values: &mut [f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(|a, b| a.total_cmp(b));
+    let n = values.len();
+    if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 }
+}

@@ -1,0 +1,196 @@
+//! Training jobs on the embedded controller: compile, start the gang, drive the steps, report.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use archipelago_actors::device_actor::{ComputationFactory, DeviceMsg};
+use archipelago_actors::executor::{Computation, StepReport};
+use archipelago_actors::fabric::InProcessFabric;
+use archipelago_actors::trainer::Trainer;
+use archipelago_actors::zoo::{ModelBuilder, ZooModel};
+use archipelago_actors::{CpuBackend, device_for};
+use archipelago_dataflow::{Instruction, ModelSpec, Plan, PlanError, Program, compile};
+
+use crate::actor_gang::ActorGang;
+use crate::local::{Controller, DEFAULT_PATIENCE};
+use crate::process_stats::{load_avg, peak_rss_bytes};
+use crate::report::{ActorRecord, InstructionRecord, StepRecord, TrainReport, median};
+use crate::JobError;
+
+/// What the controller tells a progress callback after each step.
+#[derive(Debug, Clone)]
+pub struct StepProgress {
+    /// The step just finished, from 1.
+    pub step: u64,
+    /// Steps in the run.
+    pub steps: u64,
+    /// Global loss of the step.
+    pub loss: f32,
+    /// Wall time of the step.
+    pub time_s: f64,
+}
+
+/// Called after every step.
+pub type ProgressFn = Arc<dyn Fn(&StepProgress) + Send + Sync>;
+
+/// Options of a training run.
+#[derive(Clone)]
+pub struct TrainOptions {
+    /// Steps to run.
+    pub steps: u64,
+    /// Job name (appears in every error).
+    pub job: String,
+    /// How long a receive may wait for a peer before it is reported as a hang.
+    pub patience: Duration,
+    /// The flags as given, copied into the report's `plan` key.
+    pub flags: serde_json::Value,
+    /// Progress callback.
+    pub on_step: Option<ProgressFn>,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            steps: 30,
+            job: "train".into(),
+            patience: DEFAULT_PATIENCE,
+            flags: serde_json::Value::Null,
+            on_step: None,
+        }
+    }
+}
+
+impl Controller {
+    /// Compiles and verifies `program` for this controller's devices, starting nothing.
+    pub fn plan(&self, program: &Program) -> Result<Plan, PlanError> {
+        let mut program = program.clone();
+        if program.devices.is_empty() {
+            program.devices = self.devices.clone();
+        }
+        compile(&program)
+    }
+
+    /// Trains a zoo model (`program.model.name` is its spec) and reports.
+    pub fn train(&self, program: &Program, options: &TrainOptions) -> Result<TrainReport, JobError> {
+        let spec = ModelSpec::parse(&program.model.name)?;
+        self.train_with(program, Arc::new(ZooModel(spec)), options)
+    }
+
+    /// Trains a model whose blocks `builder` makes (the user's own blocks) and reports.
+    pub fn train_with(
+        &self,
+        program: &Program,
+        builder: Arc<dyn ModelBuilder<CpuBackend>>,
+        options: &TrainOptions,
+    ) -> Result<TrainReport, JobError> {
+        let plan = self.plan(program)?;
+        self.runtime.block_on(run(plan, builder, options))
+    }
+}
+
+async fn run(plan: Plan, builder: Arc<dyn ModelBuilder<CpuBackend>>, options: &TrainOptions) -> Result<TrainReport, JobError> {
+    let n = plan.actors.len();
+    let fabric = Arc::new(InProcessFabric::new(n, options.patience));
+    let factories: Vec<ComputationFactory> = plan
+        .actors
+        .iter()
+        .map(|a| {
+            let (program, builder, actor, device) = (plan.program.clone(), builder.clone(), a.actor, a.device);
+            Box::new(move || {
+                let device = device_for(device)?;
+                let trainer = Trainer::<CpuBackend>::new(&program, builder.as_ref(), actor, device)?;
+                Ok(Box::new(trainer) as Box<dyn Computation>)
+            }) as ComputationFactory
+        })
+        .collect();
+    let streams = plan.actors.iter().map(|a| a.stream.clone()).collect();
+    let watchdog = options.patience + Duration::from_secs(10);
+    let mut gang = ActorGang::start(&options.job, streams, factories, fabric, watchdog).await?;
+    let result = drive(&mut gang, &plan, options).await;
+    gang.stop().await;
+    result
+}
+
+async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Result<TrainReport, JobError> {
+    let mut steps = Vec::new();
+    let mut last: Vec<StepReport> = Vec::new();
+    let mut per_actor_compute: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
+    let mut per_actor_wait: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
+    let mut peaks = vec![0u64; gang.len()];
+    let mut per_instruction: Vec<Vec<Vec<f64>>> =
+        plan.actors.iter().map(|a| vec![Vec::new(); a.stream.instructions.len()]).collect();
+    for step in 1..=options.steps {
+        let began = Instant::now();
+        let reports = gang.step(step).await?;
+        let time_s = began.elapsed().as_secs_f64();
+        let loss: f32 = reports.iter().filter_map(|r| r.metrics.loss).sum();
+        for r in &reports {
+            let (compute, wait) = split_time(&plan.actors[r.actor].stream.instructions, r);
+            per_actor_compute[r.actor].push(compute);
+            per_actor_wait[r.actor].push(wait);
+            peaks[r.actor] = peaks[r.actor].max(r.metrics.peak_model_state_bytes);
+            for t in &r.timings {
+                per_instruction[r.actor][t.index].push(t.seconds);
+            }
+        }
+        steps.push(StepRecord { step, loss, time_s });
+        if let Some(callback) = &options.on_step {
+            callback(&StepProgress { step, steps: options.steps, loss, time_s });
+        }
+        last = reports;
+    }
+    let squares: Vec<f64> = gang.ask(0, DeviceMsg::BlockSquares).await?;
+    let mut times: Vec<f64> = steps.iter().skip(usize::from(steps.len() > 1)).map(|s| s.time_s).collect();
+    let median_step_s = median(&mut times);
+    let program = &plan.program;
+    let samples_per_s = if median_step_s > 0.0 { program.plan.batch as f64 / median_step_s } else { 0.0 };
+    let tokens = program.model.input.tokens_per_sample();
+    Ok(TrainReport {
+        model: program.model.name.clone(),
+        plan: options.flags.clone(),
+        params: program.model.params(),
+        final_loss: steps.last().map_or(f32::NAN, |s| s.loss),
+        steps,
+        param_l2: squares.iter().sum::<f64>().sqrt(),
+        block_l2: squares.iter().map(|s| s.sqrt()).collect(),
+        actors: last
+            .iter()
+            .map(|r| ActorRecord {
+                actor: r.actor,
+                device: plan.actors[r.actor].device.to_string(),
+                model_state_bytes: r.metrics.model_state_bytes,
+                peak_model_state_bytes: peaks[r.actor],
+                estimated_model_state_bytes: plan.memory[r.actor].model_state(),
+                compute_weight_bytes: r.metrics.compute_weight_bytes,
+                compute_s: median(&mut per_actor_compute[r.actor]),
+                comm_wait_s: median(&mut per_actor_wait[r.actor]),
+                instructions: plan.actors[r.actor]
+                    .stream
+                    .instructions
+                    .iter()
+                    .zip(per_instruction[r.actor].iter_mut())
+                    .map(|(i, times)| InstructionRecord { instruction: i.to_string(), median_s: median(times) })
+                    .collect(),
+            })
+            .collect(),
+        peak_rss_bytes: peak_rss_bytes(),
+        samples_per_s,
+        tokens_per_s: (tokens > 1).then_some(samples_per_s * tokens as f64),
+        median_step_s,
+        load_avg: load_avg(),
+    })
+}
+
+/// Seconds in compute and seconds waiting for peers (receives and collective waits) in a step.
+fn split_time(stream: &[Instruction], report: &StepReport) -> (f64, f64) {
+    let mut compute = 0.0;
+    let mut wait = 0.0;
+    for t in &report.timings {
+        match stream.get(t.index) {
+            Some(Instruction::Compute { .. }) => compute += t.seconds,
+            Some(Instruction::Recv { .. } | Instruction::WaitCollective { .. }) => wait += t.seconds,
+            _ => {}
+        }
+    }
+    (compute, wait)
+}
