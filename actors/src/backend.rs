@@ -1,7 +1,7 @@
 //! The burn backends device actors run on. CPU: `Autodiff<Flex>`, one actor thread per device.
 
-use burn::backend::{Autodiff, Flex};
 use burn::backend::flex::FlexDevice;
+use burn::backend::{Autodiff, Flex};
 
 use archipelago_dataflow::DeviceSpec;
 

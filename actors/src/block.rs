@@ -37,8 +37,12 @@ impl<B: AutodiffBackend> Activation<B> {
     /// The gradient of this leaf, removed from `grads` (None for token ids).
     pub fn take_grad(&self, grads: &mut B::Gradients) -> Option<Activation<B>> {
         match self {
-            Activation::Rows(t) => t.grad_remove(grads).map(|g| Activation::Rows(Tensor::from_inner(g))),
-            Activation::Seq(t) => t.grad_remove(grads).map(|g| Activation::Seq(Tensor::from_inner(g))),
+            Activation::Rows(t) => t
+                .grad_remove(grads)
+                .map(|g| Activation::Rows(Tensor::from_inner(g))),
+            Activation::Seq(t) => t
+                .grad_remove(grads)
+                .map(|g| Activation::Seq(Tensor::from_inner(g))),
             Activation::Tokens(_) => None,
         }
     }
@@ -89,7 +93,10 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
     }
 
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let mut v = ShapeVisitor { path: Vec::new(), out: Vec::new() };
+        let mut v = ShapeVisitor {
+            path: Vec::new(),
+            out: Vec::new(),
+        };
         self.visit(&mut v);
         v.out
     }
@@ -105,7 +112,11 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
     }
 
     fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32]) {
-        let mut v = GradVisitor::<B> { grads, out, offset: 0 };
+        let mut v = GradVisitor::<B> {
+            grads,
+            out,
+            offset: 0,
+        };
         self.visit(&mut v);
     }
 }

@@ -83,14 +83,28 @@ impl Actor for DeviceActor {
     type State = DeviceState;
     type Arguments = DeviceActorArgs;
 
-    async fn pre_start(&self, _myself: ActorRef<DeviceMsg>, args: DeviceActorArgs) -> Result<DeviceState, ActorProcessingErr> {
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<DeviceMsg>,
+        args: DeviceActorArgs,
+    ) -> Result<DeviceState, ActorProcessingErr> {
         let (work, queue) = mpsc::channel::<Work>();
         let name = format!("actor-{}-{}", args.actor, args.device);
-        let thread = std::thread::Builder::new().name(name).spawn(move || executor_thread(args, queue))?;
-        Ok(DeviceState { work: Some(work), thread: Some(thread) })
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || executor_thread(args, queue))?;
+        Ok(DeviceState {
+            work: Some(work),
+            thread: Some(thread),
+        })
     }
 
-    async fn handle(&self, _myself: ActorRef<DeviceMsg>, message: DeviceMsg, state: &mut DeviceState) -> Result<(), ActorProcessingErr> {
+    async fn handle(
+        &self,
+        _myself: ActorRef<DeviceMsg>,
+        message: DeviceMsg,
+        state: &mut DeviceState,
+    ) -> Result<(), ActorProcessingErr> {
         let work = match message {
             DeviceMsg::Step(n) => Work::Step(n),
             DeviceMsg::BlockSquares(reply) => Work::Squares(reply),
@@ -103,7 +117,11 @@ impl Actor for DeviceActor {
         Ok(())
     }
 
-    async fn post_stop(&self, _myself: ActorRef<DeviceMsg>, state: &mut DeviceState) -> Result<(), ActorProcessingErr> {
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<DeviceMsg>,
+        state: &mut DeviceState,
+    ) -> Result<(), ActorProcessingErr> {
         state.work.take();
         if let Some(thread) = state.thread.take() {
             tokio::task::spawn_blocking(move || thread.join()).await?.ok();
@@ -113,7 +131,15 @@ impl Actor for DeviceActor {
 }
 
 fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
-    let DeviceActorArgs { job, actor, device, stream, computation, fabric, events } = args;
+    let DeviceActorArgs {
+        job,
+        actor,
+        device,
+        stream,
+        computation,
+        fabric,
+        events,
+    } = args;
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(computation))
         .unwrap_or_else(|p| Err(crate::error::panic_message(p.as_ref())));
     let computation = match built {

@@ -162,7 +162,8 @@ impl Executor {
                     message,
                     secondary,
                 };
-                self.fabric.abort(&format!("actor {} failed at step {step}", self.actor));
+                self.fabric
+                    .abort(&format!("actor {} failed at step {step}", self.actor));
                 self.table = TensorTable::default();
                 return Err(failure);
             }
@@ -174,10 +175,21 @@ impl Executor {
             });
         }
         let metrics = self.computation.finish_step();
-        Ok(StepReport { actor: self.actor, step, metrics, seconds: began.elapsed().as_secs_f64(), timings })
+        Ok(StepReport {
+            actor: self.actor,
+            step,
+            metrics,
+            seconds: began.elapsed().as_secs_f64(),
+            timings,
+        })
     }
 
-    fn run_one(&mut self, step: u64, index: usize, pending: &mut HashMap<u64, PendingCollective>) -> Result<(), (String, bool)> {
+    fn run_one(
+        &mut self,
+        step: u64,
+        index: usize,
+        pending: &mut HashMap<u64, PendingCollective>,
+    ) -> Result<(), (String, bool)> {
         let edge = |tag: u64| (step << 32) | tag;
         let fabric_err = |e: FabricError| {
             let secondary = matches!(e, FabricError::Aborted(_));
@@ -186,27 +198,66 @@ impl Executor {
         match &self.stream[index] {
             Instruction::Compute { op, inputs, outputs } => {
                 let (computation, table) = (&mut self.computation, &mut self.table);
-                match catch_unwind(AssertUnwindSafe(|| computation.compute(step, op, inputs, outputs, table))) {
+                match catch_unwind(AssertUnwindSafe(|| {
+                    computation.compute(step, op, inputs, outputs, table)
+                })) {
                     Ok(result) => result.map_err(|m| (m, false)),
                     Err(payload) => Err((panic_message(payload.as_ref()), false)),
                 }
             }
             Instruction::Send { tensor, to, tag } => {
-                let value = self.table.get(tensor).cloned().ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
-                self.fabric.send(self.actor, *to, Tag { edge: edge(*tag), seq: 0 }, value).map_err(fabric_err)
+                let value = self
+                    .table
+                    .get(tensor)
+                    .cloned()
+                    .ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
+                self.fabric
+                    .send(
+                        self.actor,
+                        *to,
+                        Tag {
+                            edge: edge(*tag),
+                            seq: 0,
+                        },
+                        value,
+                    )
+                    .map_err(fabric_err)
             }
             Instruction::Recv { tensor, from, tag } => {
-                let value = self.fabric.recv(self.actor, *from, Tag { edge: edge(*tag), seq: 0 }).map_err(fabric_err)?;
+                let value = self
+                    .fabric
+                    .recv(
+                        self.actor,
+                        *from,
+                        Tag {
+                            edge: edge(*tag),
+                            seq: 0,
+                        },
+                    )
+                    .map_err(fabric_err)?;
                 self.table.insert(tensor.clone(), value);
                 Ok(())
             }
-            Instruction::StartCollective { kind, tensor, group, tag } => {
-                let value = self.table.remove(tensor).ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
-                pending.insert(*tag, self.collectives.start(*kind, edge(*tag), group.clone(), value));
+            Instruction::StartCollective {
+                kind,
+                tensor,
+                group,
+                tag,
+            } => {
+                let value = self
+                    .table
+                    .remove(tensor)
+                    .ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
+                pending.insert(
+                    *tag,
+                    self.collectives.start(*kind, edge(*tag), group.clone(), value),
+                );
                 Ok(())
             }
             Instruction::WaitCollective { tensor, tag } => {
-                let started = pending.remove(tag).ok_or_else(|| (format!("collective {tag} was not started"), false))?;
+                let started = pending
+                    .remove(tag)
+                    .ok_or_else(|| (format!("collective {tag} was not started"), false))?;
                 let value = started.wait().map_err(fabric_err)?;
                 self.table.insert(tensor.clone(), value);
                 Ok(())

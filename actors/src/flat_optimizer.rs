@@ -19,7 +19,12 @@ impl FlatOptimizer {
     /// State for `len` parameters.
     pub fn new(spec: OptimizerSpec, len: usize) -> FlatOptimizer {
         let state = spec.state_floats_per_param() as usize / 2 * len;
-        FlatOptimizer { spec, m: vec![0.0; state], v: vec![0.0; state], t: 0 }
+        FlatOptimizer {
+            spec,
+            m: vec![0.0; state],
+            v: vec![0.0; state],
+            t: 0,
+        }
     }
 
     /// Starts a new step (advances the bias-correction counter).
@@ -39,7 +44,12 @@ impl FlatOptimizer {
                     *p -= lr * g;
                 }
             }
-            OptimizerSpec::Adam { lr, beta1, beta2, eps } => {
+            OptimizerSpec::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
                 let m = &mut self.m[offset..offset + params.len()];
                 let v = &mut self.v[offset..offset + params.len()];
                 let c1 = 1.0 - beta1.powi(self.t);
@@ -71,7 +81,10 @@ mod tests {
         let mut p = vec![1.0, 1.0, 1.0];
         opt.begin_step();
         opt.update(0, &mut p, &[0.5, -2.0, 0.0]);
-        assert!((p[0] - 0.9).abs() < 1e-5 && (p[1] - 1.1).abs() < 1e-5 && p[2] == 1.0, "{p:?}");
+        assert!(
+            (p[0] - 0.9).abs() < 1e-5 && (p[1] - 1.1).abs() < 1e-5 && p[2] == 1.0,
+            "{p:?}"
+        );
         assert_eq!(opt.state_bytes(), 24);
     }
 

@@ -81,8 +81,17 @@ pub struct FlowComputation {
 
 impl FlowComputation {
     /// The computation of `actor`, delivering outputs to `outputs`.
-    pub fn new(actor: ActorId, functions: FunctionTable, outputs: mpsc::Sender<FlowOutput>) -> FlowComputation {
-        FlowComputation { actor, functions, state: HashMap::new(), outputs }
+    pub fn new(
+        actor: ActorId,
+        functions: FunctionTable,
+        outputs: mpsc::Sender<FlowOutput>,
+    ) -> FlowComputation {
+        FlowComputation {
+            actor,
+            functions,
+            state: HashMap::new(),
+            outputs,
+        }
     }
 }
 
@@ -97,12 +106,24 @@ impl Computation for FlowComputation {
     ) -> Result<(), String> {
         let args: Vec<HostTensor> = inputs
             .iter()
-            .map(|name| table.get(name).cloned().ok_or_else(|| format!("tensor `{name}` is not on this actor")))
+            .map(|name| {
+                table
+                    .get(name)
+                    .cloned()
+                    .ok_or_else(|| format!("tensor `{name}` is not on this actor"))
+            })
             .collect::<Result<_, _>>()?;
         match op {
             ComputeOp::User { name } => {
-                let f = self.functions.get(name).ok_or_else(|| format!("no function `{name}` is registered"))?;
-                let mut ctx = FlowContext { actor: self.actor, step, state: &mut self.state };
+                let f = self
+                    .functions
+                    .get(name)
+                    .ok_or_else(|| format!("no function `{name}` is registered"))?;
+                let mut ctx = FlowContext {
+                    actor: self.actor,
+                    step,
+                    state: &mut self.state,
+                };
                 let result = f(&mut ctx, &args);
                 if let Some(out) = outputs.first() {
                     table.insert(out.clone(), result);
@@ -111,8 +132,15 @@ impl Computation for FlowComputation {
             }
             ComputeOp::Output { key } => {
                 let tensor = args.into_iter().next().ok_or("output of nothing")?;
-                let output = FlowOutput { step, actor: self.actor, key: key.clone(), tensor };
-                self.outputs.send(output).map_err(|_| "the caller stopped listening for outputs".to_string())
+                let output = FlowOutput {
+                    step,
+                    actor: self.actor,
+                    key: key.clone(),
+                    tensor,
+                };
+                self.outputs
+                    .send(output)
+                    .map_err(|_| "the caller stopped listening for outputs".to_string())
             }
             other => Err(format!("a dataflow actor cannot run `{other}`")),
         }
@@ -128,13 +156,22 @@ impl Computation for FlowComputation {
 /// # Panics
 /// When the host tensor's rank is not `D`.
 pub fn to_burn<B: Backend, const D: usize>(t: &HostTensor, device: &B::Device) -> Tensor<B, D> {
-    assert_eq!(t.shape.len(), D, "tensor of rank {} read as rank {D}", t.shape.len());
+    assert_eq!(
+        t.shape.len(),
+        D,
+        "tensor of rank {} read as rank {D}",
+        t.shape.len()
+    );
     Tensor::from_data(TensorData::new(t.data.as_ref().clone(), t.shape.clone()), device)
 }
 
 /// A burn tensor back in host memory.
 pub fn from_burn<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
     let shape = t.dims().to_vec();
-    let data = t.into_data().convert::<f32>().into_vec::<f32>().expect("f32 data");
+    let data = t
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 data");
     HostTensor::new(shape, data)
 }

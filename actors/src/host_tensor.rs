@@ -20,13 +20,24 @@ impl HostTensor {
     /// # Panics
     /// When the shape does not match the data length.
     pub fn new(shape: Vec<usize>, data: Vec<f32>) -> HostTensor {
-        assert_eq!(shape.iter().product::<usize>(), data.len(), "shape {shape:?} does not match {} values", data.len());
-        HostTensor { shape, data: Arc::new(data) }
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape {shape:?} does not match {} values",
+            data.len()
+        );
+        HostTensor {
+            shape,
+            data: Arc::new(data),
+        }
     }
 
     /// A flat (1-D) tensor.
     pub fn flat(data: Vec<f32>) -> HostTensor {
-        HostTensor { shape: vec![data.len()], data: Arc::new(data) }
+        HostTensor {
+            shape: vec![data.len()],
+            data: Arc::new(data),
+        }
     }
 
     /// A scalar as a 1-element tensor.

@@ -75,7 +75,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut offsets = vec![0];
         let mut master = Vec::with_capacity(desc.params() as usize);
         for (index, info) in desc.blocks.iter().enumerate() {
-            let ctx = BuildContext { seed: program.seed, actor, block: index };
+            let ctx = BuildContext {
+                seed: program.seed,
+                actor,
+                block: index,
+            };
             let block = builder.build_block(&ctx, &device);
             if block.num_params() as u64 != info.params {
                 return Err(format!(
@@ -100,10 +104,16 @@ impl<B: AutodiffBackend> Trainer<B> {
             (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
                 let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;
                 if vocab < 256 {
-                    return Err(format!("--data trains on bytes: the model needs vocab=256, not {vocab}"));
+                    return Err(format!(
+                        "--data trains on bytes: the model needs vocab=256, not {vocab}"
+                    ));
                 }
                 if bytes.len() <= ctx + 1 {
-                    return Err(format!("--data {path} has {} bytes; it needs more than ctx+1 = {}", bytes.len(), ctx + 1));
+                    return Err(format!(
+                        "--data {path} has {} bytes; it needs more than ctx+1 = {}",
+                        bytes.len(),
+                        ctx + 1
+                    ));
                 }
                 Samples::Tokens(TokenStream::from_bytes(bytes))
             }
@@ -154,12 +164,17 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
             }
             Samples::Tokens(stream) => {
-                let InputKind::Tokens { ctx, .. } = self.desc.input else { unreachable!("checked at build") };
+                let InputKind::Tokens { ctx, .. } = self.desc.input else {
+                    unreachable!("checked at build")
+                };
                 let b = stream.batch(step, self.global_batch, ctx, rows);
                 let ids: Vec<i32> = b.inputs.iter().map(|&t| t as i32).collect();
                 let targets: Vec<i32> = b.targets.iter().map(|&t| t as i32).collect();
                 Batch {
-                    input: Activation::Tokens(Tensor::from_data(TensorData::new(ids, [n, ctx]), &self.device)),
+                    input: Activation::Tokens(Tensor::from_data(
+                        TensorData::new(ids, [n, ctx]),
+                        &self.device,
+                    )),
                     targets: Tensor::from_data(TensorData::new(targets, [n * ctx]), &self.device),
                 }
             }
@@ -171,20 +186,27 @@ impl<B: AutodiffBackend> Trainer<B> {
         let x = if input == "batch" {
             self.batch.as_ref().ok_or("no batch loaded")?.input.clone()
         } else {
-            let producer = self.by_name.get(input).ok_or_else(|| format!("no segment produced `{input}`"))?;
+            let producer = self
+                .by_name
+                .get(input)
+                .ok_or_else(|| format!("no segment produced `{input}`"))?;
             self.segments[producer].output.leaf()
         };
         let mut y = x.clone();
         for index in blocks.clone() {
             y = self.block(index).forward(y);
         }
-        self.segments.insert(blocks.start, Segment { input: x, output: y });
+        self.segments
+            .insert(blocks.start, Segment { input: x, output: y });
         self.by_name.insert(output.to_string(), blocks.start);
         Ok(())
     }
 
     fn compute_loss(&mut self, logits_name: &str) -> Result<(), String> {
-        let producer = self.by_name.get(logits_name).ok_or_else(|| format!("no segment produced `{logits_name}`"))?;
+        let producer = self
+            .by_name
+            .get(logits_name)
+            .ok_or_else(|| format!("no segment produced `{logits_name}`"))?;
         let logits = match &self.segments[producer].output {
             Activation::Rows(l) => l.clone(),
             Activation::Seq(l) => {
@@ -203,12 +225,24 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    fn backward(&mut self, blocks: Range<usize>, upstream: &str, outputs: &[String], table: &mut TensorTable) -> Result<(), String> {
-        let segment = self.segments.remove(&blocks.start).ok_or("backward of a segment that did not run forward")?;
+    fn backward(
+        &mut self,
+        blocks: Range<usize>,
+        upstream: &str,
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let segment = self
+            .segments
+            .remove(&blocks.start)
+            .ok_or("backward of a segment that did not run forward")?;
         let mut grads = if upstream == "loss" {
             self.loss.take().ok_or("no loss to backpropagate")?.backward()
         } else {
-            let g = self.upstream.remove(upstream).ok_or_else(|| format!("no upstream gradient `{upstream}`"))?;
+            let g = self
+                .upstream
+                .remove(upstream)
+                .ok_or_else(|| format!("no upstream gradient `{upstream}`"))?;
             segment.output.dot(&g).backward()
         };
         let range = self.offsets[blocks.start]..self.offsets[blocks.end];
@@ -226,7 +260,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.peak_grad_bytes = self.peak_grad_bytes.max(table.bytes() + spare);
         self.grad_ranges.insert(grad_name.clone(), blocks);
         if let Some(input_grad) = outputs.get(1) {
-            let g = segment.input.take_grad(&mut grads).ok_or("the segment input has no gradient")?;
+            let g = segment
+                .input
+                .take_grad(&mut grads)
+                .ok_or("the segment input has no gradient")?;
             self.upstream.insert(input_grad.clone(), g);
         }
         Ok(())
@@ -235,10 +272,16 @@ impl<B: AutodiffBackend> Trainer<B> {
     fn optimizer_step(&mut self, inputs: &[String], table: &mut TensorTable) -> Result<(), String> {
         self.optimizer.begin_step();
         for name in inputs {
-            let grad = table.remove(name).ok_or_else(|| format!("gradient `{name}` missing"))?;
-            let blocks = self.grad_ranges.remove(name).ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+            let grad = table
+                .remove(name)
+                .ok_or_else(|| format!("gradient `{name}` missing"))?;
+            let blocks = self
+                .grad_ranges
+                .remove(name)
+                .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let range = self.offsets[blocks.start]..self.offsets[blocks.end];
-            self.optimizer.update(range.start, &mut self.master[range.clone()], &grad.data);
+            self.optimizer
+                .update(range.start, &mut self.master[range.clone()], &grad.data);
             for index in blocks {
                 let block = self.blocks[index].take().expect("block present");
                 let params = &self.master[self.offsets[index]..self.offsets[index + 1]];
@@ -259,15 +302,24 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         outputs: &[String],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let first = |names: &[String]| names.first().cloned().ok_or_else(|| format!("{op} names no tensor"));
+        let first = |names: &[String]| {
+            names
+                .first()
+                .cloned()
+                .ok_or_else(|| format!("{op} names no tensor"))
+        };
         match op {
             ComputeOp::LoadBatch { start, end } => {
                 self.load_batch(step, *start..*end);
                 Ok(())
             }
-            ComputeOp::Forward { start, end, .. } => self.forward(*start..*end, &first(inputs)?, &first(outputs)?),
+            ComputeOp::Forward { start, end, .. } => {
+                self.forward(*start..*end, &first(inputs)?, &first(outputs)?)
+            }
             ComputeOp::Loss { .. } => self.compute_loss(&first(inputs)?),
-            ComputeOp::Backward { start, end, .. } => self.backward(*start..*end, &first(inputs)?, outputs, table),
+            ComputeOp::Backward { start, end, .. } => {
+                self.backward(*start..*end, &first(inputs)?, outputs, table)
+            }
             ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, table),
             ComputeOp::User { name } => Err(format!("a training actor has no user function `{name}`")),
             ComputeOp::Output { key } => Err(format!("a training actor does not output `{key}`")),
@@ -292,6 +344,8 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
     }
 
     fn block_params(&self) -> Vec<Vec<f32>> {
-        (0..self.blocks.len()).map(|i| Trainer::block_params(self, i).to_vec()).collect()
+        (0..self.blocks.len())
+            .map(|i| Trainer::block_params(self, i).to_vec())
+            .collect()
     }
 }

@@ -13,11 +13,13 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::task::JoinHandle;
 
-use archipelago_actors::device_actor::{ActorEvent, ComputationFactory, DeviceActor, DeviceActorArgs, DeviceMsg};
+use archipelago_actors::ActorFailure;
+use archipelago_actors::device_actor::{
+    ActorEvent, ComputationFactory, DeviceActor, DeviceActorArgs, DeviceMsg,
+};
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::Fabric;
-use archipelago_actors::ActorFailure;
-use archipelago_dataflow::{ActorStream};
+use archipelago_dataflow::ActorStream;
 
 use crate::JobError;
 
@@ -42,7 +44,14 @@ impl ActorGang {
         watchdog: Duration,
     ) -> Result<ActorGang, JobError> {
         let (tx, events) = unbounded_channel();
-        let mut gang = ActorGang { job: job.to_string(), actors: Vec::new(), handles: Vec::new(), events, fabric, watchdog };
+        let mut gang = ActorGang {
+            job: job.to_string(),
+            actors: Vec::new(),
+            handles: Vec::new(),
+            events,
+            fabric,
+            watchdog,
+        };
         for (stream, computation) in streams.into_iter().zip(factories) {
             let args = DeviceActorArgs {
                 job: job.to_string(),
@@ -60,11 +69,17 @@ impl ActorGang {
                 }
                 Err(e) => {
                     gang.stop().await;
-                    return Err(JobError::Runtime(format!("cannot spawn actor {}: {e}", stream.actor)));
+                    return Err(JobError::Runtime(format!(
+                        "cannot spawn actor {}: {e}",
+                        stream.actor
+                    )));
                 }
             }
         }
-        if let Err(e) = gang.collect(0, |event| matches!(event, ActorEvent::Ready { .. }).then_some(())).await {
+        if let Err(e) = gang
+            .collect(0, |event| matches!(event, ActorEvent::Ready { .. }).then_some(()))
+            .await
+        {
             gang.stop().await;
             return Err(e);
         }
@@ -80,7 +95,9 @@ impl ActorGang {
     /// Runs step `n` on every actor; the reports come back in actor order.
     pub async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
         for actor in &self.actors {
-            actor.cast(DeviceMsg::Step(n)).map_err(|e| JobError::Runtime(format!("cannot reach an actor: {e}")))?;
+            actor
+                .cast(DeviceMsg::Step(n))
+                .map_err(|e| JobError::Runtime(format!("cannot reach an actor: {e}")))?;
         }
         let mut reports = self
             .collect(n, |event| match event {
@@ -119,7 +136,11 @@ impl ActorGang {
 
     /// Waits for one event per actor that `accept` turns into a value; fails on the first
     /// failure (after looking briefly for its root cause) or on silence.
-    async fn collect<T>(&mut self, step: u64, accept: impl Fn(ActorEvent) -> Option<T>) -> Result<Vec<T>, JobError> {
+    async fn collect<T>(
+        &mut self,
+        step: u64,
+        accept: impl Fn(ActorEvent) -> Option<T>,
+    ) -> Result<Vec<T>, JobError> {
         let mut waiting: BTreeSet<usize> = (0..self.actors.len()).collect();
         let mut out = Vec::with_capacity(self.actors.len());
         let started = Instant::now();
@@ -128,7 +149,8 @@ impl ActorGang {
                 Ok(Some(event)) => event,
                 Ok(None) => return Err(JobError::Runtime("every actor is gone".into())),
                 Err(_) => {
-                    self.fabric.abort("the controller's watchdog stopped a silent step");
+                    self.fabric
+                        .abort("the controller's watchdog stopped a silent step");
                     return Err(JobError::Hang {
                         job: self.job.clone(),
                         step,

@@ -77,7 +77,9 @@ impl JobArgs {
             if !matches!(program.model.input, InputKind::Tokens { .. }) {
                 anyhow::bail!("--data trains a gpt on text; `{}` is not a gpt model", self.model);
             }
-            program.data = DataSpec::TextFile { path: path.display().to_string() };
+            program.data = DataSpec::TextFile {
+                path: path.display().to_string(),
+            };
         }
         program.plan = ParallelPlan {
             dp: self.dp,
@@ -138,7 +140,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         steps
     );
     let on_step = Arc::new(move |p: &StepProgress| {
-        if !quiet && (p.step % every == 0 || p.step == 1 || p.step == p.steps) {
+        if !quiet && (p.step.is_multiple_of(every) || p.step == 1 || p.step == p.steps) {
             println!(
                 "step {:>5}/{}  loss {:.4}  {:.3} s/step  {:.1} samples/s",
                 p.step,
@@ -162,7 +164,10 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         report.final_loss,
         report.param_l2,
         report.samples_per_s,
-        report.tokens_per_s.map(|t| format!(" ({t:.0} tokens/s)")).unwrap_or_default(),
+        report
+            .tokens_per_s
+            .map(|t| format!(" ({t:.0} tokens/s)"))
+            .unwrap_or_default(),
         report.peak_rss_bytes as f64 / (1u64 << 20) as f64
     );
     if let Some(path) = &args.report {

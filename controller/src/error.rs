@@ -13,7 +13,9 @@ pub enum JobError {
     #[error("{0}")]
     Actor(Box<ActorFailure>),
     /// Actors went silent past the watchdog's patience.
-    #[error("job {job}, step {step}: no report for {waited_s:.0} s from actors {silent:?} (the others finished the step); they are stuck or dead")]
+    #[error(
+        "job {job}, step {step}: no report for {waited_s:.0} s from actors {silent:?} (the others finished the step); they are stuck or dead"
+    )]
     Hang {
         /// The job.
         job: String,

@@ -12,9 +12,9 @@ use archipelago_actors::flow_functions::{FlowComputation, FlowOutput, FunctionTa
 use archipelago_dataflow::flow::FlowGraph;
 use archipelago_dataflow::{ActorStream, PlanError};
 
+use crate::JobError;
 use crate::actor_gang::ActorGang;
 use crate::local::{Controller, DEFAULT_PATIENCE};
-use crate::JobError;
 
 /// The outputs of a graph run `runs` times.
 #[derive(Debug, Clone)]
@@ -35,7 +35,12 @@ impl FlowRun {
 impl Controller {
     /// Compiles `graph`, starts one actor per graph actor, runs the graph `runs` times (actor
     /// state persists between runs), and returns what it output.
-    pub fn run_flow(&self, graph: &FlowGraph, functions: &FunctionTable, runs: u64) -> Result<FlowRun, JobError> {
+    pub fn run_flow(
+        &self,
+        graph: &FlowGraph,
+        functions: &FunctionTable,
+        runs: u64,
+    ) -> Result<FlowRun, JobError> {
         let streams = graph.compile()?;
         if streams.len() > self.devices.len() {
             return Err(JobError::Plan(PlanError::NotEnoughDevices {
@@ -48,15 +53,20 @@ impl Controller {
         let factories: Vec<ComputationFactory> = (0..streams.len())
             .map(|actor| {
                 let (functions, tx) = (functions.clone(), tx.clone());
-                Box::new(move || Ok(Box::new(FlowComputation::new(actor, functions, tx)) as Box<dyn Computation>))
-                    as ComputationFactory
+                Box::new(move || {
+                    Ok(Box::new(FlowComputation::new(actor, functions, tx)) as Box<dyn Computation>)
+                }) as ComputationFactory
             })
             .collect();
         drop(tx);
         let streams: Vec<ActorStream> = streams
             .into_iter()
             .enumerate()
-            .map(|(actor, instructions)| ActorStream { actor, device: self.devices[actor], instructions })
+            .map(|(actor, instructions)| ActorStream {
+                actor,
+                device: self.devices[actor],
+                instructions,
+            })
             .collect();
         let fabric = Arc::new(InProcessFabric::new(streams.len(), DEFAULT_PATIENCE));
         self.runtime.block_on(async move {
@@ -72,6 +82,8 @@ impl Controller {
             gang.stop().await;
             result
         })?;
-        Ok(FlowRun { outputs: rx.try_iter().collect() })
+        Ok(FlowRun {
+            outputs: rx.try_iter().collect(),
+        })
     }
 }

@@ -17,5 +17,9 @@ pub fn peak_rss_bytes() -> u64 {
 pub fn load_avg() -> [f64; 3] {
     let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let mut parts = text.split_whitespace().map(|p| p.parse::<f64>().unwrap_or(0.0));
-    [parts.next().unwrap_or(0.0), parts.next().unwrap_or(0.0), parts.next().unwrap_or(0.0)]
+    [
+        parts.next().unwrap_or(0.0),
+        parts.next().unwrap_or(0.0),
+        parts.next().unwrap_or(0.0),
+    ]
 }

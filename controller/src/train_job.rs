@@ -11,11 +11,11 @@ use archipelago_actors::zoo::{ModelBuilder, ZooModel};
 use archipelago_actors::{CpuBackend, device_for};
 use archipelago_dataflow::{Instruction, ModelSpec, Plan, PlanError, Program, compile};
 
+use crate::JobError;
 use crate::actor_gang::ActorGang;
 use crate::local::{Controller, DEFAULT_PATIENCE};
 use crate::process_stats::{load_avg, peak_rss_bytes};
 use crate::report::{ActorRecord, InstructionRecord, StepRecord, TrainReport, median};
-use crate::JobError;
 
 /// What the controller tells a progress callback after each step.
 #[derive(Debug, Clone)]
@@ -88,14 +88,19 @@ impl Controller {
     }
 }
 
-async fn run(plan: Plan, builder: Arc<dyn ModelBuilder<CpuBackend>>, options: &TrainOptions) -> Result<TrainReport, JobError> {
+async fn run(
+    plan: Plan,
+    builder: Arc<dyn ModelBuilder<CpuBackend>>,
+    options: &TrainOptions,
+) -> Result<TrainReport, JobError> {
     let n = plan.actors.len();
     let fabric = Arc::new(InProcessFabric::new(n, options.patience));
     let factories: Vec<ComputationFactory> = plan
         .actors
         .iter()
         .map(|a| {
-            let (program, builder, actor, device) = (plan.program.clone(), builder.clone(), a.actor, a.device);
+            let (program, builder, actor, device) =
+                (plan.program.clone(), builder.clone(), a.actor, a.device);
             Box::new(move || {
                 let device = device_for(device)?;
                 let trainer = Trainer::<CpuBackend>::new(&program, builder.as_ref(), actor, device)?;
@@ -117,8 +122,11 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
     let mut per_actor_compute: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
     let mut per_actor_wait: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
     let mut peaks = vec![0u64; gang.len()];
-    let mut per_instruction: Vec<Vec<Vec<f64>>> =
-        plan.actors.iter().map(|a| vec![Vec::new(); a.stream.instructions.len()]).collect();
+    let mut per_instruction: Vec<Vec<Vec<f64>>> = plan
+        .actors
+        .iter()
+        .map(|a| vec![Vec::new(); a.stream.instructions.len()])
+        .collect();
     for step in 1..=options.steps {
         let began = Instant::now();
         let reports = gang.step(step).await?;
@@ -135,15 +143,28 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         }
         steps.push(StepRecord { step, loss, time_s });
         if let Some(callback) = &options.on_step {
-            callback(&StepProgress { step, steps: options.steps, loss, time_s });
+            callback(&StepProgress {
+                step,
+                steps: options.steps,
+                loss,
+                time_s,
+            });
         }
         last = reports;
     }
     let squares: Vec<f64> = gang.ask(0, DeviceMsg::BlockSquares).await?;
-    let mut times: Vec<f64> = steps.iter().skip(usize::from(steps.len() > 1)).map(|s| s.time_s).collect();
+    let mut times: Vec<f64> = steps
+        .iter()
+        .skip(usize::from(steps.len() > 1))
+        .map(|s| s.time_s)
+        .collect();
     let median_step_s = median(&mut times);
     let program = &plan.program;
-    let samples_per_s = if median_step_s > 0.0 { program.plan.batch as f64 / median_step_s } else { 0.0 };
+    let samples_per_s = if median_step_s > 0.0 {
+        program.plan.batch as f64 / median_step_s
+    } else {
+        0.0
+    };
     let tokens = program.model.input.tokens_per_sample();
     Ok(TrainReport {
         model: program.model.name.clone(),
@@ -169,7 +190,10 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
                     .instructions
                     .iter()
                     .zip(per_instruction[r.actor].iter_mut())
-                    .map(|(i, times)| InstructionRecord { instruction: i.to_string(), median_s: median(times) })
+                    .map(|(i, times)| InstructionRecord {
+                        instruction: i.to_string(),
+                        median_s: median(times),
+                    })
                     .collect(),
             })
             .collect(),

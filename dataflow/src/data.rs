@@ -75,7 +75,11 @@ impl ClusterPool {
             let centre = &centres[label * features..(label + 1) * features];
             points.extend(centre.iter().map(|c| c + rng.gaussian() as f32));
         }
-        ClusterPool { features, points, labels }
+        ClusterPool {
+            features,
+            points,
+            labels,
+        }
     }
 
     /// Rows `rows` (indices within the global batch) of step `step` with global batch `batch`.
@@ -88,7 +92,11 @@ impl ClusterPool {
             x.extend_from_slice(&self.points[i * self.features..(i + 1) * self.features]);
             labels.push(self.labels[i]);
         }
-        DenseBatch { rows: rows.len(), x, labels }
+        DenseBatch {
+            rows: rows.len(),
+            x,
+            labels,
+        }
     }
 }
 
@@ -144,7 +152,11 @@ impl TokenStream {
             inputs.extend(window[..ctx].iter().map(|&t| t as u32));
             targets.extend(window[1..].iter().map(|&t| t as u32));
         }
-        TokenBatch { seqs: seqs.len(), inputs, targets }
+        TokenBatch {
+            seqs: seqs.len(),
+            inputs,
+            targets,
+        }
     }
 }
 
@@ -158,7 +170,10 @@ mod tests {
         let whole = pool.batch(70, 64, 0..64);
         let halves = [pool.batch(70, 64, 0..32), pool.batch(70, 64, 32..64)];
         assert_eq!([halves[0].x.clone(), halves[1].x.clone()].concat(), whole.x);
-        assert_eq!([halves[0].labels.clone(), halves[1].labels.clone()].concat(), whole.labels);
+        assert_eq!(
+            [halves[0].labels.clone(), halves[1].labels.clone()].concat(),
+            whole.labels
+        );
     }
 
     #[test]

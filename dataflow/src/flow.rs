@@ -44,7 +44,11 @@ pub struct FlowGraph {
 impl FlowGraph {
     /// An empty graph over `actors` actors.
     pub fn new(actors: usize) -> FlowGraph {
-        FlowGraph { graph: Graph::new(actors), moved: BTreeMap::new(), errors: Vec::new() }
+        FlowGraph {
+            graph: Graph::new(actors),
+            moved: BTreeMap::new(),
+            errors: Vec::new(),
+        }
     }
 
     /// Runs the registered function `func` on `actor` with `inputs` (moved there if they live
@@ -53,8 +57,18 @@ impl FlowGraph {
         self.check_actor(actor);
         let local: Vec<String> = inputs.iter().map(|v| self.bring(v, actor)).collect();
         let local: Vec<&str> = local.iter().map(String::as_str).collect();
-        self.graph.compute(actor, ComputeOp::User { name: func.to_string() }, &local, &[output]);
-        Value { actor, name: output.to_string() }
+        self.graph.compute(
+            actor,
+            ComputeOp::User {
+                name: func.to_string(),
+            },
+            &local,
+            &[output],
+        );
+        Value {
+            actor,
+            name: output.to_string(),
+        }
     }
 
     /// Sums same-named values held by different actors; each member gets the total.
@@ -70,7 +84,8 @@ impl FlowGraph {
             ));
         }
         let group: Vec<ActorId> = values.iter().map(|v| v.actor).collect();
-        self.graph.collective(CollectiveKind::AllReduceSum, group, &first.name);
+        self.graph
+            .collective(CollectiveKind::AllReduceSum, group, &first.name);
         values.to_vec()
     }
 
@@ -110,7 +125,10 @@ impl FlowGraph {
 
     fn check_actor(&mut self, actor: ActorId) {
         if actor >= self.graph.actors {
-            self.errors.push(format!("actor {actor} does not exist (the graph has {})", self.graph.actors));
+            self.errors.push(format!(
+                "actor {actor} does not exist (the graph has {})",
+                self.graph.actors
+            ));
         }
     }
 }
@@ -122,14 +140,19 @@ mod tests {
     #[test]
     fn map_reduce_compiles_and_moves_values_once() {
         let mut flow = FlowGraph::new(4);
-        let parts: Vec<Value> = (0..4).map(|a| flow.compute(a, "square_sum", &[], "partial")).collect();
+        let parts: Vec<Value> = (0..4)
+            .map(|a| flow.compute(a, "square_sum", &[], "partial"))
+            .collect();
         let totals = flow.all_reduce(&parts);
         flow.output(&totals[0], "total");
         let shard = flow.compute(3, "make", &[], "s");
         flow.compute(0, "use", &[&shard], "u1");
         flow.compute(0, "use", &[&shard], "u2");
         let streams = flow.compile().unwrap();
-        let sends = streams[3].iter().filter(|i| matches!(i, Instruction::Send { .. })).count();
+        let sends = streams[3]
+            .iter()
+            .filter(|i| matches!(i, Instruction::Send { .. }))
+            .count();
         assert_eq!(sends, 1);
     }
 

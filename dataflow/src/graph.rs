@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::instruction::{CollectiveKind, ComputeOp};
 use crate::ActorId;
+use crate::instruction::{CollectiveKind, ComputeOp};
 
 /// What a node does.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,7 +61,10 @@ pub struct Graph {
 impl Graph {
     /// An empty graph over `actors` actors.
     pub fn new(actors: usize) -> Graph {
-        Graph { actors, ..Graph::default() }
+        Graph {
+            actors,
+            ..Graph::default()
+        }
     }
 
     /// Appends a compute node.
@@ -86,6 +89,10 @@ impl Graph {
 
     /// Appends a collective edge.
     pub fn collective(&mut self, kind: CollectiveKind, group: Vec<ActorId>, tensor: &str) {
-        self.nodes.push(NodeOp::Collective { kind, group, tensor: tensor.to_string() });
+        self.nodes.push(NodeOp::Collective {
+            kind,
+            group,
+            tensor: tensor.to_string(),
+        });
     }
 }

@@ -152,7 +152,12 @@ impl fmt::Display for Instruction {
             Instruction::Compute { op, .. } => write!(f, "{op}"),
             Instruction::Send { tensor, to, tag } => write!(f, "Send({tensor} → actor {to}, tag {tag})"),
             Instruction::Recv { tensor, from, tag } => write!(f, "Recv({tensor} ← actor {from}, tag {tag})"),
-            Instruction::StartCollective { kind, tensor, group, tag } => {
+            Instruction::StartCollective {
+                kind,
+                tensor,
+                group,
+                tag,
+            } => {
                 write!(f, "{kind:?}({tensor}, group {group:?}, tag {tag})")
             }
             Instruction::WaitCollective { tensor, tag } => write!(f, "Wait({tensor}, tag {tag})"),

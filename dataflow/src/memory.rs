@@ -61,7 +61,13 @@ pub fn estimate(actor: usize, program: &Program, model: &ModelDesc, buckets: &[B
     let dp = program.plan.dp.max(1);
     let local_batch = (program.plan.batch / dp) as u64;
     let params = 4 * model.params();
-    let activations = 4 * local_batch * model.blocks.iter().map(|b| b.activation_floats_per_sample).sum::<u64>();
+    let activations = 4
+        * local_batch
+        * model
+            .blocks
+            .iter()
+            .map(|b| b.activation_floats_per_sample)
+            .sum::<u64>();
     let largest_bucket = buckets.iter().map(|b| b.bytes).max().unwrap_or(0);
     MemoryEstimate {
         actor,

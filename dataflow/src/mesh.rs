@@ -21,10 +21,14 @@ impl Mesh {
     pub fn new(axes: &[(&str, usize)]) -> Result<Mesh, PlanError> {
         for (name, size) in axes {
             if *size == 0 {
-                return Err(PlanError::Zero { what: axis_flag(name) });
+                return Err(PlanError::Zero {
+                    what: axis_flag(name),
+                });
             }
         }
-        Ok(Mesh { axes: axes.iter().map(|(n, s)| (n.to_string(), *s)).collect() })
+        Ok(Mesh {
+            axes: axes.iter().map(|(n, s)| (n.to_string(), *s)).collect(),
+        })
     }
 
     /// Number of actors in the mesh (the product of the axis sizes).
@@ -50,7 +54,10 @@ impl Mesh {
 
     /// Rank of the given coordinates.
     pub fn rank(&self, coords: &[usize]) -> ActorId {
-        self.axes.iter().zip(coords).fold(0, |acc, ((_, size), c)| acc * size + c)
+        self.axes
+            .iter()
+            .zip(coords)
+            .fold(0, |acc, ((_, size), c)| acc * size + c)
     }
 
     /// The coordinate of `rank` along `axis` (0 when the mesh does not have it).

@@ -101,18 +101,32 @@ impl ModelDesc {
 impl ModelSpec {
     /// The `mlp-8x1024` workload.
     pub fn mlp_8x1024() -> ModelSpec {
-        ModelSpec::Mlp { input: 1024, hidden: 1024, layers: 8, out: 10 }
+        ModelSpec::Mlp {
+            input: 1024,
+            hidden: 1024,
+            layers: 8,
+            out: 10,
+        }
     }
 
     /// The `gpt-tiny` workload.
     pub fn gpt_tiny() -> ModelSpec {
-        ModelSpec::Gpt { vocab: 256, ctx: 128, d: 256, layers: 4, heads: 4 }
+        ModelSpec::Gpt {
+            vocab: 256,
+            ctx: 128,
+            d: 256,
+            layers: 4,
+            heads: 4,
+        }
     }
 
     /// Parses `mlp-8x1024`, `gpt-tiny`, `mlp:in=I,hidden=H,layers=L,out=O` or
     /// `gpt:vocab=V,ctx=C,d=D,layers=L,heads=H` (omitted keys take gpt-tiny's / mlp-8x1024's values).
     pub fn parse(spec: &str) -> Result<ModelSpec, PlanError> {
-        let bad = |why: &str| PlanError::BadModelSpec { spec: spec.to_string(), why: why.to_string() };
+        let bad = |why: &str| PlanError::BadModelSpec {
+            spec: spec.to_string(),
+            why: why.to_string(),
+        };
         match spec {
             "mlp-8x1024" => return Ok(Self::mlp_8x1024()),
             "gpt-tiny" => return Ok(Self::gpt_tiny()),
@@ -123,8 +137,13 @@ impl ModelSpec {
         })?;
         let mut kv = BTreeMap::new();
         for pair in args.split(',').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').ok_or_else(|| bad("each option is key=value"))?;
-            let v: usize = v.trim().parse().map_err(|_| bad(&format!("`{k}` needs a whole number")))?;
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| bad("each option is key=value"))?;
+            let v: usize = v
+                .trim()
+                .parse()
+                .map_err(|_| bad(&format!("`{k}` needs a whole number")))?;
             if v == 0 {
                 return Err(bad(&format!("`{k}` must be at least 1")));
             }
@@ -151,7 +170,7 @@ impl ModelSpec {
             return Err(bad(&format!("unknown option `{k}`")));
         }
         if let ModelSpec::Gpt { d, heads, .. } = model
-            && d % heads != 0
+            && !d.is_multiple_of(heads)
         {
             return Err(bad(&format!("heads={heads} must divide d={d}")));
         }
@@ -161,7 +180,12 @@ impl ModelSpec {
     /// The compiler's view of this model.
     pub fn desc(&self) -> ModelDesc {
         match *self {
-            ModelSpec::Mlp { input, hidden, layers, out } => {
+            ModelSpec::Mlp {
+                input,
+                hidden,
+                layers,
+                out,
+            } => {
                 let mut blocks = Vec::with_capacity(layers + 1);
                 let mut width = input;
                 for i in 0..layers {
@@ -179,12 +203,22 @@ impl ModelSpec {
                 });
                 ModelDesc {
                     name: self.to_string(),
-                    input: InputKind::Dense { features: input, classes: out },
+                    input: InputKind::Dense {
+                        features: input,
+                        classes: out,
+                    },
                     blocks,
                 }
             }
-            ModelSpec::Gpt { vocab, ctx, d, layers, heads } => {
-                let per_layer = 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * 4 * d + 4 * d) + (4 * d * d + d);
+            ModelSpec::Gpt {
+                vocab,
+                ctx,
+                d,
+                layers,
+                heads,
+            } => {
+                let per_layer =
+                    2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * 4 * d + 4 * d) + (4 * d * d + d);
                 let layer_acts = ctx * (17 * d + 3 * heads * ctx);
                 let mut blocks = vec![BlockInfo {
                     name: "embedding".into(),
@@ -203,7 +237,11 @@ impl ModelSpec {
                     params: (2 * d + d * vocab) as u64,
                     activation_floats_per_sample: (ctx * (2 * d + 3 * vocab)) as u64,
                 });
-                ModelDesc { name: self.to_string(), input: InputKind::Tokens { vocab, ctx }, blocks }
+                ModelDesc {
+                    name: self.to_string(),
+                    input: InputKind::Tokens { vocab, ctx },
+                    blocks,
+                }
             }
         }
     }
@@ -218,11 +256,25 @@ impl fmt::Display for ModelSpec {
             return write!(f, "gpt-tiny");
         }
         match self {
-            ModelSpec::Mlp { input, hidden, layers, out } => {
+            ModelSpec::Mlp {
+                input,
+                hidden,
+                layers,
+                out,
+            } => {
                 write!(f, "mlp:in={input},hidden={hidden},layers={layers},out={out}")
             }
-            ModelSpec::Gpt { vocab, ctx, d, layers, heads } => {
-                write!(f, "gpt:vocab={vocab},ctx={ctx},d={d},layers={layers},heads={heads}")
+            ModelSpec::Gpt {
+                vocab,
+                ctx,
+                d,
+                layers,
+                heads,
+            } => {
+                write!(
+                    f,
+                    "gpt:vocab={vocab},ctx={ctx},d={d},layers={layers},heads={heads}"
+                )
             }
         }
     }
@@ -250,7 +302,14 @@ mod tests {
 
     #[test]
     fn refuses_bad_specs_with_reasons() {
-        for bad in ["mlp", "cnn:x=1", "mlp:in=0", "mlp:width=3", "gpt:d=30,heads=4", "mlp:in=a"] {
+        for bad in [
+            "mlp",
+            "cnn:x=1",
+            "mlp:in=0",
+            "mlp:width=3",
+            "gpt:d=30,heads=4",
+            "mlp:in=a",
+        ] {
             let err = ModelSpec::parse(bad).unwrap_err().to_string();
             assert!(err.contains(bad), "{err}");
         }

@@ -99,7 +99,7 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
     if program.model.blocks.is_empty() {
         return Err(PlanError::EmptyModel);
     }
-    if plan.batch % plan.dp != 0 {
+    if !plan.batch.is_multiple_of(plan.dp) {
         let lower = plan.batch / plan.dp * plan.dp;
         return Err(PlanError::BatchNotDivisible {
             batch: plan.batch,
@@ -121,8 +121,9 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
     let graph = data_parallel::build_step(&program.model, &mesh, plan.batch, &buckets);
     let streams = lower::lower(&graph);
     verify(&streams)?;
-    let memory: Vec<MemoryEstimate> =
-        (0..mesh.size()).map(|a| memory::estimate(a, program, &program.model, &buckets)).collect();
+    let memory: Vec<MemoryEstimate> = (0..mesh.size())
+        .map(|a| memory::estimate(a, program, &program.model, &buckets))
+        .collect();
     if let Some(budget) = plan.device_memory
         && let Some(m) = memory.iter().find(|m| m.total() > budget)
     {
@@ -143,15 +144,28 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
             coords: mesh.coords(actor),
             block_start: 0,
             block_end: program.model.blocks.len(),
-            stream: ActorStream { actor, device: devices[actor], instructions },
+            stream: ActorStream {
+                actor,
+                device: devices[actor],
+                instructions,
+            },
         })
         .collect();
-    Ok(Plan { program: program.clone(), mesh, buckets, actors, memory })
+    Ok(Plan {
+        program: program.clone(),
+        mesh,
+        buckets,
+        actors,
+        memory,
+    })
 }
 
 /// Counts the instructions of each kind in a stream (for summaries and tests).
 pub fn count_compute(stream: &[Instruction], pred: impl Fn(&ComputeOp) -> bool) -> usize {
-    stream.iter().filter(|i| matches!(i, Instruction::Compute { op, .. } if pred(op))).count()
+    stream
+        .iter()
+        .filter(|i| matches!(i, Instruction::Compute { op, .. } if pred(op)))
+        .count()
 }
 
 #[cfg(test)]
@@ -160,7 +174,11 @@ mod tests {
     use crate::{ModelSpec, ParallelPlan};
 
     fn program(dp: usize, batch: usize) -> Program {
-        Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan { dp, batch, ..ParallelPlan::default() })
+        Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan {
+            dp,
+            batch,
+            ..ParallelPlan::default()
+        })
     }
 
     #[test]
@@ -168,12 +186,29 @@ mod tests {
         let plan = compile(&program(4, 64)).unwrap();
         assert_eq!(plan.actors.len(), 4);
         let s = &plan.actors[2].stream.instructions;
-        assert!(matches!(s[0], Instruction::Compute { op: ComputeOp::LoadBatch { start: 32, end: 48 }, .. }));
+        assert!(matches!(
+            s[0],
+            Instruction::Compute {
+                op: ComputeOp::LoadBatch { start: 32, end: 48 },
+                ..
+            }
+        ));
         // The last bucket's all-reduce starts before the first bucket's backward runs.
-        let first_start = s.iter().position(|i| matches!(i, Instruction::StartCollective { .. })).unwrap();
+        let first_start = s
+            .iter()
+            .position(|i| matches!(i, Instruction::StartCollective { .. }))
+            .unwrap();
         let last_backward = s
             .iter()
-            .rposition(|i| matches!(i, Instruction::Compute { op: ComputeOp::Backward { .. }, .. }))
+            .rposition(|i| {
+                matches!(
+                    i,
+                    Instruction::Compute {
+                        op: ComputeOp::Backward { .. },
+                        ..
+                    }
+                )
+            })
             .unwrap();
         assert!(first_start < last_backward, "{}", plan.summary());
         assert!(plan.to_json().contains("AllReduceSum"));
@@ -197,7 +232,11 @@ mod tests {
 
     #[test]
     fn compiles_a_large_mesh_quickly() {
-        let p = Program::new(ModelSpec::gpt_tiny()).with_plan(ParallelPlan { dp: 512, batch: 1024, ..ParallelPlan::default() });
+        let p = Program::new(ModelSpec::gpt_tiny()).with_plan(ParallelPlan {
+            dp: 512,
+            batch: 1024,
+            ..ParallelPlan::default()
+        });
         let plan = compile(&p).unwrap();
         assert_eq!(plan.actors.len(), 512);
     }

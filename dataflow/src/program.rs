@@ -5,9 +5,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::DeviceSpec;
 use crate::data::DataSpec;
 use crate::model_spec::{InputKind, ModelDesc, ModelSpec};
-use crate::DeviceSpec;
 
 /// How the work is split over devices.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -24,7 +24,12 @@ pub struct ParallelPlan {
 
 impl Default for ParallelPlan {
     fn default() -> Self {
-        ParallelPlan { dp: 1, batch: 64, bucket_bytes: 25 << 20, device_memory: None }
+        ParallelPlan {
+            dp: 1,
+            batch: 64,
+            bucket_bytes: 25 << 20,
+            device_memory: None,
+        }
     }
 }
 
@@ -52,7 +57,12 @@ pub enum OptimizerSpec {
 impl OptimizerSpec {
     /// Adam with the workloads' learning rate 1e-3 and PyTorch's defaults otherwise.
     pub fn adam(lr: f32) -> OptimizerSpec {
-        OptimizerSpec::Adam { lr, beta1: 0.9, beta2: 0.999, eps: 1e-8 }
+        OptimizerSpec::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
     }
 
     /// f32 state values kept per parameter (Adam: m and v).
@@ -91,7 +101,10 @@ impl Program {
         };
         Program {
             model: desc,
-            plan: ParallelPlan { batch, ..ParallelPlan::default() },
+            plan: ParallelPlan {
+                batch,
+                ..ParallelPlan::default()
+            },
             optimizer: OptimizerSpec::adam(1e-3),
             data,
             seed: 0,
@@ -135,6 +148,10 @@ impl Program {
 
     /// The device of each actor of a mesh of `n` actors.
     pub fn devices_for(&self, n: usize) -> Vec<DeviceSpec> {
-        if self.devices.is_empty() { DeviceSpec::cpus(n) } else { self.devices.clone() }
+        if self.devices.is_empty() {
+            DeviceSpec::cpus(n)
+        } else {
+            self.devices.clone()
+        }
     }
 }

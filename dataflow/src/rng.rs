@@ -18,7 +18,10 @@ impl SplitMix64 {
         for &k in keys {
             state = mix(state ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15));
         }
-        SplitMix64 { state, spare_gaussian: None }
+        SplitMix64 {
+            state,
+            spare_gaussian: None,
+        }
     }
 
     /// The next 64 random bits.
@@ -70,7 +73,10 @@ mod tests {
     fn keyed_streams_are_reproducible_and_distinct() {
         let a: Vec<u64> = (0..4).map(|_| SplitMix64::keyed(&[1, 2]).next_u64()).collect();
         assert!(a.windows(2).all(|w| w[0] == w[1]));
-        assert_ne!(SplitMix64::keyed(&[1, 2]).next_u64(), SplitMix64::keyed(&[2, 1]).next_u64());
+        assert_ne!(
+            SplitMix64::keyed(&[1, 2]).next_u64(),
+            SplitMix64::keyed(&[2, 1]).next_u64()
+        );
         let mut r = SplitMix64::keyed(&[7]);
         let n = 20_000;
         let mean: f64 = (0..n).map(|_| r.gaussian()).sum::<f64>() / n as f64;

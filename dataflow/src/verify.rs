@@ -76,16 +76,25 @@ fn advance<'a>(
 ) -> Result<bool, PlanError> {
     let n = actors.len();
     let sim = &mut actors[me];
-    let Some(instruction) = sim.stream.get(sim.pc) else { return Ok(false) };
+    let Some(instruction) = sim.stream.get(sim.pc) else {
+        return Ok(false);
+    };
     let at = |why: String| {
-        PlanError::Malformed(format!("actor {me}, instruction {} `{instruction}`: {why}", sim.pc))
+        PlanError::Malformed(format!(
+            "actor {me}, instruction {} `{instruction}`: {why}",
+            sim.pc
+        ))
     };
     for read in instruction.reads() {
         if sim.in_collective.contains(read) {
-            return Err(at(format!("reads `{read}` while a collective is still rewriting it")));
+            return Err(at(format!(
+                "reads `{read}` while a collective is still rewriting it"
+            )));
         }
         if !sim.defined.contains(read) {
-            return Err(at(format!("reads `{read}`, which no earlier instruction of this actor produced")));
+            return Err(at(format!(
+                "reads `{read}`, which no earlier instruction of this actor produced"
+            )));
         }
     }
     match instruction {
@@ -104,14 +113,18 @@ fn advance<'a>(
             }
             sim.defined.insert(tensor);
         }
-        Instruction::StartCollective { tensor, group, tag, .. } => {
+        Instruction::StartCollective {
+            tensor, group, tag, ..
+        } => {
             if !group.contains(&me) {
                 return Err(at("this actor is not a member of the group".into()));
             }
             if let Some(&bad) = group.iter().find(|&&a| a >= n) {
                 return Err(at(format!("group member {bad} does not exist")));
             }
-            let facts = collectives.entry(*tag).or_insert(CollectiveFacts { group, tensor });
+            let facts = collectives
+                .entry(*tag)
+                .or_insert(CollectiveFacts { group, tensor });
             if facts.group != group.as_slice() || facts.tensor != tensor {
                 return Err(at(format!(
                     "members disagree on collective tag {tag}: group {:?} on `{}` elsewhere",
@@ -139,9 +152,14 @@ fn complete_collectives(actors: &mut [ActorSim], collectives: &BTreeMap<u64, Col
         let ready = (0..actors.len()).find_map(|a| {
             let tag = *actors[a].comm_queue.front()?;
             let group = collectives[&tag].group;
-            group.iter().all(|&m| actors[m].comm_queue.front() == Some(&tag)).then_some((tag, group))
+            group
+                .iter()
+                .all(|&m| actors[m].comm_queue.front() == Some(&tag))
+                .then_some((tag, group))
         });
-        let Some((tag, group)) = ready else { return progress };
+        let Some((tag, group)) = ready else {
+            return progress;
+        };
         for &m in group {
             actors[m].comm_queue.pop_front();
             actors[m].completed.insert(tag);
@@ -158,7 +176,9 @@ fn explain(stuck: &[ActorId], actors: &[ActorSim], collectives: &BTreeMap<u64, C
             Some(Instruction::Recv { from, tag, .. }) => {
                 format!("waits for actor {from} to send tag {tag}")
             }
-            Some(Instruction::WaitCollective { tag, .. }) => format!("waits for collective tag {tag} to finish"),
+            Some(Instruction::WaitCollective { tag, .. }) => {
+                format!("waits for collective tag {tag} to finish")
+            }
             Some(other) => format!("is blocked at `{other}`"),
             None => "finished its stream".to_string(),
         };
@@ -176,7 +196,10 @@ fn explain(stuck: &[ActorId], actors: &[ActorSim], collectives: &BTreeMap<u64, C
                     None => format!("actor {m} has not started it"),
                 })
                 .collect();
-            line.push_str(&format!("; its collective tag {tag} waits: {}", others.join(", ")));
+            line.push_str(&format!(
+                "; its collective tag {tag} waits: {}",
+                others.join(", ")
+            ));
         }
         lines.push(line);
     }
@@ -192,20 +215,46 @@ mod tests {
     use crate::instruction::{CollectiveKind, ComputeOp};
 
     fn make(name: &str) -> Instruction {
-        Instruction::Compute { op: ComputeOp::User { name: "f".into() }, inputs: vec![], outputs: vec![name.into()] }
+        Instruction::Compute {
+            op: ComputeOp::User { name: "f".into() },
+            inputs: vec![],
+            outputs: vec![name.into()],
+        }
     }
     fn start(tensor: &str, tag: u64) -> Instruction {
-        Instruction::StartCollective { kind: CollectiveKind::AllReduceSum, tensor: tensor.into(), group: vec![0, 1], tag }
+        Instruction::StartCollective {
+            kind: CollectiveKind::AllReduceSum,
+            tensor: tensor.into(),
+            group: vec![0, 1],
+            tag,
+        }
     }
     fn wait(tensor: &str, tag: u64) -> Instruction {
-        Instruction::WaitCollective { tensor: tensor.into(), tag }
+        Instruction::WaitCollective {
+            tensor: tensor.into(),
+            tag,
+        }
     }
 
     #[test]
     fn matched_streams_pass() {
         let s = vec![
-            vec![make("a"), make("b"), start("a", 1), start("b", 2), wait("a", 1), wait("b", 2)],
-            vec![make("a"), make("b"), start("a", 1), start("b", 2), wait("b", 2), wait("a", 1)],
+            vec![
+                make("a"),
+                make("b"),
+                start("a", 1),
+                start("b", 2),
+                wait("a", 1),
+                wait("b", 2),
+            ],
+            vec![
+                make("a"),
+                make("b"),
+                start("a", 1),
+                start("b", 2),
+                wait("b", 2),
+                wait("a", 1),
+            ],
         ];
         verify(&s).unwrap();
     }
@@ -213,27 +262,67 @@ mod tests {
     #[test]
     fn collectives_in_different_orders_deadlock_and_are_named() {
         let s = vec![
-            vec![make("a"), make("b"), start("a", 1), start("b", 2), wait("a", 1), wait("b", 2)],
-            vec![make("a"), make("b"), start("b", 2), start("a", 1), wait("a", 1), wait("b", 2)],
+            vec![
+                make("a"),
+                make("b"),
+                start("a", 1),
+                start("b", 2),
+                wait("a", 1),
+                wait("b", 2),
+            ],
+            vec![
+                make("a"),
+                make("b"),
+                start("b", 2),
+                start("a", 1),
+                wait("a", 1),
+                wait("b", 2),
+            ],
         ];
         let err = verify(&s).unwrap_err().to_string();
-        assert!(err.contains("deadlock") && err.contains("different order"), "{err}");
+        assert!(
+            err.contains("deadlock") && err.contains("different order"),
+            "{err}"
+        );
     }
 
     #[test]
     fn recv_cycle_deadlocks_and_unmatched_send_is_refused() {
-        let recv = |from, tag| Instruction::Recv { tensor: "x".into(), from, tag };
-        let send = |to, tag| Instruction::Send { tensor: "y".into(), to, tag };
-        let cycle = vec![vec![recv(1, 1), make("y"), send(1, 2)], vec![recv(0, 2), make("y"), send(0, 1)]];
+        let recv = |from, tag| Instruction::Recv {
+            tensor: "x".into(),
+            from,
+            tag,
+        };
+        let send = |to, tag| Instruction::Send {
+            tensor: "y".into(),
+            to,
+            tag,
+        };
+        let cycle = vec![
+            vec![recv(1, 1), make("y"), send(1, 2)],
+            vec![recv(0, 2), make("y"), send(0, 1)],
+        ];
         let err = verify(&cycle).unwrap_err().to_string();
-        assert!(err.contains("actor 0") && err.contains("waits for actor 1"), "{err}");
+        assert!(
+            err.contains("actor 0") && err.contains("waits for actor 1"),
+            "{err}"
+        );
         let unmatched = vec![vec![make("y"), send(1, 5)], vec![]];
-        assert!(verify(&unmatched).unwrap_err().to_string().contains("never receives"));
+        assert!(
+            verify(&unmatched)
+                .unwrap_err()
+                .to_string()
+                .contains("never receives")
+        );
     }
 
     #[test]
     fn use_before_definition_is_refused() {
-        let read = Instruction::Send { tensor: "nope".into(), to: 1, tag: 0 };
+        let read = Instruction::Send {
+            tensor: "nope".into(),
+            to: 1,
+            tag: 0,
+        };
         let err = verify(&[vec![read], vec![]]).unwrap_err().to_string();
         assert!(err.contains("nope"), "{err}");
     }

@@ -1,1 +1,63 @@
-//! Shared helpers for the integration tests.
+//! Shared helpers for the integration tests: run a zoo model under a plan and compare reports.
+
+use archipelago_controller::{Controller, TrainOptions, TrainReport};
+use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
+
+/// Trains `model` with `dp` replicas, global batch `batch`, `steps` steps and gradient buckets of
+/// `bucket_bytes` (small buckets exercise the overlap path), on the embedded controller.
+pub fn train(model: &str, dp: usize, batch: usize, steps: u64, bucket_bytes: u64) -> TrainReport {
+    let program = Program::new(ModelSpec::parse(model).expect("model spec"))
+        .with_seed(7)
+        .with_plan(ParallelPlan {
+            dp,
+            batch,
+            bucket_bytes,
+            ..ParallelPlan::default()
+        });
+    let controller = Controller::local(DeviceSpec::cpus(dp));
+    controller
+        .train(
+            &program,
+            &TrainOptions {
+                steps,
+                ..TrainOptions::default()
+            },
+        )
+        .unwrap_or_else(|e| panic!("{model} dp={dp}: {e}"))
+}
+
+/// Largest relative difference between two non-negative figures lists.
+pub fn max_relative_difference(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "different block counts");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs().max(1e-12))
+        .fold(0.0, f64::max)
+}
+
+/// Asserts that `run` trained to the same parameters (per-block and total L2 norms) and losses as
+/// `reference` within `tolerance` relative.
+pub fn assert_equivalent(reference: &TrainReport, run: &TrainReport, tolerance: f64, what: &str) {
+    let blocks = max_relative_difference(&reference.block_l2, &run.block_l2);
+    assert!(
+        blocks < tolerance,
+        "{what}: block norms differ by {blocks:e} (tolerance {tolerance:e})"
+    );
+    let total = max_relative_difference(&[reference.param_l2], &[run.param_l2]);
+    assert!(total < tolerance, "{what}: parameter norms differ by {total:e}");
+    for (a, b) in reference.steps.iter().zip(&run.steps) {
+        let d = ((a.loss - b.loss) / a.loss).abs() as f64;
+        assert!(
+            d < tolerance,
+            "{what}: step {} loss {} vs {} ({d:e})",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    assert_eq!(
+        reference.steps.len(),
+        run.steps.len(),
+        "{what}: step counts differ"
+    );
+}

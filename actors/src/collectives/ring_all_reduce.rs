@@ -28,14 +28,20 @@ pub fn ring_all_reduce(
     if n <= 1 || data.is_empty() {
         return Ok(());
     }
-    let i = group.iter().position(|&a| a == me).ok_or(FabricError::NoSuchActor(me))?;
+    let i = group
+        .iter()
+        .position(|&a| a == me)
+        .ok_or(FabricError::NoSuchActor(me))?;
     let next = group[(i + 1) % n];
     let prev = group[(i + n - 1) % n];
     let len = data.len();
     let segment = |s: usize| s * len / n..(s + 1) * len / n;
     let chunks = |r: Range<usize>| -> Vec<Range<usize>> {
         let step = chunk_elems.max(1);
-        (r.start..r.end).step_by(step).map(|c| c..(c + step).min(r.end)).collect()
+        (r.start..r.end)
+            .step_by(step)
+            .map(|c| c..(c + step).min(r.end))
+            .collect()
     };
     let tag = |phase: u64, step: usize, chunk: usize| Tag {
         edge,
@@ -70,7 +76,10 @@ pub fn ring_all_reduce(
                 let payload = if s == 0 {
                     HostTensor::flat(data[r.clone()].to_vec())
                 } else {
-                    forward[c].clone()
+                    forward
+                        .get(c)
+                        .cloned()
+                        .expect("chunk received at the previous step")
                 };
                 fabric.send(me, next, tag(1, s, c), payload)?;
             }
@@ -106,7 +115,9 @@ mod tests {
                 })
             })
             .collect();
-        let expected: Vec<f32> = (0..len).map(|k| (0..n).map(|me| (me * 1000 + k) as f32).sum()).collect();
+        let expected: Vec<f32> = (0..len)
+            .map(|k| (0..n).map(|me| (me * 1000 + k) as f32).sum())
+            .collect();
         for h in handles {
             assert_eq!(h.join().unwrap(), expected, "n={n} len={len} chunk={chunk}");
         }

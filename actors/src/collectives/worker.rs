@@ -60,17 +60,34 @@ impl CollectiveWorker {
                 }
             })
             .expect("spawn collective worker");
-        CollectiveWorker { jobs: Some(jobs), thread: Some(thread) }
+        CollectiveWorker {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        }
     }
 
     /// Queues a collective; it runs after every collective started before it.
-    pub fn start(&self, kind: CollectiveKind, edge: u64, group: Vec<ActorId>, tensor: HostTensor) -> PendingCollective {
+    pub fn start(
+        &self,
+        kind: CollectiveKind,
+        edge: u64,
+        group: Vec<ActorId>,
+        tensor: HostTensor,
+    ) -> PendingCollective {
         let (done, result) = mpsc::channel();
-        let job = Job { kind, edge, group, tensor, done };
+        let job = Job {
+            kind,
+            edge,
+            group,
+            tensor,
+            done,
+        };
         if let Some(jobs) = &self.jobs
             && let Err(mpsc::SendError(job)) = jobs.send(job)
         {
-            let _ = job.done.send(Err(FabricError::Aborted("the collective worker stopped".into())));
+            let _ = job
+                .done
+                .send(Err(FabricError::Aborted("the collective worker stopped".into())));
         }
         PendingCollective { done: result }
     }

@@ -47,7 +47,13 @@ impl Fabric for InProcessFabric {
             return Err(FabricError::Aborted(reason));
         }
         let mailbox = self.mailboxes.get(to).ok_or(FabricError::NoSuchActor(to))?;
-        mailbox.messages.lock().expect("mailbox").entry((from, tag)).or_default().push_back(tensor);
+        mailbox
+            .messages
+            .lock()
+            .expect("mailbox")
+            .entry((from, tag))
+            .or_default()
+            .push_back(tensor);
         mailbox.arrived.notify_all();
         Ok(())
     }
@@ -70,7 +76,12 @@ impl Fabric for InProcessFabric {
             }
             let waited = started.elapsed();
             if waited >= self.patience {
-                return Err(FabricError::Timeout { me, from, tag, waited });
+                return Err(FabricError::Timeout {
+                    me,
+                    from,
+                    tag,
+                    waited,
+                });
             }
             let slice = (self.patience - waited).min(Duration::from_millis(200));
             messages = mailbox.arrived.wait_timeout(messages, slice).expect("mailbox").0;
@@ -78,7 +89,10 @@ impl Fabric for InProcessFabric {
     }
 
     fn abort(&self, reason: &str) {
-        self.aborted.lock().expect("abort flag").get_or_insert_with(|| reason.to_string());
+        self.aborted
+            .lock()
+            .expect("abort flag")
+            .get_or_insert_with(|| reason.to_string());
         for mailbox in &self.mailboxes {
             let _guard = mailbox.messages.lock().expect("mailbox");
             mailbox.arrived.notify_all();
@@ -97,7 +111,9 @@ mod tests {
         let a = HostTensor::flat(vec![1.0, 2.0]);
         let ptr = Arc::as_ptr(&a.data);
         fabric.send(0, 1, Tag { edge: 2, seq: 0 }, a).unwrap();
-        fabric.send(0, 1, Tag { edge: 1, seq: 0 }, HostTensor::scalar(9.0)).unwrap();
+        fabric
+            .send(0, 1, Tag { edge: 1, seq: 0 }, HostTensor::scalar(9.0))
+            .unwrap();
         assert_eq!(fabric.recv(1, 0, Tag { edge: 1, seq: 0 }).unwrap().data[0], 9.0);
         let got = fabric.recv(1, 0, Tag { edge: 2, seq: 0 }).unwrap();
         assert_eq!(Arc::as_ptr(&got.data), ptr);
@@ -115,6 +131,9 @@ mod tests {
         };
         std::thread::sleep(Duration::from_millis(20));
         patient.abort("actor 1 failed");
-        assert_eq!(waiter.join().unwrap().unwrap_err(), FabricError::Aborted("actor 1 failed".into()));
+        assert_eq!(
+            waiter.join().unwrap().unwrap_err(),
+            FabricError::Aborted("actor 1 failed".into())
+        );
     }
 }

@@ -37,7 +37,9 @@ pub enum FabricError {
     #[error("aborted because {0}")]
     Aborted(String),
     /// A receive waited longer than the fabric's patience.
-    #[error("waited {waited:?} for actor {from} to send tag {tag} to actor {me}; actor {from} never sent it (is it stuck or dead?)")]
+    #[error(
+        "waited {waited:?} for actor {from} to send tag {tag} to actor {me}; actor {from} never sent it (is it stuck or dead?)"
+    )]
     Timeout {
         /// The waiting actor.
         me: ActorId,

@@ -33,7 +33,9 @@ impl<B: Backend> GptEmbedding<B> {
 
 impl<B: AutodiffBackend> BlockModule<B> for GptEmbedding<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
-        let Activation::Tokens(tokens) = x else { panic!("GptEmbedding takes token ids") };
+        let Activation::Tokens(tokens) = x else {
+            panic!("GptEmbedding takes token ids")
+        };
         let [_, t] = tokens.dims();
         let positions = Tensor::<B, 1, Int>::arange(0..t as i64, &tokens.device()).reshape([1, t]);
         Activation::Seq(self.tok_embedding.forward(tokens) + self.pos_embedding.forward(positions))
@@ -78,11 +80,17 @@ impl<B: Backend> TransformerLayer<B> {
         let h = self.heads;
         let hd = d / h;
         let qkv = self.qkv.forward(x);
-        let split = |i: usize| qkv.clone().narrow(2, i * d, d).reshape([b, t, h, hd]).swap_dims(1, 2);
+        let split = |i: usize| {
+            qkv.clone()
+                .narrow(2, i * d, d)
+                .reshape([b, t, h, hd])
+                .swap_dims(1, 2)
+        };
         let (q, k, v) = (split(0), split(1), split(2));
         let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f32).sqrt());
-        let mask: Vec<f32> =
-            (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
+        let mask: Vec<f32> = (0..t * t)
+            .map(|i| if i % t > i / t { -1e9 } else { 0.0 })
+            .collect();
         let mask = Tensor::<B, 2>::from_data(TensorData::new(mask, [t, t]), &scores.device());
         let weights = softmax(scores + mask.reshape([1, 1, t, t]), 3);
         let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
@@ -92,9 +100,13 @@ impl<B: Backend> TransformerLayer<B> {
 
 impl<B: AutodiffBackend> BlockModule<B> for TransformerLayer<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
-        let Activation::Seq(x) = x else { panic!("TransformerLayer takes a sequence") };
+        let Activation::Seq(x) = x else {
+            panic!("TransformerLayer takes a sequence")
+        };
         let x = x.clone() + self.attention(self.ln1.forward(x));
-        let mlp = self.fc2.forward(gelu(self.fc1.forward(self.ln2.forward(x.clone()))));
+        let mlp = self
+            .fc2
+            .forward(gelu(self.fc1.forward(self.ln2.forward(x.clone()))));
         Activation::Seq(x + mlp)
     }
 }
@@ -120,7 +132,9 @@ impl<B: Backend> GptHead<B> {
 
 impl<B: AutodiffBackend> BlockModule<B> for GptHead<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
-        let Activation::Seq(x) = x else { panic!("GptHead takes a sequence") };
+        let Activation::Seq(x) = x else {
+            panic!("GptHead takes a sequence")
+        };
         Activation::Seq(self.head.forward(self.ln_f.forward(x)))
     }
 }

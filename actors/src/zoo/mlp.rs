@@ -17,7 +17,9 @@ pub struct LinearReluBlock<B: burn::tensor::backend::Backend> {
 impl<B: burn::tensor::backend::Backend> LinearReluBlock<B> {
     /// A block mapping `d_in` features to `d_out`.
     pub fn new(d_in: usize, d_out: usize, device: &B::Device) -> Self {
-        LinearReluBlock { linear: LinearConfig::new(d_in, d_out).init(device) }
+        LinearReluBlock {
+            linear: LinearConfig::new(d_in, d_out).init(device),
+        }
     }
 }
 
@@ -40,7 +42,9 @@ pub struct LinearBlock<B: burn::tensor::backend::Backend> {
 impl<B: burn::tensor::backend::Backend> LinearBlock<B> {
     /// A block mapping `d_in` features to `d_out` logits.
     pub fn new(d_in: usize, d_out: usize, device: &B::Device) -> Self {
-        LinearBlock { linear: LinearConfig::new(d_in, d_out).init(device) }
+        LinearBlock {
+            linear: LinearConfig::new(d_in, d_out).init(device),
+        }
     }
 }
 

@@ -48,7 +48,12 @@ impl<B: AutodiffBackend> ModelBuilder<B> for ZooModel {
 
     fn build_block(&self, ctx: &BuildContext, device: &B::Device) -> Box<dyn Block<B>> {
         match self.0 {
-            ModelSpec::Mlp { input, hidden, layers, out } => {
+            ModelSpec::Mlp {
+                input,
+                hidden,
+                layers,
+                out,
+            } => {
                 let width_in = if ctx.block == 0 { input } else { hidden };
                 if ctx.block < layers {
                     Box::new(LinearReluBlock::new(width_in, hidden, device))
@@ -56,7 +61,13 @@ impl<B: AutodiffBackend> ModelBuilder<B> for ZooModel {
                     Box::new(LinearBlock::new(width_in, out, device))
                 }
             }
-            ModelSpec::Gpt { vocab, ctx: context, d, layers, heads } => {
+            ModelSpec::Gpt {
+                vocab,
+                ctx: context,
+                d,
+                layers,
+                heads,
+            } => {
                 if ctx.block == 0 {
                     Box::new(GptEmbedding::new(vocab, context, d, device))
                 } else if ctx.block <= layers {

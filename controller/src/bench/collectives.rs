@@ -37,7 +37,8 @@ pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value 
                 for rep in 0..reps as u64 {
                     barrier.wait();
                     let t = Instant::now();
-                    ring_all_reduce(fabric.as_ref(), me, &group, rep, &mut data, DEFAULT_CHUNK_ELEMS).expect("all-reduce");
+                    ring_all_reduce(fabric.as_ref(), me, &group, rep, &mut data, DEFAULT_CHUNK_ELEMS)
+                        .expect("all-reduce");
                     barrier.wait();
                     times.push(t.elapsed().as_secs_f64());
                 }
@@ -46,7 +47,9 @@ pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value 
         })
         .collect();
     let mut times: Vec<Vec<f64>> = handles.into_iter().map(|h| h.join().expect("member")).collect();
-    let mut slowest: Vec<f64> = (0..reps).map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max)).collect();
+    let mut slowest: Vec<f64> = (0..reps)
+        .map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max))
+        .collect();
     let all_reduce = median(&mut slowest);
     let memcpy = median(&mut memcpy_s);
     times.clear();

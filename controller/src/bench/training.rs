@@ -4,22 +4,34 @@ use serde_json::{Value, json};
 
 use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
 
+use crate::Controller;
 use crate::process_stats::load_avg;
 use crate::report::median;
 use crate::train_job::TrainOptions;
-use crate::Controller;
 
 /// Median step time (slowest rank: the controller's step wall time) after `warmup` steps.
 pub fn mlp_dp_scaling(warmup: u64, timed: u64) -> anyhow::Result<Value> {
     let mut runs = Vec::new();
     let mut steps_per_s = Vec::new();
     for dp in [1, 2] {
-        let program = Program::new(ModelSpec::mlp_8x1024())
-            .with_plan(ParallelPlan { dp, batch: 64, ..ParallelPlan::default() });
+        let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan {
+            dp,
+            batch: 64,
+            ..ParallelPlan::default()
+        });
         let controller = Controller::local(DeviceSpec::cpus(dp));
-        let options = TrainOptions { steps: warmup + timed, job: format!("bench-dp{dp}"), ..TrainOptions::default() };
+        let options = TrainOptions {
+            steps: warmup + timed,
+            job: format!("bench-dp{dp}"),
+            ..TrainOptions::default()
+        };
         let report = controller.train(&program, &options)?;
-        let mut times: Vec<f64> = report.steps.iter().skip(warmup as usize).map(|s| s.time_s).collect();
+        let mut times: Vec<f64> = report
+            .steps
+            .iter()
+            .skip(warmup as usize)
+            .map(|s| s.time_s)
+            .collect();
         let step_s = median(&mut times);
         steps_per_s.push(1.0 / step_s);
         runs.push(json!({

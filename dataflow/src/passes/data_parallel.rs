@@ -43,7 +43,12 @@ pub fn buckets(model: &ModelDesc, bucket_bytes: u64) -> Vec<Bucket> {
     ranges
         .into_iter()
         .enumerate()
-        .map(|(id, (start, end, bytes))| Bucket { id, start, end, bytes })
+        .map(|(id, (start, end, bytes))| Bucket {
+            id,
+            start,
+            end,
+            bytes,
+        })
         .collect()
 }
 
@@ -69,24 +74,44 @@ pub fn build_step(model: &ModelDesc, mesh: &Mesh, batch: usize, buckets: &[Bucke
         let r = mesh.coord(rank, "dp");
         graph.compute(
             rank,
-            ComputeOp::LoadBatch { start: r * per_replica, end: (r + 1) * per_replica },
+            ComputeOp::LoadBatch {
+                start: r * per_replica,
+                end: (r + 1) * per_replica,
+            },
             &[],
             &["batch"],
         );
     }
     for b in buckets {
-        let input = if b.id == 0 { "batch".to_string() } else { format!("act.{}", b.id - 1) };
+        let input = if b.id == 0 {
+            "batch".to_string()
+        } else {
+            format!("act.{}", b.id - 1)
+        };
         for rank in 0..mesh.size() {
-            let op = ComputeOp::Forward { start: b.start, end: b.end, mb: 0 };
+            let op = ComputeOp::Forward {
+                start: b.start,
+                end: b.end,
+                mb: 0,
+            };
             graph.compute(rank, op, &[&input], &[&format!("act.{}", b.id)]);
         }
     }
     let last = buckets.len() - 1;
     for rank in 0..mesh.size() {
-        graph.compute(rank, ComputeOp::Loss { mb: 0 }, &[&format!("act.{last}"), "batch"], &["loss"]);
+        graph.compute(
+            rank,
+            ComputeOp::Loss { mb: 0 },
+            &[&format!("act.{last}"), "batch"],
+            &["loss"],
+        );
     }
     for b in buckets.iter().rev() {
-        let upstream = if b.id == last { "loss".to_string() } else { format!("dact.{}", b.id + 1) };
+        let upstream = if b.id == last {
+            "loss".to_string()
+        } else {
+            format!("dact.{}", b.id + 1)
+        };
         let grad = grad_name(b.id);
         let mut outputs = vec![grad.clone()];
         if b.id > 0 {
@@ -94,7 +119,11 @@ pub fn build_step(model: &ModelDesc, mesh: &Mesh, batch: usize, buckets: &[Bucke
         }
         let outputs: Vec<&str> = outputs.iter().map(String::as_str).collect();
         for rank in 0..mesh.size() {
-            let op = ComputeOp::Backward { start: b.start, end: b.end, mb: 0 };
+            let op = ComputeOp::Backward {
+                start: b.start,
+                end: b.end,
+                mb: 0,
+            };
             graph.compute(rank, op, &[&upstream], &outputs);
         }
         if dp > 1 {
@@ -108,7 +137,15 @@ pub fn build_step(model: &ModelDesc, mesh: &Mesh, batch: usize, buckets: &[Bucke
     let grads: Vec<String> = buckets.iter().map(|b| grad_name(b.id)).collect();
     let grads: Vec<&str> = grads.iter().map(String::as_str).collect();
     for rank in 0..mesh.size() {
-        graph.compute(rank, ComputeOp::OptimizerStep { start: 0, end: blocks }, &grads, &[]);
+        graph.compute(
+            rank,
+            ComputeOp::OptimizerStep {
+                start: 0,
+                end: blocks,
+            },
+            &grads,
+            &[],
+        );
     }
     graph
 }

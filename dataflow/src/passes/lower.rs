@@ -18,7 +18,10 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
     let mut emit = |actor: usize, instruction: Instruction, pending: &mut Vec<BTreeMap<String, u64>>| {
         for read in instruction.reads() {
             if let Some(tag) = pending[actor].remove(read) {
-                streams[actor].push(Instruction::WaitCollective { tensor: read.to_string(), tag });
+                streams[actor].push(Instruction::WaitCollective {
+                    tensor: read.to_string(),
+                    tag,
+                });
             }
         }
         streams[actor].push(instruction);
@@ -26,7 +29,12 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
     for (index, node) in graph.nodes.iter().enumerate() {
         let tag = index as u64;
         match node {
-            NodeOp::Compute { actor, op, inputs, outputs } => {
+            NodeOp::Compute {
+                actor,
+                op,
+                inputs,
+                outputs,
+            } => {
                 let instruction = Instruction::Compute {
                     op: op.clone(),
                     inputs: inputs.clone(),
@@ -34,9 +42,30 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                 };
                 emit(*actor, instruction, &mut pending);
             }
-            NodeOp::Transfer { from, to, tensor, as_name } => {
-                emit(*from, Instruction::Send { tensor: tensor.clone(), to: *to, tag }, &mut pending);
-                emit(*to, Instruction::Recv { tensor: as_name.clone(), from: *from, tag }, &mut pending);
+            NodeOp::Transfer {
+                from,
+                to,
+                tensor,
+                as_name,
+            } => {
+                emit(
+                    *from,
+                    Instruction::Send {
+                        tensor: tensor.clone(),
+                        to: *to,
+                        tag,
+                    },
+                    &mut pending,
+                );
+                emit(
+                    *to,
+                    Instruction::Recv {
+                        tensor: as_name.clone(),
+                        from: *from,
+                        tag,
+                    },
+                    &mut pending,
+                );
             }
             NodeOp::Collective { kind, group, tensor } => {
                 for &member in group {

@@ -1,0 +1,127 @@
+//! The `archipelago` binary: `plan` and `train` refuse bad input with a fix, `plan` prints the
+//! streams without starting actors, and `train` writes the report's stable keys.
+
+use std::process::Command;
+
+fn archipelago(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_archipelago"))
+        .args(args)
+        .output()
+        .expect("run archipelago");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+#[test]
+fn a_batch_that_dp_does_not_divide_is_refused_by_plan_and_train() {
+    for command in ["plan", "train"] {
+        let (ok, text) = archipelago(&[command, "--model", "mlp-8x1024", "--dp", "3", "--batch", "64"]);
+        assert!(!ok, "{command} accepted an indivisible batch: {text}");
+        assert!(
+            text.contains("does not divide over dp=3") && text.contains("--batch 63 or --batch 66"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn plan_prints_mesh_streams_and_memory() {
+    let (ok, text) = archipelago(&["plan", "--model", "mlp-8x1024", "--dp", "2"]);
+    assert!(ok, "{text}");
+    for needle in [
+        "mesh dp=2",
+        "actor 1 on cpu:1",
+        "AllReduceSum(grad.",
+        "OptimizerStep",
+        "memory ≈",
+    ] {
+        assert!(text.contains(needle), "`{needle}` missing:\n{text}");
+    }
+    let (ok, json) = archipelago(&["plan", "--model", "gpt-tiny", "--dp", "2", "--json"]);
+    assert!(ok, "{json}");
+    let plan: serde_json::Value = serde_json::from_str(&json).expect("plan JSON");
+    assert_eq!(plan["actors"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn bad_model_specs_are_refused_with_the_expected_forms() {
+    let (ok, text) = archipelago(&["plan", "--model", "resnet"]);
+    assert!(!ok && text.contains("mlp:in=I,hidden=H,layers=L,out=O"), "{text}");
+}
+
+#[test]
+fn train_writes_the_report_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let args = [
+        "train",
+        "--model",
+        "gpt:vocab=256,ctx=8,d=16,layers=1,heads=2",
+        "--dp",
+        "2",
+        "--batch",
+        "4",
+        "--steps",
+        "3",
+    ];
+    let (ok, text) = archipelago(&[&args[..], &["--report", report.to_str().unwrap()]].concat());
+    assert!(ok, "{text}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    for key in [
+        "model",
+        "plan",
+        "params",
+        "steps",
+        "final_loss",
+        "param_l2",
+        "block_l2",
+        "actors",
+        "peak_rss_bytes",
+        "samples_per_s",
+        "tokens_per_s",
+        "load_avg",
+    ] {
+        assert!(!r[key].is_null(), "report lacks `{key}`: {r}");
+    }
+    assert_eq!(r["steps"].as_array().unwrap().len(), 3);
+    assert_eq!(r["block_l2"].as_array().unwrap().len(), 3);
+    assert_eq!(r["plan"]["dp"], 2);
+    assert!(r["actors"][1]["model_state_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn data_file_trains_a_gpt_on_its_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let text_file = dir.path().join("text.txt");
+    std::fs::write(
+        &text_file,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let (ok, text) = archipelago(&[
+        "train",
+        "--model",
+        "gpt:vocab=256,ctx=16,d=16,layers=1,heads=2",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--data",
+        text_file.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}");
+    let (ok, text) = archipelago(&[
+        "train",
+        "--model",
+        "mlp-8x1024",
+        "--data",
+        text_file.to_str().unwrap(),
+        "--steps",
+        "1",
+    ]);
+    assert!(!ok && text.contains("not a gpt"), "{text}");
+}
