@@ -14,8 +14,35 @@ use archipelago_dataflow::ActorId;
 use crate::fabric::{Fabric, FabricError, Tag};
 use crate::host_tensor::HostTensor;
 
+/// Chunk buffers kept between collectives, so that steady-state collectives allocate nothing
+/// (fresh allocations of this size page-fault on every use). Buffers a member receives and owns
+/// alone go back to its pool; the ring is symmetric, so pools stay balanced.
+#[derive(Debug, Default)]
+pub struct ChunkPool {
+    free: Vec<Vec<f32>>,
+}
+
+impl ChunkPool {
+    /// A buffer holding a copy of `values`.
+    fn filled(&mut self, values: &[f32]) -> HostTensor {
+        let mut buffer = self.free.pop().unwrap_or_default();
+        buffer.clear();
+        buffer.extend_from_slice(values);
+        HostTensor::flat(buffer)
+    }
+
+    /// Takes a received buffer back if nobody else holds it.
+    fn recycle(&mut self, tensor: HostTensor) {
+        if let Ok(buffer) = std::sync::Arc::try_unwrap(tensor.data)
+            && self.free.len() < 1024
+        {
+            self.free.push(buffer);
+        }
+    }
+}
+
 /// Sums `data` over `group` in place; every member calls it with the same `edge`, `group` and
-/// length. `chunk_elems` bounds the size of one message.
+/// length. `chunk_elems` bounds the size of one message; `pool` lends the message buffers.
 pub fn ring_all_reduce(
     fabric: &dyn Fabric,
     me: ActorId,
@@ -23,6 +50,7 @@ pub fn ring_all_reduce(
     edge: u64,
     data: &mut [f32],
     chunk_elems: usize,
+    pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
     let n = group.len();
     if n <= 1 || data.is_empty() {
@@ -54,13 +82,14 @@ pub fn ring_all_reduce(
         let inn = chunks(segment((i + 2 * n - s - 1) % n));
         for c in 0..out.len().max(inn.len()) {
             if let Some(r) = out.get(c) {
-                fabric.send(me, next, tag(0, s, c), HostTensor::flat(data[r.clone()].to_vec()))?;
+                fabric.send(me, next, tag(0, s, c), pool.filled(&data[r.clone()]))?;
             }
             if let Some(r) = inn.get(c) {
                 let got = fabric.recv(me, prev, tag(0, s, c))?;
                 for (d, g) in data[r.clone()].iter_mut().zip(got.data.iter()) {
                     *d += g;
                 }
+                pool.recycle(got);
             }
         }
     }
@@ -74,7 +103,7 @@ pub fn ring_all_reduce(
         for c in 0..out.len().max(inn.len()) {
             if let Some(r) = out.get(c) {
                 let payload = if s == 0 {
-                    HostTensor::flat(data[r.clone()].to_vec())
+                    pool.filled(&data[r.clone()])
                 } else {
                     forward
                         .get(c)
@@ -89,7 +118,12 @@ pub fn ring_all_reduce(
                 received.push(got);
             }
         }
-        forward = received;
+        for done in std::mem::replace(&mut forward, received) {
+            pool.recycle(done);
+        }
+    }
+    for done in forward {
+        pool.recycle(done);
     }
     Ok(())
 }
@@ -110,7 +144,8 @@ mod tests {
                 let group = group.clone();
                 std::thread::spawn(move || {
                     let mut data: Vec<f32> = (0..len).map(|k| (me * 1000 + k) as f32).collect();
-                    ring_all_reduce(fabric.as_ref(), me, &group, 3, &mut data, chunk).unwrap();
+                    let mut pool = ChunkPool::default();
+                    ring_all_reduce(fabric.as_ref(), me, &group, 3, &mut data, chunk, &mut pool).unwrap();
                     data
                 })
             })

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 
 use archipelago_dataflow::{ActorId, CollectiveKind};
 
-use super::ring_all_reduce;
+use super::ring_all_reduce::{ChunkPool, ring_all_reduce};
 use crate::fabric::{Fabric, FabricError};
 use crate::host_tensor::HostTensor;
 
@@ -47,13 +47,22 @@ impl CollectiveWorker {
         let thread = std::thread::Builder::new()
             .name(format!("collectives-{me}"))
             .spawn(move || {
+                let mut pool = ChunkPool::default();
                 for job in queue {
                     let result = match job.kind {
                         CollectiveKind::AllReduceSum => {
                             let shape = job.tensor.shape.clone();
                             let mut data = job.tensor.into_vec();
-                            ring_all_reduce(fabric.as_ref(), me, &job.group, job.edge, &mut data, chunk_elems)
-                                .map(|()| HostTensor::new(shape, data))
+                            ring_all_reduce(
+                                fabric.as_ref(),
+                                me,
+                                &job.group,
+                                job.edge,
+                                &mut data,
+                                chunk_elems,
+                                &mut pool,
+                            )
+                            .map(|()| HostTensor::new(shape, data))
                         }
                     };
                     let _ = job.done.send(result);

@@ -5,11 +5,18 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 
-use archipelago_actors::collectives::{DEFAULT_CHUNK_ELEMS, ring_all_reduce};
+use archipelago_actors::collectives::{ChunkPool, DEFAULT_CHUNK_ELEMS, ring_all_reduce};
 use archipelago_actors::fabric::InProcessFabric;
 
 use crate::process_stats::load_avg;
 use crate::report::median;
+
+fn chunk_elems() -> usize {
+    std::env::var("ARCHIPELAGO_CHUNK_ELEMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_CHUNK_ELEMS)
+}
 
 /// Median time of a `bytes` all-reduce across `members` threads, and of a memcpy of `bytes`
 /// into a reused buffer, with bandwidths and their ratio.
@@ -34,11 +41,20 @@ pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value 
             std::thread::spawn(move || {
                 let mut data = vec![me as f32; elems];
                 let mut times = Vec::new();
+                let mut pool = ChunkPool::default();
                 for rep in 0..reps as u64 {
                     barrier.wait();
                     let t = Instant::now();
-                    ring_all_reduce(fabric.as_ref(), me, &group, rep, &mut data, DEFAULT_CHUNK_ELEMS)
-                        .expect("all-reduce");
+                    ring_all_reduce(
+                        fabric.as_ref(),
+                        me,
+                        &group,
+                        rep,
+                        &mut data,
+                        chunk_elems(),
+                        &mut pool,
+                    )
+                    .expect("all-reduce");
                     barrier.wait();
                     times.push(t.elapsed().as_secs_f64());
                 }
@@ -57,7 +73,7 @@ pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value 
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     json!({
         "name": "all_reduce_in_process",
-        "config": { "bytes": bytes, "members": members, "algorithm": "ring, chunked, pipelined", "chunk_bytes": DEFAULT_CHUNK_ELEMS * 4, "reps": reps },
+        "config": { "bytes": bytes, "members": members, "algorithm": "ring, chunked, pipelined", "chunk_bytes": chunk_elems() * 4, "reps": reps },
         "median_s": all_reduce,
         "algbw_gb_per_s": gbs(all_reduce),
         "busbw_gb_per_s": gbs(all_reduce) * 2.0 * (n - 1.0) / n,
