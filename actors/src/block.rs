@@ -34,6 +34,15 @@ impl<B: AutodiffBackend> Activation<B> {
         }
     }
 
+    /// The same values without their autodiff graph (what activation checkpointing keeps).
+    pub fn detach(self) -> Activation<B> {
+        match self {
+            Activation::Rows(t) => Activation::Rows(t.detach()),
+            Activation::Seq(t) => Activation::Seq(t.detach()),
+            Activation::Tokens(t) => Activation::Tokens(t),
+        }
+    }
+
     /// The gradient of this leaf, removed from `grads` (None for token ids).
     pub fn take_grad(&self, grads: &mut B::Gradients) -> Option<Activation<B>> {
         match self {
@@ -79,8 +88,9 @@ pub trait Block<B: AutodiffBackend>: Send {
     fn write_params(&self, out: &mut [f32]);
     /// Replaces the parameters with `flat`, keeping ids and `require_grad`.
     fn load_params(self: Box<Self>, flat: &[f32]) -> Box<dyn Block<B>>;
-    /// Moves this block's parameter gradients out of `grads` into `out` (zeros where none).
-    fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32]);
+    /// Moves this block's parameter gradients out of `grads` into `out` (zeros where none), or
+    /// adds them to what `out` holds when `accumulate` (micro-batches of one step).
+    fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32], accumulate: bool);
 }
 
 impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
@@ -111,11 +121,12 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         Box::new((*self).map(&mut mapper))
     }
 
-    fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32]) {
+    fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32], accumulate: bool) {
         let mut v = GradVisitor::<B> {
             grads,
             out,
             offset: 0,
+            accumulate,
         };
         self.visit(&mut v);
     }
@@ -156,6 +167,7 @@ struct GradVisitor<'a, B: AutodiffBackend> {
     grads: &'a mut B::Gradients,
     out: &'a mut [f32],
     offset: usize,
+    accumulate: bool,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for GradVisitor<'_, B> {
@@ -166,8 +178,14 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradVisitor<'_, B> {
         match tensor.grad_remove(self.grads) {
             Some(grad) => {
                 let data = grad.into_data().convert::<f32>();
-                target.copy_from_slice(data.as_slice::<f32>().expect("f32 gradients"));
+                let values = data.as_slice::<f32>().expect("f32 gradients");
+                if self.accumulate {
+                    target.iter_mut().zip(values).for_each(|(t, v)| *t += v);
+                } else {
+                    target.copy_from_slice(values);
+                }
             }
+            None if self.accumulate => {}
             None => target.fill(0.0),
         }
         self.offset += n;

@@ -39,10 +39,11 @@ pub enum ActorEvent {
 pub enum DeviceMsg {
     /// Run the stream once as step `n`.
     Step(u64),
-    /// Reply with the sum of squares of each block's parameters.
-    BlockSquares(RpcReplyPort<Vec<f64>>),
-    /// Reply with a copy of each block's parameters (tests and debugging; copies the bytes).
-    BlockParams(RpcReplyPort<Vec<Vec<f32>>>),
+    /// Reply with the sum of squares of the parameters of each block held, by block index.
+    BlockSquares(RpcReplyPort<Vec<(usize, f64)>>),
+    /// Reply with a copy of the parameters of each block held, by block index (tests and
+    /// debugging; copies the bytes).
+    BlockParams(RpcReplyPort<Vec<(usize, Vec<f32>)>>),
 }
 
 /// Everything a device actor needs to start.
@@ -65,8 +66,8 @@ pub struct DeviceActorArgs {
 
 enum Work {
     Step(u64),
-    Squares(RpcReplyPort<Vec<f64>>),
-    Params(RpcReplyPort<Vec<Vec<f32>>>),
+    Squares(RpcReplyPort<Vec<(usize, f64)>>),
+    Params(RpcReplyPort<Vec<(usize, Vec<f32>)>>),
 }
 
 /// The actor's state: the channel to its executor thread.
@@ -176,7 +177,7 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
                 let squares = executor
                     .block_params()
                     .iter()
-                    .map(|p| p.iter().map(|&x| (x as f64) * (x as f64)).sum())
+                    .map(|(i, p)| (*i, p.iter().map(|&x| (x as f64) * (x as f64)).sum()))
                     .collect();
                 let _ = reply.send(squares);
             }

@@ -55,6 +55,8 @@ pub struct StepMetrics {
     pub peak_model_state_bytes: u64,
     /// Bytes of the weights the compute modules hold beside the f32 master parameters.
     pub compute_weight_bytes: u64,
+    /// The most micro-batches whose activations were held at once (per chunk, summed).
+    pub peak_microbatches_held: usize,
 }
 
 /// Local compute of an actor.
@@ -68,10 +70,16 @@ pub trait Computation: Send {
         outputs: &[String],
         table: &mut TensorTable,
     ) -> Result<(), String>;
+    /// A tensor the computation holds outside the table (an activation or its gradient about to
+    /// cross to another actor), moved into host memory; `None` when it has no such tensor.
+    fn export(&mut self, name: &str) -> Option<Result<HostTensor, String>> {
+        let _ = name;
+        None
+    }
     /// Called after the last instruction of a step.
     fn finish_step(&mut self) -> StepMetrics;
-    /// The parameters of each block (training only; empty otherwise).
-    fn block_params(&self) -> Vec<Vec<f32>> {
+    /// The parameters of each block this actor holds, by block index (training only).
+    fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
         Vec::new()
     }
 }
@@ -100,6 +108,8 @@ pub struct StepReport {
     pub metrics: StepMetrics,
     /// Wall time of the whole stream.
     pub seconds: f64,
+    /// When the stream began, seconds since the Unix epoch (to line actors up on one timeline).
+    pub began_unix_s: f64,
     /// Per-instruction timings.
     pub timings: Vec<InstructionTiming>,
 }
@@ -140,13 +150,16 @@ impl Executor {
     }
 
     /// The computation's block parameters.
-    pub fn block_params(&self) -> Vec<Vec<f32>> {
+    pub fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
         self.computation.block_params()
     }
 
     /// Runs the stream once as step `step`. On failure the fabric is aborted.
     pub fn run_step(&mut self, step: u64) -> Result<StepReport, ActorFailure> {
         let began = Instant::now();
+        let began_unix_s = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
         let mut timings = Vec::with_capacity(self.stream.len());
         let mut pending: HashMap<u64, PendingCollective> = HashMap::new();
         for index in 0..self.stream.len() {
@@ -180,6 +193,7 @@ impl Executor {
             step,
             metrics,
             seconds: began.elapsed().as_secs_f64(),
+            began_unix_s,
             timings,
         })
     }
@@ -206,11 +220,17 @@ impl Executor {
                 }
             }
             Instruction::Send { tensor, to, tag } => {
-                let value = self
-                    .table
-                    .get(tensor)
-                    .cloned()
-                    .ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
+                let value = match self.table.get(tensor) {
+                    Some(t) => t.clone(),
+                    None => {
+                        let computation = &mut self.computation;
+                        match catch_unwind(AssertUnwindSafe(|| computation.export(tensor))) {
+                            Ok(Some(result)) => result.map_err(|m| (m, false))?,
+                            Ok(None) => return Err((format!("`{tensor}` is not here"), false)),
+                            Err(payload) => return Err((panic_message(payload.as_ref()), false)),
+                        }
+                    }
+                };
                 self.fabric
                     .send(
                         self.actor,

@@ -3,11 +3,19 @@
 //! Forward runs segment by segment; each segment's input is a fresh autodiff leaf, so the backward
 //! of a segment is its own small graph: the last segment starts from the loss, every other one
 //! from `sum(y ⊙ g)` with the upstream gradient `g` (exact: the vector–Jacobian product). A
-//! segment's parameter gradients leave burn as one flat bucket as soon as its backward is done,
-//! so the bucket's all-reduce overlaps the backward of the segments before it. The optimizer runs
-//! on flat slices and writes the parameters back into the modules.
+//! segment's parameter gradients leave burn as one flat bucket as soon as its backward is done
+//! (added up over micro-batches), so the bucket's all-reduce overlaps the backward of the segments
+//! before it. The optimizer runs on flat slices and writes the parameters back into the modules.
+//!
+//! Pipeline stages: an actor builds only the blocks of its chunks. Activations and their
+//! gradients that cross to another stage leave as [`HostTensor`]s ([`Computation::export`]) and
+//! arrive through the tensor table. Under activation checkpointing a forward keeps only the
+//! segment's input and drops its graph; the backward recomputes the forward first (Chen et al.,
+//! 2016). ZB-H1's split backward: `BackwardInput` runs burn's backward (which always yields input
+//! and weight gradients together) and keeps the weight gradients; `BackwardWeight` moves them into
+//! the gradient bucket.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 
 use burn::tensor::activation::log_softmax;
@@ -20,6 +28,7 @@ use archipelago_dataflow::{ActorId, ComputeOp, InputKind, ModelDesc, Program};
 use crate::block::{Activation, Block, deterministic_init};
 use crate::executor::{Computation, StepMetrics, TensorTable};
 use crate::flat_optimizer::FlatOptimizer;
+use crate::flow_functions::{from_burn, to_burn};
 use crate::host_tensor::HostTensor;
 use crate::zoo::{BuildContext, ModelBuilder};
 
@@ -33,9 +42,14 @@ struct Batch<B: AutodiffBackend> {
     targets: Tensor<B, 1, Int>,
 }
 
+/// A segment's forward for one micro-batch, kept for its backward.
 struct Segment<B: AutodiffBackend> {
     input: Activation<B>,
+    /// The output; without its graph when `checkpointed`.
     output: Activation<B>,
+    checkpointed: bool,
+    /// The batch whose targets the loss uses (last segment only).
+    batch: Option<String>,
 }
 
 /// One actor's model, optimizer state and in-flight step.
@@ -43,38 +57,54 @@ pub struct Trainer<B: AutodiffBackend> {
     device: B::Device,
     desc: ModelDesc,
     blocks: Vec<Option<Box<dyn Block<B>>>>,
+    /// `offsets[i]..offsets[i + 1]`: block `i` in the local master vector (empty when not held).
     offsets: Vec<usize>,
-    /// f32 master parameters, flat in block order; the modules hold the compute copy.
+    /// First block of each chunk held, for counting micro-batches in flight per chunk.
+    chunk_starts: Vec<usize>,
+    /// f32 master parameters of the held blocks, flat in block order.
     master: Vec<f32>,
     optimizer: FlatOptimizer,
     /// Gradient bucket buffers kept from the last step (no fresh allocation per step).
     spare_buffers: Vec<Vec<f32>>,
     samples: Samples,
     global_batch: usize,
-    batch: Option<Batch<B>>,
-    segments: HashMap<usize, Segment<B>>,
-    by_name: HashMap<String, usize>,
-    loss: Option<Tensor<B, 1>>,
-    loss_value: Option<f32>,
+    checkpoint: bool,
+    batches: HashMap<String, Batch<B>>,
+    segments: HashMap<(usize, usize), Segment<B>>,
+    by_name: HashMap<String, (usize, usize)>,
+    losses: HashMap<String, (usize, usize)>,
+    loss_sum: Option<f32>,
     upstream: HashMap<String, Activation<B>>,
+    /// ZB-H1: weight gradients computed by `BackwardInput`, waiting for `BackwardWeight`.
+    pending_weights: HashMap<(usize, usize), B::Gradients>,
     grad_ranges: HashMap<String, Range<usize>>,
+    grads_started: HashSet<String>,
     peak_grad_bytes: u64,
+    live: HashMap<(usize, usize), usize>,
+    peak_live: usize,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
-    /// Builds every block of `program`'s model on `device` for `actor`, initialised from
-    /// `(seed, block index)`, and the data source.
+    /// Builds the blocks of `chunks` (half-open block ranges) of `program`'s model on `device`
+    /// for `actor`, initialised from `(seed, block index)`, and the data source.
     pub fn new(
         program: &Program,
         builder: &dyn ModelBuilder<B>,
         actor: ActorId,
         device: B::Device,
+        chunks: &[(usize, usize)],
     ) -> Result<Trainer<B>, String> {
         let desc = program.model.clone();
+        let held = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
         let mut blocks = Vec::with_capacity(desc.blocks.len());
         let mut offsets = vec![0];
-        let mut master = Vec::with_capacity(desc.params() as usize);
+        let mut master = Vec::new();
         for (index, info) in desc.blocks.iter().enumerate() {
+            if !held(index) {
+                blocks.push(None);
+                offsets.push(offsets[index]);
+                continue;
+            }
             let ctx = BuildContext {
                 seed: program.seed,
                 actor,
@@ -94,63 +124,55 @@ impl<B: AutodiffBackend> Trainer<B> {
             master.extend_from_slice(&init);
             offsets.push(offsets[index] + info.params as usize);
         }
-        let samples = match (&program.data, desc.input) {
-            (DataSpec::Clusters { seed }, InputKind::Dense { features, classes }) => {
-                Samples::Clusters(ClusterPool::new(*seed, features, classes))
-            }
-            (DataSpec::SyntheticBytes { seed }, InputKind::Tokens { .. }) => {
-                Samples::Tokens(TokenStream::synthetic(*seed))
-            }
-            (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
-                let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;
-                if vocab < 256 {
-                    return Err(format!(
-                        "--data trains on bytes: the model needs vocab=256, not {vocab}"
-                    ));
-                }
-                if bytes.len() <= ctx + 1 {
-                    return Err(format!(
-                        "--data {path} has {} bytes; it needs more than ctx+1 = {}",
-                        bytes.len(),
-                        ctx + 1
-                    ));
-                }
-                Samples::Tokens(TokenStream::from_bytes(bytes))
-            }
-            (data, input) => return Err(format!("data {data:?} does not fit a model that takes {input:?}")),
-        };
-        let total = *offsets.last().expect("offsets");
+        let samples = samples(&program.data, desc.input)?;
         Ok(Trainer {
             device,
             desc,
             blocks,
             offsets,
+            chunk_starts: chunks.iter().map(|c| c.0).collect(),
+            optimizer: FlatOptimizer::new(program.optimizer, master.len()),
             master,
-            optimizer: FlatOptimizer::new(program.optimizer, total),
             spare_buffers: Vec::new(),
             samples,
             global_batch: program.plan.batch,
-            batch: None,
+            checkpoint: program.plan.checkpoint_activations,
+            batches: HashMap::new(),
             segments: HashMap::new(),
             by_name: HashMap::new(),
-            loss: None,
-            loss_value: None,
+            losses: HashMap::new(),
+            loss_sum: None,
             upstream: HashMap::new(),
+            pending_weights: HashMap::new(),
             grad_ranges: HashMap::new(),
+            grads_started: HashSet::new(),
             peak_grad_bytes: 0,
+            live: HashMap::new(),
+            peak_live: 0,
         })
     }
 
-    /// Flat parameters of block `index`.
+    /// Flat parameters of block `index` (empty when this actor does not hold it).
     pub fn block_params(&self, index: usize) -> &[f32] {
         &self.master[self.offsets[index]..self.offsets[index + 1]]
     }
 
-    fn block(&self, index: usize) -> &dyn Block<B> {
-        self.blocks[index].as_deref().expect("block present")
+    fn block(&self, index: usize) -> Result<&dyn Block<B>, String> {
+        self.blocks[index]
+            .as_deref()
+            .ok_or_else(|| format!("block {index} is not held by this actor"))
     }
 
-    fn load_batch(&mut self, step: u64, rows: Range<usize>) {
+    fn chunk_of(&self, block: usize) -> usize {
+        self.chunk_starts
+            .iter()
+            .copied()
+            .filter(|&s| s <= block)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn load_batch(&mut self, step: u64, rows: Range<usize>, name: &str) {
         let n = rows.len();
         let batch = match &self.samples {
             Samples::Clusters(pool) => {
@@ -179,35 +201,65 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
             }
         };
-        self.batch = Some(batch);
+        self.batches.insert(name.to_string(), batch);
     }
 
-    fn forward(&mut self, blocks: Range<usize>, input: &str, output: &str) -> Result<(), String> {
-        let x = if input == "batch" {
-            self.batch.as_ref().ok_or("no batch loaded")?.input.clone()
-        } else {
-            let producer = self
-                .by_name
-                .get(input)
-                .ok_or_else(|| format!("no segment produced `{input}`"))?;
-            self.segments[producer].output.leaf()
-        };
-        let mut y = x.clone();
-        for index in blocks.clone() {
-            y = self.block(index).forward(y);
+    /// A received tensor from the table as an activation.
+    fn import(&self, name: &str, table: &mut TensorTable) -> Result<Activation<B>, String> {
+        let t = table
+            .remove(name)
+            .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
+        match t.shape.len() {
+            2 => Ok(Activation::Rows(to_burn::<B, 2>(&t, &self.device))),
+            3 => Ok(Activation::Seq(to_burn::<B, 3>(&t, &self.device))),
+            r => Err(format!("`{name}` has rank {r}; activations have rank 2 or 3")),
         }
-        self.segments
-            .insert(blocks.start, Segment { input: x, output: y });
-        self.by_name.insert(output.to_string(), blocks.start);
+    }
+
+    fn run_blocks(&self, blocks: Range<usize>, x: Activation<B>) -> Result<Activation<B>, String> {
+        let mut y = x;
+        for index in blocks {
+            y = self.block(index)?.forward(y);
+        }
+        Ok(y)
+    }
+
+    fn forward(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        input: &str,
+        output: &str,
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let x = if let Some(batch) = self.batches.get(input) {
+            batch.input.clone()
+        } else if let Some(key) = self.by_name.get(input) {
+            self.segments[key].output.leaf()
+        } else {
+            self.import(input, table)?.leaf()
+        };
+        let y = self.run_blocks(blocks.clone(), x.clone())?;
+        let output_value = if self.checkpoint { y.detach() } else { y };
+        let key = (blocks.start, mb);
+        self.segments.insert(
+            key,
+            Segment {
+                input: x,
+                output: output_value,
+                checkpointed: self.checkpoint,
+                batch: None,
+            },
+        );
+        self.by_name.insert(output.to_string(), key);
+        let chunk = (self.chunk_of(blocks.start), mb);
+        *self.live.entry(chunk).or_default() += 1;
+        self.peak_live = self.peak_live.max(self.live.len());
         Ok(())
     }
 
-    fn compute_loss(&mut self, logits_name: &str) -> Result<(), String> {
-        let producer = self
-            .by_name
-            .get(logits_name)
-            .ok_or_else(|| format!("no segment produced `{logits_name}`"))?;
-        let logits = match &self.segments[producer].output {
+    fn loss_of(&self, output: &Activation<B>, batch: &str) -> Result<Tensor<B, 1>, String> {
+        let logits = match output {
             Activation::Rows(l) => l.clone(),
             Activation::Seq(l) => {
                 let [b, t, v] = l.dims();
@@ -215,50 +267,125 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
             Activation::Tokens(_) => return Err("the model's last block must output logits".into()),
         };
-        let targets = self.batch.as_ref().ok_or("no batch loaded")?.targets.clone();
+        let targets = self
+            .batches
+            .get(batch)
+            .ok_or_else(|| format!("batch `{batch}` is not loaded"))?
+            .targets
+            .clone();
         let [n, _] = logits.dims();
         let per_global_sample = 1.0 / (self.global_batch * self.desc.input.tokens_per_sample()) as f32;
         let picked = log_softmax(logits, 1).gather(1, targets.reshape([n, 1]));
-        let loss = picked.sum().neg().mul_scalar(per_global_sample);
-        self.loss_value = Some(loss.clone().into_scalar().elem::<f32>());
-        self.loss = Some(loss);
+        Ok(picked.sum().neg().mul_scalar(per_global_sample))
+    }
+
+    fn compute_loss(&mut self, logits: &str, batch: &str, loss: &str) -> Result<(), String> {
+        let key = *self
+            .by_name
+            .get(logits)
+            .ok_or_else(|| format!("no segment produced `{logits}`"))?;
+        let value = self.loss_of(&self.segments[&key].output, batch)?;
+        let scalar = value.into_scalar().elem::<f32>();
+        *self.loss_sum.get_or_insert(0.0) += scalar;
+        self.segments.get_mut(&key).expect("segment").batch = Some(batch.to_string());
+        self.losses.insert(loss.to_string(), key);
         Ok(())
+    }
+
+    /// Runs the backward of segment `(start, mb)` from `upstream`; returns burn's gradients and
+    /// the segment (for its input's gradient).
+    fn backward_pass(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        upstream: &str,
+        table: &mut TensorTable,
+    ) -> Result<(B::Gradients, Segment<B>), String> {
+        let mut segment = self
+            .segments
+            .remove(&(blocks.start, mb))
+            .ok_or("backward of a segment that did not run forward")?;
+        if segment.checkpointed {
+            segment.output = self.run_blocks(blocks.clone(), segment.input.clone())?;
+        }
+        let grads = if let Some(key) = self.losses.remove(upstream) {
+            if key != (blocks.start, mb) {
+                return Err(format!("`{upstream}` is not the loss of this segment"));
+            }
+            let batch = segment.batch.clone().ok_or("no loss computed for this segment")?;
+            self.loss_of(&segment.output, &batch)?.backward()
+        } else {
+            let g = match self.upstream.remove(upstream) {
+                Some(g) => g,
+                None => self.import(upstream, table)?,
+            };
+            segment.output.dot(&g).backward()
+        };
+        Ok((grads, segment))
+    }
+
+    /// Moves the segment's weight gradients into its bucket `grad_name`, adding to what earlier
+    /// micro-batches left there this step.
+    fn accumulate(
+        &mut self,
+        blocks: Range<usize>,
+        grads: &mut B::Gradients,
+        grad_name: &str,
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let range = self.offsets[blocks.start]..self.offsets[blocks.end];
+        let first = self.grads_started.insert(grad_name.to_string());
+        let mut flat = if first {
+            match self.spare_buffers.iter().position(|b| b.len() == range.len()) {
+                Some(i) => self.spare_buffers.swap_remove(i),
+                None => vec![0.0f32; range.len()],
+            }
+        } else {
+            table
+                .remove(grad_name)
+                .ok_or_else(|| format!("gradient bucket `{grad_name}` left the actor mid-step"))?
+                .into_vec()
+        };
+        for index in blocks.clone() {
+            let at = self.offsets[index] - range.start..self.offsets[index + 1] - range.start;
+            self.block(index)?.take_grads(grads, &mut flat[at], !first);
+        }
+        table.insert(grad_name.to_string(), HostTensor::flat(flat));
+        let held: u64 = self
+            .grad_ranges
+            .keys()
+            .chain(std::iter::once(&grad_name.to_string()))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .filter_map(|n| table.get(n).map(HostTensor::bytes))
+            .sum();
+        let spare: u64 = self.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
+        self.peak_grad_bytes = self.peak_grad_bytes.max(held + spare);
+        self.grad_ranges.insert(grad_name.to_string(), blocks);
+        Ok(())
+    }
+
+    fn release(&mut self, start: usize, mb: usize) {
+        let key = (self.chunk_of(start), mb);
+        if let Some(n) = self.live.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                self.live.remove(&key);
+            }
+        }
     }
 
     fn backward(
         &mut self,
         blocks: Range<usize>,
+        mb: usize,
         upstream: &str,
         outputs: &[String],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let segment = self
-            .segments
-            .remove(&blocks.start)
-            .ok_or("backward of a segment that did not run forward")?;
-        let mut grads = if upstream == "loss" {
-            self.loss.take().ok_or("no loss to backpropagate")?.backward()
-        } else {
-            let g = self
-                .upstream
-                .remove(upstream)
-                .ok_or_else(|| format!("no upstream gradient `{upstream}`"))?;
-            segment.output.dot(&g).backward()
-        };
-        let range = self.offsets[blocks.start]..self.offsets[blocks.end];
-        let mut flat = match self.spare_buffers.iter().position(|b| b.len() == range.len()) {
-            Some(i) => self.spare_buffers.swap_remove(i),
-            None => vec![0.0f32; range.len()],
-        };
-        for index in blocks.clone() {
-            let at = self.offsets[index] - range.start..self.offsets[index + 1] - range.start;
-            self.block(index).take_grads(&mut grads, &mut flat[at]);
-        }
+        let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
         let grad_name = outputs.first().ok_or("backward names no gradient output")?;
-        table.insert(grad_name.clone(), HostTensor::flat(flat));
-        let spare: u64 = self.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
-        self.peak_grad_bytes = self.peak_grad_bytes.max(table.bytes() + spare);
-        self.grad_ranges.insert(grad_name.clone(), blocks);
+        self.accumulate(blocks.clone(), &mut grads, grad_name, table)?;
         if let Some(input_grad) = outputs.get(1) {
             let g = segment
                 .input
@@ -266,6 +393,44 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or("the segment input has no gradient")?;
             self.upstream.insert(input_grad.clone(), g);
         }
+        self.release(blocks.start, mb);
+        Ok(())
+    }
+
+    fn backward_input(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        upstream: &str,
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
+        if let Some(input_grad) = outputs.first() {
+            let g = segment
+                .input
+                .take_grad(&mut grads)
+                .ok_or("the segment input has no gradient")?;
+            self.upstream.insert(input_grad.clone(), g);
+        }
+        self.pending_weights.insert((blocks.start, mb), grads);
+        Ok(())
+    }
+
+    fn backward_weight(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let mut grads = self
+            .pending_weights
+            .remove(&(blocks.start, mb))
+            .ok_or("BackwardWeight before its BackwardInput")?;
+        let grad_name = outputs.first().ok_or("BackwardWeight names no gradient output")?;
+        self.accumulate(blocks.clone(), &mut grads, grad_name, table)?;
+        self.release(blocks.start, mb);
         Ok(())
     }
 
@@ -293,6 +458,42 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 }
 
+fn samples(data: &DataSpec, input: InputKind) -> Result<Samples, String> {
+    Ok(match (data, input) {
+        (DataSpec::Clusters { seed }, InputKind::Dense { features, classes }) => {
+            Samples::Clusters(ClusterPool::new(*seed, features, classes))
+        }
+        (DataSpec::SyntheticBytes { seed }, InputKind::Tokens { .. }) => {
+            Samples::Tokens(TokenStream::synthetic(*seed))
+        }
+        (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
+            let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;
+            if vocab < 256 {
+                return Err(format!(
+                    "--data trains on bytes: the model needs vocab=256, not {vocab}"
+                ));
+            }
+            if bytes.len() <= ctx + 1 {
+                return Err(format!(
+                    "--data {path} has {} bytes; it needs more than ctx+1 = {}",
+                    bytes.len(),
+                    ctx + 1
+                ));
+            }
+            Samples::Tokens(TokenStream::from_bytes(bytes))
+        }
+        (data, input) => return Err(format!("data {data:?} does not fit a model that takes {input:?}")),
+    })
+}
+
+fn to_host<B: AutodiffBackend>(a: &Activation<B>) -> Result<HostTensor, String> {
+    match a {
+        Activation::Rows(t) => Ok(from_burn(t.clone().detach())),
+        Activation::Seq(t) => Ok(from_burn(t.clone().detach())),
+        Activation::Tokens(_) => Err("token ids do not cross stages; the first chunk loads them".into()),
+    }
+}
+
 impl<B: AutodiffBackend> Computation for Trainer<B> {
     fn compute(
         &mut self,
@@ -302,23 +503,31 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         outputs: &[String],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let first = |names: &[String]| {
+        let nth = |names: &[String], i: usize| {
             names
-                .first()
+                .get(i)
                 .cloned()
-                .ok_or_else(|| format!("{op} names no tensor"))
+                .ok_or_else(|| format!("{op} names too few tensors"))
         };
         match op {
             ComputeOp::LoadBatch { start, end } => {
-                self.load_batch(step, *start..*end);
+                self.load_batch(step, *start..*end, &nth(outputs, 0)?);
                 Ok(())
             }
-            ComputeOp::Forward { start, end, .. } => {
-                self.forward(*start..*end, &first(inputs)?, &first(outputs)?)
+            ComputeOp::Forward { start, end, mb } => {
+                self.forward(*start..*end, *mb, &nth(inputs, 0)?, &nth(outputs, 0)?, table)
             }
-            ComputeOp::Loss { .. } => self.compute_loss(&first(inputs)?),
-            ComputeOp::Backward { start, end, .. } => {
-                self.backward(*start..*end, &first(inputs)?, outputs, table)
+            ComputeOp::Loss { .. } => {
+                self.compute_loss(&nth(inputs, 0)?, &nth(inputs, 1)?, &nth(outputs, 0)?)
+            }
+            ComputeOp::Backward { start, end, mb } => {
+                self.backward(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
+            }
+            ComputeOp::BackwardInput { start, end, mb } => {
+                self.backward_input(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
+            }
+            ComputeOp::BackwardWeight { start, end, mb } => {
+                self.backward_weight(*start..*end, *mb, outputs, table)
             }
             ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, table),
             ComputeOp::User { name } => Err(format!("a training actor has no user function `{name}`")),
@@ -326,26 +535,41 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         }
     }
 
+    fn export(&mut self, name: &str) -> Option<Result<HostTensor, String>> {
+        if let Some(key) = self.by_name.get(name) {
+            return Some(to_host(&self.segments.get(key)?.output));
+        }
+        self.upstream.remove(name).map(|g| to_host(&g))
+    }
+
     fn finish_step(&mut self) -> StepMetrics {
-        self.batch = None;
+        self.batches.clear();
         self.segments.clear();
         self.by_name.clear();
+        self.losses.clear();
+        self.upstream.clear();
+        self.pending_weights.clear();
+        self.grads_started.clear();
+        self.live.clear();
         let params = 4 * self.master.len() as u64;
         let state = params + self.optimizer.state_bytes();
         let held_grads: u64 = self.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
         let metrics = StepMetrics {
-            loss: self.loss_value.take(),
+            loss: self.loss_sum.take(),
             model_state_bytes: state + held_grads,
             peak_model_state_bytes: state + self.peak_grad_bytes.max(held_grads),
             compute_weight_bytes: params,
+            peak_microbatches_held: self.peak_live,
         };
         self.peak_grad_bytes = 0;
+        self.peak_live = 0;
         metrics
     }
 
-    fn block_params(&self) -> Vec<Vec<f32>> {
+    fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
         (0..self.blocks.len())
-            .map(|i| Trainer::block_params(self, i).to_vec())
+            .filter(|&i| self.blocks[i].is_some())
+            .map(|i| (i, Trainer::block_params(self, i).to_vec()))
             .collect()
     }
 }

@@ -11,6 +11,8 @@ use clap::{Args, Parser, Subcommand};
 use serde::Serialize;
 
 use archipelago_dataflow::data::DataSpec;
+use archipelago_dataflow::passes::partition::parse_stages;
+use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{DeviceSpec, InputKind, ModelSpec, OptimizerSpec, ParallelPlan, Program};
 
 use crate::train_job::{StepProgress, TrainOptions};
@@ -66,6 +68,24 @@ pub struct JobArgs {
     /// Memory budget per device in bytes; plans that do not fit are refused.
     #[arg(long)]
     pub device_memory: Option<u64>,
+    /// Pipeline stages (devices along the pp axis; the mesh is dp × pp).
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: String,
+    /// Micro-batches per step (each replica's batch is split into this many).
+    #[arg(long, default_value_t = 1)]
+    pub microbatches: usize,
+    /// Model chunks per pipeline device (with --schedule interleaved).
+    #[arg(long, default_value_t = 1)]
+    pub virtual_stages: usize,
+    /// Keep only segment inputs in forward; recompute the forward inside backward.
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+    /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.
+    #[arg(long)]
+    pub stages: Option<String>,
 }
 
 impl JobArgs {
@@ -81,14 +101,25 @@ impl JobArgs {
                 path: path.display().to_string(),
             };
         }
+        let blocks = program.model.blocks.len();
         program.plan = ParallelPlan {
             dp: self.dp,
             batch: self.batch.unwrap_or(program.plan.batch),
             bucket_bytes: (self.bucket_mb * (1u64 << 20) as f64).max(1.0) as u64,
             device_memory: self.device_memory,
+            pp: self.pp,
+            microbatches: self.microbatches,
+            schedule: self.schedule.parse::<Schedule>().map_err(anyhow::Error::msg)?,
+            virtual_stages: self.virtual_stages,
+            checkpoint_activations: self.checkpoint_activations,
+            stages: self
+                .stages
+                .as_deref()
+                .map(|s| parse_stages(s, blocks))
+                .transpose()?,
         };
         program.optimizer = OptimizerSpec::adam(self.lr);
-        program.devices = DeviceSpec::cpus(self.dp);
+        program.devices = DeviceSpec::cpus(self.dp * self.pp);
         Ok(program)
     }
 }
@@ -108,6 +139,9 @@ pub struct TrainArgs {
     /// Print only the summary.
     #[arg(long)]
     pub quiet: bool,
+    /// Write a Chrome/Perfetto trace (one track per actor) of the steps to this file.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
 }
 
 /// Flags of `plan`.
@@ -157,6 +191,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         patience: std::time::Duration::from_secs(args.patience_s),
         flags: serde_json::to_value(&args.job)?,
         on_step: Some(on_step),
+        trace: args.trace.clone(),
     };
     let report = controller.train(&program, &options)?;
     println!(
@@ -170,6 +205,24 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
             .unwrap_or_default(),
         report.peak_rss_bytes as f64 / (1u64 << 20) as f64
     );
+    if plan.program.plan.pp > 1 || plan.program.plan.microbatches > 1 {
+        for a in report.actors.iter().filter(|a| a.replica == 0) {
+            println!(
+                "stage {}: bubble {:.3} measured, {:.3} predicted; micro-batches held at peak {} (schedule bound {})",
+                a.stage,
+                a.bubble,
+                a.predicted_bubble,
+                a.peak_microbatches_held,
+                a.predicted_peak_microbatches_held
+            );
+        }
+    }
+    if let Some(path) = &args.trace {
+        println!(
+            "trace written to {} (open in https://ui.perfetto.dev)",
+            path.display()
+        );
+    }
     if let Some(path) = &args.report {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;
         println!("report written to {}", path.display());

@@ -23,6 +23,7 @@ pub mod flow_job;
 pub mod local;
 pub mod process_stats;
 pub mod report;
+pub mod trace;
 pub mod train_job;
 
 pub use error::JobError;

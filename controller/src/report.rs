@@ -20,6 +20,18 @@ pub struct ActorRecord {
     pub actor: usize,
     /// Its device.
     pub device: String,
+    /// Its pipeline stage.
+    pub stage: usize,
+    /// Its data-parallel replica.
+    pub replica: usize,
+    /// Median over steps (after the first) of the share of its stream's time not spent computing.
+    pub bubble: f64,
+    /// The step simulator's bubble for its stage.
+    pub predicted_bubble: f64,
+    /// The most micro-batches whose activations it held at once.
+    pub peak_microbatches_held: usize,
+    /// The schedule's bound on that number.
+    pub predicted_peak_microbatches_held: usize,
     /// Parameters + gradients + optimizer state held at the end of the last step.
     pub model_state_bytes: u64,
     /// The most held during a step.
@@ -74,6 +86,8 @@ pub struct TrainReport {
     pub tokens_per_s: Option<f64>,
     /// Median step time in seconds (after the first step).
     pub median_step_s: f64,
+    /// The step simulator's step time (cost model rates of this project's CPU machine).
+    pub predicted_step_s: f64,
     /// Load average (1, 5, 15 min) at the end.
     pub load_avg: [f64; 3],
 }

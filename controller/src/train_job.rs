@@ -16,6 +16,7 @@ use crate::actor_gang::ActorGang;
 use crate::local::{Controller, DEFAULT_PATIENCE};
 use crate::process_stats::{load_avg, peak_rss_bytes};
 use crate::report::{ActorRecord, InstructionRecord, StepRecord, TrainReport, median};
+use crate::trace::TraceRecorder;
 
 /// What the controller tells a progress callback after each step.
 #[derive(Debug, Clone)]
@@ -46,6 +47,8 @@ pub struct TrainOptions {
     pub flags: serde_json::Value,
     /// Progress callback.
     pub on_step: Option<ProgressFn>,
+    /// Write a Chrome/Perfetto trace of the steps here.
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl Default for TrainOptions {
@@ -56,6 +59,7 @@ impl Default for TrainOptions {
             patience: DEFAULT_PATIENCE,
             flags: serde_json::Value::Null,
             on_step: None,
+            trace: None,
         }
     }
 }
@@ -99,11 +103,16 @@ async fn run(
         .actors
         .iter()
         .map(|a| {
-            let (program, builder, actor, device) =
-                (plan.program.clone(), builder.clone(), a.actor, a.device);
+            let (program, builder, actor, device, chunks) = (
+                plan.program.clone(),
+                builder.clone(),
+                a.actor,
+                a.device,
+                a.chunks.clone(),
+            );
             Box::new(move || {
                 let device = device_for(device)?;
-                let trainer = Trainer::<CpuBackend>::new(&program, builder.as_ref(), actor, device)?;
+                let trainer = Trainer::<CpuBackend>::new(&program, builder.as_ref(), actor, device, &chunks)?;
                 Ok(Box::new(trainer) as Box<dyn Computation>)
             }) as ComputationFactory
         })
@@ -122,6 +131,9 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
     let mut per_actor_compute: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
     let mut per_actor_wait: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
     let mut peaks = vec![0u64; gang.len()];
+    let mut peak_held = vec![0usize; gang.len()];
+    let mut per_actor_bubble: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
+    let mut trace = options.trace.as_ref().map(|_| TraceRecorder::new());
     let mut per_instruction: Vec<Vec<Vec<f64>>> = plan
         .actors
         .iter()
@@ -136,10 +148,17 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
             let (compute, wait) = split_time(&plan.actors[r.actor].stream.instructions, r);
             per_actor_compute[r.actor].push(compute);
             per_actor_wait[r.actor].push(wait);
+            if step > 1 || options.steps == 1 {
+                per_actor_bubble[r.actor].push(1.0 - compute / r.seconds.max(1e-12));
+            }
             peaks[r.actor] = peaks[r.actor].max(r.metrics.peak_model_state_bytes);
+            peak_held[r.actor] = peak_held[r.actor].max(r.metrics.peak_microbatches_held);
             for t in &r.timings {
                 per_instruction[r.actor][t.index].push(t.seconds);
             }
+        }
+        if let Some(trace) = &mut trace {
+            trace.record(plan, step, &reports);
         }
         steps.push(StepRecord { step, loss, time_s });
         if let Some(callback) = &options.on_step {
@@ -152,7 +171,19 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         }
         last = reports;
     }
-    let squares: Vec<f64> = gang.ask(0, DeviceMsg::BlockSquares).await?;
+    if let (Some(trace), Some(path)) = (&trace, &options.trace) {
+        let text =
+            serde_json::to_string(&trace.to_json(plan)).map_err(|e| JobError::Runtime(e.to_string()))?;
+        std::fs::write(path, text)
+            .map_err(|e| JobError::Runtime(format!("cannot write the trace to {}: {e}", path.display())))?;
+    }
+    let mut squares = vec![0.0f64; plan.program.model.blocks.len()];
+    for a in plan.actors.iter().filter(|a| a.replica == 0) {
+        let held: Vec<(usize, f64)> = gang.ask(a.actor, DeviceMsg::BlockSquares).await?;
+        for (block, sq) in held {
+            squares[block] = sq;
+        }
+    }
     let mut times: Vec<f64> = steps
         .iter()
         .skip(usize::from(steps.len() > 1))
@@ -183,6 +214,12 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
                 peak_model_state_bytes: peaks[r.actor],
                 estimated_model_state_bytes: plan.memory[r.actor].model_state(),
                 compute_weight_bytes: r.metrics.compute_weight_bytes,
+                stage: plan.actors[r.actor].stage,
+                replica: plan.actors[r.actor].replica,
+                bubble: median(&mut per_actor_bubble[r.actor]),
+                predicted_bubble: plan.prediction.bubble[plan.actors[r.actor].stage],
+                peak_microbatches_held: peak_held[r.actor],
+                predicted_peak_microbatches_held: plan.prediction.peak_in_flight[plan.actors[r.actor].stage],
                 compute_s: median(&mut per_actor_compute[r.actor]),
                 comm_wait_s: median(&mut per_actor_wait[r.actor]),
                 instructions: plan.actors[r.actor]
@@ -201,6 +238,7 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         samples_per_s,
         tokens_per_s: (tokens > 1).then_some(samples_per_s * tokens as f64),
         median_step_s,
+        predicted_step_s: plan.prediction.step_s,
         load_avg: load_avg(),
     })
 }

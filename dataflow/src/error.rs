@@ -75,6 +75,56 @@ pub enum PlanError {
     /// The verifier found a malformed stream (an unmatched send, a tensor used before it exists).
     #[error("the plan is malformed: {0}")]
     Malformed(String),
+    /// More pipeline chunks than blocks: some stage would be empty.
+    #[error(
+        "pp={pp} × virtual-stages={virtual_stages} = {chunks} pipeline chunks, but the model has only {blocks} blocks \
+         and every chunk needs at least one; use --pp {max_pp} or less (or fewer --virtual-stages)"
+    )]
+    TooManyStages {
+        /// Pipeline degree.
+        pp: usize,
+        /// Chunks per device.
+        virtual_stages: usize,
+        /// `pp × virtual_stages`.
+        chunks: usize,
+        /// Blocks in the model.
+        blocks: usize,
+        /// The largest pp that fits.
+        max_pp: usize,
+    },
+    /// A replica's batch does not split into equal micro-batches.
+    #[error(
+        "each replica's batch of {per_replica} does not split into {microbatches} equal micro-batches; \
+         use --microbatches {suggest} (a divisor of {per_replica}) or --batch {batch_fix}"
+    )]
+    MicrobatchesNotDivisible {
+        /// Rows per replica.
+        per_replica: usize,
+        /// Micro-batches asked for.
+        microbatches: usize,
+        /// The nearest divisor of `per_replica` not above `microbatches`.
+        suggest: usize,
+        /// The smallest global batch above the current one that divides.
+        batch_fix: usize,
+    },
+    /// A hand-pinned stage split is wrong.
+    #[error(
+        "--stages {given}: {why}; give one inclusive block range per chunk, in order, covering blocks \
+         0..={last} exactly once (e.g. --stages {example})"
+    )]
+    BadStages {
+        /// The split as given.
+        given: String,
+        /// What is wrong.
+        why: String,
+        /// The last block index.
+        last: usize,
+        /// A split that would be accepted.
+        example: String,
+    },
+    /// Options that do not go together.
+    #[error("{0}")]
+    Conflict(String),
     /// A user dataflow graph is malformed.
     #[error("dataflow graph: {0}")]
     Flow(String),

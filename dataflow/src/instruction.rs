@@ -43,6 +43,26 @@ pub enum ComputeOp {
         /// Micro-batch.
         mb: usize,
     },
+    /// ZB-H1's `B`: the backward of blocks `start..end` for the input gradient only (sent on to
+    /// the stage before); the weight gradients are kept for the matching [`ComputeOp::BackwardWeight`].
+    BackwardInput {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// ZB-H1's `W`: the weight gradients of blocks `start..end` for micro-batch `mb`, added into
+    /// the segment's gradient bucket.
+    BackwardWeight {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+        /// Micro-batch.
+        mb: usize,
+    },
     /// Optimizer step on the flat parameters of blocks `start..end`.
     OptimizerStep {
         /// First block.
@@ -139,6 +159,12 @@ impl fmt::Display for ComputeOp {
             ComputeOp::Forward { start, end, mb } => write!(f, "Forward(blocks {start}..{end}, mb {mb})"),
             ComputeOp::Loss { mb } => write!(f, "Loss(mb {mb})"),
             ComputeOp::Backward { start, end, mb } => write!(f, "Backward(blocks {start}..{end}, mb {mb})"),
+            ComputeOp::BackwardInput { start, end, mb } => {
+                write!(f, "BackwardInput(blocks {start}..{end}, mb {mb})")
+            }
+            ComputeOp::BackwardWeight { start, end, mb } => {
+                write!(f, "BackwardWeight(blocks {start}..{end}, mb {mb})")
+            }
             ComputeOp::OptimizerStep { start, end } => write!(f, "OptimizerStep(blocks {start}..{end})"),
             ComputeOp::User { name } => write!(f, "Run({name})"),
             ComputeOp::Output { key } => write!(f, "Output({key})"),

@@ -40,6 +40,7 @@ pub mod passes;
 pub mod plan;
 pub mod program;
 pub mod rng;
+pub mod simulate;
 pub mod verify;
 
 pub use device::DeviceSpec;

@@ -1,13 +1,18 @@
 //! The memory estimate per actor: parameters, gradients, optimizer state, activations and
 //! communication buffers, in bytes (f32), computed from the plan alone.
 //!
+//! Activations follow the schedule: a pipeline device holds those of every micro-batch in flight
+//! (GPipe: all `m`; 1F1B: at most `pp − s`), or only chunk inputs under activation checkpointing
+//! (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016).
+//!
 //! Model-state accounting follows ZeRO (Rajbhandari et al., SC 2020): with f32 and Adam, a
 //! replica holding Ψ parameters keeps 4Ψ of parameters, 4Ψ of gradients and 8Ψ of optimizer state.
 
 use serde::{Deserialize, Serialize};
 
-use crate::model_spec::ModelDesc;
+use crate::model_spec::{InputKind, ModelDesc};
 use crate::passes::data_parallel::Bucket;
+use crate::passes::partition::Chunk;
 use crate::program::Program;
 
 /// Bytes one actor is expected to hold at its peak.
@@ -56,25 +61,74 @@ pub fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-/// Estimates one data-parallel replica's memory (every dp actor holds the same).
-pub fn estimate(actor: usize, program: &Program, model: &ModelDesc, buckets: &[Bucket]) -> MemoryEstimate {
-    let dp = program.plan.dp.max(1);
-    let local_batch = (program.plan.batch / dp) as u64;
-    let params = 4 * model.params();
-    let activations = 4
-        * local_batch
-        * model
-            .blocks
+/// What the estimate needs to know about one actor's place in the plan.
+#[derive(Debug, Clone, Copy)]
+pub struct ActorShare<'a> {
+    /// The actor.
+    pub actor: usize,
+    /// The chunks of blocks it holds.
+    pub chunks: &'a [Chunk],
+    /// Its gradient buckets (segments).
+    pub buckets: &'a [&'a Bucket],
+    /// Samples per micro-batch.
+    pub microbatch_rows: usize,
+    /// The most micro-batches whose activations it holds at once (from its schedule).
+    pub peak_in_flight: usize,
+}
+
+/// Estimates one actor's memory. Activations: without checkpointing, every micro-batch in flight
+/// keeps its chunk's activations; with it, only the chunk's input per micro-batch in flight, plus
+/// one segment's activations while it is recomputed.
+pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> MemoryEstimate {
+    let dp = program.plan.dp.max(1) as u64;
+    let rows = share.microbatch_rows as u64;
+    let held_params: u64 = share
+        .chunks
+        .iter()
+        .map(|&(s, e)| model.blocks[s..e].iter().map(|b| b.params).sum::<u64>())
+        .sum();
+    let params = 4 * held_params;
+    let acts = |s: usize, e: usize| -> u64 {
+        model.blocks[s..e]
             .iter()
             .map(|b| b.activation_floats_per_sample)
-            .sum::<u64>();
-    let largest_bucket = buckets.iter().map(|b| b.bytes).max().unwrap_or(0);
+            .sum()
+    };
+    let in_flight = share.peak_in_flight.max(1) as u64;
+    let activations = if program.plan.checkpoint_activations {
+        let input = share
+            .chunks
+            .iter()
+            .map(|&(s, _)| chunk_input_floats(model, s))
+            .max()
+            .unwrap_or(0);
+        let recompute = share
+            .buckets
+            .iter()
+            .map(|b| acts(b.start, b.end))
+            .max()
+            .unwrap_or(0);
+        4 * rows * (in_flight * input + recompute)
+    } else {
+        let largest = share.chunks.iter().map(|&(s, e)| acts(s, e)).max().unwrap_or(0);
+        4 * rows * in_flight * largest
+    };
+    let largest_bucket = share.buckets.iter().map(|b| b.bytes).max().unwrap_or(0);
     MemoryEstimate {
-        actor,
+        actor: share.actor,
         params,
         grads: params,
         optimizer: params * program.optimizer.state_floats_per_param(),
         activations,
-        buffers: if dp > 1 { largest_bucket / dp as u64 * 2 } else { 0 },
+        buffers: if dp > 1 { largest_bucket / dp * 2 } else { 0 },
+    }
+}
+
+/// f32 values per sample entering the chunk that starts at block `start`.
+fn chunk_input_floats(model: &ModelDesc, start: usize) -> u64 {
+    match (start, model.input) {
+        (0, InputKind::Dense { features, .. }) => features as u64,
+        (0, InputKind::Tokens { ctx, .. }) => ctx as u64,
+        (s, _) => model.blocks[s - 1].output_floats_per_sample,
     }
 }

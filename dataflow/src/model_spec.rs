@@ -78,6 +78,10 @@ pub struct BlockInfo {
     pub params: u64,
     /// f32 activations kept for backward, per sample.
     pub activation_floats_per_sample: u64,
+    /// f32 values of the block's output per sample (what crosses to the next pipeline stage, and
+    /// what activation checkpointing keeps of a stage's input).
+    #[serde(default)]
+    pub output_floats_per_sample: u64,
 }
 
 /// A model as the compiler sees it: a name, what it eats, and its blocks in order.
@@ -193,6 +197,7 @@ impl ModelSpec {
                         name: format!("linear_relu.{i}"),
                         params: (width * hidden + hidden) as u64,
                         activation_floats_per_sample: (width + 2 * hidden) as u64,
+                        output_floats_per_sample: hidden as u64,
                     });
                     width = hidden;
                 }
@@ -200,6 +205,7 @@ impl ModelSpec {
                     name: "output".into(),
                     params: (width * out + out) as u64,
                     activation_floats_per_sample: (width + 3 * out) as u64,
+                    output_floats_per_sample: out as u64,
                 });
                 ModelDesc {
                     name: self.to_string(),
@@ -224,18 +230,21 @@ impl ModelSpec {
                     name: "embedding".into(),
                     params: (vocab * d + ctx * d) as u64,
                     activation_floats_per_sample: (ctx * d) as u64,
+                    output_floats_per_sample: (ctx * d) as u64,
                 }];
                 for i in 0..layers {
                     blocks.push(BlockInfo {
                         name: format!("transformer.{i}"),
                         params: per_layer as u64,
                         activation_floats_per_sample: layer_acts as u64,
+                        output_floats_per_sample: (ctx * d) as u64,
                     });
                 }
                 blocks.push(BlockInfo {
                     name: "head".into(),
                     params: (2 * d + d * vocab) as u64,
                     activation_floats_per_sample: (ctx * (2 * d + 3 * vocab)) as u64,
+                    output_floats_per_sample: (ctx * vocab) as u64,
                 });
                 ModelDesc {
                     name: self.to_string(),

@@ -3,10 +3,13 @@
 use serde::{Deserialize, Serialize};
 
 use crate::instruction::{ActorStream, ComputeOp, Instruction};
-use crate::memory::{self, MemoryEstimate};
+use crate::memory::{self, ActorShare, MemoryEstimate};
 use crate::mesh::Mesh;
-use crate::passes::{data_parallel, lower};
+use crate::passes::partition::{self, Chunk};
+use crate::passes::pipeline::{self, Layout};
+use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
 use crate::program::Program;
+use crate::simulate::{CostModel, Prediction, simulate};
 use crate::verify::verify;
 use crate::{ActorId, DeviceSpec, PlanError};
 
@@ -21,10 +24,12 @@ pub struct ActorPlan {
     pub device: DeviceSpec,
     /// Its coordinates in the mesh, one per axis.
     pub coords: Vec<usize>,
-    /// First block it holds.
-    pub block_start: usize,
-    /// One past the last block it holds.
-    pub block_end: usize,
+    /// Its data-parallel replica.
+    pub replica: usize,
+    /// Its pipeline device (stage) index.
+    pub stage: usize,
+    /// The chunks of blocks it holds, in model order.
+    pub chunks: Vec<Chunk>,
     /// Its instruction stream for one step.
     pub stream: ActorStream,
 }
@@ -36,8 +41,14 @@ pub struct Plan {
     pub program: Program,
     /// The mesh.
     pub mesh: Mesh,
-    /// Gradient buckets (also the forward/backward segments).
+    /// Pipeline chunks in model order (chunk `c` on pipeline device `c % pp`).
+    pub chunks: Vec<Chunk>,
+    /// Gradient buckets (also the forward/backward segments), numbered over the whole model.
     pub buckets: Vec<Bucket>,
+    /// The pass order of each pipeline device.
+    pub schedule: Vec<Vec<Slot>>,
+    /// The step simulator's prediction.
+    pub prediction: Prediction,
     /// One entry per actor.
     pub actors: Vec<ActorPlan>,
     /// Memory estimate per actor.
@@ -50,31 +61,63 @@ impl Plan {
         serde_json::to_string_pretty(self).expect("plans are plain data")
     }
 
-    /// A human-readable summary: mesh, placement, streams (summarised) and memory.
+    /// A human-readable summary: mesh, placement, schedule, prediction, streams and memory.
     pub fn summary(&self) -> String {
         let p = &self.program;
+        let pl = &p.plan;
         let mut out = format!(
-            "model {} ({} parameters, {} blocks)\nmesh {} ({} actors)   global batch {}   buckets {}\n",
+            "model {} ({} parameters, {} blocks)\nmesh {} ({} actors)   global batch {}   micro-batches {}   buckets {}\n",
             p.model.name,
             p.model.params(),
             p.model.blocks.len(),
             self.mesh,
             self.actors.len(),
-            p.plan.batch,
+            pl.batch,
+            pl.microbatches,
             self.buckets
                 .iter()
                 .map(|b| format!("[blocks {}..{}: {}]", b.start, b.end, memory::mib(b.bytes)))
                 .collect::<Vec<_>>()
                 .join(" ")
         );
+        if pl.pp > 1 || pl.microbatches > 1 {
+            out.push_str(&format!(
+                "pipeline: schedule {}, pp={}, virtual stages {}, chunks --stages {}{}\n",
+                pl.schedule,
+                pl.pp,
+                pl.virtual_stages,
+                partition::format_stages(&self.chunks),
+                if pl.checkpoint_activations {
+                    ", activation checkpointing"
+                } else {
+                    ""
+                }
+            ));
+            out.push_str(&format!(
+                "predicted step {:.1} ms (cost model: {} GFLOP/s per device)\n",
+                1e3 * self.prediction.step_s,
+                CostModel::default().flops_per_s / 1e9
+            ));
+            for (s, order) in self.schedule.iter().enumerate() {
+                out.push_str(&format!(
+                    "  stage {s}: bubble {:.3}, peak micro-batches held {}: {}\n",
+                    self.prediction.bubble[s],
+                    self.prediction.peak_in_flight[s],
+                    order
+                        .iter()
+                        .map(|slot| slot.label(pl.virtual_stages))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ));
+            }
+        }
         for (a, m) in self.actors.iter().zip(&self.memory) {
             out.push_str(&format!(
-                "\nactor {} on {} {:?}: blocks {}..{}, {} instructions, memory ≈ {} ({})\n",
+                "\nactor {} on {} {:?}: blocks {}, {} instructions, memory ≈ {} ({})\n",
                 a.actor,
                 a.device,
                 a.coords,
-                a.block_start,
-                a.block_end,
+                partition::format_stages(&a.chunks),
                 a.stream.instructions.len(),
                 memory::mib(m.total()),
                 m.breakdown()
@@ -90,13 +133,19 @@ impl Plan {
 /// Compiles and verifies `program`. Nothing runs; a refused plan says what to change.
 pub fn compile(program: &Program) -> Result<Plan, PlanError> {
     let plan = &program.plan;
-    if plan.dp == 0 {
-        return Err(PlanError::Zero { what: "--dp" });
+    for (value, what) in [
+        (plan.dp, "--dp"),
+        (plan.pp, "--pp"),
+        (plan.batch, "--batch"),
+        (plan.microbatches, "--microbatches"),
+        (plan.virtual_stages, "--virtual-stages"),
+    ] {
+        if value == 0 {
+            return Err(PlanError::Zero { what });
+        }
     }
-    if plan.batch == 0 {
-        return Err(PlanError::Zero { what: "--batch" });
-    }
-    if program.model.blocks.is_empty() {
+    let blocks = program.model.blocks.len();
+    if blocks == 0 {
         return Err(PlanError::EmptyModel);
     }
     if !plan.batch.is_multiple_of(plan.dp) {
@@ -108,7 +157,48 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
             upper: lower + plan.dp,
         });
     }
-    let mesh = Mesh::new(&[("dp", plan.dp)])?;
+    let per_replica = plan.batch / plan.dp;
+    let m = plan.microbatches;
+    if !per_replica.is_multiple_of(m) {
+        let suggest = (1..=m.min(per_replica))
+            .rev()
+            .find(|d| per_replica.is_multiple_of(*d))
+            .unwrap_or(1);
+        let unit = plan.dp * m;
+        return Err(PlanError::MicrobatchesNotDivisible {
+            per_replica,
+            microbatches: m,
+            suggest,
+            batch_fix: plan.batch.div_ceil(unit) * unit,
+        });
+    }
+    check_schedule(program)?;
+    let (pp, v) = (plan.pp, plan.virtual_stages);
+    let n_chunks = pp * v;
+    let chunks = match &plan.stages {
+        Some(given) => {
+            let text = partition::format_stages(given);
+            partition::check(given, blocks, n_chunks, &text)?;
+            given.clone()
+        }
+        None => {
+            if n_chunks > blocks {
+                return Err(PlanError::TooManyStages {
+                    pp,
+                    virtual_stages: v,
+                    chunks: n_chunks,
+                    blocks,
+                    max_pp: (blocks / v).max(1),
+                });
+            }
+            partition::balanced(&program.model, n_chunks)
+        }
+    };
+    let mesh = if pp > 1 {
+        Mesh::new(&[("dp", plan.dp), ("pp", pp)])?
+    } else {
+        Mesh::new(&[("dp", plan.dp)])?
+    };
     let devices = program.devices_for(mesh.size());
     if devices.len() < mesh.size() {
         return Err(PlanError::NotEnoughDevices {
@@ -117,13 +207,67 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
             given: devices.len(),
         });
     }
-    let buckets = data_parallel::buckets(&program.model, plan.bucket_bytes.max(1));
-    let graph = data_parallel::build_step(&program.model, &mesh, plan.batch, &buckets);
-    let streams = lower::lower(&graph);
+    let shape = PipelineShape { pp, v, m };
+    let microbatch_rows = per_replica / m;
+    let cost_model = CostModel::default();
+    let costs = cost_model.pass_costs(&program.model, &chunks, microbatch_rows);
+    let orders = schedule::orders(plan.schedule, shape, &costs);
+    let layout = Layout::new(
+        &program.model,
+        mesh.clone(),
+        shape,
+        chunks.clone(),
+        plan.bucket_bytes.max(1),
+    );
+    let graph = pipeline::build_step(&layout, plan.batch, &orders);
+    let streams = crate::passes::lower::lower(&graph);
     verify(&streams)?;
-    let memory: Vec<MemoryEstimate> = (0..mesh.size())
-        .map(|a| memory::estimate(a, program, &program.model, &buckets))
+    let optimizer_s: Vec<f64> = (0..pp)
+        .map(|s| {
+            let params = layout
+                .chunks_on(s)
+                .iter()
+                .map(|&(a, b)| program.model.blocks[a..b].iter().map(|x| x.params).sum::<u64>())
+                .sum();
+            cost_model.optimizer(params)
+        })
         .collect();
+    let prediction = simulate(plan.schedule, shape, &orders, &costs, &optimizer_s);
+    let mut memory = Vec::with_capacity(mesh.size());
+    let mut actors = Vec::with_capacity(mesh.size());
+    for (actor, instructions) in streams.into_iter().enumerate() {
+        let stage = mesh.coord(actor, "pp");
+        let held = layout.chunks_on(stage);
+        let buckets: Vec<&Bucket> = layout
+            .segments
+            .iter()
+            .filter(|b| layout.device_of_segment(b.id) == stage)
+            .collect();
+        memory.push(memory::estimate(
+            program,
+            &program.model,
+            ActorShare {
+                actor,
+                chunks: &held,
+                buckets: &buckets,
+                microbatch_rows,
+                peak_in_flight: prediction.peak_in_flight[stage],
+            },
+        ));
+        actors.push(ActorPlan {
+            actor,
+            device: devices[actor],
+            coords: mesh.coords(actor),
+            replica: mesh.coord(actor, "dp"),
+            stage,
+            chunks: held,
+            stream: ActorStream {
+                actor,
+                device: devices[actor],
+                instructions,
+            },
+        });
+    }
     if let Some(budget) = plan.device_memory
         && let Some(m) = memory.iter().find(|m| m.total() > budget)
     {
@@ -135,29 +279,43 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
             breakdown: m.breakdown(),
         });
     }
-    let actors = streams
-        .into_iter()
-        .enumerate()
-        .map(|(actor, instructions)| ActorPlan {
-            actor,
-            device: devices[actor],
-            coords: mesh.coords(actor),
-            block_start: 0,
-            block_end: program.model.blocks.len(),
-            stream: ActorStream {
-                actor,
-                device: devices[actor],
-                instructions,
-            },
-        })
-        .collect();
     Ok(Plan {
         program: program.clone(),
         mesh,
-        buckets,
+        chunks,
+        buckets: layout.segments.clone(),
+        schedule: orders,
+        prediction,
         actors,
         memory,
     })
+}
+
+/// Refuses schedule options that do not go together, naming the fix.
+fn check_schedule(program: &Program) -> Result<(), PlanError> {
+    let plan = &program.plan;
+    let (pp, v, m) = (plan.pp, plan.virtual_stages, plan.microbatches);
+    if v > 1 && plan.schedule != Schedule::Interleaved {
+        return Err(PlanError::Conflict(format!(
+            "--virtual-stages {v} needs --schedule interleaved (the {} schedule runs one chunk per device)",
+            plan.schedule
+        )));
+    }
+    if plan.schedule == Schedule::Interleaved {
+        if pp < 2 {
+            return Err(PlanError::Conflict(
+                "--schedule interleaved needs --pp 2 or more".into(),
+            ));
+        }
+        if !m.is_multiple_of(pp) {
+            return Err(PlanError::Conflict(format!(
+                "--schedule interleaved runs micro-batches in groups of pp={pp}: use --microbatches {} \
+                 (a multiple of {pp})",
+                m.div_ceil(pp) * pp
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Counts the instructions of each kind in a stream (for summaries and tests).

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::DeviceSpec;
 use crate::data::DataSpec;
 use crate::model_spec::{InputKind, ModelDesc, ModelSpec};
+use crate::passes::schedule::Schedule;
 
 /// How the work is split over devices.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -20,6 +21,19 @@ pub struct ParallelPlan {
     pub bucket_bytes: u64,
     /// Memory budget per device in bytes; `None` means unchecked.
     pub device_memory: Option<u64>,
+    /// Pipeline stages (devices along the `pp` axis).
+    pub pp: usize,
+    /// Micro-batches per step; each replica's batch is split into this many.
+    pub microbatches: usize,
+    /// The pipeline schedule.
+    pub schedule: Schedule,
+    /// Model chunks per pipeline device (interleaved 1F1B); 1 otherwise.
+    pub virtual_stages: usize,
+    /// Keep only segment inputs in forward and recompute the forward inside backward.
+    pub checkpoint_activations: bool,
+    /// A hand-pinned split of the blocks into `pp × virtual_stages` chunks, as half-open block
+    /// ranges in model order; `None` balances the chunks by parameter count.
+    pub stages: Option<Vec<(usize, usize)>>,
 }
 
 impl Default for ParallelPlan {
@@ -29,7 +43,20 @@ impl Default for ParallelPlan {
             batch: 64,
             bucket_bytes: 25 << 20,
             device_memory: None,
+            pp: 1,
+            microbatches: 1,
+            schedule: Schedule::OneFOneB,
+            virtual_stages: 1,
+            checkpoint_activations: false,
+            stages: None,
         }
+    }
+}
+
+impl ParallelPlan {
+    /// Number of actors: `dp × pp`.
+    pub fn actors(&self) -> usize {
+        self.dp * self.pp
     }
 }
 

@@ -1,5 +1,6 @@
-//! Data parallelism (DDP): replicate the step over the `dp` axis, bucket the gradients, and join
-//! the replicas' buckets with all-reduce edges.
+//! Data parallelism (DDP): gradient buckets, the segments of forward and backward whose
+//! all-reduce edges join the replicas along the `dp` axis (inserted by [`super::pipeline`], which
+//! builds the whole step: a pure data-parallel step is a one-stage pipeline).
 //!
 //! Follows PyTorch DDP (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
 //! Training", VLDB 2020): buckets are filled in reverse block order, so the all-reduce of the last
@@ -7,9 +8,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::graph::Graph;
-use crate::instruction::{CollectiveKind, ComputeOp};
-use crate::mesh::Mesh;
+use std::ops::Range;
+
 use crate::model_spec::ModelDesc;
 
 /// A gradient bucket: a contiguous range of blocks whose gradients are all-reduced together.
@@ -28,12 +28,18 @@ pub struct Bucket {
 
 /// Cuts the blocks into buckets of about `bucket_bytes`, filling from the last block backwards.
 pub fn buckets(model: &ModelDesc, bucket_bytes: u64) -> Vec<Bucket> {
+    buckets_in(model, 0..model.blocks.len(), bucket_bytes, 0)
+}
+
+/// Cuts blocks `range` into buckets of about `bucket_bytes` (filled from the back), numbered
+/// from `first_id`.
+pub fn buckets_in(model: &ModelDesc, range: Range<usize>, bucket_bytes: u64, first_id: usize) -> Vec<Bucket> {
     let mut ranges = Vec::new();
-    let mut end = model.blocks.len();
+    let mut end = range.end;
     let mut bytes = 0u64;
-    for i in (0..model.blocks.len()).rev() {
+    for i in range.clone().rev() {
         bytes += 4 * model.blocks[i].params;
-        if bytes >= bucket_bytes || i == 0 {
+        if bytes >= bucket_bytes || i == range.start {
             ranges.push((i, end, bytes));
             end = i;
             bytes = 0;
@@ -43,8 +49,8 @@ pub fn buckets(model: &ModelDesc, bucket_bytes: u64) -> Vec<Bucket> {
     ranges
         .into_iter()
         .enumerate()
-        .map(|(id, (start, end, bytes))| Bucket {
-            id,
+        .map(|(i, (start, end, bytes))| Bucket {
+            id: first_id + i,
             start,
             end,
             bytes,
@@ -55,99 +61,6 @@ pub fn buckets(model: &ModelDesc, bucket_bytes: u64) -> Vec<Bucket> {
 /// Name of bucket `k`'s gradient tensor.
 pub fn grad_name(k: usize) -> String {
     format!("grad.{k}")
-}
-
-/// Builds the graph of one data-parallel training step on `mesh` (axis `dp`).
-///
-/// Each replica: load its batch slice, forward segment by segment, loss, then backward segment by
-/// segment from the last, each followed by the all-reduce of that segment's gradient bucket, and
-/// finally the optimizer step (which waits for every bucket).
-pub fn build_step(model: &ModelDesc, mesh: &Mesh, batch: usize, buckets: &[Bucket]) -> Graph {
-    let dp = mesh.axis_size("dp");
-    let mut graph = Graph::new(mesh.size());
-    let per_replica = batch / dp;
-    let blocks = model.blocks.len();
-    for b in buckets {
-        graph.tensor_bytes.insert(grad_name(b.id), b.bytes);
-    }
-    for rank in 0..mesh.size() {
-        let r = mesh.coord(rank, "dp");
-        graph.compute(
-            rank,
-            ComputeOp::LoadBatch {
-                start: r * per_replica,
-                end: (r + 1) * per_replica,
-            },
-            &[],
-            &["batch"],
-        );
-    }
-    for b in buckets {
-        let input = if b.id == 0 {
-            "batch".to_string()
-        } else {
-            format!("act.{}", b.id - 1)
-        };
-        for rank in 0..mesh.size() {
-            let op = ComputeOp::Forward {
-                start: b.start,
-                end: b.end,
-                mb: 0,
-            };
-            graph.compute(rank, op, &[&input], &[&format!("act.{}", b.id)]);
-        }
-    }
-    let last = buckets.len() - 1;
-    for rank in 0..mesh.size() {
-        graph.compute(
-            rank,
-            ComputeOp::Loss { mb: 0 },
-            &[&format!("act.{last}"), "batch"],
-            &["loss"],
-        );
-    }
-    for b in buckets.iter().rev() {
-        let upstream = if b.id == last {
-            "loss".to_string()
-        } else {
-            format!("dact.{}", b.id + 1)
-        };
-        let grad = grad_name(b.id);
-        let mut outputs = vec![grad.clone()];
-        if b.id > 0 {
-            outputs.push(format!("dact.{}", b.id));
-        }
-        let outputs: Vec<&str> = outputs.iter().map(String::as_str).collect();
-        for rank in 0..mesh.size() {
-            let op = ComputeOp::Backward {
-                start: b.start,
-                end: b.end,
-                mb: 0,
-            };
-            graph.compute(rank, op, &[&upstream], &outputs);
-        }
-        if dp > 1 {
-            for rank in 0..mesh.size() {
-                if mesh.coord(rank, "dp") == 0 {
-                    graph.collective(CollectiveKind::AllReduceSum, mesh.group(rank, "dp"), &grad);
-                }
-            }
-        }
-    }
-    let grads: Vec<String> = buckets.iter().map(|b| grad_name(b.id)).collect();
-    let grads: Vec<&str> = grads.iter().map(String::as_str).collect();
-    for rank in 0..mesh.size() {
-        graph.compute(
-            rank,
-            ComputeOp::OptimizerStep {
-                start: 0,
-                end: blocks,
-            },
-            &grads,
-            &[],
-        );
-    }
-    graph
 }
 
 #[cfg(test)]

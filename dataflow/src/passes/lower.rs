@@ -1,11 +1,13 @@
 //! Lowering: split a dataflow graph into one instruction stream per actor (MPMD).
 //!
-//! Node order is kept per actor. A transfer becomes a `Send` on the sender and a `Recv` on the
-//! receiver; a collective becomes a `StartCollective` on every member, and its `WaitCollective` is
-//! placed as late as possible: right before the first instruction that reads the tensor (or at the
-//! end of the stream), so communication overlaps whatever compute comes in between.
+//! Node order is kept per actor. A transfer becomes a `Send` on the sender, placed where the node
+//! is, and a `Recv` on the receiver, placed right before the receiver's first instruction that
+//! reads the tensor (sends are eager, so the data is usually waiting by then). A collective
+//! becomes a `StartCollective` on every member, and its `WaitCollective` is likewise placed right
+//! before the first reader (or at the end of the stream), so communication overlaps whatever
+//! compute comes in between.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use crate::graph::{Graph, NodeOp};
 use crate::instruction::Instruction;
@@ -13,19 +15,37 @@ use crate::instruction::Instruction;
 /// Lowers `graph` to one instruction list per actor. Tags are node indices, unique in the graph.
 pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
     let mut streams: Vec<Vec<Instruction>> = vec![Vec::new(); graph.actors];
-    // Per actor: started collectives not yet waited for, tensor → tag.
-    let mut pending: Vec<BTreeMap<String, u64>> = vec![BTreeMap::new(); graph.actors];
-    let mut emit = |actor: usize, instruction: Instruction, pending: &mut Vec<BTreeMap<String, u64>>| {
-        for read in instruction.reads() {
-            if let Some(tag) = pending[actor].remove(read) {
-                streams[actor].push(Instruction::WaitCollective {
-                    tensor: read.to_string(),
-                    tag,
+    // Per actor: receives not yet placed (known up front, so a receive may be placed before its
+    // send's node comes in graph order), and started collectives not yet waited for.
+    let mut recvs: Vec<BTreeMap<String, VecDeque<Instruction>>> = vec![BTreeMap::new(); graph.actors];
+    for (index, node) in graph.nodes.iter().enumerate() {
+        if let NodeOp::Transfer {
+            from, to, as_name, ..
+        } = node
+        {
+            recvs[*to]
+                .entry(as_name.clone())
+                .or_default()
+                .push_back(Instruction::Recv {
+                    tensor: as_name.clone(),
+                    from: *from,
+                    tag: index as u64,
                 });
-            }
         }
-        streams[actor].push(instruction);
-    };
+    }
+    let mut pending: Vec<BTreeMap<String, Instruction>> = vec![BTreeMap::new(); graph.actors];
+    let mut emit =
+        |actor: usize, instruction: Instruction, pending: &mut Vec<BTreeMap<String, Instruction>>| {
+            for read in instruction.reads() {
+                if let Some(recv) = recvs[actor].get_mut(read).and_then(VecDeque::pop_front) {
+                    streams[actor].push(recv);
+                }
+                if let Some(waiting) = pending[actor].remove(read) {
+                    streams[actor].push(waiting);
+                }
+            }
+            streams[actor].push(instruction);
+        };
     for (index, node) in graph.nodes.iter().enumerate() {
         let tag = index as u64;
         match node {
@@ -57,15 +77,7 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                     },
                     &mut pending,
                 );
-                emit(
-                    *to,
-                    Instruction::Recv {
-                        tensor: as_name.clone(),
-                        from: *from,
-                        tag,
-                    },
-                    &mut pending,
-                );
+                let _ = (to, as_name);
             }
             NodeOp::Collective { kind, group, tensor } => {
                 for &member in group {
@@ -76,17 +88,24 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                         tag,
                     };
                     emit(member, start, &mut pending);
-                    pending[member].insert(tensor.clone(), tag);
+                    let wait = Instruction::WaitCollective {
+                        tensor: tensor.clone(),
+                        tag,
+                    };
+                    pending[member].insert(tensor.clone(), wait);
                 }
             }
         }
     }
-    for (actor, waits) in pending.into_iter().enumerate() {
-        let mut waits: Vec<(String, u64)> = waits.into_iter().collect();
-        waits.sort_by_key(|(_, tag)| *tag);
-        for (tensor, tag) in waits {
-            streams[actor].push(Instruction::WaitCollective { tensor, tag });
-        }
+    for (actor, left) in pending.into_iter().enumerate() {
+        let mut left: Vec<Instruction> = left.into_values().collect();
+        left.extend(std::mem::take(&mut recvs[actor]).into_values().flatten());
+        left.sort_by_key(|i| match i {
+            Instruction::Recv { tag, .. } => (0, *tag),
+            Instruction::WaitCollective { tag, .. } => (1, *tag),
+            _ => (2, 0),
+        });
+        streams[actor].extend(left);
     }
     streams
 }

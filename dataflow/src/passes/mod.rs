@@ -2,3 +2,6 @@
 
 pub mod data_parallel;
 pub mod lower;
+pub mod partition;
+pub mod pipeline;
+pub mod schedule;

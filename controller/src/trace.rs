@@ -1,0 +1,128 @@
+//! `--trace FILE.json`: the steps' instruction timings as a Chrome / Perfetto trace.
+//!
+//! The Trace Event Format's complete events (`"ph": "X"`), one track (`tid`) per actor, named by
+//! metadata events; every span carries the step, the micro-batch and the instruction's category
+//! (forward, backward, loss, send, recv, all-reduce, optimizer), so pipeline bubbles show as gaps.
+//! Open the file in <https://ui.perfetto.dev> or `chrome://tracing`.
+
+use serde_json::{Value, json};
+
+use archipelago_actors::executor::StepReport;
+use archipelago_dataflow::{ComputeOp, Instruction, Plan};
+
+/// Collects spans of the steps it is shown and writes them as one trace.
+#[derive(Debug, Default)]
+pub struct TraceRecorder {
+    events: Vec<Value>,
+    origin_unix_s: Option<f64>,
+}
+
+impl TraceRecorder {
+    /// An empty trace.
+    pub fn new() -> TraceRecorder {
+        TraceRecorder::default()
+    }
+
+    /// Adds every instruction of `reports` (one step, all actors) as a span.
+    pub fn record(&mut self, plan: &Plan, step: u64, reports: &[StepReport]) {
+        let origin = *self.origin_unix_s.get_or_insert_with(|| {
+            reports
+                .iter()
+                .map(|r| r.began_unix_s)
+                .fold(f64::INFINITY, f64::min)
+        });
+        for r in reports {
+            let stream = &plan.actors[r.actor].stream.instructions;
+            for t in &r.timings {
+                let Some(instruction) = stream.get(t.index) else {
+                    continue;
+                };
+                let (category, mb) = classify(instruction);
+                let mut args = json!({ "step": step, "instruction": t.label, "index": t.index });
+                if let Some(mb) = mb {
+                    args["mb"] = json!(mb);
+                }
+                self.events.push(json!({
+                    "name": short_name(instruction, mb),
+                    "cat": category,
+                    "ph": "X",
+                    "ts": 1e6 * (r.began_unix_s - origin + t.start_s),
+                    "dur": 1e6 * t.seconds,
+                    "pid": 1,
+                    "tid": r.actor,
+                    "args": args,
+                }));
+            }
+        }
+    }
+
+    /// The trace as JSON, with a named track per actor of `plan`.
+    pub fn to_json(&self, plan: &Plan) -> Value {
+        let mut events: Vec<Value> = plan
+            .actors
+            .iter()
+            .map(|a| {
+                json!({
+                    "name": "thread_name", "ph": "M", "pid": 1, "tid": a.actor,
+                    "args": { "name": format!("actor {} ({}, stage {}, replica {})", a.actor, a.device, a.stage, a.replica) },
+                })
+            })
+            .collect();
+        events.push(json!({
+            "name": "process_name", "ph": "M", "pid": 1,
+            "args": { "name": format!("{} on {}", plan.program.model.name, plan.mesh) },
+        }));
+        events.extend(self.events.iter().cloned());
+        json!({ "traceEvents": events, "displayTimeUnit": "ms" })
+    }
+}
+
+/// The span category and micro-batch of an instruction.
+pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
+    match instruction {
+        Instruction::Compute { op, .. } => match op {
+            ComputeOp::Forward { mb, .. } => ("forward", Some(*mb)),
+            ComputeOp::Backward { mb, .. } | ComputeOp::BackwardInput { mb, .. } => ("backward", Some(*mb)),
+            ComputeOp::BackwardWeight { mb, .. } => ("backward-weight", Some(*mb)),
+            ComputeOp::Loss { mb } => ("loss", Some(*mb)),
+            ComputeOp::LoadBatch { .. } => ("load", None),
+            ComputeOp::OptimizerStep { .. } => ("optimizer", None),
+            ComputeOp::User { .. } | ComputeOp::Output { .. } => ("user", None),
+        },
+        Instruction::Send { tensor, .. } => ("send", mb_of(tensor)),
+        Instruction::Recv { tensor, .. } => ("recv", mb_of(tensor)),
+        Instruction::StartCollective { .. } | Instruction::WaitCollective { .. } => ("all-reduce", None),
+    }
+}
+
+/// Activations and their gradients are named `act.K.MB` / `dact.K.MB`.
+fn mb_of(tensor: &str) -> Option<usize> {
+    let mut parts = tensor.split('.');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some("act" | "dact"), Some(_), Some(mb)) => mb.parse().ok(),
+        _ => None,
+    }
+}
+
+fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
+    let kind = match instruction {
+        Instruction::Compute { op, .. } => match op {
+            ComputeOp::Forward { .. } => "F",
+            ComputeOp::Backward { .. } | ComputeOp::BackwardInput { .. } => "B",
+            ComputeOp::BackwardWeight { .. } => "W",
+            ComputeOp::Loss { .. } => "loss",
+            ComputeOp::LoadBatch { .. } => "load",
+            ComputeOp::OptimizerStep { .. } => "optimizer",
+            ComputeOp::User { .. } => "user",
+            ComputeOp::Output { .. } => "output",
+        },
+        Instruction::Send { .. } => "send",
+        Instruction::Recv { .. } => "recv",
+        Instruction::StartCollective { .. } => "all-reduce start",
+        Instruction::WaitCollective { .. } => "all-reduce wait",
+    };
+    match mb {
+        Some(mb) => format!("{kind}{mb}"),
+        None => kind.to_string(),
+    }
+}
