@@ -88,6 +88,11 @@ pub trait Block<B: AutodiffBackend>: Send {
     fn write_params(&self, out: &mut [f32]);
     /// Replaces the parameters with `flat`, keeping ids and `require_grad`.
     fn load_params(self: Box<Self>, flat: &[f32]) -> Box<dyn Block<B>>;
+    /// A copy whose parameters are fresh autodiff leaves over the same values (no bytes copied):
+    /// each micro-batch's forward runs on its own copy, so the graphs of micro-batches in flight
+    /// share no node and burn never merges them (its graph cleanup after one micro-batch's
+    /// backward could otherwise drop parts of another's graph).
+    fn fresh_copy(&self) -> Box<dyn Block<B>>;
     /// Moves this block's parameter gradients out of `grads` into `out` (zeros where none), or
     /// adds them to what `out` holds when `accumulate` (micro-batches of one step).
     fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32], accumulate: bool);
@@ -119,6 +124,10 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
     fn load_params(self: Box<Self>, flat: &[f32]) -> Box<dyn Block<B>> {
         let mut mapper = LoadMapper { flat, offset: 0 };
         Box::new((*self).map(&mut mapper))
+    }
+
+    fn fresh_copy(&self) -> Box<dyn Block<B>> {
+        Box::new(self.clone().map(&mut FreshLeafMapper))
     }
 
     fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32], accumulate: bool) {
@@ -189,6 +198,20 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradVisitor<'_, B> {
             None => target.fill(0.0),
         }
         self.offset += n;
+    }
+}
+
+struct FreshLeafMapper;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeafMapper {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let fresh = if tensor.is_require_grad() {
+            tensor.detach().require_grad()
+        } else {
+            tensor
+        };
+        Param::from_mapped_value(id, fresh, mapper)
     }
 }
 

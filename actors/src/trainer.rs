@@ -48,6 +48,9 @@ struct Segment<B: AutodiffBackend> {
     /// The output; without its graph when `checkpointed`.
     output: Activation<B>,
     checkpointed: bool,
+    /// The per-micro-batch copies of the blocks the forward ran on (their gradients are read
+    /// from these); empty when checkpointed (the recompute makes new ones).
+    copies: Vec<Box<dyn Block<B>>>,
     /// The batch whose targets the loss uses (last segment only).
     batch: Option<String>,
 }
@@ -75,8 +78,9 @@ pub struct Trainer<B: AutodiffBackend> {
     losses: HashMap<String, (usize, usize)>,
     loss_sum: Option<f32>,
     upstream: HashMap<String, Activation<B>>,
-    /// ZB-H1: weight gradients computed by `BackwardInput`, waiting for `BackwardWeight`.
-    pending_weights: HashMap<(usize, usize), B::Gradients>,
+    /// ZB-H1: weight gradients computed by `BackwardInput` (with the block copies they belong
+    /// to), waiting for `BackwardWeight`.
+    pending_weights: HashMap<(usize, usize), (B::Gradients, Vec<Box<dyn Block<B>>>)>,
     grad_ranges: HashMap<String, Range<usize>>,
     grads_started: HashSet<String>,
     peak_grad_bytes: u64,
@@ -216,12 +220,21 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
     }
 
-    fn run_blocks(&self, blocks: Range<usize>, x: Activation<B>) -> Result<Activation<B>, String> {
+    /// Runs `blocks` on `x`, each on a fresh copy (see [`Block::fresh_copy`]); returns the
+    /// output and the copies.
+    fn run_blocks(
+        &self,
+        blocks: Range<usize>,
+        x: Activation<B>,
+    ) -> Result<(Activation<B>, Vec<Box<dyn Block<B>>>), String> {
         let mut y = x;
+        let mut copies = Vec::with_capacity(blocks.len());
         for index in blocks {
-            y = self.block(index)?.forward(y);
+            let copy = self.block(index)?.fresh_copy();
+            y = copy.forward(y);
+            copies.push(copy);
         }
-        Ok(y)
+        Ok((y, copies))
     }
 
     fn forward(
@@ -239,15 +252,20 @@ impl<B: AutodiffBackend> Trainer<B> {
         } else {
             self.import(input, table)?.leaf()
         };
-        let y = self.run_blocks(blocks.clone(), x.clone())?;
-        let output_value = if self.checkpoint { y.detach() } else { y };
+        let (y, copies) = self.run_blocks(blocks.clone(), x.clone())?;
+        let (kept, copies) = if self.checkpoint {
+            (y.detach(), Vec::new())
+        } else {
+            (y, copies)
+        };
         let key = (blocks.start, mb);
         self.segments.insert(
             key,
             Segment {
                 input: x,
-                output: output_value,
+                output: kept,
                 checkpointed: self.checkpoint,
+                copies,
                 batch: None,
             },
         );
@@ -306,7 +324,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             .remove(&(blocks.start, mb))
             .ok_or("backward of a segment that did not run forward")?;
         if segment.checkpointed {
-            segment.output = self.run_blocks(blocks.clone(), segment.input.clone())?;
+            (segment.output, segment.copies) = self.run_blocks(blocks.clone(), segment.input.clone())?;
         }
         let grads = if let Some(key) = self.losses.remove(upstream) {
             if key != (blocks.start, mb) {
@@ -329,6 +347,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     fn accumulate(
         &mut self,
         blocks: Range<usize>,
+        copies: &[Box<dyn Block<B>>],
         grads: &mut B::Gradients,
         grad_name: &str,
         table: &mut TensorTable,
@@ -346,9 +365,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or_else(|| format!("gradient bucket `{grad_name}` left the actor mid-step"))?
                 .into_vec()
         };
-        for index in blocks.clone() {
+        for (index, copy) in blocks.clone().zip(copies) {
             let at = self.offsets[index] - range.start..self.offsets[index + 1] - range.start;
-            self.block(index)?.take_grads(grads, &mut flat[at], !first);
+            copy.take_grads(grads, &mut flat[at], !first);
         }
         table.insert(grad_name.to_string(), HostTensor::flat(flat));
         let held: u64 = self
@@ -385,7 +404,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
         let grad_name = outputs.first().ok_or("backward names no gradient output")?;
-        self.accumulate(blocks.clone(), &mut grads, grad_name, table)?;
+        self.accumulate(blocks.clone(), &segment.copies, &mut grads, grad_name, table)?;
         if let Some(input_grad) = outputs.get(1) {
             let g = segment
                 .input
@@ -413,7 +432,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or("the segment input has no gradient")?;
             self.upstream.insert(input_grad.clone(), g);
         }
-        self.pending_weights.insert((blocks.start, mb), grads);
+        self.pending_weights
+            .insert((blocks.start, mb), (grads, segment.copies));
         Ok(())
     }
 
@@ -424,12 +444,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         outputs: &[String],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let mut grads = self
+        let (mut grads, copies) = self
             .pending_weights
             .remove(&(blocks.start, mb))
             .ok_or("BackwardWeight before its BackwardInput")?;
         let grad_name = outputs.first().ok_or("BackwardWeight names no gradient output")?;
-        self.accumulate(blocks.clone(), &mut grads, grad_name, table)?;
+        self.accumulate(blocks.clone(), &copies, &mut grads, grad_name, table)?;
         self.release(blocks.start, mb);
         Ok(())
     }

@@ -1,7 +1,42 @@
 //! Shared helpers for the integration tests: run a zoo model under a plan and compare reports.
 
 use archipelago_controller::{Controller, TrainOptions, TrainReport};
-use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
+use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
+
+/// Trains `model` under `plan` for `steps` steps on the embedded controller (one CPU actor per
+/// mesh position), with seed 7 and Adam at lr 1e-2 (so that small deep models visibly learn in
+/// a few steps).
+pub fn train_plan(model: &str, plan: ParallelPlan, steps: u64) -> TrainReport {
+    train_with_options(
+        model,
+        plan,
+        TrainOptions {
+            steps,
+            ..TrainOptions::default()
+        },
+    )
+}
+
+/// [`train_plan`] with explicit options (a trace file, a job name).
+pub fn train_with_options(model: &str, plan: ParallelPlan, options: TrainOptions) -> TrainReport {
+    let what = format!(
+        "{model} dp={} pp={} m={} {} v={}{}",
+        plan.dp,
+        plan.pp,
+        plan.microbatches,
+        plan.schedule,
+        plan.virtual_stages,
+        if plan.checkpoint_activations { " ckpt" } else { "" }
+    );
+    let actors = plan.actors();
+    let program = Program::new(ModelSpec::parse(model).expect("model spec"))
+        .with_seed(7)
+        .with_optimizer(OptimizerSpec::adam(1e-2))
+        .with_plan(plan);
+    Controller::local(DeviceSpec::cpus(actors))
+        .train(&program, &options)
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
 
 /// Trains `model` with `dp` replicas, global batch `batch`, `steps` steps and gradient buckets of
 /// `bucket_bytes` (small buckets exercise the overlap path), on the embedded controller.
