@@ -32,6 +32,9 @@ use crate::flow_functions::{from_burn, to_burn};
 use crate::host_tensor::HostTensor;
 use crate::zoo::{BuildContext, ModelBuilder};
 
+/// The per-micro-batch copies of a segment's blocks (see [`Block::fresh_copy`]).
+type BlockCopies<B> = Vec<Box<dyn Block<B>>>;
+
 enum Samples {
     Clusters(ClusterPool),
     Tokens(TokenStream),
@@ -50,7 +53,7 @@ struct Segment<B: AutodiffBackend> {
     checkpointed: bool,
     /// The per-micro-batch copies of the blocks the forward ran on (their gradients are read
     /// from these); empty when checkpointed (the recompute makes new ones).
-    copies: Vec<Box<dyn Block<B>>>,
+    copies: BlockCopies<B>,
     /// The batch whose targets the loss uses (last segment only).
     batch: Option<String>,
 }
@@ -80,7 +83,7 @@ pub struct Trainer<B: AutodiffBackend> {
     upstream: HashMap<String, Activation<B>>,
     /// ZB-H1: weight gradients computed by `BackwardInput` (with the block copies they belong
     /// to), waiting for `BackwardWeight`.
-    pending_weights: HashMap<(usize, usize), (B::Gradients, Vec<Box<dyn Block<B>>>)>,
+    pending_weights: HashMap<(usize, usize), (B::Gradients, BlockCopies<B>)>,
     grad_ranges: HashMap<String, Range<usize>>,
     grads_started: HashSet<String>,
     peak_grad_bytes: u64,
@@ -226,7 +229,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         &self,
         blocks: Range<usize>,
         x: Activation<B>,
-    ) -> Result<(Activation<B>, Vec<Box<dyn Block<B>>>), String> {
+    ) -> Result<(Activation<B>, BlockCopies<B>), String> {
         let mut y = x;
         let mut copies = Vec::with_capacity(blocks.len());
         for index in blocks {
