@@ -208,10 +208,12 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
     if plan.program.plan.pp > 1 || plan.program.plan.microbatches > 1 {
         for a in report.actors.iter().filter(|a| a.replica == 0) {
             println!(
-                "stage {}: bubble {:.3} measured, {:.3} predicted; micro-batches held at peak {} (schedule bound {})",
+                "stage {}: bubble {:.3} measured, {:.3} predicted by the cost model, {:.3} replayed with the measured \
+                 pass times; micro-batches held at peak {} (schedule bound {})",
                 a.stage,
                 a.bubble,
                 a.predicted_bubble,
+                a.replayed_bubble,
                 a.peak_microbatches_held,
                 a.predicted_peak_microbatches_held
             );

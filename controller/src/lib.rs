@@ -22,6 +22,7 @@ pub mod error;
 pub mod flow_job;
 pub mod local;
 pub mod process_stats;
+pub mod replay;
 pub mod report;
 pub mod trace;
 pub mod train_job;

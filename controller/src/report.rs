@@ -24,10 +24,14 @@ pub struct ActorRecord {
     pub stage: usize,
     /// Its data-parallel replica.
     pub replica: usize,
-    /// Median over steps (after the first) of the share of its stream's time not spent computing.
+    /// Median over steps (after the first) of the share of the step not spent computing: the step
+    /// runs from the first actor's stream start to the last one's end.
     pub bubble: f64,
     /// The step simulator's bubble for its stage.
     pub predicted_bubble: f64,
+    /// The step simulator's bubble for its stage, replayed with the pass times measured in this
+    /// run instead of the cost model's rates.
+    pub replayed_bubble: f64,
     /// The most micro-batches whose activations it held at once.
     pub peak_microbatches_held: usize,
     /// The schedule's bound on that number.
@@ -88,6 +92,8 @@ pub struct TrainReport {
     pub median_step_s: f64,
     /// The step simulator's step time (cost model rates of this project's CPU machine).
     pub predicted_step_s: f64,
+    /// The step simulator's step time replayed with the pass times measured in this run.
+    pub replayed_step_s: f64,
     /// Load average (1, 5, 15 min) at the end.
     pub load_avg: [f64; 3],
 }

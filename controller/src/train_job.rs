@@ -15,6 +15,7 @@ use crate::JobError;
 use crate::actor_gang::ActorGang;
 use crate::local::{Controller, DEFAULT_PATIENCE};
 use crate::process_stats::{load_avg, peak_rss_bytes};
+use crate::replay::replay;
 use crate::report::{ActorRecord, InstructionRecord, StepRecord, TrainReport, median};
 use crate::trace::TraceRecorder;
 
@@ -144,12 +145,21 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         let reports = gang.step(step).await?;
         let time_s = began.elapsed().as_secs_f64();
         let loss: f32 = reports.iter().filter_map(|r| r.metrics.loss).sum();
+        // The step as the actors saw it: from the first stream's start to the last one's end.
+        let first = reports
+            .iter()
+            .map(|r| r.began_unix_s)
+            .fold(f64::INFINITY, f64::min);
+        let span = reports
+            .iter()
+            .map(|r| r.began_unix_s + r.seconds - first)
+            .fold(0.0, f64::max);
         for r in &reports {
             let (compute, wait) = split_time(&plan.actors[r.actor].stream.instructions, r);
             per_actor_compute[r.actor].push(compute);
             per_actor_wait[r.actor].push(wait);
             if step > 1 || options.steps == 1 {
-                per_actor_bubble[r.actor].push(1.0 - compute / r.seconds.max(1e-12));
+                per_actor_bubble[r.actor].push(1.0 - compute / span.max(1e-12));
             }
             peaks[r.actor] = peaks[r.actor].max(r.metrics.peak_model_state_bytes);
             peak_held[r.actor] = peak_held[r.actor].max(r.metrics.peak_microbatches_held);
@@ -171,6 +181,11 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         }
         last = reports;
     }
+    let instruction_medians: Vec<Vec<f64>> = per_instruction
+        .iter()
+        .map(|actor| actor.iter().map(|times| median(&mut times.clone())).collect())
+        .collect();
+    let replayed = replay(plan, &instruction_medians);
     if let (Some(trace), Some(path)) = (&trace, &options.trace) {
         let text =
             serde_json::to_string(&trace.to_json(plan)).map_err(|e| JobError::Runtime(e.to_string()))?;
@@ -218,6 +233,7 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
                 replica: plan.actors[r.actor].replica,
                 bubble: median(&mut per_actor_bubble[r.actor]),
                 predicted_bubble: plan.prediction.bubble[plan.actors[r.actor].stage],
+                replayed_bubble: replayed.bubble[plan.actors[r.actor].stage],
                 peak_microbatches_held: peak_held[r.actor],
                 predicted_peak_microbatches_held: plan.prediction.peak_in_flight[plan.actors[r.actor].stage],
                 compute_s: median(&mut per_actor_compute[r.actor]),
@@ -239,6 +255,7 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         tokens_per_s: (tokens > 1).then_some(samples_per_s * tokens as f64),
         median_step_s,
         predicted_step_s: plan.prediction.step_s,
+        replayed_step_s: replayed.step_s,
         load_avg: load_avg(),
     })
 }

@@ -122,16 +122,20 @@ pub struct PassCosts {
     pub forward: Vec<f64>,
     /// Backward of one micro-batch (input and weight gradients together).
     pub backward: Vec<f64>,
+    /// Of that, the weight-gradient part (ZB-H1's `W`); `None` assumes half, as the paper's
+    /// `T_B = T_W` does.
+    pub weight: Option<Vec<f64>>,
 }
 
 impl PassCosts {
-    /// Cost of `slot` under `schedule` (ZB-H1 splits the backward in two equal halves, as the
-    /// paper's `T_B = T_W` assumption does).
+    /// Cost of `slot` under `schedule` (ZB-H1 splits the backward into `B` and `W`).
     pub fn of(&self, slot: &Slot, schedule: Schedule) -> f64 {
         let c = slot.chunk;
+        let weight = self.weight.as_ref().map_or(self.backward[c] / 2.0, |w| w[c]);
         match (slot.pass, schedule) {
             (Pass::F, _) => self.forward[c],
-            (Pass::B, Schedule::ZbH1) | (Pass::W, _) => self.backward[c] / 2.0,
+            (Pass::B, Schedule::ZbH1) => self.backward[c] - weight,
+            (Pass::W, _) => weight,
             (Pass::B, _) => self.backward[c],
         }
     }
@@ -298,6 +302,7 @@ mod tests {
         PassCosts {
             forward: vec![1.0; shape.chunks()],
             backward: vec![2.0; shape.chunks()],
+            weight: None,
         }
     }
 
