@@ -125,3 +125,91 @@ fn data_file_trains_a_gpt_on_its_bytes() {
     ]);
     assert!(!ok && text.contains("not a gpt"), "{text}");
 }
+
+#[test]
+fn plan_refuses_bad_pipeline_input_naming_the_fix() {
+    let cases: [(&[&str], &str); 5] = [
+        (&["--pp", "12", "--microbatches", "4"], "use --pp 9 or less"),
+        (&["--pp", "2", "--microbatches", "5"], "use --microbatches 4"),
+        (&["--pp", "2", "--stages", "0-4,3-8"], "overlap"),
+        (&["--pp", "2", "--stages", "0-3,5-8"], "no chunk holds block 4"),
+        (
+            &["--pp", "2", "--schedule", "pipedream"],
+            "use gpipe, 1f1b, interleaved or zb-h1",
+        ),
+    ];
+    for (flags, needle) in cases {
+        let mut args = vec!["plan", "--model", "mlp-8x1024"];
+        args.extend_from_slice(flags);
+        let (ok, text) = archipelago(&args);
+        assert!(
+            !ok && text.contains(needle),
+            "{flags:?}: `{needle}` missing:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn plan_prints_each_stage_schedule_bubble_and_peak() {
+    let (ok, text) = archipelago(&[
+        "plan",
+        "--model",
+        "mlp-8x1024",
+        "--pp",
+        "2",
+        "--dp",
+        "2",
+        "--microbatches",
+        "8",
+        "--schedule",
+        "gpipe",
+    ]);
+    assert!(ok, "{text}");
+    for needle in [
+        "mesh dp=2 × pp=2",
+        "schedule gpipe",
+        "stage 0: bubble 0.",
+        "peak micro-batches held 8: F0 F1 F2 F3 F4 F5 F6 F7 B0",
+        "Send(act.0.7 → actor 1",
+        "Recv(dact.1.0 ← actor 1",
+    ] {
+        assert!(text.contains(needle), "`{needle}` missing:\n{text}");
+    }
+}
+
+#[test]
+fn train_with_pipeline_flags_writes_trace_and_bubble() {
+    let dir = tempfile::tempdir().unwrap();
+    let (report, trace) = (dir.path().join("r.json"), dir.path().join("t.json"));
+    let (ok, text) = archipelago(&[
+        "train",
+        "--model",
+        "mlp:in=16,hidden=32,layers=3,out=4",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--batch",
+        "16",
+        "--steps",
+        "3",
+        "--checkpoint-activations",
+        "--report",
+        report.to_str().unwrap(),
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(ok && text.contains("stage 1: bubble"), "{text}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    for key in [
+        "bubble",
+        "predicted_bubble",
+        "replayed_bubble",
+        "peak_microbatches_held",
+        "stage",
+    ] {
+        assert!(r["actors"][1].get(key).is_some(), "report lacks actors[].{key}");
+    }
+    let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    assert!(t["traceEvents"].as_array().unwrap().len() > 20);
+}

@@ -329,6 +329,7 @@ pub fn count_compute(stream: &[Instruction], pred: impl Fn(&ComputeOp) -> bool) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::passes::schedule::Schedule;
     use crate::{ModelSpec, ParallelPlan};
 
     fn program(dp: usize, batch: usize) -> Program {
@@ -386,6 +387,104 @@ mod tests {
         assert!(err.contains("budget"), "{err}");
         let m = compile(&program(2, 64)).unwrap().memory[0].clone();
         assert_eq!(m.model_state(), 16 * 8_407_050);
+    }
+
+    fn pipeline(pp: usize, m: usize, schedule: Schedule) -> Program {
+        let mut p = program(1, 64);
+        p.plan.pp = pp;
+        p.plan.microbatches = m;
+        p.plan.schedule = schedule;
+        p
+    }
+
+    #[test]
+    fn pipeline_plans_verify_and_print_schedule_bubble_and_peak() {
+        let plan = compile(&pipeline(2, 8, Schedule::OneFOneB)).unwrap();
+        assert_eq!(plan.mesh.to_string(), "dp=1 × pp=2");
+        assert_eq!(plan.chunks, vec![(0, 4), (4, 9)]);
+        assert_eq!(plan.prediction.peak_in_flight, vec![2, 1]);
+        let summary = plan.summary();
+        assert!(summary.contains("stage 0: bubble 0.1"), "{summary}");
+        assert!(
+            summary.contains("peak micro-batches held 2: F0 F1 B0 F2 B1"),
+            "{summary}"
+        );
+        let gpipe = compile(&pipeline(2, 8, Schedule::GPipe)).unwrap();
+        assert_eq!(gpipe.prediction.peak_in_flight, vec![8, 8]);
+        // GPipe keeps every micro-batch's activations; 1F1B at most pp; checkpointing only inputs.
+        assert!(gpipe.memory[0].activations > 3 * plan.memory[0].activations);
+        let mut ckpt = pipeline(2, 8, Schedule::GPipe);
+        ckpt.plan.checkpoint_activations = true;
+        let ckpt = compile(&ckpt).unwrap();
+        assert!(ckpt.memory[0].activations < gpipe.memory[0].activations / 2);
+        // Each stage holds only its blocks' state.
+        assert!(plan.memory[0].params < 4 * 8_407_050 / 2 + 4 * 1_100_000);
+        // Stage 0 sends activations to stage 1 and receives their gradients.
+        let s0 = &plan.actors[0].stream.instructions;
+        assert!(s0.iter().any(|i| matches!(i, Instruction::Send { to: 1, .. })));
+        assert!(s0.iter().any(|i| matches!(i, Instruction::Recv { from: 1, .. })));
+    }
+
+    #[test]
+    fn pipeline_times_data_parallel_all_reduces_within_each_stage() {
+        let mut p = pipeline(2, 4, Schedule::OneFOneB);
+        p.plan.dp = 2;
+        let plan = compile(&p).unwrap();
+        assert_eq!(plan.actors.len(), 4);
+        for a in &plan.actors {
+            let groups: Vec<&Vec<usize>> = a
+                .stream
+                .instructions
+                .iter()
+                .filter_map(|i| match i {
+                    Instruction::StartCollective { group, .. } => Some(group),
+                    _ => None,
+                })
+                .collect();
+            assert!(!groups.is_empty());
+            let expected = plan.mesh.group(a.actor, "dp");
+            assert!(
+                groups.iter().all(|g| **g == expected),
+                "actor {}: {groups:?}",
+                a.actor
+            );
+        }
+    }
+
+    #[test]
+    fn bad_pipeline_input_is_refused_with_the_fix() {
+        let err = |p: Program| compile(&p).unwrap_err().to_string();
+        let e = err(pipeline(12, 8, Schedule::OneFOneB));
+        assert!(e.contains("only 9 blocks") && e.contains("--pp 9"), "{e}");
+        let e = err(pipeline(2, 5, Schedule::OneFOneB));
+        assert!(e.contains("--microbatches 4") && e.contains("--batch 65"), "{e}");
+        let mut p = pipeline(2, 4, Schedule::OneFOneB);
+        p.plan.stages = Some(vec![(0, 5), (4, 9)]);
+        assert!(err(p).contains("overlap"));
+        let mut p = pipeline(2, 4, Schedule::OneFOneB);
+        p.plan.stages = Some(vec![(0, 0), (0, 9)]);
+        assert!(err(p).contains("empty"));
+        let mut p = pipeline(2, 3, Schedule::Interleaved);
+        p.plan.virtual_stages = 2;
+        p.plan.batch = 66;
+        assert!(err(p).contains("--microbatches 4"));
+        let mut p = pipeline(2, 4, Schedule::OneFOneB);
+        p.plan.virtual_stages = 2;
+        assert!(err(p).contains("--schedule interleaved"));
+    }
+
+    #[test]
+    fn compiles_a_large_pipeline_mesh_quickly() {
+        let model = ModelSpec::parse("gpt:layers=64").unwrap();
+        let p = Program::new(model).with_plan(ParallelPlan {
+            dp: 64,
+            pp: 16,
+            microbatches: 16,
+            batch: 1024,
+            ..ParallelPlan::default()
+        });
+        let plan = compile(&p).unwrap();
+        assert_eq!(plan.actors.len(), 1024);
     }
 
     #[test]

@@ -30,11 +30,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
     let training = training::mlp_dp_scaling(warmup, timed)?;
     eprintln!("training: {training}");
+    let pipeline = training::mlp_pipeline(warmup, timed)?;
+    eprintln!("pipeline: {pipeline}");
     let out = json!({
-        "suite": "foundation",
+        "suite": "foundation+pipeline",
         "quick": args.quick,
         "collectives": [all_reduce],
         "training": training,
+        "pipeline": pipeline,
         "load_avg_end": load_avg(),
     });
     let text = serde_json::to_string_pretty(&out)?;

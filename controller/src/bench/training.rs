@@ -1,7 +1,9 @@
-//! Training benchmarks: mlp-8x1024 steps/s at dp=1 and dp=2, one core per actor.
+//! Training benchmarks: mlp-8x1024 steps/s at dp=1 and dp=2, and at pp=2 (GPipe and 1F1B, eight
+//! micro-batches) with the measured bubble beside the simulator's; one core per actor.
 
 use serde_json::{Value, json};
 
+use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
 
 use crate::Controller;
@@ -47,4 +49,50 @@ pub fn mlp_dp_scaling(warmup: u64, timed: u64) -> anyhow::Result<Value> {
         }));
     }
     Ok(json!({ "runs": runs, "dp2_speedup_over_dp1": steps_per_s[1] / steps_per_s[0] }))
+}
+
+/// mlp-8x1024 at pp=2 with eight micro-batches under GPipe and 1F1B: steps/s, and per stage the
+/// measured bubble, the cost model's prediction and the replay with measured pass times.
+pub fn mlp_pipeline(warmup: u64, timed: u64) -> anyhow::Result<Value> {
+    let mut runs = Vec::new();
+    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+        let plan = ParallelPlan {
+            pp: 2,
+            microbatches: 8,
+            schedule,
+            batch: 64,
+            ..ParallelPlan::default()
+        };
+        let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(plan);
+        let controller = Controller::local(DeviceSpec::cpus(2));
+        let options = TrainOptions {
+            steps: warmup + timed,
+            job: format!("bench-pp2-{schedule}"),
+            ..TrainOptions::default()
+        };
+        let report = controller.train(&program, &options)?;
+        let mut times: Vec<f64> = report
+            .steps
+            .iter()
+            .skip(warmup as usize)
+            .map(|s| s.time_s)
+            .collect();
+        let step_s = median(&mut times);
+        runs.push(json!({
+            "name": format!("mlp-8x1024 pp=2 {schedule} m=8"),
+            "config": { "model": "mlp-8x1024", "pp": 2, "schedule": schedule.to_string(), "microbatches": 8, "global_batch": 64, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 },
+            "median_step_s": step_s,
+            "steps_per_s": 1.0 / step_s,
+            "samples_per_s": 64.0 / step_s,
+            "bubble_measured": report.actors.iter().map(|a| a.bubble).collect::<Vec<_>>(),
+            "bubble_predicted": report.actors.iter().map(|a| a.predicted_bubble).collect::<Vec<_>>(),
+            "bubble_replayed": report.actors.iter().map(|a| a.replayed_bubble).collect::<Vec<_>>(),
+            "peak_microbatches_held": report.actors.iter().map(|a| a.peak_microbatches_held).collect::<Vec<_>>(),
+            "predicted_step_s": report.predicted_step_s,
+            "replayed_step_s": report.replayed_step_s,
+            "final_loss": report.final_loss,
+            "load_avg": load_avg(),
+        }));
+    }
+    Ok(json!({ "runs": runs }))
 }

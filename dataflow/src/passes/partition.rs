@@ -123,7 +123,13 @@ fn bad_stages(given: &str, why: String, blocks: usize) -> PlanError {
 pub fn format_stages(chunks: &[Chunk]) -> String {
     chunks
         .iter()
-        .map(|(s, e)| format!("{s}-{}", e - 1))
+        .map(|&(s, e)| {
+            if e > s {
+                format!("{s}-{}", e - 1)
+            } else {
+                format!("{s}..{e}(empty)")
+            }
+        })
         .collect::<Vec<_>>()
         .join(",")
 }
