@@ -6,14 +6,17 @@
 //! a tensor: plans are serde data that print as JSON and are checked before any actor starts.
 //!
 //! The pipeline of [`compile`]:
-//! 1. [`passes::data_parallel`] builds the dataflow [`graph::Graph`] of one training step: it
-//!    replicates the model over the `dp` axis of the [`Mesh`], cuts the backward into gradient
-//!    buckets and joins the replicas' buckets with all-reduce edges.
+//! 1. [`passes::partition`] cuts the blocks into `pp × V` chunks; [`passes::schedule`] orders
+//!    each pipeline device's forward and backward passes (GPipe, 1F1B, interleaved, ZB-H1);
+//!    [`passes::pipeline`] builds the dataflow [`graph::Graph`] of one training step on the
+//!    `dp × pp` [`Mesh`]: segments (the [`passes::data_parallel`] gradient buckets) per
+//!    micro-batch, send/recv edges between stages, all-reduce edges between replicas.
 //! 2. [`passes::lower`] splits that graph into one [`ActorStream`] per actor.
 //! 3. [`verify::verify`] simulates the streams: every send has its receive, every group enters its
 //!    collectives in the same order, every tensor is defined before it is used; a deadlock is
 //!    reported naming who waits for whom.
-//! 4. [`memory::estimate`] accounts parameters, gradients, optimizer state, activations and
+//! 4. [`simulate::simulate`] predicts the step time and each stage's bubble from a cost model.
+//! 5. [`memory::estimate`] accounts parameters, gradients, optimizer state, activations and
 //!    communication buffers per actor, and refuses plans over a device's memory budget.
 //!
 //! The same graph IR serves user-declared dataflow graphs ([`flow::FlowGraph`]) that are not
