@@ -87,6 +87,11 @@ pub enum ComputeOp {
 pub enum CollectiveKind {
     /// Element-wise sum; every member ends with the total.
     AllReduceSum,
+    /// Element-wise sum, scattered: member `i` of the group ends with the total of shard `i`
+    /// (the ZeRO layout); the adjoint of [`CollectiveKind::AllGather`].
+    ReduceScatterSum,
+    /// Member `i` brings shard `i`; every member ends with all shards.
+    AllGather,
 }
 
 /// One entry of an actor's instruction stream.

@@ -1,4 +1,5 @@
-//! Chunked, pipelined ring all-reduce (sum) on the fabric.
+//! Chunked, pipelined ring collectives on the fabric: all-reduce (sum), reduce-scatter (sum) and
+//! all-gather.
 //!
 //! The bandwidth-optimal ring of Patarasuk & Yuan ("Bandwidth optimal all-reduce algorithms for
 //! clusters of workstations", JPDC 2009), as popularised by Baidu's ring all-reduce and NCCL:
@@ -41,6 +42,135 @@ impl ChunkPool {
     }
 }
 
+/// The elements of shard `s` of a buffer of `len` elements split over `n` members (the ZeRO
+/// layout: member `i` of a group owns shard `i`).
+pub fn shard_range(len: usize, n: usize, s: usize) -> Range<usize> {
+    s * len / n..(s + 1) * len / n
+}
+
+/// The ring around `group` as seen by `me`.
+struct Ring<'a> {
+    fabric: &'a dyn Fabric,
+    me: ActorId,
+    i: usize,
+    n: usize,
+    next: ActorId,
+    prev: ActorId,
+    edge: u64,
+    chunk_elems: usize,
+}
+
+impl<'a> Ring<'a> {
+    fn new(
+        fabric: &'a dyn Fabric,
+        me: ActorId,
+        group: &[ActorId],
+        edge: u64,
+        chunk_elems: usize,
+    ) -> Result<Ring<'a>, FabricError> {
+        let n = group.len();
+        let i = group
+            .iter()
+            .position(|&a| a == me)
+            .ok_or(FabricError::NoSuchActor(me))?;
+        Ok(Ring {
+            fabric,
+            me,
+            i,
+            n,
+            next: group[(i + 1) % n],
+            prev: group[(i + n - 1) % n],
+            edge,
+            chunk_elems: chunk_elems.max(1),
+        })
+    }
+
+    fn chunks(&self, r: Range<usize>) -> Vec<Range<usize>> {
+        (r.start..r.end)
+            .step_by(self.chunk_elems)
+            .map(|c| c..(c + self.chunk_elems).min(r.end))
+            .collect()
+    }
+
+    fn tag(&self, phase: u64, step: usize, chunk: usize) -> Tag {
+        Tag {
+            edge: self.edge,
+            seq: ((phase * self.n as u64 + step as u64) << 32) | chunk as u64,
+        }
+    }
+
+    /// Shard `k` (mod n) of `data`.
+    fn shard(&self, len: usize, k: usize) -> Range<usize> {
+        shard_range(len, self.n, k % self.n)
+    }
+
+    /// Reduce-scatter: afterwards this member holds the total of shard `i + offset`.
+    /// At step s it sends shard `i + offset − 1 − s` and adds the received shard `i + offset − 2 − s`.
+    fn reduce_scatter(
+        &self,
+        data: &mut [f32],
+        offset: usize,
+        pool: &mut ChunkPool,
+    ) -> Result<(), FabricError> {
+        let (n, i, len) = (self.n, self.i, data.len());
+        for s in 0..n - 1 {
+            let out = self.chunks(self.shard(len, i + offset + 2 * n - 1 - s));
+            let inn = self.chunks(self.shard(len, i + offset + 2 * n - 2 - s));
+            for c in 0..out.len().max(inn.len()) {
+                if let Some(r) = out.get(c) {
+                    let payload = pool.filled(&data[r.clone()]);
+                    self.fabric.send(self.me, self.next, self.tag(0, s, c), payload)?;
+                }
+                if let Some(r) = inn.get(c) {
+                    let got = self.fabric.recv(self.me, self.prev, self.tag(0, s, c))?;
+                    for (d, g) in data[r.clone()].iter_mut().zip(got.data.iter()) {
+                        *d += g;
+                    }
+                    pool.recycle(got);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// All-gather: this member starts with shard `i + offset`; afterwards it holds every shard.
+    /// Received chunks are forwarded as the same shared buffers.
+    fn all_gather(&self, data: &mut [f32], offset: usize, pool: &mut ChunkPool) -> Result<(), FabricError> {
+        let (n, i, len) = (self.n, self.i, data.len());
+        let mut forward: Vec<HostTensor> = Vec::new();
+        for s in 0..n - 1 {
+            let out = self.chunks(self.shard(len, i + offset + n - s));
+            let inn = self.chunks(self.shard(len, i + offset + 2 * n - s - 1));
+            let mut received = Vec::with_capacity(inn.len());
+            for c in 0..out.len().max(inn.len()) {
+                if let Some(r) = out.get(c) {
+                    let payload = if s == 0 {
+                        pool.filled(&data[r.clone()])
+                    } else {
+                        forward
+                            .get(c)
+                            .cloned()
+                            .expect("chunk received at the previous step")
+                    };
+                    self.fabric.send(self.me, self.next, self.tag(1, s, c), payload)?;
+                }
+                if let Some(r) = inn.get(c) {
+                    let got = self.fabric.recv(self.me, self.prev, self.tag(1, s, c))?;
+                    data[r.clone()].copy_from_slice(&got.data);
+                    received.push(got);
+                }
+            }
+            for done in std::mem::replace(&mut forward, received) {
+                pool.recycle(done);
+            }
+        }
+        for done in forward {
+            pool.recycle(done);
+        }
+        Ok(())
+    }
+}
+
 /// Sums `data` over `group` in place; every member calls it with the same `edge`, `group` and
 /// length. `chunk_elems` bounds the size of one message; `pool` lends the message buffers.
 pub fn ring_all_reduce(
@@ -52,80 +182,47 @@ pub fn ring_all_reduce(
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
-    let n = group.len();
-    if n <= 1 || data.is_empty() {
+    if group.len() <= 1 || data.is_empty() {
         return Ok(());
     }
-    let i = group
-        .iter()
-        .position(|&a| a == me)
-        .ok_or(FabricError::NoSuchActor(me))?;
-    let next = group[(i + 1) % n];
-    let prev = group[(i + n - 1) % n];
-    let len = data.len();
-    let segment = |s: usize| s * len / n..(s + 1) * len / n;
-    let chunks = |r: Range<usize>| -> Vec<Range<usize>> {
-        let step = chunk_elems.max(1);
-        (r.start..r.end)
-            .step_by(step)
-            .map(|c| c..(c + step).min(r.end))
-            .collect()
-    };
-    let tag = |phase: u64, step: usize, chunk: usize| Tag {
-        edge,
-        seq: ((phase * n as u64 + step as u64) << 32) | chunk as u64,
-    };
+    let ring = Ring::new(fabric, me, group, edge, chunk_elems)?;
+    ring.reduce_scatter(data, 1, pool)?;
+    ring.all_gather(data, 1, pool)
+}
 
-    // Reduce-scatter: at step s, send segment i−s, receive segment i−s−1 and add it in.
-    for s in 0..n - 1 {
-        let out = chunks(segment((i + n - s) % n));
-        let inn = chunks(segment((i + 2 * n - s - 1) % n));
-        for c in 0..out.len().max(inn.len()) {
-            if let Some(r) = out.get(c) {
-                fabric.send(me, next, tag(0, s, c), pool.filled(&data[r.clone()]))?;
-            }
-            if let Some(r) = inn.get(c) {
-                let got = fabric.recv(me, prev, tag(0, s, c))?;
-                for (d, g) in data[r.clone()].iter_mut().zip(got.data.iter()) {
-                    *d += g;
-                }
-                pool.recycle(got);
-            }
-        }
+/// Reduce-scatter (sum) in place: afterwards member `i` of `group` holds, in
+/// `data[shard_range(len, n, i)]`, the sum of that shard over all members (the rest of `data` is
+/// left partial). Each member sends (n−1)/n of the buffer.
+pub fn ring_reduce_scatter(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    group: &[ActorId],
+    edge: u64,
+    data: &mut [f32],
+    chunk_elems: usize,
+    pool: &mut ChunkPool,
+) -> Result<(), FabricError> {
+    if group.len() <= 1 || data.is_empty() {
+        return Ok(());
     }
+    Ring::new(fabric, me, group, edge, chunk_elems)?.reduce_scatter(data, 0, pool)
+}
 
-    // All-gather: member i owns the total of segment i+1; pass totals around the ring.
-    let mut forward: Vec<HostTensor> = Vec::new();
-    for s in 0..n - 1 {
-        let out = chunks(segment((i + 1 + n - s) % n));
-        let inn = chunks(segment((i + n - s) % n));
-        let mut received = Vec::with_capacity(inn.len());
-        for c in 0..out.len().max(inn.len()) {
-            if let Some(r) = out.get(c) {
-                let payload = if s == 0 {
-                    pool.filled(&data[r.clone()])
-                } else {
-                    forward
-                        .get(c)
-                        .cloned()
-                        .expect("chunk received at the previous step")
-                };
-                fabric.send(me, next, tag(1, s, c), payload)?;
-            }
-            if let Some(r) = inn.get(c) {
-                let got = fabric.recv(me, prev, tag(1, s, c))?;
-                data[r.clone()].copy_from_slice(&got.data);
-                received.push(got);
-            }
-        }
-        for done in std::mem::replace(&mut forward, received) {
-            pool.recycle(done);
-        }
+/// All-gather in place: member `i` brings `data[shard_range(len, n, i)]`; afterwards every
+/// member holds every shard. Each member sends (n−1)/n of the buffer.
+pub fn ring_all_gather(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    group: &[ActorId],
+    edge: u64,
+    data: &mut [f32],
+    chunk_elems: usize,
+    pool: &mut ChunkPool,
+) -> Result<(), FabricError> {
+    if group.len() <= 1 || data.is_empty() {
+        return Ok(());
     }
-    for done in forward {
-        pool.recycle(done);
-    }
-    Ok(())
+    Ring::new(fabric, me, group, edge, chunk_elems)?.all_gather(data, 0, pool)
 }
 
 #[cfg(test)]
@@ -155,6 +252,64 @@ mod tests {
             .collect();
         for h in handles {
             assert_eq!(h.join().unwrap(), expected, "n={n} len={len} chunk={chunk}");
+        }
+    }
+
+    type Collective = fn(
+        &dyn Fabric,
+        ActorId,
+        &[ActorId],
+        u64,
+        &mut [f32],
+        usize,
+        &mut ChunkPool,
+    ) -> Result<(), FabricError>;
+
+    fn run_each(n: usize, len: usize, chunk: usize, collective: Collective) -> Vec<Vec<f32>> {
+        let fabric = Arc::new(InProcessFabric::new(n, Duration::from_secs(10)));
+        let group: Vec<usize> = (0..n).rev().collect(); // ring order is not rank order
+        let handles: Vec<_> = (0..n)
+            .map(|me| {
+                let (fabric, group) = (fabric.clone(), group.clone());
+                std::thread::spawn(move || {
+                    let mut data: Vec<f32> = (0..len).map(|k| (me * 1000 + k) as f32).collect();
+                    let mut pool = ChunkPool::default();
+                    collective(fabric.as_ref(), me, &group, 9, &mut data, chunk, &mut pool).unwrap();
+                    data
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn reduce_scatter_leaves_each_member_the_total_of_its_shard_and_all_gather_restores_all() {
+        for n in 1..=5 {
+            for len in [0, 1, 3, 7, 64, 1001] {
+                for chunk in [1, 4, 1 << 18] {
+                    let group: Vec<usize> = (0..n).rev().collect();
+                    let total = |k: usize| (0..n).map(|me| (me * 1000 + k) as f32).sum::<f32>();
+                    let out = run_each(n, len, chunk, ring_reduce_scatter);
+                    for (me, data) in out.iter().enumerate() {
+                        let i = group.iter().position(|&a| a == me).unwrap();
+                        for k in shard_range(len, n, i) {
+                            assert_eq!(
+                                data[k],
+                                total(k),
+                                "reduce-scatter n={n} len={len} chunk={chunk} member {me}"
+                            );
+                        }
+                    }
+                    let out = run_each(n, len, chunk, ring_all_gather);
+                    for data in &out {
+                        for (s, &owner) in group.iter().enumerate() {
+                            for k in shard_range(len, n, s) {
+                                assert_eq!(data[k], (owner * 1000 + k) as f32, "all-gather n={n} len={len}");
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 
 use archipelago_dataflow::{ActorId, CollectiveKind};
 
-use super::ring_all_reduce::{ChunkPool, ring_all_reduce};
+use super::ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
 use crate::host_tensor::HostTensor;
 
@@ -49,22 +49,23 @@ impl CollectiveWorker {
             .spawn(move || {
                 let mut pool = ChunkPool::default();
                 for job in queue {
-                    let result = match job.kind {
-                        CollectiveKind::AllReduceSum => {
-                            let shape = job.tensor.shape.clone();
-                            let mut data = job.tensor.into_vec();
-                            ring_all_reduce(
-                                fabric.as_ref(),
-                                me,
-                                &job.group,
-                                job.edge,
-                                &mut data,
-                                chunk_elems,
-                                &mut pool,
-                            )
-                            .map(|()| HostTensor::new(shape, data))
-                        }
+                    let run = match job.kind {
+                        CollectiveKind::AllReduceSum => ring_all_reduce,
+                        CollectiveKind::ReduceScatterSum => ring_reduce_scatter,
+                        CollectiveKind::AllGather => ring_all_gather,
                     };
+                    let shape = job.tensor.shape.clone();
+                    let mut data = job.tensor.into_vec();
+                    let result = run(
+                        fabric.as_ref(),
+                        me,
+                        &job.group,
+                        job.edge,
+                        &mut data,
+                        chunk_elems,
+                        &mut pool,
+                    )
+                    .map(|()| HostTensor::new(shape, data));
                     let _ = job.done.send(result);
                 }
             })

@@ -1,12 +1,17 @@
-//! Collective benchmarks: the in-process ring all-reduce beside a memcpy of the same bytes.
+//! Collective benchmarks: the in-process ring all-reduce, reduce-scatter and all-gather beside a
+//! memcpy of the same bytes.
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use serde_json::{Value, json};
 
-use archipelago_actors::collectives::{ChunkPool, DEFAULT_CHUNK_ELEMS, ring_all_reduce};
+use archipelago_actors::collectives::{
+    ChunkPool, DEFAULT_CHUNK_ELEMS, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
+};
 use archipelago_actors::fabric::InProcessFabric;
+use archipelago_actors::fabric::{Fabric, FabricError};
+use archipelago_dataflow::{ActorId, CollectiveKind};
 
 use crate::process_stats::load_avg;
 use crate::report::median;
@@ -18,9 +23,17 @@ fn chunk_elems() -> usize {
         .unwrap_or(DEFAULT_CHUNK_ELEMS)
 }
 
-/// Median time of a `bytes` all-reduce across `members` threads, and of a memcpy of `bytes`
-/// into a reused buffer, with bandwidths and their ratio.
-pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value {
+type Ring =
+    fn(&dyn Fabric, ActorId, &[ActorId], u64, &mut [f32], usize, &mut ChunkPool) -> Result<(), FabricError>;
+
+/// Median time of a ring collective of `bytes` (the full buffer, all shards) across `members`
+/// threads, and of a memcpy of `bytes` into a reused buffer, with bandwidths and their ratio.
+pub fn ring_vs_memcpy(kind: CollectiveKind, bytes: usize, members: usize, reps: usize) -> Value {
+    let (run, name, traffic): (Ring, &str, f64) = match kind {
+        CollectiveKind::AllReduceSum => (ring_all_reduce, "all_reduce_in_process", 2.0),
+        CollectiveKind::ReduceScatterSum => (ring_reduce_scatter, "reduce_scatter_in_process", 1.0),
+        CollectiveKind::AllGather => (ring_all_gather, "all_gather_in_process", 1.0),
+    };
     let elems = bytes / 4;
     let src = vec![1.0f32; elems];
     let mut dst = vec![0.0f32; elems];
@@ -45,7 +58,7 @@ pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value 
                 for rep in 0..reps as u64 {
                     barrier.wait();
                     let t = Instant::now();
-                    ring_all_reduce(
+                    run(
                         fabric.as_ref(),
                         me,
                         &group,
@@ -54,7 +67,7 @@ pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value 
                         chunk_elems(),
                         &mut pool,
                     )
-                    .expect("all-reduce");
+                    .expect("collective");
                     barrier.wait();
                     times.push(t.elapsed().as_secs_f64());
                 }
@@ -72,11 +85,11 @@ pub fn all_reduce_vs_memcpy(bytes: usize, members: usize, reps: usize) -> Value 
     let n = members as f64;
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     json!({
-        "name": "all_reduce_in_process",
+        "name": name,
         "config": { "bytes": bytes, "members": members, "algorithm": "ring, chunked, pipelined", "chunk_bytes": chunk_elems() * 4, "reps": reps },
         "median_s": all_reduce,
         "algbw_gb_per_s": gbs(all_reduce),
-        "busbw_gb_per_s": gbs(all_reduce) * 2.0 * (n - 1.0) / n,
+        "busbw_gb_per_s": gbs(all_reduce) * traffic * (n - 1.0) / n,
         "memcpy_median_s": memcpy,
         "memcpy_gb_per_s": gbs(memcpy),
         "algbw_fraction_of_memcpy": memcpy / all_reduce,

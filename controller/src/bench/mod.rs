@@ -9,6 +9,8 @@ use std::path::PathBuf;
 use clap::Args;
 use serde_json::json;
 
+use archipelago_dataflow::CollectiveKind;
+
 use crate::process_stats::load_avg;
 
 /// Flags of `bench`.
@@ -25,8 +27,15 @@ pub struct BenchArgs {
 /// Runs the suite and prints its JSON.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let reps = if args.quick { 5 } else { 15 };
-    let all_reduce = collectives::all_reduce_vs_memcpy(64 << 20, 2, reps);
-    eprintln!("all-reduce: {all_reduce}");
+    let ring: Vec<serde_json::Value> = [
+        CollectiveKind::AllReduceSum,
+        CollectiveKind::ReduceScatterSum,
+        CollectiveKind::AllGather,
+    ]
+    .into_iter()
+    .map(|kind| collectives::ring_vs_memcpy(kind, 64 << 20, 2, reps))
+    .collect();
+    eprintln!("collectives: {}", serde_json::Value::from(ring.clone()));
     let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
     let training = training::mlp_dp_scaling(warmup, timed)?;
     eprintln!("training: {training}");
@@ -35,7 +44,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let out = json!({
         "suite": "foundation+pipeline",
         "quick": args.quick,
-        "collectives": [all_reduce],
+        "collectives": ring,
         "training": training,
         "pipeline": pipeline,
         "load_avg_end": load_avg(),
