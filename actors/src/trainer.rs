@@ -26,6 +26,7 @@ use archipelago_dataflow::data::{ClusterPool, DataSpec, TokenStream};
 use archipelago_dataflow::{ActorId, ComputeOp, InputKind, ModelDesc, Program};
 
 use crate::block::{Activation, Block, deterministic_init};
+use crate::collectives::shard_range;
 use crate::executor::{Computation, StepMetrics, TensorTable};
 use crate::flat_optimizer::FlatOptimizer;
 use crate::flow_functions::{from_burn, to_burn};
@@ -58,6 +59,19 @@ struct Segment<B: AutodiffBackend> {
     batch: Option<String>,
 }
 
+/// What an actor holds: its chunks of blocks, its gradient buckets, its place in the dp group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Chunks of blocks (half-open ranges) this actor holds.
+    pub chunks: Vec<(usize, usize)>,
+    /// Its gradient buckets (segments), half-open block ranges.
+    pub segments: Vec<(usize, usize)>,
+    /// Its position in its data-parallel group.
+    pub replica: usize,
+    /// Members of its data-parallel group.
+    pub replicas: usize,
+}
+
 /// One actor's model, optimizer state and in-flight step.
 pub struct Trainer<B: AutodiffBackend> {
     device: B::Device,
@@ -85,10 +99,62 @@ pub struct Trainer<B: AutodiffBackend> {
     /// to), waiting for `BackwardWeight`.
     pending_weights: HashMap<(usize, usize), (B::Gradients, BlockCopies<B>)>,
     grad_ranges: HashMap<String, Range<usize>>,
+    /// ZeRO: gathered-parameter tensors and the blocks they belong to.
+    param_ranges: HashMap<String, Range<usize>>,
     grads_started: HashSet<String>,
     peak_grad_bytes: u64,
+    optimizer_grad_bytes: u64,
     live: HashMap<(usize, usize), usize>,
     peak_live: usize,
+    /// ZeRO sharding over the dp group.
+    sharding: Sharding,
+}
+
+/// Where this actor sits in its data-parallel group, and what ZeRO shards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sharding {
+    /// ZeRO stage in effect (0 when the group has one member).
+    pub zero: u8,
+    /// This actor's position in its dp group (its shard).
+    pub rank: usize,
+    /// Members of the dp group.
+    pub members: usize,
+    /// Optimizer-state offset of each segment's shard, by the segment's first block.
+    state_offsets: HashMap<usize, usize>,
+}
+
+impl Sharding {
+    /// Shard `rank` of `members` of every segment in `segments` (half-open block ranges), for a
+    /// model whose block `i` lives at `offsets[i]..offsets[i + 1]` of the flat parameters.
+    fn new(
+        zero: u8,
+        rank: usize,
+        members: usize,
+        segments: &[(usize, usize)],
+        offsets: &[usize],
+    ) -> Sharding {
+        let zero = if members > 1 { zero } else { 0 };
+        let mut state_offsets = HashMap::new();
+        let mut next = 0;
+        for &(start, end) in segments {
+            state_offsets.insert(start, next);
+            next += shard_range(offsets[end] - offsets[start], members, rank).len();
+        }
+        Sharding {
+            zero,
+            rank,
+            members,
+            state_offsets,
+        }
+    }
+
+    /// Optimizer state elements this actor keeps.
+    fn state_len(&self, segments: &[(usize, usize)], offsets: &[usize]) -> usize {
+        segments
+            .iter()
+            .map(|&(s, e)| shard_range(offsets[e] - offsets[s], self.members, self.rank).len())
+            .sum()
+    }
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -99,8 +165,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         builder: &dyn ModelBuilder<B>,
         actor: ActorId,
         device: B::Device,
-        chunks: &[(usize, usize)],
+        placement: &Placement,
     ) -> Result<Trainer<B>, String> {
+        let chunks = &placement.chunks;
         let desc = program.model.clone();
         let held = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
         let mut blocks = Vec::with_capacity(desc.blocks.len());
@@ -132,13 +199,25 @@ impl<B: AutodiffBackend> Trainer<B> {
             offsets.push(offsets[index] + info.params as usize);
         }
         let samples = samples(&program.data, desc.input)?;
+        let sharding = Sharding::new(
+            program.plan.zero,
+            placement.replica,
+            placement.replicas,
+            &placement.segments,
+            &offsets,
+        );
+        let state_len = if sharding.zero >= 1 {
+            sharding.state_len(&placement.segments, &offsets)
+        } else {
+            master.len()
+        };
         Ok(Trainer {
             device,
             desc,
             blocks,
             offsets,
             chunk_starts: chunks.iter().map(|c| c.0).collect(),
-            optimizer: FlatOptimizer::new(program.optimizer, master.len()),
+            optimizer: FlatOptimizer::new(program.optimizer, state_len),
             master,
             spare_buffers: Vec::new(),
             samples,
@@ -152,10 +231,13 @@ impl<B: AutodiffBackend> Trainer<B> {
             upstream: HashMap::new(),
             pending_weights: HashMap::new(),
             grad_ranges: HashMap::new(),
+            param_ranges: HashMap::new(),
             grads_started: HashSet::new(),
             peak_grad_bytes: 0,
+            optimizer_grad_bytes: 0,
             live: HashMap::new(),
             peak_live: 0,
+            sharding,
         })
     }
 
@@ -457,9 +539,14 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    fn optimizer_step(&mut self, inputs: &[String], table: &mut TensorTable) -> Result<(), String> {
+    fn optimizer_step(
+        &mut self,
+        inputs: &[String],
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
         self.optimizer.begin_step();
-        for name in inputs {
+        for (k, name) in inputs.iter().enumerate() {
             let grad = table
                 .remove(name)
                 .ok_or_else(|| format!("gradient `{name}` missing"))?;
@@ -468,14 +555,75 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .remove(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let range = self.offsets[blocks.start]..self.offsets[blocks.end];
-            self.optimizer
-                .update(range.start, &mut self.master[range.clone()], &grad.data);
-            for index in blocks {
-                let block = self.blocks[index].take().expect("block present");
-                let params = &self.master[self.offsets[index]..self.offsets[index + 1]];
-                self.blocks[index] = Some(block.load_params(params));
+            if self.sharding.zero == 0 {
+                self.optimizer
+                    .update(range.start, &mut self.master[range.clone()], &grad.data);
+                self.reload(blocks.clone())?;
+            } else {
+                // ZeRO: update only this replica's shard; the all-gather brings the others.
+                let Sharding { rank, members, .. } = self.sharding;
+                let shard = shard_range(range.len(), members, rank);
+                let own = range.start + shard.start..range.start + shard.end;
+                let grads = if grad.len() == range.len() {
+                    &grad.data[shard.clone()]
+                } else if grad.len() == shard.len() {
+                    &grad.data[..]
+                } else {
+                    return Err(format!(
+                        "gradient `{name}` has {} values; expected the bucket ({}) or this replica's shard ({})",
+                        grad.len(),
+                        range.len(),
+                        shard.len()
+                    ));
+                };
+                let state = self.sharding.state_offsets[&blocks.start];
+                self.optimizer.update(state, &mut self.master[own.clone()], grads);
+                let mut gathered = vec![0.0f32; range.len()];
+                gathered[shard].copy_from_slice(&self.master[own]);
+                let out = outputs
+                    .get(k)
+                    .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
+                table.insert(out.clone(), HostTensor::flat(gathered));
+                self.param_ranges.insert(out.clone(), blocks);
             }
-            self.spare_buffers.push(grad.into_vec());
+            self.optimizer_grad_bytes += grad.bytes();
+            if grad.len() == range.len() {
+                // Whole buckets are reused by the next backward; ZeRO-2 shards are not.
+                self.spare_buffers.push(grad.into_vec());
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies gathered parameters into the master copy and the modules.
+    fn load_params(&mut self, name: &str, table: &mut TensorTable) -> Result<(), String> {
+        let params = table
+            .remove(name)
+            .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
+        let blocks = self
+            .param_ranges
+            .remove(name)
+            .ok_or_else(|| format!("`{name}` is not a parameter bucket"))?;
+        let range = self.offsets[blocks.start]..self.offsets[blocks.end];
+        if params.len() != range.len() {
+            return Err(format!(
+                "`{name}` has {} values, the blocks {}",
+                params.len(),
+                range.len()
+            ));
+        }
+        self.master[range].copy_from_slice(&params.data);
+        self.reload(blocks)
+    }
+
+    /// Loads the master parameters of `blocks` into their modules.
+    fn reload(&mut self, blocks: Range<usize>) -> Result<(), String> {
+        for index in blocks {
+            let block = self.blocks[index]
+                .take()
+                .ok_or_else(|| format!("block {index} is not held by this actor"))?;
+            let params = &self.master[self.offsets[index]..self.offsets[index + 1]];
+            self.blocks[index] = Some(block.load_params(params));
         }
         Ok(())
     }
@@ -552,7 +700,8 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             ComputeOp::BackwardWeight { start, end, mb } => {
                 self.backward_weight(*start..*end, *mb, outputs, table)
             }
-            ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, table),
+            ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, outputs, table),
+            ComputeOp::LoadParams { .. } => self.load_params(&nth(inputs, 0)?, table),
             ComputeOp::User { name } => Err(format!("a training actor has no user function `{name}`")),
             ComputeOp::Output { key } => Err(format!("a training actor does not output `{key}`")),
         }
@@ -576,7 +725,8 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         self.live.clear();
         let params = 4 * self.master.len() as u64;
         let state = params + self.optimizer.state_bytes();
-        let held_grads: u64 = self.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
+        // The gradients the optimizer step consumed: whole buckets, or shards under ZeRO-2.
+        let held_grads = std::mem::take(&mut self.optimizer_grad_bytes);
         let metrics = StepMetrics {
             loss: self.loss_sum.take(),
             model_state_bytes: state + held_grads,

@@ -83,6 +83,10 @@ pub struct JobArgs {
     /// Keep only segment inputs in forward; recompute the forward inside backward.
     #[arg(long)]
     pub checkpoint_activations: bool,
+    /// ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state sharded), 2 (also
+    /// gradients); 3 is not implemented yet.
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
     /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.
     #[arg(long)]
     pub stages: Option<String>,
@@ -112,6 +116,7 @@ impl JobArgs {
             schedule: self.schedule.parse::<Schedule>().map_err(anyhow::Error::msg)?,
             virtual_stages: self.virtual_stages,
             checkpoint_activations: self.checkpoint_activations,
+            zero: self.zero,
             stages: self
                 .stages
                 .as_deref()

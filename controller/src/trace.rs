@@ -2,13 +2,14 @@
 //!
 //! The Trace Event Format's complete events (`"ph": "X"`), one track (`tid`) per actor, named by
 //! metadata events; every span carries the step, the micro-batch and the instruction's category
-//! (forward, backward, loss, send, recv, all-reduce, optimizer), so pipeline bubbles show as gaps.
+//! (forward, backward, loss, send, recv, all-reduce / reduce-scatter / all-gather starts and
+//! collective waits, optimizer), so pipeline bubbles show as gaps.
 //! Open the file in <https://ui.perfetto.dev> or `chrome://tracing`.
 
 use serde_json::{Value, json};
 
 use archipelago_actors::executor::StepReport;
-use archipelago_dataflow::{ComputeOp, Instruction, Plan};
+use archipelago_dataflow::{CollectiveKind, ComputeOp, Instruction, Plan};
 
 /// Collects spans of the steps it is shown and writes them as one trace.
 #[derive(Debug, Default)]
@@ -86,12 +87,21 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             ComputeOp::BackwardWeight { mb, .. } => ("backward-weight", Some(*mb)),
             ComputeOp::Loss { mb } => ("loss", Some(*mb)),
             ComputeOp::LoadBatch { .. } => ("load", None),
-            ComputeOp::OptimizerStep { .. } => ("optimizer", None),
+            ComputeOp::OptimizerStep { .. } | ComputeOp::LoadParams { .. } => ("optimizer", None),
             ComputeOp::User { .. } | ComputeOp::Output { .. } => ("user", None),
         },
         Instruction::Send { tensor, .. } => ("send", mb_of(tensor)),
         Instruction::Recv { tensor, .. } => ("recv", mb_of(tensor)),
-        Instruction::StartCollective { .. } | Instruction::WaitCollective { .. } => ("all-reduce", None),
+        Instruction::StartCollective { kind, .. } => (collective_category(*kind), None),
+        Instruction::WaitCollective { .. } => ("collective-wait", None),
+    }
+}
+
+fn collective_category(kind: CollectiveKind) -> &'static str {
+    match kind {
+        CollectiveKind::AllReduceSum => "all-reduce",
+        CollectiveKind::ReduceScatterSum => "reduce-scatter",
+        CollectiveKind::AllGather => "all-gather",
     }
 }
 
@@ -113,13 +123,14 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
             ComputeOp::Loss { .. } => "loss",
             ComputeOp::LoadBatch { .. } => "load",
             ComputeOp::OptimizerStep { .. } => "optimizer",
+            ComputeOp::LoadParams { .. } => "load params",
             ComputeOp::User { .. } => "user",
             ComputeOp::Output { .. } => "output",
         },
         Instruction::Send { .. } => "send",
         Instruction::Recv { .. } => "recv",
-        Instruction::StartCollective { .. } => "all-reduce start",
-        Instruction::WaitCollective { .. } => "all-reduce wait",
+        Instruction::StartCollective { kind, .. } => collective_category(*kind),
+        Instruction::WaitCollective { .. } => "collective wait",
     };
     match mb {
         Some(mb) => format!("{kind}{mb}"),

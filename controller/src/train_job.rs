@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use archipelago_actors::device_actor::{ComputationFactory, DeviceMsg};
 use archipelago_actors::executor::{Computation, StepReport};
 use archipelago_actors::fabric::InProcessFabric;
-use archipelago_actors::trainer::Trainer;
+use archipelago_actors::trainer::{Placement, Trainer};
 use archipelago_actors::zoo::{ModelBuilder, ZooModel};
 use archipelago_actors::{CpuBackend, device_for};
 use archipelago_dataflow::{Instruction, ModelSpec, Plan, PlanError, Program, compile};
@@ -104,16 +104,23 @@ async fn run(
         .actors
         .iter()
         .map(|a| {
-            let (program, builder, actor, device, chunks) = (
-                plan.program.clone(),
-                builder.clone(),
-                a.actor,
-                a.device,
-                a.chunks.clone(),
-            );
+            let placement = Placement {
+                chunks: a.chunks.clone(),
+                segments: plan
+                    .buckets
+                    .iter()
+                    .filter(|b| a.chunks.iter().any(|&(s, e)| s <= b.start && b.end <= e))
+                    .map(|b| (b.start, b.end))
+                    .collect(),
+                replica: a.replica,
+                replicas: plan.program.plan.dp,
+            };
+            let (program, builder, actor, device) =
+                (plan.program.clone(), builder.clone(), a.actor, a.device);
             Box::new(move || {
                 let device = device_for(device)?;
-                let trainer = Trainer::<CpuBackend>::new(&program, builder.as_ref(), actor, device, &chunks)?;
+                let trainer =
+                    Trainer::<CpuBackend>::new(&program, builder.as_ref(), actor, device, &placement)?;
                 Ok(Box::new(trainer) as Box<dyn Computation>)
             }) as ComputationFactory
         })

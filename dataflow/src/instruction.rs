@@ -70,6 +70,14 @@ pub enum ComputeOp {
         /// One past the last block.
         end: usize,
     },
+    /// Load the gathered parameters of blocks `start..end` (ZeRO: after the all-gather of the
+    /// shards each replica updated) into the master copy and the compute modules.
+    LoadParams {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
     /// A user computation, looked up by name in the job's function table.
     User {
         /// The registered function's name.
@@ -171,6 +179,7 @@ impl fmt::Display for ComputeOp {
                 write!(f, "BackwardWeight(blocks {start}..{end}, mb {mb})")
             }
             ComputeOp::OptimizerStep { start, end } => write!(f, "OptimizerStep(blocks {start}..{end})"),
+            ComputeOp::LoadParams { start, end } => write!(f, "LoadParams(blocks {start}..{end})"),
             ComputeOp::User { name } => write!(f, "Run({name})"),
             ComputeOp::Output { key } => write!(f, "Output({key})"),
         }

@@ -6,7 +6,8 @@
 //! (Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016).
 //!
 //! Model-state accounting follows ZeRO (Rajbhandari et al., SC 2020): with f32 and Adam, a
-//! replica holding Ψ parameters keeps 4Ψ of parameters, 4Ψ of gradients and 8Ψ of optimizer state.
+//! replica holding Ψ parameters keeps 4Ψ of parameters, 4Ψ of gradients and 8Ψ of optimizer state;
+//! over N replicas ZeRO-1 keeps 8Ψ/N of optimizer state, ZeRO-2 also 4Ψ/N of gradients.
 
 use serde::{Deserialize, Serialize};
 
@@ -114,11 +115,19 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         4 * rows * in_flight * largest
     };
     let largest_bucket = share.buckets.iter().map(|b| b.bytes).max().unwrap_or(0);
+    let zero = if dp > 1 { program.plan.zero } else { 0 };
+    let sharded = |bytes: u64, from_stage: u8| {
+        if zero >= from_stage {
+            bytes.div_ceil(dp)
+        } else {
+            bytes
+        }
+    };
     MemoryEstimate {
         actor: share.actor,
         params,
-        grads: params,
-        optimizer: params * program.optimizer.state_floats_per_param(),
+        grads: sharded(params, 2),
+        optimizer: sharded(params * program.optimizer.state_floats_per_param(), 1),
         activations,
         buffers: if dp > 1 { largest_bucket / dp * 2 } else { 0 },
     }

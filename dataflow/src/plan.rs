@@ -66,7 +66,7 @@ impl Plan {
         let p = &self.program;
         let pl = &p.plan;
         let mut out = format!(
-            "model {} ({} parameters, {} blocks)\nmesh {} ({} actors)   global batch {}   micro-batches {}   buckets {}\n",
+            "model {} ({} parameters, {} blocks)\nmesh {} ({} actors)   global batch {}   micro-batches {}   zero {}   buckets {}\n",
             p.model.name,
             p.model.params(),
             p.model.blocks.len(),
@@ -74,6 +74,7 @@ impl Plan {
             self.actors.len(),
             pl.batch,
             pl.microbatches,
+            pl.zero,
             self.buckets
                 .iter()
                 .map(|b| format!("[blocks {}..{}: {}]", b.start, b.end, memory::mib(b.bytes)))
@@ -173,6 +174,19 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
         });
     }
     check_schedule(program)?;
+    match plan.zero {
+        0..=2 => {}
+        3 => {
+            return Err(PlanError::Conflict(
+                "--zero 3 (parameter sharding) is not implemented yet; --zero 1 and --zero 2 are".into(),
+            ));
+        }
+        z => {
+            return Err(PlanError::Conflict(format!(
+                "--zero {z}: the ZeRO stages are 0, 1, 2 and 3"
+            )));
+        }
+    }
     let (pp, v) = (plan.pp, plan.virtual_stages);
     let n_chunks = pp * v;
     let chunks = match &plan.stages {
@@ -219,7 +233,7 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
         chunks.clone(),
         plan.bucket_bytes.max(1),
     );
-    let graph = pipeline::build_step(&layout, plan.batch, &orders);
+    let graph = pipeline::build_step(&layout, plan.batch, &orders, plan.zero);
     let streams = crate::passes::lower::lower(&graph);
     verify(&streams)?;
     let optimizer_s: Vec<f64> = (0..pp)

@@ -31,6 +31,9 @@ pub struct ParallelPlan {
     pub virtual_stages: usize,
     /// Keep only segment inputs in forward and recompute the forward inside backward.
     pub checkpoint_activations: bool,
+    /// ZeRO stage over the `dp` axis: 0 replicates everything; 1 shards the optimizer state;
+    /// 2 also keeps only the own shard of the gradients (reduce-scatter).
+    pub zero: u8,
     /// A hand-pinned split of the blocks into `pp × virtual_stages` chunks, as half-open block
     /// ranges in model order; `None` balances the chunks by parameter count.
     pub stages: Option<Vec<(usize, usize)>>,
@@ -49,6 +52,7 @@ impl Default for ParallelPlan {
             virtual_stages: 1,
             checkpoint_activations: false,
             stages: None,
+            zero: 0,
         }
     }
 }

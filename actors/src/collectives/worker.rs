@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 
 use archipelago_dataflow::{ActorId, CollectiveKind};
 
-use super::ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_reduce_scatter};
+use super::ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_range};
 use crate::fabric::{Fabric, FabricError};
 use crate::host_tensor::HostTensor;
 
@@ -65,7 +65,15 @@ impl CollectiveWorker {
                         chunk_elems,
                         &mut pool,
                     )
-                    .map(|()| HostTensor::new(shape, data));
+                    .map(|()| match job.kind {
+                        // A reduce-scatter leaves this member only its shard (ZeRO-2 keeps no more).
+                        CollectiveKind::ReduceScatterSum => {
+                            let i = job.group.iter().position(|&a| a == me).unwrap_or(0);
+                            let own = shard_range(data.len(), job.group.len().max(1), i);
+                            HostTensor::flat(data[own].to_vec())
+                        }
+                        _ => HostTensor::new(shape, data),
+                    });
                     let _ = job.done.send(result);
                 }
             })

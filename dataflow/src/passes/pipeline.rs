@@ -109,7 +109,12 @@ pub fn dact_name(k: usize, mb: usize) -> String {
 }
 
 /// Builds the graph of one training step with the given per-device pass orders.
-pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
+///
+/// ZeRO (`zero` ≥ 1, Rajbhandari et al., SC 2020) over each stage's `dp` group: stage 1 keeps the
+/// all-reduce and has each replica update only its shard of every bucket, then all-gathers the
+/// updated parameters (`param.K`) and loads them; stage 2 reduce-scatters the gradients instead,
+/// so each replica keeps only its gradient shard.
+pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8) -> Graph {
     let PipelineShape { pp, m, .. } = layout.shape;
     let dp = layout.mesh.axis_size("dp");
     let mut graph = Graph::new(layout.mesh.size());
@@ -171,7 +176,12 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph 
                 }
                 if finishes_grads && dp > 1 {
                     let group = layout.mesh.group(layout.actor(0, s), "dp");
-                    graph.collective(CollectiveKind::AllReduceSum, group, &grad_name(b.id));
+                    let kind = if zero >= 2 {
+                        CollectiveKind::ReduceScatterSum
+                    } else {
+                        CollectiveKind::AllReduceSum
+                    };
+                    graph.collective(kind, group, &grad_name(b.id));
                 }
             }
         }
@@ -182,11 +192,38 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph 
             start: held.first().map_or(0, |b| b.start),
             end: held.last().map_or(0, |b| b.end),
         };
+        let sharded = zero >= 1 && dp > 1;
+        let params: Vec<String> = held.iter().map(|b| param_name(b.id)).collect();
+        let outputs: Vec<&str> = if sharded {
+            params.iter().map(String::as_str).collect()
+        } else {
+            Vec::new()
+        };
         for r in 0..dp {
-            graph.compute(layout.actor(r, s), op.clone(), &grads, &[]);
+            graph.compute(layout.actor(r, s), op.clone(), &grads, &outputs);
+        }
+        if sharded {
+            let group = layout.mesh.group(layout.actor(0, s), "dp");
+            for b in &held {
+                graph.collective(CollectiveKind::AllGather, group.clone(), &param_name(b.id));
+            }
+            for b in &held {
+                let load = ComputeOp::LoadParams {
+                    start: b.start,
+                    end: b.end,
+                };
+                for r in 0..dp {
+                    graph.compute(layout.actor(r, s), load.clone(), &[&param_name(b.id)], &[]);
+                }
+            }
         }
     }
     graph
+}
+
+/// Name of segment `k`'s gathered parameters (ZeRO).
+pub fn param_name(k: usize) -> String {
+    format!("param.{k}")
 }
 
 fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, s: usize, last: usize) {
