@@ -39,7 +39,8 @@ pub enum ActorEvent {
 pub enum DeviceMsg {
     /// Run the stream once as step `n`.
     Step(u64),
-    /// Reply with the sum of squares of the parameters of each block held, by block index.
+    /// Reply with the sums of squares of the parameters this actor answers for, by block index
+    /// (summed over all actors they give each block's squared norm once).
     BlockSquares(RpcReplyPort<Vec<(usize, f64)>>),
     /// Reply with a copy of the parameters of each block held, by block index (tests and
     /// debugging; copies the bytes).
@@ -174,12 +175,7 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
                 }
             },
             Work::Squares(reply) => {
-                let squares = executor
-                    .block_params()
-                    .iter()
-                    .map(|(i, p)| (*i, p.iter().map(|&x| (x as f64) * (x as f64)).sum()))
-                    .collect();
-                let _ = reply.send(squares);
+                let _ = reply.send(executor.block_squares());
             }
             Work::Params(reply) => {
                 let _ = reply.send(executor.block_params());

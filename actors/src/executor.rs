@@ -82,6 +82,14 @@ pub trait Computation: Send {
     fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
         Vec::new()
     }
+    /// Sums of squares of parameters by block, for the parameters this actor answers for: summed
+    /// over all actors of a job they give each block's squared L2 norm exactly once.
+    fn block_squares(&self) -> Vec<(usize, f64)> {
+        self.block_params()
+            .iter()
+            .map(|(i, p)| (*i, p.iter().map(|&x| (x as f64) * (x as f64)).sum()))
+            .collect()
+    }
 }
 
 /// Time spent in one instruction.
@@ -152,6 +160,11 @@ impl Executor {
     /// The computation's block parameters.
     pub fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
         self.computation.block_params()
+    }
+
+    /// The computation's block squares (see [`Computation::block_squares`]).
+    pub fn block_squares(&self) -> Vec<(usize, f64)> {
+        self.computation.block_squares()
     }
 
     /// Runs the stream once as step `step`. On failure the fabric is aborted.

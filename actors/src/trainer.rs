@@ -17,6 +17,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
@@ -108,6 +109,13 @@ pub struct Trainer<B: AutodiffBackend> {
     peak_live: usize,
     /// ZeRO sharding over the dp group.
     sharding: Sharding,
+    /// ZeRO-3: this replica's shards of the segments' parameters, concatenated (the master copy).
+    shard_master: Vec<f32>,
+    /// Which blocks this actor holds (under ZeRO-3 their modules come and go).
+    held_blocks: Vec<bool>,
+    builder: Arc<dyn ModelBuilder<B>>,
+    seed: u64,
+    actor: ActorId,
 }
 
 /// Where this actor sits in its data-parallel group, and what ZeRO shards.
@@ -162,7 +170,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// for `actor`, initialised from `(seed, block index)`, and the data source.
     pub fn new(
         program: &Program,
-        builder: &dyn ModelBuilder<B>,
+        builder: Arc<dyn ModelBuilder<B>>,
         actor: ActorId,
         device: B::Device,
         placement: &Placement,
@@ -211,6 +219,19 @@ impl<B: AutodiffBackend> Trainer<B> {
         } else {
             master.len()
         };
+        let held_blocks: Vec<bool> = blocks.iter().map(Option::is_some).collect();
+        // ZeRO-3: keep only this replica's shard of each segment; modules exist only while a
+        // segment's gathered parameters are loaded.
+        let mut shard_master = Vec::new();
+        if sharding.zero >= 3 {
+            for &(start, end) in &placement.segments {
+                let range = offsets[start]..offsets[end];
+                let own = shard_range(range.len(), sharding.members, sharding.rank);
+                shard_master.extend_from_slice(&master[range.start + own.start..range.start + own.end]);
+            }
+            master = Vec::new();
+            blocks.iter_mut().for_each(|b| *b = None);
+        }
         Ok(Trainer {
             device,
             desc,
@@ -238,6 +259,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             live: HashMap::new(),
             peak_live: 0,
             sharding,
+            shard_master,
+            held_blocks,
+            builder,
+            seed: program.seed,
+            actor,
         })
     }
 
@@ -577,6 +603,13 @@ impl<B: AutodiffBackend> Trainer<B> {
                     ));
                 };
                 let state = self.sharding.state_offsets[&blocks.start];
+                if self.sharding.zero >= 3 {
+                    // The master copy is the shard itself; it stays sharded until the next gather.
+                    let at = state..state + shard.len();
+                    self.optimizer.update(state, &mut self.shard_master[at], grads);
+                    self.optimizer_grad_bytes += grad.bytes();
+                    continue;
+                }
                 self.optimizer.update(state, &mut self.master[own.clone()], grads);
                 let mut gathered = vec![0.0f32; range.len()];
                 gathered[shard].copy_from_slice(&self.master[own]);
@@ -591,6 +624,47 @@ impl<B: AutodiffBackend> Trainer<B> {
                 // Whole buckets are reused by the next backward; ZeRO-2 shards are not.
                 self.spare_buffers.push(grad.into_vec());
             }
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3: this replica's shard of segment `blocks` in a buffer of the segment's length.
+    fn shard_params(
+        &mut self,
+        blocks: Range<usize>,
+        output: &str,
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let len = self.offsets[blocks.end] - self.offsets[blocks.start];
+        let Sharding { rank, members, .. } = self.sharding;
+        let own = shard_range(len, members, rank);
+        let state = *self.sharding.state_offsets.get(&blocks.start).ok_or_else(|| {
+            format!(
+                "blocks {}..{} are not a segment of this actor",
+                blocks.start, blocks.end
+            )
+        })?;
+        let mut full = vec![0.0f32; len];
+        full[own.clone()].copy_from_slice(&self.shard_master[state..state + own.len()]);
+        table.insert(output.to_string(), HostTensor::flat(full));
+        Ok(())
+    }
+
+    /// ZeRO-3: builds the modules of `blocks` from their gathered parameters.
+    fn materialize(&mut self, blocks: Range<usize>, params: &[f32]) -> Result<(), String> {
+        let base = self.offsets[blocks.start];
+        for index in blocks {
+            if !self.held_blocks[index] {
+                return Err(format!("block {index} is not held by this actor"));
+            }
+            let ctx = BuildContext {
+                seed: self.seed,
+                actor: self.actor,
+                block: index,
+            };
+            let block = self.builder.build_block(&ctx, &self.device);
+            let at = self.offsets[index] - base..self.offsets[index + 1] - base;
+            self.blocks[index] = Some(block.load_params(&params[at]));
         }
         Ok(())
     }
@@ -701,7 +775,21 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 self.backward_weight(*start..*end, *mb, outputs, table)
             }
             ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, outputs, table),
+            ComputeOp::LoadParams { start, end } if self.sharding.zero >= 3 => {
+                let name = nth(inputs, 0)?;
+                let params = table
+                    .remove(&name)
+                    .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
+                self.materialize(*start..*end, &params.data)
+            }
             ComputeOp::LoadParams { .. } => self.load_params(&nth(inputs, 0)?, table),
+            ComputeOp::ShardParams { start, end } => {
+                self.shard_params(*start..*end, &nth(outputs, 0)?, table)
+            }
+            ComputeOp::DropParams { start, end } => {
+                (*start..*end).for_each(|i| self.blocks[i] = None);
+                Ok(())
+            }
             ComputeOp::User { name } => Err(format!("a training actor has no user function `{name}`")),
             ComputeOp::Output { key } => Err(format!("a training actor does not output `{key}`")),
         }
@@ -723,15 +811,19 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         self.pending_weights.clear();
         self.grads_started.clear();
         self.live.clear();
-        let params = 4 * self.master.len() as u64;
+        let params = 4 * (self.master.len() + self.shard_master.len()) as u64;
         let state = params + self.optimizer.state_bytes();
+        let materialized: usize = (0..self.blocks.len())
+            .filter(|&i| self.blocks[i].is_some())
+            .map(|i| self.offsets[i + 1] - self.offsets[i])
+            .sum();
         // The gradients the optimizer step consumed: whole buckets, or shards under ZeRO-2.
         let held_grads = std::mem::take(&mut self.optimizer_grad_bytes);
         let metrics = StepMetrics {
             loss: self.loss_sum.take(),
             model_state_bytes: state + held_grads,
             peak_model_state_bytes: state + self.peak_grad_bytes.max(held_grads),
-            compute_weight_bytes: params,
+            compute_weight_bytes: 4 * materialized as u64,
             peak_microbatches_held: self.peak_live,
         };
         self.peak_grad_bytes = 0;
@@ -740,9 +832,48 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
     }
 
     fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
+        if self.sharding.zero >= 3 {
+            return Vec::new(); // only shards here; see block_squares
+        }
         (0..self.blocks.len())
-            .filter(|&i| self.blocks[i].is_some())
+            .filter(|&i| self.held_blocks[i])
             .map(|i| (i, Trainer::block_params(self, i).to_vec()))
             .collect()
+    }
+
+    fn block_squares(&self) -> Vec<(usize, f64)> {
+        let sq = |v: &[f32]| v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+        if self.sharding.zero < 3 {
+            // Every replica holds every parameter: the first one answers for the group.
+            if self.sharding.rank != 0 {
+                return Vec::new();
+            }
+            return (0..self.blocks.len())
+                .filter(|&i| self.held_blocks[i])
+                .map(|i| (i, sq(Trainer::block_params(self, i))))
+                .collect();
+        }
+        // ZeRO-3: the squares of this replica's shard, split by block.
+        let mut out: HashMap<usize, f64> = HashMap::new();
+        let Sharding { rank, members, .. } = self.sharding;
+        for (&start, &state) in &self.sharding.state_offsets {
+            let end = (start..self.held_blocks.len())
+                .find(|&e| {
+                    e + 1 == self.held_blocks.len()
+                        || !self.held_blocks[e + 1]
+                        || self.sharding.state_offsets.contains_key(&(e + 1))
+                })
+                .map_or(start + 1, |e| e + 1);
+            let base = self.offsets[start];
+            let own = shard_range(self.offsets[end] - base, members, rank);
+            for (k, &x) in self.shard_master[state..state + own.len()].iter().enumerate() {
+                let flat = base + own.start + k;
+                let block = (start..end)
+                    .find(|&b| flat < self.offsets[b + 1])
+                    .unwrap_or(start);
+                *out.entry(block).or_default() += (x as f64) * (x as f64);
+            }
+        }
+        out.into_iter().collect()
     }
 }

@@ -84,7 +84,7 @@ pub struct JobArgs {
     #[arg(long)]
     pub checkpoint_activations: bool,
     /// ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state sharded), 2 (also
-    /// gradients); 3 is not implemented yet.
+    /// gradients), 3 (also parameters; implies --checkpoint-activations).
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
     /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.

@@ -87,7 +87,10 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             ComputeOp::BackwardWeight { mb, .. } => ("backward-weight", Some(*mb)),
             ComputeOp::Loss { mb } => ("loss", Some(*mb)),
             ComputeOp::LoadBatch { .. } => ("load", None),
-            ComputeOp::OptimizerStep { .. } | ComputeOp::LoadParams { .. } => ("optimizer", None),
+            ComputeOp::OptimizerStep { .. } => ("optimizer", None),
+            ComputeOp::LoadParams { .. } | ComputeOp::ShardParams { .. } | ComputeOp::DropParams { .. } => {
+                ("params", None)
+            }
             ComputeOp::User { .. } | ComputeOp::Output { .. } => ("user", None),
         },
         Instruction::Send { tensor, .. } => ("send", mb_of(tensor)),
@@ -124,6 +127,8 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
             ComputeOp::LoadBatch { .. } => "load",
             ComputeOp::OptimizerStep { .. } => "optimizer",
             ComputeOp::LoadParams { .. } => "load params",
+            ComputeOp::ShardParams { .. } => "shard params",
+            ComputeOp::DropParams { .. } => "drop params",
             ComputeOp::User { .. } => "user",
             ComputeOp::Output { .. } => "output",
         },

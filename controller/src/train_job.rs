@@ -119,8 +119,7 @@ async fn run(
                 (plan.program.clone(), builder.clone(), a.actor, a.device);
             Box::new(move || {
                 let device = device_for(device)?;
-                let trainer =
-                    Trainer::<CpuBackend>::new(&program, builder.as_ref(), actor, device, &placement)?;
+                let trainer = Trainer::<CpuBackend>::new(&program, builder, actor, device, &placement)?;
                 Ok(Box::new(trainer) as Box<dyn Computation>)
             }) as ComputationFactory
         })
@@ -200,10 +199,10 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
             .map_err(|e| JobError::Runtime(format!("cannot write the trace to {}: {e}", path.display())))?;
     }
     let mut squares = vec![0.0f64; plan.program.model.blocks.len()];
-    for a in plan.actors.iter().filter(|a| a.replica == 0) {
+    for a in &plan.actors {
         let held: Vec<(usize, f64)> = gang.ask(a.actor, DeviceMsg::BlockSquares).await?;
         for (block, sq) in held {
-            squares[block] = sq;
+            squares[block] += sq;
         }
     }
     let mut times: Vec<f64> = steps

@@ -78,6 +78,21 @@ pub enum ComputeOp {
         /// One past the last block.
         end: usize,
     },
+    /// ZeRO-3: this replica's shard of the parameters of blocks `start..end`, in a buffer of the
+    /// segment's full length, ready for the all-gather.
+    ShardParams {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
+    /// ZeRO-3: drop the gathered parameters of blocks `start..end` from the compute modules.
+    DropParams {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
     /// A user computation, looked up by name in the job's function table.
     User {
         /// The registered function's name.
@@ -180,6 +195,8 @@ impl fmt::Display for ComputeOp {
             }
             ComputeOp::OptimizerStep { start, end } => write!(f, "OptimizerStep(blocks {start}..{end})"),
             ComputeOp::LoadParams { start, end } => write!(f, "LoadParams(blocks {start}..{end})"),
+            ComputeOp::ShardParams { start, end } => write!(f, "ShardParams(blocks {start}..{end})"),
+            ComputeOp::DropParams { start, end } => write!(f, "DropParams(blocks {start}..{end})"),
             ComputeOp::User { name } => write!(f, "Run({name})"),
             ComputeOp::Output { key } => write!(f, "Output({key})"),
         }

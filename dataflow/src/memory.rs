@@ -7,7 +7,8 @@
 //!
 //! Model-state accounting follows ZeRO (Rajbhandari et al., SC 2020): with f32 and Adam, a
 //! replica holding Ψ parameters keeps 4Ψ of parameters, 4Ψ of gradients and 8Ψ of optimizer state;
-//! over N replicas ZeRO-1 keeps 8Ψ/N of optimizer state, ZeRO-2 also 4Ψ/N of gradients.
+//! over N replicas ZeRO-1 keeps 8Ψ/N of optimizer state, ZeRO-2 also 4Ψ/N of gradients, ZeRO-3
+//! also 4Ψ/N of parameters (plus the gathered parameters of two segments, counted as buffers).
 
 use serde::{Deserialize, Serialize};
 
@@ -123,13 +124,19 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
             bytes
         }
     };
+    // ZeRO-3 gathers one segment's parameters while the previous one computes.
+    let gathered = if zero >= 3 { 2 * largest_bucket } else { 0 };
     MemoryEstimate {
         actor: share.actor,
-        params,
+        params: sharded(params, 3),
         grads: sharded(params, 2),
         optimizer: sharded(params * program.optimizer.state_floats_per_param(), 1),
         activations,
-        buffers: if dp > 1 { largest_bucket / dp * 2 } else { 0 },
+        buffers: if dp > 1 {
+            largest_bucket / dp * 2 + gathered
+        } else {
+            0
+        },
     }
 }
 

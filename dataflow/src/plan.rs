@@ -174,19 +174,19 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
         });
     }
     check_schedule(program)?;
-    match plan.zero {
-        0..=2 => {}
-        3 => {
-            return Err(PlanError::Conflict(
-                "--zero 3 (parameter sharding) is not implemented yet; --zero 1 and --zero 2 are".into(),
-            ));
-        }
-        z => {
-            return Err(PlanError::Conflict(format!(
-                "--zero {z}: the ZeRO stages are 0, 1, 2 and 3"
-            )));
-        }
+    if plan.zero > 3 {
+        return Err(PlanError::Conflict(format!(
+            "--zero {}: the ZeRO stages are 0, 1, 2 and 3",
+            plan.zero
+        )));
     }
+    // ZeRO-3 pairs with activation checkpointing (DESIGN.md): implied.
+    let mut program = program.clone();
+    if plan.zero == 3 && plan.dp > 1 {
+        program.plan.checkpoint_activations = true;
+    }
+    let program = &program;
+    let plan = &program.plan;
     let (pp, v) = (plan.pp, plan.virtual_stages);
     let n_chunks = pp * v;
     let chunks = match &plan.stages {

@@ -32,7 +32,8 @@ pub struct ParallelPlan {
     /// Keep only segment inputs in forward and recompute the forward inside backward.
     pub checkpoint_activations: bool,
     /// ZeRO stage over the `dp` axis: 0 replicates everything; 1 shards the optimizer state;
-    /// 2 also keeps only the own shard of the gradients (reduce-scatter).
+    /// 2 also keeps only the own shard of the gradients (reduce-scatter); 3 also keeps the
+    /// parameters as shards, gathered per segment (implies activation checkpointing).
     pub zero: u8,
     /// A hand-pinned split of the blocks into `pp × virtual_stages` chunks, as half-open block
     /// ranges in model order; `None` balances the chunks by parameter count.

@@ -113,7 +113,10 @@ pub fn dact_name(k: usize, mb: usize) -> String {
 /// ZeRO (`zero` ≥ 1, Rajbhandari et al., SC 2020) over each stage's `dp` group: stage 1 keeps the
 /// all-reduce and has each replica update only its shard of every bucket, then all-gathers the
 /// updated parameters (`param.K`) and loads them; stage 2 reduce-scatters the gradients instead,
-/// so each replica keeps only its gradient shard.
+/// so each replica keeps only its gradient shard. Stage 3 keeps the parameters as shards too: each
+/// forward and backward of a segment is preceded by an all-gather of its parameters (started one
+/// segment ahead) and followed by their drop; it runs with activation checkpointing (burn's graph
+/// would otherwise keep the gathered weights alive until the backward).
 pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8) -> Graph {
     let PipelineShape { pp, m, .. } = layout.shape;
     let dp = layout.mesh.axis_size("dp");
@@ -158,7 +161,38 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8)
             }
             let finishes_grads = last_grad_slot.get(&slot.chunk) == Some(&i);
             let mb = slot.mb;
-            for b in segments {
+            // ZeRO-3: a segment's parameters exist only between its all-gather and its drop; the
+            // next segment's all-gather is started before this one computes (prefetch).
+            let gathers = zero >= 3 && dp > 1 && slot.pass != Pass::W;
+            let group = layout.mesh.group(layout.actor(0, s), "dp");
+            let gather_name = |b: &Bucket| format!("wparam.{}.{:?}{mb}", b.id, slot.pass);
+            let gather = |graph: &mut Graph, b: &Bucket| {
+                let name = gather_name(b);
+                let op = ComputeOp::ShardParams {
+                    start: b.start,
+                    end: b.end,
+                };
+                for r in 0..dp {
+                    graph.compute(layout.actor(r, s), op.clone(), &[], &[&name]);
+                }
+                graph.collective(CollectiveKind::AllGather, group.clone(), &name);
+            };
+            if gathers && let Some(first) = segments.first() {
+                gather(&mut graph, first);
+            }
+            for (index, b) in segments.iter().enumerate() {
+                if gathers {
+                    if let Some(next) = segments.get(index + 1) {
+                        gather(&mut graph, next);
+                    }
+                    let load = ComputeOp::LoadParams {
+                        start: b.start,
+                        end: b.end,
+                    };
+                    for r in 0..dp {
+                        graph.compute(layout.actor(r, s), load.clone(), &[&gather_name(b)], &[]);
+                    }
+                }
                 for r in 0..dp {
                     let actor = layout.actor(r, s);
                     match slot.pass {
@@ -174,14 +208,22 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8)
                         }
                     }
                 }
+                if gathers {
+                    let drop = ComputeOp::DropParams {
+                        start: b.start,
+                        end: b.end,
+                    };
+                    for r in 0..dp {
+                        graph.compute(layout.actor(r, s), drop.clone(), &[], &[]);
+                    }
+                }
                 if finishes_grads && dp > 1 {
-                    let group = layout.mesh.group(layout.actor(0, s), "dp");
                     let kind = if zero >= 2 {
                         CollectiveKind::ReduceScatterSum
                     } else {
                         CollectiveKind::AllReduceSum
                     };
-                    graph.collective(kind, group, &grad_name(b.id));
+                    graph.collective(kind, group.clone(), &grad_name(b.id));
                 }
             }
         }
@@ -192,7 +234,8 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8)
             start: held.first().map_or(0, |b| b.start),
             end: held.last().map_or(0, |b| b.end),
         };
-        let sharded = zero >= 1 && dp > 1;
+        // ZeRO-1/2 gather the updated parameters after the step; ZeRO-3 keeps them sharded.
+        let sharded = (1..=2).contains(&zero) && dp > 1;
         let params: Vec<String> = held.iter().map(|b| param_name(b.id)).collect();
         let outputs: Vec<&str> = if sharded {
             params.iter().map(String::as_str).collect()
