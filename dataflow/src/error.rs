@@ -54,8 +54,7 @@ pub enum PlanError {
     EmptyModel,
     /// An actor's estimated memory exceeds its budget.
     #[error(
-        "actor {actor} ({device}) needs about {needed} bytes ({breakdown}) but its budget is {budget} bytes; \
-         lower --batch, raise --device-memory, or split the model over more devices"
+        "actor {actor} ({device}) needs about {needed} bytes ({breakdown}) but its budget is {budget} bytes; {fixes}"
     )]
     DoesNotFit {
         /// The actor.
@@ -68,6 +67,8 @@ pub enum PlanError {
         budget: u64,
         /// Parameters, gradients, optimizer, activations, buffers.
         breakdown: String,
+        /// What would make it fit, found by re-planning with each remedy.
+        fixes: String,
     },
     /// The verifier found streams that cannot all run to completion.
     #[error("the plan would deadlock: {0}")]

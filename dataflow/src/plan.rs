@@ -133,6 +133,47 @@ impl Plan {
 
 /// Compiles and verifies `program`. Nothing runs; a refused plan says what to change.
 pub fn compile(program: &Program) -> Result<Plan, PlanError> {
+    compile_with(program, true)
+}
+
+/// The remedies tried when a plan does not fit its memory budget, as flags and programs.
+fn remedies(program: &Program) -> Vec<(String, Program)> {
+    let plan = &program.plan;
+    let mut out = Vec::new();
+    let with = |f: &dyn Fn(&mut Program)| {
+        let mut p = program.clone();
+        p.devices.clear();
+        f(&mut p);
+        p
+    };
+    if plan.dp > 1 {
+        for z in plan.zero + 1..=3 {
+            out.push((format!("--zero {z}"), with(&|p| p.plan.zero = z)));
+        }
+    }
+    if !plan.checkpoint_activations {
+        out.push((
+            "--checkpoint-activations".into(),
+            with(&|p| p.plan.checkpoint_activations = true),
+        ));
+    }
+    for pp in [plan.pp * 2, plan.pp * 4] {
+        if pp * plan.virtual_stages <= program.model.blocks.len() {
+            let m = plan.microbatches.max(pp);
+            out.push((
+                format!("--pp {pp} --microbatches {m} ({} devices)", plan.dp * pp),
+                with(&|p| {
+                    p.plan.pp = pp;
+                    p.plan.microbatches = m;
+                    p.plan.stages = None;
+                }),
+            ));
+        }
+    }
+    out
+}
+
+fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     let plan = &program.plan;
     for (value, what) in [
         (plan.dp, "--dp"),
@@ -285,12 +326,29 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
     if let Some(budget) = plan.device_memory
         && let Some(m) = memory.iter().find(|m| m.total() > budget)
     {
+        let fits: Vec<String> = if suggest {
+            remedies(program)
+                .into_iter()
+                .filter(|(_, p)| compile_with(p, false).is_ok())
+                .map(|(flags, _)| flags)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let fixes = if fits.is_empty() {
+            "neither a higher --zero, --checkpoint-activations nor more pipeline stages make it fit: \
+             lower --batch, raise --device-memory or use more devices (offload is not implemented yet)"
+                .to_string()
+        } else {
+            format!("it fits with {}", fits.join(", or "))
+        };
         return Err(PlanError::DoesNotFit {
             actor: m.actor,
             device: devices[m.actor].to_string(),
             needed: m.total(),
             budget,
             breakdown: m.breakdown(),
+            fixes,
         });
     }
     Ok(Plan {
@@ -399,6 +457,16 @@ mod tests {
         p.plan.device_memory = Some(64 << 20);
         let err = compile(&p).unwrap_err().to_string();
         assert!(err.contains("budget"), "{err}");
+        // dp=2 needs ≈ 159 MiB (16Ψ = 128 MiB + 28 MiB of all-reduce buffers). Under 140 MiB
+        // ZeRO-1 and -2 fit; ZeRO-3 does not (it gathers a whole 28 MiB bucket, twice, at once).
+        let mut p = program(2, 64);
+        p.plan.device_memory = Some(140 << 20);
+        let err = compile(&p).unwrap_err().to_string();
+        assert!(
+            err.contains("it fits with --zero 1, or --zero 2, or --pp 2"),
+            "{err}"
+        );
+        assert!(!err.contains("--zero 3"), "{err}");
         let m = compile(&program(2, 64)).unwrap().memory[0].clone();
         assert_eq!(m.model_state(), 16 * 8_407_050);
     }
