@@ -41,12 +41,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     eprintln!("training: {training}");
     let pipeline = training::mlp_pipeline(warmup, timed)?;
     eprintln!("pipeline: {pipeline}");
+    let zero = training::mlp_zero(warmup, timed)?;
+    eprintln!("zero: {zero}");
     let out = json!({
-        "suite": "foundation+pipeline",
+        "suite": "foundation+pipeline+zero",
         "quick": args.quick,
         "collectives": ring,
         "training": training,
         "pipeline": pipeline,
+        "zero": zero,
         "load_avg_end": load_avg(),
     });
     let text = serde_json::to_string_pretty(&out)?;

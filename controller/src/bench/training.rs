@@ -96,3 +96,42 @@ pub fn mlp_pipeline(warmup: u64, timed: u64) -> anyhow::Result<Value> {
     }
     Ok(json!({ "runs": runs }))
 }
+
+/// mlp-8x1024 at dp=2 under ZeRO 0 and ZeRO 3: steps/s and model state per actor.
+pub fn mlp_zero(warmup: u64, timed: u64) -> anyhow::Result<Value> {
+    let mut runs = Vec::new();
+    for zero in [0u8, 3] {
+        let plan = ParallelPlan {
+            dp: 2,
+            zero,
+            batch: 64,
+            ..ParallelPlan::default()
+        };
+        let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(plan);
+        let controller = Controller::local(DeviceSpec::cpus(2));
+        let options = TrainOptions {
+            steps: warmup + timed,
+            job: format!("bench-zero{zero}"),
+            ..TrainOptions::default()
+        };
+        let report = controller.train(&program, &options)?;
+        let mut times: Vec<f64> = report
+            .steps
+            .iter()
+            .skip(warmup as usize)
+            .map(|s| s.time_s)
+            .collect();
+        let step_s = median(&mut times);
+        runs.push(json!({
+            "name": format!("mlp-8x1024 dp=2 zero={zero}"),
+            "config": { "model": "mlp-8x1024", "dp": 2, "zero": zero, "global_batch": 64, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 },
+            "median_step_s": step_s,
+            "steps_per_s": 1.0 / step_s,
+            "model_state_bytes_per_actor": report.actors.iter().map(|a| a.model_state_bytes).collect::<Vec<_>>(),
+            "estimated_model_state_bytes_per_actor": report.actors.iter().map(|a| a.estimated_model_state_bytes).collect::<Vec<_>>(),
+            "final_loss": report.final_loss,
+            "load_avg": load_avg(),
+        }));
+    }
+    Ok(json!({ "runs": runs }))
+}
