@@ -5,7 +5,7 @@
 //! x += mlp(ln2(x))`, learned positions, untied head without bias, no dropout.
 
 use burn::module::Module;
-use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
@@ -25,8 +25,12 @@ impl<B: Backend> GptEmbedding<B> {
     /// Embeddings for `vocab` tokens and `ctx` positions of width `d`.
     pub fn new(vocab: usize, ctx: usize, d: usize, device: &B::Device) -> Self {
         GptEmbedding {
-            tok_embedding: EmbeddingConfig::new(vocab, d).init(device),
-            pos_embedding: EmbeddingConfig::new(ctx, d).init(device),
+            tok_embedding: EmbeddingConfig::new(vocab, d)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            pos_embedding: EmbeddingConfig::new(ctx, d)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
         }
     }
 }
@@ -66,11 +70,19 @@ impl<B: Backend> TransformerLayer<B> {
     pub fn new(d: usize, heads: usize, device: &B::Device) -> Self {
         TransformerLayer {
             ln1: LayerNormConfig::new(d).init(device),
-            qkv: LinearConfig::new(d, 3 * d).init(device),
-            proj: LinearConfig::new(d, d).init(device),
+            qkv: LinearConfig::new(d, 3 * d)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            proj: LinearConfig::new(d, d)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
             ln2: LayerNormConfig::new(d).init(device),
-            fc1: LinearConfig::new(d, 4 * d).init(device),
-            fc2: LinearConfig::new(4 * d, d).init(device),
+            fc1: LinearConfig::new(d, 4 * d)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            fc2: LinearConfig::new(4 * d, d)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
             heads,
         }
     }
@@ -125,7 +137,10 @@ impl<B: Backend> GptHead<B> {
     pub fn new(d: usize, vocab: usize, device: &B::Device) -> Self {
         GptHead {
             ln_f: LayerNormConfig::new(d).init(device),
-            head: LinearConfig::new(d, vocab).with_bias(false).init(device),
+            head: LinearConfig::new(d, vocab)
+                .with_initializer(Initializer::Zeros)
+                .with_bias(false)
+                .init(device),
         }
     }
 }

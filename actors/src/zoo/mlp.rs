@@ -1,7 +1,7 @@
 //! The mlp workload's blocks: `Linear + ReLU`, and the output `Linear`.
 
 use burn::module::Module;
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::AutodiffBackend;
 
@@ -18,7 +18,9 @@ impl<B: burn::tensor::backend::Backend> LinearReluBlock<B> {
     /// A block mapping `d_in` features to `d_out`.
     pub fn new(d_in: usize, d_out: usize, device: &B::Device) -> Self {
         LinearReluBlock {
-            linear: LinearConfig::new(d_in, d_out).init(device),
+            linear: LinearConfig::new(d_in, d_out)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
         }
     }
 }
@@ -43,7 +45,9 @@ impl<B: burn::tensor::backend::Backend> LinearBlock<B> {
     /// A block mapping `d_in` features to `d_out` logits.
     pub fn new(d_in: usize, d_out: usize, device: &B::Device) -> Self {
         LinearBlock {
-            linear: LinearConfig::new(d_in, d_out).init(device),
+            linear: LinearConfig::new(d_in, d_out)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
         }
     }
 }

@@ -29,7 +29,9 @@ pub struct BuildContext {
 }
 
 /// Builds a model's blocks on an actor. The runtime overwrites the parameters a builder produces
-/// with [`crate::block::deterministic_init`], so builders need not be seeded.
+/// with [`crate::block::deterministic_init`] (or, under ZeRO-3, with gathered values each time a
+/// segment runs), so builders need not be seeded; the zoo's builders use burn's zeros
+/// initializer, which costs a memset instead of a random draw per parameter.
 pub trait ModelBuilder<B: AutodiffBackend>: Send + Sync {
     /// The compiler's view of the model (must agree with the blocks built).
     fn desc(&self) -> ModelDesc;
