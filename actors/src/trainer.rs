@@ -516,14 +516,26 @@ impl<B: AutodiffBackend> Trainer<B> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
         let grad_name = outputs.first().ok_or("backward names no gradient output")?;
         self.accumulate(blocks.clone(), &segment.copies, &mut grads, grad_name, table)?;
-        if let Some(input_grad) = outputs.get(1) {
+        self.keep_input_grad(&segment, &mut grads, outputs.get(1))?;
+        self.release(blocks.start, mb);
+        Ok(())
+    }
+
+    /// Keeps the gradient of the segment's input under `name` (for the segment before, or to be
+    /// sent to the stage before); the first segment of the model has none.
+    fn keep_input_grad(
+        &mut self,
+        segment: &Segment<B>,
+        grads: &mut B::Gradients,
+        name: Option<&String>,
+    ) -> Result<(), String> {
+        if let Some(name) = name {
             let g = segment
                 .input
-                .take_grad(&mut grads)
+                .take_grad(grads)
                 .ok_or("the segment input has no gradient")?;
-            self.upstream.insert(input_grad.clone(), g);
+            self.upstream.insert(name.clone(), g);
         }
-        self.release(blocks.start, mb);
         Ok(())
     }
 
@@ -536,13 +548,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
-        if let Some(input_grad) = outputs.first() {
-            let g = segment
-                .input
-                .take_grad(&mut grads)
-                .ok_or("the segment input has no gradient")?;
-            self.upstream.insert(input_grad.clone(), g);
-        }
+        self.keep_input_grad(&segment, &mut grads, outputs.first())?;
         self.pending_weights
             .insert((blocks.start, mb), (grads, segment.copies));
         Ok(())

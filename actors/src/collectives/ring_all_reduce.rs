@@ -182,10 +182,9 @@ pub fn ring_all_reduce(
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
-    if group.len() <= 1 || data.is_empty() {
+    let Some(ring) = ring(fabric, me, group, edge, data.len(), chunk_elems)? else {
         return Ok(());
-    }
-    let ring = Ring::new(fabric, me, group, edge, chunk_elems)?;
+    };
     ring.reduce_scatter(data, 1, pool)?;
     ring.all_gather(data, 1, pool)
 }
@@ -202,10 +201,10 @@ pub fn ring_reduce_scatter(
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
-    if group.len() <= 1 || data.is_empty() {
-        return Ok(());
+    match ring(fabric, me, group, edge, data.len(), chunk_elems)? {
+        Some(ring) => ring.reduce_scatter(data, 0, pool),
+        None => Ok(()),
     }
-    Ring::new(fabric, me, group, edge, chunk_elems)?.reduce_scatter(data, 0, pool)
 }
 
 /// All-gather in place: member `i` brings `data[shard_range(len, n, i)]`; afterwards every
@@ -219,10 +218,25 @@ pub fn ring_all_gather(
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
-    if group.len() <= 1 || data.is_empty() {
-        return Ok(());
+    match ring(fabric, me, group, edge, data.len(), chunk_elems)? {
+        Some(ring) => ring.all_gather(data, 0, pool),
+        None => Ok(()),
     }
-    Ring::new(fabric, me, group, edge, chunk_elems)?.all_gather(data, 0, pool)
+}
+
+/// The ring for a collective over `len` elements, or `None` when there is nothing to move.
+fn ring<'a>(
+    fabric: &'a dyn Fabric,
+    me: ActorId,
+    group: &[ActorId],
+    edge: u64,
+    len: usize,
+    chunk_elems: usize,
+) -> Result<Option<Ring<'a>>, FabricError> {
+    if group.len() <= 1 || len == 0 {
+        return Ok(None);
+    }
+    Ring::new(fabric, me, group, edge, chunk_elems).map(Some)
 }
 
 #[cfg(test)]

@@ -6,35 +6,43 @@ use serde_json::{Value, json};
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
 
-use crate::Controller;
 use crate::process_stats::load_avg;
 use crate::report::median;
 use crate::train_job::TrainOptions;
+use crate::{Controller, TrainReport};
+
+/// Trains mlp-8x1024 (global batch 64) under `plan` for `warmup + timed` steps on one CPU
+/// device per actor; returns the report and the median step time (the controller's step wall
+/// time, i.e. the slowest actor) over the timed steps.
+fn timed_mlp(plan: ParallelPlan, warmup: u64, timed: u64, job: String) -> anyhow::Result<(TrainReport, f64)> {
+    let actors = plan.actors();
+    let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan { batch: 64, ..plan });
+    let options = TrainOptions {
+        steps: warmup + timed,
+        job,
+        ..TrainOptions::default()
+    };
+    let report = Controller::local(DeviceSpec::cpus(actors)).train(&program, &options)?;
+    let mut times: Vec<f64> = report
+        .steps
+        .iter()
+        .skip(warmup as usize)
+        .map(|s| s.time_s)
+        .collect();
+    let step_s = median(&mut times);
+    Ok((report, step_s))
+}
 
 /// Median step time (slowest rank: the controller's step wall time) after `warmup` steps.
 pub fn mlp_dp_scaling(warmup: u64, timed: u64) -> anyhow::Result<Value> {
     let mut runs = Vec::new();
     let mut steps_per_s = Vec::new();
     for dp in [1, 2] {
-        let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan {
+        let plan = ParallelPlan {
             dp,
-            batch: 64,
             ..ParallelPlan::default()
-        });
-        let controller = Controller::local(DeviceSpec::cpus(dp));
-        let options = TrainOptions {
-            steps: warmup + timed,
-            job: format!("bench-dp{dp}"),
-            ..TrainOptions::default()
         };
-        let report = controller.train(&program, &options)?;
-        let mut times: Vec<f64> = report
-            .steps
-            .iter()
-            .skip(warmup as usize)
-            .map(|s| s.time_s)
-            .collect();
-        let step_s = median(&mut times);
+        let (report, step_s) = timed_mlp(plan, warmup, timed, format!("bench-dp{dp}"))?;
         steps_per_s.push(1.0 / step_s);
         runs.push(json!({
             "name": format!("mlp-8x1024 dp={dp}"),
@@ -60,24 +68,9 @@ pub fn mlp_pipeline(warmup: u64, timed: u64) -> anyhow::Result<Value> {
             pp: 2,
             microbatches: 8,
             schedule,
-            batch: 64,
             ..ParallelPlan::default()
         };
-        let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(plan);
-        let controller = Controller::local(DeviceSpec::cpus(2));
-        let options = TrainOptions {
-            steps: warmup + timed,
-            job: format!("bench-pp2-{schedule}"),
-            ..TrainOptions::default()
-        };
-        let report = controller.train(&program, &options)?;
-        let mut times: Vec<f64> = report
-            .steps
-            .iter()
-            .skip(warmup as usize)
-            .map(|s| s.time_s)
-            .collect();
-        let step_s = median(&mut times);
+        let (report, step_s) = timed_mlp(plan, warmup, timed, format!("bench-pp2-{schedule}"))?;
         runs.push(json!({
             "name": format!("mlp-8x1024 pp=2 {schedule} m=8"),
             "config": { "model": "mlp-8x1024", "pp": 2, "schedule": schedule.to_string(), "microbatches": 8, "global_batch": 64, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 },
@@ -104,24 +97,9 @@ pub fn mlp_zero(warmup: u64, timed: u64) -> anyhow::Result<Value> {
         let plan = ParallelPlan {
             dp: 2,
             zero,
-            batch: 64,
             ..ParallelPlan::default()
         };
-        let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(plan);
-        let controller = Controller::local(DeviceSpec::cpus(2));
-        let options = TrainOptions {
-            steps: warmup + timed,
-            job: format!("bench-zero{zero}"),
-            ..TrainOptions::default()
-        };
-        let report = controller.train(&program, &options)?;
-        let mut times: Vec<f64> = report
-            .steps
-            .iter()
-            .skip(warmup as usize)
-            .map(|s| s.time_s)
-            .collect();
-        let step_s = median(&mut times);
+        let (report, step_s) = timed_mlp(plan, warmup, timed, format!("bench-zero{zero}"))?;
         runs.push(json!({
             "name": format!("mlp-8x1024 dp=2 zero={zero}"),
             "config": { "model": "mlp-8x1024", "dp": 2, "zero": zero, "global_batch": 64, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 },
