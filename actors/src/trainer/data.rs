@@ -1,0 +1,84 @@
+//! The trainer's data: the sample source of the job and the batches it loads per micro-batch.
+
+use std::ops::Range;
+
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use archipelago_dataflow::InputKind;
+use archipelago_dataflow::data::{ClusterPool, DataSpec, TokenStream};
+
+use super::Trainer;
+use crate::block::Activation;
+
+pub(super) enum Samples {
+    Clusters(ClusterPool),
+    Tokens(TokenStream),
+}
+
+pub(super) struct Batch<B: AutodiffBackend> {
+    pub(super) input: Activation<B>,
+    pub(super) targets: Tensor<B, 1, Int>,
+}
+
+impl<B: AutodiffBackend> Trainer<B> {
+    pub(super) fn load_batch(&mut self, step: u64, rows: Range<usize>, name: &str) {
+        let n = rows.len();
+        let batch = match &self.samples {
+            Samples::Clusters(pool) => {
+                let b = pool.batch(step, self.global_batch, rows);
+                let features = b.x.len() / n.max(1);
+                let x = Tensor::<B, 2>::from_data(TensorData::new(b.x, [n, features]), &self.device);
+                let labels: Vec<i32> = b.labels.iter().map(|&l| l as i32).collect();
+                Batch {
+                    input: Activation::Rows(x),
+                    targets: Tensor::from_data(TensorData::new(labels, [n]), &self.device),
+                }
+            }
+            Samples::Tokens(stream) => {
+                let InputKind::Tokens { ctx, .. } = self.desc.input else {
+                    unreachable!("checked at build")
+                };
+                let b = stream.batch(step, self.global_batch, ctx, rows);
+                let ids: Vec<i32> = b.inputs.iter().map(|&t| t as i32).collect();
+                let targets: Vec<i32> = b.targets.iter().map(|&t| t as i32).collect();
+                Batch {
+                    input: Activation::Tokens(Tensor::from_data(
+                        TensorData::new(ids, [n, ctx]),
+                        &self.device,
+                    )),
+                    targets: Tensor::from_data(TensorData::new(targets, [n * ctx]), &self.device),
+                }
+            }
+        };
+        self.batches.insert(name.to_string(), batch);
+    }
+}
+
+pub(super) fn samples(data: &DataSpec, input: InputKind) -> Result<Samples, String> {
+    Ok(match (data, input) {
+        (DataSpec::Clusters { seed }, InputKind::Dense { features, classes }) => {
+            Samples::Clusters(ClusterPool::new(*seed, features, classes))
+        }
+        (DataSpec::SyntheticBytes { seed }, InputKind::Tokens { .. }) => {
+            Samples::Tokens(TokenStream::synthetic(*seed))
+        }
+        (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
+            let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;
+            if vocab < 256 {
+                return Err(format!(
+                    "--data trains on bytes: the model needs vocab=256, not {vocab}"
+                ));
+            }
+            if bytes.len() <= ctx + 1 {
+                return Err(format!(
+                    "--data {path} has {} bytes; it needs more than ctx+1 = {}",
+                    bytes.len(),
+                    ctx + 1
+                ));
+            }
+            Samples::Tokens(TokenStream::from_bytes(bytes))
+        }
+        (data, input) => return Err(format!("data {data:?} does not fit a model that takes {input:?}")),
+    })
+}

@@ -1,0 +1,386 @@
+//! Training on burn: the compute half of an actor's training stream.
+//!
+//! Forward runs segment by segment; each segment's input is a fresh autodiff leaf, so the backward
+//! of a segment is its own small graph: the last segment starts from the loss, every other one
+//! from `sum(y ⊙ g)` with the upstream gradient `g` (exact: the vector–Jacobian product). A
+//! segment's parameter gradients leave burn as one flat bucket as soon as its backward is done
+//! (added up over micro-batches), so the bucket's all-reduce overlaps the backward of the segments
+//! before it. The optimizer runs on flat slices and writes the parameters back into the modules.
+//!
+//! Pipeline stages: an actor builds only the blocks of its chunks. Activations and their
+//! gradients that cross to another stage leave as [`HostTensor`]s ([`Computation::export`]) and
+//! arrive through the tensor table. Under activation checkpointing a forward keeps only the
+//! segment's input and drops its graph; the backward recomputes the forward first (Chen et al.,
+//! 2016). ZB-H1's split backward: `BackwardInput` runs burn's backward (which always yields input
+//! and weight gradients together) and keeps the weight gradients; `BackwardWeight` moves them into
+//! the gradient bucket.
+//!
+//! The parts: `data.rs` (batches), `passes.rs` (forward, loss, backward, gradient buckets),
+//! `zero.rs` (the optimizer step, ZeRO shards and parameter loading).
+
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use archipelago_dataflow::{ActorId, ComputeOp, ModelDesc, Program};
+
+use crate::block::{Activation, Block, deterministic_init};
+use crate::collectives::shard_range;
+use crate::executor::{Computation, StepMetrics, TensorTable};
+use crate::flat_optimizer::FlatOptimizer;
+use crate::flow_functions::from_burn;
+use crate::host_tensor::HostTensor;
+use crate::zoo::{BuildContext, ModelBuilder};
+
+use data::{Batch, Samples, samples};
+pub use zero::Sharding;
+
+mod data;
+mod passes;
+mod zero;
+
+/// The per-micro-batch copies of a segment's blocks (see [`Block::fresh_copy`]).
+type BlockCopies<B> = Vec<Box<dyn Block<B>>>;
+
+/// A segment's forward for one micro-batch, kept for its backward.
+pub(super) struct Segment<B: AutodiffBackend> {
+    input: Activation<B>,
+    /// The output; without its graph when `checkpointed`.
+    output: Activation<B>,
+    checkpointed: bool,
+    /// The per-micro-batch copies of the blocks the forward ran on (their gradients are read
+    /// from these); empty when checkpointed (the recompute makes new ones).
+    copies: BlockCopies<B>,
+    /// The batch whose targets the loss uses (last segment only).
+    batch: Option<String>,
+}
+
+/// What an actor holds: its chunks of blocks, its gradient buckets, its place in the dp group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Chunks of blocks (half-open ranges) this actor holds.
+    pub chunks: Vec<(usize, usize)>,
+    /// Its gradient buckets (segments), half-open block ranges.
+    pub segments: Vec<(usize, usize)>,
+    /// Its position in its data-parallel group.
+    pub replica: usize,
+    /// Members of its data-parallel group.
+    pub replicas: usize,
+}
+
+/// One actor's model, optimizer state and in-flight step.
+pub struct Trainer<B: AutodiffBackend> {
+    device: B::Device,
+    desc: ModelDesc,
+    blocks: Vec<Option<Box<dyn Block<B>>>>,
+    /// `offsets[i]..offsets[i + 1]`: block `i` in the local master vector (empty when not held).
+    offsets: Vec<usize>,
+    /// First block of each chunk held, for counting micro-batches in flight per chunk.
+    chunk_starts: Vec<usize>,
+    /// f32 master parameters of the held blocks, flat in block order.
+    master: Vec<f32>,
+    optimizer: FlatOptimizer,
+    /// Gradient bucket buffers kept from the last step (no fresh allocation per step).
+    spare_buffers: Vec<Vec<f32>>,
+    samples: Samples,
+    global_batch: usize,
+    checkpoint: bool,
+    batches: HashMap<String, Batch<B>>,
+    segments: HashMap<(usize, usize), Segment<B>>,
+    by_name: HashMap<String, (usize, usize)>,
+    losses: HashMap<String, (usize, usize)>,
+    loss_sum: Option<f32>,
+    upstream: HashMap<String, Activation<B>>,
+    /// ZB-H1: weight gradients computed by `BackwardInput` (with the block copies they belong
+    /// to), waiting for `BackwardWeight`.
+    pending_weights: HashMap<(usize, usize), (B::Gradients, BlockCopies<B>)>,
+    grad_ranges: HashMap<String, Range<usize>>,
+    /// ZeRO: gathered-parameter tensors and the blocks they belong to.
+    param_ranges: HashMap<String, Range<usize>>,
+    grads_started: HashSet<String>,
+    peak_grad_bytes: u64,
+    optimizer_grad_bytes: u64,
+    live: HashMap<(usize, usize), usize>,
+    peak_live: usize,
+    /// ZeRO sharding over the dp group.
+    sharding: Sharding,
+    /// ZeRO-3: this replica's shards of the segments' parameters, concatenated (the master copy).
+    shard_master: Vec<f32>,
+    /// Which blocks this actor holds (under ZeRO-3 their modules come and go).
+    held_blocks: Vec<bool>,
+    builder: Arc<dyn ModelBuilder<B>>,
+    seed: u64,
+    actor: ActorId,
+}
+
+impl<B: AutodiffBackend> Trainer<B> {
+    /// Builds the blocks of `chunks` (half-open block ranges) of `program`'s model on `device`
+    /// for `actor`, initialised from `(seed, block index)`, and the data source.
+    pub fn new(
+        program: &Program,
+        builder: Arc<dyn ModelBuilder<B>>,
+        actor: ActorId,
+        device: B::Device,
+        placement: &Placement,
+    ) -> Result<Trainer<B>, String> {
+        let chunks = &placement.chunks;
+        let desc = program.model.clone();
+        let held = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
+        let mut blocks = Vec::with_capacity(desc.blocks.len());
+        let mut offsets = vec![0];
+        let mut master = Vec::new();
+        for (index, info) in desc.blocks.iter().enumerate() {
+            if !held(index) {
+                blocks.push(None);
+                offsets.push(offsets[index]);
+                continue;
+            }
+            let ctx = BuildContext {
+                seed: program.seed,
+                actor,
+                block: index,
+            };
+            let block = builder.build_block(&ctx, &device);
+            if block.num_params() as u64 != info.params {
+                return Err(format!(
+                    "block {index} `{}` has {} parameters but the model description says {}",
+                    info.name,
+                    block.num_params(),
+                    info.params
+                ));
+            }
+            let init = deterministic_init(&block.param_shapes(), program.seed, index);
+            blocks.push(Some(block.load_params(&init)));
+            master.extend_from_slice(&init);
+            offsets.push(offsets[index] + info.params as usize);
+        }
+        let samples = samples(&program.data, desc.input)?;
+        let sharding = Sharding::new(
+            program.plan.zero,
+            placement.replica,
+            placement.replicas,
+            &placement.segments,
+            &offsets,
+        );
+        let state_len = if sharding.zero >= 1 {
+            sharding.state_len(&placement.segments, &offsets)
+        } else {
+            master.len()
+        };
+        let held_blocks: Vec<bool> = blocks.iter().map(Option::is_some).collect();
+        // ZeRO-3: keep only this replica's shard of each segment; modules exist only while a
+        // segment's gathered parameters are loaded.
+        let mut shard_master = Vec::new();
+        if sharding.zero >= 3 {
+            for &(start, end) in &placement.segments {
+                let range = offsets[start]..offsets[end];
+                let own = shard_range(range.len(), sharding.members, sharding.rank);
+                shard_master.extend_from_slice(&master[range.start + own.start..range.start + own.end]);
+            }
+            master = Vec::new();
+            blocks.iter_mut().for_each(|b| *b = None);
+        }
+        Ok(Trainer {
+            device,
+            desc,
+            blocks,
+            offsets,
+            chunk_starts: chunks.iter().map(|c| c.0).collect(),
+            optimizer: FlatOptimizer::new(program.optimizer, state_len),
+            master,
+            spare_buffers: Vec::new(),
+            samples,
+            global_batch: program.plan.batch,
+            checkpoint: program.plan.checkpoint_activations,
+            batches: HashMap::new(),
+            segments: HashMap::new(),
+            by_name: HashMap::new(),
+            losses: HashMap::new(),
+            loss_sum: None,
+            upstream: HashMap::new(),
+            pending_weights: HashMap::new(),
+            grad_ranges: HashMap::new(),
+            param_ranges: HashMap::new(),
+            grads_started: HashSet::new(),
+            peak_grad_bytes: 0,
+            optimizer_grad_bytes: 0,
+            live: HashMap::new(),
+            peak_live: 0,
+            sharding,
+            shard_master,
+            held_blocks,
+            builder,
+            seed: program.seed,
+            actor,
+        })
+    }
+
+    /// Flat parameters of block `index` (empty when this actor does not hold it).
+    pub fn block_params(&self, index: usize) -> &[f32] {
+        &self.master[self.offsets[index]..self.offsets[index + 1]]
+    }
+
+    pub(super) fn block(&self, index: usize) -> Result<&dyn Block<B>, String> {
+        self.blocks[index]
+            .as_deref()
+            .ok_or_else(|| format!("block {index} is not held by this actor"))
+    }
+
+    pub(super) fn chunk_of(&self, block: usize) -> usize {
+        self.chunk_starts
+            .iter()
+            .copied()
+            .filter(|&s| s <= block)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+fn to_host<B: AutodiffBackend>(a: &Activation<B>) -> Result<HostTensor, String> {
+    match a {
+        Activation::Rows(t) => Ok(from_burn(t.clone().detach())),
+        Activation::Seq(t) => Ok(from_burn(t.clone().detach())),
+        Activation::Tokens(_) => Err("token ids do not cross stages; the first chunk loads them".into()),
+    }
+}
+
+impl<B: AutodiffBackend> Computation for Trainer<B> {
+    fn compute(
+        &mut self,
+        step: u64,
+        op: &ComputeOp,
+        inputs: &[String],
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let nth = |names: &[String], i: usize| {
+            names
+                .get(i)
+                .cloned()
+                .ok_or_else(|| format!("{op} names too few tensors"))
+        };
+        match op {
+            ComputeOp::LoadBatch { start, end } => {
+                self.load_batch(step, *start..*end, &nth(outputs, 0)?);
+                Ok(())
+            }
+            ComputeOp::Forward { start, end, mb } => {
+                self.forward(*start..*end, *mb, &nth(inputs, 0)?, &nth(outputs, 0)?, table)
+            }
+            ComputeOp::Loss { .. } => {
+                self.compute_loss(&nth(inputs, 0)?, &nth(inputs, 1)?, &nth(outputs, 0)?)
+            }
+            ComputeOp::Backward { start, end, mb } => {
+                self.backward(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
+            }
+            ComputeOp::BackwardInput { start, end, mb } => {
+                self.backward_input(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
+            }
+            ComputeOp::BackwardWeight { start, end, mb } => {
+                self.backward_weight(*start..*end, *mb, outputs, table)
+            }
+            ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, outputs, table),
+            ComputeOp::LoadParams { start, end } if self.sharding.zero >= 3 => {
+                let name = nth(inputs, 0)?;
+                let params = table
+                    .remove(&name)
+                    .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
+                self.materialize(*start..*end, &params.data)
+            }
+            ComputeOp::LoadParams { .. } => self.load_params(&nth(inputs, 0)?, table),
+            ComputeOp::ShardParams { start, end } => {
+                self.shard_params(*start..*end, &nth(outputs, 0)?, table)
+            }
+            ComputeOp::DropParams { start, end } => {
+                (*start..*end).for_each(|i| self.blocks[i] = None);
+                Ok(())
+            }
+            ComputeOp::User { name } => Err(format!("a training actor has no user function `{name}`")),
+            ComputeOp::Output { key } => Err(format!("a training actor does not output `{key}`")),
+        }
+    }
+
+    fn export(&mut self, name: &str) -> Option<Result<HostTensor, String>> {
+        if let Some(key) = self.by_name.get(name) {
+            return Some(to_host(&self.segments.get(key)?.output));
+        }
+        self.upstream.remove(name).map(|g| to_host(&g))
+    }
+
+    fn finish_step(&mut self) -> StepMetrics {
+        self.batches.clear();
+        self.segments.clear();
+        self.by_name.clear();
+        self.losses.clear();
+        self.upstream.clear();
+        self.pending_weights.clear();
+        self.grads_started.clear();
+        self.live.clear();
+        let params = 4 * (self.master.len() + self.shard_master.len()) as u64;
+        let state = params + self.optimizer.state_bytes();
+        let materialized: usize = (0..self.blocks.len())
+            .filter(|&i| self.blocks[i].is_some())
+            .map(|i| self.offsets[i + 1] - self.offsets[i])
+            .sum();
+        // The gradients the optimizer step consumed: whole buckets, or shards under ZeRO-2.
+        let held_grads = std::mem::take(&mut self.optimizer_grad_bytes);
+        let metrics = StepMetrics {
+            loss: self.loss_sum.take(),
+            model_state_bytes: state + held_grads,
+            peak_model_state_bytes: state + self.peak_grad_bytes.max(held_grads),
+            compute_weight_bytes: 4 * materialized as u64,
+            peak_microbatches_held: self.peak_live,
+        };
+        self.peak_grad_bytes = 0;
+        self.peak_live = 0;
+        metrics
+    }
+
+    fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
+        if self.sharding.zero >= 3 {
+            return Vec::new(); // only shards here; see block_squares
+        }
+        (0..self.blocks.len())
+            .filter(|&i| self.held_blocks[i])
+            .map(|i| (i, Trainer::block_params(self, i).to_vec()))
+            .collect()
+    }
+
+    fn block_squares(&self) -> Vec<(usize, f64)> {
+        let sq = |v: &[f32]| v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+        if self.sharding.zero < 3 {
+            // Every replica holds every parameter: the first one answers for the group.
+            if self.sharding.rank != 0 {
+                return Vec::new();
+            }
+            return (0..self.blocks.len())
+                .filter(|&i| self.held_blocks[i])
+                .map(|i| (i, sq(Trainer::block_params(self, i))))
+                .collect();
+        }
+        // ZeRO-3: the squares of this replica's shard, split by block.
+        let mut out: HashMap<usize, f64> = HashMap::new();
+        let Sharding { rank, members, .. } = self.sharding;
+        for (&start, &state) in &self.sharding.state_offsets {
+            let end = (start..self.held_blocks.len())
+                .find(|&e| {
+                    e + 1 == self.held_blocks.len()
+                        || !self.held_blocks[e + 1]
+                        || self.sharding.state_offsets.contains_key(&(e + 1))
+                })
+                .map_or(start + 1, |e| e + 1);
+            let base = self.offsets[start];
+            let own = shard_range(self.offsets[end] - base, members, rank);
+            for (k, &x) in self.shard_master[state..state + own.len()].iter().enumerate() {
+                let flat = base + own.start + k;
+                let block = (start..end)
+                    .find(|&b| flat < self.offsets[b + 1])
+                    .unwrap_or(start);
+                *out.entry(block).or_default() += (x as f64) * (x as f64);
+            }
+        }
+        out.into_iter().collect()
+    }
+}

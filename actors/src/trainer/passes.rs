@@ -1,0 +1,270 @@
+//! The trainer's passes: forward of a segment (with activation checkpointing), the loss, the
+//! backward from the loss or an upstream gradient, ZB-H1's split backward, and the gradient
+//! buckets that add up the micro-batches.
+
+use std::collections::HashSet;
+use std::ops::Range;
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+
+use super::{BlockCopies, Segment, Trainer};
+use crate::block::{Activation, Block};
+use crate::executor::TensorTable;
+use crate::flow_functions::to_burn;
+use crate::host_tensor::HostTensor;
+
+impl<B: AutodiffBackend> Trainer<B> {
+    /// A received tensor from the table as an activation.
+    pub(super) fn import(&self, name: &str, table: &mut TensorTable) -> Result<Activation<B>, String> {
+        let t = table
+            .remove(name)
+            .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
+        match t.shape.len() {
+            2 => Ok(Activation::Rows(to_burn::<B, 2>(&t, &self.device))),
+            3 => Ok(Activation::Seq(to_burn::<B, 3>(&t, &self.device))),
+            r => Err(format!("`{name}` has rank {r}; activations have rank 2 or 3")),
+        }
+    }
+
+    /// Runs `blocks` on `x`, each on a fresh copy (see [`Block::fresh_copy`]); returns the
+    /// output and the copies.
+    pub(super) fn run_blocks(
+        &self,
+        blocks: Range<usize>,
+        x: Activation<B>,
+    ) -> Result<(Activation<B>, BlockCopies<B>), String> {
+        let mut y = x;
+        let mut copies = Vec::with_capacity(blocks.len());
+        for index in blocks {
+            let copy = self.block(index)?.fresh_copy();
+            y = copy.forward(y);
+            copies.push(copy);
+        }
+        Ok((y, copies))
+    }
+
+    pub(super) fn forward(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        input: &str,
+        output: &str,
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let x = if let Some(batch) = self.batches.get(input) {
+            batch.input.clone()
+        } else if let Some(key) = self.by_name.get(input) {
+            self.segments[key].output.leaf()
+        } else {
+            self.import(input, table)?.leaf()
+        };
+        let (y, copies) = self.run_blocks(blocks.clone(), x.clone())?;
+        let (kept, copies) = if self.checkpoint {
+            (y.detach(), Vec::new())
+        } else {
+            (y, copies)
+        };
+        let key = (blocks.start, mb);
+        self.segments.insert(
+            key,
+            Segment {
+                input: x,
+                output: kept,
+                checkpointed: self.checkpoint,
+                copies,
+                batch: None,
+            },
+        );
+        self.by_name.insert(output.to_string(), key);
+        let chunk = (self.chunk_of(blocks.start), mb);
+        *self.live.entry(chunk).or_default() += 1;
+        self.peak_live = self.peak_live.max(self.live.len());
+        Ok(())
+    }
+
+    pub(super) fn loss_of(&self, output: &Activation<B>, batch: &str) -> Result<Tensor<B, 1>, String> {
+        let logits = match output {
+            Activation::Rows(l) => l.clone(),
+            Activation::Seq(l) => {
+                let [b, t, v] = l.dims();
+                l.clone().reshape([b * t, v])
+            }
+            Activation::Tokens(_) => return Err("the model's last block must output logits".into()),
+        };
+        let targets = self
+            .batches
+            .get(batch)
+            .ok_or_else(|| format!("batch `{batch}` is not loaded"))?
+            .targets
+            .clone();
+        let [n, _] = logits.dims();
+        let per_global_sample = 1.0 / (self.global_batch * self.desc.input.tokens_per_sample()) as f32;
+        let picked = log_softmax(logits, 1).gather(1, targets.reshape([n, 1]));
+        Ok(picked.sum().neg().mul_scalar(per_global_sample))
+    }
+
+    pub(super) fn compute_loss(&mut self, logits: &str, batch: &str, loss: &str) -> Result<(), String> {
+        let key = *self
+            .by_name
+            .get(logits)
+            .ok_or_else(|| format!("no segment produced `{logits}`"))?;
+        let value = self.loss_of(&self.segments[&key].output, batch)?;
+        let scalar = value.into_scalar().elem::<f32>();
+        *self.loss_sum.get_or_insert(0.0) += scalar;
+        self.segments.get_mut(&key).expect("segment").batch = Some(batch.to_string());
+        self.losses.insert(loss.to_string(), key);
+        Ok(())
+    }
+
+    /// Runs the backward of segment `(start, mb)` from `upstream`; returns burn's gradients and
+    /// the segment (for its input's gradient).
+    pub(super) fn backward_pass(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        upstream: &str,
+        table: &mut TensorTable,
+    ) -> Result<(B::Gradients, Segment<B>), String> {
+        let mut segment = self
+            .segments
+            .remove(&(blocks.start, mb))
+            .ok_or("backward of a segment that did not run forward")?;
+        if segment.checkpointed {
+            (segment.output, segment.copies) = self.run_blocks(blocks.clone(), segment.input.clone())?;
+        }
+        let grads = if let Some(key) = self.losses.remove(upstream) {
+            if key != (blocks.start, mb) {
+                return Err(format!("`{upstream}` is not the loss of this segment"));
+            }
+            let batch = segment.batch.clone().ok_or("no loss computed for this segment")?;
+            self.loss_of(&segment.output, &batch)?.backward()
+        } else {
+            let g = match self.upstream.remove(upstream) {
+                Some(g) => g,
+                None => self.import(upstream, table)?,
+            };
+            segment.output.dot(&g).backward()
+        };
+        Ok((grads, segment))
+    }
+
+    /// Moves the segment's weight gradients into its bucket `grad_name`, adding to what earlier
+    /// micro-batches left there this step.
+    pub(super) fn accumulate(
+        &mut self,
+        blocks: Range<usize>,
+        copies: &[Box<dyn Block<B>>],
+        grads: &mut B::Gradients,
+        grad_name: &str,
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let range = self.offsets[blocks.start]..self.offsets[blocks.end];
+        let first = self.grads_started.insert(grad_name.to_string());
+        let mut flat = if first {
+            match self.spare_buffers.iter().position(|b| b.len() == range.len()) {
+                Some(i) => self.spare_buffers.swap_remove(i),
+                None => vec![0.0f32; range.len()],
+            }
+        } else {
+            table
+                .remove(grad_name)
+                .ok_or_else(|| format!("gradient bucket `{grad_name}` left the actor mid-step"))?
+                .into_vec()
+        };
+        for (index, copy) in blocks.clone().zip(copies) {
+            let at = self.offsets[index] - range.start..self.offsets[index + 1] - range.start;
+            copy.take_grads(grads, &mut flat[at], !first);
+        }
+        table.insert(grad_name.to_string(), HostTensor::flat(flat));
+        let held: u64 = self
+            .grad_ranges
+            .keys()
+            .chain(std::iter::once(&grad_name.to_string()))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .filter_map(|n| table.get(n).map(HostTensor::bytes))
+            .sum();
+        let spare: u64 = self.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
+        self.peak_grad_bytes = self.peak_grad_bytes.max(held + spare);
+        self.grad_ranges.insert(grad_name.to_string(), blocks);
+        Ok(())
+    }
+
+    pub(super) fn release(&mut self, start: usize, mb: usize) {
+        let key = (self.chunk_of(start), mb);
+        if let Some(n) = self.live.get_mut(&key) {
+            *n -= 1;
+            if *n == 0 {
+                self.live.remove(&key);
+            }
+        }
+    }
+
+    pub(super) fn backward(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        upstream: &str,
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
+        let grad_name = outputs.first().ok_or("backward names no gradient output")?;
+        self.accumulate(blocks.clone(), &segment.copies, &mut grads, grad_name, table)?;
+        self.keep_input_grad(&segment, &mut grads, outputs.get(1))?;
+        self.release(blocks.start, mb);
+        Ok(())
+    }
+
+    /// Keeps the gradient of the segment's input under `name` (for the segment before, or to be
+    /// sent to the stage before); the first segment of the model has none.
+    pub(super) fn keep_input_grad(
+        &mut self,
+        segment: &Segment<B>,
+        grads: &mut B::Gradients,
+        name: Option<&String>,
+    ) -> Result<(), String> {
+        if let Some(name) = name {
+            let g = segment
+                .input
+                .take_grad(grads)
+                .ok_or("the segment input has no gradient")?;
+            self.upstream.insert(name.clone(), g);
+        }
+        Ok(())
+    }
+
+    pub(super) fn backward_input(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        upstream: &str,
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
+        self.keep_input_grad(&segment, &mut grads, outputs.first())?;
+        self.pending_weights
+            .insert((blocks.start, mb), (grads, segment.copies));
+        Ok(())
+    }
+
+    pub(super) fn backward_weight(
+        &mut self,
+        blocks: Range<usize>,
+        mb: usize,
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let (mut grads, copies) = self
+            .pending_weights
+            .remove(&(blocks.start, mb))
+            .ok_or("BackwardWeight before its BackwardInput")?;
+        let grad_name = outputs.first().ok_or("BackwardWeight names no gradient output")?;
+        self.accumulate(blocks.clone(), &copies, &mut grads, grad_name, table)?;
+        self.release(blocks.start, mb);
+        Ok(())
+    }
+}

@@ -1,0 +1,199 @@
+//! The trainer's optimizer step and ZeRO (Rajbhandari et al., SC 2020): which shard of each
+//! gradient bucket this replica updates, the gathered parameters it loads, and under ZeRO-3 the
+//! shards it keeps as its master copy and the modules it builds and drops around each segment.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use super::Trainer;
+use crate::collectives::shard_range;
+use crate::executor::TensorTable;
+use crate::host_tensor::HostTensor;
+use crate::zoo::BuildContext;
+
+/// Where this actor sits in its data-parallel group, and what ZeRO shards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sharding {
+    /// ZeRO stage in effect (0 when the group has one member).
+    pub zero: u8,
+    /// This actor's position in its dp group (its shard).
+    pub rank: usize,
+    /// Members of the dp group.
+    pub members: usize,
+    /// Optimizer-state offset of each segment's shard, by the segment's first block.
+    pub(super) state_offsets: HashMap<usize, usize>,
+}
+
+impl Sharding {
+    /// Shard `rank` of `members` of every segment in `segments` (half-open block ranges), for a
+    /// model whose block `i` lives at `offsets[i]..offsets[i + 1]` of the flat parameters.
+    pub(super) fn new(
+        zero: u8,
+        rank: usize,
+        members: usize,
+        segments: &[(usize, usize)],
+        offsets: &[usize],
+    ) -> Sharding {
+        let zero = if members > 1 { zero } else { 0 };
+        let mut state_offsets = HashMap::new();
+        let mut next = 0;
+        for &(start, end) in segments {
+            state_offsets.insert(start, next);
+            next += shard_range(offsets[end] - offsets[start], members, rank).len();
+        }
+        Sharding {
+            zero,
+            rank,
+            members,
+            state_offsets,
+        }
+    }
+
+    /// Optimizer state elements this actor keeps.
+    pub(super) fn state_len(&self, segments: &[(usize, usize)], offsets: &[usize]) -> usize {
+        segments
+            .iter()
+            .map(|&(s, e)| shard_range(offsets[e] - offsets[s], self.members, self.rank).len())
+            .sum()
+    }
+}
+impl<B: AutodiffBackend> Trainer<B> {
+    pub(super) fn optimizer_step(
+        &mut self,
+        inputs: &[String],
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        self.optimizer.begin_step();
+        for (k, name) in inputs.iter().enumerate() {
+            let grad = table
+                .remove(name)
+                .ok_or_else(|| format!("gradient `{name}` missing"))?;
+            let blocks = self
+                .grad_ranges
+                .remove(name)
+                .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+            let range = self.offsets[blocks.start]..self.offsets[blocks.end];
+            if self.sharding.zero == 0 {
+                self.optimizer
+                    .update(range.start, &mut self.master[range.clone()], &grad.data);
+                self.reload(blocks.clone())?;
+            } else {
+                // ZeRO: update only this replica's shard; the all-gather brings the others.
+                let Sharding { rank, members, .. } = self.sharding;
+                let shard = shard_range(range.len(), members, rank);
+                let own = range.start + shard.start..range.start + shard.end;
+                let grads = if grad.len() == range.len() {
+                    &grad.data[shard.clone()]
+                } else if grad.len() == shard.len() {
+                    &grad.data[..]
+                } else {
+                    return Err(format!(
+                        "gradient `{name}` has {} values; expected the bucket ({}) or this replica's shard ({})",
+                        grad.len(),
+                        range.len(),
+                        shard.len()
+                    ));
+                };
+                let state = self.sharding.state_offsets[&blocks.start];
+                if self.sharding.zero >= 3 {
+                    // The master copy is the shard itself; it stays sharded until the next gather.
+                    let at = state..state + shard.len();
+                    self.optimizer.update(state, &mut self.shard_master[at], grads);
+                    self.optimizer_grad_bytes += grad.bytes();
+                    continue;
+                }
+                self.optimizer.update(state, &mut self.master[own.clone()], grads);
+                let mut gathered = vec![0.0f32; range.len()];
+                gathered[shard].copy_from_slice(&self.master[own]);
+                let out = outputs
+                    .get(k)
+                    .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
+                table.insert(out.clone(), HostTensor::flat(gathered));
+                self.param_ranges.insert(out.clone(), blocks);
+            }
+            self.optimizer_grad_bytes += grad.bytes();
+            if grad.len() == range.len() {
+                // Whole buckets are reused by the next backward; ZeRO-2 shards are not.
+                self.spare_buffers.push(grad.into_vec());
+            }
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3: this replica's shard of segment `blocks` in a buffer of the segment's length.
+    pub(super) fn shard_params(
+        &mut self,
+        blocks: Range<usize>,
+        output: &str,
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let len = self.offsets[blocks.end] - self.offsets[blocks.start];
+        let Sharding { rank, members, .. } = self.sharding;
+        let own = shard_range(len, members, rank);
+        let state = *self.sharding.state_offsets.get(&blocks.start).ok_or_else(|| {
+            format!(
+                "blocks {}..{} are not a segment of this actor",
+                blocks.start, blocks.end
+            )
+        })?;
+        let mut full = vec![0.0f32; len];
+        full[own.clone()].copy_from_slice(&self.shard_master[state..state + own.len()]);
+        table.insert(output.to_string(), HostTensor::flat(full));
+        Ok(())
+    }
+
+    /// ZeRO-3: builds the modules of `blocks` from their gathered parameters.
+    pub(super) fn materialize(&mut self, blocks: Range<usize>, params: &[f32]) -> Result<(), String> {
+        let base = self.offsets[blocks.start];
+        for index in blocks {
+            if !self.held_blocks[index] {
+                return Err(format!("block {index} is not held by this actor"));
+            }
+            let ctx = BuildContext {
+                seed: self.seed,
+                actor: self.actor,
+                block: index,
+            };
+            let block = self.builder.build_block(&ctx, &self.device);
+            let at = self.offsets[index] - base..self.offsets[index + 1] - base;
+            self.blocks[index] = Some(block.load_params(&params[at]));
+        }
+        Ok(())
+    }
+
+    /// Copies gathered parameters into the master copy and the modules.
+    pub(super) fn load_params(&mut self, name: &str, table: &mut TensorTable) -> Result<(), String> {
+        let params = table
+            .remove(name)
+            .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
+        let blocks = self
+            .param_ranges
+            .remove(name)
+            .ok_or_else(|| format!("`{name}` is not a parameter bucket"))?;
+        let range = self.offsets[blocks.start]..self.offsets[blocks.end];
+        if params.len() != range.len() {
+            return Err(format!(
+                "`{name}` has {} values, the blocks {}",
+                params.len(),
+                range.len()
+            ));
+        }
+        self.master[range].copy_from_slice(&params.data);
+        self.reload(blocks)
+    }
+
+    /// Loads the master parameters of `blocks` into their modules.
+    pub(super) fn reload(&mut self, blocks: Range<usize>) -> Result<(), String> {
+        for index in blocks {
+            let block = self.blocks[index]
+                .take()
+                .ok_or_else(|| format!("block {index} is not held by this actor"))?;
+            let params = &self.master[self.offsets[index]..self.offsets[index + 1]];
+            self.blocks[index] = Some(block.load_params(params));
+        }
+        Ok(())
+    }
+}
