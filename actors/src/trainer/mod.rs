@@ -108,6 +108,8 @@ pub struct Trainer<B: AutodiffBackend> {
     sharding: Sharding,
     /// ZeRO-3: this replica's shards of the segments' parameters, concatenated (the master copy).
     shard_master: Vec<f32>,
+    /// ZeRO-3: full-segment buffers kept for the next gathers.
+    gather_pool: Vec<Vec<f32>>,
     /// Which blocks this actor holds (under ZeRO-3 their modules come and go).
     held_blocks: Vec<bool>,
     builder: Arc<dyn ModelBuilder<B>>,
@@ -210,6 +212,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             peak_live: 0,
             sharding,
             shard_master,
+            gather_pool: Vec::new(),
             held_blocks,
             builder,
             seed: program.seed,
@@ -287,7 +290,11 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 let params = table
                     .remove(&name)
                     .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
-                self.materialize(*start..*end, &params.data)
+                self.materialize(*start..*end, &params.data)?;
+                if self.gather_pool.len() < 4 {
+                    self.gather_pool.push(params.into_vec());
+                }
+                Ok(())
             }
             ComputeOp::LoadParams { .. } => self.load_params(&nth(inputs, 0)?, table),
             ComputeOp::ShardParams { start, end } => {

@@ -139,7 +139,12 @@ impl<B: AutodiffBackend> Trainer<B> {
                 blocks.start, blocks.end
             )
         })?;
-        let mut full = vec![0.0f32; len];
+        // The all-gather overwrites every other shard, so a reused buffer needs no clearing
+        // (fresh buffers of this size page-fault on every use).
+        let mut full = match self.gather_pool.iter().position(|b| b.len() == len) {
+            Some(i) => self.gather_pool.swap_remove(i),
+            None => vec![0.0f32; len],
+        };
         full[own.clone()].copy_from_slice(&self.shard_master[state..state + own.len()]);
         table.insert(output.to_string(), HostTensor::flat(full));
         Ok(())
