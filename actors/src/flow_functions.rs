@@ -156,13 +156,23 @@ impl Computation for FlowComputation {
 /// # Panics
 /// When the host tensor's rank is not `D`.
 pub fn to_burn<B: Backend, const D: usize>(t: &HostTensor, device: &B::Device) -> Tensor<B, D> {
+    into_burn(t.clone(), device)
+}
+
+/// [`to_burn`] for a tensor the caller gives up: its buffer is not copied when nobody else
+/// holds it (a received activation, say).
+///
+/// # Panics
+/// When the host tensor's rank is not `D`.
+pub fn into_burn<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tensor<B, D> {
     assert_eq!(
         t.shape.len(),
         D,
         "tensor of rank {} read as rank {D}",
         t.shape.len()
     );
-    Tensor::from_data(TensorData::new(t.data.as_ref().clone(), t.shape.clone()), device)
+    let shape = t.shape.clone();
+    Tensor::from_data(TensorData::new(t.into_vec(), shape), device)
 }
 
 /// A burn tensor back in host memory.

@@ -9,6 +9,7 @@
 use serde_json::{Value, json};
 
 use archipelago_actors::executor::StepReport;
+use archipelago_dataflow::passes::pipeline::microbatch_of;
 use archipelago_dataflow::{CollectiveKind, ComputeOp, Instruction, Plan};
 
 /// Collects spans of the steps it is shown and writes them as one trace.
@@ -93,8 +94,8 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             }
             ComputeOp::User { .. } | ComputeOp::Output { .. } => ("user", None),
         },
-        Instruction::Send { tensor, .. } => ("send", mb_of(tensor)),
-        Instruction::Recv { tensor, .. } => ("recv", mb_of(tensor)),
+        Instruction::Send { tensor, .. } => ("send", microbatch_of(tensor)),
+        Instruction::Recv { tensor, .. } => ("recv", microbatch_of(tensor)),
         Instruction::StartCollective { kind, .. } => (collective_category(*kind), None),
         Instruction::WaitCollective { .. } => ("collective-wait", None),
     }
@@ -105,15 +106,6 @@ fn collective_category(kind: CollectiveKind) -> &'static str {
         CollectiveKind::AllReduceSum => "all-reduce",
         CollectiveKind::ReduceScatterSum => "reduce-scatter",
         CollectiveKind::AllGather => "all-gather",
-    }
-}
-
-/// Activations and their gradients are named `act.K.MB` / `dact.K.MB`.
-fn mb_of(tensor: &str) -> Option<usize> {
-    let mut parts = tensor.split('.');
-    match (parts.next(), parts.next(), parts.next()) {
-        (Some("act" | "dact"), Some(_), Some(mb)) => mb.parse().ok(),
-        _ => None,
     }
 }
 

@@ -188,8 +188,8 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         last = reports;
     }
     let instruction_medians: Vec<Vec<f64>> = per_instruction
-        .iter()
-        .map(|actor| actor.iter().map(|times| median(&mut times.clone())).collect())
+        .iter_mut()
+        .map(|actor| actor.iter_mut().map(|times| median(times)).collect())
         .collect();
     let replayed = replay(plan, &instruction_medians);
     if let (Some(trace), Some(path)) = (&trace, &options.trace) {
@@ -248,10 +248,10 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
                     .stream
                     .instructions
                     .iter()
-                    .zip(per_instruction[r.actor].iter_mut())
-                    .map(|(i, times)| InstructionRecord {
+                    .zip(&instruction_medians[r.actor])
+                    .map(|(i, &median_s)| InstructionRecord {
                         instruction: i.to_string(),
-                        median_s: median(times),
+                        median_s,
                     })
                     .collect(),
             })

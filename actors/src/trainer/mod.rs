@@ -27,7 +27,6 @@ use burn::tensor::backend::AutodiffBackend;
 use archipelago_dataflow::{ActorId, ComputeOp, ModelDesc, Program};
 
 use crate::block::{Activation, Block, deterministic_init};
-use crate::collectives::shard_range;
 use crate::executor::{Computation, StepMetrics, TensorTable};
 use crate::flat_optimizer::FlatOptimizer;
 use crate::flow_functions::from_burn;
@@ -97,8 +96,6 @@ pub struct Trainer<B: AutodiffBackend> {
     /// to), waiting for `BackwardWeight`.
     pending_weights: HashMap<(usize, usize), (B::Gradients, BlockCopies<B>)>,
     grad_ranges: HashMap<String, Range<usize>>,
-    /// ZeRO: gathered-parameter tensors and the blocks they belong to.
-    param_ranges: HashMap<String, Range<usize>>,
     grads_started: HashSet<String>,
     peak_grad_bytes: u64,
     optimizer_grad_bytes: u64,
@@ -167,7 +164,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             &offsets,
         );
         let state_len = if sharding.zero >= 1 {
-            sharding.state_len(&placement.segments, &offsets)
+            sharding.state_len()
         } else {
             master.len()
         };
@@ -176,10 +173,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         // segment's gathered parameters are loaded.
         let mut shard_master = Vec::new();
         if sharding.zero >= 3 {
-            for &(start, end) in &placement.segments {
-                let range = offsets[start]..offsets[end];
-                let own = shard_range(range.len(), sharding.members, sharding.rank);
-                shard_master.extend_from_slice(&master[range.start + own.start..range.start + own.end]);
+            for &(start, _) in &placement.segments {
+                let own = &sharding.segment(start)?.own;
+                shard_master.extend_from_slice(&master[offsets[start] + own.start..offsets[start] + own.end]);
             }
             master = Vec::new();
             blocks.iter_mut().for_each(|b| *b = None);
@@ -204,7 +200,6 @@ impl<B: AutodiffBackend> Trainer<B> {
             upstream: HashMap::new(),
             pending_weights: HashMap::new(),
             grad_ranges: HashMap::new(),
-            param_ranges: HashMap::new(),
             grads_started: HashSet::new(),
             peak_grad_bytes: 0,
             optimizer_grad_bytes: 0,
@@ -285,18 +280,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 self.backward_weight(*start..*end, *mb, outputs, table)
             }
             ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, outputs, table),
-            ComputeOp::LoadParams { start, end } if self.sharding.zero >= 3 => {
-                let name = nth(inputs, 0)?;
-                let params = table
-                    .remove(&name)
-                    .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
-                self.materialize(*start..*end, &params.data)?;
-                if self.gather_pool.len() < 4 {
-                    self.gather_pool.push(params.into_vec());
-                }
-                Ok(())
-            }
-            ComputeOp::LoadParams { .. } => self.load_params(&nth(inputs, 0)?, table),
+            ComputeOp::LoadParams { start, end } => self.load_params(*start..*end, &nth(inputs, 0)?, table),
             ComputeOp::ShardParams { start, end } => {
                 self.shard_params(*start..*end, &nth(outputs, 0)?, table)
             }
@@ -367,27 +351,6 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 .map(|i| (i, sq(Trainer::block_params(self, i))))
                 .collect();
         }
-        // ZeRO-3: the squares of this replica's shard, split by block.
-        let mut out: HashMap<usize, f64> = HashMap::new();
-        let Sharding { rank, members, .. } = self.sharding;
-        for (&start, &state) in &self.sharding.state_offsets {
-            let end = (start..self.held_blocks.len())
-                .find(|&e| {
-                    e + 1 == self.held_blocks.len()
-                        || !self.held_blocks[e + 1]
-                        || self.sharding.state_offsets.contains_key(&(e + 1))
-                })
-                .map_or(start + 1, |e| e + 1);
-            let base = self.offsets[start];
-            let own = shard_range(self.offsets[end] - base, members, rank);
-            for (k, &x) in self.shard_master[state..state + own.len()].iter().enumerate() {
-                let flat = base + own.start + k;
-                let block = (start..end)
-                    .find(|&b| flat < self.offsets[b + 1])
-                    .unwrap_or(start);
-                *out.entry(block).or_default() += (x as f64) * (x as f64);
-            }
-        }
-        out.into_iter().collect()
+        self.shard_squares()
     }
 }

@@ -2,7 +2,6 @@
 //! backward from the loss or an upstream gradient, ZB-H1's split backward, and the gradient
 //! buckets that add up the micro-batches.
 
-use std::collections::HashSet;
 use std::ops::Range;
 
 use burn::tensor::activation::log_softmax;
@@ -12,7 +11,7 @@ use burn::tensor::{ElementConversion, Tensor};
 use super::{BlockCopies, Segment, Trainer};
 use crate::block::{Activation, Block};
 use crate::executor::TensorTable;
-use crate::flow_functions::to_burn;
+use crate::flow_functions::into_burn;
 use crate::host_tensor::HostTensor;
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -22,8 +21,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             .remove(name)
             .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
         match t.shape.len() {
-            2 => Ok(Activation::Rows(to_burn::<B, 2>(&t, &self.device))),
-            3 => Ok(Activation::Seq(to_burn::<B, 3>(&t, &self.device))),
+            2 => Ok(Activation::Rows(into_burn::<B, 2>(t, &self.device))),
+            3 => Ok(Activation::Seq(into_burn::<B, 3>(t, &self.device))),
             r => Err(format!("`{name}` has rank {r}; activations have rank 2 or 3")),
         }
     }
@@ -178,17 +177,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             copy.take_grads(grads, &mut flat[at], !first);
         }
         table.insert(grad_name.to_string(), HostTensor::flat(flat));
+        self.grad_ranges.insert(grad_name.to_string(), blocks);
         let held: u64 = self
             .grad_ranges
             .keys()
-            .chain(std::iter::once(&grad_name.to_string()))
-            .collect::<HashSet<_>>()
-            .into_iter()
             .filter_map(|n| table.get(n).map(HostTensor::bytes))
             .sum();
         let spare: u64 = self.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
         self.peak_grad_bytes = self.peak_grad_bytes.max(held + spare);
-        self.grad_ranges.insert(grad_name.to_string(), blocks);
         Ok(())
     }
 

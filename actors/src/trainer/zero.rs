@@ -13,6 +13,17 @@ use crate::executor::TensorTable;
 use crate::host_tensor::HostTensor;
 use crate::zoo::BuildContext;
 
+/// This replica's shard of one segment (gradient bucket).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SegmentShard {
+    /// One past the segment's last block.
+    pub(super) end: usize,
+    /// The owned elements, relative to the segment's first parameter.
+    pub(super) own: Range<usize>,
+    /// Where the shard starts in the optimizer state (and, under ZeRO-3, in the shard master).
+    pub(super) state: usize,
+}
+
 /// Where this actor sits in its data-parallel group, and what ZeRO shards.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sharding {
@@ -22,8 +33,8 @@ pub struct Sharding {
     pub rank: usize,
     /// Members of the dp group.
     pub members: usize,
-    /// Optimizer-state offset of each segment's shard, by the segment's first block.
-    pub(super) state_offsets: HashMap<usize, usize>,
+    /// This replica's shard of each segment, by the segment's first block.
+    pub(super) segments: HashMap<usize, SegmentShard>,
 }
 
 impl Sharding {
@@ -37,28 +48,35 @@ impl Sharding {
         offsets: &[usize],
     ) -> Sharding {
         let zero = if members > 1 { zero } else { 0 };
-        let mut state_offsets = HashMap::new();
-        let mut next = 0;
+        let mut shards = HashMap::new();
+        let mut state = 0;
         for &(start, end) in segments {
-            state_offsets.insert(start, next);
-            next += shard_range(offsets[end] - offsets[start], members, rank).len();
+            let own = shard_range(offsets[end] - offsets[start], members, rank);
+            let len = own.len();
+            shards.insert(start, SegmentShard { end, own, state });
+            state += len;
         }
         Sharding {
             zero,
             rank,
             members,
-            state_offsets,
+            segments: shards,
         }
     }
 
-    /// Optimizer state elements this actor keeps.
-    pub(super) fn state_len(&self, segments: &[(usize, usize)], offsets: &[usize]) -> usize {
-        segments
-            .iter()
-            .map(|&(s, e)| shard_range(offsets[e] - offsets[s], self.members, self.rank).len())
-            .sum()
+    /// Optimizer state elements this actor keeps under ZeRO ≥ 1.
+    pub(super) fn state_len(&self) -> usize {
+        self.segments.values().map(|s| s.own.len()).sum()
+    }
+
+    /// The shard of the segment starting at block `start`.
+    pub(super) fn segment(&self, start: usize) -> Result<&SegmentShard, String> {
+        self.segments
+            .get(&start)
+            .ok_or_else(|| format!("no segment of this actor starts at block {start}"))
     }
 }
+
 impl<B: AutodiffBackend> Trainer<B> {
     pub(super) fn optimizer_step(
         &mut self,
@@ -82,8 +100,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 self.reload(blocks.clone())?;
             } else {
                 // ZeRO: update only this replica's shard; the all-gather brings the others.
-                let Sharding { rank, members, .. } = self.sharding;
-                let shard = shard_range(range.len(), members, rank);
+                let SegmentShard {
+                    own: shard, state, ..
+                } = self.sharding.segment(blocks.start)?.clone();
                 let own = range.start + shard.start..range.start + shard.end;
                 let grads = if grad.len() == range.len() {
                     &grad.data[shard.clone()]
@@ -97,7 +116,6 @@ impl<B: AutodiffBackend> Trainer<B> {
                         shard.len()
                     ));
                 };
-                let state = self.sharding.state_offsets[&blocks.start];
                 if self.sharding.zero >= 3 {
                     // The master copy is the shard itself; it stays sharded until the next gather.
                     let at = state..state + shard.len();
@@ -106,13 +124,12 @@ impl<B: AutodiffBackend> Trainer<B> {
                     continue;
                 }
                 self.optimizer.update(state, &mut self.master[own.clone()], grads);
-                let mut gathered = vec![0.0f32; range.len()];
+                let mut gathered = self.gather_buffer(range.len());
                 gathered[shard].copy_from_slice(&self.master[own]);
                 let out = outputs
                     .get(k)
                     .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
                 table.insert(out.clone(), HostTensor::flat(gathered));
-                self.param_ranges.insert(out.clone(), blocks);
             }
             self.optimizer_grad_bytes += grad.bytes();
             if grad.len() == range.len() {
@@ -131,23 +148,21 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let len = self.offsets[blocks.end] - self.offsets[blocks.start];
-        let Sharding { rank, members, .. } = self.sharding;
-        let own = shard_range(len, members, rank);
-        let state = *self.sharding.state_offsets.get(&blocks.start).ok_or_else(|| {
-            format!(
-                "blocks {}..{} are not a segment of this actor",
-                blocks.start, blocks.end
-            )
-        })?;
-        // The all-gather overwrites every other shard, so a reused buffer needs no clearing
-        // (fresh buffers of this size page-fault on every use).
-        let mut full = match self.gather_pool.iter().position(|b| b.len() == len) {
-            Some(i) => self.gather_pool.swap_remove(i),
-            None => vec![0.0f32; len],
-        };
+        let SegmentShard { own, state, .. } = self.sharding.segment(blocks.start)?.clone();
+        let mut full = self.gather_buffer(len);
         full[own.clone()].copy_from_slice(&self.shard_master[state..state + own.len()]);
         table.insert(output.to_string(), HostTensor::flat(full));
         Ok(())
+    }
+
+    /// A buffer of `len` elements for an all-gather of parameters. The all-gather overwrites
+    /// every shard but the own one, so a reused buffer needs no clearing (fresh buffers of this
+    /// size page-fault on every use).
+    fn gather_buffer(&mut self, len: usize) -> Vec<f32> {
+        match self.gather_pool.iter().position(|b| b.len() == len) {
+            Some(i) => self.gather_pool.swap_remove(i),
+            None => vec![0.0f32; len],
+        }
     }
 
     /// ZeRO-3: builds the modules of `blocks` from their gathered parameters.
@@ -169,25 +184,56 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    /// Copies gathered parameters into the master copy and the modules.
-    pub(super) fn load_params(&mut self, name: &str, table: &mut TensorTable) -> Result<(), String> {
+    /// Loads the gathered parameters `name` of `blocks`: into the master copy and the modules
+    /// (ZeRO-1/2), or into freshly built modules (ZeRO-3, whose master copy stays sharded).
+    pub(super) fn load_params(
+        &mut self,
+        blocks: Range<usize>,
+        name: &str,
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
         let params = table
             .remove(name)
             .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
-        let blocks = self
-            .param_ranges
-            .remove(name)
-            .ok_or_else(|| format!("`{name}` is not a parameter bucket"))?;
         let range = self.offsets[blocks.start]..self.offsets[blocks.end];
         if params.len() != range.len() {
             return Err(format!(
-                "`{name}` has {} values, the blocks {}",
+                "`{name}` has {} values, blocks {}..{} have {}",
                 params.len(),
+                blocks.start,
+                blocks.end,
                 range.len()
             ));
         }
-        self.master[range].copy_from_slice(&params.data);
-        self.reload(blocks)
+        if self.sharding.zero >= 3 {
+            self.materialize(blocks, &params.data)?;
+        } else {
+            self.master[range].copy_from_slice(&params.data);
+            self.reload(blocks)?;
+        }
+        if self.gather_pool.len() < 4 {
+            self.gather_pool.push(params.into_vec());
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3: the sums of squares of this replica's shard of each segment, by block.
+    pub(super) fn shard_squares(&self) -> Vec<(usize, f64)> {
+        let mut out = Vec::new();
+        for (&start, shard) in &self.sharding.segments {
+            let base = self.offsets[start];
+            let owned = &self.shard_master[shard.state..shard.state + shard.own.len()];
+            for block in start..shard.end {
+                // The block's elements, relative to the segment, intersected with the shard.
+                let from = (self.offsets[block] - base).max(shard.own.start);
+                let to = (self.offsets[block + 1] - base).min(shard.own.end);
+                if from < to {
+                    let slice = &owned[from - shard.own.start..to - shard.own.start];
+                    out.push((block, slice.iter().map(|&x| (x as f64) * (x as f64)).sum()));
+                }
+            }
+        }
+        out
     }
 
     /// Loads the master parameters of `blocks` into their modules.

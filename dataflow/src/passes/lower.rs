@@ -62,12 +62,8 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                 };
                 emit(*actor, instruction, &mut pending);
             }
-            NodeOp::Transfer {
-                from,
-                to,
-                tensor,
-                as_name,
-            } => {
+            // The receive was placed up front (see `recvs`).
+            NodeOp::Transfer { from, to, tensor, .. } => {
                 emit(
                     *from,
                     Instruction::Send {
@@ -77,7 +73,6 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                     },
                     &mut pending,
                 );
-                let _ = (to, as_name);
             }
             NodeOp::Collective { kind, group, tensor } => {
                 for &member in group {

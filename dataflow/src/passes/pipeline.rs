@@ -108,6 +108,15 @@ pub fn dact_name(k: usize, mb: usize) -> String {
     format!("dact.{k}.{mb}")
 }
 
+/// The micro-batch of an activation or activation-gradient name ([`act_name`], [`dact_name`]).
+pub fn microbatch_of(tensor: &str) -> Option<usize> {
+    let mut parts = tensor.split('.');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some("act" | "dact"), Some(_), Some(mb), None) => mb.parse().ok(),
+        _ => None,
+    }
+}
+
 /// Builds the graph of one training step with the given per-device pass orders.
 ///
 /// ZeRO (`zero` ≥ 1, Rajbhandari et al., SC 2020) over each stage's `dp` group: stage 1 keeps the
