@@ -57,6 +57,8 @@ pub struct StepMetrics {
     pub compute_weight_bytes: u64,
     /// The most micro-batches whose activations were held at once (per chunk, summed).
     pub peak_microbatches_held: usize,
+    /// The offload actor's figures (cumulative over the run), when the state is offloaded.
+    pub offload: Option<crate::offload::OffloadStats>,
 }
 
 /// Local compute of an actor.

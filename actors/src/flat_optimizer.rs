@@ -37,37 +37,58 @@ impl FlatOptimizer {
     /// # Panics
     /// When `params` and `grads` differ in length or the range is outside the state.
     pub fn update(&mut self, offset: usize, params: &mut [f32], grads: &[f32]) {
-        assert_eq!(params.len(), grads.len(), "parameter and gradient ranges differ");
-        match self.spec {
-            OptimizerSpec::Sgd { lr } => {
-                for (p, g) in params.iter_mut().zip(grads) {
-                    *p -= lr * g;
-                }
-            }
-            OptimizerSpec::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-            } => {
-                let m = &mut self.m[offset..offset + params.len()];
-                let v = &mut self.v[offset..offset + params.len()];
-                let c1 = 1.0 - beta1.powi(self.t);
-                let c2 = 1.0 - beta2.powi(self.t);
-                let step = lr / c1;
-                let c2_sqrt = c2.sqrt();
-                for (((p, g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
-                    *m = beta1 * *m + (1.0 - beta1) * g;
-                    *v = beta2 * *v + (1.0 - beta2) * g * g;
-                    *p -= step * *m / (v.sqrt() / c2_sqrt + eps);
-                }
-            }
-        }
+        let len = params.len();
+        let (m, v) = if self.m.is_empty() {
+            (&mut [][..], &mut [][..])
+        } else {
+            (
+                &mut self.m[offset..offset + len],
+                &mut self.v[offset..offset + len],
+            )
+        };
+        update_slices(self.spec, self.t, params, m, v, grads);
     }
 
     /// Bytes of optimizer state held.
     pub fn state_bytes(&self) -> u64 {
         4 * (self.m.len() + self.v.len()) as u64
+    }
+}
+
+/// One optimizer update of `params` with `grads` at step `t` (counted from 1), given the state
+/// slices of the same range (`m` and `v`; empty for SGD). Offload tiers call this on state they
+/// keep outside a [`FlatOptimizer`].
+///
+/// # Panics
+/// When the slices differ in length.
+pub fn update_slices(spec: OptimizerSpec, t: i32, params: &mut [f32], m: &mut [f32], v: &mut [f32], grads: &[f32]) {
+    assert_eq!(params.len(), grads.len(), "parameter and gradient ranges differ");
+    match spec {
+        OptimizerSpec::Sgd { lr } => {
+            for (p, g) in params.iter_mut().zip(grads) {
+                *p -= lr * g;
+            }
+        }
+        OptimizerSpec::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => {
+            assert!(
+                m.len() == params.len() && v.len() == params.len(),
+                "Adam state and parameter ranges differ"
+            );
+            let c1 = 1.0 - beta1.powi(t);
+            let c2 = 1.0 - beta2.powi(t);
+            let step = lr / c1;
+            let c2_sqrt = c2.sqrt();
+            for (((p, g), m), v) in params.iter_mut().zip(grads).zip(m.iter_mut()).zip(v.iter_mut()) {
+                *m = beta1 * *m + (1.0 - beta1) * g;
+                *v = beta2 * *v + (1.0 - beta2) * g * g;
+                *p -= step * *m / (v.sqrt() / c2_sqrt + eps);
+            }
+        }
     }
 }
 

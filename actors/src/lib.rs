@@ -18,6 +18,7 @@ pub mod fabric;
 pub mod flat_optimizer;
 pub mod flow_functions;
 pub mod host_tensor;
+pub mod offload;
 pub mod trainer;
 pub mod zoo;
 

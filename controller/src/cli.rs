@@ -87,6 +87,14 @@ pub struct JobArgs {
     /// gradients), 3 (also parameters; implies --checkpoint-activations).
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
+    /// Keep the master parameter shard and the optimizer state off the device: `cpu` (host
+    /// memory, optimizer on the CPU, ZeRO-Offload) or `nvme:DIR` (preallocated files under DIR,
+    /// read ahead and written behind, ZeRO-Infinity).
+    #[arg(long, default_value = "none")]
+    pub offload: String,
+    /// With --zero 3 and --offload: keep the parameter shards in the offload tier too.
+    #[arg(long)]
+    pub offload_params: bool,
     /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.
     #[arg(long)]
     pub stages: Option<String>,
@@ -117,6 +125,8 @@ impl JobArgs {
             virtual_stages: self.virtual_stages,
             checkpoint_activations: self.checkpoint_activations,
             zero: self.zero,
+            offload: self.offload.parse().map_err(anyhow::Error::msg)?,
+            offload_params: self.offload_params,
             stages: self
                 .stages
                 .as_deref()

@@ -45,12 +45,44 @@ pub struct ActorRecord {
     /// The compute copy of the weights inside the burn modules, beside the f32 master copy
     /// counted in `model_state_bytes`.
     pub compute_weight_bytes: u64,
+    /// The plan's estimate of everything on its device (model state, activations, buffers).
+    #[serde(default)]
+    pub estimated_device_bytes: u64,
+    /// Its offload actor's state and traffic (with `--offload`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload: Option<OffloadRecord>,
     /// Median over steps of the time spent in compute instructions.
     pub compute_s: f64,
     /// Median over steps of the time spent waiting in receives and collectives.
     pub comm_wait_s: f64,
     /// Median time of each instruction of the actor's stream, in stream order.
     pub instructions: Vec<InstructionRecord>,
+}
+
+/// What an actor's offload actor held and moved over the whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OffloadRecord {
+    /// Host memory it held (cpu: master shard and optimizer state; nvme: the peak of regions
+    /// resident for read-ahead, update and write-behind).
+    pub host_bytes: u64,
+    /// The plan's estimate of `host_bytes`.
+    pub estimated_host_bytes: u64,
+    /// Bytes of its state file (nvme).
+    pub disk_bytes: u64,
+    /// The plan's estimate of `disk_bytes`.
+    pub estimated_disk_bytes: u64,
+    /// Bytes read from the state file.
+    pub read_bytes: u64,
+    /// Read throughput while reading (bytes / seconds inside reads), GB/s.
+    pub read_gb_s: f64,
+    /// Bytes written to the state file.
+    pub written_bytes: u64,
+    /// Write throughput while writing, GB/s.
+    pub write_gb_s: f64,
+    /// Seconds the optimizer waited for the tier (reads not ahead in time, write backlog).
+    pub wait_s: f64,
+    /// Seconds of optimizer updates on the host.
+    pub optimizer_s: f64,
 }
 
 /// Median time of one instruction over the steps.

@@ -88,7 +88,7 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             ComputeOp::BackwardWeight { mb, .. } => ("backward-weight", Some(*mb)),
             ComputeOp::Loss { mb } => ("loss", Some(*mb)),
             ComputeOp::LoadBatch { .. } => ("load", None),
-            ComputeOp::OptimizerStep { .. } => ("optimizer", None),
+            ComputeOp::OptimizerStep { .. } | ComputeOp::OffloadGrads { .. } => ("optimizer", None),
             ComputeOp::LoadParams { .. } | ComputeOp::ShardParams { .. } | ComputeOp::DropParams { .. } => {
                 ("params", None)
             }
@@ -118,6 +118,7 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
             ComputeOp::Loss { .. } => "loss",
             ComputeOp::LoadBatch { .. } => "load",
             ComputeOp::OptimizerStep { .. } => "optimizer",
+            ComputeOp::OffloadGrads { .. } => "offload grads",
             ComputeOp::LoadParams { .. } => "load params",
             ComputeOp::ShardParams { .. } => "shard params",
             ComputeOp::DropParams { .. } => "drop params",

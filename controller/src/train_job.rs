@@ -6,9 +6,11 @@ use std::time::{Duration, Instant};
 use archipelago_actors::device_actor::{ComputationFactory, DeviceMsg};
 use archipelago_actors::executor::{Computation, StepReport};
 use archipelago_actors::fabric::InProcessFabric;
+use archipelago_actors::offload::OffloadStats;
 use archipelago_actors::trainer::{Placement, Trainer};
 use archipelago_actors::zoo::{ModelBuilder, ZooModel};
 use archipelago_actors::{CpuBackend, device_for};
+use archipelago_dataflow::memory::MemoryEstimate;
 use archipelago_dataflow::{Instruction, ModelSpec, Plan, PlanError, Program, compile};
 
 use crate::JobError;
@@ -16,7 +18,7 @@ use crate::actor_gang::ActorGang;
 use crate::local::{Controller, DEFAULT_PATIENCE};
 use crate::process_stats::{load_avg, peak_rss_bytes};
 use crate::replay::replay;
-use crate::report::{ActorRecord, InstructionRecord, StepRecord, TrainReport, median};
+use crate::report::{ActorRecord, InstructionRecord, OffloadRecord, StepRecord, TrainReport, median};
 use crate::trace::TraceRecorder;
 
 /// What the controller tells a progress callback after each step.
@@ -235,6 +237,8 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
                 peak_model_state_bytes: peaks[r.actor],
                 estimated_model_state_bytes: plan.memory[r.actor].model_state(),
                 compute_weight_bytes: r.metrics.compute_weight_bytes,
+                estimated_device_bytes: plan.memory[r.actor].total(),
+                offload: r.metrics.offload.map(|o| offload_record(&o, &plan.memory[r.actor])),
                 stage: plan.actors[r.actor].stage,
                 replica: plan.actors[r.actor].replica,
                 bubble: median(&mut per_actor_bubble[r.actor]),
@@ -264,6 +268,23 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         replayed_step_s: replayed.step_s,
         load_avg: load_avg(),
     })
+}
+
+/// The report's view of an offload actor's figures.
+fn offload_record(o: &OffloadStats, estimate: &MemoryEstimate) -> OffloadRecord {
+    let rate = |bytes: u64, s: f64| if s > 0.0 { bytes as f64 / s / 1e9 } else { 0.0 };
+    OffloadRecord {
+        host_bytes: o.tier.host_bytes,
+        estimated_host_bytes: estimate.host,
+        disk_bytes: o.tier.disk_bytes,
+        estimated_disk_bytes: estimate.disk,
+        read_bytes: o.tier.read_bytes,
+        read_gb_s: rate(o.tier.read_bytes, o.tier.read_s),
+        written_bytes: o.tier.written_bytes,
+        write_gb_s: rate(o.tier.written_bytes, o.tier.write_s),
+        wait_s: o.tier.wait_s,
+        optimizer_s: o.optimizer_s,
+    }
 }
 
 /// Seconds in compute and seconds waiting for peers (receives and collective waits) in a step.

@@ -63,7 +63,17 @@ pub enum ComputeOp {
         /// Micro-batch.
         mb: usize,
     },
-    /// Optimizer step on the flat parameters of blocks `start..end`.
+    /// Offload (ZeRO-Offload): hand the gradient bucket of blocks `start..end` (this replica's
+    /// shard of it under ZeRO) to the actor's offload actor, which updates the master shard on
+    /// the host while the device goes on with its backward.
+    OffloadGrads {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
+    /// Optimizer step on the flat parameters of blocks `start..end` (with offload: collect the
+    /// offload actor's updated parameters).
     OptimizerStep {
         /// First block.
         start: usize,
@@ -193,6 +203,7 @@ impl fmt::Display for ComputeOp {
             ComputeOp::BackwardWeight { start, end, mb } => {
                 write!(f, "BackwardWeight(blocks {start}..{end}, mb {mb})")
             }
+            ComputeOp::OffloadGrads { start, end } => write!(f, "OffloadGrads(blocks {start}..{end})"),
             ComputeOp::OptimizerStep { start, end } => write!(f, "OptimizerStep(blocks {start}..{end})"),
             ComputeOp::LoadParams { start, end } => write!(f, "LoadParams(blocks {start}..{end})"),
             ComputeOp::ShardParams { start, end } => write!(f, "ShardParams(blocks {start}..{end})"),

@@ -52,7 +52,7 @@ pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction};
 pub use mesh::Mesh;
 pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
-pub use program::{OptimizerSpec, ParallelPlan, Program};
+pub use program::{Offload, OptimizerSpec, ParallelPlan, Program};
 
 /// Index of an actor in a plan: its rank in the mesh.
 pub type ActorId = usize;

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::model_spec::{InputKind, ModelDesc};
 use crate::passes::data_parallel::Bucket;
 use crate::passes::partition::Chunk;
-use crate::program::Program;
+use crate::program::{Offload, Program};
 
 /// Bytes one actor is expected to hold at its peak.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,6 +32,13 @@ pub struct MemoryEstimate {
     pub activations: u64,
     /// Communication buffers in flight.
     pub buffers: u64,
+    /// Host memory of the actor's offload actor (master shard and optimizer state under
+    /// `--offload cpu`; read-ahead and write-behind buffers under `--offload nvme`).
+    #[serde(default)]
+    pub host: u64,
+    /// Bytes of the offload files on disk (`--offload nvme`).
+    #[serde(default)]
+    pub disk: u64,
 }
 
 impl MemoryEstimate {
@@ -45,16 +52,20 @@ impl MemoryEstimate {
         self.model_state() + self.activations + self.buffers
     }
 
-    /// `params 32.1 MiB + grads … `, for messages.
+    /// `params 32.1 MiB + grads … `, for messages; then what is offloaded, if anything.
     pub fn breakdown(&self) -> String {
-        format!(
+        let mut out = format!(
             "params {} + grads {} + optimizer {} + activations {} + buffers {}",
             mib(self.params),
             mib(self.grads),
             mib(self.optimizer),
             mib(self.activations),
             mib(self.buffers)
-        )
+        );
+        if self.host > 0 || self.disk > 0 {
+            out.push_str(&format!("; offloaded: host {}, disk {}", mib(self.host), mib(self.disk)));
+        }
+        out
     }
 }
 
@@ -126,17 +137,55 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     };
     // ZeRO-3 gathers one segment's parameters while the previous one computes.
     let gathered = if zero >= 3 { 2 * largest_bucket } else { 0 };
-    MemoryEstimate {
+    let optimizer = sharded(params * program.optimizer.state_floats_per_param(), 1);
+    let mut estimate = MemoryEstimate {
         actor: share.actor,
         params: sharded(params, 3),
         grads: sharded(params, 2),
-        optimizer: sharded(params * program.optimizer.state_floats_per_param(), 1),
+        optimizer,
         activations,
         buffers: if dp > 1 {
             largest_bucket / dp * 2 + gathered
         } else {
             0
         },
+        host: 0,
+        disk: 0,
+    };
+    if program.plan.offload.is_some() {
+        offload(&mut estimate, program, share, largest_bucket, zero >= 1);
+    }
+    estimate
+}
+
+/// Moves the offloaded state off the device (ZeRO-Offload; ZeRO-Infinity for NVMe). The offload
+/// actor keeps the master shard and the optimizer state (`12Ψ/N` with Adam, `N` = dp under
+/// ZeRO ≥ 1, else 1); the device keeps its working parameters (none between gathers under
+/// ZeRO-3 with `--offload-params`) and, with one micro-batch, only the bucket being produced
+/// plus the one waiting to be handed off (gradient accumulation over micro-batches keeps every
+/// bucket until the last micro-batch).
+fn offload(estimate: &mut MemoryEstimate, program: &Program, share: ActorShare, bucket: u64, sharded: bool) {
+    let dp = if sharded { program.plan.dp.max(1) as u64 } else { 1 };
+    let full_params: u64 = share.buckets.iter().map(|b| b.bytes).sum();
+    let floats = 1 + program.optimizer.state_floats_per_param();
+    let offloaded = (full_params * floats).div_ceil(dp);
+    if program.plan.offload_params {
+        estimate.params = 0;
+    }
+    if program.plan.microbatches <= 1 {
+        estimate.grads = estimate.grads.min(2 * bucket);
+    } else {
+        estimate.grads = full_params;
+    }
+    estimate.optimizer = 0;
+    match program.plan.offload {
+        Offload::Cpu => estimate.host = offloaded,
+        Offload::Nvme { .. } => {
+            // The segment being updated, one read ahead and one being written behind.
+            estimate.host = 3 * (bucket * floats).div_ceil(dp);
+            estimate.disk = offloaded;
+        }
+        Offload::None => {}
     }
 }
 

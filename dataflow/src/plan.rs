@@ -8,7 +8,7 @@ use crate::mesh::Mesh;
 use crate::passes::partition::{self, Chunk};
 use crate::passes::pipeline::{self, Layout};
 use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
-use crate::program::Program;
+use crate::program::{Offload, Program};
 use crate::simulate::{CostModel, Prediction, simulate};
 use crate::verify::verify;
 use crate::{ActorId, DeviceSpec, PlanError};
@@ -74,7 +74,11 @@ impl Plan {
             self.actors.len(),
             pl.batch,
             pl.microbatches,
-            pl.zero,
+            match (&pl.offload, pl.offload_params) {
+                (Offload::None, _) => pl.zero.to_string(),
+                (o, false) => format!("{} (offload {o})", pl.zero),
+                (o, true) => format!("{} (offload {o}, parameters too)", pl.zero),
+            },
             self.buckets
                 .iter()
                 .map(|b| format!("[blocks {}..{}: {}]", b.start, b.end, memory::mib(b.bytes)))
@@ -151,6 +155,36 @@ fn remedies(program: &Program) -> Vec<(String, Program)> {
             out.push((format!("--zero {z}"), with(&|p| p.plan.zero = z)));
         }
     }
+    if !plan.offload.is_some() {
+        let dirs = [Offload::Cpu, Offload::Nvme { dir: "DIR".into() }];
+        for offload in dirs {
+            out.push((
+                format!("--offload {offload}"),
+                with(&|p| p.plan.offload = offload.clone()),
+            ));
+        }
+    }
+    if plan.dp > 1 && !plan.offload_params {
+        // ZeRO-3 with the parameter shards offloaded too (ZeRO-Infinity).
+        for offload in [Offload::Cpu, Offload::Nvme { dir: "DIR".into() }] {
+            let tier = if plan.offload.is_some() {
+                plan.offload.clone()
+            } else {
+                offload
+            };
+            out.push((
+                format!("--zero 3 --offload {tier} --offload-params"),
+                with(&|p| {
+                    p.plan.zero = 3;
+                    p.plan.offload = tier.clone();
+                    p.plan.offload_params = true;
+                }),
+            ));
+            if plan.offload.is_some() {
+                break;
+            }
+        }
+    }
     if !plan.checkpoint_activations {
         out.push((
             "--checkpoint-activations".into(),
@@ -221,6 +255,13 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
             plan.zero
         )));
     }
+    if plan.offload_params && (plan.zero < 3 || plan.dp < 2 || !plan.offload.is_some()) {
+        return Err(PlanError::Conflict(format!(
+            "--offload-params offloads ZeRO-3's parameter shards: it needs --zero 3, --dp 2 or more and \
+             --offload cpu or nvme:DIR (got --zero {} --dp {} --offload {})",
+            plan.zero, plan.dp, plan.offload
+        )));
+    }
     // ZeRO-3 pairs with activation checkpointing (DESIGN.md): implied.
     let mut program = program.clone();
     if plan.zero == 3 && plan.dp > 1 {
@@ -274,7 +315,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         chunks.clone(),
         plan.bucket_bytes.max(1),
     );
-    let graph = pipeline::build_step(&layout, plan.batch, &orders, plan.zero);
+    let graph = pipeline::build_step(&layout, plan.batch, &orders, plan.zero, plan.offload.is_some());
     let streams = crate::passes::lower::lower(&graph);
     verify(&streams)?;
     let optimizer_s: Vec<f64> = (0..pp)
@@ -336,8 +377,8 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
             Vec::new()
         };
         let fixes = if fits.is_empty() {
-            "neither a higher --zero, --checkpoint-activations nor more pipeline stages make it fit: \
-             lower --batch, raise --device-memory or use more devices (offload is not implemented yet)"
+            "neither a higher --zero, offload, --checkpoint-activations nor more pipeline stages make it \
+             fit: lower --batch, raise --device-memory or use more devices"
                 .to_string()
         } else {
             format!("it fits with {}", fits.join(", or "))

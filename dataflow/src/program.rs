@@ -3,6 +3,9 @@
 //! Flags of `archipelago train`/`plan` map one to one onto these fields; later parallelisms add
 //! fields with defaults, so programs written today keep compiling.
 
+use std::fmt;
+use std::str::FromStr;
+
 use serde::{Deserialize, Serialize};
 
 use crate::DeviceSpec;
@@ -38,6 +41,64 @@ pub struct ParallelPlan {
     /// A hand-pinned split of the blocks into `pp × virtual_stages` chunks, as half-open block
     /// ranges in model order; `None` balances the chunks by parameter count.
     pub stages: Option<Vec<(usize, usize)>>,
+    /// Where the f32 master shard and the optimizer state live: on the device (none), in host
+    /// memory owned by an offload actor (ZeRO-Offload), or in files on a local disk
+    /// (ZeRO-Infinity's NVMe tier).
+    #[serde(default)]
+    pub offload: Offload,
+    /// Under ZeRO-3 with offload: keep the parameter shards in the offload tier too; the device
+    /// holds parameters only between a segment's all-gather and its drop.
+    #[serde(default)]
+    pub offload_params: bool,
+}
+
+/// Where an actor's master parameters and optimizer state live.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Offload {
+    /// On the device, beside the working parameters.
+    #[default]
+    None,
+    /// In host memory, updated on the CPU by the actor's offload actor (`--offload cpu`).
+    Cpu,
+    /// In preallocated files under `dir`, read ahead and written behind (`--offload nvme:DIR`).
+    Nvme {
+        /// Directory for the state files (a fast local disk).
+        dir: String,
+    },
+}
+
+impl Offload {
+    /// True unless the state stays on the device.
+    pub fn is_some(&self) -> bool {
+        *self != Offload::None
+    }
+}
+
+impl fmt::Display for Offload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Offload::None => write!(f, "none"),
+            Offload::Cpu => write!(f, "cpu"),
+            Offload::Nvme { dir } => write!(f, "nvme:{dir}"),
+        }
+    }
+}
+
+impl FromStr for Offload {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(Offload::None),
+            "cpu" => Ok(Offload::Cpu),
+            _ => match s.strip_prefix("nvme:") {
+                Some(dir) if !dir.is_empty() => Ok(Offload::Nvme { dir: dir.to_string() }),
+                _ => Err(format!(
+                    "--offload `{s}`: use `cpu` (host memory) or `nvme:DIR` (files under DIR)"
+                )),
+            },
+        }
+    }
 }
 
 impl Default for ParallelPlan {
@@ -54,6 +115,8 @@ impl Default for ParallelPlan {
             checkpoint_activations: false,
             stages: None,
             zero: 0,
+            offload: Offload::None,
+            offload_params: false,
         }
     }
 }

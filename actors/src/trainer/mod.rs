@@ -16,7 +16,8 @@
 //! the gradient bucket.
 //!
 //! The parts: `data.rs` (batches), `passes.rs` (forward, loss, backward, gradient buckets),
-//! `zero.rs` (the optimizer step, ZeRO shards and parameter loading).
+//! `zero.rs` (the optimizer step, ZeRO shards and parameter loading), `offload.rs` (handing
+//! gradients to the offload actor and taking its updated parameters back).
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -31,12 +32,14 @@ use crate::executor::{Computation, StepMetrics, TensorTable};
 use crate::flat_optimizer::FlatOptimizer;
 use crate::flow_functions::from_burn;
 use crate::host_tensor::HostTensor;
+use crate::offload::OffloadActor;
 use crate::zoo::{BuildContext, ModelBuilder};
 
 use data::{Batch, Samples, samples};
 pub use zero::Sharding;
 
 mod data;
+mod offload;
 mod passes;
 mod zero;
 
@@ -112,6 +115,14 @@ pub struct Trainer<B: AutodiffBackend> {
     builder: Arc<dyn ModelBuilder<B>>,
     seed: u64,
     actor: ActorId,
+    /// The offload actor holding the master shard and optimizer state (with `--offload`).
+    offload: Option<OffloadActor>,
+    /// ZeRO-3 with `--offload-params`: the parameter shards live with the offload actor too.
+    offload_params: bool,
+    /// Segments (by first block) handed to the offload actor this step, in order.
+    handed_off: Vec<usize>,
+    /// Optimizer steps taken (the offload actor's Adam step counter is this + 1).
+    steps_done: i32,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -169,11 +180,26 @@ impl<B: AutodiffBackend> Trainer<B> {
             master.len()
         };
         let held_blocks: Vec<bool> = blocks.iter().map(Option::is_some).collect();
+        let plan = &program.plan;
+        let offload = if plan.offload.is_some() {
+            // The offload actor starts with each segment's optimizer range of the master copy.
+            let mut shards = HashMap::new();
+            for &(start, end) in &placement.segments {
+                let range = sharding.optimizer_range(start, offsets[end] - offsets[start])?;
+                let base = offsets[start];
+                shards.insert(start, master[base + range.start..base + range.end].to_vec());
+            }
+            Some(OffloadActor::spawn(&plan.offload, actor, program.optimizer, shards)?)
+        } else {
+            None
+        };
+        let offload_params = offload.is_some() && plan.offload_params && sharding.zero >= 3;
+        let state_len = if offload.is_some() { 0 } else { state_len };
         // ZeRO-3: keep only this replica's shard of each segment; modules exist only while a
         // segment's gathered parameters are loaded.
         let mut shard_master = Vec::new();
         if sharding.zero >= 3 {
-            for &(start, _) in &placement.segments {
+            for &(start, _) in placement.segments.iter().filter(|_| !offload_params) {
                 let own = &sharding.segment(start)?.own;
                 shard_master.extend_from_slice(&master[offsets[start] + own.start..offsets[start] + own.end]);
             }
@@ -212,6 +238,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             builder,
             seed: program.seed,
             actor,
+            offload,
+            offload_params,
+            handed_off: Vec::new(),
+            steps_done: 0,
         })
     }
 
@@ -279,6 +309,8 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             ComputeOp::BackwardWeight { start, end, mb } => {
                 self.backward_weight(*start..*end, *mb, outputs, table)
             }
+            ComputeOp::OffloadGrads { .. } => self.offload_grads(&nth(inputs, 0)?, table),
+            ComputeOp::OptimizerStep { .. } if self.offload.is_some() => self.collect_offloaded(outputs, table),
             ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, outputs, table),
             ComputeOp::LoadParams { start, end } => self.load_params(*start..*end, &nth(inputs, 0)?, table),
             ComputeOp::ShardParams { start, end } => {
@@ -323,6 +355,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             peak_model_state_bytes: state + self.peak_grad_bytes.max(held_grads),
             compute_weight_bytes: 4 * materialized as u64,
             peak_microbatches_held: self.peak_live,
+            offload: self.offload.as_ref().map(OffloadActor::stats),
         };
         self.peak_grad_bytes = 0;
         self.peak_live = 0;

@@ -64,6 +64,16 @@ impl Sharding {
         }
     }
 
+    /// The range of the segment starting at `start` (of `len` parameters) this actor's
+    /// optimizer updates: its shard under ZeRO ≥ 1, the whole segment otherwise.
+    pub(super) fn optimizer_range(&self, start: usize, len: usize) -> Result<Range<usize>, String> {
+        if self.zero >= 1 {
+            Ok(self.segment(start)?.own.clone())
+        } else {
+            Ok(0..len)
+        }
+    }
+
     /// Optimizer state elements this actor keeps under ZeRO ≥ 1.
     pub(super) fn state_len(&self) -> usize {
         self.segments.values().map(|s| s.own.len()).sum()
@@ -150,7 +160,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         let len = self.offsets[blocks.end] - self.offsets[blocks.start];
         let SegmentShard { own, state, .. } = self.sharding.segment(blocks.start)?.clone();
         let mut full = self.gather_buffer(len);
-        full[own.clone()].copy_from_slice(&self.shard_master[state..state + own.len()]);
+        if self.offload_params {
+            let offload = self.offload.as_ref().ok_or("parameters offloaded without an offload actor")?;
+            full = offload.read_params(blocks.start, full, own)?;
+        } else {
+            full[own.clone()].copy_from_slice(&self.shard_master[state..state + own.len()]);
+        }
         table.insert(output.to_string(), HostTensor::flat(full));
         Ok(())
     }
@@ -158,7 +173,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// A buffer of `len` elements for an all-gather of parameters. The all-gather overwrites
     /// every shard but the own one, so a reused buffer needs no clearing (fresh buffers of this
     /// size page-fault on every use).
-    fn gather_buffer(&mut self, len: usize) -> Vec<f32> {
+    pub(super) fn gather_buffer(&mut self, len: usize) -> Vec<f32> {
         match self.gather_pool.iter().position(|b| b.len() == len) {
             Some(i) => self.gather_pool.swap_remove(i),
             None => vec![0.0f32; len],
@@ -222,7 +237,18 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut out = Vec::new();
         for (&start, shard) in &self.sharding.segments {
             let base = self.offsets[start];
-            let owned = &self.shard_master[shard.state..shard.state + shard.own.len()];
+            let fetched;
+            let owned = match &self.offload {
+                Some(offload) if self.offload_params => {
+                    let len = shard.own.len();
+                    fetched = offload.read_params(start, vec![0.0; len], 0..len).unwrap_or_else(|e| {
+                        tracing::error!(actor = self.actor, "parameters of segment {start} unreadable: {e}");
+                        vec![f32::NAN; len]
+                    });
+                    &fetched[..]
+                }
+                _ => &self.shard_master[shard.state..shard.state + shard.own.len()],
+            };
             for block in start..shard.end {
                 // The block's elements, relative to the segment, intersected with the shard.
                 let from = (self.offsets[block] - base).max(shard.own.start);

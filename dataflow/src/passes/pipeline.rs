@@ -126,7 +126,12 @@ pub fn microbatch_of(tensor: &str) -> Option<usize> {
 /// forward and backward of a segment is preceded by an all-gather of its parameters (started one
 /// segment ahead) and followed by their drop; it runs with activation checkpointing (burn's graph
 /// would otherwise keep the gathered weights alive until the backward).
-pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8) -> Graph {
+///
+/// Offload (ZeRO-Offload, Ren et al., USENIX ATC 2021): each finished gradient bucket is handed
+/// to the actor's offload actor (`OffloadGrads`) one segment after its reduction starts, so the
+/// reduction still overlaps the next segment's backward and the host's optimizer update overlaps
+/// the rest of it; the step's `OptimizerStep` only collects the updated parameters.
+pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8, offload: bool) -> Graph {
     let PipelineShape { pp, m, .. } = layout.shape;
     let dp = layout.mesh.axis_size("dp");
     let mut graph = Graph::new(layout.mesh.size());
@@ -234,11 +239,22 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8)
                     };
                     graph.collective(kind, group.clone(), &grad_name(b.id));
                 }
+                if finishes_grads && offload && index > 0 {
+                    hand_off(&mut graph, layout, segments[index - 1], s);
+                }
+            }
+            if finishes_grads && offload && let Some(last) = segments.last() {
+                hand_off(&mut graph, layout, last, s);
             }
         }
         let held: Vec<&Bucket> = layout.segments.iter().filter(|b| dev(b.id) == s).collect();
         let grads: Vec<String> = held.iter().map(|b| grad_name(b.id)).collect();
-        let grads: Vec<&str> = grads.iter().map(String::as_str).collect();
+        // With offload the gradients have left already; the step collects the host's results.
+        let grads: Vec<&str> = if offload {
+            Vec::new()
+        } else {
+            grads.iter().map(String::as_str).collect()
+        };
         let op = ComputeOp::OptimizerStep {
             start: held.first().map_or(0, |b| b.start),
             end: held.last().map_or(0, |b| b.end),
@@ -271,6 +287,17 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8)
         }
     }
     graph
+}
+
+/// Offload: every replica of pipeline device `s` hands segment `b`'s gradients to its host.
+fn hand_off(graph: &mut Graph, layout: &Layout, b: &Bucket, s: usize) {
+    let op = ComputeOp::OffloadGrads {
+        start: b.start,
+        end: b.end,
+    };
+    for r in 0..layout.mesh.axis_size("dp") {
+        graph.compute(layout.actor(r, s), op.clone(), &[&grad_name(b.id)], &[]);
+    }
 }
 
 /// Name of segment `k`'s gathered parameters (ZeRO).

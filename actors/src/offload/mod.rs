@@ -1,0 +1,262 @@
+//! Offload actors (ZeRO-Offload, Ren et al., USENIX ATC 2021; ZeRO-Infinity, Rajbhandari et
+//! al., SC 2021): each device actor that offloads owns one, a thread holding its master
+//! parameter shard and optimizer state in a tier (host memory or an NVMe file) and running the
+//! optimizer there. The device hands it each gradient bucket as soon as the bucket is reduced;
+//! the update runs while the device goes on with its backward, and the step's optimizer
+//! instruction only collects the updated parameters.
+//!
+//! The actor learns the order in which segments arrive (the same every step) and reads the next
+//! one's state ahead while it updates the current one; after the last segment of a step it reads
+//! the first one of the next.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use archipelago_dataflow::{Offload, OptimizerSpec};
+
+use crate::flat_optimizer::update_slices;
+
+pub mod nvme;
+pub mod store;
+
+pub use store::{HostStore, SegmentState, StateStore, TierStats};
+
+/// What an offload actor holds and did, for the step report.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OffloadStats {
+    /// The tier's figures.
+    pub tier: TierStats,
+    /// Seconds spent in optimizer updates.
+    pub optimizer_s: f64,
+}
+
+enum Request {
+    Update {
+        t: i32,
+        segment: usize,
+        grads: Vec<f32>,
+        return_params: bool,
+    },
+    ReadParams {
+        segment: usize,
+        full: Vec<f32>,
+        at: Range<usize>,
+        reply: Sender<Result<Vec<f32>, String>>,
+    },
+}
+
+/// A device actor's handle on its offload actor.
+pub struct OffloadActor {
+    requests: Option<Sender<Request>>,
+    updated: Receiver<Result<(usize, Vec<f32>), String>>,
+    stats: Arc<Mutex<OffloadStats>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl OffloadActor {
+    /// Starts the offload actor of `actor` on `tier` with each segment's initial parameter shard
+    /// (keyed by the segment's first block); the optimizer state starts at zero.
+    pub fn spawn(
+        tier: &Offload,
+        actor: usize,
+        spec: OptimizerSpec,
+        shards: HashMap<usize, Vec<f32>>,
+    ) -> Result<OffloadActor, String> {
+        let floats = 1 + spec.state_floats_per_param() as usize;
+        let regions: HashMap<usize, SegmentState> = shards
+            .into_iter()
+            .map(|(k, params)| {
+                let len = params.len();
+                let mut data = params;
+                data.resize(floats * len, 0.0);
+                (k, SegmentState { data, len })
+            })
+            .collect();
+        let store: Box<dyn StateStore> = match tier {
+            Offload::Cpu => Box::new(HostStore::new(regions)),
+            Offload::Nvme { dir } => Box::new(nvme::NvmeStore::create(Path::new(dir), actor, regions)?),
+            Offload::None => return Err("no offload tier was asked for".into()),
+        };
+        let (requests, inbox) = channel();
+        let (results, updated) = channel();
+        let stats = Arc::new(Mutex::new(OffloadStats::default()));
+        let shared = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("offload-{actor}"))
+            .spawn(move || {
+                // A panic inside the tier is reported to the device actor, not swallowed.
+                let report = results.clone();
+                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    run(store, spec, inbox, results, shared)
+                }));
+                if let Err(panic) = outcome {
+                    let what = panic
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "unknown panic".into());
+                    let _ = report.send(Err(format!("the offload actor of actor {actor} panicked: {what}")));
+                }
+            })
+            .map_err(|e| format!("cannot start the offload actor of actor {actor}: {e}"))?;
+        Ok(OffloadActor {
+            requests: Some(requests),
+            updated,
+            stats,
+            thread: Some(thread),
+        })
+    }
+
+    fn send(&self, request: Request) -> Result<(), String> {
+        self.requests
+            .as_ref()
+            .and_then(|r| r.send(request).ok())
+            .ok_or_else(|| "the offload actor has stopped".to_string())
+    }
+
+    /// Hands `segment`'s gradients to the offload actor for the update of step `t` (from 1);
+    /// [`OffloadActor::next_updated`] returns the result (the parameters when `return_params`).
+    pub fn update(&self, t: i32, segment: usize, grads: Vec<f32>, return_params: bool) -> Result<(), String> {
+        self.send(Request::Update {
+            t,
+            segment,
+            grads,
+            return_params,
+        })
+    }
+
+    /// The next finished update: the segment and its updated parameters (empty unless asked).
+    pub fn next_updated(&self) -> Result<(usize, Vec<f32>), String> {
+        self.updated
+            .recv()
+            .map_err(|_| "the offload actor has stopped".to_string())?
+    }
+
+    /// Fills `full[at]` with `segment`'s parameter shard (after every update handed over
+    /// before) and gives the buffer back.
+    pub fn read_params(&self, segment: usize, full: Vec<f32>, at: Range<usize>) -> Result<Vec<f32>, String> {
+        let (reply, result) = channel();
+        self.send(Request::ReadParams {
+            segment,
+            full,
+            at,
+            reply,
+        })?;
+        result.recv().map_err(|_| "the offload actor has stopped".to_string())?
+    }
+
+    /// What it holds and did so far.
+    pub fn stats(&self) -> OffloadStats {
+        *self.stats.lock().expect("offload stats")
+    }
+}
+
+impl Drop for OffloadActor {
+    fn drop(&mut self) {
+        self.requests = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The offload actor's loop: updates in arrival order, reading the next segment ahead.
+fn run(
+    mut store: Box<dyn StateStore>,
+    spec: OptimizerSpec,
+    inbox: Receiver<Request>,
+    results: Sender<Result<(usize, Vec<f32>), String>>,
+    stats: Arc<Mutex<OffloadStats>>,
+) {
+    let mut last_order: Vec<usize> = Vec::new();
+    let mut order: Vec<usize> = Vec::new();
+    let mut step = 0;
+    let mut optimizer_s = 0.0;
+    let mut failed: Option<String> = None;
+    for request in inbox {
+        match request {
+            Request::Update {
+                t,
+                segment,
+                grads,
+                return_params,
+            } => {
+                if t != step {
+                    if !order.is_empty() {
+                        last_order = std::mem::take(&mut order);
+                    }
+                    step = t;
+                }
+                order.push(segment);
+                let result = match &failed {
+                    Some(e) => Err(e.clone()),
+                    None => {
+                        let began = Instant::now();
+                        let r = update(&mut *store, spec, t, segment, &grads, return_params, &last_order);
+                        optimizer_s += began.elapsed().as_secs_f64();
+                        r
+                    }
+                };
+                if let Err(e) = &result {
+                    failed = Some(e.clone());
+                }
+                let _ = results.send(result.map(|p| (segment, p)));
+            }
+            Request::ReadParams {
+                segment,
+                mut full,
+                at,
+                reply,
+            } => {
+                let r = match full.get_mut(at.clone()) {
+                    Some(out) => store.read_params(segment, out).map(|()| full),
+                    None => Err(format!("parameter range {at:?} outside a buffer of {}", full.len())),
+                };
+                let _ = reply.send(r);
+            }
+        }
+        *stats.lock().expect("offload stats") = OffloadStats {
+            tier: store.stats(),
+            optimizer_s,
+        };
+    }
+}
+
+/// One segment's update: read the next segment ahead, load, step, save (written behind).
+fn update(
+    store: &mut dyn StateStore,
+    spec: OptimizerSpec,
+    t: i32,
+    segment: usize,
+    grads: &[f32],
+    return_params: bool,
+    last_order: &[usize],
+) -> Result<Vec<f32>, String> {
+    let position = last_order.iter().position(|&s| s == segment);
+    let last = position.is_some_and(|i| i + 1 == last_order.len());
+    if let Some(&next) = position.and_then(|i| last_order.get(i + 1)) {
+        store.prefetch(next)?;
+    }
+    let mut state = store.load(segment)?;
+    if grads.len() != state.len {
+        return Err(format!(
+            "segment {segment}: {} gradients for a shard of {} parameters",
+            grads.len(),
+            state.len
+        ));
+    }
+    let (params, m, v) = state.split();
+    update_slices(spec, t, params, m, v, grads);
+    let out = if return_params { params.to_vec() } else { Vec::new() };
+    store.save(segment, state)?;
+    // After the step's last segment, read the next step's first one ahead.
+    if last && last_order[0] != segment {
+        store.prefetch(last_order[0])?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,328 @@
+//! The NVMe tier of an offload actor (ZeRO-Infinity, Rajbhandari et al., SC 2021): every
+//! segment's state region lives in one preallocated file; an I/O thread reads regions ahead of
+//! the optimizer and writes updated ones behind it, in submission order, so a read issued after
+//! a write of the same region sees the new bytes.
+//!
+//! Reads and writes are positioned (`pread`/`pwrite`) on a file written in full at start (no
+//! sparse holes). They go through the OS page cache (no `O_DIRECT`), as a plain sequential copy
+//! of the same bytes does; the bench compares the two in one run.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use super::store::{SegmentState, StateStore, TierStats};
+
+/// Write-behind depth: the optimizer waits when this many regions are still being written.
+const WRITES_IN_FLIGHT: usize = 2;
+
+/// Where a segment's region sits in the file, in f32 elements.
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    at: u64,
+    /// Parameters in the shard.
+    len: usize,
+    /// Elements of the region (parameters and optimizer state).
+    total: usize,
+}
+
+enum Io {
+    Read {
+        region: Region,
+        reply: Sender<io::Result<SegmentState>>,
+    },
+    Write {
+        region: Region,
+        state: SegmentState,
+    },
+    ReadParams {
+        region: Region,
+        buf: Vec<f32>,
+        reply: Sender<io::Result<Vec<f32>>>,
+    },
+}
+
+#[derive(Default)]
+struct IoCounters {
+    read_bytes: u64,
+    read_s: f64,
+    written_bytes: u64,
+    write_s: f64,
+}
+
+/// Segment states in a file under a directory, moved by an I/O thread.
+pub struct NvmeStore {
+    path: PathBuf,
+    regions: HashMap<usize, Region>,
+    io: Option<Sender<Io>>,
+    written: Receiver<io::Result<()>>,
+    thread: Option<JoinHandle<()>>,
+    counters: Arc<Mutex<IoCounters>>,
+    ahead: HashMap<usize, Receiver<io::Result<SegmentState>>>,
+    writes_in_flight: usize,
+    wait_s: f64,
+    peak_resident: u64,
+    disk_bytes: u64,
+}
+
+/// Distinguishes the files of stores created by one process.
+static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
+
+impl NvmeStore {
+    /// Creates the state file for `actor` under `dir` and writes every segment's initial region.
+    pub fn create(dir: &Path, actor: usize, initial: HashMap<usize, SegmentState>) -> Result<NvmeStore, String> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create the offload directory {}: {e}", dir.display()))?;
+        let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!(
+            "archipelago-offload-{}-{n}-actor{actor}.f32",
+            std::process::id()
+        ));
+        let fail = |what: &str, e: io::Error| format!("offload file {}: {what}: {e}", path.display());
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| fail("cannot create", e))?;
+        let mut keys: Vec<usize> = initial.keys().copied().collect();
+        keys.sort_unstable();
+        let mut regions = HashMap::new();
+        let mut at = 0u64;
+        for &k in &keys {
+            let state = &initial[&k];
+            regions.insert(
+                k,
+                Region {
+                    at,
+                    len: state.len,
+                    total: state.data.len(),
+                },
+            );
+            at += state.data.len() as u64;
+        }
+        file.set_len(4 * at).map_err(|e| fail("cannot size", e))?;
+        for &k in &keys {
+            let region = regions[&k];
+            file.write_all_at(bytemuck::cast_slice(&initial[&k].data), 4 * region.at)
+                .map_err(|e| fail("cannot write the initial state", e))?;
+        }
+        let counters = Arc::new(Mutex::new(IoCounters::default()));
+        let (io, requests) = channel();
+        let (done, written) = channel();
+        let thread_counters = counters.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("offload-io-{actor}"))
+            .spawn(move || io_thread(file, requests, done, thread_counters))
+            .map_err(|e| format!("cannot start the offload I/O thread: {e}"))?;
+        Ok(NvmeStore {
+            path,
+            regions,
+            io: Some(io),
+            written,
+            thread: Some(thread),
+            counters,
+            ahead: HashMap::new(),
+            writes_in_flight: 0,
+            wait_s: 0.0,
+            peak_resident: 0,
+            disk_bytes: 4 * at,
+        })
+    }
+
+    /// The state file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn region(&self, segment: usize) -> Result<Region, String> {
+        self.regions
+            .get(&segment)
+            .copied()
+            .ok_or_else(|| format!("the offload file holds no segment starting at block {segment}"))
+    }
+
+    fn submit(&self, op: Io) -> Result<(), String> {
+        self.io
+            .as_ref()
+            .and_then(|io| io.send(op).ok())
+            .ok_or_else(|| format!("the offload I/O thread of {} has stopped", self.path.display()))
+    }
+
+    fn read(&mut self, segment: usize) -> Result<Receiver<io::Result<SegmentState>>, String> {
+        let region = self.region(segment)?;
+        let (reply, result) = channel();
+        self.submit(Io::Read { region, reply })?;
+        Ok(result)
+    }
+
+    /// Counts finished writes; waits while too many are in flight.
+    fn drain_writes(&mut self, keep: usize) -> Result<(), String> {
+        loop {
+            let finished = if self.writes_in_flight > keep {
+                let began = Instant::now();
+                let r = self.written.recv();
+                self.wait_s += began.elapsed().as_secs_f64();
+                r.ok()
+            } else {
+                self.written.try_recv().ok()
+            };
+            match finished {
+                Some(Ok(())) => self.writes_in_flight -= 1,
+                Some(Err(e)) => return Err(format!("offload write to {} failed: {e}", self.path.display())),
+                None if self.writes_in_flight > keep => {
+                    return Err(format!("the offload I/O thread of {} has stopped", self.path.display()));
+                }
+                None => return Ok(()),
+            }
+        }
+    }
+
+    fn note_resident(&mut self, region: Region) {
+        let regions = (self.ahead.len() + self.writes_in_flight + 1) as u64;
+        self.peak_resident = self.peak_resident.max(regions * 4 * region.total as u64);
+    }
+}
+
+impl StateStore for NvmeStore {
+    fn prefetch(&mut self, segment: usize) -> Result<(), String> {
+        if !self.ahead.contains_key(&segment) {
+            let pending = self.read(segment)?;
+            self.ahead.insert(segment, pending);
+        }
+        Ok(())
+    }
+
+    fn load(&mut self, segment: usize) -> Result<SegmentState, String> {
+        let region = self.region(segment)?;
+        self.note_resident(region);
+        let pending = match self.ahead.remove(&segment) {
+            Some(p) => p,
+            None => self.read(segment)?,
+        };
+        let began = Instant::now();
+        let state = pending
+            .recv()
+            .map_err(|_| format!("the offload I/O thread of {} has stopped", self.path.display()))?
+            .map_err(|e| format!("offload read from {} failed: {e}", self.path.display()))?;
+        self.wait_s += began.elapsed().as_secs_f64();
+        Ok(state)
+    }
+
+    fn save(&mut self, segment: usize, state: SegmentState) -> Result<(), String> {
+        let region = self.region(segment)?;
+        if state.data.len() != region.total {
+            return Err(format!(
+                "segment {segment}: state of {} values, its region holds {}",
+                state.data.len(),
+                region.total
+            ));
+        }
+        self.drain_writes(WRITES_IN_FLIGHT - 1)?;
+        self.submit(Io::Write { region, state })?;
+        self.writes_in_flight += 1;
+        Ok(())
+    }
+
+    fn read_params(&mut self, segment: usize, out: &mut [f32]) -> Result<(), String> {
+        let region = self.region(segment)?;
+        if out.len() != region.len {
+            return Err(format!(
+                "segment {segment}: asked for {} parameters, the shard has {}",
+                out.len(),
+                region.len
+            ));
+        }
+        let (reply, result) = channel();
+        self.submit(Io::ReadParams {
+            region,
+            buf: vec![0.0; region.len],
+            reply,
+        })?;
+        let began = Instant::now();
+        let params = result
+            .recv()
+            .map_err(|_| format!("the offload I/O thread of {} has stopped", self.path.display()))?
+            .map_err(|e| format!("offload read from {} failed: {e}", self.path.display()))?;
+        self.wait_s += began.elapsed().as_secs_f64();
+        out.copy_from_slice(&params);
+        self.drain_writes(WRITES_IN_FLIGHT)?;
+        Ok(())
+    }
+
+    fn stats(&self) -> TierStats {
+        let c = self.counters.lock().expect("I/O counters");
+        TierStats {
+            host_bytes: self.peak_resident,
+            disk_bytes: self.disk_bytes,
+            read_bytes: c.read_bytes,
+            read_s: c.read_s,
+            written_bytes: c.written_bytes,
+            write_s: c.write_s,
+            wait_s: self.wait_s,
+        }
+    }
+}
+
+impl Drop for NvmeStore {
+    fn drop(&mut self) {
+        self.io = None; // the I/O thread ends when its queue closes
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Runs reads and writes in submission order; keeps written buffers for the next reads.
+fn io_thread(file: File, requests: Receiver<Io>, done: Sender<io::Result<()>>, counters: Arc<Mutex<IoCounters>>) {
+    let mut spare: Vec<Vec<f32>> = Vec::new();
+    for op in requests {
+        match op {
+            Io::Read { region, reply } => {
+                let mut data = match spare.iter().position(|b| b.len() == region.total) {
+                    Some(i) => spare.swap_remove(i),
+                    None => vec![0.0; region.total],
+                };
+                let began = Instant::now();
+                let r = file.read_exact_at(bytemuck::cast_slice_mut(&mut data), 4 * region.at);
+                count(&counters, true, 4 * region.total as u64, began);
+                let _ = reply.send(r.map(|()| SegmentState { data, len: region.len }));
+            }
+            Io::Write { region, state } => {
+                let began = Instant::now();
+                let r = file.write_all_at(bytemuck::cast_slice(&state.data), 4 * region.at);
+                count(&counters, false, 4 * region.total as u64, began);
+                if spare.len() < 2 {
+                    spare.push(state.data);
+                }
+                let _ = done.send(r);
+            }
+            Io::ReadParams { region, mut buf, reply } => {
+                let began = Instant::now();
+                let r = file.read_exact_at(bytemuck::cast_slice_mut(&mut buf), 4 * region.at);
+                count(&counters, true, 4 * region.len as u64, began);
+                let _ = reply.send(r.map(|()| buf));
+            }
+        }
+    }
+}
+
+fn count(counters: &Mutex<IoCounters>, read: bool, bytes: u64, began: Instant) {
+    let s = began.elapsed().as_secs_f64();
+    let mut c = counters.lock().expect("I/O counters");
+    if read {
+        c.read_bytes += bytes;
+        c.read_s += s;
+    } else {
+        c.written_bytes += bytes;
+        c.write_s += s;
+    }
+}

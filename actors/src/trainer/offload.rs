@@ -1,0 +1,96 @@
+//! The trainer's side of offload (ZeRO-Offload): each reduced gradient bucket (this replica's
+//! shard of it under ZeRO ≥ 1) goes to the offload actor as soon as the stream reaches its
+//! `OffloadGrads`; the step's `OptimizerStep` takes the updated parameters back and puts them
+//! where the ZeRO stage keeps them (the master copy and modules, a gathered buffer for the
+//! all-gather, or the ZeRO-3 shard master — nowhere under `--offload-params`).
+
+use burn::tensor::backend::AutodiffBackend;
+
+use super::Trainer;
+use super::zero::SegmentShard;
+use crate::executor::TensorTable;
+use crate::host_tensor::HostTensor;
+use crate::offload::OffloadActor;
+
+/// Whole gradient buffers kept for the next step under offload (the rest are freed: the point
+/// of offloading is the device memory).
+const SPARE_BUFFERS: usize = 2;
+
+impl<B: AutodiffBackend> Trainer<B> {
+    fn offload_actor(&self) -> Result<&OffloadActor, String> {
+        self.offload
+            .as_ref()
+            .ok_or_else(|| "this actor has no offload actor (the plan has no --offload)".to_string())
+    }
+
+    /// Hands the reduced bucket `name` (or this replica's shard of it) to the offload actor.
+    pub(super) fn offload_grads(&mut self, name: &str, table: &mut TensorTable) -> Result<(), String> {
+        let grad = table
+            .remove(name)
+            .ok_or_else(|| format!("gradient `{name}` missing"))?;
+        let blocks = self
+            .grad_ranges
+            .remove(name)
+            .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+        let len = self.offsets[blocks.end] - self.offsets[blocks.start];
+        let range = self.sharding.optimizer_range(blocks.start, len)?;
+        let whole = grad.len() == len;
+        let grads = if grad.len() == range.len() {
+            grad.into_vec()
+        } else if whole {
+            let shard = grad.data[range].to_vec();
+            if self.spare_buffers.len() < SPARE_BUFFERS {
+                self.spare_buffers.push(grad.into_vec());
+            }
+            shard
+        } else {
+            return Err(format!(
+                "gradient `{name}` has {} values; expected the bucket ({len}) or this replica's shard ({})",
+                grad.len(),
+                range.len()
+            ));
+        };
+        let return_params = !self.offload_params;
+        self.offload_actor()?
+            .update(self.steps_done + 1, blocks.start, grads, return_params)?;
+        self.handed_off.push(blocks.start);
+        Ok(())
+    }
+
+    /// Takes every handed-off segment's updated parameters back from the offload actor.
+    pub(super) fn collect_offloaded(&mut self, outputs: &[String], table: &mut TensorTable) -> Result<(), String> {
+        let mut starts: Vec<usize> = self.sharding.segments.keys().copied().collect();
+        starts.sort_unstable();
+        if self.handed_off.len() != starts.len() {
+            return Err(format!(
+                "the optimizer step found {} of this actor's {} gradient buckets handed to the offload actor",
+                self.handed_off.len(),
+                starts.len()
+            ));
+        }
+        for _ in 0..std::mem::take(&mut self.handed_off).len() {
+            let (start, params) = self.offload_actor()?.next_updated()?;
+            let SegmentShard { end, own, state } = self.sharding.segment(start)?.clone();
+            let range = self.offsets[start]..self.offsets[end];
+            match self.sharding.zero {
+                0 => {
+                    self.master[range].copy_from_slice(&params);
+                    self.reload(start..end)?;
+                }
+                1 | 2 => {
+                    let mut gathered = self.gather_buffer(range.len());
+                    gathered[own].copy_from_slice(&params);
+                    let k = starts.iter().position(|&s| s == start).expect("a segment of this actor");
+                    let out = outputs
+                        .get(k)
+                        .ok_or_else(|| format!("the optimizer step names no output for blocks {start}..{end}"))?;
+                    table.insert(out.clone(), HostTensor::flat(gathered));
+                }
+                _ if self.offload_params => {}
+                _ => self.shard_master[state..state + own.len()].copy_from_slice(&params),
+            }
+        }
+        self.steps_done += 1;
+        Ok(())
+    }
+}
