@@ -173,7 +173,13 @@ fn offload(estimate: &mut MemoryEstimate, program: &Program, share: ActorShare, 
         estimate.params = 0;
     }
     if program.plan.microbatches <= 1 {
-        estimate.grads = estimate.grads.min(2 * bucket);
+        // The bucket being produced, and the one before it (its shard under ZeRO-2/3).
+        let waiting = if sharded && program.plan.zero >= 2 {
+            bucket.div_ceil(dp)
+        } else {
+            bucket
+        };
+        estimate.grads = estimate.grads.min(bucket + waiting);
     } else {
         estimate.grads = full_params;
     }
@@ -181,8 +187,9 @@ fn offload(estimate: &mut MemoryEstimate, program: &Program, share: ActorShare, 
     match program.plan.offload {
         Offload::Cpu => estimate.host = offloaded,
         Offload::Nvme { .. } => {
-            // The segment being updated, one read ahead and one being written behind.
-            estimate.host = 3 * (bucket * floats).div_ceil(dp);
+            // The segment being updated, one read ahead, one being written behind, and the
+            // I/O thread's spare buffer.
+            estimate.host = 4 * (bucket * floats).div_ceil(dp);
             estimate.disk = offloaded;
         }
         Offload::None => {}

@@ -68,18 +68,20 @@ impl OffloadActor {
         shards: HashMap<usize, Vec<f32>>,
     ) -> Result<OffloadActor, String> {
         let floats = 1 + spec.state_floats_per_param() as usize;
-        let regions: HashMap<usize, SegmentState> = shards
-            .into_iter()
-            .map(|(k, params)| {
-                let len = params.len();
-                let mut data = params;
-                data.resize(floats * len, 0.0);
-                (k, SegmentState { data, len })
-            })
-            .collect();
         let store: Box<dyn StateStore> = match tier {
-            Offload::Cpu => Box::new(HostStore::new(regions)),
-            Offload::Nvme { dir } => Box::new(nvme::NvmeStore::create(Path::new(dir), actor, regions)?),
+            Offload::Cpu => {
+                let regions = shards
+                    .into_iter()
+                    .map(|(k, params)| {
+                        let len = params.len();
+                        let mut data = params;
+                        data.resize(floats * len, 0.0);
+                        (k, SegmentState { data, len })
+                    })
+                    .collect();
+                Box::new(HostStore::new(regions))
+            }
+            Offload::Nvme { dir } => Box::new(nvme::NvmeStore::create(Path::new(dir), actor, shards, floats)?),
             Offload::None => return Err("no offload tier was asked for".into()),
         };
         let (requests, inbox) = channel();

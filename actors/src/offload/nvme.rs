@@ -21,7 +21,7 @@ use std::time::Instant;
 use super::store::{SegmentState, StateStore, TierStats};
 
 /// Write-behind depth: the optimizer waits when this many regions are still being written.
-const WRITES_IN_FLIGHT: usize = 2;
+const WRITES_IN_FLIGHT: usize = 1;
 
 /// Where a segment's region sits in the file, in f32 elements.
 #[derive(Debug, Clone, Copy)]
@@ -76,8 +76,15 @@ pub struct NvmeStore {
 static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
 
 impl NvmeStore {
-    /// Creates the state file for `actor` under `dir` and writes every segment's initial region.
-    pub fn create(dir: &Path, actor: usize, initial: HashMap<usize, SegmentState>) -> Result<NvmeStore, String> {
+    /// Creates the state file for `actor` under `dir` and writes every segment's initial region:
+    /// its parameter shard (from `initial`, dropped as soon as written) followed by
+    /// `floats − 1` zeroed optimizer-state ranges of the same length.
+    pub fn create(
+        dir: &Path,
+        actor: usize,
+        mut initial: HashMap<usize, Vec<f32>>,
+        floats: usize,
+    ) -> Result<NvmeStore, String> {
         std::fs::create_dir_all(dir)
             .map_err(|e| format!("cannot create the offload directory {}: {e}", dir.display()))?;
         let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
@@ -97,22 +104,27 @@ impl NvmeStore {
         let mut regions = HashMap::new();
         let mut at = 0u64;
         for &k in &keys {
-            let state = &initial[&k];
-            regions.insert(
-                k,
-                Region {
-                    at,
-                    len: state.len,
-                    total: state.data.len(),
-                },
-            );
-            at += state.data.len() as u64;
+            let len = initial[&k].len();
+            let total = floats * len;
+            regions.insert(k, Region { at, len, total });
+            at += total as u64;
         }
         file.set_len(4 * at).map_err(|e| fail("cannot size", e))?;
+        // Every byte is written once now, so the file has no holes to fill during steps.
+        let zeros = vec![0u8; 1 << 20];
         for &k in &keys {
             let region = regions[&k];
-            file.write_all_at(bytemuck::cast_slice(&initial[&k].data), 4 * region.at)
+            let params = initial.remove(&k).expect("a key of the map");
+            file.write_all_at(bytemuck::cast_slice(&params), 4 * region.at)
                 .map_err(|e| fail("cannot write the initial state", e))?;
+            let mut pos = 4 * (region.at + region.len as u64);
+            let end = 4 * (region.at + region.total as u64);
+            while pos < end {
+                let n = (end - pos).min(zeros.len() as u64) as usize;
+                file.write_all_at(&zeros[..n], pos)
+                    .map_err(|e| fail("cannot write the initial state", e))?;
+                pos += n as u64;
+            }
         }
         let counters = Arc::new(Mutex::new(IoCounters::default()));
         let (io, requests) = channel();
@@ -186,7 +198,8 @@ impl NvmeStore {
     }
 
     fn note_resident(&mut self, region: Region) {
-        let regions = (self.ahead.len() + self.writes_in_flight + 1) as u64;
+        // Read ahead, being updated, being written, and the I/O thread's one spare buffer.
+        let regions = (self.ahead.len() + self.writes_in_flight + 2) as u64;
         self.peak_resident = self.peak_resident.max(regions * 4 * region.total as u64);
     }
 }
@@ -202,11 +215,11 @@ impl StateStore for NvmeStore {
 
     fn load(&mut self, segment: usize) -> Result<SegmentState, String> {
         let region = self.region(segment)?;
-        self.note_resident(region);
         let pending = match self.ahead.remove(&segment) {
             Some(p) => p,
             None => self.read(segment)?,
         };
+        self.note_resident(region);
         let began = Instant::now();
         let state = pending
             .recv()
@@ -300,7 +313,7 @@ fn io_thread(file: File, requests: Receiver<Io>, done: Sender<io::Result<()>>, c
                 let began = Instant::now();
                 let r = file.write_all_at(bytemuck::cast_slice(&state.data), 4 * region.at);
                 count(&counters, false, 4 * region.total as u64, began);
-                if spare.len() < 2 {
+                if spare.is_empty() {
                     spare.push(state.data);
                 }
                 let _ = done.send(r);

@@ -138,13 +138,27 @@ impl<B: AutodiffBackend> Trainer<B> {
         let chunks = &placement.chunks;
         let desc = program.model.clone();
         let held = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
-        let mut blocks = Vec::with_capacity(desc.blocks.len());
         let mut offsets = vec![0];
+        for (index, info) in desc.blocks.iter().enumerate() {
+            let n = if held(index) { info.params as usize } else { 0 };
+            offsets.push(offsets[index] + n);
+        }
+        let sharding = Sharding::new(
+            program.plan.zero,
+            placement.replica,
+            placement.replicas,
+            &placement.segments,
+            &offsets,
+        );
+        // ZeRO-3 initialises block by block and keeps only this replica's shard of each
+        // segment (as DeepSpeed's `zero.Init`): the whole model never exists on one actor.
+        let sharded = sharding.zero >= 3;
+        let mut shard_master = vec![0.0f32; if sharded { sharding.state_len() } else { 0 }];
+        let mut blocks = Vec::with_capacity(desc.blocks.len());
         let mut master = Vec::new();
         for (index, info) in desc.blocks.iter().enumerate() {
             if !held(index) {
                 blocks.push(None);
-                offsets.push(offsets[index]);
                 continue;
             }
             let ctx = BuildContext {
@@ -162,50 +176,45 @@ impl<B: AutodiffBackend> Trainer<B> {
                 ));
             }
             let init = deterministic_init(&block.param_shapes(), program.seed, index);
-            blocks.push(Some(block.load_params(&init)));
-            master.extend_from_slice(&init);
-            offsets.push(offsets[index] + info.params as usize);
+            if sharded {
+                if let Some((from, to)) = sharding.owned_part(index, &offsets) {
+                    shard_master[to].copy_from_slice(&init[from]);
+                }
+                blocks.push(None);
+            } else {
+                blocks.push(Some(block.load_params(&init)));
+                master.extend_from_slice(&init);
+            }
         }
         let samples = samples(&program.data, desc.input)?;
-        let sharding = Sharding::new(
-            program.plan.zero,
-            placement.replica,
-            placement.replicas,
-            &placement.segments,
-            &offsets,
-        );
-        let state_len = if sharding.zero >= 1 {
-            sharding.state_len()
-        } else {
-            master.len()
-        };
-        let held_blocks: Vec<bool> = blocks.iter().map(Option::is_some).collect();
+        let held_blocks: Vec<bool> = (0..desc.blocks.len()).map(held).collect();
         let plan = &program.plan;
         let offload = if plan.offload.is_some() {
             // The offload actor starts with each segment's optimizer range of the master copy.
             let mut shards = HashMap::new();
             for &(start, end) in &placement.segments {
                 let range = sharding.optimizer_range(start, offsets[end] - offsets[start])?;
-                let base = offsets[start];
-                shards.insert(start, master[base + range.start..base + range.end].to_vec());
+                let shard = if sharded {
+                    let state = sharding.segment(start)?.state;
+                    &shard_master[state..state + range.len()]
+                } else {
+                    &master[offsets[start] + range.start..offsets[start] + range.end]
+                };
+                shards.insert(start, shard.to_vec());
             }
             Some(OffloadActor::spawn(&plan.offload, actor, program.optimizer, shards)?)
         } else {
             None
         };
-        let offload_params = offload.is_some() && plan.offload_params && sharding.zero >= 3;
-        let state_len = if offload.is_some() { 0 } else { state_len };
-        // ZeRO-3: keep only this replica's shard of each segment; modules exist only while a
-        // segment's gathered parameters are loaded.
-        let mut shard_master = Vec::new();
-        if sharding.zero >= 3 {
-            for &(start, _) in placement.segments.iter().filter(|_| !offload_params) {
-                let own = &sharding.segment(start)?.own;
-                shard_master.extend_from_slice(&master[offsets[start] + own.start..offsets[start] + own.end]);
-            }
-            master = Vec::new();
-            blocks.iter_mut().for_each(|b| *b = None);
+        let offload_params = offload.is_some() && plan.offload_params && sharded;
+        if offload_params {
+            shard_master = Vec::new();
         }
+        let state_len = match (&offload, sharding.zero) {
+            (Some(_), _) => 0,
+            (None, 0) => master.len(),
+            (None, _) => sharding.state_len(),
+        };
         Ok(Trainer {
             device,
             desc,

@@ -74,6 +74,24 @@ impl Sharding {
         }
     }
 
+    /// The part of block `index` this replica owns, as (range in the block's parameters, range
+    /// in the concatenated shards); `None` when it owns none of it.
+    pub(super) fn owned_part(&self, index: usize, offsets: &[usize]) -> Option<(Range<usize>, Range<usize>)> {
+        let (&start, shard) = self
+            .segments
+            .iter()
+            .find(|(start, shard)| (**start..shard.end).contains(&index))?;
+        let base = offsets[start];
+        // The block's elements, relative to the segment, intersected with the shard.
+        let from = (offsets[index] - base).max(shard.own.start);
+        let to = (offsets[index + 1] - base).min(shard.own.end);
+        (from < to).then(|| {
+            let block = offsets[index] - base;
+            let state = shard.state + from - shard.own.start;
+            (from - block..to - block, state..state + to - from)
+        })
+    }
+
     /// Optimizer state elements this actor keeps under ZeRO ≥ 1.
     pub(super) fn state_len(&self) -> usize {
         self.segments.values().map(|s| s.own.len()).sum()
@@ -226,7 +244,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             self.master[range].copy_from_slice(&params.data);
             self.reload(blocks)?;
         }
-        if self.gather_pool.len() < 4 {
+        if self.gather_pool.len() < 2 {
             self.gather_pool.push(params.into_vec());
         }
         Ok(())
@@ -234,32 +252,36 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// ZeRO-3: the sums of squares of this replica's shard of each segment, by block.
     pub(super) fn shard_squares(&self) -> Vec<(usize, f64)> {
-        let mut out = Vec::new();
-        for (&start, shard) in &self.sharding.segments {
-            let base = self.offsets[start];
-            let fetched;
-            let owned = match &self.offload {
-                Some(offload) if self.offload_params => {
-                    let len = shard.own.len();
-                    fetched = offload.read_params(start, vec![0.0; len], 0..len).unwrap_or_else(|e| {
-                        tracing::error!(actor = self.actor, "parameters of segment {start} unreadable: {e}");
-                        vec![f32::NAN; len]
-                    });
-                    &fetched[..]
-                }
-                _ => &self.shard_master[shard.state..shard.state + shard.own.len()],
-            };
-            for block in start..shard.end {
-                // The block's elements, relative to the segment, intersected with the shard.
-                let from = (self.offsets[block] - base).max(shard.own.start);
-                let to = (self.offsets[block + 1] - base).min(shard.own.end);
-                if from < to {
-                    let slice = &owned[from - shard.own.start..to - shard.own.start];
-                    out.push((block, slice.iter().map(|&x| (x as f64) * (x as f64)).sum()));
-                }
+        let fetched;
+        let shards = match &self.offload {
+            Some(offload) if self.offload_params => {
+                fetched = self.fetch_shards(offload).unwrap_or_else(|e| {
+                    tracing::error!(actor = self.actor, "offloaded parameters unreadable: {e}");
+                    vec![f32::NAN; self.sharding.state_len()]
+                });
+                &fetched[..]
             }
+            _ => &self.shard_master[..],
+        };
+        (0..self.blocks.len())
+            .filter(|&i| self.held_blocks[i])
+            .filter_map(|i| {
+                let (_, at) = self.sharding.owned_part(i, &self.offsets)?;
+                Some((i, shards[at].iter().map(|&x| (x as f64) * (x as f64)).sum()))
+            })
+            .collect()
+    }
+
+    /// `--offload-params`: this replica's shards of every segment, read back from the offload
+    /// actor and concatenated as the shard master would hold them.
+    fn fetch_shards(&self, offload: &crate::offload::OffloadActor) -> Result<Vec<f32>, String> {
+        let mut shards = vec![0.0f32; self.sharding.state_len()];
+        for (&start, shard) in &self.sharding.segments {
+            let len = shard.own.len();
+            let params = offload.read_params(start, vec![0.0; len], 0..len)?;
+            shards[shard.state..shard.state + len].copy_from_slice(&params);
         }
-        out
+        Ok(shards)
     }
 
     /// Loads the master parameters of `blocks` into their modules.
