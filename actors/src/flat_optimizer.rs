@@ -61,7 +61,14 @@ impl FlatOptimizer {
 ///
 /// # Panics
 /// When the slices differ in length.
-pub fn update_slices(spec: OptimizerSpec, t: i32, params: &mut [f32], m: &mut [f32], v: &mut [f32], grads: &[f32]) {
+pub fn update_slices(
+    spec: OptimizerSpec,
+    t: i32,
+    params: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grads: &[f32],
+) {
     assert_eq!(params.len(), grads.len(), "parameter and gradient ranges differ");
     match spec {
         OptimizerSpec::Sgd { lr } => {

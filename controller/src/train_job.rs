@@ -238,7 +238,10 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
                 estimated_model_state_bytes: plan.memory[r.actor].model_state(),
                 compute_weight_bytes: r.metrics.compute_weight_bytes,
                 estimated_device_bytes: plan.memory[r.actor].total(),
-                offload: r.metrics.offload.map(|o| offload_record(&o, &plan.memory[r.actor])),
+                offload: r
+                    .metrics
+                    .offload
+                    .map(|o| offload_record(&o, &plan.memory[r.actor])),
                 stage: plan.actors[r.actor].stage,
                 replica: plan.actors[r.actor].replica,
                 bubble: median(&mut per_actor_bubble[r.actor]),

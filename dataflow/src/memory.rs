@@ -63,7 +63,11 @@ impl MemoryEstimate {
             mib(self.buffers)
         );
         if self.host > 0 || self.disk > 0 {
-            out.push_str(&format!("; offloaded: host {}, disk {}", mib(self.host), mib(self.disk)));
+            out.push_str(&format!(
+                "; offloaded: host {}, disk {}",
+                mib(self.host),
+                mib(self.disk)
+            ));
         }
         out
     }

@@ -503,11 +503,17 @@ mod tests {
         let mut p = program(2, 64);
         p.plan.device_memory = Some(140 << 20);
         let err = compile(&p).unwrap_err().to_string();
-        assert!(
-            err.contains("it fits with --zero 1, or --zero 2, or --pp 2"),
-            "{err}"
-        );
-        assert!(!err.contains("--zero 3"), "{err}");
+        let fixes: Vec<&str> = err
+            .split("it fits with ")
+            .nth(1)
+            .unwrap()
+            .split(", or ")
+            .collect();
+        for fix in ["--zero 1", "--zero 2", "--offload cpu", "--offload nvme:DIR"] {
+            assert!(fixes.contains(&fix), "{fix} missing: {err}");
+        }
+        assert!(fixes.iter().any(|f| f.starts_with("--pp 2")), "{err}");
+        assert!(!fixes.contains(&"--zero 3"), "{err}");
         let m = compile(&program(2, 64)).unwrap().memory[0].clone();
         assert_eq!(m.model_state(), 16 * 8_407_050);
     }

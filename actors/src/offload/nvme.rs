@@ -190,7 +190,10 @@ impl NvmeStore {
                 Some(Ok(())) => self.writes_in_flight -= 1,
                 Some(Err(e)) => return Err(format!("offload write to {} failed: {e}", self.path.display())),
                 None if self.writes_in_flight > keep => {
-                    return Err(format!("the offload I/O thread of {} has stopped", self.path.display()));
+                    return Err(format!(
+                        "the offload I/O thread of {} has stopped",
+                        self.path.display()
+                    ));
                 }
                 None => return Ok(()),
             }
@@ -295,7 +298,12 @@ impl Drop for NvmeStore {
 }
 
 /// Runs reads and writes in submission order; keeps written buffers for the next reads.
-fn io_thread(file: File, requests: Receiver<Io>, done: Sender<io::Result<()>>, counters: Arc<Mutex<IoCounters>>) {
+fn io_thread(
+    file: File,
+    requests: Receiver<Io>,
+    done: Sender<io::Result<()>>,
+    counters: Arc<Mutex<IoCounters>>,
+) {
     let mut spare: Vec<Vec<f32>> = Vec::new();
     for op in requests {
         match op {
@@ -307,7 +315,10 @@ fn io_thread(file: File, requests: Receiver<Io>, done: Sender<io::Result<()>>, c
                 let began = Instant::now();
                 let r = file.read_exact_at(bytemuck::cast_slice_mut(&mut data), 4 * region.at);
                 count(&counters, true, 4 * region.total as u64, began);
-                let _ = reply.send(r.map(|()| SegmentState { data, len: region.len }));
+                let _ = reply.send(r.map(|()| SegmentState {
+                    data,
+                    len: region.len,
+                }));
             }
             Io::Write { region, state } => {
                 let began = Instant::now();
@@ -318,7 +329,11 @@ fn io_thread(file: File, requests: Receiver<Io>, done: Sender<io::Result<()>>, c
                 }
                 let _ = done.send(r);
             }
-            Io::ReadParams { region, mut buf, reply } => {
+            Io::ReadParams {
+                region,
+                mut buf,
+                reply,
+            } => {
                 let began = Instant::now();
                 let r = file.read_exact_at(bytemuck::cast_slice_mut(&mut buf), 4 * region.at);
                 count(&counters, true, 4 * region.len as u64, began);
@@ -337,5 +352,55 @@ fn count(counters: &Mutex<IoCounters>, read: bool, bytes: u64, began: Instant) {
     } else {
         c.written_bytes += bytes;
         c.write_s += s;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store(dir: &Path) -> NvmeStore {
+        let initial = HashMap::from([(0, vec![1.0f32; 5]), (5, vec![2.0f32; 3])]);
+        NvmeStore::create(dir, 0, initial, 3).unwrap()
+    }
+
+    #[test]
+    fn regions_start_as_parameters_and_zeroed_state_and_keep_what_is_saved() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        assert_eq!(std::fs::metadata(s.path()).unwrap().len(), 4 * 3 * 8);
+        s.prefetch(5).unwrap();
+        let mut a = s.load(0).unwrap();
+        assert_eq!(a.data, [vec![1.0; 5], vec![0.0; 10]].concat());
+        a.split().1.fill(7.0);
+        s.save(0, a).unwrap();
+        // A read submitted after the write sees it (one I/O queue, in order).
+        let again = s.load(0).unwrap();
+        assert_eq!(&again.data[5..10], &[7.0; 5]);
+        let b = s.load(5).unwrap();
+        assert_eq!(b.len, 3);
+        let mut params = vec![0.0; 3];
+        s.read_params(5, &mut params).unwrap();
+        assert_eq!(params, vec![2.0; 3]);
+        let stats = s.stats();
+        assert_eq!(stats.disk_bytes, 96);
+        assert_eq!(stats.written_bytes, 60);
+        assert_eq!(stats.read_bytes, 60 + 60 + 36 + 12);
+        let path = s.path().to_path_buf();
+        drop(s);
+        assert!(!path.exists(), "the state file outlives its store");
+    }
+
+    #[test]
+    fn unknown_segments_and_wrong_sizes_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = store(dir.path());
+        assert!(s.load(3).unwrap_err().contains("block 3"));
+        let wrong = SegmentState {
+            data: vec![0.0; 4],
+            len: 2,
+        };
+        assert!(s.save(0, wrong).unwrap_err().contains("region holds 15"));
+        assert!(s.read_params(0, &mut [0.0; 2]).is_err());
     }
 }

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 /// One segment's state region: `[params | m | v]`, each `len` long (just `params` for SGD).
+#[derive(Debug)]
 pub struct SegmentState {
     /// The region.
     pub data: Vec<f32>,

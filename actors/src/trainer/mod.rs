@@ -202,7 +202,12 @@ impl<B: AutodiffBackend> Trainer<B> {
                 };
                 shards.insert(start, shard.to_vec());
             }
-            Some(OffloadActor::spawn(&plan.offload, actor, program.optimizer, shards)?)
+            Some(OffloadActor::spawn(
+                &plan.offload,
+                actor,
+                program.optimizer,
+                shards,
+            )?)
         } else {
             None
         };
@@ -319,7 +324,9 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 self.backward_weight(*start..*end, *mb, outputs, table)
             }
             ComputeOp::OffloadGrads { .. } => self.offload_grads(&nth(inputs, 0)?, table),
-            ComputeOp::OptimizerStep { .. } if self.offload.is_some() => self.collect_offloaded(outputs, table),
+            ComputeOp::OptimizerStep { .. } if self.offload.is_some() => {
+                self.collect_offloaded(outputs, table)
+            }
             ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, outputs, table),
             ComputeOp::LoadParams { start, end } => self.load_params(*start..*end, &nth(inputs, 0)?, table),
             ComputeOp::ShardParams { start, end } => {

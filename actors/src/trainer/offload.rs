@@ -58,7 +58,11 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 
     /// Takes every handed-off segment's updated parameters back from the offload actor.
-    pub(super) fn collect_offloaded(&mut self, outputs: &[String], table: &mut TensorTable) -> Result<(), String> {
+    pub(super) fn collect_offloaded(
+        &mut self,
+        outputs: &[String],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
         let mut starts: Vec<usize> = self.sharding.segments.keys().copied().collect();
         starts.sort_unstable();
         if self.handed_off.len() != starts.len() {
@@ -80,10 +84,13 @@ impl<B: AutodiffBackend> Trainer<B> {
                 1 | 2 => {
                     let mut gathered = self.gather_buffer(range.len());
                     gathered[own].copy_from_slice(&params);
-                    let k = starts.iter().position(|&s| s == start).expect("a segment of this actor");
-                    let out = outputs
-                        .get(k)
-                        .ok_or_else(|| format!("the optimizer step names no output for blocks {start}..{end}"))?;
+                    let k = starts
+                        .iter()
+                        .position(|&s| s == start)
+                        .expect("a segment of this actor");
+                    let out = outputs.get(k).ok_or_else(|| {
+                        format!("the optimizer step names no output for blocks {start}..{end}")
+                    })?;
                     table.insert(out.clone(), HostTensor::flat(gathered));
                 }
                 _ if self.offload_params => {}

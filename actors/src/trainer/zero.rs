@@ -179,7 +179,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         let SegmentShard { own, state, .. } = self.sharding.segment(blocks.start)?.clone();
         let mut full = self.gather_buffer(len);
         if self.offload_params {
-            let offload = self.offload.as_ref().ok_or("parameters offloaded without an offload actor")?;
+            let offload = self
+                .offload
+                .as_ref()
+                .ok_or("parameters offloaded without an offload actor")?;
             full = offload.read_params(blocks.start, full, own)?;
         } else {
             full[own.clone()].copy_from_slice(&self.shard_master[state..state + own.len()]);

@@ -243,7 +243,10 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8,
                     hand_off(&mut graph, layout, segments[index - 1], s);
                 }
             }
-            if finishes_grads && offload && let Some(last) = segments.last() {
+            if finishes_grads
+                && offload
+                && let Some(last) = segments.last()
+            {
                 hand_off(&mut graph, layout, last, s);
             }
         }
