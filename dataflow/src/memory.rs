@@ -193,7 +193,8 @@ fn offload(estimate: &mut MemoryEstimate, program: &Program, share: ActorShare, 
         Offload::Nvme { .. } => {
             // The segment being updated, one read ahead, one being written behind, and the
             // I/O thread's spare buffer.
-            estimate.host = 4 * (bucket * floats).div_ceil(dp);
+            let region = (bucket * floats).div_ceil(dp);
+            estimate.host = (4 * region).min(offloaded + region);
             estimate.disk = offloaded;
         }
         Offload::None => {}

@@ -7,7 +7,7 @@
 //! sparse holes). They go through the OS page cache (no `O_DIRECT`), as a plain sequential copy
 //! of the same bytes does; the bench compares the two in one run.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -66,7 +66,8 @@ pub struct NvmeStore {
     thread: Option<JoinHandle<()>>,
     counters: Arc<Mutex<IoCounters>>,
     ahead: HashMap<usize, Receiver<io::Result<SegmentState>>>,
-    writes_in_flight: usize,
+    /// Sizes (bytes) of the regions submitted for writing and not yet written, oldest first.
+    writes_in_flight: VecDeque<u64>,
     wait_s: f64,
     peak_resident: u64,
     disk_bytes: u64,
@@ -142,7 +143,7 @@ impl NvmeStore {
             thread: Some(thread),
             counters,
             ahead: HashMap::new(),
-            writes_in_flight: 0,
+            writes_in_flight: VecDeque::new(),
             wait_s: 0.0,
             peak_resident: 0,
             disk_bytes: 4 * at,
@@ -175,10 +176,11 @@ impl NvmeStore {
         Ok(result)
     }
 
-    /// Counts finished writes; waits while too many are in flight.
+    /// Counts finished writes; waits while more than `keep` are in flight.
     fn drain_writes(&mut self, keep: usize) -> Result<(), String> {
         loop {
-            let finished = if self.writes_in_flight > keep {
+            let must_wait = self.writes_in_flight.len() > keep;
+            let finished = if must_wait {
                 let began = Instant::now();
                 let r = self.written.recv();
                 self.wait_s += began.elapsed().as_secs_f64();
@@ -187,9 +189,12 @@ impl NvmeStore {
                 self.written.try_recv().ok()
             };
             match finished {
-                Some(Ok(())) => self.writes_in_flight -= 1,
+                // One I/O thread: writes finish in the order they were submitted.
+                Some(Ok(())) => {
+                    self.writes_in_flight.pop_front();
+                }
                 Some(Err(e)) => return Err(format!("offload write to {} failed: {e}", self.path.display())),
-                None if self.writes_in_flight > keep => {
+                None if must_wait => {
                     return Err(format!(
                         "the offload I/O thread of {} has stopped",
                         self.path.display()
@@ -200,10 +205,14 @@ impl NvmeStore {
         }
     }
 
-    fn note_resident(&mut self, region: Region) {
-        // Read ahead, being updated, being written, and the I/O thread's one spare buffer.
-        let regions = (self.ahead.len() + self.writes_in_flight + 2) as u64;
-        self.peak_resident = self.peak_resident.max(regions * 4 * region.total as u64);
+    /// Records the host bytes resident now: regions read ahead, the one being updated, those
+    /// being written, and the I/O thread's spare buffer (at most the largest region).
+    fn note_resident(&mut self, current: Region) {
+        let bytes = |r: &Region| 4 * r.total as u64;
+        let ahead: u64 = self.ahead.keys().map(|k| bytes(&self.regions[k])).sum();
+        let writing: u64 = self.writes_in_flight.iter().sum();
+        let spare = self.regions.values().map(bytes).max().unwrap_or(0);
+        self.peak_resident = self.peak_resident.max(ahead + bytes(&current) + writing + spare);
     }
 }
 
@@ -243,7 +252,7 @@ impl StateStore for NvmeStore {
         }
         self.drain_writes(WRITES_IN_FLIGHT - 1)?;
         self.submit(Io::Write { region, state })?;
-        self.writes_in_flight += 1;
+        self.writes_in_flight.push_back(4 * region.total as u64);
         Ok(())
     }
 

@@ -1,7 +1,9 @@
 //! `archipelago bench`: figures as JSON, each with its unit, configuration and the load average,
-//! and the physical limit measured in the same run where there is one (memcpy for collectives).
+//! and the physical limit measured in the same run where there is one (memcpy for collectives,
+//! sequential file I/O for the NVMe offload tier).
 
 mod collectives;
+mod offload;
 mod training;
 
 use std::path::PathBuf;
@@ -22,6 +24,10 @@ pub struct BenchArgs {
     /// Also write the JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Directory for the NVMe offload files and the sequential I/O baseline (a local disk;
+    /// default: the system's temporary directory).
+    #[arg(long)]
+    pub nvme_dir: Option<PathBuf>,
 }
 
 /// Runs the suite and prints its JSON.
@@ -43,13 +49,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     eprintln!("pipeline: {pipeline}");
     let zero = training::mlp_zero(warmup, timed)?;
     eprintln!("zero: {zero}");
+    let dir = args.nvme_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let offload = offload::mlp_offload(warmup, timed, &dir)?;
+    eprintln!("offload: {offload}");
     let out = json!({
-        "suite": "foundation+pipeline+zero",
+        "suite": "foundation+pipeline+zero+offload",
         "quick": args.quick,
         "collectives": ring,
         "training": training,
         "pipeline": pipeline,
         "zero": zero,
+        "offload": offload,
         "load_avg_end": load_avg(),
     });
     let text = serde_json::to_string_pretty(&out)?;

@@ -14,7 +14,12 @@ use crate::{Controller, TrainReport};
 /// Trains mlp-8x1024 (global batch 64) under `plan` for `warmup + timed` steps on one CPU
 /// device per actor; returns the report and the median step time (the controller's step wall
 /// time, i.e. the slowest actor) over the timed steps.
-fn timed_mlp(plan: ParallelPlan, warmup: u64, timed: u64, job: String) -> anyhow::Result<(TrainReport, f64)> {
+pub(super) fn timed_mlp(
+    plan: ParallelPlan,
+    warmup: u64,
+    timed: u64,
+    job: String,
+) -> anyhow::Result<(TrainReport, f64)> {
     let actors = plan.actors();
     let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan { batch: 64, ..plan });
     let options = TrainOptions {
