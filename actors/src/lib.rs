@@ -19,6 +19,7 @@ pub mod flat_optimizer;
 pub mod flow_functions;
 pub mod host_tensor;
 pub mod offload;
+pub mod proto;
 pub mod trainer;
 pub mod zoo;
 

@@ -4,8 +4,10 @@
 //! an actor on another host is the implementation's business. Messages are matched by
 //! `(sender, tag)`, so independent edges never block each other.
 
+pub mod grpc;
 mod in_process;
 
+pub use grpc::{GrpcFabric, Inbox, serve_fabric};
 pub use in_process::InProcessFabric;
 
 use std::fmt;
