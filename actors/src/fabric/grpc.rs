@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::{TcpListenerStream, UnboundedReceiverStream};
+use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::metadata::MetadataValue;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Endpoint, Server};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -29,6 +30,8 @@ use crate::proto::{PushReply, TensorChunk};
 pub const CHUNK_BYTES: usize = 4 << 20;
 /// gRPC message limit on both sides (tonic's default is 4 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// HTTP/2 flow-control windows (stream and connection): several chunks in flight.
+const WINDOW_BYTES: u32 = 32 << 20;
 
 /// Where arriving tensors go: the running job's mailboxes (none between jobs).
 #[derive(Clone, Default)]
@@ -166,12 +169,12 @@ pub fn serve_fabric(
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let service = tonic::service::interceptor::InterceptedService::new(service, move |r| check.check(r));
     tokio::spawn(async move {
-        let incoming = TcpListenerStream::new(listener);
-        if let Err(e) = Server::builder()
-            .add_service(service)
-            .serve_with_incoming(incoming)
-            .await
-        {
+        // No Nagle: a ring step waits on each message; large windows for bulk streams.
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        let mut server = Server::builder()
+            .initial_stream_window_size(WINDOW_BYTES)
+            .initial_connection_window_size(WINDOW_BYTES);
+        if let Err(e) = server.add_service(service).serve_with_incoming(incoming).await {
             tracing::error!("the fabric server on {addr} stopped: {e}");
         }
     });
@@ -202,6 +205,9 @@ impl GrpcFabric {
             }
             let channel: Channel = Endpoint::from_shared(format!("http://{addr}"))
                 .map_err(|e| format!("bad fabric address {addr}: {e}"))?
+                .tcp_nodelay(true)
+                .initial_stream_window_size(WINDOW_BYTES)
+                .initial_connection_window_size(WINDOW_BYTES)
                 .connect()
                 .await
                 .map_err(|e| format!("cannot reach the fabric of host {addr}: {e}"))?;

@@ -1,5 +1,8 @@
-//! Collective benchmarks: the in-process ring all-reduce, reduce-scatter and all-gather beside a
-//! memcpy of the same bytes.
+//! Collective benchmarks: the ring all-reduce, reduce-scatter and all-gather beside a memcpy of
+//! the same bytes — between threads of one process (in-process fabric), and between fabric
+//! endpoints that talk gRPC over 127.0.0.1 (one "host" per member, each with its own server and
+//! streams; the endpoints share this process, so the figure is the gRPC data path, not yet two
+//! OS processes).
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
@@ -9,8 +12,7 @@ use serde_json::{Value, json};
 use archipelago_actors::collectives::{
     ChunkPool, DEFAULT_CHUNK_ELEMS, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 };
-use archipelago_actors::fabric::InProcessFabric;
-use archipelago_actors::fabric::{Fabric, FabricError};
+use archipelago_actors::fabric::{Fabric, FabricError, GrpcFabric, InProcessFabric, Inbox, serve_fabric};
 use archipelago_dataflow::{ActorId, CollectiveKind};
 
 use crate::process_stats::load_avg;
@@ -26,13 +28,67 @@ fn chunk_elems() -> usize {
 type Ring =
     fn(&dyn Fabric, ActorId, &[ActorId], u64, &mut [f32], usize, &mut ChunkPool) -> Result<(), FabricError>;
 
+/// How the members of a collective benchmark reach each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Threads of one process sharing mailboxes.
+    InProcess,
+    /// One gRPC fabric endpoint per member on 127.0.0.1.
+    GrpcLoopback,
+}
+
+/// One fabric per member (and the runtime serving the gRPC ones, kept alive by the caller).
+fn fabrics(transport: Transport, members: usize) -> (Vec<Arc<dyn Fabric>>, Option<tokio::runtime::Runtime>) {
+    let patience = std::time::Duration::from_secs(60);
+    match transport {
+        Transport::InProcess => {
+            let shared: Arc<dyn Fabric> = Arc::new(InProcessFabric::new(members, patience));
+            (vec![shared; members], None)
+        }
+        Transport::GrpcLoopback => {
+            let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+            let fabrics = runtime.block_on(async {
+                let mut hosts = Vec::new();
+                for _ in 0..members {
+                    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+                    let inbox = Inbox::default();
+                    let addr = serve_fabric(listener, inbox.clone(), "bench").expect("fabric server");
+                    hosts.push((addr.to_string(), inbox));
+                }
+                let addrs: Vec<String> = hosts.iter().map(|h| h.0.clone()).collect();
+                let mut fabrics: Vec<Arc<dyn Fabric>> = Vec::new();
+                for (addr, inbox) in &hosts {
+                    let local = Arc::new(InProcessFabric::new(members, patience));
+                    inbox.install(Some(local.clone()));
+                    let fabric = GrpcFabric::connect(&addrs, addr, local, "bench")
+                        .await
+                        .expect("connect");
+                    fabrics.push(Arc::new(fabric));
+                }
+                fabrics
+            });
+            (fabrics, Some(runtime))
+        }
+    }
+}
+
 /// Median time of a ring collective of `bytes` (the full buffer, all shards) across `members`
 /// threads, and of a memcpy of `bytes` into a reused buffer, with bandwidths and their ratio.
-pub fn ring_vs_memcpy(kind: CollectiveKind, bytes: usize, members: usize, reps: usize) -> Value {
-    let (run, name, traffic): (Ring, &str, f64) = match kind {
-        CollectiveKind::AllReduceSum => (ring_all_reduce, "all_reduce_in_process", 2.0),
-        CollectiveKind::ReduceScatterSum => (ring_reduce_scatter, "reduce_scatter_in_process", 1.0),
-        CollectiveKind::AllGather => (ring_all_gather, "all_gather_in_process", 1.0),
+pub fn ring_vs_memcpy(
+    kind: CollectiveKind,
+    transport: Transport,
+    bytes: usize,
+    members: usize,
+    reps: usize,
+) -> Value {
+    let (run, op, traffic): (Ring, &str, f64) = match kind {
+        CollectiveKind::AllReduceSum => (ring_all_reduce, "all_reduce", 2.0),
+        CollectiveKind::ReduceScatterSum => (ring_reduce_scatter, "reduce_scatter", 1.0),
+        CollectiveKind::AllGather => (ring_all_gather, "all_gather", 1.0),
+    };
+    let name = match transport {
+        Transport::InProcess => format!("{op}_in_process"),
+        Transport::GrpcLoopback => format!("{op}_grpc_loopback"),
     };
     let elems = bytes / 4;
     let src = vec![1.0f32; elems];
@@ -45,12 +101,12 @@ pub fn ring_vs_memcpy(kind: CollectiveKind, bytes: usize, members: usize, reps: 
         memcpy_s.push(t.elapsed().as_secs_f64());
     }
     drop((src, dst));
-    let fabric = Arc::new(InProcessFabric::new(members, std::time::Duration::from_secs(60)));
+    let (fabrics, runtime) = fabrics(transport, members);
     let barrier = Arc::new(Barrier::new(members));
     let group: Vec<usize> = (0..members).collect();
     let handles: Vec<_> = (0..members)
         .map(|me| {
-            let (fabric, barrier, group) = (fabric.clone(), barrier.clone(), group.clone());
+            let (fabric, barrier, group) = (fabrics[me].clone(), barrier.clone(), group.clone());
             std::thread::spawn(move || {
                 let mut data = vec![me as f32; elems];
                 let mut times = Vec::new();
@@ -76,6 +132,7 @@ pub fn ring_vs_memcpy(kind: CollectiveKind, bytes: usize, members: usize, reps: 
         })
         .collect();
     let mut times: Vec<Vec<f64>> = handles.into_iter().map(|h| h.join().expect("member")).collect();
+    drop((fabrics, runtime));
     let mut slowest: Vec<f64> = (0..reps)
         .map(|i| times.iter().map(|t| t[i]).fold(0.0, f64::max))
         .collect();
@@ -86,7 +143,7 @@ pub fn ring_vs_memcpy(kind: CollectiveKind, bytes: usize, members: usize, reps: 
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     json!({
         "name": name,
-        "config": { "bytes": bytes, "members": members, "algorithm": "ring, chunked, pipelined", "chunk_bytes": chunk_elems() * 4, "reps": reps },
+        "config": { "bytes": bytes, "members": members, "transport": format!("{transport:?}"), "algorithm": "ring, chunked, pipelined", "chunk_bytes": chunk_elems() * 4, "reps": reps },
         "median_s": all_reduce,
         "algbw_gb_per_s": gbs(all_reduce),
         "busbw_gb_per_s": gbs(all_reduce) * traffic * (n - 1.0) / n,

@@ -33,14 +33,19 @@ pub struct BenchArgs {
 /// Runs the suite and prints its JSON.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let reps = if args.quick { 5 } else { 15 };
-    let ring: Vec<serde_json::Value> = [
-        CollectiveKind::AllReduceSum,
-        CollectiveKind::ReduceScatterSum,
-        CollectiveKind::AllGather,
-    ]
-    .into_iter()
-    .map(|kind| collectives::ring_vs_memcpy(kind, 64 << 20, 2, reps))
-    .collect();
+    let mut ring: Vec<serde_json::Value> = Vec::new();
+    for transport in [
+        collectives::Transport::InProcess,
+        collectives::Transport::GrpcLoopback,
+    ] {
+        for kind in [
+            CollectiveKind::AllReduceSum,
+            CollectiveKind::ReduceScatterSum,
+            CollectiveKind::AllGather,
+        ] {
+            ring.push(collectives::ring_vs_memcpy(kind, transport, 64 << 20, 2, reps));
+        }
+    }
     eprintln!("collectives: {}", serde_json::Value::from(ring.clone()));
     let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
     let training = training::mlp_dp_scaling(warmup, timed)?;
