@@ -45,7 +45,13 @@ pub enum DeviceMsg {
     /// Reply with a copy of the parameters of each block held, by block index (tests and
     /// debugging; copies the bytes).
     BlockParams(RpcReplyPort<Vec<(usize, Vec<f32>)>>),
+    /// Write this actor's shard of the trainable state into the checkpoint directory given and
+    /// reply with the file written (`None` when another replica saves the same state).
+    Checkpoint(std::path::PathBuf, RpcReplyPort<CheckpointResult>),
 }
+
+/// What a device actor answers to [`DeviceMsg::Checkpoint`].
+pub type CheckpointResult = Result<Option<crate::checkpoint::ShardFile>, String>;
 
 /// Everything a device actor needs to start.
 pub struct DeviceActorArgs {
@@ -63,12 +69,15 @@ pub struct DeviceActorArgs {
     pub fabric: Arc<dyn Fabric>,
     /// Where to send events.
     pub events: UnboundedSender<ActorEvent>,
+    /// Where the executor records the instruction it runs.
+    pub progress: Arc<crate::progress::ActorProgress>,
 }
 
 enum Work {
     Step(u64),
     Squares(RpcReplyPort<Vec<(usize, f64)>>),
     Params(RpcReplyPort<Vec<(usize, Vec<f32>)>>),
+    Checkpoint(std::path::PathBuf, RpcReplyPort<CheckpointResult>),
 }
 
 /// The actor's state: the channel to its executor thread.
@@ -111,6 +120,7 @@ impl Actor for DeviceActor {
             DeviceMsg::Step(n) => Work::Step(n),
             DeviceMsg::BlockSquares(reply) => Work::Squares(reply),
             DeviceMsg::BlockParams(reply) => Work::Params(reply),
+            DeviceMsg::Checkpoint(dir, reply) => Work::Checkpoint(dir, reply),
         };
         if let Some(queue) = &state.work {
             // A closed queue means the executor thread ended after a failure it already reported.
@@ -141,6 +151,7 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
         computation,
         fabric,
         events,
+        progress,
     } = args;
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(computation))
         .unwrap_or_else(|p| Err(crate::error::panic_message(p.as_ref())));
@@ -162,7 +173,7 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
             return;
         }
     };
-    let mut executor = Executor::new(&job, actor, device, stream, computation, fabric);
+    let mut executor = Executor::new(&job, actor, device, stream, computation, fabric).with_progress(progress);
     let _ = events.send(ActorEvent::Ready { actor });
     for work in queue {
         match work {
@@ -179,6 +190,9 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
             }
             Work::Params(reply) => {
                 let _ = reply.send(executor.block_params());
+            }
+            Work::Checkpoint(dir, reply) => {
+                let _ = reply.send(executor.save_checkpoint(&dir));
             }
         }
     }

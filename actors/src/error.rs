@@ -3,7 +3,7 @@
 use archipelago_dataflow::{ActorId, DeviceSpec};
 
 /// Why an actor could not finish a step (or could not start).
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 #[error("job {job}, step {step}, actor {actor} on {device}, {}: {message}", instruction_label(*index, instruction))]
 pub struct ActorFailure {
     /// The job's name.

@@ -45,7 +45,7 @@ impl TensorTable {
 }
 
 /// What a computation reports at the end of a step.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepMetrics {
     /// This actor's share of the loss (summed over actors by the controller).
     pub loss: Option<f32>,
@@ -84,6 +84,11 @@ pub trait Computation: Send {
     fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
         Vec::new()
     }
+    /// This actor's share of the trainable state for a checkpoint; `None` when another actor
+    /// saves the same state (a replica of an unsharded model).
+    fn save_state(&self) -> Result<Option<crate::checkpoint::ShardState>, String> {
+        Err("this computation keeps no trainable state to checkpoint".into())
+    }
     /// Sums of squares of parameters by block, for the parameters this actor answers for: summed
     /// over all actors of a job they give each block's squared L2 norm exactly once.
     fn block_squares(&self) -> Vec<(usize, f64)> {
@@ -108,7 +113,7 @@ pub struct InstructionTiming {
 }
 
 /// What an actor reports for a finished step.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepReport {
     /// The actor.
     pub actor: ActorId,
@@ -134,6 +139,7 @@ pub struct Executor {
     fabric: Arc<dyn Fabric>,
     collectives: CollectiveWorker,
     table: TensorTable,
+    progress: Arc<crate::progress::ActorProgress>,
 }
 
 impl Executor {
@@ -156,7 +162,14 @@ impl Executor {
             fabric,
             collectives,
             table: TensorTable::default(),
+            progress: Arc::default(),
         }
+    }
+
+    /// Records what it runs in `progress` (read by heartbeats).
+    pub fn with_progress(mut self, progress: Arc<crate::progress::ActorProgress>) -> Executor {
+        self.progress = progress;
+        self
     }
 
     /// The computation's block parameters.
@@ -169,6 +182,14 @@ impl Executor {
         self.computation.block_squares()
     }
 
+    /// Writes this actor's shard of the trainable state into checkpoint directory `dir`.
+    pub fn save_checkpoint(&self, dir: &std::path::Path) -> Result<Option<crate::checkpoint::ShardFile>, String> {
+        match self.computation.save_state()? {
+            Some(state) => crate::checkpoint::write_shard(dir, self.actor, &state).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Runs the stream once as step `step`. On failure the fabric is aborted.
     pub fn run_step(&mut self, step: u64) -> Result<StepReport, ActorFailure> {
         let began = Instant::now();
@@ -179,6 +200,7 @@ impl Executor {
         let mut pending: HashMap<u64, PendingCollective> = HashMap::new();
         for index in 0..self.stream.len() {
             let started = Instant::now();
+            self.progress.set(step, Some(index));
             if let Err((message, secondary)) = self.run_one(step, index, &mut pending) {
                 let failure = ActorFailure {
                     job: self.job.clone(),
@@ -202,6 +224,7 @@ impl Executor {
                 seconds: started.elapsed().as_secs_f64(),
             });
         }
+        self.progress.set(step, None);
         let metrics = self.computation.finish_step();
         Ok(StepReport {
             actor: self.actor,

@@ -49,6 +49,38 @@ impl FlatOptimizer {
         update_slices(self.spec, self.t, params, m, v, grads);
     }
 
+    /// Steps taken (Adam's bias-correction counter).
+    pub fn steps(&self) -> i32 {
+        self.t
+    }
+
+    /// Sets the steps taken (a restored checkpoint's).
+    pub fn set_steps(&mut self, t: i32) {
+        self.t = t;
+    }
+
+    /// The state (`m`, `v`) of the parameters at `range`; empty slices for SGD.
+    pub fn state(&self, range: std::ops::Range<usize>) -> (&[f32], &[f32]) {
+        if self.m.is_empty() {
+            (&[], &[])
+        } else {
+            (&self.m[range.clone()], &self.v[range])
+        }
+    }
+
+    /// Overwrites the state of the parameters at `offset..`; ignored for SGD (no state).
+    pub fn set_state(&mut self, offset: usize, m: &[f32], v: &[f32]) {
+        if !self.m.is_empty() {
+            self.m[offset..offset + m.len()].copy_from_slice(m);
+            self.v[offset..offset + v.len()].copy_from_slice(v);
+        }
+    }
+
+    /// Whether the optimizer keeps per-parameter state (Adam) or none (SGD).
+    pub fn has_state(&self) -> bool {
+        !self.m.is_empty()
+    }
+
     /// Bytes of optimizer state held.
     pub fn state_bytes(&self) -> u64 {
         4 * (self.m.len() + self.v.len()) as u64

@@ -10,6 +10,7 @@
 
 pub mod backend;
 pub mod block;
+pub mod checkpoint;
 pub mod collectives;
 pub mod device_actor;
 pub mod error;
@@ -19,6 +20,7 @@ pub mod flat_optimizer;
 pub mod flow_functions;
 pub mod host_tensor;
 pub mod offload;
+pub mod progress;
 pub mod proto;
 pub mod trainer;
 pub mod zoo;

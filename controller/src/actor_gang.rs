@@ -14,19 +14,24 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 use tokio::task::JoinHandle;
 
 use archipelago_actors::ActorFailure;
+use archipelago_actors::checkpoint::ShardFile;
+use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::device_actor::{
     ActorEvent, ComputationFactory, DeviceActor, DeviceActorArgs, DeviceMsg,
 };
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::Fabric;
-use archipelago_dataflow::ActorStream;
+use archipelago_dataflow::{ActorId, ActorStream, DeviceSpec};
 
 use crate::JobError;
+use crate::gang::Gang;
 
 /// Running device actors of one job.
 pub struct ActorGang {
     job: String,
     actors: Vec<ActorRef<DeviceMsg>>,
+    /// Actor id and device of each spawned actor, with what it is running.
+    ids: Vec<(ActorId, DeviceSpec, Arc<ActorProgress>)>,
     handles: Vec<JoinHandle<()>>,
     events: UnboundedReceiver<ActorEvent>,
     fabric: Arc<dyn Fabric>,
@@ -47,12 +52,15 @@ impl ActorGang {
         let mut gang = ActorGang {
             job: job.to_string(),
             actors: Vec::new(),
+            ids: Vec::new(),
             handles: Vec::new(),
             events,
             fabric,
             watchdog,
         };
         for (stream, computation) in streams.into_iter().zip(factories) {
+            let progress = Arc::new(ActorProgress::default());
+            gang.ids.push((stream.actor, stream.device, progress.clone()));
             let args = DeviceActorArgs {
                 job: job.to_string(),
                 actor: stream.actor,
@@ -61,6 +69,7 @@ impl ActorGang {
                 computation,
                 fabric: gang.fabric.clone(),
                 events: tx.clone(),
+                progress,
             };
             match Actor::spawn(None, DeviceActor, args).await {
                 Ok((actor, handle)) => {
@@ -86,10 +95,9 @@ impl ActorGang {
         Ok(gang)
     }
 
-    /// Number of actors.
-    #[allow(clippy::len_without_is_empty)]
-    pub fn len(&self) -> usize {
-        self.actors.len()
+    /// Each actor's id, device and what it is running now.
+    pub fn progress(&self) -> &[(ActorId, DeviceSpec, Arc<ActorProgress>)] {
+        &self.ids
     }
 
     /// Runs step `n` on every actor; the reports come back in actor order.
@@ -109,13 +117,18 @@ impl ActorGang {
         Ok(reports)
     }
 
-    /// Asks actor `actor` a question and waits for the answer.
+    /// Asks actor `actor` (by id) a question and waits for the answer.
     pub async fn ask<T: Send + 'static>(
         &self,
-        actor: usize,
+        actor: ActorId,
         message: impl FnOnce(ractor::RpcReplyPort<T>) -> DeviceMsg,
     ) -> Result<T, JobError> {
-        self.actors[actor]
+        let at = self
+            .ids
+            .iter()
+            .position(|(id, ..)| *id == actor)
+            .ok_or_else(|| JobError::Runtime(format!("actor {actor} is not in this gang")))?;
+        self.actors[at]
             .call(message, Some(self.watchdog))
             .await
             .map_err(|e| JobError::Runtime(format!("actor {actor} did not answer: {e}")))?
@@ -141,7 +154,7 @@ impl ActorGang {
         step: u64,
         accept: impl Fn(ActorEvent) -> Option<T>,
     ) -> Result<Vec<T>, JobError> {
-        let mut waiting: BTreeSet<usize> = (0..self.actors.len()).collect();
+        let mut waiting: BTreeSet<usize> = self.ids.iter().map(|(id, ..)| *id).collect();
         let mut out = Vec::with_capacity(self.actors.len());
         let started = Instant::now();
         while !waiting.is_empty() {
@@ -191,5 +204,61 @@ impl ActorGang {
             }
         }
         JobError::Actor(Box::new(root))
+    }
+}
+
+impl Gang for ActorGang {
+    async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
+        ActorGang::step(self, n).await
+    }
+
+    async fn block_squares(&mut self) -> Result<Vec<(usize, f64)>, JobError> {
+        let mut all = Vec::new();
+        let ids: Vec<ActorId> = self.ids.iter().map(|(id, ..)| *id).collect();
+        for id in ids {
+            all.extend(self.ask(id, DeviceMsg::BlockSquares).await?);
+        }
+        Ok(all)
+    }
+
+    async fn checkpoint(&mut self, dir: &std::path::Path, step: u64) -> Result<Vec<ShardFile>, JobError> {
+        // Every actor writes at once (each its own file); the answers come back in actor order.
+        let calls: Vec<_> = self
+            .actors
+            .iter()
+            .map(|actor| {
+                let (actor, dir, watchdog) = (actor.clone(), dir.to_path_buf(), self.watchdog);
+                tokio::spawn(async move {
+                    actor
+                        .call(|reply| DeviceMsg::Checkpoint(dir, reply), Some(watchdog))
+                        .await
+                })
+            })
+            .collect();
+        let mut files = Vec::new();
+        for (call, (id, device, _)) in calls.into_iter().zip(&self.ids) {
+            let answer = call
+                .await
+                .map_err(|e| JobError::Runtime(format!("actor {id}'s checkpoint task failed: {e}")))?
+                .map_err(|e| JobError::Runtime(format!("actor {id} did not answer: {e}")))?
+                .success_or(())
+                .map_err(|_| JobError::Runtime(format!("actor {id} did not write its checkpoint in time")))?;
+            match answer {
+                Ok(file) => files.extend(file),
+                Err(message) => {
+                    return Err(JobError::Actor(Box::new(ActorFailure {
+                        job: self.job.clone(),
+                        step,
+                        actor: *id,
+                        device: *device,
+                        index: None,
+                        instruction: format!("writing its checkpoint shard into {}", dir.display()),
+                        message,
+                        secondary: false,
+                    })));
+                }
+            }
+        }
+        Ok(files)
     }
 }

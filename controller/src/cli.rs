@@ -1,4 +1,4 @@
-//! The `archipelago` command line: `train`, `plan` and `bench`.
+//! The `archipelago` command line: `train`, `plan`, `bench`, `controller` and `host`.
 //!
 //! `train` and `plan` share one flag set, so `plan` shows exactly what `train` would run. Later
 //! parallelisms add flags here (`--pp`, `--schedule`, `--zero`, `--offload`, `--tp`,
@@ -35,6 +35,10 @@ pub enum Command {
     Plan(PlanArgs),
     /// Run the benchmarks and print JSON.
     Bench(crate::bench::BenchArgs),
+    /// Serve the controller of a cluster: hosts register here, clients submit jobs here.
+    Controller(crate::cluster::commands::ControllerArgs),
+    /// Offer this machine's devices to a controller and run its part of each job.
+    Host(crate::cluster::commands::HostArgs),
 }
 
 /// The flags that describe a job (shared by `train` and `plan`).
@@ -157,6 +161,27 @@ pub struct TrainArgs {
     /// Write a Chrome/Perfetto trace (one track per actor) of the steps to this file.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Write sharded checkpoints under this directory (every actor its own shard, the manifest
+    /// with checksums last); with several hosts it must be the same path on every host.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every this many steps (and after the last step); 0: only after the last.
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: u64,
+    /// Resume from the newest complete checkpoint under this directory, with any dp/pp/zero
+    /// layout (checkpoints go on being written there unless --checkpoint-dir says otherwise).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// With --controller: `on-failure` re-plans on the hosts left when one dies and goes on from
+    /// the last complete checkpoint; `never` stops the job.
+    #[arg(long, default_value = "never")]
+    pub restart: String,
+    /// Submit the job to this controller (`archipelago controller`) instead of running it here.
+    #[arg(long, env = "ARCHIPELAGO_CONTROLLER")]
+    pub controller: Option<String>,
+    /// File holding the cluster token (with --controller).
+    #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
 }
 
 /// Flags of `plan`.
@@ -173,8 +198,23 @@ pub struct PlanArgs {
 /// Runs `archipelago train`.
 pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
     let program = args.job.program()?;
-    let controller = crate::Controller::local(program.devices.clone());
-    let plan = controller.plan(&program)?;
+    let restart_on_failure = match args.restart.as_str() {
+        "on-failure" => true,
+        "never" => false,
+        other => anyhow::bail!("--restart takes `on-failure` or `never`, not `{other}`"),
+    };
+    let local = crate::Controller::local(program.devices.clone());
+    // Compiled here too, so a plan that cannot work is refused before anything is submitted.
+    let plan = local.plan(&program)?;
+    let controller = match &args.controller {
+        Some(addr) => {
+            let Some(token_file) = &args.token_file else {
+                anyhow::bail!("--controller needs --token-file (the cluster's token)");
+            };
+            crate::Controller::connect(addr, &crate::cluster::read_token(token_file)?)
+        }
+        None => local,
+    };
     let steps = args.job.steps;
     let batch = program.plan.batch as f64;
     let every = (steps / 10).max(1);
@@ -207,7 +247,14 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         flags: serde_json::to_value(&args.job)?,
         on_step: Some(on_step),
         trace: args.trace.clone(),
+        checkpoint_dir: args.resume.clone().or_else(|| args.checkpoint_dir.clone()),
+        checkpoint_every: args.checkpoint_every,
+        resume: args.resume.is_some(),
+        restart_on_failure,
     };
+    if args.resume.is_some() && args.checkpoint_dir.is_some() && args.checkpoint_dir != args.resume {
+        anyhow::bail!("--resume DIR writes its checkpoints into DIR; drop --checkpoint-dir or make it the same");
+    }
     let report = controller.train(&program, &options)?;
     println!(
         "done: final loss {:.4}, parameter L2 {:.6}, {:.1} samples/s{}, peak RSS {:.0} MiB",

@@ -26,6 +26,24 @@ pub enum JobError {
         /// Seconds waited.
         waited_s: f64,
     },
+    /// A host died, closed its session or went silent; the job stopped.
+    #[error("job {job}, step {step}: host `{host}` (pid {pid}, fabric {addr}) is lost: {why}; its actors: {actors}")]
+    HostLost {
+        /// The job.
+        job: String,
+        /// The step running.
+        step: u64,
+        /// The host's name.
+        host: String,
+        /// Its process id.
+        pid: u32,
+        /// Its fabric address.
+        addr: String,
+        /// How it was lost (session closed, silent for N s).
+        why: String,
+        /// Its actors and the instruction each was running when last heard of.
+        actors: String,
+    },
     /// The runtime itself failed (spawning an actor, a closed channel).
     #[error("runtime: {0}")]
     Runtime(String),

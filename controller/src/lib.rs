@@ -16,8 +16,10 @@
 //! ```
 
 mod actor_gang;
+pub mod gang;
 pub mod bench;
 pub mod cli;
+pub mod cluster;
 pub mod error;
 pub mod flow_job;
 pub mod local;

@@ -8,6 +8,8 @@ use archipelago_dataflow::DeviceSpec;
 pub struct Controller {
     pub(crate) devices: Vec<DeviceSpec>,
     pub(crate) runtime: tokio::runtime::Runtime,
+    /// A controller service to submit jobs to instead of running them here.
+    pub(crate) remote: Option<crate::cluster::client::RemoteTarget>,
 }
 
 impl Controller {
@@ -22,7 +24,22 @@ impl Controller {
             .enable_all()
             .build()
             .expect("tokio runtime");
-        Controller { devices, runtime }
+        Controller {
+            devices,
+            runtime,
+            remote: None,
+        }
+    }
+
+    /// A handle on the controller service at `addr` (`archipelago controller`), whose hosts run
+    /// the jobs; `token` is the cluster's token. Jobs are compiled and placed by that controller.
+    pub fn connect(addr: &str, token: &str) -> Controller {
+        let mut controller = Controller::local(Vec::new());
+        controller.remote = Some(crate::cluster::client::RemoteTarget {
+            addr: addr.to_string(),
+            token: token.to_string(),
+        });
+        controller
     }
 
     /// The devices this controller places actors on.

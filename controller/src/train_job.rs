@@ -1,9 +1,11 @@
 //! Training jobs on the embedded controller: compile, start the gang, drive the steps, report.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use archipelago_actors::device_actor::{ComputationFactory, DeviceMsg};
+use archipelago_actors::checkpoint::{self, CheckpointReader, MANIFEST, Manifest};
+use archipelago_actors::device_actor::ComputationFactory;
 use archipelago_actors::executor::{Computation, StepReport};
 use archipelago_actors::fabric::InProcessFabric;
 use archipelago_actors::offload::OffloadStats;
@@ -11,10 +13,11 @@ use archipelago_actors::trainer::{Placement, Trainer};
 use archipelago_actors::zoo::{ModelBuilder, ZooModel};
 use archipelago_actors::{CpuBackend, device_for};
 use archipelago_dataflow::memory::MemoryEstimate;
-use archipelago_dataflow::{Instruction, ModelSpec, Plan, PlanError, Program, compile};
+use archipelago_dataflow::{ActorId, Instruction, ModelSpec, Plan, PlanError, Program, compile};
 
 use crate::JobError;
 use crate::actor_gang::ActorGang;
+use crate::gang::Gang;
 use crate::local::{Controller, DEFAULT_PATIENCE};
 use crate::process_stats::{load_avg, peak_rss_bytes};
 use crate::replay::replay;
@@ -52,6 +55,15 @@ pub struct TrainOptions {
     pub on_step: Option<ProgressFn>,
     /// Write a Chrome/Perfetto trace of the steps here.
     pub trace: Option<std::path::PathBuf>,
+    /// Write checkpoints under this directory (`step-NNNNNNNN/`, manifest last).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every this many steps (and always after the last); 0: only after the last.
+    pub checkpoint_every: u64,
+    /// Start from the newest complete checkpoint under `checkpoint_dir` (any layout).
+    pub resume: bool,
+    /// Several hosts: when a host dies, re-plan on the hosts that remain, load the last complete
+    /// checkpoint (resharded) and go on.
+    pub restart_on_failure: bool,
 }
 
 impl Default for TrainOptions {
@@ -63,6 +75,10 @@ impl Default for TrainOptions {
             flags: serde_json::Value::Null,
             on_step: None,
             trace: None,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            resume: false,
+            restart_on_failure: false,
         }
     }
 }
@@ -80,6 +96,11 @@ impl Controller {
     /// Trains a zoo model (`program.model.name` is its spec) and reports.
     pub fn train(&self, program: &Program, options: &TrainOptions) -> Result<TrainReport, JobError> {
         let spec = ModelSpec::parse(&program.model.name)?;
+        if let Some(remote) = &self.remote {
+            return self
+                .runtime
+                .block_on(crate::cluster::client::submit(remote, program, options));
+        }
         self.train_with(program, Arc::new(ZooModel(spec)), options)
     }
 
@@ -90,6 +111,13 @@ impl Controller {
         builder: Arc<dyn ModelBuilder<CpuBackend>>,
         options: &TrainOptions,
     ) -> Result<TrainReport, JobError> {
+        if self.remote.is_some() {
+            return Err(JobError::Runtime(
+                "a remote controller trains zoo models only (hosts build the blocks from the model spec); \
+                 use Controller::train with a zoo spec, or a local controller for your own blocks"
+                    .into(),
+            ));
+        }
         let plan = self.plan(program)?;
         self.runtime.block_on(run(plan, builder, options))
     }
@@ -100,12 +128,80 @@ async fn run(
     builder: Arc<dyn ModelBuilder<CpuBackend>>,
     options: &TrainOptions,
 ) -> Result<TrainReport, JobError> {
+    check_options(&plan, options)?;
+    let (restore, first_step) = resume_point(&plan.program, options)?;
     let n = plan.actors.len();
     let fabric = Arc::new(InProcessFabric::new(n, options.patience));
-    let factories: Vec<ComputationFactory> = plan
-        .actors
+    let all: Vec<ActorId> = (0..n).collect();
+    let factories = trainer_factories(&plan, &builder, &all, restore);
+    let streams = plan.actors.iter().map(|a| a.stream.clone()).collect();
+    let watchdog = options.patience + Duration::from_secs(10);
+    let mut gang = ActorGang::start(&options.job, streams, factories, fabric, watchdog).await?;
+    let mut history = Vec::new();
+    let result = drive(&mut gang, &plan, options, first_step, &mut history).await;
+    gang.stop().await;
+    result
+}
+
+/// Refuses option combinations that cannot work, before any actor starts.
+pub(crate) fn check_options(plan: &Plan, options: &TrainOptions) -> Result<(), JobError> {
+    if options.checkpoint_dir.is_some() && plan.program.plan.offload.is_some() {
+        return Err(JobError::Runtime(
+            "checkpoints of offloaded state are not supported yet: drop --offload or --checkpoint-dir".into(),
+        ));
+    }
+    if options.resume && options.checkpoint_dir.is_none() {
+        return Err(JobError::Runtime("resuming needs the checkpoint directory (--resume DIR)".into()));
+    }
+    Ok(())
+}
+
+/// The checkpoint to start from and the first step to run (1 when starting fresh).
+pub(crate) fn resume_point(
+    program: &Program,
+    options: &TrainOptions,
+) -> Result<(Option<Arc<CheckpointReader>>, u64), JobError> {
+    let Some(root) = options.checkpoint_dir.as_ref().filter(|_| options.resume) else {
+        return Ok((None, 1));
+    };
+    let (latest, skipped) = checkpoint::latest_complete(root);
+    for why in &skipped {
+        tracing::warn!("{why}");
+        eprintln!("checkpoint {why}");
+    }
+    let Some((dir, manifest)) = latest else {
+        return Err(JobError::Runtime(format!(
+            "no complete checkpoint under {} to resume from{}",
+            root.display(),
+            if skipped.is_empty() { String::new() } else { format!(" ({})", skipped.join("; ")) }
+        )));
+    };
+    if manifest.model != program.model.name || manifest.seed != program.seed {
+        return Err(JobError::Runtime(format!(
+            "the checkpoint in {} is of model `{}` seed {}, this job trains `{}` seed {}",
+            dir.display(),
+            manifest.model,
+            manifest.seed,
+            program.model.name,
+            program.seed
+        )));
+    }
+    let reader = CheckpointReader::open(&dir).map_err(JobError::Runtime)?;
+    Ok((Some(Arc::new(reader)), manifest.next_step))
+}
+
+/// One computation factory per actor in `actors`: each builds the actor's trainer on its device
+/// and, when `restore` is given, loads its state from that checkpoint.
+pub(crate) fn trainer_factories(
+    plan: &Plan,
+    builder: &Arc<dyn ModelBuilder<CpuBackend>>,
+    actors: &[ActorId],
+    restore: Option<Arc<CheckpointReader>>,
+) -> Vec<ComputationFactory> {
+    actors
         .iter()
-        .map(|a| {
+        .map(|&id| {
+            let a = &plan.actors[id];
             let placement = Placement {
                 chunks: a.chunks.clone(),
                 segments: plan
@@ -117,38 +213,70 @@ async fn run(
                 replica: a.replica,
                 replicas: plan.program.plan.dp,
             };
-            let (program, builder, actor, device) =
-                (plan.program.clone(), builder.clone(), a.actor, a.device);
+            let (program, builder, actor, device, restore) =
+                (plan.program.clone(), builder.clone(), a.actor, a.device, restore.clone());
             Box::new(move || {
                 let device = device_for(device)?;
-                let trainer = Trainer::<CpuBackend>::new(&program, builder, actor, device, &placement)?;
+                let mut trainer = Trainer::<CpuBackend>::new(&program, builder, actor, device, &placement)?;
+                if let Some(checkpoint) = restore {
+                    trainer.restore(&checkpoint)?;
+                }
                 Ok(Box::new(trainer) as Box<dyn Computation>)
             }) as ComputationFactory
         })
-        .collect();
-    let streams = plan.actors.iter().map(|a| a.stream.clone()).collect();
-    let watchdog = options.patience + Duration::from_secs(10);
-    let mut gang = ActorGang::start(&options.job, streams, factories, fabric, watchdog).await?;
-    let result = drive(&mut gang, &plan, options).await;
-    gang.stop().await;
-    result
+        .collect()
 }
 
-async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Result<TrainReport, JobError> {
-    let mut steps = Vec::new();
+/// Every actor writes its shard after `step`; then the manifest, which completes the checkpoint.
+async fn save_checkpoint<G: Gang>(
+    gang: &mut G,
+    plan: &Plan,
+    options: &TrainOptions,
+    root: &std::path::Path,
+    step: u64,
+) -> Result<(), JobError> {
+    let dir = checkpoint::step_dir(root, step);
+    // A checkpoint of this step from before a restart is incomplete from the moment its shards
+    // start to change.
+    let _ = std::fs::remove_file(dir.join(MANIFEST));
+    let files = gang.checkpoint(&dir, step).await?;
+    let program = &plan.program;
+    let manifest = Manifest {
+        job: options.job.clone(),
+        step,
+        next_step: step + 1,
+        model: program.model.name.clone(),
+        seed: program.seed,
+        layout: serde_json::to_value(&program.plan).unwrap_or_default(),
+        files,
+    };
+    checkpoint::write_manifest(&dir, &manifest).map_err(JobError::Runtime)
+}
+
+/// Runs steps `first_step..=options.steps` on `gang`, checkpointing as asked; `steps` keeps the
+/// step records (across restarts: records from `first_step` on are replaced).
+pub(crate) async fn drive<G: Gang>(
+    gang: &mut G,
+    plan: &Plan,
+    options: &TrainOptions,
+    first_step: u64,
+    steps: &mut Vec<StepRecord>,
+) -> Result<TrainReport, JobError> {
+    steps.retain(|s| s.step < first_step);
+    let n = plan.actors.len();
     let mut last: Vec<StepReport> = Vec::new();
-    let mut per_actor_compute: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
-    let mut per_actor_wait: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
-    let mut peaks = vec![0u64; gang.len()];
-    let mut peak_held = vec![0usize; gang.len()];
-    let mut per_actor_bubble: Vec<Vec<f64>> = vec![Vec::new(); gang.len()];
+    let mut per_actor_compute: Vec<Vec<f64>> = vec![Vec::new(); n];
+    let mut per_actor_wait: Vec<Vec<f64>> = vec![Vec::new(); n];
+    let mut peaks = vec![0u64; n];
+    let mut peak_held = vec![0usize; n];
+    let mut per_actor_bubble: Vec<Vec<f64>> = vec![Vec::new(); n];
     let mut trace = options.trace.as_ref().map(|_| TraceRecorder::new());
     let mut per_instruction: Vec<Vec<Vec<f64>>> = plan
         .actors
         .iter()
         .map(|a| vec![Vec::new(); a.stream.instructions.len()])
         .collect();
-    for step in 1..=options.steps {
+    for step in first_step..=options.steps {
         let began = Instant::now();
         let reports = gang.step(step).await?;
         let time_s = began.elapsed().as_secs_f64();
@@ -166,7 +294,7 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
             let (compute, wait) = split_time(&plan.actors[r.actor].stream.instructions, r);
             per_actor_compute[r.actor].push(compute);
             per_actor_wait[r.actor].push(wait);
-            if step > 1 || options.steps == 1 {
+            if step > first_step || options.steps == first_step {
                 per_actor_bubble[r.actor].push(1.0 - compute / span.max(1e-12));
             }
             peaks[r.actor] = peaks[r.actor].max(r.metrics.peak_model_state_bytes);
@@ -188,6 +316,12 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
             });
         }
         last = reports;
+        if let Some(root) = &options.checkpoint_dir {
+            let every = options.checkpoint_every;
+            if (every > 0 && step.is_multiple_of(every)) || step == options.steps {
+                save_checkpoint(gang, plan, options, root, step).await?;
+            }
+        }
     }
     let instruction_medians: Vec<Vec<f64>> = per_instruction
         .iter_mut()
@@ -201,11 +335,8 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
             .map_err(|e| JobError::Runtime(format!("cannot write the trace to {}: {e}", path.display())))?;
     }
     let mut squares = vec![0.0f64; plan.program.model.blocks.len()];
-    for a in &plan.actors {
-        let held: Vec<(usize, f64)> = gang.ask(a.actor, DeviceMsg::BlockSquares).await?;
-        for (block, sq) in held {
-            squares[block] += sq;
-        }
+    for (block, sq) in gang.block_squares().await? {
+        squares[block] += sq;
     }
     let mut times: Vec<f64> = steps
         .iter()
@@ -225,7 +356,7 @@ async fn drive(gang: &mut ActorGang, plan: &Plan, options: &TrainOptions) -> Res
         plan: options.flags.clone(),
         params: program.model.params(),
         final_loss: steps.last().map_or(f32::NAN, |s| s.loss),
-        steps,
+        steps: steps.clone(),
         param_l2: squares.iter().sum::<f64>().sqrt(),
         block_l2: squares.iter().map(|s| s.sqrt()).collect(),
         actors: last

@@ -27,7 +27,7 @@ pub mod store;
 pub use store::{HostStore, SegmentState, StateStore, TierStats};
 
 /// What an offload actor holds and did, for the step report.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct OffloadStats {
     /// The tier's figures.
     pub tier: TierStats,

@@ -39,7 +39,7 @@ pub trait StateStore: Send {
 }
 
 /// Bytes a tier holds and moves, and the time it took.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TierStats {
     /// Host memory held at the peak.
     pub host_bytes: u64,

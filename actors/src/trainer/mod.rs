@@ -38,6 +38,7 @@ use crate::zoo::{BuildContext, ModelBuilder};
 use data::{Batch, Samples, samples};
 pub use zero::Sharding;
 
+mod checkpoint;
 mod data;
 mod offload;
 mod passes;
@@ -386,6 +387,10 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             .filter(|&i| self.held_blocks[i])
             .map(|i| (i, Trainer::block_params(self, i).to_vec()))
             .collect()
+    }
+
+    fn save_state(&self) -> Result<Option<crate::checkpoint::ShardState>, String> {
+        self.checkpoint_state()
     }
 
     fn block_squares(&self) -> Vec<(usize, f64)> {

@@ -1,0 +1,106 @@
+//! The `controller` and `host` subcommands of the `archipelago` binary. Addresses and the token
+//! file can come from the environment (`ARCHIPELAGO_CONTROLLER`, `ARCHIPELAGO_TOKEN_FILE`), so a
+//! Slurm or Kubernetes launcher sets them once for every node.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use archipelago_dataflow::DeviceSpec;
+
+use super::host_agent::{HostOptions, run_host};
+use super::read_token;
+use super::service::{ClusterConfig, serve_controller};
+
+/// Flags of `archipelago controller`.
+#[derive(Debug, Args)]
+pub struct ControllerArgs {
+    /// Address to listen on (hosts and clients connect here).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: String,
+    /// File holding the cluster token every host and client must present.
+    #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
+    pub token_file: PathBuf,
+    /// Seconds of silence after which a host is declared lost.
+    #[arg(long, default_value_t = 5.0)]
+    pub host_timeout_s: f64,
+    /// Seconds a job waits for enough devices to register.
+    #[arg(long, default_value_t = 60.0)]
+    pub wait_for_hosts_s: f64,
+}
+
+/// Flags of `archipelago host`.
+#[derive(Debug, Args)]
+pub struct HostArgs {
+    /// The controller's address.
+    #[arg(long, env = "ARCHIPELAGO_CONTROLLER")]
+    pub controller: String,
+    /// File holding the cluster token.
+    #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
+    pub token_file: PathBuf,
+    /// Devices this host offers, e.g. `cpu:0,cpu:1`.
+    #[arg(long, default_value = "cpu:0")]
+    pub devices: String,
+    /// The island this host belongs to (devices with a fast interconnect among them).
+    #[arg(long, default_value = "default")]
+    pub island: String,
+    /// Memory per device in bytes (plans that do not fit are refused before launch).
+    #[arg(long)]
+    pub memory: Option<u64>,
+    /// This host's name (default: `host-<pid>`).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Where this host's fabric listens for tensors from other hosts.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub fabric_listen: String,
+    /// Milliseconds between heartbeats.
+    #[arg(long, default_value_t = 1000)]
+    pub heartbeat_ms: u64,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// Runs `archipelago controller` until it is killed.
+pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
+    let token = read_token(&args.token_file)?;
+    let config = ClusterConfig {
+        host_timeout: Duration::from_secs_f64(args.host_timeout_s),
+        wait_for_hosts: Duration::from_secs_f64(args.wait_for_hosts_s),
+    };
+    runtime()?.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
+        let (addr, _registry) = serve_controller(listener, &token, config)?;
+        println!("controller listening on {addr}");
+        std::future::pending::<()>().await;
+        Ok(())
+    })
+}
+
+/// Runs `archipelago host` until the controller ends its session.
+pub fn host(args: &HostArgs) -> anyhow::Result<()> {
+    let devices = args
+        .devices
+        .split(',')
+        .map(|d| d.trim().parse::<DeviceSpec>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let options = HostOptions {
+        controller: args.controller.clone(),
+        token: read_token(&args.token_file)?,
+        name: args.name.clone().unwrap_or_else(|| format!("host-{}", std::process::id())),
+        island: args.island.clone(),
+        devices,
+        memory: args.memory,
+        fabric_listen: args.fabric_listen.clone(),
+        heartbeat: Duration::from_millis(args.heartbeat_ms),
+        connect_timeout: Duration::from_secs(30),
+    };
+    runtime()?.block_on(run_host(options))
+}

@@ -1,0 +1,280 @@
+//! `archipelago host`: one per machine. It serves its fabric, registers its devices with the
+//! controller on a `Session`, sends heartbeats carrying what each of its actors is running, and
+//! on `Launch` starts its part of the job's actors (the same trainers as a local job, over a
+//! gRPC fabric to the other hosts), then runs `Step`s and answers `Ask`s until `Stop`.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::Endpoint;
+
+use archipelago_actors::checkpoint::CheckpointReader;
+use archipelago_actors::fabric::InProcessFabric;
+use archipelago_actors::fabric::grpc::{GrpcFabric, Inbox, serve_fabric, with_token};
+use archipelago_actors::proto::controller_client::ControllerClient;
+use archipelago_actors::proto::{
+    ActorState, Answer, Ask, ControllerMessage, Failure, Heartbeat, HostMessage, Launch, Ready, Register,
+    StepDone, controller_message, host_message,
+};
+use archipelago_actors::progress::ActorProgress;
+use archipelago_actors::zoo::ZooModel;
+use archipelago_dataflow::{ActorId, DeviceSpec, ModelSpec, Plan};
+
+use crate::JobError;
+use crate::actor_gang::ActorGang;
+use crate::gang::Gang;
+use crate::train_job::trainer_factories;
+
+/// How a host joins the cluster.
+#[derive(Debug, Clone)]
+pub struct HostOptions {
+    /// The controller's address (`host:port`).
+    pub controller: String,
+    /// The cluster token.
+    pub token: String,
+    /// This host's name.
+    pub name: String,
+    /// Its island.
+    pub island: String,
+    /// The devices it offers.
+    pub devices: Vec<DeviceSpec>,
+    /// Memory per device in bytes, when known.
+    pub memory: Option<u64>,
+    /// Where its fabric listens (`127.0.0.1:0` picks a free port).
+    pub fabric_listen: String,
+    /// Heartbeat interval.
+    pub heartbeat: Duration,
+    /// How long to keep trying to reach the controller.
+    pub connect_timeout: Duration,
+}
+
+type Progress = Arc<Mutex<Vec<(ActorId, Arc<ActorProgress>)>>>;
+
+struct LocalJob {
+    name: String,
+    gang: ActorGang,
+}
+
+/// Runs the host until the controller ends its session (an error) or refuses it.
+pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(&options.fabric_listen)
+        .await
+        .with_context(|| format!("cannot listen for the fabric on {}", options.fabric_listen))?;
+    let inbox = Inbox::default();
+    let fabric_addr = serve_fabric(listener, inbox.clone(), &options.token)?.to_string();
+    let channel = connect(&options.controller, options.connect_timeout).await?;
+    let mut client = ControllerClient::new(channel);
+    let (to_controller, outgoing) = unbounded_channel::<HostMessage>();
+    let send = |tx: &UnboundedSender<HostMessage>, kind: host_message::Kind| {
+        let _ = tx.send(HostMessage { kind: Some(kind) });
+    };
+    send(
+        &to_controller,
+        host_message::Kind::Register(Register {
+            name: options.name.clone(),
+            island: options.island.clone(),
+            devices: options.devices.iter().map(|d| d.to_string()).collect(),
+            device_memory: options.memory.unwrap_or(0),
+            fabric_addr: fabric_addr.clone(),
+            pid: std::process::id(),
+        }),
+    );
+    let request = with_token(&options.token, UnboundedReceiverStream::new(outgoing))?;
+    let mut incoming = match client.session(request).await {
+        Ok(response) => response.into_inner(),
+        Err(status) if status.code() == tonic::Code::Unauthenticated => {
+            bail!("the controller at {} refused this host: {}", options.controller, status.message())
+        }
+        Err(status) => bail!("the controller at {} refused the session: {}", options.controller, status.message()),
+    };
+    match incoming.message().await? {
+        Some(ControllerMessage {
+            kind: Some(controller_message::Kind::Accepted(a)),
+        }) => {
+            tracing::info!(host = a.host, "registered with the controller");
+            println!(
+                "host `{}` registered with the controller at {} (fabric {fabric_addr}, devices {})",
+                options.name,
+                options.controller,
+                options.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")
+            );
+        }
+        other => bail!("the controller answered the registration with {other:?}"),
+    }
+    let progress: Progress = Arc::default();
+    spawn_heartbeats(to_controller.clone(), progress.clone(), options.heartbeat);
+    let mut job: Option<LocalJob> = None;
+    let result = loop {
+        let message = match incoming.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => break Err(anyhow::anyhow!("the controller closed the session")),
+            Err(e) => break Err(anyhow::anyhow!("the session with the controller broke: {}", e.message())),
+        };
+        let Some(kind) = message.kind else { continue };
+        match kind {
+            controller_message::Kind::Launch(launch) => {
+                if let Some(mut old) = job.take() {
+                    old.gang.stop().await;
+                }
+                let name = launch.job.clone();
+                match start_job(launch, &inbox, &fabric_addr, &options.token).await {
+                    Ok(gang) => {
+                        *progress.lock().expect("progress") =
+                            gang.progress().iter().map(|(a, _, p)| (*a, p.clone())).collect();
+                        job = Some(LocalJob {
+                            name: name.clone(),
+                            gang,
+                        });
+                        send(&to_controller, host_message::Kind::Ready(Ready { job: name }));
+                    }
+                    Err(e) => send(&to_controller, failure(&name, &e)),
+                }
+            }
+            controller_message::Kind::Step(step) => {
+                let Some(j) = job.as_mut().filter(|j| j.name == step.job) else {
+                    send(&to_controller, failure(&step.job, &JobError::Runtime("no such job here".into())));
+                    continue;
+                };
+                match j.gang.step(step.step).await {
+                    Ok(reports) => {
+                        let reports = serde_json::to_vec(&reports)?;
+                        send(
+                            &to_controller,
+                            host_message::Kind::StepDone(StepDone {
+                                job: step.job,
+                                step: step.step,
+                                reports: reports.into(),
+                            }),
+                        );
+                    }
+                    Err(e) => send(&to_controller, failure(&step.job, &e)),
+                }
+            }
+            controller_message::Kind::Ask(ask) => {
+                let Some(j) = job.as_mut().filter(|j| j.name == ask.job) else {
+                    send(&to_controller, failure(&ask.job, &JobError::Runtime("no such job here".into())));
+                    continue;
+                };
+                match answer(&mut j.gang, &ask).await {
+                    Ok(body) => send(
+                        &to_controller,
+                        host_message::Kind::Answer(Answer {
+                            job: ask.job,
+                            id: ask.id,
+                            body: body.into(),
+                        }),
+                    ),
+                    Err(e) => send(&to_controller, failure(&ask.job, &e)),
+                }
+            }
+            controller_message::Kind::Stop(stop) => {
+                if let Some(mut j) = job.take_if(|j| j.name == stop.job) {
+                    j.gang.stop().await;
+                    inbox.install(None);
+                    progress.lock().expect("progress").clear();
+                }
+            }
+            controller_message::Kind::Accepted(_) => {}
+        }
+    };
+    if let Some(mut j) = job.take() {
+        j.gang.stop().await;
+    }
+    result
+}
+
+/// Connects to the controller, retrying until `timeout` (hosts may start before it).
+async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<tonic::transport::Channel> {
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .with_context(|| format!("bad controller address {addr}"))?
+        .tcp_nodelay(true);
+    let deadline = Instant::now() + timeout;
+    loop {
+        match endpoint.connect().await {
+            Ok(channel) => return Ok(channel),
+            Err(e) if Instant::now() >= deadline => {
+                bail!("cannot reach the controller at {addr} after {timeout:?}: {e}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+fn spawn_heartbeats(to_controller: UnboundedSender<HostMessage>, progress: Progress, every: Duration) {
+    tokio::spawn(async move {
+        loop {
+            let actors = progress
+                .lock()
+                .expect("progress")
+                .iter()
+                .map(|(actor, p)| {
+                    let (step, index) = p.get();
+                    ActorState {
+                        actor: *actor as u32,
+                        step,
+                        index: index.map_or(-1, |i| i as i64),
+                    }
+                })
+                .collect();
+            let unix_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            let beat = HostMessage {
+                kind: Some(host_message::Kind::Heartbeat(Heartbeat { unix_ms, actors })),
+            };
+            if to_controller.send(beat).is_err() {
+                return;
+            }
+            tokio::time::sleep(every).await;
+        }
+    });
+}
+
+async fn start_job(launch: Launch, inbox: &Inbox, here: &str, token: &str) -> Result<ActorGang, JobError> {
+    let plan: Plan = serde_json::from_slice(&launch.plan)
+        .map_err(|e| JobError::Runtime(format!("unreadable plan: {e}")))?;
+    let patience = Duration::from_millis(launch.patience_ms);
+    let local = Arc::new(InProcessFabric::new(plan.actors.len(), patience));
+    inbox.install(Some(local.clone()));
+    let fabric = GrpcFabric::connect(&launch.actor_addrs, here, local, token)
+        .await
+        .map_err(JobError::Runtime)?;
+    let restore = if launch.restore.is_empty() {
+        None
+    } else {
+        let reader = CheckpointReader::open(std::path::Path::new(&launch.restore)).map_err(JobError::Runtime)?;
+        Some(Arc::new(reader))
+    };
+    let spec = ModelSpec::parse(&plan.program.model.name)?;
+    let builder: Arc<dyn archipelago_actors::zoo::ModelBuilder<archipelago_actors::CpuBackend>> =
+        Arc::new(ZooModel(spec));
+    let actors: Vec<ActorId> = launch.actors.iter().map(|&a| a as ActorId).collect();
+    let factories = trainer_factories(&plan, &builder, &actors, restore);
+    let streams = actors.iter().map(|&a| plan.actors[a].stream.clone()).collect();
+    let watchdog = patience + Duration::from_secs(10);
+    ActorGang::start(&launch.job, streams, factories, Arc::new(fabric), watchdog).await
+}
+
+async fn answer(gang: &mut ActorGang, ask: &Ask) -> Result<Vec<u8>, JobError> {
+    let json = match ask.what.as_str() {
+        "block_squares" => serde_json::to_vec(&gang.block_squares().await?),
+        "checkpoint" => serde_json::to_vec(&gang.checkpoint(std::path::Path::new(&ask.path), ask.step).await?),
+        other => return Err(JobError::Runtime(format!("unknown question `{other}`"))),
+    };
+    json.map_err(|e| JobError::Runtime(e.to_string()))
+}
+
+fn failure(job: &str, error: &JobError) -> host_message::Kind {
+    let actor_failure = match error {
+        JobError::Actor(f) => serde_json::to_vec(f).unwrap_or_default(),
+        _ => Vec::new(),
+    };
+    host_message::Kind::Failure(Failure {
+        job: job.to_string(),
+        message: error.to_string(),
+        actor_failure: actor_failure.into(),
+    })
+}

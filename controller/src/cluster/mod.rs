@@ -1,0 +1,25 @@
+//! Several hosts: the controller service, the host agent, and the client that submits jobs.
+//!
+//! - [`service`]: `archipelago controller` — the registry of hosts and the job runner;
+//! - [`host_agent`]: `archipelago host` — one per machine, runs its part of each job;
+//! - [`client`]: `Controller::connect` / `archipelago train --controller`;
+//! - [`remote_gang`], [`remote_job`]: placement, dispatch, loss detection and restarts.
+
+pub mod client;
+pub mod commands;
+pub mod host_agent;
+pub mod registry;
+pub mod remote_gang;
+pub mod remote_job;
+pub mod service;
+
+/// Reads the cluster token from `path` (surrounding whitespace trimmed; must not be empty).
+pub fn read_token(path: &std::path::Path) -> anyhow::Result<String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read the token file {}: {e}", path.display()))?;
+    let token = text.trim().to_string();
+    if token.is_empty() {
+        anyhow::bail!("the token file {} is empty", path.display());
+    }
+    Ok(token)
+}

@@ -1,0 +1,186 @@
+//! The controller's registry of hosts: who offers which devices, when each was last heard of,
+//! what its actors were running, and the channel to its session. The running job subscribes to
+//! the hosts' messages and to their loss (session closed, or silent past the host timeout).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+use tonic::Status;
+
+use archipelago_actors::proto::{ActorState, ControllerMessage, controller_message, host_message};
+use archipelago_dataflow::DeviceSpec;
+
+/// A registered host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostInfo {
+    /// Registry id.
+    pub id: u32,
+    /// Its name (unique among live hosts).
+    pub name: String,
+    /// Its island (devices with a fast interconnect among them).
+    pub island: String,
+    /// Its devices.
+    pub devices: Vec<DeviceSpec>,
+    /// Memory per device in bytes (0: not given).
+    pub device_memory: u64,
+    /// Where its fabric listens.
+    pub fabric_addr: String,
+    /// Its process id.
+    pub pid: u32,
+}
+
+/// What the running job hears from the hosts.
+#[derive(Debug)]
+pub enum HostEvent {
+    /// A message of a host's session.
+    Message(u32, host_message::Kind),
+    /// A host is lost: its info, why, and its actors' last known states.
+    Gone(HostInfo, String, Vec<ActorState>),
+}
+
+struct HostEntry {
+    info: HostInfo,
+    to_host: UnboundedSender<Result<ControllerMessage, Status>>,
+    last_seen: Instant,
+    actors: Vec<ActorState>,
+}
+
+#[derive(Default)]
+struct Inner {
+    hosts: BTreeMap<u32, HostEntry>,
+    next_id: u32,
+    job: Option<UnboundedSender<HostEvent>>,
+}
+
+/// The hosts of the cluster.
+#[derive(Default)]
+pub struct Registry {
+    inner: Mutex<Inner>,
+    changed: Notify,
+}
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adds a host (a new registration under a live host's name is refused).
+    pub fn register(
+        &self,
+        mut info: HostInfo,
+        to_host: UnboundedSender<Result<ControllerMessage, Status>>,
+    ) -> Result<u32, String> {
+        let mut inner = self.lock();
+        if inner.hosts.values().any(|h| h.info.name == info.name) {
+            return Err(format!(
+                "a live host is already registered as `{}`; give each host its own --name",
+                info.name
+            ));
+        }
+        inner.next_id += 1;
+        let id = inner.next_id;
+        info.id = id;
+        tracing::info!(host = %info.name, island = %info.island, devices = ?info.devices, "host registered");
+        inner.hosts.insert(
+            id,
+            HostEntry {
+                info,
+                to_host,
+                last_seen: Instant::now(),
+                actors: Vec::new(),
+            },
+        );
+        drop(inner);
+        self.changed.notify_waiters();
+        Ok(id)
+    }
+
+    /// Records a heartbeat.
+    pub fn heartbeat(&self, id: u32, actors: Vec<ActorState>) {
+        if let Some(h) = self.lock().hosts.get_mut(&id) {
+            h.last_seen = Instant::now();
+            h.actors = actors;
+        }
+    }
+
+    /// Passes a host's message to the running job (any message also counts as a sign of life).
+    pub fn forward(&self, id: u32, kind: host_message::Kind) {
+        let mut inner = self.lock();
+        if let Some(h) = inner.hosts.get_mut(&id) {
+            h.last_seen = Instant::now();
+        }
+        if let Some(job) = &inner.job {
+            let _ = job.send(HostEvent::Message(id, kind));
+        }
+    }
+
+    /// Removes a lost host (closing its session) and tells the running job.
+    pub fn gone(&self, id: u32, why: &str) {
+        let mut inner = self.lock();
+        let Some(h) = inner.hosts.remove(&id) else {
+            return;
+        };
+        tracing::error!(host = %h.info.name, "host lost: {why}");
+        if let Some(job) = &inner.job {
+            let _ = job.send(HostEvent::Gone(h.info, why.to_string(), h.actors));
+        }
+        drop(inner);
+        self.changed.notify_waiters();
+    }
+
+    /// Declares lost every host silent for longer than `timeout`.
+    pub fn expire(&self, timeout: Duration) {
+        let silent: Vec<(u32, f64)> = self
+            .lock()
+            .hosts
+            .iter()
+            .filter(|(_, h)| h.last_seen.elapsed() > timeout)
+            .map(|(&id, h)| (id, h.last_seen.elapsed().as_secs_f64()))
+            .collect();
+        for (id, s) in silent {
+            self.gone(id, &format!("silent for {s:.1} s (no heartbeat; the host timeout is {timeout:?})"));
+        }
+    }
+
+    /// The live hosts, ordered by island, then registration.
+    pub fn hosts(&self) -> Vec<HostInfo> {
+        let mut hosts: Vec<HostInfo> = self.lock().hosts.values().map(|h| h.info.clone()).collect();
+        hosts.sort_by(|a, b| (&a.island, a.id).cmp(&(&b.island, b.id)));
+        hosts
+    }
+
+    /// Sends a message to a host's session.
+    pub fn send(&self, id: u32, kind: controller_message::Kind) -> Result<(), String> {
+        let inner = self.lock();
+        let h = inner.hosts.get(&id).ok_or_else(|| format!("host {id} is gone"))?;
+        h.to_host
+            .send(Ok(ControllerMessage { kind: Some(kind) }))
+            .map_err(|_| format!("the session of host `{}` is closed", h.info.name))
+    }
+
+    /// Routes the hosts' messages and losses to the caller (the one running job) from now on.
+    pub fn subscribe(&self) -> UnboundedReceiver<HostEvent> {
+        let (tx, rx) = unbounded_channel();
+        self.lock().job = Some(tx);
+        rx
+    }
+
+    /// Waits until the live hosts offer at least `devices` devices, or `timeout` passes; returns
+    /// the hosts then live.
+    pub async fn wait_for_devices(&self, devices: usize, timeout: Duration) -> Vec<HostInfo> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let notified = self.changed.notified();
+            let hosts = self.hosts();
+            let offered: usize = hosts.iter().map(|h| h.devices.len()).sum();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if offered >= devices || left.is_zero() {
+                return hosts;
+            }
+            let _ = tokio::time::timeout(left.min(Duration::from_millis(500)), notified).await;
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! The actors of a job spread over hosts, driven from the controller through the hosts' sessions:
+//! `Launch` to every host at once, `Step` to every host at once and one `StepDone` from each
+//! (Pathways-style parallel dispatch), questions as `Ask`/`Answer`. A lost host ends the step
+//! with a report naming the host, its actors and the instruction each was running.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use archipelago_actors::ActorFailure;
+use archipelago_actors::checkpoint::ShardFile;
+use archipelago_actors::executor::StepReport;
+use archipelago_actors::proto::{ActorState, Ask, Launch, Step, Stop, controller_message, host_message};
+use archipelago_dataflow::{ActorId, Plan};
+
+use super::registry::{HostEvent, HostInfo, Registry};
+use crate::JobError;
+use crate::gang::Gang;
+
+/// A job's actors on several hosts.
+pub struct RemoteGang {
+    job: String,
+    registry: Arc<Registry>,
+    /// The job's hosts with their actors.
+    hosts: BTreeMap<u32, (HostInfo, Vec<ActorId>)>,
+    events: UnboundedReceiver<HostEvent>,
+    /// Device and instruction labels of every actor (for loss reports).
+    labels: Vec<(String, Vec<String>)>,
+    watchdog: Duration,
+    /// How long a secondary failure waits for the loss of a host that explains it.
+    grace: Duration,
+    next_ask: u64,
+    step: u64,
+}
+
+impl RemoteGang {
+    /// Sends every host its part of `plan` (`placement[a]` is actor `a`'s host) and waits until
+    /// all actors have built their computations. `restore` is a checkpoint directory to load.
+    pub async fn launch(
+        job: &str,
+        registry: Arc<Registry>,
+        plan: &Plan,
+        placement: &[HostInfo],
+        restore: Option<&Path>,
+        patience: Duration,
+        grace: Duration,
+    ) -> Result<RemoteGang, JobError> {
+        let events = registry.subscribe();
+        let mut hosts: BTreeMap<u32, (HostInfo, Vec<ActorId>)> = BTreeMap::new();
+        for (actor, host) in placement.iter().enumerate() {
+            hosts.entry(host.id).or_insert_with(|| (host.clone(), Vec::new())).1.push(actor);
+        }
+        let labels = plan
+            .actors
+            .iter()
+            .map(|a| {
+                let instructions = a.stream.instructions.iter().map(|i| i.to_string()).collect();
+                (a.device.to_string(), instructions)
+            })
+            .collect();
+        let mut gang = RemoteGang {
+            job: job.to_string(),
+            registry,
+            hosts,
+            events,
+            labels,
+            watchdog: patience + Duration::from_secs(10),
+            grace,
+            next_ask: 0,
+            step: 0,
+        };
+        let plan_json = serde_json::to_vec(plan).map_err(|e| JobError::Runtime(e.to_string()))?;
+        let actor_addrs: Vec<String> = placement.iter().map(|h| h.fabric_addr.clone()).collect();
+        for (&id, (_, actors)) in &gang.hosts {
+            let launch = Launch {
+                job: job.to_string(),
+                plan: plan_json.clone().into(),
+                actors: actors.iter().map(|&a| a as u32).collect(),
+                actor_addrs: actor_addrs.clone(),
+                patience_ms: patience.as_millis() as u64,
+                restore: restore.map(|p| p.display().to_string()).unwrap_or_default(),
+            };
+            gang.registry
+                .send(id, controller_message::Kind::Launch(launch))
+                .map_err(JobError::Runtime)?;
+        }
+        if let Err(e) = gang
+            .collect(|kind| matches!(kind, host_message::Kind::Ready(_)).then_some(()))
+            .await
+        {
+            gang.stop();
+            return Err(e);
+        }
+        Ok(gang)
+    }
+
+    /// Tells every host still there to stop the job's actors.
+    pub fn stop(&mut self) {
+        for &id in self.hosts.keys() {
+            let stop = Stop {
+                job: self.job.clone(),
+                reason: "the job ended".into(),
+            };
+            let _ = self.registry.send(id, controller_message::Kind::Stop(stop));
+        }
+    }
+
+    fn send_all(&self, kind: impl Fn() -> controller_message::Kind) -> Result<(), JobError> {
+        for &id in self.hosts.keys() {
+            self.registry.send(id, kind()).map_err(JobError::Runtime)?;
+        }
+        Ok(())
+    }
+
+    async fn ask_all<T: serde::de::DeserializeOwned>(
+        &mut self,
+        what: &str,
+        path: &str,
+        step: u64,
+    ) -> Result<Vec<T>, JobError> {
+        self.next_ask += 1;
+        let id = self.next_ask;
+        let job = self.job.clone();
+        self.send_all(|| {
+            controller_message::Kind::Ask(Ask {
+                job: job.clone(),
+                id,
+                what: what.to_string(),
+                path: path.to_string(),
+                step,
+            })
+        })?;
+        let answers = self
+            .collect(|kind| match kind {
+                host_message::Kind::Answer(a) if a.id == id => Some(a.body),
+                _ => None,
+            })
+            .await?;
+        let mut out = Vec::new();
+        for body in answers {
+            let part: Vec<T> = serde_json::from_slice(&body)
+                .map_err(|e| JobError::Runtime(format!("unreadable answer to `{what}`: {e}")))?;
+            out.extend(part);
+        }
+        Ok(out)
+    }
+
+    /// Waits for one accepted message from every host of the job; fails on a failure, a lost
+    /// host or silence past the watchdog.
+    async fn collect<T>(&mut self, accept: impl Fn(host_message::Kind) -> Option<T>) -> Result<Vec<T>, JobError> {
+        let mut waiting: BTreeSet<u32> = self.hosts.keys().copied().collect();
+        let mut out = Vec::with_capacity(waiting.len());
+        let started = Instant::now();
+        while !waiting.is_empty() {
+            let event = match tokio::time::timeout(self.watchdog, self.events.recv()).await {
+                Ok(Some(event)) => event,
+                Ok(None) => return Err(JobError::Runtime("the registry closed".into())),
+                Err(_) => {
+                    let silent: Vec<usize> = waiting
+                        .iter()
+                        .flat_map(|h| self.hosts[h].1.iter().copied())
+                        .collect();
+                    return Err(JobError::Hang {
+                        job: self.job.clone(),
+                        step: self.step,
+                        silent,
+                        waited_s: started.elapsed().as_secs_f64(),
+                    });
+                }
+            };
+            match event {
+                HostEvent::Gone(info, why, states) => {
+                    if self.hosts.contains_key(&info.id) {
+                        return Err(self.lost(&info, &why, &states));
+                    }
+                }
+                HostEvent::Message(host, host_message::Kind::Failure(f)) => {
+                    if !self.hosts.contains_key(&host) {
+                        continue;
+                    }
+                    let failure: Option<ActorFailure> = serde_json::from_slice(&f.actor_failure).ok();
+                    let secondary = failure.as_ref().is_none_or(|f| f.secondary);
+                    let error = match failure {
+                        Some(f) => JobError::Actor(Box::new(f)),
+                        None => JobError::Runtime(f.message),
+                    };
+                    // A peer that stopped because a host vanished: report the vanished host.
+                    if secondary && let Some(lost) = self.wait_for_loss().await {
+                        return Err(lost);
+                    }
+                    return Err(error);
+                }
+                HostEvent::Message(host, kind) => {
+                    if !waiting.contains(&host) {
+                        continue;
+                    }
+                    if let Some(v) = accept(kind) {
+                        waiting.remove(&host);
+                        out.push(v);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn wait_for_loss(&mut self) -> Option<JobError> {
+        let deadline = Instant::now() + self.grace;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.events.recv()).await {
+                Ok(Some(HostEvent::Gone(info, why, states))) if self.hosts.contains_key(&info.id) => {
+                    return Some(self.lost(&info, &why, &states));
+                }
+                Ok(Some(_)) => {}
+                _ => return None,
+            }
+        }
+    }
+
+    fn lost(&mut self, info: &HostInfo, why: &str, states: &[ActorState]) -> JobError {
+        let actors = self.hosts.remove(&info.id).map(|h| h.1).unwrap_or_default();
+        let described: Vec<String> = actors
+            .iter()
+            .map(|&a| {
+                let (device, instructions) = &self.labels[a];
+                let doing = match states.iter().find(|s| s.actor as usize == a) {
+                    Some(s) if s.index >= 0 => format!(
+                        "at step {} instruction {} `{}`",
+                        s.step,
+                        s.index,
+                        instructions.get(s.index as usize).map_or("?", String::as_str)
+                    ),
+                    Some(s) => format!("between steps (after step {})", s.step),
+                    None => "not yet heard from".to_string(),
+                };
+                format!("actor {a} on {device} {doing}")
+            })
+            .collect();
+        JobError::HostLost {
+            job: self.job.clone(),
+            step: self.step,
+            host: info.name.clone(),
+            pid: info.pid,
+            addr: info.fabric_addr.clone(),
+            why: why.to_string(),
+            actors: described.join(", "),
+        }
+    }
+}
+
+impl Gang for RemoteGang {
+    async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
+        self.step = n;
+        let job = self.job.clone();
+        self.send_all(|| controller_message::Kind::Step(Step { job: job.clone(), step: n }))?;
+        let parts = self
+            .collect(|kind| match kind {
+                host_message::Kind::StepDone(done) if done.step == n => Some(done.reports),
+                _ => None,
+            })
+            .await?;
+        let mut reports = Vec::new();
+        for json in parts {
+            let part: Vec<StepReport> = serde_json::from_slice(&json)
+                .map_err(|e| JobError::Runtime(format!("unreadable step report: {e}")))?;
+            reports.extend(part);
+        }
+        reports.sort_by_key(|r| r.actor);
+        Ok(reports)
+    }
+
+    async fn block_squares(&mut self) -> Result<Vec<(usize, f64)>, JobError> {
+        self.ask_all("block_squares", "", self.step).await
+    }
+
+    async fn checkpoint(&mut self, dir: &Path, step: u64) -> Result<Vec<ShardFile>, JobError> {
+        let path = dir.display().to_string();
+        let mut files: Vec<ShardFile> = self.ask_all("checkpoint", &path, step).await?;
+        files.sort_by_key(|f| f.header.actor);
+        Ok(files)
+    }
+}

@@ -1,0 +1,212 @@
+//! A job on the cluster: place the program's actors on the registered hosts, launch, drive the
+//! steps with the same loop as a local job, and with `--restart on-failure` re-plan on the hosts
+//! that remain after a loss and go on from the last complete checkpoint (resharded).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc::UnboundedSender;
+use tonic::Status;
+
+use archipelago_actors::checkpoint;
+use archipelago_actors::proto::{JobEvent, StepProgress as ProgressEvent, job_event};
+use archipelago_dataflow::{Plan, Program, compile};
+
+use super::registry::{HostInfo, Registry};
+use super::remote_gang::RemoteGang;
+use super::service::ClusterConfig;
+use crate::JobError;
+use crate::report::TrainReport;
+use crate::train_job::{StepProgress, TrainOptions, check_options, drive, resume_point};
+
+/// How many times a job is restarted after host losses before it gives up.
+const MAX_RESTARTS: u32 = 3;
+
+/// The run options a client sends with its program.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RemoteOptions {
+    /// Steps to run.
+    pub steps: u64,
+    /// Job name.
+    pub job: String,
+    /// Receive patience in milliseconds.
+    pub patience_ms: u64,
+    /// The flags as given (copied into the report).
+    pub flags: serde_json::Value,
+    /// Checkpoint directory (must be reachable by every host at the same path).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every this many steps.
+    pub checkpoint_every: u64,
+    /// Start from the newest complete checkpoint.
+    pub resume: bool,
+    /// Restart after a host loss.
+    pub restart_on_failure: bool,
+}
+
+impl RemoteOptions {
+    /// The options of `options` that travel to the controller.
+    pub fn from_train(options: &TrainOptions) -> RemoteOptions {
+        RemoteOptions {
+            steps: options.steps,
+            job: options.job.clone(),
+            patience_ms: options.patience.as_millis() as u64,
+            flags: options.flags.clone(),
+            checkpoint_dir: options.checkpoint_dir.clone(),
+            checkpoint_every: options.checkpoint_every,
+            resume: options.resume,
+            restart_on_failure: options.restart_on_failure,
+        }
+    }
+
+    fn to_train(&self) -> TrainOptions {
+        TrainOptions {
+            steps: self.steps,
+            job: self.job.clone(),
+            patience: Duration::from_millis(self.patience_ms),
+            flags: self.flags.clone(),
+            on_step: None,
+            trace: None,
+            checkpoint_dir: self.checkpoint_dir.clone(),
+            checkpoint_every: self.checkpoint_every,
+            resume: self.resume,
+            restart_on_failure: self.restart_on_failure,
+        }
+    }
+}
+
+/// Runs `program` on the registered hosts, telling the client through `events`.
+pub async fn run_job(
+    registry: Arc<Registry>,
+    program: Program,
+    options: RemoteOptions,
+    config: ClusterConfig,
+    events: UnboundedSender<Result<JobEvent, Status>>,
+) -> Result<TrainReport, JobError> {
+    let tell = |kind: job_event::Kind| {
+        let _ = events.send(Ok(JobEvent { kind: Some(kind) }));
+    };
+    let mut train = options.to_train();
+    let progress = events.clone();
+    train.on_step = Some(Arc::new(move |p: &StepProgress| {
+        let event = ProgressEvent {
+            step: p.step,
+            steps: p.steps,
+            loss: p.loss,
+            time_s: p.time_s,
+        };
+        let _ = progress.send(Ok(JobEvent {
+            kind: Some(job_event::Kind::Progress(event)),
+        }));
+    }));
+    let mut history = Vec::new();
+    let mut restarts = 0;
+    loop {
+        let needed = program.plan.dp * program.plan.pp;
+        let hosts = registry.wait_for_devices(needed, config.wait_for_hosts).await;
+        let (plan, placement) = place(&program, &hosts, restarts > 0)?;
+        let line = format!(
+            "job {}: {} actors [{}] on {}",
+            train.job,
+            plan.actors.len(),
+            plan.mesh,
+            describe(&placement)
+        );
+        tracing::info!("{line}");
+        tell(job_event::Kind::Info(line));
+        check_options(&plan, &train)?;
+        let (restore, first_step) = resume_point(&plan.program, &train)?;
+        let grace = config.host_timeout + Duration::from_secs(1);
+        let mut gang = RemoteGang::launch(
+            &train.job,
+            registry.clone(),
+            &plan,
+            &placement,
+            restore.as_ref().map(|r| r.dir()),
+            train.patience,
+            grace,
+        )
+        .await?;
+        let result = drive(&mut gang, &plan, &train, first_step, &mut history).await;
+        gang.stop();
+        match result {
+            Err(lost @ JobError::HostLost { .. })
+                if train.restart_on_failure && restarts < MAX_RESTARTS =>
+            {
+                let Some(root) = &train.checkpoint_dir else {
+                    return Err(lost);
+                };
+                restarts += 1;
+                train.resume = checkpoint::latest_complete(root).0.is_some();
+                let line = format!(
+                    "{lost}; restart {restarts}/{MAX_RESTARTS} from {}",
+                    if train.resume { "the last complete checkpoint" } else { "step 1 (no checkpoint yet)" }
+                );
+                tracing::warn!("{line}");
+                tell(job_event::Kind::Info(line));
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Places the mesh on the hosts' devices in order (hosts sorted by island). When `shrink` (a
+/// restart on fewer hosts), a smaller dp that fits the devices left and divides the batch is
+/// taken; otherwise too few devices is an error saying what to change.
+fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, Vec<HostInfo>), JobError> {
+    let slots: Vec<(&HostInfo, archipelago_dataflow::DeviceSpec)> = hosts
+        .iter()
+        .flat_map(|h| h.devices.iter().map(move |&d| (h, d)))
+        .collect();
+    let mut program = program.clone();
+    let per_replica = program.plan.pp;
+    let wanted = program.plan.dp;
+    let mut last_error = None;
+    for dp in (1..=wanted).rev() {
+        if dp * per_replica > slots.len() {
+            continue;
+        }
+        if dp < wanted && !shrink {
+            break;
+        }
+        program.plan.dp = dp;
+        let used = &slots[..dp * per_replica];
+        program.devices = used.iter().map(|(_, d)| *d).collect();
+        let memories: Vec<u64> = used.iter().map(|(h, _)| h.device_memory).collect();
+        if program.plan.device_memory.is_none() && memories.iter().all(|&m| m > 0) {
+            program.plan.device_memory = memories.iter().copied().min();
+        }
+        match compile(&program) {
+            Ok(plan) => return Ok((plan, used.iter().map(|(h, _)| (*h).clone()).collect())),
+            Err(e) => last_error = Some(e),
+        }
+    }
+    match last_error {
+        Some(e) => Err(JobError::Plan(e)),
+        None => Err(JobError::Runtime(format!(
+            "the job needs {} devices (dp {} × pp {}) and the registered hosts offer {} ({}); start more \
+             `archipelago host`s or lower --dp",
+            wanted * per_replica,
+            wanted,
+            per_replica,
+            slots.len(),
+            describe(hosts)
+        ))),
+    }
+}
+
+fn describe(hosts: &[HostInfo]) -> String {
+    let mut seen: Vec<(u32, String)> = Vec::new();
+    for h in hosts {
+        if !seen.iter().any(|(id, _)| *id == h.id) {
+            let devices: Vec<String> = h.devices.iter().map(|d| d.to_string()).collect();
+            seen.push((h.id, format!("{} [island {}: {}]", h.name, h.island, devices.join(","))));
+        }
+    }
+    if seen.is_empty() {
+        "no hosts".into()
+    } else {
+        seen.into_iter().map(|(_, s)| s).collect::<Vec<_>>().join(", ")
+    }
+}

@@ -1,0 +1,178 @@
+//! The controller's gRPC service (`archipelago controller`): hosts open a `Session` and register
+//! their devices; clients `Submit` jobs, which run one at a time on the registered hosts. Every
+//! call must carry the cluster's token; a refusal is logged with the peer's address.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc::unbounded_channel;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+use tonic::{Request, Response, Status, Streaming};
+
+use archipelago_actors::fabric::grpc::TokenCheck;
+use archipelago_actors::proto::controller_server::{Controller as ControllerRpc, ControllerServer};
+use archipelago_actors::proto::{
+    Accepted, ControllerMessage, HostMessage, JobEvent, JobRequest, controller_message, host_message, job_event,
+};
+use archipelago_dataflow::{DeviceSpec, Program};
+
+use super::registry::{HostInfo, Registry};
+use super::remote_job::{RemoteOptions, run_job};
+
+/// How the controller treats its hosts.
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterConfig {
+    /// A host silent this long is declared lost.
+    pub host_timeout: Duration,
+    /// How long a job waits for enough devices to register.
+    pub wait_for_hosts: Duration,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            host_timeout: Duration::from_secs(5),
+            wait_for_hosts: Duration::from_secs(60),
+        }
+    }
+}
+
+struct ControllerService {
+    registry: Arc<Registry>,
+    config: ClusterConfig,
+    /// One job at a time.
+    running: Arc<tokio::sync::Mutex<()>>,
+}
+
+#[tonic::async_trait]
+impl ControllerRpc for ControllerService {
+    type SessionStream = UnboundedReceiverStream<Result<ControllerMessage, Status>>;
+    type SubmitStream = UnboundedReceiverStream<Result<JobEvent, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<HostMessage>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let peer = request.remote_addr();
+        let mut incoming = request.into_inner();
+        let first = incoming
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("the session ended before the host registered"))?;
+        let Some(host_message::Kind::Register(r)) = first.kind else {
+            return Err(Status::invalid_argument("a session starts with Register"));
+        };
+        let devices = r
+            .devices
+            .iter()
+            .map(|d| d.parse::<DeviceSpec>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        if devices.is_empty() {
+            return Err(Status::invalid_argument("a host must offer at least one device (--devices)"));
+        }
+        let info = HostInfo {
+            id: 0,
+            name: r.name,
+            island: r.island,
+            devices,
+            device_memory: r.device_memory,
+            fabric_addr: r.fabric_addr,
+            pid: r.pid,
+        };
+        let (tx, rx) = unbounded_channel();
+        let id = self
+            .registry
+            .register(info, tx.clone())
+            .map_err(Status::already_exists)?;
+        tracing::info!(host = id, ?peer, "session open");
+        let _ = tx.send(Ok(ControllerMessage {
+            kind: Some(controller_message::Kind::Accepted(Accepted { host: id })),
+        }));
+        let registry = self.registry.clone();
+        tokio::spawn(async move {
+            loop {
+                match incoming.message().await {
+                    Ok(Some(HostMessage {
+                        kind: Some(host_message::Kind::Heartbeat(h)),
+                    })) => registry.heartbeat(id, h.actors),
+                    Ok(Some(HostMessage { kind: Some(kind) })) => registry.forward(id, kind),
+                    Ok(Some(HostMessage { kind: None })) => {}
+                    Ok(None) => {
+                        registry.gone(id, "it closed its session");
+                        break;
+                    }
+                    Err(e) => {
+                        registry.gone(id, &format!("its session broke ({})", e.message()));
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+
+    async fn submit(&self, request: Request<JobRequest>) -> Result<Response<Self::SubmitStream>, Status> {
+        let request = request.into_inner();
+        let program: Program = serde_json::from_slice(&request.program)
+            .map_err(|e| Status::invalid_argument(format!("unreadable program: {e}")))?;
+        let options: RemoteOptions = serde_json::from_slice(&request.options)
+            .map_err(|e| Status::invalid_argument(format!("unreadable options: {e}")))?;
+        let (tx, rx) = unbounded_channel();
+        let (registry, config, running) = (self.registry.clone(), self.config, self.running.clone());
+        tokio::spawn(async move {
+            let _one_at_a_time = running.lock().await;
+            let event = match run_job(registry, program, options, config, tx.clone()).await {
+                Ok(report) => match serde_json::to_vec(&report) {
+                    Ok(json) => job_event::Kind::Report(json.into()),
+                    Err(e) => job_event::Kind::Error(e.to_string()),
+                },
+                Err(e) => job_event::Kind::Error(e.to_string()),
+            };
+            let _ = tx.send(Ok(JobEvent { kind: Some(event) }));
+        });
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+}
+
+/// Serves the controller on `listener` (on the current tokio runtime) with the cluster token
+/// `token`; returns its address and registry. A monitor declares silent hosts lost.
+pub fn serve_controller(
+    listener: tokio::net::TcpListener,
+    token: &str,
+    config: ClusterConfig,
+) -> std::io::Result<(SocketAddr, Arc<Registry>)> {
+    let addr = listener.local_addr()?;
+    let registry = Arc::new(Registry::default());
+    let service = ControllerService {
+        registry: registry.clone(),
+        config,
+        running: Arc::default(),
+    };
+    let check = TokenCheck::new(token);
+    let service = tonic::service::interceptor::InterceptedService::new(ControllerServer::new(service), move |r| {
+        check.check(r)
+    });
+    tokio::spawn(async move {
+        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+        if let Err(e) = Server::builder()
+            .add_service(service)
+            .serve_with_incoming(incoming)
+            .await
+        {
+            tracing::error!("the controller service on {addr} stopped: {e}");
+        }
+    });
+    let monitor = registry.clone();
+    tokio::spawn(async move {
+        let tick = (config.host_timeout / 10).max(Duration::from_millis(50));
+        loop {
+            tokio::time::sleep(tick).await;
+            monitor.expire(config.host_timeout);
+        }
+    });
+    Ok((addr, registry))
+}
