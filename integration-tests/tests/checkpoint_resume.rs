@@ -1,0 +1,104 @@
+//! Sharded checkpoints: a job stopped after a checkpoint and resumed — with the same or another
+//! layout (dp, pp, ZeRO stage) — trains to the same parameters and losses as a job that never
+//! stopped; a checkpoint with a corrupted shard or without its manifest is passed over for the
+//! previous complete one.
+
+use std::path::Path;
+
+use archipelago_controller::{TrainOptions, TrainReport};
+use archipelago_dataflow::ParallelPlan;
+use archipelago_integration_tests::{max_relative_difference, train_with_options};
+
+const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
+
+fn plan(dp: usize, pp: usize, zero: u8) -> ParallelPlan {
+    ParallelPlan {
+        dp,
+        pp,
+        zero,
+        microbatches: if pp > 1 { 2 } else { 1 },
+        batch: 24,
+        bucket_bytes: 8 << 10,
+        ..ParallelPlan::default()
+    }
+}
+
+fn options(steps: u64, dir: Option<&Path>, every: u64, resume: bool) -> TrainOptions {
+    TrainOptions {
+        steps,
+        checkpoint_dir: dir.map(Path::to_path_buf),
+        checkpoint_every: every,
+        resume,
+        ..TrainOptions::default()
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// The resumed run's parameters equal the reference's, and so do its losses step for step.
+fn assert_continues(reference: &TrainReport, resumed: &TrainReport, first_step: u64, what: &str) {
+    assert_eq!(resumed.steps.first().map(|s| s.step), Some(first_step), "{what}: first step run");
+    let blocks = max_relative_difference(&reference.block_l2, &resumed.block_l2);
+    assert!(blocks < 1e-5, "{what}: block norms differ by {blocks:e}");
+    for s in &resumed.steps {
+        let r = reference.steps[s.step as usize - 1].loss;
+        assert!(((r - s.loss) / r).abs() < 1e-5, "{what}: step {} loss {} vs {r}", s.step, s.loss);
+    }
+    assert_eq!(resumed.steps.last().map(|s| s.step), reference.steps.last().map(|s| s.step));
+}
+
+#[test]
+fn resuming_with_another_layout_equals_not_stopping() {
+    let reference = train_with_options(MLP, plan(2, 1, 3), options(8, None, 0, false));
+    let root = tempfile::tempdir().unwrap();
+    let stopped = root.path().join("dp2-zero3");
+    train_with_options(MLP, plan(2, 1, 3), options(4, Some(&stopped), 2, false));
+    assert!(stopped.join("step-00000002/manifest.json").exists());
+    assert!(stopped.join("step-00000004/manifest.json").exists());
+    for (layout, what) in [
+        (plan(2, 1, 3), "dp=2 zero 3 (same layout)"),
+        (plan(1, 1, 0), "dp=1"),
+        (plan(4, 1, 2), "dp=4 zero 2"),
+        (plan(2, 2, 1), "dp=2 pp=2 zero 1"),
+        (plan(1, 3, 0), "pp=3"),
+    ] {
+        let dir = root.path().join(what.replace([' ', '=', '(', ')'], "_"));
+        copy_dir(&stopped, &dir);
+        let resumed = train_with_options(MLP, layout, options(8, Some(&dir), 2, true));
+        assert_continues(&reference, &resumed, 5, &format!("dp=2 zero 3 → {what}"));
+        assert!(dir.join("step-00000008/manifest.json").exists(), "{what}: went on checkpointing");
+    }
+}
+
+#[test]
+fn a_corrupt_or_partial_checkpoint_is_passed_over_for_the_previous_one() {
+    let reference = train_with_options(MLP, plan(2, 1, 1), options(8, None, 0, false));
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("ck");
+    train_with_options(MLP, plan(2, 1, 1), options(6, Some(&dir), 2, false));
+    // Flip a byte in the middle of a shard of the newest checkpoint (step 6).
+    let shard = dir.join("step-00000006/actor-00001.shard");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&shard, bytes).unwrap();
+    let corrupt = root.path().join("corrupt");
+    copy_dir(&dir, &corrupt);
+    let resumed = train_with_options(MLP, plan(2, 1, 1), options(8, Some(&corrupt), 0, true));
+    assert_continues(&reference, &resumed, 5, "step 6 corrupt → step 4");
+    // And step 4 written only in part (no manifest: the writer died before finishing it).
+    std::fs::remove_file(dir.join("step-00000004/manifest.json")).unwrap();
+    let resumed = train_with_options(MLP, plan(2, 1, 1), options(8, Some(&dir), 0, true));
+    assert_continues(&reference, &resumed, 3, "step 6 corrupt, step 4 partial → step 2");
+}
