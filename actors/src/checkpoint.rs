@@ -142,7 +142,9 @@ pub fn write_shard(dir: &Path, actor: ActorId, state: &ShardState) -> Result<Sha
     let mut data = Vec::with_capacity(data_bytes);
     for p in &state.pieces {
         let has_state = !p.m.is_empty();
-        if p.params.len() != p.range.len() || (has_state && (p.m.len() != p.range.len() || p.v.len() != p.range.len())) {
+        if p.params.len() != p.range.len()
+            || (has_state && (p.m.len() != p.range.len() || p.v.len() != p.range.len()))
+        {
             return Err(format!(
                 "piece of block {} ({:?}) has {} parameters and {}/{} state values",
                 p.block,
@@ -380,7 +382,10 @@ mod tests {
                 steps: step as i32,
                 pieces: vec![piece(0, 7..12, 1.0)],
             };
-            let files = vec![write_shard(&dir, 0, &a).unwrap(), write_shard(&dir, 1, &b).unwrap()];
+            let files = vec![
+                write_shard(&dir, 0, &a).unwrap(),
+                write_shard(&dir, 1, &b).unwrap(),
+            ];
             write_manifest(&dir, &manifest(files, step)).unwrap();
         }
         let reader = CheckpointReader::open(&step_dir(root.path(), 4)).unwrap();

@@ -173,7 +173,8 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
             return;
         }
     };
-    let mut executor = Executor::new(&job, actor, device, stream, computation, fabric).with_progress(progress);
+    let mut executor =
+        Executor::new(&job, actor, device, stream, computation, fabric).with_progress(progress);
     let _ = events.send(ActorEvent::Ready { actor });
     for work in queue {
         match work {

@@ -183,7 +183,10 @@ impl Executor {
     }
 
     /// Writes this actor's shard of the trainable state into checkpoint directory `dir`.
-    pub fn save_checkpoint(&self, dir: &std::path::Path) -> Result<Option<crate::checkpoint::ShardFile>, String> {
+    pub fn save_checkpoint(
+        &self,
+        dir: &std::path::Path,
+    ) -> Result<Option<crate::checkpoint::ShardFile>, String> {
         match self.computation.save_state()? {
             Some(state) => crate::checkpoint::write_shard(dir, self.actor, &state).map(Some),
             None => Ok(None),

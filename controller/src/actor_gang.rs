@@ -15,12 +15,12 @@ use tokio::task::JoinHandle;
 
 use archipelago_actors::ActorFailure;
 use archipelago_actors::checkpoint::ShardFile;
-use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::device_actor::{
     ActorEvent, ComputationFactory, DeviceActor, DeviceActorArgs, DeviceMsg,
 };
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::Fabric;
+use archipelago_actors::progress::ActorProgress;
 use archipelago_dataflow::{ActorId, ActorStream, DeviceSpec};
 
 use crate::JobError;

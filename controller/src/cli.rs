@@ -253,7 +253,9 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         restart_on_failure,
     };
     if args.resume.is_some() && args.checkpoint_dir.is_some() && args.checkpoint_dir != args.resume {
-        anyhow::bail!("--resume DIR writes its checkpoints into DIR; drop --checkpoint-dir or make it the same");
+        anyhow::bail!(
+            "--resume DIR writes its checkpoints into DIR; drop --checkpoint-dir or make it the same"
+        );
     }
     let report = controller.train(&program, &options)?;
     println!(

@@ -27,7 +27,9 @@ pub enum JobError {
         waited_s: f64,
     },
     /// A host died, closed its session or went silent; the job stopped.
-    #[error("job {job}, step {step}: host `{host}` (pid {pid}, fabric {addr}) is lost: {why}; its actors: {actors}")]
+    #[error(
+        "job {job}, step {step}: host `{host}` (pid {pid}, fabric {addr}) is lost: {why}; its actors: {actors}"
+    )]
     HostLost {
         /// The job.
         job: String,
@@ -44,6 +46,9 @@ pub enum JobError {
         /// Its actors and the instruction each was running when last heard of.
         actors: String,
     },
+    /// The job failed on a remote controller (its message, as the controller reported it).
+    #[error("{0}")]
+    Remote(String),
     /// The runtime itself failed (spawning an actor, a closed channel).
     #[error("runtime: {0}")]
     Runtime(String),

@@ -16,12 +16,12 @@
 //! ```
 
 mod actor_gang;
-pub mod gang;
 pub mod bench;
 pub mod cli;
 pub mod cluster;
 pub mod error;
 pub mod flow_job;
+pub mod gang;
 pub mod local;
 pub mod process_stats;
 pub mod replay;

@@ -151,7 +151,9 @@ pub(crate) fn check_options(plan: &Plan, options: &TrainOptions) -> Result<(), J
         ));
     }
     if options.resume && options.checkpoint_dir.is_none() {
-        return Err(JobError::Runtime("resuming needs the checkpoint directory (--resume DIR)".into()));
+        return Err(JobError::Runtime(
+            "resuming needs the checkpoint directory (--resume DIR)".into(),
+        ));
     }
     Ok(())
 }
@@ -173,7 +175,11 @@ pub(crate) fn resume_point(
         return Err(JobError::Runtime(format!(
             "no complete checkpoint under {} to resume from{}",
             root.display(),
-            if skipped.is_empty() { String::new() } else { format!(" ({})", skipped.join("; ")) }
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", skipped.join("; "))
+            }
         )));
     };
     if manifest.model != program.model.name || manifest.seed != program.seed {
@@ -213,8 +219,13 @@ pub(crate) fn trainer_factories(
                 replica: a.replica,
                 replicas: plan.program.plan.dp,
             };
-            let (program, builder, actor, device, restore) =
-                (plan.program.clone(), builder.clone(), a.actor, a.device, restore.clone());
+            let (program, builder, actor, device, restore) = (
+                plan.program.clone(),
+                builder.clone(),
+                a.actor,
+                a.device,
+                restore.clone(),
+            );
             Box::new(move || {
                 let device = device_for(device)?;
                 let mut trainer = Trainer::<CpuBackend>::new(&program, builder, actor, device, &placement)?;

@@ -48,14 +48,26 @@ fn copy_dir(from: &Path, to: &Path) {
 
 /// The resumed run's parameters equal the reference's, and so do its losses step for step.
 fn assert_continues(reference: &TrainReport, resumed: &TrainReport, first_step: u64, what: &str) {
-    assert_eq!(resumed.steps.first().map(|s| s.step), Some(first_step), "{what}: first step run");
+    assert_eq!(
+        resumed.steps.first().map(|s| s.step),
+        Some(first_step),
+        "{what}: first step run"
+    );
     let blocks = max_relative_difference(&reference.block_l2, &resumed.block_l2);
     assert!(blocks < 1e-5, "{what}: block norms differ by {blocks:e}");
     for s in &resumed.steps {
         let r = reference.steps[s.step as usize - 1].loss;
-        assert!(((r - s.loss) / r).abs() < 1e-5, "{what}: step {} loss {} vs {r}", s.step, s.loss);
+        assert!(
+            ((r - s.loss) / r).abs() < 1e-5,
+            "{what}: step {} loss {} vs {r}",
+            s.step,
+            s.loss
+        );
     }
-    assert_eq!(resumed.steps.last().map(|s| s.step), reference.steps.last().map(|s| s.step));
+    assert_eq!(
+        resumed.steps.last().map(|s| s.step),
+        reference.steps.last().map(|s| s.step)
+    );
 }
 
 #[test]
@@ -77,7 +89,10 @@ fn resuming_with_another_layout_equals_not_stopping() {
         copy_dir(&stopped, &dir);
         let resumed = train_with_options(MLP, layout, options(8, Some(&dir), 2, true));
         assert_continues(&reference, &resumed, 5, &format!("dp=2 zero 3 → {what}"));
-        assert!(dir.join("step-00000008/manifest.json").exists(), "{what}: went on checkpointing");
+        assert!(
+            dir.join("step-00000008/manifest.json").exists(),
+            "{what}: went on checkpointing"
+        );
     }
 }
 

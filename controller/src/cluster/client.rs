@@ -24,7 +24,11 @@ pub struct RemoteTarget {
 }
 
 /// Submits `program` to the controller and follows it to its end.
-pub async fn submit(target: &RemoteTarget, program: &Program, options: &TrainOptions) -> Result<TrainReport, JobError> {
+pub async fn submit(
+    target: &RemoteTarget,
+    program: &Program,
+    options: &TrainOptions,
+) -> Result<TrainReport, JobError> {
     if options.trace.is_some() {
         return Err(JobError::Runtime(
             "--trace is not yet supported with --controller; trace a local run instead".into(),
@@ -39,7 +43,9 @@ pub async fn submit(target: &RemoteTarget, program: &Program, options: &TrainOpt
         .map_err(|e| runtime(format!("cannot reach the controller at {}: {e}", target.addr)))?;
     let mut client = ControllerClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let request = JobRequest {
-        program: serde_json::to_vec(program).map_err(|e| runtime(e.to_string()))?.into(),
+        program: serde_json::to_vec(program)
+            .map_err(|e| runtime(e.to_string()))?
+            .into(),
         options: serde_json::to_vec(&RemoteOptions::from_train(options))
             .map_err(|e| runtime(e.to_string()))?
             .into(),
@@ -48,7 +54,13 @@ pub async fn submit(target: &RemoteTarget, program: &Program, options: &TrainOpt
     let mut events = client
         .submit(request)
         .await
-        .map_err(|e| runtime(format!("the controller at {} refused the job: {}", target.addr, e.message())))?
+        .map_err(|e| {
+            runtime(format!(
+                "the controller at {} refused the job: {}",
+                target.addr,
+                e.message()
+            ))
+        })?
         .into_inner();
     loop {
         let event = events
@@ -71,7 +83,7 @@ pub async fn submit(target: &RemoteTarget, program: &Program, options: &TrainOpt
             Some(job_event::Kind::Report(json)) => {
                 return serde_json::from_slice(&json).map_err(|e| runtime(format!("unreadable report: {e}")));
             }
-            Some(job_event::Kind::Error(message)) => return Err(runtime(message)),
+            Some(job_event::Kind::Error(message)) => return Err(JobError::Remote(message)),
             None => {}
         }
     }

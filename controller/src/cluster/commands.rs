@@ -94,7 +94,10 @@ pub fn host(args: &HostArgs) -> anyhow::Result<()> {
     let options = HostOptions {
         controller: args.controller.clone(),
         token: read_token(&args.token_file)?,
-        name: args.name.clone().unwrap_or_else(|| format!("host-{}", std::process::id())),
+        name: args
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("host-{}", std::process::id())),
         island: args.island.clone(),
         devices,
         memory: args.memory,

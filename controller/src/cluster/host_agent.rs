@@ -14,12 +14,12 @@ use tonic::transport::Endpoint;
 use archipelago_actors::checkpoint::CheckpointReader;
 use archipelago_actors::fabric::InProcessFabric;
 use archipelago_actors::fabric::grpc::{GrpcFabric, Inbox, serve_fabric, with_token};
+use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::proto::{
     ActorState, Answer, Ask, ControllerMessage, Failure, Heartbeat, HostMessage, Launch, Ready, Register,
     StepDone, controller_message, host_message,
 };
-use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::zoo::ZooModel;
 use archipelago_dataflow::{ActorId, DeviceSpec, ModelSpec, Plan};
 
@@ -53,9 +53,20 @@ pub struct HostOptions {
 
 type Progress = Arc<Mutex<Vec<(ActorId, Arc<ActorProgress>)>>>;
 
+/// The host's part of the running job. Steps and answers run in their own tasks holding the
+/// gang, so that a `Stop` is read while a step hangs: it aborts the fabric, which ends the step.
 struct LocalJob {
     name: String,
-    gang: ActorGang,
+    gang: Arc<tokio::sync::Mutex<ActorGang>>,
+    fabric: Arc<GrpcFabric>,
+}
+
+impl LocalJob {
+    async fn stop(self, reason: &str) {
+        use archipelago_actors::fabric::Fabric;
+        self.fabric.abort(reason);
+        self.gang.lock().await.stop().await;
+    }
 }
 
 /// Runs the host until the controller ends its session (an error) or refuses it.
@@ -86,9 +97,17 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
     let mut incoming = match client.session(request).await {
         Ok(response) => response.into_inner(),
         Err(status) if status.code() == tonic::Code::Unauthenticated => {
-            bail!("the controller at {} refused this host: {}", options.controller, status.message())
+            bail!(
+                "the controller at {} refused this host: {}",
+                options.controller,
+                status.message()
+            )
         }
-        Err(status) => bail!("the controller at {} refused the session: {}", options.controller, status.message()),
+        Err(status) => bail!(
+            "the controller at {} refused the session: {}",
+            options.controller,
+            status.message()
+        ),
     };
     match incoming.message().await? {
         Some(ControllerMessage {
@@ -99,7 +118,12 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
                 "host `{}` registered with the controller at {} (fabric {fabric_addr}, devices {})",
                 options.name,
                 options.controller,
-                options.devices.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")
+                options
+                    .devices
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
             );
         }
         other => bail!("the controller answered the registration with {other:?}"),
@@ -111,22 +135,28 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
         let message = match incoming.message().await {
             Ok(Some(m)) => m,
             Ok(None) => break Err(anyhow::anyhow!("the controller closed the session")),
-            Err(e) => break Err(anyhow::anyhow!("the session with the controller broke: {}", e.message())),
+            Err(e) => {
+                break Err(anyhow::anyhow!(
+                    "the session with the controller broke: {}",
+                    e.message()
+                ));
+            }
         };
         let Some(kind) = message.kind else { continue };
         match kind {
             controller_message::Kind::Launch(launch) => {
-                if let Some(mut old) = job.take() {
-                    old.gang.stop().await;
+                if let Some(old) = job.take() {
+                    old.stop("a new job was launched").await;
                 }
                 let name = launch.job.clone();
                 match start_job(launch, &inbox, &fabric_addr, &options.token).await {
-                    Ok(gang) => {
+                    Ok((gang, fabric)) => {
                         *progress.lock().expect("progress") =
                             gang.progress().iter().map(|(a, _, p)| (*a, p.clone())).collect();
                         job = Some(LocalJob {
                             name: name.clone(),
-                            gang,
+                            gang: Arc::new(tokio::sync::Mutex::new(gang)),
+                            fabric,
                         });
                         send(&to_controller, host_message::Kind::Ready(Ready { job: name }));
                     }
@@ -134,45 +164,54 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
                 }
             }
             controller_message::Kind::Step(step) => {
-                let Some(j) = job.as_mut().filter(|j| j.name == step.job) else {
-                    send(&to_controller, failure(&step.job, &JobError::Runtime("no such job here".into())));
+                let Some(j) = job.as_ref().filter(|j| j.name == step.job) else {
+                    send(
+                        &to_controller,
+                        failure(&step.job, &JobError::Runtime("no such job here".into())),
+                    );
                     continue;
                 };
-                match j.gang.step(step.step).await {
-                    Ok(reports) => {
-                        let reports = serde_json::to_vec(&reports)?;
-                        send(
-                            &to_controller,
-                            host_message::Kind::StepDone(StepDone {
-                                job: step.job,
-                                step: step.step,
-                                reports: reports.into(),
-                            }),
-                        );
-                    }
-                    Err(e) => send(&to_controller, failure(&step.job, &e)),
-                }
+                let (gang, tx) = (j.gang.clone(), to_controller.clone());
+                tokio::spawn(async move {
+                    let result = gang.lock().await.step(step.step).await;
+                    let kind = match result
+                        .and_then(|r| serde_json::to_vec(&r).map_err(|e| JobError::Runtime(e.to_string())))
+                    {
+                        Ok(reports) => host_message::Kind::StepDone(StepDone {
+                            job: step.job,
+                            step: step.step,
+                            reports: reports.into(),
+                        }),
+                        Err(e) => failure(&step.job, &e),
+                    };
+                    send(&tx, kind);
+                });
             }
             controller_message::Kind::Ask(ask) => {
-                let Some(j) = job.as_mut().filter(|j| j.name == ask.job) else {
-                    send(&to_controller, failure(&ask.job, &JobError::Runtime("no such job here".into())));
+                let Some(j) = job.as_ref().filter(|j| j.name == ask.job) else {
+                    send(
+                        &to_controller,
+                        failure(&ask.job, &JobError::Runtime("no such job here".into())),
+                    );
                     continue;
                 };
-                match answer(&mut j.gang, &ask).await {
-                    Ok(body) => send(
-                        &to_controller,
-                        host_message::Kind::Answer(Answer {
+                let (gang, tx) = (j.gang.clone(), to_controller.clone());
+                tokio::spawn(async move {
+                    let kind = match answer(&mut *gang.lock().await, &ask).await {
+                        Ok(body) => host_message::Kind::Answer(Answer {
                             job: ask.job,
                             id: ask.id,
                             body: body.into(),
                         }),
-                    ),
-                    Err(e) => send(&to_controller, failure(&ask.job, &e)),
-                }
+                        Err(e) => failure(&ask.job, &e),
+                    };
+                    send(&tx, kind);
+                });
             }
             controller_message::Kind::Stop(stop) => {
-                if let Some(mut j) = job.take_if(|j| j.name == stop.job) {
-                    j.gang.stop().await;
+                if let Some(j) = job.take_if(|j| j.name == stop.job) {
+                    j.stop(&format!("the controller stopped the job: {}", stop.reason))
+                        .await;
                     inbox.install(None);
                     progress.lock().expect("progress").clear();
                 }
@@ -180,8 +219,8 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
             controller_message::Kind::Accepted(_) => {}
         }
     };
-    if let Some(mut j) = job.take() {
-        j.gang.stop().await;
+    if let Some(j) = job.take() {
+        j.stop("the session with the controller ended").await;
     }
     result
 }
@@ -233,19 +272,27 @@ fn spawn_heartbeats(to_controller: UnboundedSender<HostMessage>, progress: Progr
     });
 }
 
-async fn start_job(launch: Launch, inbox: &Inbox, here: &str, token: &str) -> Result<ActorGang, JobError> {
+async fn start_job(
+    launch: Launch,
+    inbox: &Inbox,
+    here: &str,
+    token: &str,
+) -> Result<(ActorGang, Arc<GrpcFabric>), JobError> {
     let plan: Plan = serde_json::from_slice(&launch.plan)
         .map_err(|e| JobError::Runtime(format!("unreadable plan: {e}")))?;
     let patience = Duration::from_millis(launch.patience_ms);
     let local = Arc::new(InProcessFabric::new(plan.actors.len(), patience));
     inbox.install(Some(local.clone()));
-    let fabric = GrpcFabric::connect(&launch.actor_addrs, here, local, token)
-        .await
-        .map_err(JobError::Runtime)?;
+    let fabric = Arc::new(
+        GrpcFabric::connect(&launch.actor_addrs, here, local, token)
+            .await
+            .map_err(JobError::Runtime)?,
+    );
     let restore = if launch.restore.is_empty() {
         None
     } else {
-        let reader = CheckpointReader::open(std::path::Path::new(&launch.restore)).map_err(JobError::Runtime)?;
+        let reader =
+            CheckpointReader::open(std::path::Path::new(&launch.restore)).map_err(JobError::Runtime)?;
         Some(Arc::new(reader))
     };
     let spec = ModelSpec::parse(&plan.program.model.name)?;
@@ -255,13 +302,16 @@ async fn start_job(launch: Launch, inbox: &Inbox, here: &str, token: &str) -> Re
     let factories = trainer_factories(&plan, &builder, &actors, restore);
     let streams = actors.iter().map(|&a| plan.actors[a].stream.clone()).collect();
     let watchdog = patience + Duration::from_secs(10);
-    ActorGang::start(&launch.job, streams, factories, Arc::new(fabric), watchdog).await
+    let gang = ActorGang::start(&launch.job, streams, factories, fabric.clone(), watchdog).await?;
+    Ok((gang, fabric))
 }
 
 async fn answer(gang: &mut ActorGang, ask: &Ask) -> Result<Vec<u8>, JobError> {
     let json = match ask.what.as_str() {
         "block_squares" => serde_json::to_vec(&gang.block_squares().await?),
-        "checkpoint" => serde_json::to_vec(&gang.checkpoint(std::path::Path::new(&ask.path), ask.step).await?),
+        "checkpoint" => {
+            serde_json::to_vec(&gang.checkpoint(std::path::Path::new(&ask.path), ask.step).await?)
+        }
         other => return Err(JobError::Runtime(format!("unknown question `{other}`"))),
     };
     json.map_err(|e| JobError::Runtime(e.to_string()))

@@ -141,7 +141,10 @@ impl Registry {
             .map(|(&id, h)| (id, h.last_seen.elapsed().as_secs_f64()))
             .collect();
         for (id, s) in silent {
-            self.gone(id, &format!("silent for {s:.1} s (no heartbeat; the host timeout is {timeout:?})"));
+            self.gone(
+                id,
+                &format!("silent for {s:.1} s (no heartbeat; the host timeout is {timeout:?})"),
+            );
         }
     }
 

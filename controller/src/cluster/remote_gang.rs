@@ -51,7 +51,11 @@ impl RemoteGang {
         let events = registry.subscribe();
         let mut hosts: BTreeMap<u32, (HostInfo, Vec<ActorId>)> = BTreeMap::new();
         for (actor, host) in placement.iter().enumerate() {
-            hosts.entry(host.id).or_insert_with(|| (host.clone(), Vec::new())).1.push(actor);
+            hosts
+                .entry(host.id)
+                .or_insert_with(|| (host.clone(), Vec::new()))
+                .1
+                .push(actor);
         }
         let labels = plan
             .actors
@@ -150,7 +154,10 @@ impl RemoteGang {
 
     /// Waits for one accepted message from every host of the job; fails on a failure, a lost
     /// host or silence past the watchdog.
-    async fn collect<T>(&mut self, accept: impl Fn(host_message::Kind) -> Option<T>) -> Result<Vec<T>, JobError> {
+    async fn collect<T>(
+        &mut self,
+        accept: impl Fn(host_message::Kind) -> Option<T>,
+    ) -> Result<Vec<T>, JobError> {
         let mut waiting: BTreeSet<u32> = self.hosts.keys().copied().collect();
         let mut out = Vec::with_capacity(waiting.len());
         let started = Instant::now();
@@ -171,6 +178,11 @@ impl RemoteGang {
                     });
                 }
             };
+            if let HostEvent::Message(_, kind) = &event
+                && job_of(kind) != Some(self.job.as_str())
+            {
+                continue; // a message of an earlier launch (before a restart)
+            }
             match event {
                 HostEvent::Gone(info, why, states) => {
                     if self.hosts.contains_key(&info.id) {
@@ -228,6 +240,14 @@ impl RemoteGang {
             .map(|&a| {
                 let (device, instructions) = &self.labels[a];
                 let doing = match states.iter().find(|s| s.actor as usize == a) {
+                    // The last heartbeat came before the running step began.
+                    Some(s) if s.step < self.step && self.step > 0 => {
+                        format!(
+                            "in step {} (no heartbeat since it began; last seen after step {})",
+                            self.step, s.step
+                        )
+                    }
+                    None if self.step > 0 => format!("in step {} (no heartbeat since the launch)", self.step),
                     Some(s) if s.index >= 0 => format!(
                         "at step {} instruction {} `{}`",
                         s.step,
@@ -256,7 +276,12 @@ impl Gang for RemoteGang {
     async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
         self.step = n;
         let job = self.job.clone();
-        self.send_all(|| controller_message::Kind::Step(Step { job: job.clone(), step: n }))?;
+        self.send_all(|| {
+            controller_message::Kind::Step(Step {
+                job: job.clone(),
+                step: n,
+            })
+        })?;
         let parts = self
             .collect(|kind| match kind {
                 host_message::Kind::StepDone(done) if done.step == n => Some(done.reports),
@@ -282,5 +307,16 @@ impl Gang for RemoteGang {
         let mut files: Vec<ShardFile> = self.ask_all("checkpoint", &path, step).await?;
         files.sort_by_key(|f| f.header.actor);
         Ok(files)
+    }
+}
+
+/// The job a host's message is about.
+fn job_of(kind: &host_message::Kind) -> Option<&str> {
+    match kind {
+        host_message::Kind::Ready(m) => Some(&m.job),
+        host_message::Kind::StepDone(m) => Some(&m.job),
+        host_message::Kind::Failure(m) => Some(&m.job),
+        host_message::Kind::Answer(m) => Some(&m.job),
+        host_message::Kind::Register(_) | host_message::Kind::Heartbeat(_) => None,
     }
 }

@@ -118,8 +118,14 @@ pub async fn run_job(
         check_options(&plan, &train)?;
         let (restore, first_step) = resume_point(&plan.program, &train)?;
         let grace = config.host_timeout + Duration::from_secs(1);
+        // Each launch has its own name, so that nothing of an earlier one is taken for it.
+        let launch = if restarts == 0 {
+            train.job.clone()
+        } else {
+            format!("{}#restart{restarts}", train.job)
+        };
         let mut gang = RemoteGang::launch(
-            &train.job,
+            &launch,
             registry.clone(),
             &plan,
             &placement,
@@ -131,9 +137,7 @@ pub async fn run_job(
         let result = drive(&mut gang, &plan, &train, first_step, &mut history).await;
         gang.stop();
         match result {
-            Err(lost @ JobError::HostLost { .. })
-                if train.restart_on_failure && restarts < MAX_RESTARTS =>
-            {
+            Err(lost @ JobError::HostLost { .. }) if train.restart_on_failure && restarts < MAX_RESTARTS => {
                 let Some(root) = &train.checkpoint_dir else {
                     return Err(lost);
                 };
@@ -141,7 +145,11 @@ pub async fn run_job(
                 train.resume = checkpoint::latest_complete(root).0.is_some();
                 let line = format!(
                     "{lost}; restart {restarts}/{MAX_RESTARTS} from {}",
-                    if train.resume { "the last complete checkpoint" } else { "step 1 (no checkpoint yet)" }
+                    if train.resume {
+                        "the last complete checkpoint"
+                    } else {
+                        "step 1 (no checkpoint yet)"
+                    }
                 );
                 tracing::warn!("{line}");
                 tell(job_event::Kind::Info(line));
@@ -201,7 +209,10 @@ fn describe(hosts: &[HostInfo]) -> String {
     for h in hosts {
         if !seen.iter().any(|(id, _)| *id == h.id) {
             let devices: Vec<String> = h.devices.iter().map(|d| d.to_string()).collect();
-            seen.push((h.id, format!("{} [island {}: {}]", h.name, h.island, devices.join(","))));
+            seen.push((
+                h.id,
+                format!("{} [island {}: {}]", h.name, h.island, devices.join(",")),
+            ));
         }
     }
     if seen.is_empty() {

@@ -15,7 +15,8 @@ use tonic::{Request, Response, Status, Streaming};
 use archipelago_actors::fabric::grpc::TokenCheck;
 use archipelago_actors::proto::controller_server::{Controller as ControllerRpc, ControllerServer};
 use archipelago_actors::proto::{
-    Accepted, ControllerMessage, HostMessage, JobEvent, JobRequest, controller_message, host_message, job_event,
+    Accepted, ControllerMessage, HostMessage, JobEvent, JobRequest, controller_message, host_message,
+    job_event,
 };
 use archipelago_dataflow::{DeviceSpec, Program};
 
@@ -72,7 +73,9 @@ impl ControllerRpc for ControllerService {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         if devices.is_empty() {
-            return Err(Status::invalid_argument("a host must offer at least one device (--devices)"));
+            return Err(Status::invalid_argument(
+                "a host must offer at least one device (--devices)",
+            ));
         }
         let info = HostInfo {
             id: 0,
@@ -153,9 +156,10 @@ pub fn serve_controller(
         running: Arc::default(),
     };
     let check = TokenCheck::new(token);
-    let service = tonic::service::interceptor::InterceptedService::new(ControllerServer::new(service), move |r| {
-        check.check(r)
-    });
+    let service =
+        tonic::service::interceptor::InterceptedService::new(ControllerServer::new(service), move |r| {
+            check.check(r)
+        });
     tokio::spawn(async move {
         let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
         if let Err(e) = Server::builder()

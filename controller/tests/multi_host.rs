@@ -1,0 +1,329 @@
+//! Jobs across real processes on 127.0.0.1: an `archipelago controller` and `archipelago host`s,
+//! driven through `Controller::connect`. A job across two hosts equals the same job in one
+//! process; a wrong token is refused (and the refusal logged); a host killed with SIGKILL or
+//! stopped with SIGSTOP is detected and named with its actors; with restart on failure the job
+//! re-plans on the host left, resumes from the last checkpoint and ends with the parameters of an
+//! uninterrupted run.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use archipelago_controller::{Controller, JobError, StepProgress, TrainOptions, TrainReport};
+use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
+
+const BIN: &str = env!("CARGO_BIN_EXE_archipelago");
+const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
+
+/// A child process killed when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A controller and its hosts, each a process of the `archipelago` binary.
+struct Cluster {
+    dir: tempfile::TempDir,
+    addr: String,
+    token: String,
+    hosts: Vec<(String, Proc)>,
+    _controller: Proc,
+}
+
+/// Reads lines of `child`'s stdout until one contains `what`; returns that line.
+fn wait_for_line(child: &mut Child, what: &str) -> String {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    for line in lines.by_ref() {
+        let line = line.expect("stdout line");
+        if line.contains(what) {
+            // Keep draining in the background so the child never blocks on a full pipe.
+            std::thread::spawn(move || lines.for_each(drop));
+            return line;
+        }
+    }
+    panic!("the process ended before printing `{what}`");
+}
+
+impl Cluster {
+    fn start(host_timeout_s: f64, wait_for_hosts_s: f64) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let token = "test-token-4711".to_string();
+        std::fs::write(dir.path().join("token"), &token).unwrap();
+        let log = std::fs::File::create(dir.path().join("controller.log")).unwrap();
+        let mut child = Command::new(BIN)
+            .args(["controller", "--listen", "127.0.0.1:0", "--token-file"])
+            .arg(dir.path().join("token"))
+            .args(["--host-timeout-s", &host_timeout_s.to_string()])
+            .args(["--wait-for-hosts-s", &wait_for_hosts_s.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let line = wait_for_line(&mut child, "controller listening on");
+        let addr = line.rsplit(' ').next().unwrap().to_string();
+        Cluster {
+            dir,
+            addr,
+            token,
+            hosts: Vec::new(),
+            _controller: Proc(child),
+        }
+    }
+
+    fn host_command(&self, name: &str, devices: &str, token_file: PathBuf) -> Command {
+        let mut command = Command::new(BIN);
+        command
+            .args(["host", "--controller", &self.addr, "--token-file"])
+            .arg(token_file)
+            .args(["--devices", devices, "--name", name, "--heartbeat-ms", "200"]);
+        command
+    }
+
+    fn add_host(&mut self, name: &str, devices: &str) -> u32 {
+        let log = std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap();
+        let mut child = self
+            .host_command(name, devices, self.dir.path().join("token"))
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        wait_for_line(&mut child, "registered with the controller");
+        let pid = child.id();
+        self.hosts.push((name.to_string(), Proc(child)));
+        pid
+    }
+
+    fn controller(&self) -> Controller {
+        Controller::connect(&self.addr, &self.token)
+    }
+
+    fn controller_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("controller.log")).unwrap()
+    }
+}
+
+fn program(plan: ParallelPlan) -> Program {
+    Program::new(ModelSpec::parse(MLP).unwrap())
+        .with_seed(7)
+        .with_optimizer(OptimizerSpec::adam(1e-2))
+        .with_plan(plan)
+}
+
+fn plan(dp: usize, pp: usize, zero: u8) -> ParallelPlan {
+    ParallelPlan {
+        dp,
+        pp,
+        zero,
+        microbatches: if pp > 1 { 2 } else { 1 },
+        batch: 24,
+        bucket_bytes: 8 << 10,
+        ..ParallelPlan::default()
+    }
+}
+
+fn local(plan: ParallelPlan, steps: u64) -> TrainReport {
+    let actors = plan.actors();
+    Controller::local(DeviceSpec::cpus(actors))
+        .train(
+            &program(plan),
+            &TrainOptions {
+                steps,
+                ..TrainOptions::default()
+            },
+        )
+        .unwrap()
+}
+
+fn assert_same(reference: &TrainReport, run: &TrainReport, tolerance: f64, what: &str) {
+    assert_eq!(reference.steps.len(), run.steps.len(), "{what}: steps");
+    for (a, b) in reference.block_l2.iter().zip(&run.block_l2) {
+        assert!((a - b).abs() / a < tolerance, "{what}: block norm {a} vs {b}");
+    }
+    for (a, b) in reference.steps.iter().zip(&run.steps) {
+        assert_eq!(a.step, b.step, "{what}");
+        assert!(
+            ((a.loss - b.loss) / a.loss).abs() < tolerance as f32,
+            "{what}: step {} loss {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+}
+
+#[test]
+fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
+    let mut cluster = Cluster::start(5.0, 30.0);
+    cluster.add_host("h1", "cpu:0,cpu:1");
+    cluster.add_host("h2", "cpu:0,cpu:1");
+    let remote = cluster.controller();
+    for (layout, what) in [(plan(2, 2, 0), "dp=2 pp=2"), (plan(4, 1, 3), "dp=4 zero 3")] {
+        let reference = local(layout.clone(), 5);
+        let options = TrainOptions {
+            steps: 5,
+            job: format!("across-{}", what.replace(' ', "-")),
+            ..TrainOptions::default()
+        };
+        let run = remote
+            .train(&program(layout), &options)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_same(&reference, &run, 1e-6, what);
+        assert_eq!(run.actors.len(), 4, "{what}: every actor reported");
+    }
+}
+
+#[test]
+fn a_wrong_token_is_refused_and_logged() {
+    let mut cluster = Cluster::start(5.0, 2.0);
+    let wrong = cluster.dir.path().join("wrong-token");
+    std::fs::write(&wrong, "not-the-token").unwrap();
+    let out = cluster.host_command("intruder", "cpu:0", wrong).output().unwrap();
+    assert!(!out.status.success(), "a host with a wrong token was let in");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("refused"), "host said: {stderr}");
+    let error = Controller::connect(&cluster.addr, "not-the-token")
+        .train(
+            &program(plan(1, 1, 0)),
+            &TrainOptions {
+                steps: 1,
+                ..TrainOptions::default()
+            },
+        )
+        .unwrap_err();
+    assert!(error.to_string().contains("refused"), "{error}");
+    let log = cluster.controller_log();
+    assert_eq!(
+        log.matches("refused a call with a wrong token").count(),
+        2,
+        "controller log: {log}"
+    );
+    // The right token still works.
+    cluster.add_host("h1", "cpu:0");
+    let report = cluster
+        .controller()
+        .train(
+            &program(plan(1, 1, 0)),
+            &TrainOptions {
+                steps: 1,
+                ..TrainOptions::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(report.steps.len(), 1);
+}
+
+/// Runs a long job and, after step 3, does `to_host` to host h2; returns the job's error and the
+/// seconds from that moment to the error.
+fn fail_host_mid_run(cluster: &mut Cluster, signal: &str) -> (JobError, f64) {
+    cluster.add_host("h1", "cpu:0");
+    let pid = cluster.add_host("h2", "cpu:0");
+    let when: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let (marked, sig) = (when.clone(), signal.to_string());
+    let on_step = Arc::new(move |p: &StepProgress| {
+        if p.step == 3 {
+            Command::new("kill")
+                .args([&sig, &pid.to_string()])
+                .status()
+                .unwrap();
+            *marked.lock().unwrap() = Some(Instant::now());
+        }
+    });
+    let options = TrainOptions {
+        steps: 100_000,
+        job: format!("lose-h2-{signal}"),
+        on_step: Some(on_step),
+        ..TrainOptions::default()
+    };
+    let error = cluster
+        .controller()
+        .train(&program(plan(2, 1, 0)), &options)
+        .unwrap_err();
+    let since = when
+        .lock()
+        .unwrap()
+        .expect("step 3 was reached")
+        .elapsed()
+        .as_secs_f64();
+    (error, since)
+}
+
+#[test]
+fn a_killed_host_is_detected_and_named_within_five_seconds() {
+    let mut cluster = Cluster::start(5.0, 30.0);
+    let (error, seconds) = fail_host_mid_run(&mut cluster, "-KILL");
+    let message = error.to_string();
+    println!("SIGKILL detected after {seconds:.3} s: {message}");
+    assert!(seconds < 5.0, "detected after {seconds} s: {message}");
+    assert!(
+        message.contains("host `h2`") && message.contains("is lost"),
+        "{message}"
+    );
+    assert!(
+        message.contains("actor 1 on cpu:0"),
+        "the report names the actor: {message}"
+    );
+    assert!(
+        message.contains("instruction") || message.contains("between steps") || message.contains("in step"),
+        "the report says what the actor was running: {message}"
+    );
+}
+
+#[test]
+fn a_silent_host_is_declared_lost_after_the_host_timeout() {
+    let mut cluster = Cluster::start(2.0, 30.0);
+    let (error, seconds) = fail_host_mid_run(&mut cluster, "-STOP");
+    let message = error.to_string();
+    println!("SIGSTOP detected after {seconds:.3} s: {message}");
+    let _ = Command::new("kill")
+        .args(["-CONT", &cluster.hosts[1].1.0.id().to_string()])
+        .status();
+    assert!(
+        seconds < 5.0,
+        "detected after {seconds} s (host timeout 2 s): {message}"
+    );
+    assert!(
+        message.contains("host `h2`") && message.contains("silent for"),
+        "{message}"
+    );
+    assert!(message.contains("actor 1 on cpu:0"), "{message}");
+}
+
+#[test]
+fn with_restart_on_failure_a_killed_host_costs_no_sample_and_no_parameter() {
+    let reference = local(plan(2, 1, 0), 12);
+    let mut cluster = Cluster::start(5.0, 1.0);
+    cluster.add_host("h1", "cpu:0");
+    let pid = cluster.add_host("h2", "cpu:0");
+    let checkpoints = cluster.dir.path().join("checkpoints");
+    let on_step = Arc::new(move |p: &StepProgress| {
+        if p.step == 5 {
+            Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status()
+                .unwrap();
+        }
+    });
+    let options = TrainOptions {
+        steps: 12,
+        job: "restart".into(),
+        on_step: Some(on_step),
+        checkpoint_dir: Some(checkpoints.clone()),
+        checkpoint_every: 3,
+        restart_on_failure: true,
+        ..TrainOptions::default()
+    };
+    let run = cluster
+        .controller()
+        .train(&program(plan(2, 1, 0)), &options)
+        .unwrap();
+    // The job went on as dp=1 on h1 from the checkpoint after step 3 (or 6), same global batch.
+    assert_same(&reference, &run, 1e-5, "restarted on h1");
+    assert!(checkpoints.join("step-00000012/manifest.json").exists());
+}
