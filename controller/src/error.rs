@@ -27,29 +27,34 @@ pub enum JobError {
         waited_s: f64,
     },
     /// A host died, closed its session or went silent; the job stopped.
-    #[error(
-        "job {job}, step {step}: host `{host}` (pid {pid}, fabric {addr}) is lost: {why}; its actors: {actors}"
-    )]
-    HostLost {
-        /// The job.
-        job: String,
-        /// The step running.
-        step: u64,
-        /// The host's name.
-        host: String,
-        /// Its process id.
-        pid: u32,
-        /// Its fabric address.
-        addr: String,
-        /// How it was lost (session closed, silent for N s).
-        why: String,
-        /// Its actors and the instruction each was running when last heard of.
-        actors: String,
-    },
+    #[error("{0}")]
+    HostLost(Box<HostLoss>),
     /// The job failed on a remote controller (its message, as the controller reported it).
     #[error("{0}")]
     Remote(String),
     /// The runtime itself failed (spawning an actor, a closed channel).
     #[error("runtime: {0}")]
     Runtime(String),
+}
+
+/// A lost host, as reported: which, how, and what its actors were running.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "job {job}, step {step}: host `{host}` (pid {pid}, fabric {addr}) is lost: {why}; its actors: {actors}"
+)]
+pub struct HostLoss {
+    /// The job.
+    pub job: String,
+    /// The step running.
+    pub step: u64,
+    /// The host's name.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+    /// Its fabric address.
+    pub addr: String,
+    /// How it was lost (session closed, silent for N s).
+    pub why: String,
+    /// Its actors and the instruction each was running when last heard of.
+    pub actors: String,
 }

@@ -18,6 +18,7 @@ use archipelago_dataflow::{ActorId, Plan};
 
 use super::registry::{HostEvent, HostInfo, Registry};
 use crate::JobError;
+use crate::error::HostLoss;
 use crate::gang::Gang;
 
 /// A job's actors on several hosts.
@@ -260,7 +261,7 @@ impl RemoteGang {
                 format!("actor {a} on {device} {doing}")
             })
             .collect();
-        JobError::HostLost {
+        JobError::HostLost(Box::new(HostLoss {
             job: self.job.clone(),
             step: self.step,
             host: info.name.clone(),
@@ -268,7 +269,7 @@ impl RemoteGang {
             addr: info.fabric_addr.clone(),
             why: why.to_string(),
             actors: described.join(", "),
-        }
+        }))
     }
 }
 

@@ -137,7 +137,7 @@ pub async fn run_job(
         let result = drive(&mut gang, &plan, &train, first_step, &mut history).await;
         gang.stop();
         match result {
-            Err(lost @ JobError::HostLost { .. }) if train.restart_on_failure && restarts < MAX_RESTARTS => {
+            Err(lost @ JobError::HostLost(_)) if train.restart_on_failure && restarts < MAX_RESTARTS => {
                 let Some(root) = &train.checkpoint_dir else {
                     return Err(lost);
                 };
