@@ -39,6 +39,9 @@ pub enum Command {
     Controller(crate::cluster::commands::ControllerArgs),
     /// Offer this machine's devices to a controller and run its part of each job.
     Host(crate::cluster::commands::HostArgs),
+    /// The other end of the cross-process benchmark (started by `bench`).
+    #[command(hide = true)]
+    BenchPeer(crate::bench::cross_process::PeerArgs),
 }
 
 /// The flags that describe a job (shared by `train` and `plan`).

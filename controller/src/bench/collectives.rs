@@ -25,7 +25,7 @@ fn chunk_elems() -> usize {
         .unwrap_or(DEFAULT_CHUNK_ELEMS)
 }
 
-type Ring =
+pub(super) type Ring =
     fn(&dyn Fabric, ActorId, &[ActorId], u64, &mut [f32], usize, &mut ChunkPool) -> Result<(), FabricError>;
 
 /// How the members of a collective benchmark reach each other.

@@ -3,6 +3,7 @@
 //! sequential file I/O for the NVMe offload tier).
 
 mod collectives;
+pub mod cross_process;
 mod offload;
 mod training;
 
@@ -47,6 +48,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
     }
     eprintln!("collectives: {}", serde_json::Value::from(ring.clone()));
+    let peer = cross_process::PeerArgs {
+        reps,
+        bytes: 64 << 20,
+        round_trips: if args.quick { 2000 } else { 10_000 },
+        batches: if args.quick { 5 } else { 20 },
+    };
+    let processes = json!({
+        "in_process": cross_process::in_process(&peer),
+        "grpc_2_processes": cross_process::between_processes(&peer)?,
+    });
+    eprintln!("cross_process: {processes}");
     let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
     let training = training::mlp_dp_scaling(warmup, timed)?;
     eprintln!("training: {training}");
@@ -58,9 +70,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let offload = offload::mlp_offload(warmup, timed, &dir)?;
     eprintln!("offload: {offload}");
     let out = json!({
-        "suite": "foundation+pipeline+zero+offload",
+        "suite": "foundation+pipeline+zero+offload+multi_host",
         "quick": args.quick,
         "collectives": ring,
+        "cross_process": processes,
         "training": training,
         "pipeline": pipeline,
         "zero": zero,

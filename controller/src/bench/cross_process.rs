@@ -1,0 +1,261 @@
+//! Cross-process benchmarks: this process and a peer process (`archipelago bench-peer`, started
+//! here) each serve a gRPC fabric on 127.0.0.1 and run the same script as actors 0 and 1 — the
+//! three ring collectives of 64 MiB, then actor round trips of one-value tensors, synchronous
+//! (one in flight) and pipelined (1000 in flight). The same script over the in-process fabric
+//! (two threads) gives the in-process figures beside them.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde_json::{Value, json};
+
+use archipelago_actors::HostTensor;
+use archipelago_actors::collectives::{
+    ChunkPool, DEFAULT_CHUNK_ELEMS, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
+};
+use archipelago_actors::fabric::Tag;
+use archipelago_actors::fabric::{Fabric, GrpcFabric, InProcessFabric, Inbox, serve_fabric};
+use archipelago_dataflow::ActorId;
+
+use super::collectives::Ring;
+use crate::process_stats::load_avg;
+use crate::report::median;
+
+const TOKEN: &str = "bench";
+const IN_FLIGHT: usize = 1000;
+
+/// Flags of the hidden `bench-peer` subcommand (the other end of the cross-process benchmark).
+#[derive(Debug, Clone, Args)]
+pub struct PeerArgs {
+    /// Repetitions of each collective.
+    #[arg(long)]
+    pub reps: usize,
+    /// Bytes per collective.
+    #[arg(long)]
+    pub bytes: usize,
+    /// Synchronous round trips.
+    #[arg(long)]
+    pub round_trips: usize,
+    /// Batches of 1000 round trips in flight.
+    #[arg(long)]
+    pub batches: usize,
+}
+
+/// What one side of the script measured.
+struct Figures {
+    collectives: Vec<(&'static str, f64, Vec<f64>)>,
+    sync_s: f64,
+    pipelined_s: f64,
+}
+
+fn barrier(fabric: &dyn Fabric, me: ActorId, edge: u64) {
+    let peer = 1 - me;
+    let tag = Tag { edge, seq: 0 };
+    fabric
+        .send(me, peer, tag, HostTensor::flat(vec![0.0]))
+        .expect("barrier send");
+    fabric.recv(me, peer, tag).expect("barrier recv");
+}
+
+/// The script both sides run, as actor `me` of 2.
+fn script(fabric: &dyn Fabric, me: ActorId, args: &PeerArgs) -> Figures {
+    let rings: [(&'static str, Ring, f64); 3] = [
+        ("all_reduce", ring_all_reduce, 2.0),
+        ("reduce_scatter", ring_reduce_scatter, 1.0),
+        ("all_gather", ring_all_gather, 1.0),
+    ];
+    let group = [0, 1];
+    let mut data = vec![me as f32; args.bytes / 4];
+    let mut pool = ChunkPool::default();
+    let mut collectives = Vec::new();
+    for (k, (name, run, traffic)) in rings.into_iter().enumerate() {
+        let mut times = Vec::new();
+        for rep in 0..args.reps as u64 {
+            let edge = ((k as u64 + 1) << 40) | (rep << 8);
+            barrier(fabric, me, edge | 1);
+            let t = Instant::now();
+            run(
+                fabric,
+                me,
+                &group,
+                edge,
+                &mut data,
+                DEFAULT_CHUNK_ELEMS,
+                &mut pool,
+            )
+            .expect("collective");
+            times.push(t.elapsed().as_secs_f64());
+        }
+        collectives.push((name, traffic, times));
+    }
+    let peer = 1 - me;
+    let one = || HostTensor::flat(vec![1.0]);
+    let sync_edge = 10 << 40;
+    barrier(fabric, me, sync_edge | 1);
+    let t = Instant::now();
+    for i in 0..args.round_trips as u64 {
+        let tag = Tag {
+            edge: sync_edge,
+            seq: i,
+        };
+        if me == 0 {
+            fabric.send(0, 1, tag, one()).expect("ping");
+            fabric.recv(0, 1, tag).expect("pong");
+        } else {
+            let v = fabric.recv(1, 0, tag).expect("ping");
+            fabric.send(1, 0, tag, v).expect("pong");
+        }
+    }
+    let sync_s = t.elapsed().as_secs_f64();
+    let pipe_edge = 11 << 40;
+    barrier(fabric, me, pipe_edge | 1);
+    let t = Instant::now();
+    for batch in 0..args.batches as u64 {
+        let tag = |i: usize| Tag {
+            edge: pipe_edge | (batch << 8),
+            seq: i as u64,
+        };
+        if me == 0 {
+            for i in 0..IN_FLIGHT {
+                fabric.send(0, 1, tag(i), one()).expect("ping");
+            }
+            for i in 0..IN_FLIGHT {
+                fabric.recv(0, 1, tag(i)).expect("pong");
+            }
+        } else {
+            for i in 0..IN_FLIGHT {
+                let v = fabric.recv(1, 0, tag(i)).expect("ping");
+                fabric.send(1, peer, tag(i), v).expect("pong");
+            }
+        }
+    }
+    Figures {
+        collectives,
+        sync_s,
+        pipelined_s: t.elapsed().as_secs_f64(),
+    }
+}
+
+/// A gRPC fabric endpoint for actor `me` of 2; returns the runtime serving it, the inbox and
+/// its address (the fabric is connected once the peer's address is known).
+fn endpoint() -> (tokio::runtime::Runtime, Inbox, String) {
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    let inbox = Inbox::default();
+    let addr = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        serve_fabric(listener, inbox.clone(), TOKEN).expect("fabric server")
+    });
+    (runtime, inbox, addr.to_string())
+}
+
+fn connect(
+    runtime: &tokio::runtime::Runtime,
+    inbox: &Inbox,
+    addrs: &[String],
+    here: &str,
+) -> Arc<dyn Fabric> {
+    let local = Arc::new(InProcessFabric::new(2, Duration::from_secs(60)));
+    inbox.install(Some(local.clone()));
+    let fabric = runtime
+        .block_on(GrpcFabric::connect(addrs, here, local, TOKEN))
+        .expect("connect the fabric");
+    Arc::new(fabric)
+}
+
+/// `archipelago bench-peer`: prints its fabric address, reads the other side's from stdin, runs
+/// the script as actor 1.
+pub fn peer_main(args: &PeerArgs) -> anyhow::Result<()> {
+    let (runtime, inbox, here) = endpoint();
+    println!("peer fabric {here}");
+    std::io::stdout().flush()?;
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line)?;
+    let addrs = vec![line.trim().to_string(), here.clone()];
+    let fabric = connect(&runtime, &inbox, &addrs, &here);
+    script(fabric.as_ref(), 1, args);
+    // Let the last replies leave before the runtime goes.
+    std::thread::sleep(Duration::from_millis(200));
+    Ok(())
+}
+
+fn figures_json(transport: &str, figures: Figures, args: &PeerArgs) -> Value {
+    let gbs = |s: f64| args.bytes as f64 / s / 1e9;
+    let collectives: Vec<Value> = figures
+        .collectives
+        .into_iter()
+        .map(|(name, traffic, mut times)| {
+            let s = median(&mut times);
+            json!({
+                "name": format!("{name}_{transport}"),
+                "config": { "bytes": args.bytes, "members": 2, "transport": transport, "reps": args.reps, "algorithm": "ring, chunked, pipelined" },
+                "median_s": s,
+                "algbw_gb_per_s": gbs(s),
+                "busbw_gb_per_s": gbs(s) * traffic / 2.0,
+            })
+        })
+        .collect();
+    let pipelined = (args.batches * IN_FLIGHT) as f64;
+    json!({
+        "transport": transport,
+        "collectives": collectives,
+        "round_trips": {
+            "config": { "payload": "one f32", "sync_round_trips": args.round_trips, "in_flight": IN_FLIGHT, "pipelined_round_trips": pipelined },
+            "sync_per_s": args.round_trips as f64 / figures.sync_s,
+            "sync_latency_us": figures.sync_s / args.round_trips as f64 * 1e6,
+            "in_flight_1000_per_s": pipelined / figures.pipelined_s,
+        },
+        "load_avg": load_avg(),
+    })
+}
+
+/// The script between this process and a peer process over gRPC on 127.0.0.1.
+pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .arg("bench-peer")
+        .args([
+            "--reps",
+            &args.reps.to_string(),
+            "--bytes",
+            &args.bytes.to_string(),
+        ])
+        .args([
+            "--round-trips",
+            &args.round_trips.to_string(),
+            "--batches",
+            &args.batches.to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let stdout = child.stdout.take().expect("piped");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let peer = line
+        .trim()
+        .strip_prefix("peer fabric ")
+        .ok_or_else(|| anyhow::anyhow!("the bench peer said `{line}`"))?
+        .to_string();
+    let (runtime, inbox, here) = endpoint();
+    writeln!(child.stdin.take().expect("piped"), "{here}")?;
+    let fabric = connect(&runtime, &inbox, &[here.clone(), peer], &here);
+    let figures = script(fabric.as_ref(), 0, args);
+    let status = child.wait()?;
+    if !status.success() {
+        anyhow::bail!("the bench peer failed: {status}");
+    }
+    Ok(figures_json("grpc_2_processes", figures, args))
+}
+
+/// The same script between two threads over the in-process fabric.
+pub fn in_process(args: &PeerArgs) -> Value {
+    let fabric: Arc<dyn Fabric> = Arc::new(InProcessFabric::new(2, Duration::from_secs(60)));
+    let (peer_fabric, peer_args) = (fabric.clone(), args.clone());
+    let peer = std::thread::spawn(move || script(peer_fabric.as_ref(), 1, &peer_args));
+    let figures = script(fabric.as_ref(), 0, args);
+    peer.join().expect("peer thread");
+    figures_json("in_process", figures, args)
+}
