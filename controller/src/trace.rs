@@ -106,6 +106,7 @@ fn collective_category(kind: CollectiveKind) -> &'static str {
         CollectiveKind::AllReduceSum => "all-reduce",
         CollectiveKind::ReduceScatterSum => "reduce-scatter",
         CollectiveKind::AllGather => "all-gather",
+        CollectiveKind::HierarchicalAllReduceSum { .. } => "hierarchical-all-reduce",
     }
 }
 

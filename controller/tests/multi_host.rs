@@ -1,6 +1,6 @@
 //! Jobs across real processes on 127.0.0.1: an `archipelago controller` and `archipelago host`s,
-//! driven through `Controller::connect`. A job across two hosts equals the same job in one
-//! process; a wrong token is refused (and the refusal logged); a host killed with SIGKILL or
+//! driven through `Controller::connect`. A job across two hosts (two islands) equals the same job
+//! in one process, also with the hierarchical all-reduce across the islands; a wrong token is refused (and the refusal logged); a host killed with SIGKILL or
 //! stopped with SIGSTOP is detected and named with its actors; with restart on failure the job
 //! re-plans on the host left, resumes from the last checkpoint and ends with the parameters of an
 //! uninterrupted run.
@@ -82,7 +82,8 @@ impl Cluster {
         command
             .args(["host", "--controller", &self.addr, "--token-file"])
             .arg(token_file)
-            .args(["--devices", devices, "--name", name, "--heartbeat-ms", "200"]);
+            .args(["--devices", devices, "--name", name, "--heartbeat-ms", "200"])
+            .args(["--island", &format!("island-{name}")]);
         command
     }
 
@@ -164,7 +165,13 @@ fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
     cluster.add_host("h1", "cpu:0,cpu:1");
     cluster.add_host("h2", "cpu:0,cpu:1");
     let remote = cluster.controller();
-    for (layout, what) in [(plan(2, 2, 0), "dp=2 pp=2"), (plan(4, 1, 3), "dp=4 zero 3")] {
+    // Each host is its own island: dp=4 all-reduces hierarchically (inside each host, then
+    // across); dp=2 × pp=2 keeps each stage's replicas on one host.
+    for (layout, what) in [
+        (plan(2, 2, 0), "dp=2 pp=2"),
+        (plan(4, 1, 3), "dp=4 zero 3"),
+        (plan(4, 1, 0), "dp=4"),
+    ] {
         let reference = local(layout.clone(), 5);
         let options = TrainOptions {
             steps: 5,
@@ -176,6 +183,12 @@ fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_same(&reference, &run, 1e-6, what);
         assert_eq!(run.actors.len(), 4, "{what}: every actor reported");
+        let hierarchical = run
+            .actors
+            .iter()
+            .flat_map(|a| &a.instructions)
+            .any(|i| i.instruction.contains("HierarchicalAllReduceSum"));
+        assert_eq!(hierarchical, what == "dp=4", "{what}: hierarchical all-reduce");
     }
 }
 

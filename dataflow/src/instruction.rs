@@ -125,6 +125,14 @@ pub enum CollectiveKind {
     ReduceScatterSum,
     /// Member `i` brings shard `i`; every member ends with all shards.
     AllGather,
+    /// Element-wise sum over a group spanning islands, hierarchically: reduce-scatter inside
+    /// each island, all-reduce of each shard across islands (among the members at the same
+    /// place in their island), all-gather inside each island. The group is listed island by
+    /// island, `island_size` members each.
+    HierarchicalAllReduceSum {
+        /// Members per island.
+        island_size: usize,
+    },
 }
 
 /// One entry of an actor's instruction stream.

@@ -308,13 +308,14 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     let cost_model = CostModel::default();
     let costs = cost_model.pass_costs(&program.model, &chunks, microbatch_rows);
     let orders = schedule::orders(plan.schedule, shape, &costs);
-    let layout = Layout::new(
+    let mut layout = Layout::new(
         &program.model,
         mesh.clone(),
         shape,
         chunks.clone(),
         plan.bucket_bytes.max(1),
     );
+    layout.islands = island_indices(&program.islands, mesh.size())?;
     let graph = pipeline::build_step(&layout, plan.batch, &orders, plan.zero, plan.offload.is_some());
     let streams = crate::passes::lower::lower(&graph);
     verify(&streams)?;
@@ -439,11 +440,35 @@ pub fn count_compute(stream: &[Instruction], pred: impl Fn(&ComputeOp) -> bool) 
         .count()
 }
 
+/// The island index of each actor from the programme's island names (empty: one island).
+fn island_indices(names: &[String], actors: usize) -> Result<Vec<usize>, PlanError> {
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    if names.len() < actors {
+        return Err(PlanError::Conflict(format!(
+            "{} island names for {actors} devices: name the island of every device, or none",
+            names.len()
+        )));
+    }
+    let mut seen: Vec<&str> = Vec::new();
+    Ok(names[..actors]
+        .iter()
+        .map(|n| match seen.iter().position(|s| *s == n) {
+            Some(i) => i,
+            None => {
+                seen.push(n);
+                seen.len() - 1
+            }
+        })
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::passes::schedule::Schedule;
-    use crate::{ModelSpec, ParallelPlan};
+    use crate::{CollectiveKind, ModelSpec, ParallelPlan};
 
     fn program(dp: usize, batch: usize) -> Program {
         Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan {
@@ -451,6 +476,51 @@ mod tests {
             batch,
             ..ParallelPlan::default()
         })
+    }
+
+    fn collectives(plan: &Plan, actor: usize) -> Vec<(CollectiveKind, Vec<usize>)> {
+        plan.actors[actor]
+            .stream
+            .instructions
+            .iter()
+            .filter_map(|i| match i {
+                Instruction::StartCollective { kind, group, .. } => Some((*kind, group.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A dp group spanning two islands of two all-reduces hierarchically, its group listed
+    /// island by island; one island, uneven islands and ZeRO-2's reduce-scatter stay flat rings.
+    #[test]
+    fn dp_groups_across_islands_all_reduce_hierarchically() {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let mut p = program(4, 64);
+        p.islands = names(&["a", "b", "a", "b"]);
+        let plan = compile(&p).unwrap();
+        let found = collectives(&plan, 1);
+        assert!(!found.is_empty());
+        for (kind, group) in &found {
+            assert_eq!(*kind, CollectiveKind::HierarchicalAllReduceSum { island_size: 2 });
+            assert_eq!(group, &vec![0, 2, 1, 3]);
+        }
+        p.islands = names(&["a", "a", "a", "b"]);
+        let plan = compile(&p).unwrap();
+        assert!(
+            collectives(&plan, 0)
+                .iter()
+                .all(|(k, _)| *k == CollectiveKind::AllReduceSum)
+        );
+        p.islands = names(&["a", "b", "a", "b"]);
+        p.plan.zero = 2;
+        let plan = compile(&p).unwrap();
+        assert!(
+            collectives(&plan, 0)
+                .iter()
+                .all(|(k, _)| *k != CollectiveKind::HierarchicalAllReduceSum { island_size: 2 })
+        );
+        p.islands = names(&["a", "b"]);
+        assert!(matches!(compile(&p), Err(PlanError::Conflict(_))));
     }
 
     #[test]

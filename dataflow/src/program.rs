@@ -184,6 +184,10 @@ pub struct Program {
     pub seed: u64,
     /// Devices to run on, one per actor; empty means `cpu:0 .. cpu:N-1`.
     pub devices: Vec<DeviceSpec>,
+    /// The island of each device (devices with a fast interconnect among them); empty: one
+    /// island. A dp group spanning islands all-reduces hierarchically.
+    #[serde(default)]
+    pub islands: Vec<String>,
 }
 
 impl Program {
@@ -204,6 +208,7 @@ impl Program {
             data,
             seed: 0,
             devices: Vec::new(),
+            islands: Vec::new(),
         }
     }
 
@@ -216,6 +221,7 @@ impl Program {
             data,
             seed: 0,
             devices: Vec::new(),
+            islands: Vec::new(),
         }
     }
 

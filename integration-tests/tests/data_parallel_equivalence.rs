@@ -55,3 +55,55 @@ fn a_different_seed_changes_the_result() {
     let d = archipelago_integration_tests::max_relative_difference(&a.block_l2, &b.block_l2);
     assert!(d > 1e-3, "different seeds gave the same parameters ({d:e})");
 }
+
+/// Data parallelism across islands (a dp group of 4 in two islands of 2, and of 6 in three):
+/// the hierarchical all-reduce trains to the same parameters as one device; so does dp × pp
+/// with each stage's replicas spread over two islands.
+#[test]
+fn hierarchical_all_reduce_across_islands_matches_one_device() {
+    use archipelago_controller::{Controller, TrainOptions};
+    use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
+    let run = |dp: usize, pp: usize, islands: Vec<String>| {
+        let program = Program {
+            islands,
+            ..Program::new(ModelSpec::parse(MLP).unwrap())
+                .with_seed(7)
+                .with_optimizer(OptimizerSpec::adam(1e-2))
+                .with_plan(ParallelPlan {
+                    dp,
+                    pp,
+                    microbatches: pp,
+                    batch: 24,
+                    bucket_bytes: 8 << 10,
+                    ..ParallelPlan::default()
+                })
+        };
+        let options = TrainOptions {
+            steps: 6,
+            ..TrainOptions::default()
+        };
+        Controller::local(DeviceSpec::cpus(dp * pp))
+            .train(&program, &options)
+            .unwrap()
+    };
+    let reference = run(1, 1, Vec::new());
+    // Actor r·pp + s: replica r of stage s.
+    let island = |dp: usize, pp: usize, per: usize| {
+        (0..dp * pp)
+            .map(|a| format!("stage{}-group{}", a % pp, (a / pp) / per))
+            .collect::<Vec<_>>()
+    };
+    for (dp, pp) in [(4, 1), (6, 1), (4, 2)] {
+        let report = run(dp, pp, island(dp, pp, 2));
+        let hierarchical = report
+            .actors
+            .iter()
+            .flat_map(|a| &a.instructions)
+            .any(|i| i.instruction.contains("HierarchicalAllReduceSum"));
+        assert!(
+            hierarchical,
+            "dp={dp} pp={pp}: no hierarchical all-reduce in the plan"
+        );
+        assert_equivalent(&reference, &report, 1e-5, &format!("islands dp={dp} pp={pp}"));
+    }
+}

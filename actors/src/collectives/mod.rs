@@ -1,8 +1,10 @@
 //! Collectives on top of the fabric, and the worker thread that runs them beside compute.
 
+pub mod hierarchical;
 pub mod ring_all_reduce;
 pub mod worker;
 
+pub use hierarchical::hierarchical_all_reduce;
 pub use ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_range};
 pub use worker::{CollectiveWorker, PendingCollective};
 

@@ -8,6 +8,7 @@ use std::thread::JoinHandle;
 
 use archipelago_dataflow::{ActorId, CollectiveKind};
 
+use super::hierarchical::{Islands, hierarchical_all_reduce};
 use super::ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_range};
 use crate::fabric::{Fabric, FabricError};
 use crate::host_tensor::HostTensor;
@@ -49,22 +50,32 @@ impl CollectiveWorker {
             .spawn(move || {
                 let mut pool = ChunkPool::default();
                 for job in queue {
-                    let run = match job.kind {
-                        CollectiveKind::AllReduceSum => ring_all_reduce,
-                        CollectiveKind::ReduceScatterSum => ring_reduce_scatter,
-                        CollectiveKind::AllGather => ring_all_gather,
-                    };
                     let shape = job.tensor.shape.clone();
                     let mut data = job.tensor.into_vec();
-                    let result = run(
-                        fabric.as_ref(),
-                        me,
-                        &job.group,
-                        job.edge,
-                        &mut data,
-                        chunk_elems,
-                        &mut pool,
-                    )
+                    let (fabric, group, edge) = (fabric.as_ref(), &job.group, job.edge);
+                    let result = match job.kind {
+                        CollectiveKind::AllReduceSum => {
+                            ring_all_reduce(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
+                        }
+                        CollectiveKind::ReduceScatterSum => {
+                            ring_reduce_scatter(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
+                        }
+                        CollectiveKind::AllGather => {
+                            ring_all_gather(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
+                        }
+                        CollectiveKind::HierarchicalAllReduceSum { island_size } => hierarchical_all_reduce(
+                            fabric,
+                            me,
+                            Islands {
+                                members: group,
+                                size: island_size,
+                            },
+                            edge,
+                            &mut data,
+                            chunk_elems,
+                            &mut pool,
+                        ),
+                    }
                     .map(|()| match job.kind {
                         // A reduce-scatter leaves this member only its shard (ZeRO-2 keeps no more).
                         CollectiveKind::ReduceScatterSum => {

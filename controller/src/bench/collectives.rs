@@ -13,7 +13,7 @@ use archipelago_actors::collectives::{
     ChunkPool, DEFAULT_CHUNK_ELEMS, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 };
 use archipelago_actors::fabric::{Fabric, FabricError, GrpcFabric, InProcessFabric, Inbox, serve_fabric};
-use archipelago_dataflow::{ActorId, CollectiveKind};
+use archipelago_dataflow::ActorId;
 
 use crate::process_stats::load_avg;
 use crate::report::median;
@@ -27,6 +27,17 @@ fn chunk_elems() -> usize {
 
 pub(super) type Ring =
     fn(&dyn Fabric, ActorId, &[ActorId], u64, &mut [f32], usize, &mut ChunkPool) -> Result<(), FabricError>;
+
+/// The ring collectives measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingOp {
+    /// Ring all-reduce (sum).
+    AllReduce,
+    /// Ring reduce-scatter (sum).
+    ReduceScatter,
+    /// Ring all-gather.
+    AllGather,
+}
 
 /// How the members of a collective benchmark reach each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,16 +86,16 @@ fn fabrics(transport: Transport, members: usize) -> (Vec<Arc<dyn Fabric>>, Optio
 /// Median time of a ring collective of `bytes` (the full buffer, all shards) across `members`
 /// threads, and of a memcpy of `bytes` into a reused buffer, with bandwidths and their ratio.
 pub fn ring_vs_memcpy(
-    kind: CollectiveKind,
+    kind: RingOp,
     transport: Transport,
     bytes: usize,
     members: usize,
     reps: usize,
 ) -> Value {
     let (run, op, traffic): (Ring, &str, f64) = match kind {
-        CollectiveKind::AllReduceSum => (ring_all_reduce, "all_reduce", 2.0),
-        CollectiveKind::ReduceScatterSum => (ring_reduce_scatter, "reduce_scatter", 1.0),
-        CollectiveKind::AllGather => (ring_all_gather, "all_gather", 1.0),
+        RingOp::AllReduce => (ring_all_reduce, "all_reduce", 2.0),
+        RingOp::ReduceScatter => (ring_reduce_scatter, "reduce_scatter", 1.0),
+        RingOp::AllGather => (ring_all_gather, "all_gather", 1.0),
     };
     let name = match transport {
         Transport::InProcess => format!("{op}_in_process"),

@@ -12,8 +12,6 @@ use std::path::PathBuf;
 use clap::Args;
 use serde_json::json;
 
-use archipelago_dataflow::CollectiveKind;
-
 use crate::process_stats::load_avg;
 
 /// Flags of `bench`.
@@ -40,9 +38,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         collectives::Transport::GrpcLoopback,
     ] {
         for kind in [
-            CollectiveKind::AllReduceSum,
-            CollectiveKind::ReduceScatterSum,
-            CollectiveKind::AllGather,
+            collectives::RingOp::AllReduce,
+            collectives::RingOp::ReduceScatter,
+            collectives::RingOp::AllGather,
         ] {
             ring.push(collectives::ring_vs_memcpy(kind, transport, 64 << 20, 2, reps));
         }

@@ -159,7 +159,10 @@ pub async fn run_job(
     }
 }
 
-/// Places the mesh on the hosts' devices in order (hosts sorted by island). When `shrink` (a
+/// Places the mesh on the hosts' devices (hosts sorted by island) stage by stage: the replicas of
+/// one pipeline stage take consecutive devices, so the inner dp axis stays inside an island while
+/// pp stages and the outer dp axis go across islands; a dp group spanning islands then
+/// all-reduces hierarchically (the compiler sees each device's island). When `shrink` (a
 /// restart on fewer hosts), a smaller dp that fits the devices left and divides the batch is
 /// taken; otherwise too few devices is an error saying what to change.
 fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, Vec<HostInfo>), JobError> {
@@ -179,8 +182,12 @@ fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, V
             break;
         }
         program.plan.dp = dp;
-        let used = &slots[..dp * per_replica];
+        // Actor r·pp + s (dp outer, pp inner) takes slot s·dp + r.
+        let used: Vec<(&HostInfo, archipelago_dataflow::DeviceSpec)> = (0..dp * per_replica)
+            .map(|a| slots[(a % per_replica) * dp + a / per_replica])
+            .collect();
         program.devices = used.iter().map(|(_, d)| *d).collect();
+        program.islands = used.iter().map(|(h, _)| h.island.clone()).collect();
         let memories: Vec<u64> = used.iter().map(|(h, _)| h.device_memory).collect();
         if program.plan.device_memory.is_none() && memories.iter().all(|&m| m > 0) {
             program.plan.device_memory = memories.iter().copied().min();

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 
+use crate::ActorId;
 use crate::graph::Graph;
 use crate::instruction::{CollectiveKind, ComputeOp};
 use crate::mesh::Mesh;
@@ -33,9 +34,37 @@ pub struct Layout {
     pub segments: Vec<Bucket>,
     /// The chunk of each segment.
     pub segment_chunk: Vec<usize>,
+    /// The island of each actor (empty: one island).
+    pub islands: Vec<usize>,
 }
 
 impl Layout {
+    /// The gradient all-reduce over dp group `group`: hierarchical when the group spans
+    /// islands with the same number (≥ 2) of members in each, a flat ring otherwise.
+    pub fn all_reduce(&self, group: &[ActorId]) -> (CollectiveKind, Vec<ActorId>) {
+        let flat = (CollectiveKind::AllReduceSum, group.to_vec());
+        if self.islands.is_empty() {
+            return flat;
+        }
+        let mut by_island: Vec<(usize, Vec<ActorId>)> = Vec::new();
+        for &a in group {
+            let island = self.islands[a];
+            match by_island.iter_mut().find(|(i, _)| *i == island) {
+                Some((_, members)) => members.push(a),
+                None => by_island.push((island, vec![a])),
+            }
+        }
+        let size = by_island[0].1.len();
+        if by_island.len() < 2 || size < 2 || by_island.iter().any(|(_, m)| m.len() != size) {
+            return flat;
+        }
+        let ordered = by_island.into_iter().flat_map(|(_, m)| m).collect();
+        (
+            CollectiveKind::HierarchicalAllReduceSum { island_size: size },
+            ordered,
+        )
+    }
+
     /// Cuts every chunk into buckets of about `bucket_bytes`.
     pub fn new(
         model: &ModelDesc,
@@ -57,6 +86,7 @@ impl Layout {
             chunks,
             segments,
             segment_chunk,
+            islands: Vec::new(),
         }
     }
 
@@ -232,12 +262,12 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8,
                     }
                 }
                 if finishes_grads && dp > 1 {
-                    let kind = if zero >= 2 {
-                        CollectiveKind::ReduceScatterSum
+                    let (kind, members) = if zero >= 2 {
+                        (CollectiveKind::ReduceScatterSum, group.clone())
                     } else {
-                        CollectiveKind::AllReduceSum
+                        layout.all_reduce(&group)
                     };
-                    graph.collective(kind, group.clone(), &grad_name(b.id));
+                    graph.collective(kind, members, &grad_name(b.id));
                 }
                 if finishes_grads && offload && index > 0 {
                     hand_off(&mut graph, layout, segments[index - 1], s);
