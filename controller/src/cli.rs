@@ -182,6 +182,10 @@ pub struct TrainArgs {
     /// Submit the job to this controller (`archipelago controller`) instead of running it here.
     #[arg(long, env = "ARCHIPELAGO_CONTROLLER")]
     pub controller: Option<String>,
+    /// With --controller: how tensors travel between hosts, `tcp` (raw TCP, the faster) or
+    /// `grpc` (gRPC streams).
+    #[arg(long, default_value = "tcp")]
+    pub data_path: archipelago_actors::fabric::DataPath,
     /// File holding the cluster token (with --controller).
     #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
@@ -254,6 +258,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         checkpoint_every: args.checkpoint_every,
         resume: args.resume.is_some(),
         restart_on_failure,
+        data_path: args.data_path,
     };
     if args.resume.is_some() && args.checkpoint_dir.is_some() && args.checkpoint_dir != args.resume {
         anyhow::bail!(

@@ -64,6 +64,8 @@ pub struct TrainOptions {
     /// Several hosts: when a host dies, re-plan on the hosts that remain, load the last complete
     /// checkpoint (resharded) and go on.
     pub restart_on_failure: bool,
+    /// Several hosts: how tensors travel between them (raw TCP unless gRPC is asked for).
+    pub data_path: archipelago_actors::fabric::DataPath,
 }
 
 impl Default for TrainOptions {
@@ -79,6 +81,7 @@ impl Default for TrainOptions {
             checkpoint_every: 0,
             resume: false,
             restart_on_failure: false,
+            data_path: archipelago_actors::fabric::DataPath::Tcp,
         }
     }
 }

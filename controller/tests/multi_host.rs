@@ -11,6 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use archipelago_actors::fabric::DataPath;
 use archipelago_controller::{Controller, JobError, StepProgress, TrainOptions, TrainReport};
 use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
 
@@ -166,16 +167,20 @@ fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
     cluster.add_host("h2", "cpu:0,cpu:1");
     let remote = cluster.controller();
     // Each host is its own island: dp=4 all-reduces hierarchically (inside each host, then
-    // across); dp=2 × pp=2 keeps each stage's replicas on one host.
-    for (layout, what) in [
-        (plan(2, 2, 0), "dp=2 pp=2"),
-        (plan(4, 1, 3), "dp=4 zero 3"),
-        (plan(4, 1, 0), "dp=4"),
+    // across); dp=2 × pp=2 keeps each stage's replicas on one host. Raw TCP carries the
+    // tensors unless gRPC is asked for.
+    for (layout, what, data_path) in [
+        (plan(2, 2, 0), "dp=2 pp=2", DataPath::Tcp),
+        (plan(4, 1, 3), "dp=4 zero 3", DataPath::Tcp),
+        (plan(4, 1, 0), "dp=4", DataPath::Tcp),
+        (plan(4, 1, 0), "dp=4", DataPath::Grpc),
+        (plan(2, 2, 3), "dp=2 pp=2 zero 3", DataPath::Grpc),
     ] {
         let reference = local(layout.clone(), 5);
         let options = TrainOptions {
             steps: 5,
-            job: format!("across-{}", what.replace(' ', "-")),
+            job: format!("across-{}-{data_path}", what.replace(' ', "-")),
+            data_path,
             ..TrainOptions::default()
         };
         let run = remote

@@ -45,7 +45,20 @@ impl Inbox {
         *self.job.lock().expect("inbox") = mailboxes;
     }
 
-    fn deliver(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), Status> {
+    /// Aborts the running job's mailboxes (a peer's connection broke).
+    pub(crate) fn abort(&self, reason: &str) {
+        if let Some(mailboxes) = self.job.lock().expect("inbox").clone() {
+            mailboxes.abort(reason);
+        }
+    }
+
+    pub(crate) fn deliver(
+        &self,
+        from: ActorId,
+        to: ActorId,
+        tag: Tag,
+        tensor: HostTensor,
+    ) -> Result<(), Status> {
         let job = self.job.lock().expect("inbox").clone();
         let mailboxes = job.ok_or_else(|| Status::failed_precondition("no job is running on this host"))?;
         mailboxes

@@ -6,9 +6,11 @@
 
 pub mod grpc;
 mod in_process;
+pub mod tcp;
 
 pub use grpc::{GrpcFabric, Inbox, serve_fabric};
 pub use in_process::InProcessFabric;
+pub use tcp::{TcpFabric, serve_tcp_fabric};
 
 use std::fmt;
 use std::time::Duration;
@@ -67,4 +69,34 @@ pub trait Fabric: Send + Sync {
     fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError>;
     /// Wakes every waiter with [`FabricError::Aborted`]; later calls fail the same way.
     fn abort(&self, reason: &str);
+}
+
+/// How tensors travel between hosts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum DataPath {
+    /// Long-lived gRPC streams (`Fabric.Push`) in 4 MiB chunks.
+    #[default]
+    Grpc,
+    /// One raw TCP connection per pair of hosts, header + bytes per tensor.
+    Tcp,
+}
+
+impl std::str::FromStr for DataPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DataPath, String> {
+        match s {
+            "grpc" => Ok(DataPath::Grpc),
+            "tcp" => Ok(DataPath::Tcp),
+            other => Err(format!("the data path is `grpc` or `tcp`, not `{other}`")),
+        }
+    }
+}
+
+impl fmt::Display for DataPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DataPath::Grpc => "grpc",
+            DataPath::Tcp => "tcp",
+        })
+    }
 }

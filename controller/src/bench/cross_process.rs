@@ -17,7 +17,9 @@ use archipelago_actors::collectives::{
     ChunkPool, DEFAULT_CHUNK_ELEMS, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 };
 use archipelago_actors::fabric::Tag;
-use archipelago_actors::fabric::{Fabric, GrpcFabric, InProcessFabric, Inbox, serve_fabric};
+use archipelago_actors::fabric::{
+    DataPath, Fabric, GrpcFabric, InProcessFabric, Inbox, TcpFabric, serve_fabric, serve_tcp_fabric,
+};
 use archipelago_dataflow::ActorId;
 
 use super::collectives::Ring;
@@ -42,6 +44,9 @@ pub struct PeerArgs {
     /// Batches of 1000 round trips in flight.
     #[arg(long)]
     pub batches: usize,
+    /// `grpc` or `tcp`.
+    #[arg(long, default_value = "grpc")]
+    pub data_path: DataPath,
 }
 
 /// What one side of the script measured.
@@ -139,42 +144,54 @@ fn script(fabric: &dyn Fabric, me: ActorId, args: &PeerArgs) -> Figures {
     }
 }
 
-/// A gRPC fabric endpoint for actor `me` of 2; returns the runtime serving it, the inbox and
-/// its address (the fabric is connected once the peer's address is known).
-fn endpoint() -> (tokio::runtime::Runtime, Inbox, String) {
+/// A fabric endpoint on `path`; returns the runtime serving it (gRPC), the inbox and its
+/// address (the fabric is connected once the peer's address is known).
+fn endpoint(path: DataPath) -> (tokio::runtime::Runtime, Arc<InProcessFabric>, String) {
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let inbox = Inbox::default();
-    let addr = runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        serve_fabric(listener, inbox.clone(), TOKEN).expect("fabric server")
-    });
-    (runtime, inbox, addr.to_string())
+    // The mailboxes are in place before the address is given out: nothing arrives before them.
+    let local = Arc::new(InProcessFabric::new(2, Duration::from_secs(60)));
+    inbox.install(Some(local.clone()));
+    let addr = match path {
+        DataPath::Grpc => runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            serve_fabric(listener, inbox.clone(), TOKEN).expect("fabric server")
+        }),
+        DataPath::Tcp => {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            serve_tcp_fabric(listener, inbox.clone(), TOKEN).expect("tcp fabric server")
+        }
+    };
+    (runtime, local, addr.to_string())
 }
 
 fn connect(
+    path: DataPath,
     runtime: &tokio::runtime::Runtime,
-    inbox: &Inbox,
+    local: Arc<InProcessFabric>,
     addrs: &[String],
     here: &str,
 ) -> Arc<dyn Fabric> {
-    let local = Arc::new(InProcessFabric::new(2, Duration::from_secs(60)));
-    inbox.install(Some(local.clone()));
-    let fabric = runtime
-        .block_on(GrpcFabric::connect(addrs, here, local, TOKEN))
-        .expect("connect the fabric");
-    Arc::new(fabric)
+    match path {
+        DataPath::Grpc => Arc::new(
+            runtime
+                .block_on(GrpcFabric::connect(addrs, here, local, TOKEN))
+                .expect("connect the fabric"),
+        ),
+        DataPath::Tcp => Arc::new(TcpFabric::connect(addrs, here, local, TOKEN).expect("connect the fabric")),
+    }
 }
 
 /// `archipelago bench-peer`: prints its fabric address, reads the other side's from stdin, runs
 /// the script as actor 1.
 pub fn peer_main(args: &PeerArgs) -> anyhow::Result<()> {
-    let (runtime, inbox, here) = endpoint();
+    let (runtime, local, here) = endpoint(args.data_path);
     println!("peer fabric {here}");
     std::io::stdout().flush()?;
     let mut line = String::new();
     std::io::stdin().read_line(&mut line)?;
     let addrs = vec![line.trim().to_string(), here.clone()];
-    let fabric = connect(&runtime, &inbox, &addrs, &here);
+    let fabric = connect(args.data_path, &runtime, local, &addrs, &here);
     script(fabric.as_ref(), 1, args);
     // Let the last replies leave before the runtime goes.
     std::thread::sleep(Duration::from_millis(200));
@@ -211,7 +228,7 @@ fn figures_json(transport: &str, figures: Figures, args: &PeerArgs) -> Value {
     })
 }
 
-/// The script between this process and a peer process over gRPC on 127.0.0.1.
+/// The script between this process and a peer process over `args.data_path` on 127.0.0.1.
 pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
     let exe = std::env::current_exe()?;
     let mut child = Command::new(exe)
@@ -228,6 +245,7 @@ pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
             "--batches",
             &args.batches.to_string(),
         ])
+        .args(["--data-path", &args.data_path.to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
@@ -239,15 +257,16 @@ pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
         .strip_prefix("peer fabric ")
         .ok_or_else(|| anyhow::anyhow!("the bench peer said `{line}`"))?
         .to_string();
-    let (runtime, inbox, here) = endpoint();
+    let (runtime, local, here) = endpoint(args.data_path);
     writeln!(child.stdin.take().expect("piped"), "{here}")?;
-    let fabric = connect(&runtime, &inbox, &[here.clone(), peer], &here);
+    let fabric = connect(args.data_path, &runtime, local, &[here.clone(), peer], &here);
     let figures = script(fabric.as_ref(), 0, args);
     let status = child.wait()?;
     if !status.success() {
         anyhow::bail!("the bench peer failed: {status}");
     }
-    Ok(figures_json("grpc_2_processes", figures, args))
+    let transport = format!("{}_2_processes", args.data_path);
+    Ok(figures_json(&transport, figures, args))
 }
 
 /// The same script between two threads over the in-process fabric.

@@ -12,6 +12,8 @@ use std::path::PathBuf;
 use clap::Args;
 use serde_json::json;
 
+use archipelago_actors::fabric::DataPath;
+
 use crate::process_stats::load_avg;
 
 /// Flags of `bench`.
@@ -51,10 +53,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         bytes: 64 << 20,
         round_trips: if args.quick { 2000 } else { 10_000 },
         batches: if args.quick { 5 } else { 20 },
+        data_path: DataPath::Grpc,
+    };
+    let tcp = cross_process::PeerArgs {
+        data_path: DataPath::Tcp,
+        ..peer.clone()
     };
     let processes = json!({
         "in_process": cross_process::in_process(&peer),
         "grpc_2_processes": cross_process::between_processes(&peer)?,
+        "tcp_2_processes": cross_process::between_processes(&tcp)?,
     });
     eprintln!("cross_process: {processes}");
     let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };

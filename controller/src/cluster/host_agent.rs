@@ -12,8 +12,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::Endpoint;
 
 use archipelago_actors::checkpoint::CheckpointReader;
-use archipelago_actors::fabric::InProcessFabric;
 use archipelago_actors::fabric::grpc::{GrpcFabric, Inbox, serve_fabric, with_token};
+use archipelago_actors::fabric::{DataPath, Fabric, InProcessFabric, TcpFabric, serve_tcp_fabric};
 use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::proto::{
@@ -58,12 +58,11 @@ type Progress = Arc<Mutex<Vec<(ActorId, Arc<ActorProgress>)>>>;
 struct LocalJob {
     name: String,
     gang: Arc<tokio::sync::Mutex<ActorGang>>,
-    fabric: Arc<GrpcFabric>,
+    fabric: Arc<dyn Fabric>,
 }
 
 impl LocalJob {
     async fn stop(self, reason: &str) {
-        use archipelago_actors::fabric::Fabric;
         self.fabric.abort(reason);
         self.gang.lock().await.stop().await;
     }
@@ -76,6 +75,11 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen for the fabric on {}", options.fabric_listen))?;
     let inbox = Inbox::default();
     let fabric_addr = serve_fabric(listener, inbox.clone(), &options.token)?.to_string();
+    // The raw-TCP tensor port: on the same interface, any free port.
+    let tcp_listen = tcp_listen_addr(&options.fabric_listen);
+    let tcp_listener = std::net::TcpListener::bind(&tcp_listen)
+        .with_context(|| format!("cannot listen for tensors on {tcp_listen}"))?;
+    let tcp_addr = serve_tcp_fabric(tcp_listener, inbox.clone(), &options.token)?.to_string();
     let channel = connect(&options.controller, options.connect_timeout).await?;
     let mut client = ControllerClient::new(channel);
     let (to_controller, outgoing) = unbounded_channel::<HostMessage>();
@@ -91,6 +95,7 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
             device_memory: options.memory.unwrap_or(0),
             fabric_addr: fabric_addr.clone(),
             pid: std::process::id(),
+            tcp_addr: tcp_addr.clone(),
         }),
     );
     let request = with_token(&options.token, UnboundedReceiverStream::new(outgoing))?;
@@ -149,7 +154,12 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
                     old.stop("a new job was launched").await;
                 }
                 let name = launch.job.clone();
-                match start_job(launch, &inbox, &fabric_addr, &options.token).await {
+                let here = if launch.data_path == "grpc" {
+                    &fabric_addr
+                } else {
+                    &tcp_addr
+                };
+                match start_job(launch, &inbox, here, &options.token).await {
                     Ok((gang, fabric)) => {
                         *progress.lock().expect("progress") =
                             gang.progress().iter().map(|(a, _, p)| (*a, p.clone())).collect();
@@ -277,17 +287,29 @@ async fn start_job(
     inbox: &Inbox,
     here: &str,
     token: &str,
-) -> Result<(ActorGang, Arc<GrpcFabric>), JobError> {
+) -> Result<(ActorGang, Arc<dyn Fabric>), JobError> {
     let plan: Plan = serde_json::from_slice(&launch.plan)
         .map_err(|e| JobError::Runtime(format!("unreadable plan: {e}")))?;
     let patience = Duration::from_millis(launch.patience_ms);
     let local = Arc::new(InProcessFabric::new(plan.actors.len(), patience));
     inbox.install(Some(local.clone()));
-    let fabric = Arc::new(
-        GrpcFabric::connect(&launch.actor_addrs, here, local, token)
-            .await
-            .map_err(JobError::Runtime)?,
-    );
+    let fabric: Arc<dyn Fabric> = match launch.data_path.parse::<DataPath>().map_err(JobError::Runtime)? {
+        DataPath::Grpc => Arc::new(
+            GrpcFabric::connect(&launch.actor_addrs, here, local, token)
+                .await
+                .map_err(JobError::Runtime)?,
+        ),
+        DataPath::Tcp => {
+            let addrs = launch.actor_addrs.clone();
+            let (here, token) = (here.to_string(), token.to_string());
+            let connect = move || TcpFabric::connect(&addrs, &here, local, &token);
+            let fabric = tokio::task::spawn_blocking(connect)
+                .await
+                .map_err(|e| JobError::Runtime(e.to_string()))?
+                .map_err(JobError::Runtime)?;
+            Arc::new(fabric)
+        }
+    };
     let restore = if launch.restore.is_empty() {
         None
     } else {
@@ -327,4 +349,12 @@ fn failure(job: &str, error: &JobError) -> host_message::Kind {
         message: error.to_string(),
         actor_failure: actor_failure.into(),
     })
+}
+
+/// The raw-TCP tensor port listens on the fabric's interface, on any free port.
+fn tcp_listen_addr(fabric_listen: &str) -> String {
+    match fabric_listen.rsplit_once(':') {
+        Some((host, _)) => format!("{host}:0"),
+        None => "127.0.0.1:0".into(),
+    }
 }

@@ -26,8 +26,10 @@ pub struct HostInfo {
     pub devices: Vec<DeviceSpec>,
     /// Memory per device in bytes (0: not given).
     pub device_memory: u64,
-    /// Where its fabric listens.
+    /// Where its gRPC fabric listens.
     pub fabric_addr: String,
+    /// Where its raw-TCP tensor port listens.
+    pub tcp_addr: String,
     /// Its process id.
     pub pid: u32,
 }

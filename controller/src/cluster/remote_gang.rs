@@ -13,6 +13,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use archipelago_actors::ActorFailure;
 use archipelago_actors::checkpoint::ShardFile;
 use archipelago_actors::executor::StepReport;
+use archipelago_actors::fabric::DataPath;
 use archipelago_actors::proto::{ActorState, Ask, Launch, Step, Stop, controller_message, host_message};
 use archipelago_dataflow::{ActorId, Plan};
 
@@ -46,6 +47,7 @@ impl RemoteGang {
         plan: &Plan,
         placement: &[HostInfo],
         restore: Option<&Path>,
+        data_path: DataPath,
         patience: Duration,
         grace: Duration,
     ) -> Result<RemoteGang, JobError> {
@@ -78,7 +80,13 @@ impl RemoteGang {
             step: 0,
         };
         let plan_json = serde_json::to_vec(plan).map_err(|e| JobError::Runtime(e.to_string()))?;
-        let actor_addrs: Vec<String> = placement.iter().map(|h| h.fabric_addr.clone()).collect();
+        let actor_addrs: Vec<String> = placement
+            .iter()
+            .map(|h| match data_path {
+                DataPath::Grpc => h.fabric_addr.clone(),
+                DataPath::Tcp => h.tcp_addr.clone(),
+            })
+            .collect();
         for (&id, (_, actors)) in &gang.hosts {
             let launch = Launch {
                 job: job.to_string(),
@@ -87,6 +95,7 @@ impl RemoteGang {
                 actor_addrs: actor_addrs.clone(),
                 patience_ms: patience.as_millis() as u64,
                 restore: restore.map(|p| p.display().to_string()).unwrap_or_default(),
+                data_path: data_path.to_string(),
             };
             gang.registry
                 .send(id, controller_message::Kind::Launch(launch))

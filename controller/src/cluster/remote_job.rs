@@ -11,6 +11,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tonic::Status;
 
 use archipelago_actors::checkpoint;
+use archipelago_actors::fabric::DataPath;
 use archipelago_actors::proto::{JobEvent, StepProgress as ProgressEvent, job_event};
 use archipelago_dataflow::{Plan, Program, compile};
 
@@ -43,6 +44,9 @@ pub struct RemoteOptions {
     pub resume: bool,
     /// Restart after a host loss.
     pub restart_on_failure: bool,
+    /// How tensors travel between hosts.
+    #[serde(default)]
+    pub data_path: DataPath,
 }
 
 impl RemoteOptions {
@@ -57,6 +61,7 @@ impl RemoteOptions {
             checkpoint_every: options.checkpoint_every,
             resume: options.resume,
             restart_on_failure: options.restart_on_failure,
+            data_path: options.data_path,
         }
     }
 
@@ -72,6 +77,7 @@ impl RemoteOptions {
             checkpoint_every: self.checkpoint_every,
             resume: self.resume,
             restart_on_failure: self.restart_on_failure,
+            data_path: self.data_path,
         }
     }
 }
@@ -130,6 +136,7 @@ pub async fn run_job(
             &plan,
             &placement,
             restore.as_ref().map(|r| r.dir()),
+            train.data_path,
             train.patience,
             grace,
         )

@@ -84,6 +84,7 @@ impl ControllerRpc for ControllerService {
             devices,
             device_memory: r.device_memory,
             fabric_addr: r.fabric_addr,
+            tcp_addr: r.tcp_addr,
             pid: r.pid,
         };
         let (tx, rx) = unbounded_channel();

@@ -1,0 +1,300 @@
+//! The raw-TCP data path between hosts, behind the same [`Fabric`] trait as the gRPC one: one TCP
+//! connection per (sending host, receiving host), a writer thread per connection that writes each
+//! tensor as a small header followed by its f32 bytes straight from the shared buffer (no
+//! chunking, no protobuf, no HTTP/2 flow control; frames queued together share one flush), and a reader thread per incoming connection
+//! that reads the bytes straight into the tensor's freshly allocated buffer and drops it into the
+//! receiver's mailbox. DESIGN.md measured 2–3× less CPU per byte than gRPC for bulk data.
+//!
+//! A connection starts with `ARCHTCP1`, the token's length (u32) and the token; a connection
+//! with a wrong token is refused (closed) and the refusal logged with the peer's address.
+//! Frame: from u32, to u32, edge u64, seq u64, rank u32, dims u64 × rank, then the values.
+
+use std::collections::HashMap;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::mpsc::{Sender, channel};
+
+use archipelago_dataflow::ActorId;
+
+use super::{Fabric, FabricError, InProcessFabric, Inbox, Tag};
+use crate::host_tensor::HostTensor;
+
+const MAGIC: &[u8; 8] = b"ARCHTCP1";
+/// Largest tensor rank a frame may carry (a guard against garbage).
+const MAX_RANK: u32 = 8;
+
+/// Serves this host's raw-TCP fabric on `listener`, delivering into `inbox`; returns its address.
+/// Each connection gets its own reader thread.
+pub fn serve_tcp_fabric(listener: TcpListener, inbox: Inbox, token: &str) -> std::io::Result<SocketAddr> {
+    let addr = listener.local_addr()?;
+    let token = token.as_bytes().to_vec();
+    std::thread::Builder::new()
+        .name(format!("tcp-fabric-{addr}"))
+        .spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(stream) = stream else { continue };
+                let (inbox, token) = (inbox.clone(), token.clone());
+                let _ = std::thread::Builder::new()
+                    .name("tcp-fabric-reader".into())
+                    .spawn(move || read_connection(stream, &inbox, &token));
+            }
+        })?;
+    Ok(addr)
+}
+
+fn read_connection(stream: TcpStream, inbox: &Inbox, token: &[u8]) {
+    let peer = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "?".into());
+    let _ = stream.set_nodelay(true);
+    let mut reader = BufReader::with_capacity(1 << 16, stream);
+    let mut hello = [0u8; 12];
+    let authorised = reader.read_exact(&mut hello).is_ok() && &hello[..8] == MAGIC && {
+        let len = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes")) as usize;
+        let mut got = vec![0u8; len.min(4096)];
+        reader.read_exact(&mut got).is_ok() && got == token
+    };
+    if !authorised {
+        tracing::warn!(%peer, "refused a tensor connection with a wrong or missing token");
+        return;
+    }
+    loop {
+        match read_frame(&mut reader) {
+            Ok(Some((from, to, tag, tensor))) => {
+                if let Err(e) = inbox.deliver(from, to, tag, tensor) {
+                    tracing::error!(%peer, "a tensor from actor {from} to {to} was not delivered: {}", e.message());
+                    return;
+                }
+            }
+            Ok(None) => return, // the sender closed the connection
+            Err(e) => {
+                let reason = format!("the tensor connection from {peer} broke: {e}");
+                tracing::error!("{reason}");
+                inbox.abort(&reason);
+                return;
+            }
+        }
+    }
+}
+
+fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// One frame, or `None` at a clean end of the stream (between frames).
+fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(ActorId, ActorId, Tag, HostTensor)>> {
+    let mut first = [0u8; 4];
+    match r.read(&mut first[..1])? {
+        0 => return Ok(None),
+        _ => r.read_exact(&mut first[1..])?,
+    }
+    let from = u32::from_le_bytes(first) as ActorId;
+    let to = read_u32(r)? as ActorId;
+    let tag = Tag {
+        edge: read_u64(r)?,
+        seq: read_u64(r)?,
+    };
+    let rank = read_u32(r)?;
+    if rank > MAX_RANK {
+        return Err(std::io::Error::other(format!(
+            "a frame of rank {rank}: not a tensor frame"
+        )));
+    }
+    let shape = (0..rank)
+        .map(|_| read_u64(r).map(|d| d as usize))
+        .collect::<std::io::Result<Vec<usize>>>()?;
+    let mut data = vec![0.0f32; shape.iter().product()];
+    r.read_exact(bytemuck::cast_slice_mut(&mut data))?;
+    Ok(Some((from, to, tag, HostTensor::new(shape, data))))
+}
+
+fn write_frame(
+    w: &mut impl Write,
+    from: ActorId,
+    to: ActorId,
+    tag: Tag,
+    tensor: &HostTensor,
+) -> std::io::Result<()> {
+    let mut header = Vec::with_capacity(28 + 8 * tensor.shape.len());
+    header.extend_from_slice(&(from as u32).to_le_bytes());
+    header.extend_from_slice(&(to as u32).to_le_bytes());
+    header.extend_from_slice(&tag.edge.to_le_bytes());
+    header.extend_from_slice(&tag.seq.to_le_bytes());
+    header.extend_from_slice(&(tensor.shape.len() as u32).to_le_bytes());
+    for &d in &tensor.shape {
+        header.extend_from_slice(&(d as u64).to_le_bytes());
+    }
+    w.write_all(&header)?;
+    w.write_all(bytemuck::cast_slice(&tensor.data))
+}
+
+struct Outgoing {
+    from: ActorId,
+    to: ActorId,
+    tag: Tag,
+    tensor: HostTensor,
+}
+
+/// A job's fabric on one host over raw TCP: local actors through mailboxes, remote ones through
+/// one connection per peer host.
+pub struct TcpFabric {
+    local: Arc<InProcessFabric>,
+    routes: Vec<Option<Sender<Outgoing>>>,
+}
+
+impl TcpFabric {
+    /// The fabric of a job whose actor `a` is served at `addrs[a]` (raw-TCP fabric addresses);
+    /// actors at `here` are local and receive through `local`.
+    pub fn connect(
+        addrs: &[String],
+        here: &str,
+        local: Arc<InProcessFabric>,
+        token: &str,
+    ) -> Result<TcpFabric, String> {
+        let mut streams: HashMap<&str, Sender<Outgoing>> = HashMap::new();
+        for addr in addrs {
+            if addr == here || streams.contains_key(addr.as_str()) {
+                continue;
+            }
+            let stream = TcpStream::connect(addr)
+                .map_err(|e| format!("cannot reach the tensor port of host {addr}: {e}"))?;
+            stream.set_nodelay(true).map_err(|e| e.to_string())?;
+            let mut writer = BufWriter::with_capacity(1 << 16, stream);
+            writer.write_all(MAGIC).map_err(|e| e.to_string())?;
+            writer
+                .write_all(&(token.len() as u32).to_le_bytes())
+                .and_then(|()| writer.write_all(token.as_bytes()))
+                .and_then(|()| writer.flush())
+                .map_err(|e| format!("cannot greet host {addr}: {e}"))?;
+            let (tx, rx) = channel::<Outgoing>();
+            let (peer, mailboxes) = (addr.clone(), local.clone());
+            std::thread::Builder::new()
+                .name(format!("tcp-fabric-to-{addr}"))
+                .spawn(move || {
+                    // Frames queued together leave in one flush (small messages in flight
+                    // share syscalls); a lone frame is flushed at once.
+                    while let Ok(first) = rx.recv() {
+                        let sent = std::iter::once(first)
+                            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+                            .try_for_each(|m| write_frame(&mut writer, m.from, m.to, m.tag, &m.tensor))
+                            .and_then(|()| writer.flush());
+                        if let Err(e) = sent {
+                            let reason = format!("the tensor connection to host {peer} failed: {e}");
+                            tracing::error!("{reason}");
+                            mailboxes.abort(&reason);
+                            return;
+                        }
+                    }
+                })
+                .map_err(|e| e.to_string())?;
+            streams.insert(addr, tx);
+        }
+        let routes = addrs.iter().map(|a| streams.get(a.as_str()).cloned()).collect();
+        Ok(TcpFabric { local, routes })
+    }
+}
+
+impl Fabric for TcpFabric {
+    fn actors(&self) -> usize {
+        self.routes.len()
+    }
+
+    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
+        match self.routes.get(to).ok_or(FabricError::NoSuchActor(to))? {
+            None => self.local.send(from, to, tag, tensor),
+            Some(stream) => stream
+                .send(Outgoing {
+                    from,
+                    to,
+                    tag,
+                    tensor,
+                })
+                .map_err(|_| {
+                    FabricError::Aborted(format!("the tensor connection to actor {to}'s host is closed"))
+                }),
+        }
+    }
+
+    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError> {
+        self.local.recv(me, from, tag)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.local.abort(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collectives::{ChunkPool, ring_all_reduce};
+    use std::time::Duration;
+
+    /// Two hosts with two actors each over raw TCP: a ring all-reduce across them sums
+    /// correctly; a connection with a wrong token delivers nothing.
+    #[test]
+    fn ring_all_reduce_across_two_hosts_and_token_refusal() {
+        let mut hosts = Vec::new();
+        for _ in 0..2 {
+            let inbox = Inbox::default();
+            let addr =
+                serve_tcp_fabric(TcpListener::bind("127.0.0.1:0").unwrap(), inbox.clone(), "secret").unwrap();
+            hosts.push((addr.to_string(), inbox));
+        }
+        let addrs: Vec<String> = (0..4).map(|a| hosts[a / 2].0.clone()).collect();
+        let mut fabrics = Vec::new();
+        for (addr, inbox) in &hosts {
+            let local = Arc::new(InProcessFabric::new(4, Duration::from_secs(3)));
+            inbox.install(Some(local.clone()));
+            fabrics.push(Arc::new(
+                TcpFabric::connect(&addrs, addr, local, "secret").unwrap(),
+            ));
+        }
+        let len = 3_000_017;
+        let handles: Vec<_> = (0..4)
+            .map(|me| {
+                let fabric = fabrics[me / 2].clone();
+                std::thread::spawn(move || {
+                    let mut data: Vec<f32> = (0..len).map(|k| ((me + 1) * (k % 1000)) as f32).collect();
+                    let mut pool = ChunkPool::default();
+                    ring_all_reduce(
+                        fabric.as_ref(),
+                        me,
+                        &[0, 2, 1, 3],
+                        5,
+                        &mut data,
+                        1 << 18,
+                        &mut pool,
+                    )
+                    .unwrap();
+                    data
+                })
+            })
+            .collect();
+        for h in handles {
+            let data = h.join().unwrap();
+            for k in [0, 1, 999, len / 2, len - 1] {
+                assert_eq!(data[k], (10 * (k % 1000)) as f32, "value {k}");
+            }
+        }
+        // A wrong token: the frame never reaches actor 0's mailbox.
+        let local = Arc::new(InProcessFabric::new(4, Duration::from_millis(300)));
+        let intruder = TcpFabric::connect(&addrs, "elsewhere", local, "wrong").unwrap();
+        let tag = Tag { edge: 99, seq: 0 };
+        let _ = intruder.send(3, 0, tag, HostTensor::scalar(1.0));
+        assert!(
+            fabrics[0].recv(0, 3, tag).is_err(),
+            "a tensor arrived over a refused connection"
+        );
+    }
+}
