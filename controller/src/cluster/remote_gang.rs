@@ -38,19 +38,36 @@ pub struct RemoteGang {
     step: u64,
 }
 
+/// What a launch needs besides the plan.
+pub struct LaunchSpec<'a> {
+    /// The host of each actor.
+    pub placement: &'a [HostInfo],
+    /// A checkpoint directory to load the actors' state from.
+    pub restore: Option<&'a Path>,
+    /// How tensors travel between the hosts.
+    pub data_path: DataPath,
+    /// How long a receive may wait.
+    pub patience: Duration,
+    /// How long a secondary failure waits for the loss of a host that explains it.
+    pub grace: Duration,
+}
+
 impl RemoteGang {
-    /// Sends every host its part of `plan` (`placement[a]` is actor `a`'s host) and waits until
-    /// all actors have built their computations. `restore` is a checkpoint directory to load.
+    /// Sends every host its part of `plan` and waits until all actors have built their
+    /// computations.
     pub async fn launch(
         job: &str,
         registry: Arc<Registry>,
         plan: &Plan,
-        placement: &[HostInfo],
-        restore: Option<&Path>,
-        data_path: DataPath,
-        patience: Duration,
-        grace: Duration,
+        spec: LaunchSpec<'_>,
     ) -> Result<RemoteGang, JobError> {
+        let LaunchSpec {
+            placement,
+            restore,
+            data_path,
+            patience,
+            grace,
+        } = spec;
         let events = registry.subscribe();
         let mut hosts: BTreeMap<u32, (HostInfo, Vec<ActorId>)> = BTreeMap::new();
         for (actor, host) in placement.iter().enumerate() {

@@ -16,7 +16,7 @@ use archipelago_actors::proto::{JobEvent, StepProgress as ProgressEvent, job_eve
 use archipelago_dataflow::{Plan, Program, compile};
 
 use super::registry::{HostInfo, Registry};
-use super::remote_gang::RemoteGang;
+use super::remote_gang::{LaunchSpec, RemoteGang};
 use super::service::ClusterConfig;
 use crate::JobError;
 use crate::report::TrainReport;
@@ -130,17 +130,14 @@ pub async fn run_job(
         } else {
             format!("{}#restart{restarts}", train.job)
         };
-        let mut gang = RemoteGang::launch(
-            &launch,
-            registry.clone(),
-            &plan,
-            &placement,
-            restore.as_ref().map(|r| r.dir()),
-            train.data_path,
-            train.patience,
+        let spec = LaunchSpec {
+            placement: &placement,
+            restore: restore.as_ref().map(|r| r.dir()),
+            data_path: train.data_path,
+            patience: train.patience,
             grace,
-        )
-        .await?;
+        };
+        let mut gang = RemoteGang::launch(&launch, registry.clone(), &plan, spec).await?;
         let result = drive(&mut gang, &plan, &train, first_step, &mut history).await;
         gang.stop();
         match result {
