@@ -222,7 +222,14 @@ fn run(
                 reply,
             } => {
                 let r = match full.get_mut(at.clone()) {
-                    Some(out) => store.read_params(segment, out).map(|()| full),
+                    Some(out) => match store.shard_len(segment) {
+                        Ok(len) if len == out.len() => store.read_params(segment, out).map(|()| full),
+                        Ok(len) => Err(format!(
+                            "segment {segment}: asked for {} parameters, the shard has {len}",
+                            out.len()
+                        )),
+                        Err(e) => Err(e),
+                    },
                     None => Err(format!(
                         "parameter range {at:?} outside a buffer of {}",
                         full.len()
@@ -313,6 +320,8 @@ mod tests {
             }
             let read = actor.read_params(6, vec![0.0; 6], 2..6).unwrap();
             assert_eq!(&read[2..], &expected[6..], "{tier}");
+            let wrong = actor.read_params(6, vec![0.0; 6], 0..3).unwrap_err();
+            assert!(wrong.contains("the shard has 4"), "{tier}: {wrong}");
             let bad = actor.update(5, 0, vec![1.0; 3], true);
             assert!(bad.is_ok());
             assert!(

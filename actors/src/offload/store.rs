@@ -33,7 +33,11 @@ pub trait StateStore: Send {
     /// Gives `segment`'s updated state back (written behind by tiers below host memory).
     fn save(&mut self, segment: usize, state: SegmentState) -> Result<(), String>;
     /// Copies `segment`'s parameters into `out` (after every update saved before this call).
+    /// Copies the parameters of `segment` into `out`, which the caller sized to
+    /// [`StateStore::shard_len`].
     fn read_params(&mut self, segment: usize, out: &mut [f32]) -> Result<(), String>;
+    /// Parameters in the shard of `segment`.
+    fn shard_len(&self, segment: usize) -> Result<usize, String>;
     /// What the tier holds and has moved.
     fn stats(&self) -> TierStats;
 }
@@ -92,15 +96,12 @@ impl StateStore for HostStore {
         Ok(())
     }
 
+    fn shard_len(&self, segment: usize) -> Result<usize, String> {
+        Ok(self.region(segment)?.len)
+    }
+
     fn read_params(&mut self, segment: usize, out: &mut [f32]) -> Result<(), String> {
         let region = self.region(segment)?;
-        if out.len() != region.len {
-            return Err(format!(
-                "segment {segment}: asked for {} parameters, the shard has {}",
-                out.len(),
-                region.len
-            ));
-        }
         out.copy_from_slice(&region.data[..region.len]);
         Ok(())
     }

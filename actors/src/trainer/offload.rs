@@ -7,7 +7,7 @@
 use burn::tensor::backend::AutodiffBackend;
 
 use super::Trainer;
-use super::zero::SegmentShard;
+use super::zero::{SegmentShard, bucket_or_shard};
 use crate::executor::TensorTable;
 use crate::host_tensor::HostTensor;
 use crate::offload::OffloadActor;
@@ -25,30 +25,18 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// Hands the reduced bucket `name` (or this replica's shard of it) to the offload actor.
     pub(super) fn offload_grads(&mut self, name: &str, table: &mut TensorTable) -> Result<(), String> {
-        let grad = table
-            .remove(name)
-            .ok_or_else(|| format!("gradient `{name}` missing"))?;
-        let blocks = self
-            .grad_ranges
-            .remove(name)
-            .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+        let (grad, blocks) = self.take_bucket(name, table)?;
         let len = self.offsets[blocks.end] - self.offsets[blocks.start];
         let range = self.sharding.optimizer_range(blocks.start, len)?;
-        let whole = grad.len() == len;
-        let grads = if grad.len() == range.len() {
-            grad.into_vec()
-        } else if whole {
-            let shard = grad.data[range].to_vec();
+        let part = bucket_or_shard(name, &grad.data, len, &range)?;
+        let grads = if part.len() == grad.len() {
+            grad.into_vec() // already the shard (or the whole bucket is the range): no copy
+        } else {
+            let shard = part.to_vec();
             if self.spare_buffers.len() < SPARE_BUFFERS {
                 self.spare_buffers.push(grad.into_vec());
             }
             shard
-        } else {
-            return Err(format!(
-                "gradient `{name}` has {} values; expected the bucket ({len}) or this replica's shard ({})",
-                grad.len(),
-                range.len()
-            ));
         };
         let return_params = !self.offload_params;
         self.offload_actor()?

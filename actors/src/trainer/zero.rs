@@ -105,7 +105,44 @@ impl Sharding {
     }
 }
 
+/// The values of gradient `name` this replica updates: `range` of the whole bucket (`len`
+/// values), or all of it when it is already this replica's shard (ZeRO-2's reduce-scatter).
+pub(super) fn bucket_or_shard<'g>(
+    name: &str,
+    grad: &'g [f32],
+    len: usize,
+    range: &Range<usize>,
+) -> Result<&'g [f32], String> {
+    if grad.len() == len {
+        Ok(&grad[range.clone()])
+    } else if grad.len() == range.len() {
+        Ok(grad)
+    } else {
+        Err(format!(
+            "gradient `{name}` has {} values; expected the bucket ({len}) or this replica's shard ({})",
+            grad.len(),
+            range.len()
+        ))
+    }
+}
+
 impl<B: AutodiffBackend> Trainer<B> {
+    /// Takes the reduced gradient bucket `name` out of the table, with its block range.
+    pub(super) fn take_bucket(
+        &mut self,
+        name: &str,
+        table: &mut TensorTable,
+    ) -> Result<(HostTensor, Range<usize>), String> {
+        let grad = table
+            .remove(name)
+            .ok_or_else(|| format!("gradient `{name}` missing"))?;
+        let blocks = self
+            .grad_ranges
+            .remove(name)
+            .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+        Ok((grad, blocks))
+    }
+
     pub(super) fn optimizer_step(
         &mut self,
         inputs: &[String],
@@ -114,13 +151,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         self.optimizer.begin_step();
         for (k, name) in inputs.iter().enumerate() {
-            let grad = table
-                .remove(name)
-                .ok_or_else(|| format!("gradient `{name}` missing"))?;
-            let blocks = self
-                .grad_ranges
-                .remove(name)
-                .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+            let (grad, blocks) = self.take_bucket(name, table)?;
             let range = self.offsets[blocks.start]..self.offsets[blocks.end];
             if self.sharding.zero == 0 {
                 self.optimizer
@@ -132,18 +163,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     own: shard, state, ..
                 } = self.sharding.segment(blocks.start)?.clone();
                 let own = range.start + shard.start..range.start + shard.end;
-                let grads = if grad.len() == range.len() {
-                    &grad.data[shard.clone()]
-                } else if grad.len() == shard.len() {
-                    &grad.data[..]
-                } else {
-                    return Err(format!(
-                        "gradient `{name}` has {} values; expected the bucket ({}) or this replica's shard ({})",
-                        grad.len(),
-                        range.len(),
-                        shard.len()
-                    ));
-                };
+                let grads = bucket_or_shard(name, &grad.data, range.len(), &shard)?;
                 if self.sharding.zero >= 3 {
                     // The master copy is the shard itself; it stays sharded until the next gather.
                     let at = state..state + shard.len();
