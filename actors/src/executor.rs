@@ -127,6 +127,10 @@ pub struct StepReport {
     pub began_unix_s: f64,
     /// Per-instruction timings.
     pub timings: Vec<InstructionTiming>,
+    /// Peak resident memory of the actor's process, when it runs on a host other than the
+    /// controller's (0 otherwise: the controller measures its own process).
+    #[serde(default)]
+    pub host_peak_rss_bytes: u64,
 }
 
 /// Runs one actor's stream step after step.
@@ -236,6 +240,7 @@ impl Executor {
             seconds: began.elapsed().as_secs_f64(),
             began_unix_s,
             timings,
+            host_peak_rss_bytes: 0,
         })
     }
 

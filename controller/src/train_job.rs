@@ -408,7 +408,11 @@ pub(crate) async fn drive<G: Gang>(
                     .collect(),
             })
             .collect(),
-        peak_rss_bytes: peak_rss_bytes(),
+        // The largest process: this one, or a host's (multi-host jobs).
+        peak_rss_bytes: last
+            .iter()
+            .map(|r| r.host_peak_rss_bytes)
+            .fold(peak_rss_bytes(), u64::max),
         samples_per_s,
         tokens_per_s: (tokens > 1).then_some(samples_per_s * tokens as f64),
         median_step_s,

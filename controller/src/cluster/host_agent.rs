@@ -183,7 +183,11 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
                 };
                 let (gang, tx) = (j.gang.clone(), to_controller.clone());
                 tokio::spawn(async move {
-                    let result = gang.lock().await.step(step.step).await;
+                    let result = gang.lock().await.step(step.step).await.map(|mut reports| {
+                        let rss = crate::process_stats::peak_rss_bytes();
+                        reports.iter_mut().for_each(|r| r.host_peak_rss_bytes = rss);
+                        reports
+                    });
                     let kind = match result
                         .and_then(|r| serde_json::to_vec(&r).map_err(|e| JobError::Runtime(e.to_string())))
                     {
