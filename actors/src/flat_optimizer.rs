@@ -49,6 +49,11 @@ impl FlatOptimizer {
         update_slices(self.spec, self.t, params, m, v, grads);
     }
 
+    /// The optimizer.
+    pub fn spec(&self) -> OptimizerSpec {
+        self.spec
+    }
+
     /// Steps taken (Adam's bias-correction counter).
     pub fn steps(&self) -> i32 {
         self.t

@@ -131,7 +131,7 @@ async fn run(
     builder: Arc<dyn ModelBuilder<CpuBackend>>,
     options: &TrainOptions,
 ) -> Result<TrainReport, JobError> {
-    check_options(&plan, options)?;
+    check_options(options)?;
     let (restore, first_step) = resume_point(&plan.program, options)?;
     let n = plan.actors.len();
     let fabric = Arc::new(InProcessFabric::new(n, options.patience));
@@ -147,12 +147,7 @@ async fn run(
 }
 
 /// Refuses option combinations that cannot work, before any actor starts.
-pub(crate) fn check_options(plan: &Plan, options: &TrainOptions) -> Result<(), JobError> {
-    if options.checkpoint_dir.is_some() && plan.program.plan.offload.is_some() {
-        return Err(JobError::Runtime(
-            "checkpoints of offloaded state are not supported yet: drop --offload or --checkpoint-dir".into(),
-        ));
-    }
+pub(crate) fn check_options(options: &TrainOptions) -> Result<(), JobError> {
     if options.resume && options.checkpoint_dir.is_none() {
         return Err(JobError::Runtime(
             "resuming needs the checkpoint directory (--resume DIR)".into(),

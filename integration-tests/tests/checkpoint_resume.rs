@@ -117,3 +117,42 @@ fn a_corrupt_or_partial_checkpoint_is_passed_over_for_the_previous_one() {
     let resumed = train_with_options(MLP, plan(2, 1, 1), options(8, Some(&dir), 0, true));
     assert_continues(&reference, &resumed, 3, "step 6 corrupt, step 4 partial → step 2");
 }
+
+/// Offloaded state (host memory or NVMe files, optimizer state and under ZeRO-3 the parameters)
+/// is checkpointed from the offload actors and restored into them, across layouts and tiers.
+#[test]
+fn offloaded_state_checkpoints_and_resumes_across_tiers_and_layouts() {
+    use archipelago_dataflow::Offload;
+    let reference = train_with_options(MLP, plan(2, 1, 3), options(8, None, 0, false));
+    let root = tempfile::tempdir().unwrap();
+    let nvme = root.path().join("nvme");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let offloaded = |dp: usize, zero: u8, tier: Offload, params: bool| ParallelPlan {
+        offload: tier,
+        offload_params: params,
+        ..plan(dp, 1, zero)
+    };
+    let nvme_tier = Offload::Nvme {
+        dir: nvme.display().to_string(),
+    };
+    for (writer, what) in [
+        (offloaded(2, 3, Offload::Cpu, false), "zero 3 + cpu"),
+        (offloaded(2, 3, nvme_tier.clone(), true), "zero 3 + nvme + params"),
+    ] {
+        let stopped = root.path().join(what.replace([' ', '+'], "_"));
+        train_with_options(MLP, writer, options(4, Some(&stopped), 4, false));
+        for (reader, to) in [
+            (plan(1, 1, 0), "dp=1"),
+            (offloaded(2, 1, nvme_tier.clone(), false), "dp=2 zero 1 + nvme"),
+            (offloaded(2, 3, Offload::Cpu, true), "dp=2 zero 3 + cpu + params"),
+            (offloaded(1, 0, Offload::Cpu, false), "dp=1 + cpu"),
+        ] {
+            let dir = root
+                .path()
+                .join(format!("{what}-{to}").replace([' ', '+', '='], "_"));
+            copy_dir(&stopped, &dir);
+            let resumed = train_with_options(MLP, reader, options(8, Some(&dir), 0, true));
+            assert_continues(&reference, &resumed, 5, &format!("{what} → {to}"));
+        }
+    }
+}

@@ -48,6 +48,17 @@ enum Request {
         at: Range<usize>,
         reply: Sender<Result<Vec<f32>, String>>,
     },
+    /// A copy of a segment's whole region `[params | m | v]` (for a checkpoint).
+    ReadState {
+        segment: usize,
+        reply: Sender<Result<Vec<f32>, String>>,
+    },
+    /// Overwrites a segment's whole region (a restored checkpoint).
+    WriteState {
+        segment: usize,
+        data: Vec<f32>,
+        reply: Sender<Result<(), String>>,
+    },
 }
 
 /// A device actor's handle on its offload actor.
@@ -158,6 +169,24 @@ impl OffloadActor {
             .map_err(|_| "the offload actor has stopped".to_string())?
     }
 
+    /// A copy of `segment`'s region `[params | m | v]` (after every update handed over before).
+    pub fn read_state(&self, segment: usize) -> Result<Vec<f32>, String> {
+        let (reply, result) = channel();
+        self.send(Request::ReadState { segment, reply })?;
+        result
+            .recv()
+            .map_err(|_| "the offload actor has stopped".to_string())?
+    }
+
+    /// Overwrites `segment`'s region `[params | m | v]` with `data` (same length).
+    pub fn write_state(&self, segment: usize, data: Vec<f32>) -> Result<(), String> {
+        let (reply, result) = channel();
+        self.send(Request::WriteState { segment, data, reply })?;
+        result
+            .recv()
+            .map_err(|_| "the offload actor has stopped".to_string())?
+    }
+
     /// What it holds and did so far.
     pub fn stats(&self) -> OffloadStats {
         *self.stats.lock().expect("offload stats")
@@ -235,6 +264,27 @@ fn run(
                         full.len()
                     )),
                 };
+                let _ = reply.send(r);
+            }
+            Request::ReadState { segment, reply } => {
+                let r = store.load(segment).and_then(|state| {
+                    let copy = state.data.clone();
+                    store.save(segment, state).map(|()| copy)
+                });
+                let _ = reply.send(r);
+            }
+            Request::WriteState { segment, data, reply } => {
+                let r = store.load(segment).and_then(|mut state| {
+                    if state.data.len() != data.len() {
+                        return Err(format!(
+                            "segment {segment}: a region of {} values cannot take {}",
+                            state.data.len(),
+                            data.len()
+                        ));
+                    }
+                    state.data.copy_from_slice(&data);
+                    store.save(segment, state)
+                });
                 let _ = reply.send(r);
             }
         }

@@ -32,9 +32,8 @@ pub trait StateStore: Send {
     fn load(&mut self, segment: usize) -> Result<SegmentState, String>;
     /// Gives `segment`'s updated state back (written behind by tiers below host memory).
     fn save(&mut self, segment: usize, state: SegmentState) -> Result<(), String>;
-    /// Copies `segment`'s parameters into `out` (after every update saved before this call).
-    /// Copies the parameters of `segment` into `out`, which the caller sized to
-    /// [`StateStore::shard_len`].
+    /// Copies `segment`'s parameters into `out` (after every update saved before this call);
+    /// the caller sized `out` to [`StateStore::shard_len`].
     fn read_params(&mut self, segment: usize, out: &mut [f32]) -> Result<(), String>;
     /// Parameters in the shard of `segment`.
     fn shard_len(&self, segment: usize) -> Result<usize, String>;

@@ -121,7 +121,7 @@ pub async fn run_job(
         );
         tracing::info!("{line}");
         tell(job_event::Kind::Info(line));
-        check_options(&plan, &train)?;
+        check_options(&train)?;
         let (restore, first_step) = resume_point(&plan.program, &train)?;
         let grace = config.host_timeout + Duration::from_secs(1);
         // Each launch has its own name, so that nothing of an earlier one is taken for it.
