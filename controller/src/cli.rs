@@ -30,7 +30,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model on the embedded controller (this process, one CPU actor per device).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Compile and verify a job without starting any actor; print mesh, streams and memory.
     Plan(PlanArgs),
     /// Run the benchmarks and print JSON.
@@ -186,6 +186,13 @@ pub struct TrainArgs {
     /// `grpc` (gRPC streams).
     #[arg(long, default_value = "tcp")]
     pub data_path: archipelago_actors::fabric::DataPath,
+    /// Serve the live dashboard (job, loss curve, timeline per actor, failures) on this address,
+    /// e.g. `127.0.0.1:8080` (port 0 picks one; the address is printed).
+    #[arg(long)]
+    pub dashboard: Option<String>,
+    /// Keep serving the dashboard this many seconds after the job ends.
+    #[arg(long, default_value_t = 0.0)]
+    pub dashboard_linger_s: f64,
     /// File holding the cluster token (with --controller).
     #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
@@ -259,13 +266,37 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         resume: args.resume.is_some(),
         restart_on_failure,
         data_path: args.data_path,
+        dashboard: None,
     };
+    let mut options = options;
+    if let Some(addr) = &args.dashboard {
+        if args.controller.is_some() {
+            anyhow::bail!(
+                "with --controller the dashboard is the controller's: start it with `archipelago controller --dashboard ADDR`"
+            );
+        }
+        let dashboard = crate::dashboard::Dashboard::new();
+        let bound = controller.serve_dashboard(addr, dashboard.clone())?;
+        dashboard.set_cluster(vec![crate::dashboard::HostView {
+            name: "local".into(),
+            island: "local".into(),
+            devices: program.devices.iter().map(|d| d.to_string()).collect(),
+            device_memory: program.plan.device_memory.unwrap_or(0),
+        }]);
+        println!("dashboard at http://{bound}/");
+        options.dashboard = Some(dashboard);
+    }
     if args.resume.is_some() && args.checkpoint_dir.is_some() && args.checkpoint_dir != args.resume {
         anyhow::bail!(
             "--resume DIR writes its checkpoints into DIR; drop --checkpoint-dir or make it the same"
         );
     }
-    let report = controller.train(&program, &options)?;
+    let result = controller.train(&program, &options);
+    if options.dashboard.is_some() && args.dashboard_linger_s > 0.0 {
+        println!("the dashboard stays up for {} s", args.dashboard_linger_s);
+        std::thread::sleep(std::time::Duration::from_secs_f64(args.dashboard_linger_s));
+    }
+    let report = result?;
     println!(
         "done: final loss {:.4}, parameter L2 {:.6}, {:.1} samples/s{}, peak RSS {:.0} MiB",
         report.final_loss,

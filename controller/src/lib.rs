@@ -19,6 +19,7 @@ mod actor_gang;
 pub mod bench;
 pub mod cli;
 pub mod cluster;
+pub mod dashboard;
 pub mod error;
 pub mod flow_job;
 pub mod gang;

@@ -136,3 +136,9 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
         None => kind.to_string(),
     }
 }
+
+/// The category and short name of an instruction (the dashboard's timeline uses the trace's).
+pub(crate) fn classify_label(instruction: &Instruction) -> (&'static str, String) {
+    let (category, mb) = classify(instruction);
+    (category, short_name(instruction, mb))
+}

@@ -66,6 +66,8 @@ pub struct TrainOptions {
     pub restart_on_failure: bool,
     /// Several hosts: how tensors travel between them (raw TCP unless gRPC is asked for).
     pub data_path: archipelago_actors::fabric::DataPath,
+    /// A dashboard to feed with the job's steps (see [`crate::dashboard`]).
+    pub dashboard: Option<Arc<crate::dashboard::Dashboard>>,
 }
 
 impl Default for TrainOptions {
@@ -82,6 +84,7 @@ impl Default for TrainOptions {
             resume: false,
             restart_on_failure: false,
             data_path: archipelago_actors::fabric::DataPath::Tcp,
+            dashboard: None,
         }
     }
 }
@@ -122,7 +125,24 @@ impl Controller {
             ));
         }
         let plan = self.plan(program)?;
-        self.runtime.block_on(run(plan, builder, options))
+        let result = self.runtime.block_on(run(plan, builder, options));
+        if let Some(d) = &options.dashboard {
+            d.job_ended(result.as_ref().err().map(|e| e.to_string()).as_deref());
+        }
+        result
+    }
+
+    /// Serves `dashboard` on `addr` (e.g. `127.0.0.1:8080`; port 0 picks one) from this
+    /// controller's runtime; returns the address it listens on.
+    pub fn serve_dashboard(
+        &self,
+        addr: &str,
+        dashboard: Arc<crate::dashboard::Dashboard>,
+    ) -> std::io::Result<std::net::SocketAddr> {
+        self.runtime.block_on(async {
+            let listener = tokio::net::TcpListener::bind(addr).await?;
+            crate::dashboard::serve(listener, dashboard)
+        })
     }
 }
 
@@ -272,6 +292,9 @@ pub(crate) async fn drive<G: Gang>(
     steps: &mut Vec<StepRecord>,
 ) -> Result<TrainReport, JobError> {
     steps.retain(|s| s.step < first_step);
+    if let Some(d) = &options.dashboard {
+        d.job_started(plan, &options.job, options.steps);
+    }
     let n = plan.actors.len();
     let mut last: Vec<StepReport> = Vec::new();
     let mut per_actor_compute: Vec<Vec<f64>> = vec![Vec::new(); n];
@@ -314,6 +337,9 @@ pub(crate) async fn drive<G: Gang>(
         }
         if let Some(trace) = &mut trace {
             trace.record(plan, step, &reports);
+        }
+        if let Some(d) = &options.dashboard {
+            d.step_done(plan, step, loss, time_s, &reports);
         }
         steps.push(StepRecord { step, loss, time_s });
         if let Some(callback) = &options.on_step {

@@ -12,6 +12,7 @@ use archipelago_dataflow::DeviceSpec;
 use super::host_agent::{HostOptions, run_host};
 use super::read_token;
 use super::service::{ClusterConfig, serve_controller};
+use crate::dashboard::Dashboard;
 
 /// Flags of `archipelago controller`.
 #[derive(Debug, Args)]
@@ -28,6 +29,9 @@ pub struct ControllerArgs {
     /// Seconds a job waits for enough devices to register.
     #[arg(long, default_value_t = 60.0)]
     pub wait_for_hosts_s: f64,
+    /// Serve the live dashboard (cluster, running job, timeline, failures) on this address.
+    #[arg(long)]
+    pub dashboard: Option<String>,
 }
 
 /// Flags of `archipelago host`.
@@ -69,11 +73,22 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 /// Runs `archipelago controller` until it is killed.
 pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
     let token = read_token(&args.token_file)?;
+    let dashboard = args.dashboard.as_ref().map(|_| Dashboard::new());
     let config = ClusterConfig {
         host_timeout: Duration::from_secs_f64(args.host_timeout_s),
         wait_for_hosts: Duration::from_secs_f64(args.wait_for_hosts_s),
+        dashboard: dashboard.clone(),
     };
     runtime()?.block_on(async {
+        if let (Some(addr), Some(dashboard)) = (&args.dashboard, dashboard) {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot serve the dashboard on {addr}: {e}"))?;
+            println!(
+                "dashboard at http://{}/",
+                crate::dashboard::serve(listener, dashboard)?
+            );
+        }
         let listener = tokio::net::TcpListener::bind(&args.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;

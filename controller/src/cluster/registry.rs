@@ -3,7 +3,7 @@
 //! the hosts' messages and to their loss (session closed, or silent past the host timeout).
 
 use std::collections::BTreeMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
@@ -12,6 +12,8 @@ use tonic::Status;
 
 use archipelago_actors::proto::{ActorState, ControllerMessage, controller_message, host_message};
 use archipelago_dataflow::DeviceSpec;
+
+use crate::dashboard::{Dashboard, HostView};
 
 /// A registered host.
 #[derive(Debug, Clone, PartialEq)]
@@ -62,9 +64,34 @@ struct Inner {
 pub struct Registry {
     inner: Mutex<Inner>,
     changed: Notify,
+    dashboard: Option<Arc<Dashboard>>,
 }
 
 impl Registry {
+    /// An empty registry that shows its hosts on `dashboard`.
+    pub fn new(dashboard: Option<Arc<Dashboard>>) -> Registry {
+        Registry {
+            dashboard,
+            ..Registry::default()
+        }
+    }
+
+    fn show_cluster(&self) {
+        if let Some(d) = &self.dashboard {
+            let hosts = self
+                .hosts()
+                .into_iter()
+                .map(|h| HostView {
+                    name: h.name,
+                    island: h.island,
+                    devices: h.devices.iter().map(|d| d.to_string()).collect(),
+                    device_memory: h.device_memory,
+                })
+                .collect();
+            d.set_cluster(hosts);
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -97,6 +124,7 @@ impl Registry {
         );
         drop(inner);
         self.changed.notify_waiters();
+        self.show_cluster();
         Ok(id)
     }
 
@@ -126,11 +154,18 @@ impl Registry {
             return;
         };
         tracing::error!(host = %h.info.name, "host lost: {why}");
+        if let Some(d) = &self.dashboard {
+            d.failure(&format!(
+                "host `{}` (pid {}) lost: {why}",
+                h.info.name, h.info.pid
+            ));
+        }
         if let Some(job) = &inner.job {
             let _ = job.send(HostEvent::Gone(h.info, why.to_string(), h.actors));
         }
         drop(inner);
         self.changed.notify_waiters();
+        self.show_cluster();
     }
 
     /// Declares lost every host silent for longer than `timeout`.

@@ -78,6 +78,7 @@ impl RemoteOptions {
             resume: self.resume,
             restart_on_failure: self.restart_on_failure,
             data_path: self.data_path,
+            dashboard: None,
         }
     }
 }
@@ -90,10 +91,26 @@ pub async fn run_job(
     config: ClusterConfig,
     events: UnboundedSender<Result<JobEvent, Status>>,
 ) -> Result<TrainReport, JobError> {
+    let mut train = options.to_train();
+    train.dashboard = config.dashboard.clone();
+    let result = run_attempts(&registry, program, &mut train, &config, &events).await;
+    if let Some(d) = &config.dashboard {
+        d.job_ended(result.as_ref().err().map(|e| e.to_string()).as_deref());
+    }
+    result
+}
+
+/// Launches and drives the job, again after each host loss when restarts are asked for.
+async fn run_attempts(
+    registry: &Arc<Registry>,
+    program: Program,
+    train: &mut TrainOptions,
+    config: &ClusterConfig,
+    events: &UnboundedSender<Result<JobEvent, Status>>,
+) -> Result<TrainReport, JobError> {
     let tell = |kind: job_event::Kind| {
         let _ = events.send(Ok(JobEvent { kind: Some(kind) }));
     };
-    let mut train = options.to_train();
     let progress = events.clone();
     train.on_step = Some(Arc::new(move |p: &StepProgress| {
         let event = ProgressEvent {
@@ -121,8 +138,8 @@ pub async fn run_job(
         );
         tracing::info!("{line}");
         tell(job_event::Kind::Info(line));
-        check_options(&train)?;
-        let (restore, first_step) = resume_point(&plan.program, &train)?;
+        check_options(train)?;
+        let (restore, first_step) = resume_point(&plan.program, train)?;
         let grace = config.host_timeout + Duration::from_secs(1);
         // Each launch has its own name, so that nothing of an earlier one is taken for it.
         let launch = if restarts == 0 {
@@ -138,7 +155,7 @@ pub async fn run_job(
             grace,
         };
         let mut gang = RemoteGang::launch(&launch, registry.clone(), &plan, spec).await?;
-        let result = drive(&mut gang, &plan, &train, first_step, &mut history).await;
+        let result = drive(&mut gang, &plan, train, first_step, &mut history).await;
         gang.stop();
         match result {
             Err(lost @ JobError::HostLost(_)) if train.restart_on_failure && restarts < MAX_RESTARTS => {
@@ -156,6 +173,9 @@ pub async fn run_job(
                     }
                 );
                 tracing::warn!("{line}");
+                if let Some(d) = &config.dashboard {
+                    d.failure(&line);
+                }
                 tell(job_event::Kind::Info(line));
             }
             other => return other,

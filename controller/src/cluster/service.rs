@@ -24,12 +24,14 @@ use super::registry::{HostInfo, Registry};
 use super::remote_job::{RemoteOptions, run_job};
 
 /// How the controller treats its hosts.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct ClusterConfig {
     /// A host silent this long is declared lost.
     pub host_timeout: Duration,
     /// How long a job waits for enough devices to register.
     pub wait_for_hosts: Duration,
+    /// A dashboard to feed with the cluster and its jobs.
+    pub dashboard: Option<Arc<crate::dashboard::Dashboard>>,
 }
 
 impl Default for ClusterConfig {
@@ -37,6 +39,7 @@ impl Default for ClusterConfig {
         ClusterConfig {
             host_timeout: Duration::from_secs(5),
             wait_for_hosts: Duration::from_secs(60),
+            dashboard: None,
         }
     }
 }
@@ -126,7 +129,7 @@ impl ControllerRpc for ControllerService {
         let options: RemoteOptions = serde_json::from_slice(&request.options)
             .map_err(|e| Status::invalid_argument(format!("unreadable options: {e}")))?;
         let (tx, rx) = unbounded_channel();
-        let (registry, config, running) = (self.registry.clone(), self.config, self.running.clone());
+        let (registry, config, running) = (self.registry.clone(), self.config.clone(), self.running.clone());
         tokio::spawn(async move {
             let _one_at_a_time = running.lock().await;
             let event = match run_job(registry, program, options, config, tx.clone()).await {
@@ -150,7 +153,8 @@ pub fn serve_controller(
     config: ClusterConfig,
 ) -> std::io::Result<(SocketAddr, Arc<Registry>)> {
     let addr = listener.local_addr()?;
-    let registry = Arc::new(Registry::default());
+    let registry = Arc::new(Registry::new(config.dashboard.clone()));
+    let host_timeout = config.host_timeout;
     let service = ControllerService {
         registry: registry.clone(),
         config,
@@ -173,10 +177,10 @@ pub fn serve_controller(
     });
     let monitor = registry.clone();
     tokio::spawn(async move {
-        let tick = (config.host_timeout / 10).max(Duration::from_millis(50));
+        let tick = (host_timeout / 10).max(Duration::from_millis(50));
         loop {
             tokio::time::sleep(tick).await;
-            monitor.expire(config.host_timeout);
+            monitor.expire(host_timeout);
         }
     });
     Ok((addr, registry))

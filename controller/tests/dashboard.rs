@@ -1,0 +1,168 @@
+//! The dashboard in a real browser: `archipelago train --dashboard` serves the page, headless
+//! Chromium (Debian's `chromium`, which `.ci/run` installs when missing) loads it while the job
+//! runs and after it ends, and the DOM has one timeline lane per actor and a drawn loss curve;
+//! the server-sent events and the JSON endpoints carry the same state.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_archipelago");
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn chromium() -> String {
+    for candidate in ["chromium", "chromium-browser", "/usr/bin/chromium"] {
+        if Command::new(candidate)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            return candidate.to_string();
+        }
+    }
+    panic!("this test needs Debian's `chromium` (apt-get install chromium; .ci/run installs it)");
+}
+
+/// The body of `GET path` from `addr`.
+fn get(addr: &str, path: &str) -> String {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+/// The first server-sent event's data from `/events`.
+fn first_event(addr: &str) -> serde_json::Value {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(stream, "GET /events HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    for line in BufReader::new(stream).lines() {
+        let line = line.unwrap();
+        if let Some(data) = line.strip_prefix("data:") {
+            return serde_json::from_str(data.trim()).unwrap();
+        }
+    }
+    panic!("the event stream ended without an event");
+}
+
+fn dump_dom(browser: &str, url: &str) -> String {
+    let out = Command::new(browser)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", url])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "chromium failed: {:?}", out.status);
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn job_state(addr: &str) -> serde_json::Value {
+    serde_json::from_str(&get(addr, "/api/job")).unwrap()
+}
+
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn assert_rendered(dom: &str, state: &str, when: &str) {
+    for actor in 0..4 {
+        assert!(
+            dom.contains(&format!("class=\"lane\" data-actor=\"{actor}\"")),
+            "{when}: no lane for actor {actor}"
+        );
+    }
+    assert!(
+        dom.contains("class=\"span cat-forward\""),
+        "{when}: no forward spans on the lanes"
+    );
+    let points = dom
+        .split("id=\"loss-curve\"")
+        .nth(1)
+        .and_then(|rest| rest.split("points=\"").nth(1))
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_default();
+    assert!(
+        points.split(' ').count() >= 2,
+        "{when}: the loss curve has no line ({points:?})"
+    );
+    assert!(
+        dom.contains(&format!("class=\"state-{state}\">{state}")),
+        "{when}: the page does not say `{state}`"
+    );
+    assert!(
+        dom.contains("<td>cpu:0, cpu:1, cpu:2, cpu:3</td>"),
+        "{when}: no cluster table"
+    );
+}
+
+#[test]
+fn the_dashboard_renders_lanes_and_the_loss_curve_while_the_job_runs_and_after() {
+    let browser = chromium();
+    let mut child = Command::new(BIN)
+        .args([
+            "train",
+            "--model",
+            "mlp:in=64,hidden=256,layers=6,out=10",
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+        ])
+        .args(["--microbatches", "4", "--steps", "300", "--quiet"])
+        .args(["--dashboard", "127.0.0.1:0", "--dashboard-linger-s", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let _job = Proc(child);
+    let mut lines = BufReader::new(stdout).lines();
+    let addr = lines
+        .by_ref()
+        .map(|l| l.unwrap())
+        .find_map(|l| {
+            l.strip_prefix("dashboard at http://")
+                .map(|a| a.trim_end_matches('/').to_string())
+        })
+        .expect("the dashboard address");
+    std::thread::spawn(move || lines.for_each(drop));
+    let url = format!("http://{addr}/");
+
+    wait_until("step 3", Duration::from_secs(60), || {
+        job_state(&addr)["step"].as_u64() >= Some(3)
+    });
+    let event = first_event(&addr);
+    assert!(event["job"]["step"].as_u64() >= Some(3), "event: {event}");
+    assert_eq!(event["timeline"]["lanes"].as_array().map(Vec::len), Some(4));
+    let running = dump_dom(&browser, &url);
+    assert_rendered(&running, "running", "while running");
+
+    wait_until("the end of the job", Duration::from_secs(240), || {
+        job_state(&addr)["state"] == "finished"
+    });
+    let finished = dump_dom(&browser, &url);
+    assert_rendered(&finished, "finished", "after the end");
+    assert!(
+        finished.contains("step 300 / 300"),
+        "after the end: the last step is not shown"
+    );
+    let cluster: serde_json::Value = serde_json::from_str(&get(&addr, "/api/cluster")).unwrap();
+    assert_eq!(cluster[0]["devices"].as_array().map(Vec::len), Some(4));
+    let timeline: serde_json::Value = serde_json::from_str(&get(&addr, "/api/timeline")).unwrap();
+    assert_eq!(timeline["steps"], serde_json::json!([298, 299, 300]));
+}
