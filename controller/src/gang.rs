@@ -1,5 +1,5 @@
 //! What the training loop needs from the actors of a job, wherever they run: in this process
-//! ([`ActorGang`](crate::actor_gang::ActorGang)) or on hosts behind the controller service
+//! (`ActorGang`) or on hosts behind the controller service
 //! ([`RemoteGang`](crate::cluster::remote_gang::RemoteGang)).
 
 use std::future::Future;
