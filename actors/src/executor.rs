@@ -3,7 +3,9 @@
 //! Sends, receives and collectives are the same for every job; local compute is delegated to a
 //! [`Computation`] (training on burn, or user functions). Every instruction is timed, a panic in
 //! compute is caught and becomes an [`ActorFailure`] naming the instruction, and a failure aborts
-//! the fabric so that no peer waits forever for this actor.
+//! the fabric so that no peer waits forever for this actor. Each instruction runs inside a
+//! `tracing` span `instruction` with job, step, actor, device, index, instruction, micro-batch
+//! (−1 when none) and bytes moved (exported over OTLP when a collector is configured).
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -208,7 +210,25 @@ impl Executor {
         for index in 0..self.stream.len() {
             let started = Instant::now();
             self.progress.set(step, Some(index));
-            if let Err((message, secondary)) = self.run_one(step, index, &mut pending) {
+            let instruction = &self.stream[index];
+            let span = tracing::info_span!(
+                "instruction",
+                job = %self.job,
+                step,
+                actor = self.actor,
+                device = %self.device,
+                index,
+                instruction = %instruction,
+                mb = instruction.microbatch().map_or(-1, |m| m as i64),
+                bytes = tracing::field::Empty,
+            );
+            let entered = span.enter();
+            let outcome = self.run_one(step, index, &mut pending);
+            if let Ok(bytes) = &outcome {
+                span.record("bytes", bytes);
+            }
+            drop(entered);
+            if let Err((message, secondary)) = outcome {
                 let failure = ActorFailure {
                     job: self.job.clone(),
                     step,
@@ -244,12 +264,13 @@ impl Executor {
         })
     }
 
+    /// Runs instruction `index`; returns the bytes it moved (sends, receives, collectives).
     fn run_one(
         &mut self,
         step: u64,
         index: usize,
         pending: &mut HashMap<u64, PendingCollective>,
-    ) -> Result<(), (String, bool)> {
+    ) -> Result<u64, (String, bool)> {
         let edge = |tag: u64| (step << 32) | tag;
         let fabric_err = |e: FabricError| {
             let secondary = matches!(e, FabricError::Aborted(_));
@@ -261,7 +282,7 @@ impl Executor {
                 match catch_unwind(AssertUnwindSafe(|| {
                     computation.compute(step, op, inputs, outputs, table)
                 })) {
-                    Ok(result) => result.map_err(|m| (m, false)),
+                    Ok(result) => result.map(|()| 0).map_err(|m| (m, false)),
                     Err(payload) => Err((panic_message(payload.as_ref()), false)),
                 }
             }
@@ -277,6 +298,7 @@ impl Executor {
                         }
                     }
                 };
+                let bytes = value.bytes();
                 self.fabric
                     .send(
                         self.actor,
@@ -287,6 +309,7 @@ impl Executor {
                         },
                         value,
                     )
+                    .map(|()| bytes)
                     .map_err(fabric_err)
             }
             Instruction::Recv { tensor, from, tag } => {
@@ -301,8 +324,9 @@ impl Executor {
                         },
                     )
                     .map_err(fabric_err)?;
+                let bytes = value.bytes();
                 self.table.insert(tensor.clone(), value);
-                Ok(())
+                Ok(bytes)
             }
             Instruction::StartCollective {
                 kind,
@@ -314,19 +338,21 @@ impl Executor {
                     .table
                     .remove(tensor)
                     .ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
+                let bytes = value.bytes();
                 pending.insert(
                     *tag,
                     self.collectives.start(*kind, edge(*tag), group.clone(), value),
                 );
-                Ok(())
+                Ok(bytes)
             }
             Instruction::WaitCollective { tensor, tag } => {
                 let started = pending
                     .remove(tag)
                     .ok_or_else(|| (format!("collective {tag} was not started"), false))?;
                 let value = started.wait().map_err(fabric_err)?;
+                let bytes = value.bytes();
                 self.table.insert(tensor.clone(), value);
-                Ok(())
+                Ok(bytes)
             }
         }
     }

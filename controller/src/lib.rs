@@ -27,6 +27,7 @@ pub mod local;
 pub mod process_stats;
 pub mod replay;
 pub mod report;
+pub mod telemetry;
 pub mod trace;
 pub mod train_job;
 

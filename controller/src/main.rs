@@ -1,22 +1,21 @@
-//! The `archipelago` binary: `train`, `plan` and `bench` (see `archipelago --help`).
+//! The `archipelago` binary: `train`, `plan`, `bench`, `controller` and `host` (see
+//! `archipelago --help`).
 
 use clap::Parser;
 
 use archipelago_controller::cli::{self, Cli, Command};
+use archipelago_controller::telemetry::Telemetry;
 
 fn main() {
     let cli = Cli::parse();
     // Services log what they do (registrations, refusals, lost hosts); jobs only warnings.
-    let level = match &cli.command {
-        Command::Controller(_) | Command::Host(_) => "info",
-        _ => "warn",
+    let (service, level) = match &cli.command {
+        Command::Controller(_) => ("archipelago-controller", "info"),
+        Command::Host(_) => ("archipelago-host", "info"),
+        Command::Train(_) => ("archipelago-train", "warn"),
+        _ => ("archipelago", "warn"),
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    let telemetry = Telemetry::init(service, level);
     let result = match &cli.command {
         Command::Train(args) => cli::train(args),
         Command::Plan(args) => cli::plan(args),
@@ -25,6 +24,7 @@ fn main() {
         Command::Host(args) => archipelago_controller::cluster::commands::host(args),
         Command::BenchPeer(args) => archipelago_controller::bench::cross_process::peer_main(args),
     };
+    telemetry.shutdown();
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);

@@ -9,7 +9,6 @@
 use serde_json::{Value, json};
 
 use archipelago_actors::executor::StepReport;
-use archipelago_dataflow::passes::pipeline::microbatch_of;
 use archipelago_dataflow::{CollectiveKind, ComputeOp, Instruction, Plan};
 
 /// Collects spans of the steps it is shown and writes them as one trace.
@@ -81,24 +80,25 @@ impl TraceRecorder {
 
 /// The span category and micro-batch of an instruction.
 pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
-    match instruction {
+    let category = match instruction {
         Instruction::Compute { op, .. } => match op {
-            ComputeOp::Forward { mb, .. } => ("forward", Some(*mb)),
-            ComputeOp::Backward { mb, .. } | ComputeOp::BackwardInput { mb, .. } => ("backward", Some(*mb)),
-            ComputeOp::BackwardWeight { mb, .. } => ("backward-weight", Some(*mb)),
-            ComputeOp::Loss { mb } => ("loss", Some(*mb)),
-            ComputeOp::LoadBatch { .. } => ("load", None),
-            ComputeOp::OptimizerStep { .. } | ComputeOp::OffloadGrads { .. } => ("optimizer", None),
+            ComputeOp::Forward { .. } => "forward",
+            ComputeOp::Backward { .. } | ComputeOp::BackwardInput { .. } => "backward",
+            ComputeOp::BackwardWeight { .. } => "backward-weight",
+            ComputeOp::Loss { .. } => "loss",
+            ComputeOp::LoadBatch { .. } => "load",
+            ComputeOp::OptimizerStep { .. } | ComputeOp::OffloadGrads { .. } => "optimizer",
             ComputeOp::LoadParams { .. } | ComputeOp::ShardParams { .. } | ComputeOp::DropParams { .. } => {
-                ("params", None)
+                "params"
             }
-            ComputeOp::User { .. } | ComputeOp::Output { .. } => ("user", None),
+            ComputeOp::User { .. } | ComputeOp::Output { .. } => "user",
         },
-        Instruction::Send { tensor, .. } => ("send", microbatch_of(tensor)),
-        Instruction::Recv { tensor, .. } => ("recv", microbatch_of(tensor)),
-        Instruction::StartCollective { kind, .. } => (collective_category(*kind), None),
-        Instruction::WaitCollective { .. } => ("collective-wait", None),
-    }
+        Instruction::Send { .. } => "send",
+        Instruction::Recv { .. } => "recv",
+        Instruction::StartCollective { kind, .. } => collective_category(*kind),
+        Instruction::WaitCollective { .. } => "collective-wait",
+    };
+    (category, instruction.microbatch())
 }
 
 fn collective_category(kind: CollectiveKind) -> &'static str {

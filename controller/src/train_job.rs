@@ -310,9 +310,12 @@ pub(crate) async fn drive<G: Gang>(
         .collect();
     for step in first_step..=options.steps {
         let began = Instant::now();
-        let reports = gang.step(step).await?;
+        let span =
+            tracing::info_span!("step", job = %options.job, step, actors = n, loss = tracing::field::Empty);
+        let reports = tracing::Instrument::instrument(gang.step(step), span.clone()).await?;
         let time_s = began.elapsed().as_secs_f64();
         let loss: f32 = reports.iter().filter_map(|r| r.metrics.loss).sum();
+        span.record("loss", loss);
         // The step as the actors saw it: from the first stream's start to the last one's end.
         let first = reports
             .iter()

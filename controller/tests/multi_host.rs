@@ -5,143 +5,16 @@
 //! re-plans on the host left, resumes from the last checkpoint and ends with the parameters of an
 //! uninterrupted run.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use archipelago_actors::fabric::DataPath;
 use archipelago_controller::{Controller, JobError, StepProgress, TrainOptions, TrainReport};
-use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
 
-const BIN: &str = env!("CARGO_BIN_EXE_archipelago");
-const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
+mod common;
 
-/// A child process killed when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A controller and its hosts, each a process of the `archipelago` binary.
-struct Cluster {
-    dir: tempfile::TempDir,
-    addr: String,
-    token: String,
-    hosts: Vec<(String, Proc)>,
-    _controller: Proc,
-}
-
-/// Reads lines of `child`'s stdout until one contains `what`; returns that line.
-fn wait_for_line(child: &mut Child, what: &str) -> String {
-    let stdout = child.stdout.take().expect("piped stdout");
-    let mut lines = BufReader::new(stdout).lines();
-    for line in lines.by_ref() {
-        let line = line.expect("stdout line");
-        if line.contains(what) {
-            // Keep draining in the background so the child never blocks on a full pipe.
-            std::thread::spawn(move || lines.for_each(drop));
-            return line;
-        }
-    }
-    panic!("the process ended before printing `{what}`");
-}
-
-impl Cluster {
-    fn start(host_timeout_s: f64, wait_for_hosts_s: f64) -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
-        let token = "test-token-4711".to_string();
-        std::fs::write(dir.path().join("token"), &token).unwrap();
-        let log = std::fs::File::create(dir.path().join("controller.log")).unwrap();
-        let mut child = Command::new(BIN)
-            .args(["controller", "--listen", "127.0.0.1:0", "--token-file"])
-            .arg(dir.path().join("token"))
-            .args(["--host-timeout-s", &host_timeout_s.to_string()])
-            .args(["--wait-for-hosts-s", &wait_for_hosts_s.to_string()])
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let line = wait_for_line(&mut child, "controller listening on");
-        let addr = line.rsplit(' ').next().unwrap().to_string();
-        Cluster {
-            dir,
-            addr,
-            token,
-            hosts: Vec::new(),
-            _controller: Proc(child),
-        }
-    }
-
-    fn host_command(&self, name: &str, devices: &str, token_file: PathBuf) -> Command {
-        let mut command = Command::new(BIN);
-        command
-            .args(["host", "--controller", &self.addr, "--token-file"])
-            .arg(token_file)
-            .args(["--devices", devices, "--name", name, "--heartbeat-ms", "200"])
-            .args(["--island", &format!("island-{name}")]);
-        command
-    }
-
-    fn add_host(&mut self, name: &str, devices: &str) -> u32 {
-        let log = std::fs::File::create(self.dir.path().join(format!("{name}.log"))).unwrap();
-        let mut child = self
-            .host_command(name, devices, self.dir.path().join("token"))
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        wait_for_line(&mut child, "registered with the controller");
-        let pid = child.id();
-        self.hosts.push((name.to_string(), Proc(child)));
-        pid
-    }
-
-    fn controller(&self) -> Controller {
-        Controller::connect(&self.addr, &self.token)
-    }
-
-    fn controller_log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("controller.log")).unwrap()
-    }
-}
-
-fn program(plan: ParallelPlan) -> Program {
-    Program::new(ModelSpec::parse(MLP).unwrap())
-        .with_seed(7)
-        .with_optimizer(OptimizerSpec::adam(1e-2))
-        .with_plan(plan)
-}
-
-fn plan(dp: usize, pp: usize, zero: u8) -> ParallelPlan {
-    ParallelPlan {
-        dp,
-        pp,
-        zero,
-        microbatches: if pp > 1 { 2 } else { 1 },
-        batch: 24,
-        bucket_bytes: 8 << 10,
-        ..ParallelPlan::default()
-    }
-}
-
-fn local(plan: ParallelPlan, steps: u64) -> TrainReport {
-    let actors = plan.actors();
-    Controller::local(DeviceSpec::cpus(actors))
-        .train(
-            &program(plan),
-            &TrainOptions {
-                steps,
-                ..TrainOptions::default()
-            },
-        )
-        .unwrap()
-}
+use common::{Cluster, local, plan, program};
 
 fn assert_same(reference: &TrainReport, run: &TrainReport, tolerance: f64, what: &str) {
     assert_eq!(reference.steps.len(), run.steps.len(), "{what}: steps");

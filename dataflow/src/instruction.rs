@@ -196,6 +196,24 @@ impl Instruction {
             Instruction::Recv { .. } | Instruction::WaitCollective { .. } => vec![],
         }
     }
+
+    /// The micro-batch this instruction works on, when it works on one.
+    pub fn microbatch(&self) -> Option<usize> {
+        match self {
+            Instruction::Compute { op, .. } => match op {
+                ComputeOp::Forward { mb, .. }
+                | ComputeOp::Backward { mb, .. }
+                | ComputeOp::BackwardInput { mb, .. }
+                | ComputeOp::BackwardWeight { mb, .. }
+                | ComputeOp::Loss { mb } => Some(*mb),
+                _ => None,
+            },
+            Instruction::Send { tensor, .. } | Instruction::Recv { tensor, .. } => {
+                crate::passes::pipeline::microbatch_of(tensor)
+            }
+            Instruction::StartCollective { .. } | Instruction::WaitCollective { .. } => None,
+        }
+    }
 }
 
 impl fmt::Display for ComputeOp {
