@@ -242,8 +242,27 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         program.plan.batch,
         steps
     );
+    // A progress bar on a terminal, plain lines otherwise (logs, CI, pipes).
+    let bar = (!quiet && std::io::IsTerminal::is_terminal(&std::io::stdout())).then(|| {
+        let bar = indicatif::ProgressBar::new(steps);
+        let style = indicatif::ProgressStyle::with_template(
+            "{bar:30.cyan/blue} step {pos}/{len}  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("a valid template");
+        bar.set_style(style);
+        bar
+    });
+    let shown = bar.clone();
     let on_step = Arc::new(move |p: &StepProgress| {
-        if !quiet && (p.step.is_multiple_of(every) || p.step == 1 || p.step == p.steps) {
+        if let Some(bar) = &shown {
+            bar.set_position(p.step);
+            bar.set_message(format!(
+                "loss {:.4}  {:.1} samples/s  {:.3} s/step",
+                p.loss,
+                batch / p.time_s.max(1e-9),
+                p.time_s
+            ));
+        } else if !quiet && (p.step.is_multiple_of(every) || p.step == 1 || p.step == p.steps) {
             println!(
                 "step {:>5}/{}  loss {:.4}  {:.3} s/step  {:.1} samples/s",
                 p.step,
@@ -292,6 +311,9 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         );
     }
     let result = controller.train(&program, &options);
+    if let Some(bar) = bar {
+        bar.finish();
+    }
     if options.dashboard.is_some() && args.dashboard_linger_s > 0.0 {
         println!("the dashboard stays up for {} s", args.dashboard_linger_s);
         std::thread::sleep(std::time::Duration::from_secs_f64(args.dashboard_linger_s));
