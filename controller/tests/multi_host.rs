@@ -50,10 +50,15 @@ fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
         (plan(2, 2, 3), "dp=2 pp=2 zero 3", DataPath::Grpc),
     ] {
         let reference = local(layout.clone(), 5);
+        let trace = cluster
+            .dir
+            .path()
+            .join(format!("trace-{}-{data_path}.json", what.replace(' ', "-")));
         let options = TrainOptions {
             steps: 5,
             job: format!("across-{}-{data_path}", what.replace(' ', "-")),
             data_path,
+            trace: Some(trace.clone()),
             ..TrainOptions::default()
         };
         let run = remote
@@ -67,6 +72,16 @@ fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
             .flat_map(|a| &a.instructions)
             .any(|i| i.instruction.contains("HierarchicalAllReduceSum"));
         assert_eq!(hierarchical, what == "dp=4", "{what}: hierarchical all-reduce");
+        // The Perfetto trace of the job across hosts came back: spans on every actor's track.
+        let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+        let tracks: std::collections::BTreeSet<u64> = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .filter_map(|e| e["tid"].as_u64())
+            .collect();
+        assert_eq!(tracks.len(), 4, "{what}: trace tracks {tracks:?}");
     }
 }
 

@@ -29,11 +29,6 @@ pub async fn submit(
     program: &Program,
     options: &TrainOptions,
 ) -> Result<TrainReport, JobError> {
-    if options.trace.is_some() {
-        return Err(JobError::Runtime(
-            "--trace is not yet supported with --controller; trace a local run instead".into(),
-        ));
-    }
     let runtime = |e: String| JobError::Runtime(e);
     let channel = Endpoint::from_shared(format!("http://{}", target.addr))
         .map_err(|e| runtime(format!("bad controller address {}: {e}", target.addr)))?
@@ -80,6 +75,12 @@ pub async fn submit(
                 }
             }
             Some(job_event::Kind::Info(line)) => println!("{line}"),
+            Some(job_event::Kind::Trace(json)) => {
+                if let Some(path) = &options.trace {
+                    std::fs::write(path, &json)
+                        .map_err(|e| runtime(format!("cannot write the trace to {}: {e}", path.display())))?;
+                }
+            }
             Some(job_event::Kind::Report(json)) => {
                 return serde_json::from_slice(&json).map_err(|e| runtime(format!("unreadable report: {e}")));
             }

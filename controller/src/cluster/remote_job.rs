@@ -47,6 +47,9 @@ pub struct RemoteOptions {
     /// How tensors travel between hosts.
     #[serde(default)]
     pub data_path: DataPath,
+    /// Send the Perfetto trace of the steps back before the report.
+    #[serde(default)]
+    pub trace: bool,
 }
 
 impl RemoteOptions {
@@ -62,6 +65,7 @@ impl RemoteOptions {
             resume: options.resume,
             restart_on_failure: options.restart_on_failure,
             data_path: options.data_path,
+            trace: options.trace.is_some(),
         }
     }
 
@@ -93,7 +97,30 @@ pub async fn run_job(
 ) -> Result<TrainReport, JobError> {
     let mut train = options.to_train();
     train.dashboard = config.dashboard.clone();
+    // The trace is written here, then sent to the client (which writes it where it was asked).
+    let trace_file = options.trace.then(|| {
+        let name = format!(
+            "archipelago-trace-{}-{}.json",
+            std::process::id(),
+            options.job.replace('/', "_")
+        );
+        std::env::temp_dir().join(name)
+    });
+    train.trace = trace_file.clone();
     let result = run_attempts(&registry, program, &mut train, &config, &events).await;
+    if let Some(path) = trace_file {
+        if result.is_ok() {
+            match std::fs::read(&path) {
+                Ok(json) => {
+                    let _ = events.send(Ok(JobEvent {
+                        kind: Some(job_event::Kind::Trace(json.into())),
+                    }));
+                }
+                Err(e) => tracing::error!("the trace of job {} is lost: {e}", options.job),
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+    }
     if let Some(d) = &config.dashboard {
         d.job_ended(result.as_ref().err().map(|e| e.to_string()).as_deref());
     }
