@@ -5,6 +5,7 @@
 mod collectives;
 pub mod cross_process;
 mod offload;
+mod scale;
 mod training;
 
 use std::path::PathBuf;
@@ -65,12 +66,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "tcp_2_processes": cross_process::between_processes(&tcp)?,
     });
     eprintln!("cross_process: {processes}");
+    let scale = json!({
+        "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,
+        "dispatch": scale::noop_step(1024, if args.quick { 20 } else { 100 })?,
+    });
+    eprintln!("scale: {scale}");
     let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
     let training = training::mlp_dp_scaling(warmup, timed)?;
     eprintln!("training: {training}");
     let pipeline = training::mlp_pipeline(warmup, timed)?;
     eprintln!("pipeline: {pipeline}");
     let zero = training::mlp_zero(warmup, timed)?;
+    let gpt = training::gpt_tiny(warmup.min(2), if args.quick { 3 } else { 10 })?;
+    eprintln!("gpt_tiny: {gpt}");
     eprintln!("zero: {zero}");
     let dir = args.nvme_dir.clone().unwrap_or_else(std::env::temp_dir);
     let offload = offload::mlp_offload(warmup, timed, &dir)?;
@@ -80,9 +88,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "quick": args.quick,
         "collectives": ring,
         "cross_process": processes,
+        "controller_at_scale": scale,
         "training": training,
         "pipeline": pipeline,
         "zero": zero,
+        "gpt_tiny": gpt,
         "offload": offload,
         "load_avg_end": load_avg(),
     });

@@ -20,8 +20,25 @@ pub(super) fn timed_mlp(
     timed: u64,
     job: String,
 ) -> anyhow::Result<(TrainReport, f64)> {
+    timed_model(
+        "mlp-8x1024",
+        ParallelPlan { batch: 64, ..plan },
+        warmup,
+        timed,
+        job,
+    )
+}
+
+/// [`timed_mlp`] for any zoo model at the plan's batch.
+fn timed_model(
+    model: &str,
+    plan: ParallelPlan,
+    warmup: u64,
+    timed: u64,
+    job: String,
+) -> anyhow::Result<(TrainReport, f64)> {
     let actors = plan.actors();
-    let program = Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan { batch: 64, ..plan });
+    let program = Program::new(ModelSpec::parse(model)?).with_plan(plan);
     let options = TrainOptions {
         steps: warmup + timed,
         job,
@@ -112,6 +129,65 @@ pub fn mlp_zero(warmup: u64, timed: u64) -> anyhow::Result<Value> {
             "steps_per_s": 1.0 / step_s,
             "model_state_bytes_per_actor": report.actors.iter().map(|a| a.model_state_bytes).collect::<Vec<_>>(),
             "estimated_model_state_bytes_per_actor": report.actors.iter().map(|a| a.estimated_model_state_bytes).collect::<Vec<_>>(),
+            "final_loss": report.final_loss,
+            "load_avg": load_avg(),
+        }));
+    }
+    Ok(json!({ "runs": runs }))
+}
+
+/// gpt-tiny (WORKLOADS.md: 16 sequences of 128 tokens per step) at dp=1, dp=2, pp=2 under GPipe
+/// and 1F1B with eight micro-batches, and ZeRO-3 at dp=2: steps/s and tokens/s.
+pub fn gpt_tiny(warmup: u64, timed: u64) -> anyhow::Result<Value> {
+    let layouts = [
+        ("dp=1", ParallelPlan::default()),
+        (
+            "dp=2",
+            ParallelPlan {
+                dp: 2,
+                ..ParallelPlan::default()
+            },
+        ),
+        (
+            "pp=2 gpipe m=8",
+            ParallelPlan {
+                pp: 2,
+                microbatches: 8,
+                schedule: Schedule::GPipe,
+                ..ParallelPlan::default()
+            },
+        ),
+        (
+            "pp=2 1f1b m=8",
+            ParallelPlan {
+                pp: 2,
+                microbatches: 8,
+                schedule: Schedule::OneFOneB,
+                ..ParallelPlan::default()
+            },
+        ),
+        (
+            "dp=2 zero=3",
+            ParallelPlan {
+                dp: 2,
+                zero: 3,
+                ..ParallelPlan::default()
+            },
+        ),
+    ];
+    let (batch, ctx) = (16, 128);
+    let mut runs = Vec::new();
+    for (name, layout) in layouts {
+        let plan = ParallelPlan { batch, ..layout };
+        let config = json!({ "model": "gpt-tiny", "dp": plan.dp, "pp": plan.pp, "microbatches": plan.microbatches, "schedule": plan.schedule.to_string(), "zero": plan.zero, "global_batch": batch, "tokens_per_step": batch * ctx, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 });
+        let (report, step_s) =
+            timed_model("gpt-tiny", plan, warmup, timed, format!("bench-gpt-tiny-{name}"))?;
+        runs.push(json!({
+            "name": format!("gpt-tiny {name}"),
+            "config": config,
+            "median_step_s": step_s,
+            "steps_per_s": 1.0 / step_s,
+            "tokens_per_s": (batch * ctx) as f64 / step_s,
             "final_loss": report.final_loss,
             "load_avg": load_avg(),
         }));

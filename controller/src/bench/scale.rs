@@ -1,0 +1,115 @@
+//! The controller at scale (WORKLOADS.md): the time to compile and verify a plan for 4096
+//! devices (dp=256 × pp=16 on a 64-layer gpt, until tensor parallelism exists), and the time of
+//! one step dispatched to 1024 in-process no-op actors (`Step` sent to all → every `StepDone`
+//! received).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use archipelago_actors::device_actor::ComputationFactory;
+use archipelago_actors::executor::{Computation, StepMetrics, TensorTable};
+use archipelago_actors::fabric::InProcessFabric;
+use archipelago_dataflow::passes::schedule::Schedule;
+use archipelago_dataflow::{ActorStream, ComputeOp, DeviceSpec, ModelSpec, ParallelPlan, Program, compile};
+
+use crate::actor_gang::ActorGang;
+use crate::process_stats::load_avg;
+use crate::report::median;
+
+/// Compile + verify of a 4096-device plan, `reps` times.
+pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
+    let model = ModelSpec::parse("gpt:vocab=256,ctx=64,d=64,layers=64,heads=4")?;
+    let (dp, pp, m) = (256, 16, 16);
+    let mut program = Program::new(model).with_plan(ParallelPlan {
+        dp,
+        pp,
+        microbatches: m,
+        schedule: Schedule::OneFOneB,
+        batch: dp * m,
+        ..ParallelPlan::default()
+    });
+    program.devices = DeviceSpec::cpus(dp * pp);
+    let mut times = Vec::new();
+    let mut instructions = 0;
+    for _ in 0..reps {
+        let began = Instant::now();
+        let plan = compile(&program)?;
+        times.push(began.elapsed().as_secs_f64());
+        instructions = plan
+            .actors
+            .iter()
+            .map(|a| a.stream.instructions.len())
+            .sum::<usize>();
+    }
+    let s = median(&mut times);
+    Ok(json!({
+        "name": "compile_and_verify_4096_devices",
+        "config": { "model": program.model.name, "dp": dp, "pp": pp, "tp": 1, "microbatches": m, "schedule": "1f1b", "reps": reps },
+        "median_s": s,
+        "instructions": instructions,
+        "instructions_per_s": instructions as f64 / s,
+        "load_avg": load_avg(),
+    }))
+}
+
+/// A computation that does nothing.
+struct NoOp;
+
+impl Computation for NoOp {
+    fn compute(
+        &mut self,
+        _: u64,
+        _: &ComputeOp,
+        _: &[String],
+        _: &[String],
+        _: &mut TensorTable,
+    ) -> Result<(), String> {
+        Ok(())
+    }
+    fn finish_step(&mut self) -> StepMetrics {
+        StepMetrics::default()
+    }
+}
+
+/// One step (`Step` to all, every `StepDone` back) over `actors` no-op actors, `steps` times.
+pub fn noop_step(actors: usize, steps: u64) -> anyhow::Result<Value> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (start_s, mut times) = runtime.block_on(async {
+        let fabric = Arc::new(InProcessFabric::new(actors, Duration::from_secs(60)));
+        let streams: Vec<ActorStream> = (0..actors)
+            .map(|actor| ActorStream {
+                actor,
+                device: DeviceSpec::Cpu(actor as u32),
+                instructions: Vec::new(),
+            })
+            .collect();
+        let factories: Vec<ComputationFactory> = (0..actors)
+            .map(|_| Box::new(|| Ok(Box::new(NoOp) as Box<dyn Computation>)) as ComputationFactory)
+            .collect();
+        let began = Instant::now();
+        let mut gang = ActorGang::start("noop", streams, factories, fabric, Duration::from_secs(60)).await?;
+        let start_s = began.elapsed().as_secs_f64();
+        let mut times = Vec::new();
+        for n in 1..=steps {
+            let t = Instant::now();
+            gang.step(n).await?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        gang.stop().await;
+        Ok::<_, crate::JobError>((start_s, times))
+    })?;
+    let s = median(&mut times);
+    Ok(json!({
+        "name": format!("step_dispatch_{actors}_noop_actors"),
+        "config": { "actors": actors, "steps": steps, "transport": "in-process (ractor + one executor thread per actor)" },
+        "gang_start_s": start_s,
+        "median_step_s": s,
+        "steps_per_s": 1.0 / s,
+        "load_avg": load_avg(),
+    }))
+}
