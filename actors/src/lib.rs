@@ -20,6 +20,7 @@ pub mod flat_optimizer;
 pub mod flow_functions;
 pub mod host_tensor;
 pub mod offload;
+pub mod peak;
 pub mod progress;
 pub mod proto;
 pub mod trainer;

@@ -83,7 +83,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let dir = args.nvme_dir.clone().unwrap_or_else(std::env::temp_dir);
     let offload = offload::mlp_offload(warmup, timed, &dir)?;
     eprintln!("offload: {offload}");
+    let physical = json!({
+        "matmul_gflops_one_thread": archipelago_actors::peak::matmul_gflops(512, if args.quick { 5 } else { 20 }),
+        "config": { "n": 512, "dtype": "f32", "backend": "burn Flex, one thread (one actor's core)" },
+        "load_avg": load_avg(),
+    });
+    eprintln!("physical_limits: {physical}");
     let out = json!({
+        "physical_limits": physical,
         "suite": "foundation+pipeline+zero+offload+multi_host",
         "quick": args.quick,
         "collectives": ring,
