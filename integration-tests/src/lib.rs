@@ -3,6 +3,21 @@
 use archipelago_controller::{Controller, TrainOptions, TrainReport};
 use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
 
+/// The small dp × pp plan of the ZeRO and checkpoint tests: global batch 24, 8 KiB gradient
+/// buckets (several buckets: several reduce-scatters and all-gathers), 2 micro-batches when
+/// pipelined.
+pub fn small_plan(dp: usize, pp: usize, zero: u8) -> ParallelPlan {
+    ParallelPlan {
+        dp,
+        pp,
+        zero,
+        microbatches: if pp > 1 { 2 } else { 1 },
+        batch: 24,
+        bucket_bytes: 8 << 10,
+        ..ParallelPlan::default()
+    }
+}
+
 /// Trains `model` under `plan` for `steps` steps on the embedded controller (one CPU actor per
 /// mesh position), with seed 7 and Adam at lr 1e-2 (so that small deep models visibly learn in
 /// a few steps).

@@ -7,21 +7,9 @@ use std::path::Path;
 
 use archipelago_controller::{TrainOptions, TrainReport};
 use archipelago_dataflow::ParallelPlan;
-use archipelago_integration_tests::{max_relative_difference, train_with_options};
+use archipelago_integration_tests::{max_relative_difference, small_plan as plan, train_with_options};
 
 const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
-
-fn plan(dp: usize, pp: usize, zero: u8) -> ParallelPlan {
-    ParallelPlan {
-        dp,
-        pp,
-        zero,
-        microbatches: if pp > 1 { 2 } else { 1 },
-        batch: 24,
-        bucket_bytes: 8 << 10,
-        ..ParallelPlan::default()
-    }
-}
 
 fn options(steps: u64, dir: Option<&Path>, every: u64, resume: bool) -> TrainOptions {
     TrainOptions {

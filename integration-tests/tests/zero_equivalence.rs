@@ -4,23 +4,10 @@
 //! zero 2 4Ψ + 12Ψ/N; zero 3 16Ψ/N — and the plan's estimate. Under ZeRO-3 no actor keeps a
 //! compute copy of the weights between steps.
 
-use archipelago_dataflow::ParallelPlan;
-use archipelago_integration_tests::{assert_equivalent, train_plan};
+use archipelago_integration_tests::{assert_equivalent, small_plan as plan, train_plan};
 
 const MLP7: &str = "mlp:in=24,hidden=48,layers=6,out=5";
 const PARAMS: f64 = 13_205.0;
-
-fn plan(dp: usize, pp: usize, zero: u8) -> ParallelPlan {
-    ParallelPlan {
-        dp,
-        pp,
-        zero,
-        microbatches: if pp > 1 { 2 } else { 1 },
-        batch: 24,
-        bucket_bytes: 8 << 10, // several buckets: several reduce-scatters and all-gathers
-        ..ParallelPlan::default()
-    }
-}
 
 fn formula(zero: u8, psi: f64, n: f64) -> f64 {
     match zero {

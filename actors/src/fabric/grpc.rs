@@ -20,7 +20,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use archipelago_dataflow::ActorId;
 
-use super::{Fabric, FabricError, InProcessFabric, Tag};
+use super::{Fabric, FabricError, HostRoutes, InProcessFabric, Link, Tag};
 use crate::host_tensor::HostTensor;
 use crate::proto::fabric_client::FabricClient;
 use crate::proto::fabric_server::{Fabric as FabricService, FabricServer};
@@ -194,12 +194,12 @@ pub fn serve_fabric(
     Ok(addr)
 }
 
-/// A job's fabric on one host: local actors through mailboxes, remote ones through gRPC streams.
-pub struct GrpcFabric {
-    local: Arc<InProcessFabric>,
-    /// The outgoing stream towards each actor's host (`None` for actors of this host).
-    routes: Vec<Option<UnboundedSender<TensorChunk>>>,
-}
+/// A job's fabric on one host: local actors through mailboxes, remote ones through one gRPC
+/// stream per peer host.
+pub type GrpcFabric = HostRoutes<GrpcLink>;
+
+/// The outgoing gRPC stream towards one peer host.
+pub struct GrpcLink(UnboundedSender<TensorChunk>);
 
 impl GrpcFabric {
     /// The fabric of a job whose actor `a` is served at `addrs[a]`; actors at `here` are local
@@ -211,11 +211,8 @@ impl GrpcFabric {
         local: Arc<InProcessFabric>,
         token: &str,
     ) -> Result<GrpcFabric, String> {
-        let mut streams: HashMap<&str, UnboundedSender<TensorChunk>> = HashMap::new();
-        for addr in addrs {
-            if addr == here || streams.contains_key(addr.as_str()) {
-                continue;
-            }
+        let mut links = HashMap::new();
+        for addr in HostRoutes::<GrpcLink>::peers(addrs, here) {
             let channel: Channel = Endpoint::from_shared(format!("http://{addr}"))
                 .map_err(|e| format!("bad fabric address {addr}: {e}"))?
                 .tcp_nodelay(true)
@@ -230,7 +227,7 @@ impl GrpcFabric {
             let (tx, rx) = unbounded_channel();
             let request =
                 with_token(token, UnboundedReceiverStream::new(rx)).map_err(|e| e.message().to_string())?;
-            let (peer, mailboxes) = (addr.clone(), local.clone());
+            let (peer, mailboxes) = (addr.to_string(), local.clone());
             tokio::spawn(async move {
                 if let Err(e) = client.push(request).await {
                     let reason = format!("the tensor stream to host {peer} failed: {}", e.message());
@@ -238,23 +235,14 @@ impl GrpcFabric {
                     mailboxes.abort(&reason);
                 }
             });
-            streams.insert(addr, tx);
+            links.insert(addr.to_string(), GrpcLink(tx));
         }
-        let routes = addrs.iter().map(|a| streams.get(a.as_str()).cloned()).collect();
-        Ok(GrpcFabric { local, routes })
+        Ok(HostRoutes::new(addrs, local, links))
     }
 }
 
-impl Fabric for GrpcFabric {
-    fn actors(&self) -> usize {
-        self.routes.len()
-    }
-
-    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
-        let route = self.routes.get(to).ok_or(FabricError::NoSuchActor(to))?;
-        let Some(stream) = route else {
-            return self.local.send(from, to, tag, tensor);
-        };
+impl Link for GrpcLink {
+    fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
         let shape: Vec<u64> = tensor.shape.iter().map(|&d| d as u64).collect();
         let per_chunk = CHUNK_BYTES / 4;
         let mut offset = 0;
@@ -269,7 +257,7 @@ impl Fabric for GrpcFabric {
                 offset: offset as u64,
                 data: bytes::Bytes::copy_from_slice(bytemuck::cast_slice(&tensor.data[offset..end])),
             };
-            stream.send(chunk).map_err(|_| {
+            self.0.send(chunk).map_err(|_| {
                 FabricError::Aborted(format!("the tensor stream to actor {to}'s host is closed"))
             })?;
             offset = end;
@@ -278,20 +266,11 @@ impl Fabric for GrpcFabric {
             }
         }
     }
-
-    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError> {
-        self.local.recv(me, from, tag)
-    }
-
-    fn abort(&self, reason: &str) {
-        self.local.abort(reason);
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collectives::{ChunkPool, ring_all_reduce};
     use std::time::Duration;
 
     /// Two hosts on 127.0.0.1 with two actors each: a ring all-reduce over all four (chunks
@@ -320,25 +299,8 @@ mod tests {
             (hosts, fabrics)
         });
         let len = 3 * (CHUNK_BYTES / 4) + 17; // each ring message spans several gRPC chunks
-        let group: Vec<usize> = vec![0, 2, 1, 3]; // the ring crosses hosts both ways
-        let handles: Vec<_> = (0..4)
-            .map(|me| {
-                let fabric = fabrics[me / 2].clone();
-                let group = group.clone();
-                std::thread::spawn(move || {
-                    let mut data: Vec<f32> = (0..len).map(|k| ((me + 1) * (k % 1000)) as f32).collect();
-                    let mut pool = ChunkPool::default();
-                    ring_all_reduce(fabric.as_ref(), me, &group, 5, &mut data, len / 2, &mut pool).unwrap();
-                    data
-                })
-            })
-            .collect();
-        for h in handles {
-            let data = h.join().unwrap();
-            for k in [0, 1, 999, len / 2, len - 1] {
-                assert_eq!(data[k], (10 * (k % 1000)) as f32, "value {k}");
-            }
-        }
+        let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
+        crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], len, len / 2);
         let refused = runtime.block_on(async {
             let channel = Endpoint::from_shared(format!("http://{}", hosts[0].0))
                 .unwrap()

@@ -12,7 +12,9 @@ pub use grpc::{GrpcFabric, Inbox, serve_fabric};
 pub use in_process::InProcessFabric;
 pub use tcp::{TcpFabric, serve_tcp_fabric};
 
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::host_tensor::HostTensor;
@@ -71,6 +73,66 @@ pub trait Fabric: Send + Sync {
     fn abort(&self, reason: &str);
 }
 
+/// One outgoing connection to another host's fabric, shared by every actor of that host.
+pub trait Link: Send + Sync {
+    /// Sends `tensor` from `from` (here) to `to` (on the link's host); never waits for the
+    /// receiver.
+    fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError>;
+}
+
+/// A job's fabric seen from one host: its own actors send and receive through in-process
+/// mailboxes (`local`, which the host's server also delivers into); a tensor for an actor on
+/// another host leaves on that host's [`Link`]. The gRPC and raw-TCP data paths differ only in
+/// their links.
+pub struct HostRoutes<L> {
+    local: Arc<InProcessFabric>,
+    /// The link towards each actor's host (`None` for actors of this host).
+    routes: Vec<Option<Arc<L>>>,
+}
+
+impl<L: Link> HostRoutes<L> {
+    /// The distinct hosts other than `here` among the actors' addresses, in first-seen order:
+    /// the hosts to open a link to.
+    pub fn peers<'a>(addrs: &'a [String], here: &str) -> Vec<&'a str> {
+        let mut peers: Vec<&str> = Vec::new();
+        for addr in addrs {
+            if addr != here && !peers.contains(&addr.as_str()) {
+                peers.push(addr);
+            }
+        }
+        peers
+    }
+
+    /// The routes of a job whose actor `a` is served at `addrs[a]`, given one link per peer
+    /// host (see [`HostRoutes::peers`]); actors without a link are local.
+    pub fn new(addrs: &[String], local: Arc<InProcessFabric>, links: HashMap<String, L>) -> HostRoutes<L> {
+        let links: HashMap<String, Arc<L>> = links.into_iter().map(|(a, l)| (a, Arc::new(l))).collect();
+        let routes = addrs.iter().map(|a| links.get(a).cloned()).collect();
+        HostRoutes { local, routes }
+    }
+}
+
+impl<L: Link> Fabric for HostRoutes<L> {
+    fn actors(&self) -> usize {
+        self.routes.len()
+    }
+
+    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
+        match self.routes.get(to).ok_or(FabricError::NoSuchActor(to))? {
+            None => self.local.send(from, to, tag, tensor),
+            Some(link) => link.push(from, to, tag, tensor),
+        }
+    }
+
+    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError> {
+        self.local.recv(me, from, tag)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.local.abort(reason);
+    }
+}
+
 /// How tensors travel between hosts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum DataPath {
@@ -98,5 +160,38 @@ impl fmt::Display for DataPath {
             DataPath::Grpc => "grpc",
             DataPath::Tcp => "tcp",
         })
+    }
+}
+
+/// What the data paths' tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::sync::Arc;
+
+    use super::Fabric;
+    use crate::collectives::{ChunkPool, ring_all_reduce};
+
+    /// A ring all-reduce of `len` values over 4 actors, 2 on each of two hosts (`fabrics[h]` is
+    /// host `h`'s fabric, actor `a` on host `a / 2`), the ring crossing hosts both ways, sums
+    /// correctly.
+    pub(crate) fn ring_all_reduce_across_two_hosts(fabrics: [Arc<dyn Fabric>; 2], len: usize, chunk: usize) {
+        let handles: Vec<_> = (0..4)
+            .map(|me| {
+                let fabric = fabrics[me / 2].clone();
+                std::thread::spawn(move || {
+                    let mut data: Vec<f32> = (0..len).map(|k| ((me + 1) * (k % 1000)) as f32).collect();
+                    let mut pool = ChunkPool::default();
+                    ring_all_reduce(fabric.as_ref(), me, &[0, 2, 1, 3], 5, &mut data, chunk, &mut pool)
+                        .unwrap();
+                    data
+                })
+            })
+            .collect();
+        for h in handles {
+            let data = h.join().unwrap();
+            for k in [0, 1, 999, len / 2, len - 1] {
+                assert_eq!(data[k], (10 * (k % 1000)) as f32, "value {k}");
+            }
+        }
     }
 }

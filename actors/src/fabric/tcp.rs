@@ -17,7 +17,7 @@ use std::sync::mpsc::{Sender, channel};
 
 use archipelago_dataflow::ActorId;
 
-use super::{Fabric, FabricError, InProcessFabric, Inbox, Tag};
+use super::{Fabric, FabricError, HostRoutes, InProcessFabric, Inbox, Link, Tag};
 use crate::host_tensor::HostTensor;
 
 const MAGIC: &[u8; 8] = b"ARCHTCP1";
@@ -138,7 +138,8 @@ fn write_frame(
     w.write_all(bytemuck::cast_slice(&tensor.data))
 }
 
-struct Outgoing {
+/// A tensor queued for a connection's writer thread.
+pub struct Outgoing {
     from: ActorId,
     to: ActorId,
     tag: Tag,
@@ -147,10 +148,10 @@ struct Outgoing {
 
 /// A job's fabric on one host over raw TCP: local actors through mailboxes, remote ones through
 /// one connection per peer host.
-pub struct TcpFabric {
-    local: Arc<InProcessFabric>,
-    routes: Vec<Option<Sender<Outgoing>>>,
-}
+pub type TcpFabric = HostRoutes<TcpLink>;
+
+/// The writer thread's queue of the connection towards one peer host.
+pub struct TcpLink(Sender<Outgoing>);
 
 impl TcpFabric {
     /// The fabric of a job whose actor `a` is served at `addrs[a]` (raw-TCP fabric addresses);
@@ -161,11 +162,8 @@ impl TcpFabric {
         local: Arc<InProcessFabric>,
         token: &str,
     ) -> Result<TcpFabric, String> {
-        let mut streams: HashMap<&str, Sender<Outgoing>> = HashMap::new();
-        for addr in addrs {
-            if addr == here || streams.contains_key(addr.as_str()) {
-                continue;
-            }
+        let mut links = HashMap::new();
+        for addr in HostRoutes::<TcpLink>::peers(addrs, here) {
             let stream = TcpStream::connect(addr)
                 .map_err(|e| format!("cannot reach the tensor port of host {addr}: {e}"))?;
             stream.set_nodelay(true).map_err(|e| e.to_string())?;
@@ -177,7 +175,7 @@ impl TcpFabric {
                 .and_then(|()| writer.flush())
                 .map_err(|e| format!("cannot greet host {addr}: {e}"))?;
             let (tx, rx) = channel::<Outgoing>();
-            let (peer, mailboxes) = (addr.clone(), local.clone());
+            let (peer, mailboxes) = (addr.to_string(), local.clone());
             std::thread::Builder::new()
                 .name(format!("tcp-fabric-to-{addr}"))
                 .spawn(move || {
@@ -197,47 +195,30 @@ impl TcpFabric {
                     }
                 })
                 .map_err(|e| e.to_string())?;
-            streams.insert(addr, tx);
+            links.insert(addr.to_string(), TcpLink(tx));
         }
-        let routes = addrs.iter().map(|a| streams.get(a.as_str()).cloned()).collect();
-        Ok(TcpFabric { local, routes })
+        Ok(HostRoutes::new(addrs, local, links))
     }
 }
 
-impl Fabric for TcpFabric {
-    fn actors(&self) -> usize {
-        self.routes.len()
-    }
-
-    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
-        match self.routes.get(to).ok_or(FabricError::NoSuchActor(to))? {
-            None => self.local.send(from, to, tag, tensor),
-            Some(stream) => stream
-                .send(Outgoing {
-                    from,
-                    to,
-                    tag,
-                    tensor,
-                })
-                .map_err(|_| {
-                    FabricError::Aborted(format!("the tensor connection to actor {to}'s host is closed"))
-                }),
-        }
-    }
-
-    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError> {
-        self.local.recv(me, from, tag)
-    }
-
-    fn abort(&self, reason: &str) {
-        self.local.abort(reason);
+impl Link for TcpLink {
+    fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
+        self.0
+            .send(Outgoing {
+                from,
+                to,
+                tag,
+                tensor,
+            })
+            .map_err(|_| {
+                FabricError::Aborted(format!("the tensor connection to actor {to}'s host is closed"))
+            })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::collectives::{ChunkPool, ring_all_reduce};
     use std::time::Duration;
 
     /// Two hosts with two actors each over raw TCP: a ring all-reduce across them sums
@@ -260,33 +241,8 @@ mod tests {
                 TcpFabric::connect(&addrs, addr, local, "secret").unwrap(),
             ));
         }
-        let len = 3_000_017;
-        let handles: Vec<_> = (0..4)
-            .map(|me| {
-                let fabric = fabrics[me / 2].clone();
-                std::thread::spawn(move || {
-                    let mut data: Vec<f32> = (0..len).map(|k| ((me + 1) * (k % 1000)) as f32).collect();
-                    let mut pool = ChunkPool::default();
-                    ring_all_reduce(
-                        fabric.as_ref(),
-                        me,
-                        &[0, 2, 1, 3],
-                        5,
-                        &mut data,
-                        1 << 18,
-                        &mut pool,
-                    )
-                    .unwrap();
-                    data
-                })
-            })
-            .collect();
-        for h in handles {
-            let data = h.join().unwrap();
-            for k in [0, 1, 999, len / 2, len - 1] {
-                assert_eq!(data[k], (10 * (k % 1000)) as f32, "value {k}");
-            }
-        }
+        let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
+        crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], 3_000_017, 1 << 18);
         // A wrong token: the frame never reaches actor 0's mailbox.
         let local = Arc::new(InProcessFabric::new(4, Duration::from_millis(300)));
         let intruder = TcpFabric::connect(&addrs, "elsewhere", local, "wrong").unwrap();

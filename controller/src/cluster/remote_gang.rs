@@ -29,8 +29,8 @@ pub struct RemoteGang {
     /// The job's hosts with their actors.
     hosts: BTreeMap<u32, (HostInfo, Vec<ActorId>)>,
     events: UnboundedReceiver<HostEvent>,
-    /// Device and instruction labels of every actor (for loss reports).
-    labels: Vec<(String, Vec<String>)>,
+    /// The plan (devices and instructions of every actor, named in loss reports).
+    plan: Arc<Plan>,
     watchdog: Duration,
     /// How long a secondary failure waits for the loss of a host that explains it.
     grace: Duration,
@@ -58,7 +58,7 @@ impl RemoteGang {
     pub async fn launch(
         job: &str,
         registry: Arc<Registry>,
-        plan: &Plan,
+        plan: Arc<Plan>,
         spec: LaunchSpec<'_>,
     ) -> Result<RemoteGang, JobError> {
         let LaunchSpec {
@@ -77,26 +77,18 @@ impl RemoteGang {
                 .1
                 .push(actor);
         }
-        let labels = plan
-            .actors
-            .iter()
-            .map(|a| {
-                let instructions = a.stream.instructions.iter().map(|i| i.to_string()).collect();
-                (a.device.to_string(), instructions)
-            })
-            .collect();
         let mut gang = RemoteGang {
             job: job.to_string(),
             registry,
             hosts,
             events,
-            labels,
+            plan: plan.clone(),
             watchdog: patience + Duration::from_secs(10),
             grace,
             next_ask: 0,
             step: 0,
         };
-        let plan_json = serde_json::to_vec(plan).map_err(|e| JobError::Runtime(e.to_string()))?;
+        let plan_json = serde_json::to_vec(&*plan).map_err(|e| JobError::Runtime(e.to_string()))?;
         let actor_addrs: Vec<String> = placement
             .iter()
             .map(|h| match data_path {
@@ -265,7 +257,10 @@ impl RemoteGang {
         let described: Vec<String> = actors
             .iter()
             .map(|&a| {
-                let (device, instructions) = &self.labels[a];
+                let (device, instructions) = (
+                    self.plan.actors[a].device,
+                    &self.plan.actors[a].stream.instructions,
+                );
                 let doing = match states.iter().find(|s| s.actor as usize == a) {
                     // The last heartbeat came before the running step began.
                     Some(s) if s.step < self.step && self.step > 0 => {
@@ -279,7 +274,9 @@ impl RemoteGang {
                         "at step {} instruction {} `{}`",
                         s.step,
                         s.index,
-                        instructions.get(s.index as usize).map_or("?", String::as_str)
+                        instructions
+                            .get(s.index as usize)
+                            .map_or_else(|| "?".to_string(), ToString::to_string)
                     ),
                     Some(s) => format!("between steps (after step {})", s.step),
                     None => "not yet heard from".to_string(),

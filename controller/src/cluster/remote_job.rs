@@ -156,6 +156,7 @@ async fn run_attempts(
         let needed = program.plan.dp * program.plan.pp;
         let hosts = registry.wait_for_devices(needed, config.wait_for_hosts).await;
         let (plan, placement) = place(&program, &hosts, restarts > 0)?;
+        let plan = Arc::new(plan);
         let line = format!(
             "job {}: {} actors [{}] on {}",
             train.job,
@@ -181,7 +182,7 @@ async fn run_attempts(
             patience: train.patience,
             grace,
         };
-        let mut gang = RemoteGang::launch(&launch, registry.clone(), &plan, spec).await?;
+        let mut gang = RemoteGang::launch(&launch, registry.clone(), plan.clone(), spec).await?;
         let result = drive(&mut gang, &plan, train, first_step, &mut history).await;
         gang.stop();
         match result {
