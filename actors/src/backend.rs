@@ -1,19 +1,191 @@
-//! The burn backends device actors run on. CPU: `Autodiff<Flex>`, one actor thread per device.
+//! The burn backends device actors run on, and the builders of an actor's trainer on each.
+//!
+//! `cpu:N` runs `Autodiff<Flex>`, one actor thread per device. With the cargo feature `cuda`,
+//! `cuda:N` runs `Autodiff<Cuda>` on GPU `N` (burn's CUDA backend loads the driver at run time, so
+//! the build needs neither a GPU nor a CUDA toolkit). [`check_devices`] refuses a device this
+//! process cannot run — a build without `cuda`, no driver, too few GPUs — before any actor starts.
+
+use std::sync::Arc;
 
 use burn::backend::flex::FlexDevice;
 use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::DeviceSpec;
+use archipelago_dataflow::{ActorId, DeviceSpec, ModelSpec, Program};
+
+use crate::checkpoint::CheckpointReader;
+use crate::executor::Computation;
+use crate::trainer::{Placement, Trainer};
+use crate::zoo::{ModelBuilder, ZooModel};
 
 /// The CPU training backend: burn's pure-Rust `Flex` under autodiff.
 pub type CpuBackend = Autodiff<Flex>;
 
-/// The burn device for a device spec, or why this build cannot run it.
-pub fn device_for(spec: DeviceSpec) -> Result<FlexDevice, String> {
-    match spec {
-        DeviceSpec::Cpu(_) => Ok(FlexDevice),
-        DeviceSpec::Cuda(n) => Err(format!(
-            "device cuda:{n} was asked for, but this build has no CUDA backend; use cpu:N devices"
-        )),
+/// The GPU training backend: burn's CUDA backend under autodiff.
+#[cfg(feature = "cuda")]
+pub type CudaBackend = Autodiff<burn::backend::Cuda>;
+
+/// Whether this build has the CUDA backend (the cargo feature `cuda`).
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+/// Checks that this process can run every device of `devices`: CPU devices always; `cuda:N`
+/// only in a build with the `cuda` feature, with an NVIDIA driver and at least `N + 1` GPUs.
+pub fn check_devices(devices: &[DeviceSpec]) -> Result<(), String> {
+    let Some(highest) = devices
+        .iter()
+        .filter_map(|d| match d {
+            DeviceSpec::Cuda(n) => Some(*n),
+            DeviceSpec::Cpu(_) => None,
+        })
+        .max()
+    else {
+        return Ok(());
+    };
+    if !CUDA_BUILT {
+        return Err(format!(
+            "device cuda:{highest} was asked for, but this build has no CUDA backend: rebuild with \
+             `cargo build --release --features cuda`, or use cpu:N devices"
+        ));
+    }
+    let gpus =
+        crate::gpus::list().map_err(|why| format!("device cuda:{highest} was asked for, but {why}"))?;
+    if highest as usize >= gpus.len() {
+        return Err(format!(
+            "device cuda:{highest} was asked for, but this host has {} GPU(s){}; `archipelago devices` \
+             lists what it offers",
+            gpus.len(),
+            if gpus.is_empty() {
+                String::new()
+            } else {
+                format!(" (cuda:0..cuda:{})", gpus.len() - 1)
+            }
+        ));
+    }
+    Ok(())
+}
+
+/// The makers of a model's blocks for each backend this build has: the zoo builds on all of them;
+/// the user's own blocks on the backends they were given for.
+#[derive(Clone)]
+pub struct Builders {
+    cpu: Arc<dyn ModelBuilder<CpuBackend>>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<Arc<dyn ModelBuilder<CudaBackend>>>,
+}
+
+impl Builders {
+    /// A zoo model on every backend.
+    pub fn zoo(spec: ModelSpec) -> Builders {
+        Builders {
+            cpu: Arc::new(ZooModel(spec.clone())),
+            #[cfg(feature = "cuda")]
+            cuda: Some(Arc::new(ZooModel(spec))),
+        }
+    }
+
+    /// The user's blocks for CPU devices only.
+    pub fn cpu(builder: Arc<dyn ModelBuilder<CpuBackend>>) -> Builders {
+        Builders {
+            cpu: builder,
+            #[cfg(feature = "cuda")]
+            cuda: None,
+        }
+    }
+
+    /// Adds the user's blocks for `cuda:N` devices.
+    #[cfg(feature = "cuda")]
+    pub fn with_cuda(mut self, builder: Arc<dyn ModelBuilder<CudaBackend>>) -> Builders {
+        self.cuda = Some(builder);
+        self
+    }
+
+    /// Checks that `devices` can run here and that there are blocks for each one's backend.
+    pub fn check(&self, devices: &[DeviceSpec]) -> Result<(), String> {
+        check_devices(devices)?;
+        #[cfg(feature = "cuda")]
+        if self.cuda.is_none()
+            && let Some(gpu) = devices.iter().find(|d| matches!(d, DeviceSpec::Cuda(_)))
+        {
+            return Err(format!(
+                "device {gpu} was asked for, but the model's blocks were given for CPU devices only: \
+                 add a builder for the CUDA backend (`Builders::with_cuda`)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The trainer of `actor` on `device`, holding `placement`'s blocks of `program`'s model,
+    /// loaded from `restore` when given.
+    pub fn trainer(
+        &self,
+        program: &Program,
+        actor: ActorId,
+        device: DeviceSpec,
+        placement: &Placement,
+        restore: Option<&CheckpointReader>,
+    ) -> Result<Box<dyn Computation>, String> {
+        match device {
+            DeviceSpec::Cpu(_) => {
+                trainer_on(program, self.cpu.clone(), actor, FlexDevice, placement, restore)
+            }
+            #[cfg(feature = "cuda")]
+            DeviceSpec::Cuda(n) => {
+                let builder = self.cuda.clone().ok_or_else(|| {
+                    format!("no blocks were given for the CUDA backend, which cuda:{n} needs")
+                })?;
+                let gpu = burn::backend::cuda::CudaDevice { index: n as usize };
+                trainer_on(program, builder, actor, gpu, placement, restore)
+            }
+            #[cfg(not(feature = "cuda"))]
+            DeviceSpec::Cuda(_) => Err(check_devices(&[device]).err().unwrap_or_default()),
+        }
+    }
+}
+
+fn trainer_on<B: AutodiffBackend>(
+    program: &Program,
+    builder: Arc<dyn ModelBuilder<B>>,
+    actor: ActorId,
+    device: B::Device,
+    placement: &Placement,
+    restore: Option<&CheckpointReader>,
+) -> Result<Box<dyn Computation>, String> {
+    let mut trainer = Trainer::<B>::new(program, builder, actor, device, placement)?;
+    if let Some(checkpoint) = restore {
+        trainer.restore(checkpoint)?;
+    }
+    Ok(Box::new(trainer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_devices_always_run_and_a_gpu_is_refused_naming_what_is_missing() {
+        assert_eq!(check_devices(&DeviceSpec::cpus(4)), Ok(()));
+        let gpus = crate::gpus::list();
+        match check_devices(&[DeviceSpec::Cpu(0), DeviceSpec::Cuda(0)]) {
+            Ok(()) => assert!(gpus.is_ok_and(|g| !g.is_empty()), "cuda:0 accepted without a GPU"),
+            Err(why) => {
+                assert!(why.starts_with("device cuda:0 was asked for, but "), "{why}");
+                if CUDA_BUILT {
+                    assert!(why.contains("NVIDIA driver") || why.contains("GPU(s)"), "{why}");
+                } else {
+                    assert!(why.contains("--features cuda"), "{why}");
+                }
+            }
+        }
+        // Past the GPUs a host has.
+        let err = check_devices(&[DeviceSpec::Cuda(4096)]).unwrap_err();
+        assert!(err.contains("cuda:4096"), "{err}");
+    }
+
+    #[test]
+    fn builders_refuse_a_gpu_they_cannot_build_or_run() {
+        let builders = Builders::zoo(ModelSpec::parse("mlp:in=2,hidden=2,layers=1,out=1").unwrap());
+        assert_eq!(builders.check(&DeviceSpec::cpus(2)), Ok(()));
+        let cpu_only = Builders::cpu(Arc::new(ZooModel(ModelSpec::parse("mlp-8x1024").unwrap())));
+        assert!(cpu_only.check(&[DeviceSpec::Cuda(0)]).is_err());
     }
 }

@@ -93,9 +93,33 @@ pub trait Block<B: AutodiffBackend>: Send {
     /// share no node and burn never merges them (its graph cleanup after one micro-batch's
     /// backward could otherwise drop parts of another's graph).
     fn fresh_copy(&self) -> Box<dyn Block<B>>;
-    /// Moves this block's parameter gradients out of `grads` into `out` (zeros where none), or
-    /// adds them to what `out` holds when `accumulate` (micro-batches of one step).
-    fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32], accumulate: bool);
+    /// Moves this block's parameter gradients out of `grads` as one flat tensor on the block's
+    /// device, in flattening order (zeros where a parameter has none); None without parameters.
+    /// The caller reads a whole gradient bucket back to host memory at once ([`read_flat`]):
+    /// one device-to-host transfer per bucket, not one per tensor.
+    fn take_grads(&self, grads: &mut B::Gradients) -> Option<Tensor<B::InnerBackend, 1>>;
+}
+
+/// Concatenates flat device tensors and reads them to host memory in one transfer, writing them
+/// into `out` or, when `accumulate`, adding them to what `out` holds.
+///
+/// # Panics
+/// When the tensors do not add up to `out.len()` elements.
+pub fn read_flat<B: Backend>(parts: Vec<Tensor<B, 1>>, out: &mut [f32], accumulate: bool) {
+    if parts.is_empty() {
+        if !accumulate {
+            out.fill(0.0);
+        }
+        return;
+    }
+    let data = Tensor::cat(parts, 0).into_data().convert::<f32>();
+    let values = data.as_slice::<f32>().expect("f32 gradients");
+    assert_eq!(values.len(), out.len(), "gradient bucket size");
+    if accumulate {
+        out.iter_mut().zip(values).for_each(|(t, v)| *t += v);
+    } else {
+        out.copy_from_slice(values);
+    }
 }
 
 impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
@@ -130,14 +154,13 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         Box::new(self.clone().map(&mut FreshLeafMapper))
     }
 
-    fn take_grads(&self, grads: &mut B::Gradients, out: &mut [f32], accumulate: bool) {
+    fn take_grads(&self, grads: &mut B::Gradients) -> Option<Tensor<B::InnerBackend, 1>> {
         let mut v = GradVisitor::<B> {
             grads,
-            out,
-            offset: 0,
-            accumulate,
+            parts: Vec::new(),
         };
         self.visit(&mut v);
+        (!v.parts.is_empty()).then(|| Tensor::cat(v.parts, 0))
     }
 }
 
@@ -174,30 +197,18 @@ impl<B: Backend> ModuleVisitor<B> for FlattenVisitor<'_> {
 
 struct GradVisitor<'a, B: AutodiffBackend> {
     grads: &'a mut B::Gradients,
-    out: &'a mut [f32],
-    offset: usize,
-    accumulate: bool,
+    parts: Vec<Tensor<B::InnerBackend, 1>>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for GradVisitor<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let tensor = param.val();
         let n = tensor.shape().num_elements();
-        let target = &mut self.out[self.offset..self.offset + n];
-        match tensor.grad_remove(self.grads) {
-            Some(grad) => {
-                let data = grad.into_data().convert::<f32>();
-                let values = data.as_slice::<f32>().expect("f32 gradients");
-                if self.accumulate {
-                    target.iter_mut().zip(values).for_each(|(t, v)| *t += v);
-                } else {
-                    target.copy_from_slice(values);
-                }
-            }
-            None if self.accumulate => {}
-            None => target.fill(0.0),
-        }
-        self.offset += n;
+        let flat = match tensor.grad_remove(self.grads) {
+            Some(grad) => grad.reshape([n]),
+            None => Tensor::zeros([n], &tensor.device()),
+        };
+        self.parts.push(flat);
     }
 }
 
@@ -270,4 +281,85 @@ pub fn deterministic_init(shapes: &[(String, Vec<usize>)], seed: u64, index: usi
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::FlexDevice;
+    use burn::tensor::{Distribution, Tensor, TensorData};
+
+    use super::*;
+    use crate::CpuBackend;
+    use crate::zoo::{LinearBlock, LinearReluBlock};
+
+    type B = CpuBackend;
+
+    /// A bucket of two blocks read in one transfer equals each parameter's gradient read alone,
+    /// in flattening order; accumulating adds; a block without gradients gives zeros.
+    #[test]
+    fn a_bucket_of_gradients_is_read_in_one_transfer_in_flattening_order() {
+        let device = FlexDevice;
+        let load =
+            |module_shapes: Vec<(String, Vec<usize>)>, i: usize| deterministic_init(&module_shapes, 5, i);
+        let b0 = LinearReluBlock::<B>::new(3, 4, &device);
+        let init0 = load(Block::param_shapes(&b0), 0);
+        let b0 = b0.map(&mut LoadMapper {
+            flat: &init0,
+            offset: 0,
+        });
+        let b1 = LinearBlock::<B>::new(4, 2, &device);
+        let init1 = load(Block::param_shapes(&b1), 1);
+        let b1 = b1.map(&mut LoadMapper {
+            flat: &init1,
+            offset: 0,
+        });
+        let total = init0.len() + init1.len();
+        let x = Tensor::<B, 2>::random([5, 3], Distribution::Default, &device);
+        let loss = || match Block::forward(&b1, Block::forward(&b0, Activation::Rows(x.clone()))) {
+            Activation::Rows(t) => (t.clone() * t).sum(),
+            _ => unreachable!(),
+        };
+        // Expected: each parameter's gradient read on its own.
+        let mut grads = loss().backward();
+        let mut expected = Vec::new();
+        b0.visit(&mut ExpectedGrads::<B> {
+            grads: &mut grads,
+            out: &mut expected,
+        });
+        b1.visit(&mut ExpectedGrads::<B> {
+            grads: &mut grads,
+            out: &mut expected,
+        });
+        assert_eq!(expected.len(), total);
+        assert!(expected.iter().any(|&g| g != 0.0));
+        let take = |grads: &mut <B as AutodiffBackend>::Gradients| {
+            [Block::take_grads(&b0, grads), Block::take_grads(&b1, grads)]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+        };
+        let mut flat = vec![f32::NAN; total];
+        read_flat(take(&mut loss().backward()), &mut flat, false);
+        assert_eq!(flat, expected);
+        read_flat(take(&mut loss().backward()), &mut flat, true);
+        let doubled: Vec<f32> = expected.iter().map(|g| 2.0 * g).collect();
+        assert_eq!(flat, doubled);
+        // No backward reached these parameters: zeros.
+        let unrelated = Tensor::<B, 1>::from_data(TensorData::from([1.0f32]), &device).require_grad();
+        read_flat(take(&mut unrelated.sum().backward()), &mut flat, false);
+        assert!(flat.iter().all(|&g| g == 0.0));
+    }
+
+    struct ExpectedGrads<'a, B: AutodiffBackend> {
+        grads: &'a mut B::Gradients,
+        out: &'a mut Vec<f32>,
+    }
+
+    impl<B: AutodiffBackend> ModuleVisitor<B> for ExpectedGrads<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let grad = param.val().grad_remove(self.grads).expect("a gradient");
+            self.out
+                .extend(grad.into_data().convert::<f32>().as_slice::<f32>().unwrap());
+        }
+    }
 }

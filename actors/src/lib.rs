@@ -6,7 +6,9 @@
 //! - [`fabric`]: how tensors move between actors, with the in-process implementation;
 //! - [`collectives`]: the chunked, pipelined ring all-reduce and the per-actor collective worker;
 //! - [`flat_optimizer`]: Adam and SGD on flat shards;
-//! - [`block`] and [`zoo`]: the burn glue (block trait, parameter flattening) and the models.
+//! - [`block`] and [`zoo`]: the burn glue (block trait, parameter flattening) and the models;
+//! - [`backend`] and [`gpus`]: the burn backends per device kind (`cpu:N`, `cuda:N` with the
+//!   `cuda` feature) and the GPUs a host offers.
 
 pub mod backend;
 pub mod block;
@@ -18,6 +20,7 @@ pub mod executor;
 pub mod fabric;
 pub mod flat_optimizer;
 pub mod flow_functions;
+pub mod gpus;
 pub mod host_tensor;
 pub mod offload;
 pub mod peak;
@@ -26,6 +29,8 @@ pub mod proto;
 pub mod trainer;
 pub mod zoo;
 
-pub use backend::{CpuBackend, device_for};
+#[cfg(feature = "cuda")]
+pub use backend::CudaBackend;
+pub use backend::{Builders, CpuBackend, check_devices};
 pub use error::ActorFailure;
 pub use host_tensor::HostTensor;

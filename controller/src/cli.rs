@@ -39,6 +39,8 @@ pub enum Command {
     Controller(crate::cluster::commands::ControllerArgs),
     /// Offer this machine's devices to a controller and run its part of each job.
     Host(crate::cluster::commands::HostArgs),
+    /// List what this host can offer: CPU cores, GPUs and their memory, as device specs.
+    Devices(crate::host_devices::DevicesArgs),
     /// The other end of the cross-process benchmark (started by `bench`).
     #[command(hide = true)]
     BenchPeer(crate::bench::cross_process::PeerArgs),
@@ -102,6 +104,10 @@ pub struct JobArgs {
     /// With --zero 3 and --offload: keep the parameter shards in the offload tier too.
     #[arg(long)]
     pub offload_params: bool,
+    /// Devices to place the actors on, in mesh order: e.g. `cuda:0,cuda:1` (a `cuda` build) or
+    /// `cpu:0,cpu:1`; default `cpu:0..` (one per dp × pp actor). `archipelago devices` lists them.
+    #[arg(long)]
+    pub devices: Option<String>,
     /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.
     #[arg(long)]
     pub stages: Option<String>,
@@ -141,9 +147,36 @@ impl JobArgs {
                 .transpose()?,
         };
         program.optimizer = OptimizerSpec::adam(self.lr);
-        program.devices = DeviceSpec::cpus(self.dp * self.pp);
+        program.devices = match &self.devices {
+            Some(list) => DeviceSpec::parse_list(list)?,
+            None => DeviceSpec::cpus(self.dp * self.pp),
+        };
+        if program.plan.device_memory.is_none() {
+            program.plan.device_memory =
+                gpu_memory(&program.devices[..program.devices.len().min(self.dp * self.pp)]);
+        }
         Ok(program)
     }
+}
+
+/// The smallest memory of the GPUs among `devices` (the plan's memory budget per device when the
+/// job gives none), None without GPUs or where the driver cannot tell.
+fn gpu_memory(devices: &[DeviceSpec]) -> Option<u64> {
+    let wanted: Vec<u32> = devices
+        .iter()
+        .filter_map(|d| match d {
+            DeviceSpec::Cuda(n) => Some(*n),
+            DeviceSpec::Cpu(_) => None,
+        })
+        .collect();
+    if wanted.is_empty() {
+        return None;
+    }
+    let gpus = archipelago_actors::gpus::list().ok()?;
+    wanted
+        .iter()
+        .filter_map(|n| gpus.iter().find(|g| g.index == *n).map(|g| g.memory_bytes))
+        .min()
 }
 
 /// Flags of `train`.
@@ -220,6 +253,11 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
     let local = crate::Controller::local(program.devices.clone());
     // Compiled here too, so a plan that cannot work is refused before anything is submitted.
     let plan = local.plan(&program)?;
+    if args.controller.is_none() {
+        // Refused here, before anything starts: a `cuda:N` this process cannot run.
+        let devices: Vec<DeviceSpec> = plan.actors.iter().map(|a| a.device).collect();
+        archipelago_actors::check_devices(&devices).map_err(anyhow::Error::msg)?;
+    }
     let controller = match &args.controller {
         Some(addr) => {
             let Some(token_file) = &args.token_file else {

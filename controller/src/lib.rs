@@ -23,6 +23,7 @@ pub mod dashboard;
 pub mod error;
 pub mod flow_job;
 pub mod gang;
+pub mod host_devices;
 pub mod local;
 pub mod process_stats;
 pub mod replay;

@@ -22,6 +22,7 @@ fn main() {
         Command::Bench(args) => archipelago_controller::bench::run(args),
         Command::Controller(args) => archipelago_controller::cluster::commands::controller(args),
         Command::Host(args) => archipelago_controller::cluster::commands::host(args),
+        Command::Devices(args) => archipelago_controller::host_devices::devices(args),
         Command::BenchPeer(args) => archipelago_controller::bench::cross_process::peer_main(args),
     };
     telemetry.shutdown();

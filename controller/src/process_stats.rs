@@ -1,12 +1,22 @@
-//! Facts about this process and machine for reports: peak RSS and the load average.
+//! Facts about this process and machine for reports: peak RSS, total memory and the load average.
 
 /// Peak resident set size of this process in bytes (`VmHWM`), 0 where unknown.
 pub fn peak_rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    proc_kib_field("/proc/self/status", "VmHWM:")
+}
+
+/// Total memory of this machine in bytes (`MemTotal`), 0 where unknown.
+pub fn mem_total_bytes() -> u64 {
+    proc_kib_field("/proc/meminfo", "MemTotal:")
+}
+
+/// The field `key` (in kB) of a `/proc` file, in bytes; 0 where unknown.
+fn proc_kib_field(path: &str, key: &str) -> u64 {
+    std::fs::read_to_string(path)
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(key))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<u64>().ok())
         })

@@ -6,14 +6,14 @@ use std::time::{Duration, Instant};
 
 use archipelago_actors::checkpoint::{self, CheckpointReader, MANIFEST, Manifest};
 use archipelago_actors::device_actor::ComputationFactory;
-use archipelago_actors::executor::{Computation, StepReport};
+use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::InProcessFabric;
 use archipelago_actors::offload::OffloadStats;
-use archipelago_actors::trainer::{Placement, Trainer};
-use archipelago_actors::zoo::{ModelBuilder, ZooModel};
-use archipelago_actors::{CpuBackend, device_for};
+use archipelago_actors::trainer::Placement;
+use archipelago_actors::zoo::ModelBuilder;
+use archipelago_actors::{Builders, CpuBackend};
 use archipelago_dataflow::memory::MemoryEstimate;
-use archipelago_dataflow::{ActorId, Instruction, ModelSpec, Plan, PlanError, Program, compile};
+use archipelago_dataflow::{ActorId, DeviceSpec, Instruction, ModelSpec, Plan, PlanError, Program, compile};
 
 use crate::JobError;
 use crate::actor_gang::ActorGang;
@@ -107,14 +107,26 @@ impl Controller {
                 .runtime
                 .block_on(crate::cluster::client::submit(remote, program, options));
         }
-        self.train_with(program, Arc::new(ZooModel(spec)), options)
+        self.train_blocks(program, Builders::zoo(spec), options)
     }
 
-    /// Trains a model whose blocks `builder` makes (the user's own blocks) and reports.
+    /// Trains a model whose blocks `builder` makes (the user's own blocks, on CPU devices) and
+    /// reports.
     pub fn train_with(
         &self,
         program: &Program,
         builder: Arc<dyn ModelBuilder<CpuBackend>>,
+        options: &TrainOptions,
+    ) -> Result<TrainReport, JobError> {
+        self.train_blocks(program, Builders::cpu(builder), options)
+    }
+
+    /// Trains a model whose blocks `builders` make on each backend the devices need (the user's
+    /// own blocks on GPUs: `Builders::cpu(..).with_cuda(..)` in a build with `cuda`) and reports.
+    pub fn train_blocks(
+        &self,
+        program: &Program,
+        builders: Builders,
         options: &TrainOptions,
     ) -> Result<TrainReport, JobError> {
         if self.remote.is_some() {
@@ -125,7 +137,7 @@ impl Controller {
             ));
         }
         let plan = self.plan(program)?;
-        let result = self.runtime.block_on(run(plan, builder, options));
+        let result = self.runtime.block_on(run(plan, builders, options));
         if let Some(d) = &options.dashboard {
             d.job_ended(result.as_ref().err().map(|e| e.to_string()).as_deref());
         }
@@ -146,17 +158,15 @@ impl Controller {
     }
 }
 
-async fn run(
-    plan: Plan,
-    builder: Arc<dyn ModelBuilder<CpuBackend>>,
-    options: &TrainOptions,
-) -> Result<TrainReport, JobError> {
+async fn run(plan: Plan, builders: Builders, options: &TrainOptions) -> Result<TrainReport, JobError> {
     check_options(options)?;
+    let devices: Vec<DeviceSpec> = plan.actors.iter().map(|a| a.device).collect();
+    builders.check(&devices).map_err(JobError::Runtime)?;
     let (restore, first_step) = resume_point(&plan.program, options)?;
     let n = plan.actors.len();
     let fabric = Arc::new(InProcessFabric::new(n, options.patience));
     let all: Vec<ActorId> = (0..n).collect();
-    let factories = trainer_factories(&plan, &builder, &all, restore);
+    let factories = trainer_factories(&plan, &builders, &all, restore);
     let streams = plan.actors.iter().map(|a| a.stream.clone()).collect();
     let watchdog = options.patience + Duration::from_secs(10);
     let mut gang = ActorGang::start(&options.job, streams, factories, fabric, watchdog).await?;
@@ -218,7 +228,7 @@ pub(crate) fn resume_point(
 /// and, when `restore` is given, loads its state from that checkpoint.
 pub(crate) fn trainer_factories(
     plan: &Plan,
-    builder: &Arc<dyn ModelBuilder<CpuBackend>>,
+    builders: &Builders,
     actors: &[ActorId],
     restore: Option<Arc<CheckpointReader>>,
 ) -> Vec<ComputationFactory> {
@@ -237,21 +247,15 @@ pub(crate) fn trainer_factories(
                 replica: a.replica,
                 replicas: plan.program.plan.dp,
             };
-            let (program, builder, actor, device, restore) = (
+            let (program, builders, actor, device, restore) = (
                 plan.program.clone(),
-                builder.clone(),
+                builders.clone(),
                 a.actor,
                 a.device,
                 restore.clone(),
             );
-            Box::new(move || {
-                let device = device_for(device)?;
-                let mut trainer = Trainer::<CpuBackend>::new(&program, builder, actor, device, &placement)?;
-                if let Some(checkpoint) = restore {
-                    trainer.restore(&checkpoint)?;
-                }
-                Ok(Box::new(trainer) as Box<dyn Computation>)
-            }) as ComputationFactory
+            Box::new(move || builders.trainer(&program, actor, device, &placement, restore.as_deref()))
+                as ComputationFactory
         })
         .collect()
 }

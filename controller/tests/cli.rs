@@ -213,3 +213,61 @@ fn train_with_pipeline_flags_writes_trace_and_bubble() {
     let t: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     assert!(t["traceEvents"].as_array().unwrap().len() > 20);
 }
+
+/// `--devices` places the actors; a GPU this build or host cannot run is refused at start, before
+/// any actor, naming what is missing; `devices` lists what the host offers.
+#[test]
+fn devices_are_listed_and_a_missing_gpu_is_refused_at_start() {
+    let (ok, json) = archipelago(&["devices", "--json"]);
+    assert!(ok, "{json}");
+    let found: serde_json::Value = serde_json::from_str(&json).expect("devices JSON");
+    let cores = found["cpu_cores"].as_u64().unwrap();
+    assert!(cores >= 1, "{json}");
+    assert_eq!(found["specs"][0], "cpu:0", "{json}");
+    assert!(found["memory_bytes"].as_u64().unwrap() > 0, "{json}");
+    if found["gpus"].as_array().unwrap().is_empty() {
+        // CI: no GPU, or a build without `cuda`: the reason is given.
+        assert!(
+            found["gpus_unavailable"].as_str().is_some_and(|w| !w.is_empty()),
+            "{json}"
+        );
+        let (ok, text) = archipelago(&[
+            "train",
+            "--model",
+            "gpt-tiny",
+            "--devices",
+            "cuda:0",
+            "--steps",
+            "1",
+        ]);
+        assert!(!ok, "cuda:0 accepted without a GPU: {text}");
+        assert!(text.contains("cuda:0 was asked for"), "{text}");
+        assert!(
+            text.contains("--features cuda") || text.contains("NVIDIA driver"),
+            "the error does not say what is missing: {text}"
+        );
+        assert!(
+            !text.contains("training gpt-tiny"),
+            "refused only after starting: {text}"
+        );
+    }
+    // Explicit CPU devices train as the default ones do.
+    let (ok, text) = archipelago(&[
+        "train",
+        "--model",
+        "mlp:in=8,hidden=8,layers=2,out=2",
+        "--dp",
+        "2",
+        "--devices",
+        "cpu:1,cpu:0",
+        "--steps",
+        "2",
+        "--quiet",
+    ]);
+    assert!(ok, "{text}");
+    let (ok, text) = archipelago(&["plan", "--model", "mlp-8x1024", "--dp", "2", "--devices", "cpu:0"]);
+    assert!(
+        !ok && text.contains("devices"),
+        "too few devices accepted: {text}"
+    );
+}

@@ -124,6 +124,34 @@ impl ModelSpec {
         }
     }
 
+    /// Model FLOPs of one training step (forward + backward) per token for a gpt, per sample for
+    /// an mlp — the numerator of model FLOP utilisation (Chowdhery et al., 2022, appendix B):
+    /// 6 per weight of every matmul (embedding lookups are not matmuls) plus, for a gpt, the
+    /// attention scores and mix, 12 · layers · d · ctx (full attention, as computed here).
+    pub fn training_flops_per_token(&self) -> f64 {
+        match *self {
+            ModelSpec::Mlp {
+                input,
+                hidden,
+                layers,
+                out,
+            } => {
+                let weights = input * hidden + layers.saturating_sub(1) * hidden * hidden + hidden * out;
+                6.0 * weights as f64
+            }
+            ModelSpec::Gpt {
+                vocab,
+                ctx,
+                d,
+                layers,
+                ..
+            } => {
+                let weights = layers * 12 * d * d + d * vocab;
+                6.0 * weights as f64 + 12.0 * (layers * d * ctx) as f64
+            }
+        }
+    }
+
     /// Parses `mlp-8x1024`, `gpt-tiny`, `mlp:in=I,hidden=H,layers=L,out=O` or
     /// `gpt:vocab=V,ctx=C,d=D,layers=L,heads=H` (omitted keys take gpt-tiny's / mlp-8x1024's values).
     pub fn parse(spec: &str) -> Result<ModelSpec, PlanError> {
@@ -291,6 +319,18 @@ impl fmt::Display for ModelSpec {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn training_flops_count_six_per_matmul_weight_plus_attention() {
+        // gpt-tiny: 6 · (4 · 12 · 256² + 256 · 256) + 12 · 4 · 256 · 128.
+        assert_eq!(ModelSpec::gpt_tiny().training_flops_per_token(), 20_840_448.0);
+        // mlp-8x1024: 6 · (8 · 1024² + 1024 · 10) per sample.
+        assert_eq!(
+            ModelSpec::mlp_8x1024().training_flops_per_token(),
+            6.0 * 8_398_848.0
+        );
+    }
+
     use super::*;
 
     #[test]

@@ -9,7 +9,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
 
 use super::{BlockCopies, Segment, Trainer};
-use crate::block::{Activation, Block};
+use crate::block::{Activation, Block, read_flat};
 use crate::executor::TensorTable;
 use crate::flow_functions::into_burn;
 use crate::host_tensor::HostTensor;
@@ -172,10 +172,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or_else(|| format!("gradient bucket `{grad_name}` left the actor mid-step"))?
                 .into_vec()
         };
-        for (index, copy) in blocks.clone().zip(copies) {
-            let at = self.offsets[index] - range.start..self.offsets[index + 1] - range.start;
-            copy.take_grads(grads, &mut flat[at], !first);
-        }
+        // One device-to-host read for the whole bucket (see `Block::take_grads`).
+        let parts = copies.iter().filter_map(|copy| copy.take_grads(grads)).collect();
+        read_flat(parts, &mut flat, !first);
         table.insert(grad_name.to_string(), HostTensor::flat(flat));
         self.grad_ranges.insert(grad_name.to_string(), blocks);
         let held: u64 = self

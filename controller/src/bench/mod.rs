@@ -4,6 +4,7 @@
 
 mod collectives;
 pub mod cross_process;
+pub mod device;
 mod offload;
 mod scale;
 mod training;
@@ -26,6 +27,11 @@ pub struct BenchArgs {
     /// Also write the JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Run only the training throughput on this device (`cuda:0` with a `cuda` build, or
+    /// `cpu:0`): gpt-tiny and, on a GPU, a 151M-parameter gpt, tokens/s and model FLOP
+    /// utilisation against the device's measured matmul rate and datasheet peak.
+    #[arg(long)]
+    pub device: Option<archipelago_dataflow::DeviceSpec>,
     /// Directory for the NVMe offload files and the sequential I/O baseline (a local disk;
     /// default: the system's temporary directory).
     #[arg(long)]
@@ -34,6 +40,17 @@ pub struct BenchArgs {
 
 /// Runs the suite and prints its JSON.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
+    if let Some(device) = args.device {
+        let out = json!({
+            "suite": "device",
+            "quick": args.quick,
+            "device_training": device::gpt_on_device(device, args.quick)?,
+            "peak_rss_bytes_bench_process": crate::process_stats::peak_rss_bytes(),
+            "wall_s": started.elapsed().as_secs_f64(),
+        });
+        return write_out(&out, args);
+    }
     let reps = if args.quick { 5 } else { 15 };
     let mut ring: Vec<serde_json::Value> = Vec::new();
     for transport in [
@@ -107,8 +124,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "gpt_tiny": gpt,
         "offload": offload,
         "load_avg_end": load_avg(),
+        // VmHWM of this process over the whole suite (every in-process run shares it); the peer
+        // process's is under cross_process.*_2_processes.peak_rss_bytes.
+        "peak_rss_bytes_bench_process": crate::process_stats::peak_rss_bytes(),
+        "wall_s": started.elapsed().as_secs_f64(),
     });
-    let text = serde_json::to_string_pretty(&out)?;
+    write_out(&out, args)
+}
+
+fn write_out(out: &serde_json::Value, args: &BenchArgs) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(out)?;
     println!("{text}");
     if let Some(path) = &args.json {
         std::fs::write(path, &text)?;

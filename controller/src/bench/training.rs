@@ -37,14 +37,26 @@ fn timed_model(
     timed: u64,
     job: String,
 ) -> anyhow::Result<(TrainReport, f64)> {
-    let actors = plan.actors();
+    let devices = DeviceSpec::cpus(plan.actors());
+    timed_model_on(model, plan, devices, warmup, timed, job)
+}
+
+/// [`timed_model`] on the given devices (one per actor).
+pub(super) fn timed_model_on(
+    model: &str,
+    plan: ParallelPlan,
+    devices: Vec<DeviceSpec>,
+    warmup: u64,
+    timed: u64,
+    job: String,
+) -> anyhow::Result<(TrainReport, f64)> {
     let program = Program::new(ModelSpec::parse(model)?).with_plan(plan);
     let options = TrainOptions {
         steps: warmup + timed,
         job,
         ..TrainOptions::default()
     };
-    let report = Controller::local(DeviceSpec::cpus(actors)).train(&program, &options)?;
+    let report = Controller::local(devices).train(&program, &options)?;
     let mut times: Vec<f64> = report
         .steps
         .iter()

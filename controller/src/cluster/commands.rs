@@ -106,6 +106,8 @@ pub fn host(args: &HostArgs) -> anyhow::Result<()> {
         .split(',')
         .map(|d| d.trim().parse::<DeviceSpec>())
         .collect::<Result<Vec<_>, _>>()?;
+    // A host offers only what it can run: `cuda:N` needs a `cuda` build, the driver and the GPU.
+    archipelago_actors::check_devices(&devices).map_err(anyhow::Error::msg)?;
     let options = HostOptions {
         controller: args.controller.clone(),
         token: read_token(&args.token_file)?,

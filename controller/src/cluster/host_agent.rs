@@ -20,7 +20,6 @@ use archipelago_actors::proto::{
     ActorState, Answer, Ask, ControllerMessage, Failure, Heartbeat, HostMessage, Launch, Ready, Register,
     StepDone, controller_message, host_message,
 };
-use archipelago_actors::zoo::ZooModel;
 use archipelago_dataflow::{ActorId, DeviceSpec, ModelSpec, Plan};
 
 use crate::JobError;
@@ -322,10 +321,11 @@ async fn start_job(
         Some(Arc::new(reader))
     };
     let spec = ModelSpec::parse(&plan.program.model.name)?;
-    let builder: Arc<dyn archipelago_actors::zoo::ModelBuilder<archipelago_actors::CpuBackend>> =
-        Arc::new(ZooModel(spec));
+    let builders = archipelago_actors::Builders::zoo(spec);
     let actors: Vec<ActorId> = launch.actors.iter().map(|&a| a as ActorId).collect();
-    let factories = trainer_factories(&plan, &builder, &actors, restore);
+    let devices: Vec<DeviceSpec> = actors.iter().map(|&a| plan.actors[a].device).collect();
+    builders.check(&devices).map_err(JobError::Runtime)?;
+    let factories = trainer_factories(&plan, &builders, &actors, restore);
     let streams = actors.iter().map(|&a| plan.actors[a].stream.clone()).collect();
     let watchdog = patience + Duration::from_secs(10);
     let gang = ActorGang::start(&launch.job, streams, factories, fabric.clone(), watchdog).await?;

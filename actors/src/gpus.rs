@@ -1,0 +1,62 @@
+//! The GPUs this host offers, from the CUDA driver (loaded at run time; builds with `cuda` only).
+
+use serde::{Deserialize, Serialize};
+
+/// One GPU as the driver reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gpu {
+    /// Its ordinal: the `N` of `cuda:N`.
+    pub index: u32,
+    /// The driver's name for it.
+    pub name: String,
+    /// Its memory in bytes.
+    pub memory_bytes: u64,
+}
+
+/// The GPUs the CUDA driver sees, or why there are none to be had (no driver, the driver failed,
+/// a build without the `cuda` feature).
+pub fn list() -> Result<Vec<Gpu>, String> {
+    #[cfg(feature = "cuda")]
+    return probe::list();
+    #[cfg(not(feature = "cuda"))]
+    Err("this build has no CUDA backend (rebuild with `--features cuda` to use GPUs)".into())
+}
+
+#[cfg(feature = "cuda")]
+mod probe {
+    use cudarc::driver::{result, sys};
+
+    use super::Gpu;
+
+    pub(super) fn list() -> Result<Vec<Gpu>, String> {
+        // SAFETY: only tries to open the driver's shared library (libcuda.so), which has no
+        // initialisation side effects beyond loading it.
+        #[allow(unsafe_code)]
+        let present = unsafe { sys::is_culib_present() };
+        if !present {
+            return Err(
+                "no NVIDIA driver was found on this host (libcuda.so could not be loaded; \
+                        install the driver or put its directory in LD_LIBRARY_PATH)"
+                    .into(),
+            );
+        }
+        result::init().map_err(|e| format!("the NVIDIA driver failed to initialise: {e}"))?;
+        let count = result::device::get_count()
+            .map_err(|e| format!("the NVIDIA driver could not count GPUs: {e}"))?;
+        (0..count)
+            .map(|i| {
+                let dev = result::device::get(i).map_err(|e| format!("cuda:{i}: {e}"))?;
+                let name = result::device::get_name(dev).map_err(|e| format!("cuda:{i}: {e}"))?;
+                // SAFETY: `dev` is a device handle the driver just returned for ordinal `i`.
+                #[allow(unsafe_code)]
+                let memory =
+                    unsafe { result::device::total_mem(dev) }.map_err(|e| format!("cuda:{i}: {e}"))?;
+                Ok(Gpu {
+                    index: i as u32,
+                    name,
+                    memory_bytes: memory as u64,
+                })
+            })
+            .collect()
+    }
+}
