@@ -125,16 +125,22 @@ impl Builders {
         restore: Option<&CheckpointReader>,
     ) -> Result<Box<dyn Computation>, String> {
         match device {
-            DeviceSpec::Cpu(_) => {
-                trainer_on(program, self.cpu.clone(), actor, FlexDevice, placement, restore)
-            }
+            DeviceSpec::Cpu(_) => trainer_on(
+                program,
+                self.cpu.clone(),
+                actor,
+                FlexDevice,
+                placement,
+                restore,
+                false,
+            ),
             #[cfg(feature = "cuda")]
             DeviceSpec::Cuda(n) => {
                 let builder = self.cuda.clone().ok_or_else(|| {
                     format!("no blocks were given for the CUDA backend, which cuda:{n} needs")
                 })?;
                 let gpu = burn::backend::cuda::CudaDevice { index: n as usize };
-                trainer_on(program, builder, actor, gpu, placement, restore)
+                trainer_on(program, builder, actor, gpu, placement, restore, true)
             }
             #[cfg(not(feature = "cuda"))]
             DeviceSpec::Cuda(_) => Err(check_devices(&[device]).err().unwrap_or_default()),
@@ -149,8 +155,10 @@ fn trainer_on<B: AutodiffBackend>(
     device: B::Device,
     placement: &Placement,
     restore: Option<&CheckpointReader>,
+    one_read_per_bucket: bool,
 ) -> Result<Box<dyn Computation>, String> {
-    let mut trainer = Trainer::<B>::new(program, builder, actor, device, placement)?;
+    let mut trainer = Trainer::<B>::new(program, builder, actor, device, placement)?
+        .with_one_read_per_bucket(one_read_per_bucket);
     if let Some(checkpoint) = restore {
         trainer.restore(checkpoint)?;
     }

@@ -93,32 +93,46 @@ pub trait Block<B: AutodiffBackend>: Send {
     /// share no node and burn never merges them (its graph cleanup after one micro-batch's
     /// backward could otherwise drop parts of another's graph).
     fn fresh_copy(&self) -> Box<dyn Block<B>>;
-    /// Moves this block's parameter gradients out of `grads` as one flat tensor on the block's
-    /// device, in flattening order (zeros where a parameter has none); None without parameters.
-    /// The caller reads a whole gradient bucket back to host memory at once ([`read_flat`]):
-    /// one device-to-host transfer per bucket, not one per tensor.
-    fn take_grads(&self, grads: &mut B::Gradients) -> Option<Tensor<B::InnerBackend, 1>>;
+    /// Moves this block's parameter gradients out of `grads` as flat tensors on the block's
+    /// device, in flattening order (zeros where a parameter has none). The caller reads a whole
+    /// gradient bucket back to host memory with [`read_flat`].
+    fn take_grads(&self, grads: &mut B::Gradients) -> Vec<Tensor<B::InnerBackend, 1>>;
 }
 
-/// Concatenates flat device tensors and reads them to host memory in one transfer, writing them
-/// into `out` or, when `accumulate`, adding them to what `out` holds.
+/// Reads flat device tensors (a gradient bucket, in order) into `out`, or, when `accumulate`,
+/// adds them to what `out` holds. With `one_transfer` (a GPU) they are concatenated on the
+/// device first and cross to host memory in one read, not one per tensor; without (the CPU
+/// backend, whose tensors already are in host memory) each is copied straight into its place.
 ///
 /// # Panics
 /// When the tensors do not add up to `out.len()` elements.
-pub fn read_flat<B: Backend>(parts: Vec<Tensor<B, 1>>, out: &mut [f32], accumulate: bool) {
-    if parts.is_empty() {
-        if !accumulate {
-            out.fill(0.0);
+pub fn read_flat<B: Backend>(
+    parts: Vec<Tensor<B, 1>>,
+    out: &mut [f32],
+    accumulate: bool,
+    one_transfer: bool,
+) {
+    let total: usize = parts.iter().map(|t| t.shape().num_elements()).sum();
+    assert_eq!(total, out.len(), "gradient bucket size");
+    let mut put = |at: usize, values: &[f32]| {
+        let target = &mut out[at..at + values.len()];
+        if accumulate {
+            target.iter_mut().zip(values).for_each(|(t, v)| *t += v);
+        } else {
+            target.copy_from_slice(values);
         }
+    };
+    if one_transfer && parts.len() > 1 {
+        let data = Tensor::cat(parts, 0).into_data().convert::<f32>();
+        put(0, data.as_slice::<f32>().expect("f32 gradients"));
         return;
     }
-    let data = Tensor::cat(parts, 0).into_data().convert::<f32>();
-    let values = data.as_slice::<f32>().expect("f32 gradients");
-    assert_eq!(values.len(), out.len(), "gradient bucket size");
-    if accumulate {
-        out.iter_mut().zip(values).for_each(|(t, v)| *t += v);
-    } else {
-        out.copy_from_slice(values);
+    let mut at = 0;
+    for part in parts {
+        let data = part.into_data().convert::<f32>();
+        let values = data.as_slice::<f32>().expect("f32 gradients");
+        put(at, values);
+        at += values.len();
     }
 }
 
@@ -154,13 +168,13 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         Box::new(self.clone().map(&mut FreshLeafMapper))
     }
 
-    fn take_grads(&self, grads: &mut B::Gradients) -> Option<Tensor<B::InnerBackend, 1>> {
+    fn take_grads(&self, grads: &mut B::Gradients) -> Vec<Tensor<B::InnerBackend, 1>> {
         let mut v = GradVisitor::<B> {
             grads,
             parts: Vec::new(),
         };
         self.visit(&mut v);
-        (!v.parts.is_empty()).then(|| Tensor::cat(v.parts, 0))
+        v.parts
     }
 }
 
@@ -294,7 +308,8 @@ mod tests {
 
     type B = CpuBackend;
 
-    /// A bucket of two blocks read in one transfer equals each parameter's gradient read alone,
+    /// A bucket of two blocks read in one transfer (or tensor by tensor) equals each parameter's
+    /// gradient read alone,
     /// in flattening order; accumulating adds; a block without gradients gives zeros.
     #[test]
     fn a_bucket_of_gradients_is_read_in_one_transfer_in_flattening_order() {
@@ -333,21 +348,27 @@ mod tests {
         assert_eq!(expected.len(), total);
         assert!(expected.iter().any(|&g| g != 0.0));
         let take = |grads: &mut <B as AutodiffBackend>::Gradients| {
-            [Block::take_grads(&b0, grads), Block::take_grads(&b1, grads)]
-                .into_iter()
-                .flatten()
-                .collect::<Vec<_>>()
+            let mut parts = Block::take_grads(&b0, grads);
+            parts.extend(Block::take_grads(&b1, grads));
+            parts
         };
-        let mut flat = vec![f32::NAN; total];
-        read_flat(take(&mut loss().backward()), &mut flat, false);
-        assert_eq!(flat, expected);
-        read_flat(take(&mut loss().backward()), &mut flat, true);
-        let doubled: Vec<f32> = expected.iter().map(|g| 2.0 * g).collect();
-        assert_eq!(flat, doubled);
-        // No backward reached these parameters: zeros.
-        let unrelated = Tensor::<B, 1>::from_data(TensorData::from([1.0f32]), &device).require_grad();
-        read_flat(take(&mut unrelated.sum().backward()), &mut flat, false);
-        assert!(flat.iter().all(|&g| g == 0.0));
+        for one_transfer in [true, false] {
+            let mut flat = vec![f32::NAN; total];
+            read_flat(take(&mut loss().backward()), &mut flat, false, one_transfer);
+            assert_eq!(flat, expected);
+            read_flat(take(&mut loss().backward()), &mut flat, true, one_transfer);
+            let doubled: Vec<f32> = expected.iter().map(|g| 2.0 * g).collect();
+            assert_eq!(flat, doubled);
+            // No backward reached these parameters: zeros.
+            let unrelated = Tensor::<B, 1>::from_data(TensorData::from([1.0f32]), &device).require_grad();
+            read_flat(
+                take(&mut unrelated.sum().backward()),
+                &mut flat,
+                false,
+                one_transfer,
+            );
+            assert!(flat.iter().all(|&g| g == 0.0));
+        }
     }
 
     struct ExpectedGrads<'a, B: AutodiffBackend> {

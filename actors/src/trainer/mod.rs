@@ -124,6 +124,8 @@ pub struct Trainer<B: AutodiffBackend> {
     handed_off: Vec<usize>,
     /// Optimizer steps taken (the offload actor's Adam step counter is this + 1).
     steps_done: i32,
+    /// Read each gradient bucket off the device in one transfer (GPUs; see `read_flat`).
+    one_read_per_bucket: bool,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -257,7 +259,15 @@ impl<B: AutodiffBackend> Trainer<B> {
             offload_params,
             handed_off: Vec::new(),
             steps_done: 0,
+            one_read_per_bucket: false,
         })
+    }
+
+    /// Reads each gradient bucket off the device in one transfer (concatenated on the device
+    /// first) instead of tensor by tensor: for GPUs, where every read is a synchronising copy.
+    pub fn with_one_read_per_bucket(mut self, on: bool) -> Trainer<B> {
+        self.one_read_per_bucket = on;
+        self
     }
 
     /// Flat parameters of block `index` (empty when this actor does not hold it).

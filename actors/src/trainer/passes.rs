@@ -172,9 +172,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or_else(|| format!("gradient bucket `{grad_name}` left the actor mid-step"))?
                 .into_vec()
         };
-        // One device-to-host read for the whole bucket (see `Block::take_grads`).
-        let parts = copies.iter().filter_map(|copy| copy.take_grads(grads)).collect();
-        read_flat(parts, &mut flat, !first);
+        // On a GPU one device-to-host read for the whole bucket (see `read_flat`).
+        let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
+        read_flat(parts, &mut flat, !first, self.one_read_per_bucket);
         table.insert(grad_name.to_string(), HostTensor::flat(flat));
         self.grad_ranges.insert(grad_name.to_string(), blocks);
         let held: u64 = self

@@ -1,8 +1,9 @@
 //! Cross-process benchmarks: this process and a peer process (`archipelago bench-peer`, started
 //! here) each serve a gRPC fabric on 127.0.0.1 and run the same script as actors 0 and 1 — the
 //! three ring collectives of 64 MiB, then actor round trips of one-value tensors, synchronous
-//! (one in flight) and pipelined (1000 in flight). The same script over the in-process fabric
-//! (two threads) gives the in-process figures beside them.
+//! (one in flight) and pipelined (1000 in flight); then one caller (actor 0, here) and 8 actors
+//! (1..=8, threads of the peer) with 1000 calls in flight spread over the 8. The same script over
+//! the in-process fabric (threads) gives the in-process figures beside them.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
@@ -27,7 +28,13 @@ use crate::process_stats::load_avg;
 use crate::report::median;
 
 const TOKEN: &str = "bench";
+/// How long a receive may wait (callees wait through the whole 2-actor script first).
+const PATIENCE: Duration = Duration::from_secs(600);
 const IN_FLIGHT: usize = 1000;
+/// Actors one caller spreads its calls over (WORKLOADS.md: one caller → 8 actors pipelined).
+const FAN_OUT: usize = 8;
+/// Actors on the fabric: the caller and the 8 callees (actors 0 and 1 also run the 2-actor script).
+const ACTORS: usize = 1 + FAN_OUT;
 
 /// Flags of the hidden `bench-peer` subcommand (the other end of the cross-process benchmark).
 #[derive(Debug, Clone, Args)]
@@ -54,6 +61,50 @@ struct Figures {
     collectives: Vec<(&'static str, f64, Vec<f64>)>,
     sync_s: f64,
     pipelined_s: f64,
+    /// One caller → 8 actors, 1000 in flight (`args.batches` batches); the caller's side only.
+    fan_out_s: f64,
+}
+
+/// One caller → [`FAN_OUT`] actors pipelined: actor 0 sends `IN_FLIGHT` one-value calls spread
+/// round-robin over actors 1..=8, then takes all replies; each callee echoes its share. Returns
+/// the caller's time (0 for callees).
+fn fan_out(fabric: &dyn Fabric, me: ActorId, batches: usize) -> f64 {
+    let edge = 12 << 40;
+    let t = Instant::now();
+    for batch in 0..batches as u64 {
+        let tag = |i: usize| Tag {
+            edge: edge | (batch << 8),
+            seq: i as u64,
+        };
+        let callee = |i: usize| 1 + i % FAN_OUT;
+        if me == 0 {
+            for i in 0..IN_FLIGHT {
+                fabric
+                    .send(0, callee(i), tag(i), HostTensor::flat(vec![1.0]))
+                    .expect("call");
+            }
+            for i in 0..IN_FLIGHT {
+                fabric.recv(0, callee(i), tag(i)).expect("reply");
+            }
+        } else {
+            for i in (0..IN_FLIGHT).filter(|&i| callee(i) == me) {
+                let v = fabric.recv(me, 0, tag(i)).expect("call");
+                fabric.send(me, 0, tag(i), v).expect("reply");
+            }
+        }
+    }
+    if me == 0 { t.elapsed().as_secs_f64() } else { 0.0 }
+}
+
+/// Runs the callees 2..=8 of [`fan_out`] on threads (actor 1 is the caller of the script's
+/// other half and joins the fan-out after it).
+fn spawn_callees(fabric: &Arc<dyn Fabric>, batches: usize) -> Vec<std::thread::JoinHandle<f64>> {
+    (2..ACTORS)
+        .map(|me| {
+            let fabric = fabric.clone();
+            std::thread::spawn(move || fan_out(fabric.as_ref(), me, batches))
+        })
+        .collect()
 }
 
 fn barrier(fabric: &dyn Fabric, me: ActorId, edge: u64) {
@@ -137,10 +188,13 @@ fn script(fabric: &dyn Fabric, me: ActorId, args: &PeerArgs) -> Figures {
             }
         }
     }
+    let pipelined_s = t.elapsed().as_secs_f64();
+    let fan_out_s = fan_out(fabric, me, args.batches);
     Figures {
         collectives,
         sync_s,
-        pipelined_s: t.elapsed().as_secs_f64(),
+        pipelined_s,
+        fan_out_s,
     }
 }
 
@@ -150,7 +204,7 @@ fn endpoint(path: DataPath) -> (tokio::runtime::Runtime, Arc<InProcessFabric>, S
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let inbox = Inbox::default();
     // The mailboxes are in place before the address is given out: nothing arrives before them.
-    let local = Arc::new(InProcessFabric::new(2, Duration::from_secs(60)));
+    let local = Arc::new(InProcessFabric::new(ACTORS, PATIENCE));
     inbox.install(Some(local.clone()));
     let addr = match path {
         DataPath::Grpc => runtime.block_on(async {
@@ -190,9 +244,18 @@ pub fn peer_main(args: &PeerArgs) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     let mut line = String::new();
     std::io::stdin().read_line(&mut line)?;
-    let addrs = vec![line.trim().to_string(), here.clone()];
+    let mut addrs = vec![line.trim().to_string()];
+    addrs.extend(std::iter::repeat_n(here.clone(), FAN_OUT));
     let fabric = connect(args.data_path, &runtime, local, &addrs, &here);
+    let callees = spawn_callees(&fabric, args.batches);
     script(fabric.as_ref(), 1, args);
+    for c in callees {
+        c.join()
+            .map_err(|_| anyhow::anyhow!("a callee thread panicked"))?;
+    }
+    // The peer's peak RSS, for the suite's memory figures.
+    println!("peer peak_rss_bytes {}", crate::process_stats::peak_rss_bytes());
+    std::io::stdout().flush()?;
     // Let the last replies leave before the runtime goes.
     std::thread::sleep(Duration::from_millis(200));
     Ok(())
@@ -223,6 +286,7 @@ fn figures_json(transport: &str, figures: Figures, args: &PeerArgs) -> Value {
             "sync_per_s": args.round_trips as f64 / figures.sync_s,
             "sync_latency_us": figures.sync_s / args.round_trips as f64 * 1e6,
             "in_flight_1000_per_s": pipelined / figures.pipelined_s,
+            "one_caller_8_actors_in_flight_1000_per_s": pipelined / figures.fan_out_s,
         },
         "load_avg": load_avg(),
     })
@@ -249,9 +313,9 @@ pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
-    let stdout = child.stdout.take().expect("piped");
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
     let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line)?;
+    stdout.read_line(&mut line)?;
     let peer = line
         .trim()
         .strip_prefix("peer fabric ")
@@ -259,22 +323,38 @@ pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
         .to_string();
     let (runtime, local, here) = endpoint(args.data_path);
     writeln!(child.stdin.take().expect("piped"), "{here}")?;
-    let fabric = connect(args.data_path, &runtime, local, &[here.clone(), peer], &here);
+    let mut addrs = vec![here.clone()];
+    addrs.extend(std::iter::repeat_n(peer, FAN_OUT));
+    let fabric = connect(args.data_path, &runtime, local, &addrs, &here);
     let figures = script(fabric.as_ref(), 0, args);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest)?;
     let status = child.wait()?;
     if !status.success() {
         anyhow::bail!("the bench peer failed: {status}");
     }
+    let peer_rss: u64 = rest
+        .lines()
+        .find_map(|l| l.strip_prefix("peer peak_rss_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
     let transport = format!("{}_2_processes", args.data_path);
-    Ok(figures_json(&transport, figures, args))
+    let mut out = figures_json(&transport, figures, args);
+    out["peak_rss_bytes"] =
+        json!({ "this_process_so_far": crate::process_stats::peak_rss_bytes(), "peer": peer_rss });
+    Ok(out)
 }
 
 /// The same script between two threads over the in-process fabric.
 pub fn in_process(args: &PeerArgs) -> Value {
-    let fabric: Arc<dyn Fabric> = Arc::new(InProcessFabric::new(2, Duration::from_secs(60)));
+    let fabric: Arc<dyn Fabric> = Arc::new(InProcessFabric::new(ACTORS, PATIENCE));
+    let callees = spawn_callees(&fabric, args.batches);
     let (peer_fabric, peer_args) = (fabric.clone(), args.clone());
     let peer = std::thread::spawn(move || script(peer_fabric.as_ref(), 1, &peer_args));
     let figures = script(fabric.as_ref(), 0, args);
     peer.join().expect("peer thread");
+    callees.into_iter().for_each(|c| {
+        c.join().expect("callee thread");
+    });
     figures_json("in_process", figures, args)
 }
