@@ -69,6 +69,9 @@ pub fn check_devices(devices: &[DeviceSpec]) -> Result<(), String> {
 #[derive(Clone)]
 pub struct Builders {
     cpu: Arc<dyn ModelBuilder<CpuBackend>>,
+    /// Batched host ⇄ device transfers (see [`Trainer::with_batched_transfers`]): by device kind
+    /// (on for GPUs) unless set.
+    batched_transfers: Option<bool>,
     #[cfg(feature = "cuda")]
     cuda: Option<Arc<dyn ModelBuilder<CudaBackend>>>,
 }
@@ -78,6 +81,7 @@ impl Builders {
     pub fn zoo(spec: ModelSpec) -> Builders {
         Builders {
             cpu: Arc::new(ZooModel(spec.clone())),
+            batched_transfers: None,
             #[cfg(feature = "cuda")]
             cuda: Some(Arc::new(ZooModel(spec))),
         }
@@ -87,6 +91,7 @@ impl Builders {
     pub fn cpu(builder: Arc<dyn ModelBuilder<CpuBackend>>) -> Builders {
         Builders {
             cpu: builder,
+            batched_transfers: None,
             #[cfg(feature = "cuda")]
             cuda: None,
         }
@@ -96,6 +101,14 @@ impl Builders {
     #[cfg(feature = "cuda")]
     pub fn with_cuda(mut self, builder: Arc<dyn ModelBuilder<CudaBackend>>) -> Builders {
         self.cuda = Some(builder);
+        self
+    }
+
+    /// Forces batched host ⇄ device transfers on or off for every device (by default on for
+    /// GPUs, off for CPUs, where they cost a copy and save nothing; on for CPUs tests the GPU
+    /// path's transfers).
+    pub fn with_batched_transfers(mut self, on: bool) -> Builders {
+        self.batched_transfers = Some(on);
         self
     }
 
@@ -124,6 +137,7 @@ impl Builders {
         placement: &Placement,
         restore: Option<&CheckpointReader>,
     ) -> Result<Box<dyn Computation>, String> {
+        let batched = |by_kind: bool| self.batched_transfers.unwrap_or(by_kind);
         match device {
             DeviceSpec::Cpu(_) => trainer_on(
                 program,
@@ -132,7 +146,7 @@ impl Builders {
                 FlexDevice,
                 placement,
                 restore,
-                false,
+                batched(false),
             ),
             #[cfg(feature = "cuda")]
             DeviceSpec::Cuda(n) => {
@@ -140,7 +154,7 @@ impl Builders {
                     format!("no blocks were given for the CUDA backend, which cuda:{n} needs")
                 })?;
                 let gpu = burn::backend::cuda::CudaDevice { index: n as usize };
-                trainer_on(program, builder, actor, gpu, placement, restore, true)
+                trainer_on(program, builder, actor, gpu, placement, restore, batched(true))
             }
             #[cfg(not(feature = "cuda"))]
             DeviceSpec::Cuda(_) => Err(check_devices(&[device]).err().unwrap_or_default()),
@@ -155,10 +169,10 @@ fn trainer_on<B: AutodiffBackend>(
     device: B::Device,
     placement: &Placement,
     restore: Option<&CheckpointReader>,
-    one_read_per_bucket: bool,
+    batched_transfers: bool,
 ) -> Result<Box<dyn Computation>, String> {
     let mut trainer = Trainer::<B>::new(program, builder, actor, device, placement)?
-        .with_one_read_per_bucket(one_read_per_bucket);
+        .with_batched_transfers(batched_transfers);
     if let Some(checkpoint) = restore {
         trainer.restore(checkpoint)?;
     }

@@ -86,8 +86,10 @@ pub trait Block<B: AutodiffBackend>: Send {
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)>;
     /// Copies the parameters into `out` (length [`Block::num_params`]).
     fn write_params(&self, out: &mut [f32]);
-    /// Replaces the parameters with `flat`, keeping ids and `require_grad`.
-    fn load_params(self: Box<Self>, flat: &[f32]) -> Box<dyn Block<B>>;
+    /// Replaces the parameters with `flat`, keeping ids and `require_grad`; with `one_transfer`
+    /// `flat` goes to the device in one write and each parameter is a slice of it there (GPUs),
+    /// else each parameter is written on its own.
+    fn load_params(self: Box<Self>, flat: &[f32], one_transfer: bool) -> Box<dyn Block<B>>;
     /// A copy whose parameters are fresh autodiff leaves over the same values (no bytes copied):
     /// each micro-batch's forward runs on its own copy, so the graphs of micro-batches in flight
     /// share no node and burn never merges them (its graph cleanup after one micro-batch's
@@ -159,8 +161,16 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         self.visit(&mut v);
     }
 
-    fn load_params(self: Box<Self>, flat: &[f32]) -> Box<dyn Block<B>> {
-        let mut mapper = LoadMapper { flat, offset: 0 };
+    fn load_params(self: Box<Self>, flat: &[f32], one_transfer: bool) -> Box<dyn Block<B>> {
+        let whole = one_transfer.then(|| {
+            let device = self.devices().into_iter().next().unwrap_or_default();
+            Tensor::<B, 1>::from_data(TensorData::new(flat.to_vec(), [flat.len()]), &device)
+        });
+        let mut mapper = LoadMapper {
+            flat,
+            whole,
+            offset: 0,
+        };
         Box::new((*self).map(&mut mapper))
     }
 
@@ -240,19 +250,27 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeafMapper {
     }
 }
 
-struct LoadMapper<'a> {
+struct LoadMapper<'a, B: Backend> {
     flat: &'a [f32],
+    /// `flat` already on the device (one write for the whole block).
+    whole: Option<Tensor<B, 1>>,
     offset: usize,
 }
 
-impl<B: Backend> ModuleMapper<B> for LoadMapper<'_> {
+impl<B: Backend> ModuleMapper<B> for LoadMapper<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
         let n = shape.num_elements();
-        let values = self.flat[self.offset..self.offset + n].to_vec();
+        let range = self.offset..self.offset + n;
         self.offset += n;
-        let mut fresh = Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device());
+        let mut fresh = match &self.whole {
+            Some(whole) => whole.clone().slice([range]).reshape(shape),
+            None => Tensor::<B, D>::from_data(
+                TensorData::new(self.flat[range].to_vec(), shape),
+                &tensor.device(),
+            ),
+        };
         if tensor.is_require_grad() {
             fresh = fresh.require_grad();
         }
@@ -318,14 +336,16 @@ mod tests {
             |module_shapes: Vec<(String, Vec<usize>)>, i: usize| deterministic_init(&module_shapes, 5, i);
         let b0 = LinearReluBlock::<B>::new(3, 4, &device);
         let init0 = load(Block::param_shapes(&b0), 0);
-        let b0 = b0.map(&mut LoadMapper {
+        let b0 = b0.map(&mut LoadMapper::<B> {
             flat: &init0,
+            whole: None,
             offset: 0,
         });
         let b1 = LinearBlock::<B>::new(4, 2, &device);
         let init1 = load(Block::param_shapes(&b1), 1);
-        let b1 = b1.map(&mut LoadMapper {
+        let b1 = b1.map(&mut LoadMapper::<B> {
             flat: &init1,
+            whole: None,
             offset: 0,
         });
         let total = init0.len() + init1.len();
@@ -369,6 +389,39 @@ mod tests {
             );
             assert!(flat.iter().all(|&g| g == 0.0));
         }
+    }
+
+    /// Parameters written in one transfer and sliced on the device equal those written one by
+    /// one: same values read back, same forward, still trainable leaves.
+    #[test]
+    fn parameters_written_in_one_transfer_equal_those_written_one_by_one() {
+        let device = FlexDevice;
+        let block = |one_transfer: bool| {
+            let b: Box<dyn Block<B>> = Box::new(LinearReluBlock::<B>::new(3, 4, &device));
+            let init = deterministic_init(&b.param_shapes(), 9, 0);
+            b.load_params(&init, one_transfer)
+        };
+        let (one, each) = (block(true), block(false));
+        let mut read = [vec![0.0; one.num_params()], vec![0.0; each.num_params()]];
+        one.write_params(&mut read[0]);
+        each.write_params(&mut read[1]);
+        assert_eq!(read[0], read[1]);
+        let x = Tensor::<B, 2>::random([5, 3], Distribution::Default, &device);
+        let out = |b: &dyn Block<B>| match b.forward(Activation::Rows(x.clone())) {
+            Activation::Rows(t) => t,
+            _ => unreachable!(),
+        };
+        let (y1, y2) = (out(one.as_ref()), out(each.as_ref()));
+        assert_eq!(y1.clone().into_data(), y2.into_data());
+        let mut grads = y1.sum().backward();
+        let parts = one.take_grads(&mut grads);
+        assert!(parts.iter().all(|p| p.shape().num_elements() > 0));
+        let mut flat = vec![0.0; one.num_params()];
+        read_flat(parts, &mut flat, false, true);
+        assert!(
+            flat.iter().any(|&g| g != 0.0),
+            "the sliced parameters got no gradient"
+        );
     }
 
     struct ExpectedGrads<'a, B: AutodiffBackend> {

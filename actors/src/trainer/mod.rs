@@ -124,8 +124,9 @@ pub struct Trainer<B: AutodiffBackend> {
     handed_off: Vec<usize>,
     /// Optimizer steps taken (the offload actor's Adam step counter is this + 1).
     steps_done: i32,
-    /// Read each gradient bucket off the device in one transfer (GPUs; see `read_flat`).
-    one_read_per_bucket: bool,
+    /// Move each gradient bucket off the device and each block's parameters onto it in one
+    /// transfer (GPUs; see `read_flat` and `Block::load_params`).
+    batched_transfers: bool,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -185,7 +186,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
                 blocks.push(None);
             } else {
-                blocks.push(Some(block.load_params(&init)));
+                blocks.push(Some(block.load_params(&init, false)));
                 master.extend_from_slice(&init);
             }
         }
@@ -259,14 +260,15 @@ impl<B: AutodiffBackend> Trainer<B> {
             offload_params,
             handed_off: Vec::new(),
             steps_done: 0,
-            one_read_per_bucket: false,
+            batched_transfers: false,
         })
     }
 
     /// Reads each gradient bucket off the device in one transfer (concatenated on the device
-    /// first) instead of tensor by tensor: for GPUs, where every read is a synchronising copy.
-    pub fn with_one_read_per_bucket(mut self, on: bool) -> Trainer<B> {
-        self.one_read_per_bucket = on;
+    /// first) and writes each block's parameters onto it in one (sliced on the device), instead of
+    /// tensor by tensor: for GPUs, where every copy between host and device has a fixed cost.
+    pub fn with_batched_transfers(mut self, on: bool) -> Trainer<B> {
+        self.batched_transfers = on;
         self
     }
 

@@ -174,7 +174,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         };
         // On a GPU one device-to-host read for the whole bucket (see `read_flat`).
         let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
-        read_flat(parts, &mut flat, !first, self.one_read_per_bucket);
+        read_flat(parts, &mut flat, !first, self.batched_transfers);
         table.insert(grad_name.to_string(), HostTensor::flat(flat));
         self.grad_ranges.insert(grad_name.to_string(), blocks);
         let held: u64 = self

@@ -235,7 +235,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             };
             let block = self.builder.build_block(&ctx, &self.device);
             let at = self.offsets[index] - base..self.offsets[index + 1] - base;
-            self.blocks[index] = Some(block.load_params(&params[at]));
+            self.blocks[index] = Some(block.load_params(&params[at], self.batched_transfers));
         }
         Ok(())
     }
@@ -314,7 +314,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .take()
                 .ok_or_else(|| format!("block {index} is not held by this actor"))?;
             let params = &self.master[self.offsets[index]..self.offsets[index + 1]];
-            self.blocks[index] = Some(block.load_params(params));
+            self.blocks[index] = Some(block.load_params(params, self.batched_transfers));
         }
         Ok(())
     }
