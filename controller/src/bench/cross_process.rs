@@ -256,7 +256,10 @@ pub fn peer_main(args: &PeerArgs) -> anyhow::Result<()> {
     // The peer's peak RSS, for the suite's memory figures.
     println!("peer peak_rss_bytes {}", crate::process_stats::peak_rss_bytes());
     std::io::stdout().flush()?;
-    // Let the last replies leave before the runtime goes.
+    // Stay up until the other side has every reply and has closed its streams to this one (it
+    // closes stdin then); then close this side's and go.
+    std::io::stdin().read_line(&mut String::new())?;
+    drop(fabric);
     std::thread::sleep(Duration::from_millis(200));
     Ok(())
 }
@@ -282,7 +285,7 @@ fn figures_json(transport: &str, figures: Figures, args: &PeerArgs) -> Value {
         "transport": transport,
         "collectives": collectives,
         "round_trips": {
-            "config": { "payload": "one f32", "sync_round_trips": args.round_trips, "in_flight": IN_FLIGHT, "pipelined_round_trips": pipelined },
+            "config": { "payload": "one f32", "sync_round_trips": args.round_trips, "in_flight": IN_FLIGHT, "pipelined_round_trips": pipelined, "fan_out_callees": FAN_OUT },
             "sync_per_s": args.round_trips as f64 / figures.sync_s,
             "sync_latency_us": figures.sync_s / args.round_trips as f64 * 1e6,
             "in_flight_1000_per_s": pipelined / figures.pipelined_s,
@@ -322,11 +325,17 @@ pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
         .ok_or_else(|| anyhow::anyhow!("the bench peer said `{line}`"))?
         .to_string();
     let (runtime, local, here) = endpoint(args.data_path);
-    writeln!(child.stdin.take().expect("piped"), "{here}")?;
+    let mut stdin = child.stdin.take().expect("piped");
+    writeln!(stdin, "{here}")?;
     let mut addrs = vec![here.clone()];
     addrs.extend(std::iter::repeat_n(peer, FAN_OUT));
     let fabric = connect(args.data_path, &runtime, local, &addrs, &here);
     let figures = script(fabric.as_ref(), 0, args);
+    // Close this side's streams while the peer still listens (no stream breaks mid-flight),
+    // then let the peer go.
+    drop(fabric);
+    std::thread::sleep(Duration::from_millis(200));
+    drop(stdin);
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut stdout, &mut rest)?;
     let status = child.wait()?;
