@@ -8,7 +8,7 @@ use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Bool, Int, Tensor};
 
 use crate::block::{Activation, BlockModule};
 
@@ -100,10 +100,11 @@ impl<B: Backend> TransformerLayer<B> {
         };
         let (q, k, v) = (split(0), split(1), split(2));
         let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f32).sqrt());
-        let mask: Vec<f32> = (0..t * t)
-            .map(|i| if i % t > i / t { -1e9 } else { 0.0 })
-            .collect();
-        let mask = Tensor::<B, 2>::from_data(TensorData::new(mask, [t, t]), &scores.device());
+        // The causal mask, made on the device (no host upload per layer and forward): -1e9 where
+        // a query would see a later key.
+        let device = scores.device();
+        let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
+        let mask = Tensor::<B, 2>::zeros([t, t], &device).mask_fill(future, -1e9);
         let weights = softmax(scores + mask.reshape([1, 1, t, t]), 3);
         let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
         self.proj.forward(y)
@@ -151,5 +152,37 @@ impl<B: AutodiffBackend> BlockModule<B> for GptHead<B> {
             panic!("GptHead takes a sequence")
         };
         Activation::Seq(self.head.forward(self.ln_f.forward(x)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::FlexDevice;
+    use burn::tensor::Distribution;
+
+    use super::*;
+    use crate::CpuBackend;
+    use crate::block::{Block, deterministic_init};
+
+    /// Attention is causal: changing the input at position 4 leaves the outputs before it as they
+    /// were and changes those from it on.
+    #[test]
+    fn a_later_position_never_changes_an_earlier_output() {
+        let device = FlexDevice;
+        let layer: Box<dyn Block<CpuBackend>> = Box::new(TransformerLayer::<CpuBackend>::new(8, 2, &device));
+        let init = deterministic_init(&layer.param_shapes(), 3, 1);
+        let layer = layer.load_params(&init, false);
+        let x = Tensor::<CpuBackend, 3>::random([1, 6, 8], Distribution::Default, &device);
+        let changed = x.clone().slice_assign(
+            [0..1, 4..5, 0..8],
+            Tensor::random([1, 1, 8], Distribution::Default, &device),
+        );
+        let out = |x: Tensor<CpuBackend, 3>| match layer.forward(Activation::Seq(x)) {
+            Activation::Seq(y) => y.into_data().convert::<f32>().to_vec::<f32>().unwrap(),
+            _ => unreachable!(),
+        };
+        let (a, b) = (out(x), out(changed));
+        assert_eq!(a[..4 * 8], b[..4 * 8], "an earlier position saw a later one");
+        assert_ne!(a[4 * 8..5 * 8], b[4 * 8..5 * 8]);
     }
 }
