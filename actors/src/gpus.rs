@@ -22,6 +22,26 @@ pub fn list() -> Result<Vec<Gpu>, String> {
     Err("this build has no CUDA backend (rebuild with `--features cuda` to use GPUs)".into())
 }
 
+/// The smallest memory of the GPUs among `devices` (a plan's memory budget per device when the
+/// job gives none), None without GPUs among them or where the driver cannot tell.
+pub fn smallest_memory(devices: &[archipelago_dataflow::DeviceSpec]) -> Option<u64> {
+    let wanted: Vec<u32> = devices
+        .iter()
+        .filter_map(|d| match d {
+            archipelago_dataflow::DeviceSpec::Cuda(n) => Some(*n),
+            archipelago_dataflow::DeviceSpec::Cpu(_) => None,
+        })
+        .collect();
+    if wanted.is_empty() {
+        return None;
+    }
+    let gpus = list().ok()?;
+    wanted
+        .iter()
+        .filter_map(|n| gpus.iter().find(|g| g.index == *n).map(|g| g.memory_bytes))
+        .min()
+}
+
 #[cfg(feature = "cuda")]
 mod probe {
     use cudarc::driver::{result, sys};

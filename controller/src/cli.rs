@@ -152,31 +152,12 @@ impl JobArgs {
             None => DeviceSpec::cpus(self.dp * self.pp),
         };
         if program.plan.device_memory.is_none() {
-            program.plan.device_memory =
-                gpu_memory(&program.devices[..program.devices.len().min(self.dp * self.pp)]);
+            program.plan.device_memory = archipelago_actors::gpus::smallest_memory(
+                &program.devices[..program.devices.len().min(self.dp * self.pp)],
+            );
         }
         Ok(program)
     }
-}
-
-/// The smallest memory of the GPUs among `devices` (the plan's memory budget per device when the
-/// job gives none), None without GPUs or where the driver cannot tell.
-fn gpu_memory(devices: &[DeviceSpec]) -> Option<u64> {
-    let wanted: Vec<u32> = devices
-        .iter()
-        .filter_map(|d| match d {
-            DeviceSpec::Cuda(n) => Some(*n),
-            DeviceSpec::Cpu(_) => None,
-        })
-        .collect();
-    if wanted.is_empty() {
-        return None;
-    }
-    let gpus = archipelago_actors::gpus::list().ok()?;
-    wanted
-        .iter()
-        .filter_map(|n| gpus.iter().find(|g| g.index == *n).map(|g| g.memory_bytes))
-        .min()
 }
 
 /// Flags of `train`.

@@ -108,6 +108,10 @@ pub fn host(args: &HostArgs) -> anyhow::Result<()> {
         .collect::<Result<Vec<_>, _>>()?;
     // A host offers only what it can run: `cuda:N` needs a `cuda` build, the driver and the GPU.
     archipelago_actors::check_devices(&devices).map_err(anyhow::Error::msg)?;
+    // GPUs offer their own memory unless told otherwise.
+    let memory = args
+        .memory
+        .or_else(|| archipelago_actors::gpus::smallest_memory(&devices));
     let options = HostOptions {
         controller: args.controller.clone(),
         token: read_token(&args.token_file)?,
@@ -117,7 +121,7 @@ pub fn host(args: &HostArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|| format!("host-{}", std::process::id())),
         island: args.island.clone(),
         devices,
-        memory: args.memory,
+        memory,
         fabric_listen: args.fabric_listen.clone(),
         heartbeat: Duration::from_millis(args.heartbeat_ms),
         connect_timeout: Duration::from_secs(30),
