@@ -19,7 +19,18 @@ pub fn list() -> Result<Vec<Gpu>, String> {
     #[cfg(feature = "cuda")]
     return probe::list();
     #[cfg(not(feature = "cuda"))]
-    Err("this build has no CUDA backend (rebuild with `--features cuda` to use GPUs)".into())
+    Err(match driver_gpu_count() {
+        0 => "this build has no CUDA backend (rebuild with `--features cuda` to use GPUs)".to_string(),
+        n => format!(
+            "this build has no CUDA backend, though the NVIDIA driver reports {n} GPU(s): rebuild \
+             with `--features cuda` to use them"
+        ),
+    })
+}
+
+/// GPUs the NVIDIA kernel driver lists under `/proc/driver/nvidia/gpus` (0 without the driver).
+pub fn driver_gpu_count() -> usize {
+    std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count())
 }
 
 /// The smallest memory of the GPUs among `devices` (a plan's memory budget per device when the
