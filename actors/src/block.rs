@@ -162,7 +162,7 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
     }
 
     fn load_params(self: Box<Self>, flat: &[f32], one_transfer: bool) -> Box<dyn Block<B>> {
-        let whole = one_transfer.then(|| {
+        let whole = (one_transfer && !flat.is_empty()).then(|| {
             let device = self.devices().into_iter().next().unwrap_or_default();
             Tensor::<B, 1>::from_data(TensorData::new(flat.to_vec(), [flat.len()]), &device)
         });
