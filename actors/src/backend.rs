@@ -31,14 +31,7 @@ pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
 /// Checks that this process can run every device of `devices`: CPU devices always; `cuda:N`
 /// only in a build with the `cuda` feature, with an NVIDIA driver and at least `N + 1` GPUs.
 pub fn check_devices(devices: &[DeviceSpec]) -> Result<(), String> {
-    let Some(highest) = devices
-        .iter()
-        .filter_map(|d| match d {
-            DeviceSpec::Cuda(n) => Some(*n),
-            DeviceSpec::Cpu(_) => None,
-        })
-        .max()
-    else {
+    let Some(highest) = devices.iter().filter_map(|d| d.cuda_ordinal()).max() else {
         return Ok(());
     };
     if !CUDA_BUILT {
@@ -117,7 +110,7 @@ impl Builders {
         check_devices(devices)?;
         #[cfg(feature = "cuda")]
         if self.cuda.is_none()
-            && let Some(gpu) = devices.iter().find(|d| matches!(d, DeviceSpec::Cuda(_)))
+            && let Some(gpu) = devices.iter().find(|d| d.cuda_ordinal().is_some())
         {
             return Err(format!(
                 "device {gpu} was asked for, but the model's blocks were given for CPU devices only: \

@@ -36,13 +36,7 @@ pub fn driver_gpu_count() -> usize {
 /// The smallest memory of the GPUs among `devices` (a plan's memory budget per device when the
 /// job gives none), None without GPUs among them or where the driver cannot tell.
 pub fn smallest_memory(devices: &[archipelago_dataflow::DeviceSpec]) -> Option<u64> {
-    let wanted: Vec<u32> = devices
-        .iter()
-        .filter_map(|d| match d {
-            archipelago_dataflow::DeviceSpec::Cuda(n) => Some(*n),
-            archipelago_dataflow::DeviceSpec::Cpu(_) => None,
-        })
-        .collect();
+    let wanted: Vec<u32> = devices.iter().filter_map(|d| d.cuda_ordinal()).collect();
     if wanted.is_empty() {
         return None;
     }

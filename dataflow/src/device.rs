@@ -22,6 +22,14 @@ impl DeviceSpec {
         (0..n as u32).map(DeviceSpec::Cpu).collect()
     }
 
+    /// The GPU ordinal of `cuda:N`; None for a CPU device.
+    pub fn cuda_ordinal(self) -> Option<u32> {
+        match self {
+            DeviceSpec::Cuda(n) => Some(n),
+            DeviceSpec::Cpu(_) => None,
+        }
+    }
+
     /// Parses a comma-separated list such as `cpu:0,cpu:1`.
     pub fn parse_list(s: &str) -> Result<Vec<DeviceSpec>, PlanError> {
         s.split(',').map(|d| d.trim().parse()).collect()

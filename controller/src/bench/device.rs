@@ -32,13 +32,12 @@ pub fn datasheet_tflops(name: &str) -> Option<(f64, f64)> {
 /// The runs on `device`: each model's tokens/s and MFU.
 pub fn gpt_on_device(device: DeviceSpec, quick: bool) -> anyhow::Result<Value> {
     archipelago_actors::check_devices(&[device]).map_err(anyhow::Error::msg)?;
-    let gpu = match device {
-        DeviceSpec::Cuda(n) => archipelago_actors::gpus::list()
+    let gpu = device.cuda_ordinal().and_then(|n| {
+        archipelago_actors::gpus::list()
             .ok()
-            .and_then(|g| g.into_iter().find(|g| g.index == n)),
-        DeviceSpec::Cpu(_) => None,
-    };
-    let on_gpu = matches!(device, DeviceSpec::Cuda(_));
+            .and_then(|g| g.into_iter().find(|g| g.index == n))
+    });
+    let on_gpu = device.cuda_ordinal().is_some();
     let (n, reps) = if on_gpu { (4096, 20) } else { (512, 5) };
     let matmul_gflops =
         archipelago_actors::peak::device_matmul_gflops(device, n, reps).map_err(anyhow::Error::msg)?;
