@@ -168,6 +168,8 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
                 instruction: "building its blocks".into(),
                 message,
                 secondary: false,
+                actor_type: String::new(),
+                host: String::new(),
             };
             let _ = events.send(ActorEvent::Failed(Box::new(failure)));
             return;
@@ -183,7 +185,7 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
                     let _ = events.send(ActorEvent::StepDone(Box::new(report)));
                 }
                 Err(failure) => {
-                    let _ = events.send(ActorEvent::Failed(Box::new(failure)));
+                    let _ = events.send(ActorEvent::Failed(failure));
                 }
             },
             Work::Squares(reply) => {

@@ -4,7 +4,7 @@ use archipelago_dataflow::{ActorId, DeviceSpec};
 
 /// Why an actor could not finish a step (or could not start).
 #[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
-#[error("job {job}, step {step}, actor {actor} on {device}, {}: {message}", instruction_label(*index, instruction))]
+#[error("job {job}, step {step}, actor {actor}{} on {device}{}, {}: {message}", type_label(actor_type), host_label(host), instruction_label(*index, instruction))]
 pub struct ActorFailure {
     /// The job's name.
     pub job: String,
@@ -22,6 +22,28 @@ pub struct ActorFailure {
     pub message: String,
     /// Whether this actor only stopped because another one failed first.
     pub secondary: bool,
+    /// The actor's type, for actors of the runtime API (empty for training device actors).
+    #[serde(default)]
+    pub actor_type: String,
+    /// The host it ran on, when known.
+    #[serde(default)]
+    pub host: String,
+}
+
+fn type_label(actor_type: &str) -> String {
+    if actor_type.is_empty() {
+        String::new()
+    } else {
+        format!(" (`{actor_type}`)")
+    }
+}
+
+fn host_label(host: &str) -> String {
+    if host.is_empty() {
+        String::new()
+    } else {
+        format!(" of host {host}")
+    }
 }
 
 fn instruction_label(index: Option<usize>, instruction: &str) -> String {

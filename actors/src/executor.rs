@@ -200,7 +200,7 @@ impl Executor {
     }
 
     /// Runs the stream once as step `step`. On failure the fabric is aborted.
-    pub fn run_step(&mut self, step: u64) -> Result<StepReport, ActorFailure> {
+    pub fn run_step(&mut self, step: u64) -> Result<StepReport, Box<ActorFailure>> {
         let began = Instant::now();
         let began_unix_s = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -229,7 +229,7 @@ impl Executor {
             }
             drop(entered);
             if let Err((message, secondary)) = outcome {
-                let failure = ActorFailure {
+                let failure = Box::new(ActorFailure {
                     job: self.job.clone(),
                     step,
                     actor: self.actor,
@@ -238,7 +238,9 @@ impl Executor {
                     instruction: self.stream[index].to_string(),
                     message,
                     secondary,
-                };
+                    actor_type: String::new(),
+                    host: String::new(),
+                });
                 self.fabric
                     .abort(&format!("actor {} failed at step {step}", self.actor));
                 self.table = TensorTable::default();

@@ -3,6 +3,10 @@
 //! - [`device_actor`]: the ractor actor that owns a burn device and runs an instruction stream;
 //! - [`executor`]: the interpreter of a stream (compute, sends, receives, collectives);
 //! - [`trainer`]: the training computations (segments, loss, backward, optimizer) on burn;
+//! - [`runtime`]: the runtime API — typed actors, futures, tensor references, meshes,
+//!   supervision (see its module docs for the guarantees);
+//! - [`codec`]: the one bincode codec for control data that crosses processes;
+//! - [`typed_tensor`]: tensors of every dtype as raw bytes;
 //! - [`fabric`]: how tensors move between actors, with the in-process implementation;
 //! - [`collectives`]: the chunked, pipelined ring all-reduce and the per-actor collective worker;
 //! - [`flat_optimizer`]: Adam and SGD on flat shards;
@@ -13,6 +17,7 @@
 pub mod backend;
 pub mod block;
 pub mod checkpoint;
+pub mod codec;
 pub mod collectives;
 pub mod device_actor;
 pub mod error;
@@ -26,7 +31,9 @@ pub mod offload;
 pub mod peak;
 pub mod progress;
 pub mod proto;
+pub mod runtime;
 pub mod trainer;
+pub mod typed_tensor;
 pub mod zoo;
 
 #[cfg(feature = "cuda")]

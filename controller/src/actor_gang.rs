@@ -255,6 +255,8 @@ impl Gang for ActorGang {
                         instruction: format!("writing its checkpoint shard into {}", dir.display()),
                         message,
                         secondary: false,
+                        actor_type: String::new(),
+                        host: String::new(),
                     })));
                 }
             }

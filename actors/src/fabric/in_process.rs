@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use archipelago_dataflow::ActorId;
 
-use super::{Fabric, FabricError, Tag};
+use super::{Fabric, FabricError, LinkBytes, Tag};
 use crate::host_tensor::HostTensor;
 
 #[derive(Default)]
@@ -20,6 +20,7 @@ pub struct InProcessFabric {
     mailboxes: Vec<Mailbox>,
     aborted: Mutex<Option<String>>,
     patience: Duration,
+    links: LinkBytes,
 }
 
 impl InProcessFabric {
@@ -29,6 +30,7 @@ impl InProcessFabric {
             mailboxes: (0..actors).map(|_| Mailbox::default()).collect(),
             aborted: Mutex::new(None),
             patience,
+            links: LinkBytes::default(),
         }
     }
 
@@ -47,6 +49,7 @@ impl Fabric for InProcessFabric {
             return Err(FabricError::Aborted(reason));
         }
         let mailbox = self.mailboxes.get(to).ok_or(FabricError::NoSuchActor(to))?;
+        self.links.record(from, to, tensor.bytes());
         mailbox
             .messages
             .lock()
@@ -88,6 +91,10 @@ impl Fabric for InProcessFabric {
         }
     }
 
+    fn link_bytes(&self) -> &LinkBytes {
+        &self.links
+    }
+
     fn abort(&self, reason: &str) {
         self.aborted
             .lock()
@@ -117,6 +124,8 @@ mod tests {
         assert_eq!(fabric.recv(1, 0, Tag { edge: 1, seq: 0 }).unwrap().data[0], 9.0);
         let got = fabric.recv(1, 0, Tag { edge: 2, seq: 0 }).unwrap();
         assert_eq!(Arc::as_ptr(&got.data), ptr);
+        assert_eq!(fabric.link_bytes().between(0, 1), 12);
+        assert_eq!(fabric.link_bytes().between(1, 0), 0);
     }
 
     #[test]

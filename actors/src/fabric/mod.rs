@@ -6,10 +6,12 @@
 
 pub mod grpc;
 mod in_process;
+mod link_bytes;
 pub mod tcp;
 
 pub use grpc::{GrpcFabric, Inbox, serve_fabric};
 pub use in_process::InProcessFabric;
+pub use link_bytes::{DRIVER, LinkBytes};
 pub use tcp::{TcpFabric, serve_tcp_fabric};
 
 use std::collections::HashMap;
@@ -71,6 +73,8 @@ pub trait Fabric: Send + Sync {
     fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError>;
     /// Wakes every waiter with [`FabricError::Aborted`]; later calls fail the same way.
     fn abort(&self, reason: &str);
+    /// Payload bytes sent so far from this side of the fabric, per `(from, to)` link.
+    fn link_bytes(&self) -> &LinkBytes;
 }
 
 /// One outgoing connection to another host's fabric, shared by every actor of that host.
@@ -120,7 +124,10 @@ impl<L: Link> Fabric for HostRoutes<L> {
     fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
         match self.routes.get(to).ok_or(FabricError::NoSuchActor(to))? {
             None => self.local.send(from, to, tag, tensor),
-            Some(link) => link.push(from, to, tag, tensor),
+            Some(link) => {
+                self.local.link_bytes().record(from, to, tensor.bytes());
+                link.push(from, to, tag, tensor)
+            }
         }
     }
 
@@ -130,6 +137,10 @@ impl<L: Link> Fabric for HostRoutes<L> {
 
     fn abort(&self, reason: &str) {
         self.local.abort(reason);
+    }
+
+    fn link_bytes(&self) -> &LinkBytes {
+        self.local.link_bytes()
     }
 }
 

@@ -1,0 +1,144 @@
+//! The one codec for Rust-typed control data that crosses a process boundary: user actor
+//! messages and replies, spawn parameters, tensor references. bincode 2 over serde, behind this
+//! module only, so that it can be swapped (bincode 2.0.1 is unmaintained; 3.x is a tombstone).
+//!
+//! Input from the network is hostile: [`decode`] refuses a payload over [`MAX_MESSAGE_BYTES`]
+//! before looking at it, and bincode's own limit bounds what a length prefix inside it may make
+//! it allocate. Tensor payloads never pass through here (they travel as raw bytes behind a
+//! header on the fabric).
+//!
+//! ```
+//! use archipelago_actors::codec;
+//! let bytes = codec::encode(&("push", 3u64, vec![1.5f32, 2.0])).unwrap();
+//! let back: (String, u64, Vec<f32>) = codec::decode(&bytes).unwrap();
+//! assert_eq!(back, ("push".to_string(), 3, vec![1.5, 2.0]));
+//! ```
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// The largest encoded message accepted (64 MiB): bulk data belongs on the fabric as tensors.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_MESSAGE_BYTES>()
+}
+
+/// Why a value could not be encoded or decoded.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CodecError {
+    /// The payload is larger than [`MAX_MESSAGE_BYTES`].
+    #[error(
+        "a message of {bytes} bytes is over the {MAX_MESSAGE_BYTES}-byte limit of control messages; send bulk data as a tensor (TensorRef) instead"
+    )]
+    TooLarge {
+        /// Its size.
+        bytes: usize,
+    },
+    /// The value could not be encoded.
+    #[error("could not encode `{ty}`: {reason}")]
+    Encode {
+        /// The Rust type.
+        ty: &'static str,
+        /// bincode's reason.
+        reason: String,
+    },
+    /// The bytes are not a valid `ty`.
+    #[error("could not decode `{ty}` from {bytes} bytes: {reason}")]
+    Decode {
+        /// The Rust type expected.
+        ty: &'static str,
+        /// The payload's size.
+        bytes: usize,
+        /// bincode's reason.
+        reason: String,
+    },
+    /// Bytes were left over after the value: the sender and receiver disagree on the type.
+    #[error(
+        "decoding `{ty}` left {left} of {bytes} bytes unread: sender and receiver were built with different message types"
+    )]
+    Trailing {
+        /// The Rust type expected.
+        ty: &'static str,
+        /// The payload's size.
+        bytes: usize,
+        /// Bytes not consumed.
+        left: usize,
+    },
+}
+
+/// Encodes `value`.
+pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, CodecError> {
+    let bytes = bincode::serde::encode_to_vec(value, config()).map_err(|e| CodecError::Encode {
+        ty: std::any::type_name::<T>(),
+        reason: e.to_string(),
+    })?;
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(CodecError::TooLarge { bytes: bytes.len() });
+    }
+    Ok(bytes)
+}
+
+/// Decodes a `T` that must fill `bytes` exactly, refusing oversized payloads first.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    let ty = std::any::type_name::<T>();
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(CodecError::TooLarge { bytes: bytes.len() });
+    }
+    let (value, used) =
+        bincode::serde::decode_from_slice(bytes, config()).map_err(|e| CodecError::Decode {
+            ty,
+            bytes: bytes.len(),
+            reason: e.to_string(),
+        })?;
+    if used != bytes.len() {
+        return Err(CodecError::Trailing {
+            ty,
+            bytes: bytes.len(),
+            left: bytes.len() - used,
+        });
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    enum Msg {
+        Push { key: u64, values: Vec<f32> },
+        Pull(u64),
+    }
+
+    #[test]
+    fn round_trips_and_refuses_hostile_input() {
+        let msg = Msg::Push {
+            key: 7,
+            values: vec![1.0, -2.5],
+        };
+        let bytes = encode(&msg).unwrap();
+        assert_eq!(decode::<Msg>(&bytes).unwrap(), msg);
+        assert_eq!(
+            decode::<Msg>(&encode(&Msg::Pull(3)).unwrap()).unwrap(),
+            Msg::Pull(3)
+        );
+        // A length prefix claiming 2^60 elements must not allocate: the limit refuses it.
+        let mut hostile = encode(&Msg::Pull(0)).unwrap();
+        hostile[0] = 0; // variant Push
+        hostile.truncate(1);
+        hostile.push(1); // key
+        hostile.push(0xff); // u64 varint marker
+        hostile.extend_from_slice(&(1u64 << 60).to_le_bytes());
+        assert!(matches!(decode::<Msg>(&hostile), Err(CodecError::Decode { .. })));
+        let too_big = vec![0u8; MAX_MESSAGE_BYTES + 1];
+        assert!(matches!(
+            decode::<Msg>(&too_big),
+            Err(CodecError::TooLarge { .. })
+        ));
+        let mut trailing = encode(&Msg::Pull(1)).unwrap();
+        trailing.push(0);
+        let err = decode::<Msg>(&trailing).unwrap_err();
+        assert!(err.to_string().contains("different message types"), "{err}");
+    }
+}

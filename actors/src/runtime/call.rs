@@ -1,0 +1,218 @@
+//! Futures of replies: [`Call`] (await it, or block with [`Call::get`]; a timeout; cancel) and
+//! [`wait`], Ray's `wait`: the first `k` of many calls.
+//!
+//! Dropping a `Call` does not take the message back (like dropping a Ray `ObjectRef`): the
+//! actor still handles it. [`Call::cancel`] and an expired [`Call::timeout`] do: a message not
+//! yet started is skipped by the actor; one already running finishes, its reply discarded.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context as TaskContext, Poll};
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+use super::supervision::{ActorShared, CallError};
+
+/// The future reply of a call.
+pub struct Call<R> {
+    state: CallState<R>,
+    driver: Handle,
+}
+
+enum CallState<R> {
+    Waiting {
+        reply: oneshot::Receiver<Result<R, CallError>>,
+        cancel: Arc<AtomicBool>,
+        actor: Arc<ActorShared>,
+        message: &'static str,
+        deadline: Option<(Instant, Duration)>,
+        sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    },
+    Done(Option<CallError>),
+}
+
+impl<R> Call<R> {
+    pub(crate) fn waiting(
+        reply: oneshot::Receiver<Result<R, CallError>>,
+        cancel: Arc<AtomicBool>,
+        actor: Arc<ActorShared>,
+        message: &'static str,
+        driver: Handle,
+    ) -> Call<R> {
+        Call {
+            state: CallState::Waiting {
+                reply,
+                cancel,
+                actor,
+                message,
+                deadline: None,
+                sleep: None,
+            },
+            driver,
+        }
+    }
+
+    pub(crate) fn failed(error: CallError, driver: Handle) -> Call<R> {
+        Call {
+            state: CallState::Done(Some(error)),
+            driver,
+        }
+    }
+
+    /// The same call, failing with [`CallError::Timeout`] when no reply came within `after` of
+    /// now (and then cancelled, so the actor skips it if it had not started).
+    pub fn timeout(mut self, after: Duration) -> Call<R> {
+        if let CallState::Waiting { deadline, .. } = &mut self.state {
+            *deadline = Some((Instant::now() + after, after));
+        }
+        self
+    }
+
+    /// Gives up on the call: the actor skips the message if it has not started it, and the
+    /// call resolves to [`CallError::Cancelled`].
+    pub fn cancel(&mut self) {
+        if let CallState::Waiting {
+            cancel,
+            actor,
+            message,
+            ..
+        } = &self.state
+        {
+            cancel.store(true, Ordering::Release);
+            let error = CallError::Cancelled {
+                actor: actor.label(),
+                message: message.to_string(),
+            };
+            self.state = CallState::Done(Some(error));
+        }
+    }
+
+    /// Waits for the reply on this thread. Call it from plain threads (a program's `main`);
+    /// inside a handler, `.await` the call instead.
+    ///
+    /// # Panics
+    /// When called from inside an async runtime (tokio forbids blocking there).
+    pub fn get(self) -> Result<R, CallError>
+    where
+        R: Send + 'static,
+    {
+        let driver = self.driver.clone();
+        driver.block_on(self)
+    }
+}
+
+impl<R> Unpin for Call<R> {}
+
+impl<R> Future for Call<R> {
+    type Output = Result<R, CallError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let CallState::Waiting {
+            reply,
+            cancel,
+            actor,
+            message,
+            deadline,
+            sleep,
+        } = &mut this.state
+        else {
+            let CallState::Done(error) = &mut this.state else {
+                unreachable!()
+            };
+            return Poll::Ready(Err(error.take().expect("a Call polled after it completed")));
+        };
+        match Pin::new(reply).poll(cx) {
+            Poll::Ready(Ok(result)) => return Poll::Ready(result),
+            // The reply channel closed without a reply: the actor ended first.
+            Poll::Ready(Err(_)) => return Poll::Ready(Err(actor.ended_error(message))),
+            Poll::Pending => {}
+        }
+        if let Some((at, after)) = *deadline {
+            let timer = sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at.into())));
+            if timer.as_mut().poll(cx).is_ready() {
+                cancel.store(true, Ordering::Release);
+                let error = CallError::Timeout {
+                    actor: actor.label(),
+                    message: message.to_string(),
+                    after,
+                };
+                this.state = CallState::Done(None);
+                return Poll::Ready(Err(error));
+            }
+        }
+        Poll::Pending
+    }
+}
+
+/// A future with a way to block on it from a plain thread ([`Pending::get`]).
+pub struct Pending<T> {
+    future: BoxFuture<'static, T>,
+    driver: Handle,
+}
+
+impl<T: Send + 'static> Pending<T> {
+    pub(crate) fn new(future: impl Future<Output = T> + Send + 'static, driver: Handle) -> Pending<T> {
+        Pending {
+            future: Box::pin(future),
+            driver,
+        }
+    }
+
+    /// Waits on this thread (not from inside an async runtime; `.await` there).
+    pub fn get(self) -> T {
+        let driver = self.driver.clone();
+        driver.block_on(self.future)
+    }
+}
+
+impl<T> Future for Pending<T> {
+    type Output = T;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<T> {
+        self.future.as_mut().poll(cx)
+    }
+}
+
+/// What [`wait`] found: the calls that completed (with their index in the input) and those
+/// still pending (also with their index), as Ray's `wait` returns ready and not-ready refs.
+pub struct Waited<R> {
+    /// Completed calls in completion order: `(index, result)`.
+    pub ready: Vec<(usize, Result<R, CallError>)>,
+    /// Calls still pending, in input order: `(index, call)`.
+    pub pending: Vec<(usize, Call<R>)>,
+}
+
+/// Waits until `k` of `calls` have completed (or `timeout` passed, when given), and returns
+/// them with the rest still pending. `k` larger than the number of calls waits for all.
+pub async fn wait<R>(calls: Vec<Call<R>>, k: usize, timeout: Option<Duration>) -> Waited<R> {
+    let k = k.min(calls.len());
+    let mut pending: Vec<(usize, Call<R>)> = calls.into_iter().enumerate().collect();
+    let mut ready = Vec::new();
+    let deadline = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
+    let mut deadline = deadline;
+    std::future::poll_fn(|cx| {
+        let mut i = 0;
+        while i < pending.len() && ready.len() < k {
+            if let Poll::Ready(result) = Pin::new(&mut pending[i].1).poll(cx) {
+                let (index, _) = pending.remove(i);
+                ready.push((index, result));
+            } else {
+                i += 1;
+            }
+        }
+        if ready.len() >= k {
+            return Poll::Ready(());
+        }
+        let expired = deadline
+            .as_mut()
+            .is_some_and(|timer| timer.as_mut().poll(cx).is_ready());
+        if expired { Poll::Ready(()) } else { Poll::Pending }
+    })
+    .await;
+    Waited { ready, pending }
+}

@@ -1,0 +1,80 @@
+//! Envelopes: a typed message with its reply channel and cancel flag, boxed behind one trait so
+//! that one ractor mailbox per actor carries every message type the actor handles.
+
+use std::any::type_name;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use futures::future::BoxFuture;
+use tokio::sync::oneshot;
+
+use super::actor::{Handler, Message};
+use super::context::Context;
+use super::supervision::CallError;
+
+/// One message in an actor's mailbox, its type erased.
+pub(crate) trait Envelope<A>: Send {
+    /// Its sequence number on the actor.
+    fn seq(&self) -> u64;
+    /// The message's Rust type, for errors.
+    fn message_type(&self) -> &'static str;
+    /// Whether the caller gave up on it before it started.
+    fn cancelled(&self) -> bool;
+    /// Runs the handler and sends the reply.
+    fn run<'a>(&'a mut self, actor: &'a mut A, ctx: &'a Context<A>) -> BoxFuture<'a, ()>
+    where
+        A: super::actor::Actor;
+    /// Answers the caller with `error` instead (when the handler did not reply).
+    fn fail(&mut self, error: CallError);
+}
+
+/// The boxed form an actor's mailbox holds.
+pub(crate) type Mail<A> = Box<dyn Envelope<A>>;
+
+/// Where a call's reply goes.
+pub(crate) type ReplyTx<R> = oneshot::Sender<Result<R, CallError>>;
+
+/// A message of type `M` (a call when it has a reply channel, a cast otherwise).
+pub(crate) struct Letter<M: Message> {
+    pub(crate) message: Option<M>,
+    pub(crate) reply: Option<ReplyTx<M::Reply>>,
+    pub(crate) cancel: Option<Arc<AtomicBool>>,
+    pub(crate) seq: u64,
+}
+
+impl<A, M> Envelope<A> for Letter<M>
+where
+    A: Handler<M>,
+    M: Message,
+{
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    fn message_type(&self) -> &'static str {
+        type_name::<M>()
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire))
+    }
+
+    fn run<'a>(&'a mut self, actor: &'a mut A, ctx: &'a Context<A>) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(message) = self.message.take() else {
+                return;
+            };
+            let reply = actor.handle(message, ctx).await;
+            if let Some(tx) = self.reply.take() {
+                // The caller may have stopped waiting (timeout, dropped future): nothing to do.
+                let _ = tx.send(Ok(reply));
+            }
+        })
+    }
+
+    fn fail(&mut self, error: CallError) {
+        if let Some(tx) = self.reply.take() {
+            let _ = tx.send(Err(error));
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! The runtime API: typed actors, futures of replies, tensors that stay with their owner, meshes
+//! and supervision — the layer of the Ray / Monarch (hyperactor) class that training, the
+//! parameter server and trial search are programs on.
+//!
+//! - An actor type implements [`Actor`] (state + constructor) and one [`Handler<M>`] per
+//!   [`Message`] type; [`RuntimeHandle::spawn`] places it on a device and gives a typed
+//!   [`ActorRef<A>`].
+//! - [`ActorRef::call`] returns a [`Call`] future (`.await` it, or [`Call::get`] from a plain
+//!   thread; [`Call::timeout`], [`Call::cancel`]); [`ActorRef::cast`] sends without a reply;
+//!   [`wait`] (and [`Runtime::wait`]) returns the first `k` of many calls, as Ray's `wait`.
+//! - [`RuntimeHandle::spawn_mesh`] spawns one actor per member of a named [`Mesh`](archipelago_dataflow::Mesh)
+//!   and [`ActorMesh::call_all`] calls them all at once, one future per member.
+//! - [`Context::put`] keeps a tensor on its actor and hands out a [`TensorRef`];
+//!   [`Context::fetch`] brings it from its owner straight to the actor that asks.
+//!
+//! # Guarantees
+//! - **Order**: messages from one caller to one actor are handled in the order sent.
+//! - **One at a time**: an actor handles one message at a time and each handler runs to
+//!   completion, its `.await`s included; an actor's state is only seen between handlers. A
+//!   handler that calls its own actor gets [`CallError::SelfCall`] instead of a deadlock.
+//! - **Failures are named**: a panic fails that call and every call queued before it with an
+//!   [`ActorFailure`](crate::ActorFailure) naming job, actor, type, host, device and message;
+//!   with [`SpawnOptions::max_restarts`] the constructor runs again, otherwise the actor ends
+//!   and [`ActorRef::ended`] resolves. Calls to an ended actor fail at once.
+//! - **Placement**: each device of the runtime is one OS thread running its actors; actors on
+//!   different devices run in parallel, actors on one device take turns.
+
+mod actor;
+mod actor_ref;
+mod call;
+mod cell;
+mod context;
+mod envelope;
+mod mesh;
+mod supervision;
+mod system;
+mod tensor_store;
+
+pub use actor::{Actor, Handler, Message};
+pub use actor_ref::ActorRef;
+pub use call::{Call, Pending, Waited, wait};
+pub use context::Context;
+pub use mesh::ActorMesh;
+pub use supervision::{ActorEnd, ActorInfo, CallError, SpawnOptions};
+pub use system::{Runtime, RuntimeHandle, SpawnError};
+pub use tensor_store::{TensorError, TensorId, TensorRef};
+
+#[cfg(test)]
+mod tests;

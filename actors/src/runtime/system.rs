@@ -1,0 +1,395 @@
+//! The runtime: the devices of this process, each run by one OS thread with its own
+//! single-threaded async executor (actors of a device share its thread, so compute never
+//! blocks other devices and kernels stay single-threaded), a small driver executor for timers
+//! and for blocking waits from plain threads, and the registry of live actors.
+//!
+//! ```
+//! use archipelago_actors::runtime::{Actor, Context, Handler, Message, Runtime};
+//! use archipelago_dataflow::DeviceSpec;
+//!
+//! struct Echo;
+//! impl Actor for Echo {
+//!     type Params = ();
+//!     async fn new(_: (), _ctx: &Context<Self>) -> Result<Self, String> { Ok(Echo) }
+//! }
+//! struct Ping(u32);
+//! impl Message for Ping { type Reply = u32; }
+//! impl Handler<Ping> for Echo {
+//!     async fn handle(&mut self, Ping(n): Ping, _ctx: &Context<Self>) -> u32 { n + 1 }
+//! }
+//!
+//! let runtime = Runtime::local(DeviceSpec::cpus(1));
+//! let echo = runtime.spawn::<Echo>(DeviceSpec::Cpu(0), ()).get().unwrap();
+//! assert_eq!(echo.call(Ping(41)).get().unwrap(), 42);
+//! ```
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use archipelago_dataflow::{ActorId, DeviceSpec, Mesh};
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+use super::actor::Actor;
+use super::actor_ref::ActorRef;
+use super::call::{Call, Pending, Waited, wait};
+use super::cell::{Cell, CellArgs};
+use super::mesh::ActorMesh;
+use super::supervision::{ActorInfo, ActorShared, SpawnOptions};
+use super::tensor_store::TensorStores;
+
+/// Process-unique keys of actors (ids are unique per runtime only).
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+
+/// Why an actor or a mesh could not be spawned.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SpawnError {
+    /// The device is not one of the runtime's.
+    #[error(
+        "device {device} is not in this runtime (it has {devices}); spawn on one of those, or start the runtime with that device"
+    )]
+    NoSuchDevice {
+        /// The device asked for.
+        device: DeviceSpec,
+        /// The runtime's devices.
+        devices: String,
+    },
+    /// The mesh needs more devices than the runtime has.
+    #[error(
+        "a mesh {mesh} needs {needed} devices but this runtime has {available}; make the mesh smaller or add devices (hosts) to the cluster"
+    )]
+    MeshTooLarge {
+        /// The mesh.
+        mesh: String,
+        /// Its size.
+        needed: usize,
+        /// The devices there are.
+        available: usize,
+    },
+    /// The constructor returned an error or panicked.
+    #[error("{actor} could not start: {reason}")]
+    Constructor {
+        /// The actor.
+        actor: String,
+        /// Its constructor's error.
+        reason: String,
+    },
+}
+
+/// One device's thread and its executor.
+struct DeviceThread {
+    device: DeviceSpec,
+    executor: Handle,
+    stop: Mutex<Option<oneshot::Sender<()>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl DeviceThread {
+    fn start(device: DeviceSpec) -> DeviceThread {
+        let (handle_tx, handle_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("runtime-{device}"))
+            .spawn(move || {
+                let executor = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("a device's executor");
+                let _ = handle_tx.send(executor.handle().clone());
+                executor.block_on(async {
+                    let _ = stop_rx.await;
+                });
+            })
+            .expect("a device thread");
+        let executor = handle_rx.recv().expect("the device thread's executor");
+        DeviceThread {
+            device,
+            executor,
+            stop: Mutex::new(Some(stop_tx)),
+            thread: Mutex::new(Some(thread)),
+        }
+    }
+}
+
+struct LiveActor {
+    shared: Arc<ActorShared>,
+    cell: ractor::ActorCell,
+}
+
+pub(crate) struct RuntimeInner {
+    job: String,
+    host: String,
+    devices: Vec<DeviceThread>,
+    driver: Handle,
+    next_id: AtomicUsize,
+    live: Mutex<HashMap<ActorId, LiveActor>>,
+    pub(crate) tensors: TensorStores,
+}
+
+/// A handle to a runtime, as actors hold it (cheap to clone; does not keep the runtime up).
+#[derive(Clone)]
+pub struct RuntimeHandle {
+    inner: Arc<RuntimeInner>,
+}
+
+/// The runtime of this process. Dropping it stops every actor (each finishes the message it
+/// is handling) and the device threads.
+pub struct Runtime {
+    handle: RuntimeHandle,
+    driver: Option<tokio::runtime::Runtime>,
+}
+
+impl Runtime {
+    /// The embedded runtime: `devices` of this process, host name `local`.
+    pub fn local(devices: Vec<DeviceSpec>) -> Runtime {
+        Runtime::new("local", "local", devices)
+    }
+
+    /// A runtime for job `job` on host `host` with `devices`.
+    pub fn new(job: &str, host: &str, devices: Vec<DeviceSpec>) -> Runtime {
+        let driver = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("runtime-driver")
+            .enable_all()
+            .build()
+            .expect("the runtime's driver executor");
+        let inner = RuntimeInner {
+            job: job.to_string(),
+            host: host.to_string(),
+            devices: devices.into_iter().map(DeviceThread::start).collect(),
+            driver: driver.handle().clone(),
+            next_id: AtomicUsize::new(0),
+            live: Mutex::new(HashMap::new()),
+            tensors: TensorStores::default(),
+        };
+        Runtime {
+            handle: RuntimeHandle {
+                inner: Arc::new(inner),
+            },
+            driver: Some(driver),
+        }
+    }
+
+    /// A handle to hand to other threads (it does not keep the runtime up).
+    pub fn handle(&self) -> &RuntimeHandle {
+        &self.handle
+    }
+
+    /// Runs `future` to completion on this thread (not from inside an async runtime).
+    pub fn block_on<F: Future>(&self, future: F) -> F::Output {
+        self.handle.inner.driver.block_on(future)
+    }
+
+    /// Ray's `wait`, blocking: the first `k` of `calls` to complete (or those done when
+    /// `timeout` passes), and the rest still pending.
+    pub fn wait<R>(&self, calls: Vec<Call<R>>, k: usize, timeout: Option<Duration>) -> Waited<R> {
+        self.block_on(wait(calls, k, timeout))
+    }
+}
+
+impl std::ops::Deref for Runtime {
+    type Target = RuntimeHandle;
+    fn deref(&self) -> &RuntimeHandle {
+        &self.handle
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        let inner = &self.handle.inner;
+        let cells: Vec<ractor::ActorCell> = inner
+            .live
+            .lock()
+            .expect("live actors")
+            .values()
+            .map(|a| a.cell.clone())
+            .collect();
+        let in_async = Handle::try_current().is_ok();
+        if !in_async {
+            inner.driver.block_on(async {
+                for cell in &cells {
+                    let reason = Some("its runtime shut down".to_string());
+                    let _ = cell.stop_and_wait(reason, Some(Duration::from_secs(5))).await;
+                }
+            });
+        }
+        let here = std::thread::current().id();
+        for device in &inner.devices {
+            if let Some(stop) = device.stop.lock().expect("device stop").take() {
+                let _ = stop.send(());
+            }
+            let thread = device.thread.lock().expect("device thread").take();
+            if let Some(thread) = thread
+                && thread.thread().id() != here
+                && !in_async
+            {
+                let _ = thread.join();
+            }
+        }
+        if let Some(driver) = self.driver.take() {
+            driver.shutdown_background();
+        }
+    }
+}
+
+impl RuntimeHandle {
+    pub(crate) fn driver(&self) -> &Handle {
+        &self.inner.driver
+    }
+
+    pub(crate) fn inner(&self) -> &RuntimeInner {
+        &self.inner
+    }
+
+    /// The runtime's devices.
+    pub fn devices(&self) -> Vec<DeviceSpec> {
+        self.inner.devices.iter().map(|d| d.device).collect()
+    }
+
+    /// The host this runtime runs on.
+    pub fn host(&self) -> &str {
+        &self.inner.host
+    }
+
+    /// The live actors (spawned, not yet ended).
+    pub fn actors(&self) -> Vec<ActorInfo> {
+        let live = self.inner.live.lock().expect("live actors");
+        let mut infos: Vec<ActorInfo> = live.values().map(|a| a.shared.info.clone()).collect();
+        infos.sort_by_key(|i| i.id);
+        infos
+    }
+
+    pub(crate) fn actor_ended(&self, shared: &ActorShared) {
+        let id = shared.info.id;
+        self.inner.live.lock().expect("live actors").remove(&id);
+        let reason = match shared.end() {
+            Some(super::ActorEnd::Failed(failure)) => failure.message.clone(),
+            Some(super::ActorEnd::Stopped { reason }) => format!("stopped: {reason}"),
+            None => "stopped".into(),
+        };
+        self.inner.tensors.owner_ended_with(id, shared.label(), reason);
+    }
+
+    /// Spawns an actor of type `A` on `device`, built from `params`.
+    pub fn spawn<A: Actor>(
+        &self,
+        device: DeviceSpec,
+        params: A::Params,
+    ) -> Pending<Result<ActorRef<A>, SpawnError>> {
+        self.spawn_with(device, params, SpawnOptions::default())
+    }
+
+    /// Spawns an actor with a name and a restart policy.
+    pub fn spawn_with<A: Actor>(
+        &self,
+        device: DeviceSpec,
+        params: A::Params,
+        options: SpawnOptions,
+    ) -> Pending<Result<ActorRef<A>, SpawnError>> {
+        let driver = self.inner.driver.clone();
+        let Some(thread) = self.inner.devices.iter().find(|d| d.device == device) else {
+            let error = SpawnError::NoSuchDevice {
+                device,
+                devices: self
+                    .devices()
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            };
+            return Pending::new(std::future::ready(Err(error)), driver);
+        };
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
+        let type_name = short_type_name::<A>();
+        let info = ActorInfo {
+            id,
+            name: options.name.unwrap_or_else(|| format!("{type_name}-{id}")),
+            type_name,
+            device,
+            host: self.inner.host.clone(),
+        };
+        let shared = Arc::new(ActorShared::new(info, self.inner.job.clone()));
+        let args = CellArgs::<A> {
+            params,
+            shared: shared.clone(),
+            key,
+            runtime: self.clone(),
+            max_restarts: options.max_restarts,
+        };
+        let runtime = self.clone();
+        let task = thread.executor.spawn(async move {
+            let (port, _) = <Cell<A> as ractor::Actor>::spawn(None, Cell::new(), args).await?;
+            let live = LiveActor {
+                shared: shared.clone(),
+                cell: port.get_cell(),
+            };
+            runtime.inner.live.lock().expect("live actors").insert(id, live);
+            Ok::<_, ractor::SpawnErr>((port, shared))
+        });
+        let spawned_driver = driver.clone();
+        Pending::new(
+            async move {
+                match task.await {
+                    Ok(Ok((port, shared))) => Ok(ActorRef::new(port, shared, key, spawned_driver)),
+                    Ok(Err(e)) => Err(SpawnError::Constructor {
+                        actor: format!("actor {id} (`{}`) on {device}", short_type_name::<A>()),
+                        reason: match e {
+                            ractor::SpawnErr::StartupFailed(reason) => reason.to_string(),
+                            other => other.to_string(),
+                        },
+                    }),
+                    Err(join) => Err(SpawnError::Constructor {
+                        actor: format!("actor {id} (`{}`) on {device}", short_type_name::<A>()),
+                        reason: join.to_string(),
+                    }),
+                }
+            },
+            driver,
+        )
+    }
+
+    /// Spawns one actor per member of `mesh`, member `r` (row-major over the axes) on the
+    /// runtime's `r`-th device, built from `params(coords)`.
+    pub fn spawn_mesh<A: Actor>(
+        &self,
+        mesh: Mesh,
+        params: impl Fn(&[usize]) -> A::Params,
+    ) -> Pending<Result<ActorMesh<A>, SpawnError>> {
+        let driver = self.inner.driver.clone();
+        let devices = self.devices();
+        if mesh.size() > devices.len() {
+            let error = SpawnError::MeshTooLarge {
+                mesh: mesh.to_string(),
+                needed: mesh.size(),
+                available: devices.len(),
+            };
+            return Pending::new(std::future::ready(Err(error)), driver);
+        }
+        let spawns: Vec<_> = (0..mesh.size())
+            .map(|rank| self.spawn::<A>(devices[rank], params(&mesh.coords(rank))))
+            .collect();
+        Pending::new(
+            async move {
+                let mut members = Vec::with_capacity(spawns.len());
+                for spawn in spawns {
+                    members.push(spawn.await?);
+                }
+                Ok(ActorMesh::new(mesh, members))
+            },
+            driver,
+        )
+    }
+}
+
+/// `Counter` for `my_crate::actors::Counter` (generic arguments kept whole).
+fn short_type_name<A>() -> String {
+    let full = std::any::type_name::<A>();
+    let base = full.split('<').next().unwrap_or(full);
+    let tail = base.rsplit("::").next().unwrap_or(base);
+    format!("{tail}{}", &full[base.len()..])
+}
