@@ -4,6 +4,8 @@
 //! is a loop in which one actor produces tensors and another accumulates them. Neither is a
 //! training loop: they use the general dataflow API on the same controller and actors.
 
+pub mod programs;
+
 use burn::backend::Flex;
 use burn::backend::flex::FlexDevice;
 use burn::tensor::Tensor;

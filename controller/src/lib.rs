@@ -5,6 +5,9 @@
 //! `Step{n}` to every actor at once, `StepDone` back from each (Pathways-style parallel
 //! dispatch). It never touches tensor bytes: control is typed messages, data moves actor to actor.
 //!
+//! Programs that are not training loops use the runtime API re-exported in [`prelude`]: typed
+//! actors, futures, tensor references and meshes (see `archipelago_actors::runtime`).
+//!
 //! ```no_run
 //! use archipelago_controller::{Controller, TrainOptions};
 //! use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
@@ -25,6 +28,7 @@ pub mod flow_job;
 pub mod gang;
 pub mod host_devices;
 pub mod local;
+pub mod prelude;
 pub mod process_stats;
 pub mod replay;
 pub mod report;

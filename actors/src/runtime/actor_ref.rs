@@ -76,7 +76,7 @@ impl<A: Actor> ActorRef<A> {
     where
         A: Handler<M>,
     {
-        let message_type = std::any::type_name::<M>();
+        let message_type = super::system::short_name(std::any::type_name::<M>());
         if CURRENT_ACTOR.try_with(|k| *k == self.key).unwrap_or(false) {
             let error = CallError::SelfCall {
                 actor: self.shared.label(),
@@ -110,9 +110,10 @@ impl<A: Actor> ActorRef<A> {
             cancel: None,
             seq: self.shared.sequence(),
         };
-        self.port
-            .send_message(Box::new(letter))
-            .map_err(|_| self.shared.ended_error(std::any::type_name::<M>()))
+        self.port.send_message(Box::new(letter)).map_err(|_| {
+            self.shared
+                .ended_error(super::system::short_name(std::any::type_name::<M>()))
+        })
     }
 
     /// Stops the actor after the message it is handling; messages still queued fail with

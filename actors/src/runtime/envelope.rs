@@ -52,7 +52,7 @@ where
     }
 
     fn message_type(&self) -> &'static str {
-        type_name::<M>()
+        super::system::short_name(type_name::<M>())
     }
 
     fn cancelled(&self) -> bool {

@@ -388,8 +388,11 @@ impl RuntimeHandle {
 
 /// `Counter` for `my_crate::actors::Counter` (generic arguments kept whole).
 fn short_type_name<A>() -> String {
-    let full = std::any::type_name::<A>();
-    let base = full.split('<').next().unwrap_or(full);
-    let tail = base.rsplit("::").next().unwrap_or(base);
-    format!("{tail}{}", &full[base.len()..])
+    short_name(std::any::type_name::<A>()).to_string()
+}
+
+/// A Rust type's name without its module path (generic arguments kept whole).
+pub(crate) fn short_name(full: &'static str) -> &'static str {
+    let base = &full[..full.find('<').unwrap_or(full.len())];
+    base.rfind("::").map_or(full, |at| &full[at + 2..])
 }

@@ -2,6 +2,7 @@
 //! and the physical limit measured in the same run where there is one (memcpy for collectives,
 //! sequential file I/O for the NVMe offload tier).
 
+mod actor_api;
 mod collectives;
 pub mod cross_process;
 pub mod device;
@@ -36,6 +37,10 @@ pub struct BenchArgs {
     /// default: the system's temporary directory).
     #[arg(long)]
     pub nvme_dir: Option<PathBuf>,
+    /// Run only the runtime API's actor-call figures (beside the in-process fabric's round
+    /// trips) and stop.
+    #[arg(long)]
+    pub actor_api_only: bool,
 }
 
 /// Runs the suite and prints its JSON.
@@ -52,6 +57,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         return write_out(&out, args);
     }
     let reps = if args.quick { 5 } else { 15 };
+    if args.actor_api_only {
+        let peer = cross_process::PeerArgs {
+            reps: 1,
+            bytes: 1 << 20,
+            round_trips: if args.quick { 2000 } else { 10_000 },
+            batches: if args.quick { 5 } else { 20 },
+            data_path: DataPath::Grpc,
+        };
+        let fabric = cross_process::in_process(&peer);
+        let api = actor_api::in_process(peer.round_trips, peer.batches, &fabric["round_trips"])?;
+        let out = json!({ "suite": "actor_api", "fabric_in_process": fabric["round_trips"], "actor_api": api, "wall_s": started.elapsed().as_secs_f64() });
+        return write_out(&out, args);
+    }
     let mut ring: Vec<serde_json::Value> = Vec::new();
     for transport in [
         collectives::Transport::InProcess,
@@ -83,6 +101,12 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "tcp_2_processes": cross_process::between_processes(&tcp)?,
     });
     eprintln!("cross_process: {processes}");
+    let api = actor_api::in_process(
+        peer.round_trips,
+        peer.batches,
+        &processes["in_process"]["round_trips"],
+    )?;
+    eprintln!("actor_api: {api}");
     let scale = json!({
         "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,
         "dispatch": scale::noop_step(1024, if args.quick { 20 } else { 100 })?,
@@ -117,6 +141,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "quick": args.quick,
         "collectives": ring,
         "cross_process": processes,
+        "actor_api": api,
         "controller_at_scale": scale,
         "training": training,
         "pipeline": pipeline,

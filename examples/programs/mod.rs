@@ -1,0 +1,3 @@
+//! Programs on the runtime API, shared by the examples' binaries and their tests.
+
+pub mod actors_basics;
