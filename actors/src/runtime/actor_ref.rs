@@ -11,6 +11,8 @@ use tokio::sync::oneshot;
 use super::actor::{Actor, Handler, Message};
 use super::call::{Call, Pending};
 use super::envelope::{Letter, Mail};
+use super::remote::HostConnection;
+use super::remote::registry::{MessageCodec, Registry};
 use super::supervision::{ActorEnd, ActorInfo, ActorShared, CallError};
 
 tokio::task_local! {
@@ -18,9 +20,27 @@ tokio::task_local! {
     pub(crate) static CURRENT_ACTOR: u64;
 }
 
-/// A typed reference to an actor of type `A`; cheap to clone.
+/// Where an actor's messages go.
+enum Port<A: Actor> {
+    /// Its mailbox in this process.
+    Local(ractor::ActorRef<Mail<A>>),
+    /// The actor port of its host.
+    Remote(Arc<HostConnection>),
+}
+
+impl<A: Actor> Clone for Port<A> {
+    fn clone(&self) -> Self {
+        match self {
+            Port::Local(port) => Port::Local(port.clone()),
+            Port::Remote(connection) => Port::Remote(connection.clone()),
+        }
+    }
+}
+
+/// A typed reference to an actor of type `A`, in this process or on another host; cheap to
+/// clone.
 pub struct ActorRef<A: Actor> {
-    port: ractor::ActorRef<Mail<A>>,
+    port: Port<A>,
     shared: Arc<ActorShared>,
     key: u64,
     driver: Handle,
@@ -51,7 +71,22 @@ impl<A: Actor> ActorRef<A> {
         driver: Handle,
     ) -> Self {
         ActorRef {
-            port,
+            port: Port::Local(port),
+            shared,
+            key,
+            driver,
+        }
+    }
+
+    pub(crate) fn remote(
+        connection: Arc<HostConnection>,
+        shared: Arc<ActorShared>,
+        key: u64,
+        driver: Handle,
+    ) -> Self {
+        connection.track(&shared);
+        ActorRef {
+            port: Port::Remote(connection),
             shared,
             key,
             driver,
@@ -86,16 +121,69 @@ impl<A: Actor> ActorRef<A> {
         }
         let (tx, rx) = oneshot::channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let letter = Letter {
-            message: Some(message),
-            reply: Some(tx),
-            cancel: Some(cancel.clone()),
-            seq: self.shared.sequence(),
-        };
-        if self.port.send_message(Box::new(letter)).is_err() {
-            return Call::failed(self.shared.ended_error(message_type), self.driver.clone());
+        match &self.port {
+            Port::Local(port) => {
+                let letter = Letter {
+                    message: Some(message),
+                    reply: Some(tx),
+                    cancel: Some(cancel.clone()),
+                    seq: self.shared.sequence(),
+                };
+                if port.send_message(Box::new(letter)).is_err() {
+                    return Call::failed(self.shared.ended_error(message_type), self.driver.clone());
+                }
+            }
+            Port::Remote(connection) => {
+                if self.shared.end().is_some() {
+                    return Call::failed(self.shared.ended_error(message_type), self.driver.clone());
+                }
+                let (codec, payload) = match self.encode(&message) {
+                    Ok(encoded) => encoded,
+                    Err(error) => return Call::failed(error, self.driver.clone()),
+                };
+                let (actor, decode) = (self.shared.label(), codec.decode_reply);
+                let deliver = Box::new(move |result: Result<Vec<u8>, CallError>| {
+                    let reply = result.and_then(|bytes| {
+                        let decoded = decode(&bytes).map_err(|e| CallError::NotRemote {
+                            actor,
+                            message: message_type.to_string(),
+                            reason: format!("its reply: {e}"),
+                        })?;
+                        Ok(*decoded
+                            .downcast::<M::Reply>()
+                            .expect("the reply type registered for this message"))
+                    });
+                    let _ = tx.send(reply);
+                });
+                self.shared.sequence();
+                connection.call(
+                    &self.shared,
+                    message_type,
+                    std::any::type_name::<M>(),
+                    payload,
+                    deliver,
+                );
+            }
         }
         Call::waiting(rx, cancel, self.shared.clone(), message_type, self.driver.clone())
+    }
+
+    /// Encodes `message` for the actor's host with the codec registered for its type.
+    fn encode<M: Message>(&self, message: &M) -> Result<(MessageCodec, Vec<u8>), CallError> {
+        let message_type = super::system::short_name(std::any::type_name::<M>());
+        let not_remote = |reason: String| CallError::NotRemote {
+            actor: self.shared.label(),
+            message: message_type.to_string(),
+            reason,
+        };
+        let codec = Registry::codec::<M>().ok_or_else(|| {
+            not_remote(format!(
+                "`{message_type}` is not registered; add `.handles::<{}, {message_type}>()` to the Registry the program installs",
+                self.shared.info.type_name
+            ))
+        })?;
+        let payload = (codec.encode)(message).map_err(|e| not_remote(e.to_string()))?;
+        Ok((codec, payload))
     }
 
     /// Sends `message` without waiting for (or getting) its reply. Fails only when the actor
@@ -104,16 +192,27 @@ impl<A: Actor> ActorRef<A> {
     where
         A: Handler<M>,
     {
-        let letter = Letter {
-            message: Some(message),
-            reply: None,
-            cancel: None,
-            seq: self.shared.sequence(),
-        };
-        self.port.send_message(Box::new(letter)).map_err(|_| {
-            self.shared
-                .ended_error(super::system::short_name(std::any::type_name::<M>()))
-        })
+        let message_type = super::system::short_name(std::any::type_name::<M>());
+        match &self.port {
+            Port::Local(port) => {
+                let letter = Letter {
+                    message: Some(message),
+                    reply: None,
+                    cancel: None,
+                    seq: self.shared.sequence(),
+                };
+                port.send_message(Box::new(letter))
+                    .map_err(|_| self.shared.ended_error(message_type))
+            }
+            Port::Remote(connection) => {
+                if self.shared.end().is_some() {
+                    return Err(self.shared.ended_error(message_type));
+                }
+                let (_, payload) = self.encode(&message)?;
+                self.shared.sequence();
+                connection.cast(&self.shared, message_type, std::any::type_name::<M>(), payload)
+            }
+        }
     }
 
     /// Stops the actor after the message it is handling; messages still queued fail with
@@ -122,7 +221,10 @@ impl<A: Actor> ActorRef<A> {
         self.shared.set_end(ActorEnd::Stopped {
             reason: reason.to_string(),
         });
-        self.port.stop(Some(reason.to_string()));
+        match &self.port {
+            Port::Local(port) => port.stop(Some(reason.to_string())),
+            Port::Remote(connection) => connection.stop(self.shared.info.id, reason),
+        }
     }
 
     /// How the actor ended, once it has ended.

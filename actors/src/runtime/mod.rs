@@ -32,7 +32,8 @@ mod cell;
 mod context;
 mod envelope;
 mod mesh;
-mod supervision;
+pub mod remote;
+pub(crate) mod supervision;
 mod system;
 mod tensor_store;
 
@@ -41,9 +42,13 @@ pub use actor_ref::ActorRef;
 pub use call::{Call, Pending, Waited, wait};
 pub use context::Context;
 pub use mesh::ActorMesh;
+pub use remote::Registry;
 pub use supervision::{ActorEnd, ActorInfo, CallError, SpawnOptions};
-pub use system::{Runtime, RuntimeHandle, SpawnError};
+pub use system::{Runtime, RuntimeHandle, Slot, SpawnError};
 pub use tensor_store::{TensorError, TensorId, TensorRef};
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod remote_tests;

@@ -69,7 +69,7 @@ impl SpawnOptions {
 }
 
 /// How an actor ended.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum ActorEnd {
     /// It was stopped (by [`ActorRef::stop`](super::ActorRef::stop) or the runtime's shutdown).
     Stopped {
@@ -81,7 +81,7 @@ pub enum ActorEnd {
 }
 
 /// Why a call did not produce a reply.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum CallError {
     /// The actor panicked while handling this message or one queued before it (or its host was
     /// lost).
@@ -129,6 +129,17 @@ pub enum CallError {
         actor: String,
         /// The message.
         message: String,
+    },
+    /// The message cannot cross processes: its type (or its reply's) is not registered, or the
+    /// bytes did not decode.
+    #[error("`{message}` to {actor} cannot cross processes: {reason}")]
+    NotRemote {
+        /// The actor.
+        actor: String,
+        /// The message.
+        message: String,
+        /// What is missing, with the fix.
+        reason: String,
     },
 }
 

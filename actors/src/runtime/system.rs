@@ -39,8 +39,15 @@ use super::actor_ref::ActorRef;
 use super::call::{Call, Pending, Waited, wait};
 use super::cell::{Cell, CellArgs};
 use super::mesh::ActorMesh;
+use super::remote::connection::spawn_failed;
+use super::remote::registry::Registry;
+use super::remote::wire::Frame;
+use super::remote::{HostConnection, Liveness};
 use super::supervision::{ActorInfo, ActorShared, SpawnOptions};
 use super::tensor_store::TensorStores;
+
+/// How long a runtime's shutdown lets busy actors finish their message before killing them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// Process-unique keys of actors (ids are unique per runtime only).
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
@@ -115,6 +122,26 @@ impl DeviceThread {
     }
 }
 
+/// One device of the cluster a runtime places actors on: a host (by name and actor-port
+/// address), its island and the device.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Slot {
+    /// The host's name.
+    pub host: String,
+    /// Its island.
+    pub island: String,
+    /// Its actor port (empty for this process's own devices).
+    pub addr: String,
+    /// The device.
+    pub device: DeviceSpec,
+}
+
+/// The hosts of a runtime connected to a cluster.
+struct Cluster {
+    slots: Vec<Slot>,
+    connections: HashMap<String, Arc<HostConnection>>,
+}
+
 struct LiveActor {
     shared: Arc<ActorShared>,
     cell: ractor::ActorCell,
@@ -128,6 +155,8 @@ pub(crate) struct RuntimeInner {
     next_id: AtomicUsize,
     live: Mutex<HashMap<ActorId, LiveActor>>,
     pub(crate) tensors: TensorStores,
+    /// The cluster's hosts, when the program drives actors on other hosts.
+    cluster: Option<Cluster>,
 }
 
 /// A handle to a runtime, as actors hold it (cheap to clone; does not keep the runtime up).
@@ -165,6 +194,7 @@ impl Runtime {
             next_id: AtomicUsize::new(0),
             live: Mutex::new(HashMap::new()),
             tensors: TensorStores::default(),
+            cluster: None,
         };
         Runtime {
             handle: RuntimeHandle {
@@ -172,6 +202,48 @@ impl Runtime {
             },
             driver: Some(driver),
         }
+    }
+
+    /// A runtime that places its actors on the cluster's `slots` (hosts running this program's
+    /// binary, with the same [`Registry`](super::Registry) installed) and reaches them over
+    /// their actor ports with the cluster `token`. Actors go to `slots` in order: a mesh's
+    /// member `r` to `slots[r]`.
+    pub fn on_cluster(
+        job: &str,
+        slots: Vec<Slot>,
+        token: &str,
+        liveness: Liveness,
+    ) -> Result<Runtime, String> {
+        let driver = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("runtime-driver")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mut connections = HashMap::new();
+        for slot in &slots {
+            if !connections.contains_key(&slot.addr) {
+                let connection =
+                    driver.block_on(HostConnection::connect(&slot.host, &slot.addr, token, liveness))?;
+                connections.insert(slot.addr.clone(), connection);
+            }
+        }
+        let inner = RuntimeInner {
+            job: job.to_string(),
+            host: "driver".to_string(),
+            devices: Vec::new(),
+            driver: driver.handle().clone(),
+            next_id: AtomicUsize::new(0),
+            live: Mutex::new(HashMap::new()),
+            tensors: TensorStores::default(),
+            cluster: Some(Cluster { slots, connections }),
+        };
+        Ok(Runtime {
+            handle: RuntimeHandle {
+                inner: Arc::new(inner),
+            },
+            driver: Some(driver),
+        })
     }
 
     /// A handle to hand to other threads (it does not keep the runtime up).
@@ -210,10 +282,14 @@ impl Drop for Runtime {
             .collect();
         let in_async = Handle::try_current().is_ok();
         if !in_async {
+            // Each actor finishes the message it is handling; one still busy after the grace
+            // period is killed.
             inner.driver.block_on(async {
-                for cell in &cells {
-                    let reason = Some("its runtime shut down".to_string());
-                    let _ = cell.stop_and_wait(reason, Some(Duration::from_secs(5))).await;
+                let reason = "its runtime shut down".to_string();
+                let stops = cells.iter().map(|c| c.stop_and_wait(Some(reason.clone()), None));
+                let grace = tokio::time::timeout(SHUTDOWN_GRACE, futures::future::join_all(stops));
+                if grace.await.is_err() {
+                    cells.iter().for_each(|c| c.kill());
                 }
             });
         }
@@ -245,9 +321,27 @@ impl RuntimeHandle {
         &self.inner
     }
 
-    /// The runtime's devices.
+    /// The runtime's devices (on a cluster: every slot's, in placement order).
     pub fn devices(&self) -> Vec<DeviceSpec> {
-        self.inner.devices.iter().map(|d| d.device).collect()
+        self.slots().iter().map(|s| s.device).collect()
+    }
+
+    /// Where actors can go, in placement order: this process's devices, or the cluster's.
+    pub fn slots(&self) -> Vec<Slot> {
+        match &self.inner.cluster {
+            Some(cluster) => cluster.slots.clone(),
+            None => self
+                .inner
+                .devices
+                .iter()
+                .map(|d| Slot {
+                    host: self.inner.host.clone(),
+                    island: String::new(),
+                    addr: String::new(),
+                    device: d.device,
+                })
+                .collect(),
+        }
     }
 
     /// The host this runtime runs on.
@@ -291,6 +385,11 @@ impl RuntimeHandle {
         options: SpawnOptions,
     ) -> Pending<Result<ActorRef<A>, SpawnError>> {
         let driver = self.inner.driver.clone();
+        if let Some(cluster) = &self.inner.cluster
+            && let Some(slot) = cluster.slots.iter().position(|s| s.device == device)
+        {
+            return self.spawn_at(slot, params, options);
+        }
         let Some(thread) = self.inner.devices.iter().find(|d| d.device == device) else {
             let error = SpawnError::NoSuchDevice {
                 device,
@@ -353,8 +452,78 @@ impl RuntimeHandle {
         )
     }
 
+    /// Spawns an actor on the `slot`-th of [`RuntimeHandle::slots`] (on a cluster, on that
+    /// slot's host: `A` and its parameters must be registered).
+    pub fn spawn_at<A: Actor>(
+        &self,
+        slot: usize,
+        params: A::Params,
+        options: SpawnOptions,
+    ) -> Pending<Result<ActorRef<A>, SpawnError>> {
+        let driver = self.inner.driver.clone();
+        let Some(cluster) = &self.inner.cluster else {
+            let devices = self.devices();
+            return match devices.get(slot) {
+                Some(device) => self.spawn_with(*device, params, options),
+                None => Pending::new(
+                    std::future::ready(Err(SpawnError::MeshTooLarge {
+                        mesh: format!("slot {slot}"),
+                        needed: slot + 1,
+                        available: devices.len(),
+                    })),
+                    driver,
+                ),
+            };
+        };
+        let Some(slot) = cluster.slots.get(slot).cloned() else {
+            let error = SpawnError::MeshTooLarge {
+                mesh: format!("slot {slot}"),
+                needed: slot + 1,
+                available: cluster.slots.len(),
+            };
+            return Pending::new(std::future::ready(Err(error)), driver);
+        };
+        let actor_type = std::any::type_name::<A>();
+        let failed = |reason: String| {
+            let error = spawn_failed(actor_type, &slot.host, reason);
+            Pending::new(std::future::ready(Err(error)), driver.clone())
+        };
+        let params = match Registry::encode_params::<A>(&params) {
+            Ok(params) => params,
+            Err(reason) => return failed(reason),
+        };
+        let connection = cluster.connections[&slot.addr].clone();
+        let answer = connection.spawn(|request| Frame::Spawn {
+            request,
+            actor_type: actor_type.to_string(),
+            device: slot.device,
+            params,
+            name: options.name,
+            max_restarts: options.max_restarts,
+        });
+        let (job, key) = (self.inner.job.clone(), NEXT_KEY.fetch_add(1, Ordering::Relaxed));
+        let spawned_driver = driver.clone();
+        Pending::new(
+            async move {
+                match answer.await {
+                    Ok(Ok(info)) => {
+                        let shared = Arc::new(ActorShared::new(info, job));
+                        Ok(ActorRef::remote(connection, shared, key, spawned_driver))
+                    }
+                    Ok(Err(reason)) => Err(spawn_failed(actor_type, &slot.host, reason)),
+                    Err(_) => Err(spawn_failed(
+                        actor_type,
+                        &slot.host,
+                        "the connection dropped".into(),
+                    )),
+                }
+            },
+            driver,
+        )
+    }
+
     /// Spawns one actor per member of `mesh`, member `r` (row-major over the axes) on the
-    /// runtime's `r`-th device, built from `params(coords)`.
+    /// runtime's `r`-th slot (device), built from `params(coords)`.
     pub fn spawn_mesh<A: Actor>(
         &self,
         mesh: Mesh,
@@ -371,7 +540,7 @@ impl RuntimeHandle {
             return Pending::new(std::future::ready(Err(error)), driver);
         }
         let spawns: Vec<_> = (0..mesh.size())
-            .map(|rank| self.spawn::<A>(devices[rank], params(&mesh.coords(rank))))
+            .map(|rank| self.spawn_at::<A>(rank, params(&mesh.coords(rank)), SpawnOptions::default()))
             .collect();
         Pending::new(
             async move {
@@ -392,7 +561,7 @@ fn short_type_name<A>() -> String {
 }
 
 /// A Rust type's name without its module path (generic arguments kept whole).
-pub(crate) fn short_name(full: &'static str) -> &'static str {
+pub(crate) fn short_name(full: &str) -> &str {
     let base = &full[..full.find('<').unwrap_or(full.len())];
     base.rfind("::").map_or(full, |at| &full[at + 2..])
 }

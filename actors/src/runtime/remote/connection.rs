@@ -1,0 +1,312 @@
+//! A caller's connection to one host's actor port: spawns and calls go out as frames, replies
+//! come back matched by number. The connection watches the host: a closed socket (the host
+//! process died) or silence past its patience (the host is stopped or cut off) loses the host,
+//! which fails every pending call and ends every actor of that host seen through this
+//! connection, each with an [`ActorFailure`] naming the host.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use archipelago_dataflow::ActorId;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
+
+use super::host_port::spawn_frame_writer;
+use super::wire::{Frame, read_frame};
+use crate::error::ActorFailure;
+use crate::runtime::supervision::{ActorEnd, ActorShared, CallError};
+use crate::runtime::{ActorInfo, SpawnError};
+
+/// How often a connection probes its host, and how long silence means the host is lost.
+#[derive(Debug, Clone, Copy)]
+pub struct Liveness {
+    /// Probe period.
+    pub ping_every: Duration,
+    /// Silence after which the host is declared lost.
+    pub patience: Duration,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Liveness {
+            ping_every: Duration::from_millis(250),
+            patience: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What to do with a call's reply bytes (decode them into the caller's typed channel).
+pub(crate) type Deliver = Box<dyn FnOnce(Result<Vec<u8>, CallError>) + Send>;
+
+struct PendingCall {
+    deliver: Deliver,
+    actor: Arc<ActorShared>,
+    message: &'static str,
+}
+
+#[derive(Default)]
+struct State {
+    calls: HashMap<u64, PendingCall>,
+    spawns: HashMap<u64, oneshot::Sender<Result<ActorInfo, String>>>,
+    actors: HashMap<ActorId, Weak<ActorShared>>,
+    lost: Option<String>,
+    last_heard: Option<Instant>,
+}
+
+/// One connection to a host's actor port.
+pub struct HostConnection {
+    host: String,
+    addr: String,
+    out: UnboundedSender<Frame>,
+    state: Mutex<State>,
+    next: AtomicU64,
+}
+
+impl HostConnection {
+    /// Connects to the actor port of `host` at `addr` with the cluster `token`.
+    pub async fn connect(
+        host: &str,
+        addr: &str,
+        token: &str,
+        liveness: Liveness,
+    ) -> Result<Arc<HostConnection>, String> {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("cannot reach the actor port of host {host} at {addr}: {e}"))?;
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
+        let (mut input, output) = stream.into_split();
+        let out = spawn_frame_writer(output, None);
+        let _ = out.send(Frame::Hello {
+            token: token.to_string(),
+        });
+        let connection = Arc::new(HostConnection {
+            host: host.to_string(),
+            addr: addr.to_string(),
+            out,
+            state: Mutex::new(State {
+                last_heard: Some(Instant::now()),
+                ..State::default()
+            }),
+            next: AtomicU64::new(1),
+        });
+        let reader = connection.clone();
+        tokio::spawn(async move {
+            let reason = loop {
+                match read_frame(&mut input).await {
+                    Ok(Some(frame)) => reader.received(frame),
+                    Ok(None) => {
+                        break "its actor port closed the connection (the host process ended?)".to_string();
+                    }
+                    Err(e) => break format!("its actor port failed: {e}"),
+                }
+            };
+            reader.lose(&reason);
+        });
+        let prober = Arc::downgrade(&connection);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(liveness.ping_every).await;
+                let Some(connection) = prober.upgrade() else {
+                    return;
+                };
+                let heard = connection.state.lock().expect("connection").last_heard;
+                if heard.is_none() {
+                    return;
+                }
+                if heard.is_some_and(|at| at.elapsed() > liveness.patience) {
+                    connection.lose(&format!("it did not answer for {:?}", liveness.patience));
+                    return;
+                }
+                let _ = connection.out.send(Frame::Ping);
+            }
+        });
+        Ok(connection)
+    }
+
+    /// The host's name.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    fn received(&self, frame: Frame) {
+        let mut state = self.state.lock().expect("connection");
+        state.last_heard = Some(Instant::now());
+        match frame {
+            Frame::Reply { call, result } => {
+                if let Some(pending) = state.calls.remove(&call) {
+                    drop(state);
+                    (pending.deliver)(result);
+                }
+            }
+            Frame::Spawned { request, result } => {
+                if let Some(tx) = state.spawns.remove(&request) {
+                    let _ = tx.send(result);
+                }
+            }
+            Frame::Ended { actor, end } => {
+                if let Some(shared) = state.actors.remove(&actor).and_then(|w| w.upgrade()) {
+                    drop(state);
+                    shared.set_end(end);
+                    shared.publish_end();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The host is lost: every pending call fails, every actor seen through here ends.
+    fn lose(&self, reason: &str) {
+        let mut state = self.state.lock().expect("connection");
+        if state.lost.is_some() {
+            return;
+        }
+        let why = format!("host {} ({}) was lost: {reason}", self.host, self.addr);
+        tracing::error!("{why}");
+        state.lost = Some(why.clone());
+        state.last_heard = None;
+        let calls: Vec<PendingCall> = state.calls.drain().map(|(_, c)| c).collect();
+        let spawns: Vec<_> = state.spawns.drain().map(|(_, s)| s).collect();
+        let actors: Vec<_> = state.actors.drain().filter_map(|(_, w)| w.upgrade()).collect();
+        drop(state);
+        for pending in calls {
+            let failure = host_lost(
+                &pending.actor,
+                &format!("waiting for `{}`", pending.message),
+                &why,
+            );
+            (pending.deliver)(Err(CallError::Failed(failure)));
+        }
+        for spawn in spawns {
+            let _ = spawn.send(Err(why.clone()));
+        }
+        for actor in actors {
+            actor.set_end(ActorEnd::Failed(host_lost(&actor, "running", &why)));
+            actor.publish_end();
+        }
+    }
+
+    /// Why the host is unusable, once it is.
+    pub(crate) fn lost(&self) -> Option<String> {
+        self.state.lock().expect("connection").lost.clone()
+    }
+
+    /// Asks the host to spawn; resolves to the actor's identity.
+    pub(crate) fn spawn(
+        &self,
+        frame: impl FnOnce(u64) -> Frame,
+    ) -> oneshot::Receiver<Result<ActorInfo, String>> {
+        let request = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        let mut state = self.state.lock().expect("connection");
+        if let Some(lost) = &state.lost {
+            let _ = tx.send(Err(lost.clone()));
+            return rx;
+        }
+        state.spawns.insert(request, tx);
+        drop(state);
+        let _ = self.out.send(frame(request));
+        rx
+    }
+
+    /// Follows `actor` (spawned through here) so that its end and the host's loss reach it.
+    pub(crate) fn track(&self, actor: &Arc<ActorShared>) {
+        let mut state = self.state.lock().expect("connection");
+        state.actors.insert(actor.info.id, Arc::downgrade(actor));
+    }
+
+    /// Sends a call; `deliver` gets the reply bytes or the error.
+    pub(crate) fn call(
+        &self,
+        actor: &Arc<ActorShared>,
+        message: &'static str,
+        message_type: &'static str,
+        payload: Vec<u8>,
+        deliver: Deliver,
+    ) {
+        let call = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut state = self.state.lock().expect("connection");
+        if let Some(lost) = state.lost.clone() {
+            drop(state);
+            deliver(Err(CallError::Failed(host_lost(
+                actor,
+                &format!("sending `{message}`"),
+                &lost,
+            ))));
+            return;
+        }
+        state.calls.insert(
+            call,
+            PendingCall {
+                deliver,
+                actor: actor.clone(),
+                message,
+            },
+        );
+        drop(state);
+        let _ = self.out.send(Frame::Deliver {
+            call: Some(call),
+            actor: actor.info.id,
+            message_type: message_type.to_string(),
+            payload,
+        });
+    }
+
+    /// Sends a cast (fails only when the host is already lost).
+    pub(crate) fn cast(
+        &self,
+        actor: &Arc<ActorShared>,
+        message: &'static str,
+        message_type: &'static str,
+        payload: Vec<u8>,
+    ) -> Result<(), CallError> {
+        if let Some(lost) = self.lost() {
+            return Err(CallError::Failed(host_lost(
+                actor,
+                &format!("sending `{message}`"),
+                &lost,
+            )));
+        }
+        let _ = self.out.send(Frame::Deliver {
+            call: None,
+            actor: actor.info.id,
+            message_type: message_type.to_string(),
+            payload,
+        });
+        Ok(())
+    }
+
+    /// Asks the host to stop `actor`.
+    pub(crate) fn stop(&self, actor: ActorId, reason: &str) {
+        let _ = self.out.send(Frame::Stop {
+            actor,
+            reason: reason.to_string(),
+        });
+    }
+}
+
+/// The failure of `actor` because its host was lost.
+fn host_lost(actor: &ActorShared, doing: &str, why: &str) -> Box<ActorFailure> {
+    Box::new(ActorFailure {
+        job: actor.job.clone(),
+        step: 0,
+        actor: actor.info.id,
+        device: actor.info.device,
+        index: None,
+        instruction: format!("\"{}\" {doing}", actor.info.name),
+        message: why.to_string(),
+        secondary: false,
+        actor_type: actor.info.type_name.clone(),
+        host: actor.info.host.clone(),
+    })
+}
+
+/// The error of a remote spawn that did not happen.
+pub(crate) fn spawn_failed(actor_type: &str, host: &str, reason: String) -> SpawnError {
+    SpawnError::Constructor {
+        actor: format!("an actor of type `{actor_type}` on host {host}"),
+        reason,
+    }
+}

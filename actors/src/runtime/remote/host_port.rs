@@ -1,0 +1,231 @@
+//! A host's actor port: the TCP service through which other processes spawn, call, cast to and
+//! stop the actors of this host's runtime. The first frame of a connection must carry the
+//! cluster token (a refusal is logged with the peer's address); every later frame is handled in
+//! arrival order, so each caller's messages reach each actor in the order sent.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use archipelago_dataflow::ActorId;
+use tokio::io::{AsyncWriteExt, BufWriter};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+use tokio::sync::watch;
+
+use super::registry::{ErasedActor, Registry};
+use super::wire::{Frame, read_frame, write_frame};
+use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
+
+/// The actors of this host that remote callers can reach, by id.
+type Reachable = Arc<Mutex<HashMap<ActorId, Arc<dyn ErasedActor>>>>;
+
+/// A served actor port.
+pub struct ActorPort {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    close: watch::Sender<bool>,
+}
+
+impl ActorPort {
+    /// Stops accepting and drops every connection at once, as if the host had died (callers
+    /// see their connection close).
+    pub fn close(&self) {
+        let _ = self.close.send(true);
+    }
+}
+
+/// Serves `runtime`'s actors on `listener` (on the current tokio runtime) to callers holding
+/// `token`.
+pub fn serve_actor_port(
+    listener: TcpListener,
+    runtime: RuntimeHandle,
+    token: &str,
+) -> std::io::Result<ActorPort> {
+    let addr = listener.local_addr()?;
+    let token = token.to_string();
+    let reachable: Reachable = Arc::default();
+    let (close, closed) = watch::channel(false);
+    let mut accepting = closed.clone();
+    tokio::spawn(async move {
+        loop {
+            let (stream, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        tracing::error!("the actor port on {addr} stopped accepting: {e}");
+                        return;
+                    }
+                },
+                _ = accepting.changed() => return,
+            };
+            let (runtime, token, reachable) = (runtime.clone(), token.clone(), reachable.clone());
+            let mut closed = closed.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    outcome = serve_connection(stream, runtime, &token, reachable, closed.clone()) => {
+                        if let Err(reason) = outcome {
+                            tracing::warn!(%peer, "actor port connection ended: {reason}");
+                        }
+                    }
+                    _ = closed.changed() => {}
+                }
+            });
+        }
+    });
+    Ok(ActorPort { addr, close })
+}
+
+/// Writes the frames queued on the returned sender, flushing when the queue runs dry, until
+/// the senders are gone or `closed` (when given) changes (then the write half is dropped).
+pub(crate) fn spawn_frame_writer(
+    half: tokio::net::tcp::OwnedWriteHalf,
+    closed: Option<watch::Receiver<bool>>,
+) -> UnboundedSender<Frame> {
+    let (tx, mut rx) = unbounded_channel::<Frame>();
+    let mut closed = closed;
+    tokio::spawn(async move {
+        let mut out = BufWriter::new(half);
+        loop {
+            let close = async {
+                match closed.as_mut() {
+                    Some(closed) => {
+                        let _ = closed.changed().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            let frame = tokio::select! {
+                frame = rx.recv() => frame,
+                _ = close => None,
+            };
+            let Some(frame) = frame else { return };
+            if write_frame(&mut out, &frame).await.is_err() {
+                return;
+            }
+            while let Ok(more) = rx.try_recv() {
+                if write_frame(&mut out, &more).await.is_err() {
+                    return;
+                }
+            }
+            if out.flush().await.is_err() {
+                return;
+            }
+        }
+    });
+    tx
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    runtime: RuntimeHandle,
+    token: &str,
+    reachable: Reachable,
+    closed: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let peer = stream.peer_addr().map_err(|e| e.to_string())?;
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    let (mut input, output) = stream.into_split();
+    match read_frame(&mut input).await {
+        Ok(Some(Frame::Hello { token: given })) if given == token => {}
+        _ => {
+            tracing::warn!(%peer, "refused an actor-port connection without the cluster's token");
+            return Err("refused: wrong or missing token (pass the cluster's --token-file)".into());
+        }
+    }
+    let out = spawn_frame_writer(output, Some(closed));
+    loop {
+        let frame = match read_frame(&mut input).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        };
+        match frame {
+            Frame::Spawn {
+                request,
+                actor_type,
+                device,
+                params,
+                name,
+                max_restarts,
+            } => {
+                let options = SpawnOptions { name, max_restarts };
+                let spawning = Registry::spawn(&runtime, &actor_type, device, &params, options);
+                let (out, reachable) = (out.clone(), reachable.clone());
+                tokio::spawn(async move {
+                    let result = match spawning {
+                        Ok(pending) => pending.await,
+                        Err(e) => Err(e),
+                    };
+                    let result = result.map(|actor| {
+                        let info = actor.info();
+                        reachable
+                            .lock()
+                            .expect("reachable actors")
+                            .insert(info.id, actor.clone());
+                        tokio::spawn(report_end(actor, out.clone(), reachable));
+                        info
+                    });
+                    let _ = out.send(Frame::Spawned {
+                        request,
+                        result: result.map_err(|e| e.to_string()),
+                    });
+                });
+            }
+            Frame::Deliver {
+                call,
+                actor,
+                message_type,
+                payload,
+            } => {
+                let target = reachable.lock().expect("reachable actors").get(&actor).cloned();
+                let outcome = match &target {
+                    Some(target) => {
+                        Registry::deliver(target.as_ref(), &message_type, &payload, call.is_some())
+                    }
+                    None => Err(CallError::Stopped {
+                        actor: format!("actor {actor} of host {}", runtime.host()),
+                        message: message_type.clone(),
+                        reason: "no live actor has that id on this host".into(),
+                    }),
+                };
+                match (call, outcome) {
+                    (Some(call), Ok(Some(reply))) => {
+                        let out = out.clone();
+                        tokio::spawn(async move {
+                            let _ = out.send(Frame::Reply {
+                                call,
+                                result: reply.await,
+                            });
+                        });
+                    }
+                    (Some(call), Err(error)) => {
+                        let _ = out.send(Frame::Reply {
+                            call,
+                            result: Err(error),
+                        });
+                    }
+                    (None, Err(error)) => tracing::warn!("a cast was dropped: {error}"),
+                    _ => {}
+                }
+            }
+            Frame::Stop { actor, reason } => {
+                if let Some(target) = reachable.lock().expect("reachable actors").get(&actor) {
+                    target.stop(&reason);
+                }
+            }
+            Frame::Ping => {
+                let _ = out.send(Frame::Pong);
+            }
+            other => return Err(format!("unexpected frame from a caller: {other:?}")),
+        }
+    }
+}
+
+/// Tells the spawning connection when the actor ends, and forgets it.
+async fn report_end(actor: Arc<dyn ErasedActor>, out: UnboundedSender<Frame>, reachable: Reachable) {
+    let end = actor.ended().await;
+    let id = actor.info().id;
+    reachable.lock().expect("reachable actors").remove(&id);
+    let _ = out.send(Frame::Ended { actor: id, end });
+}

@@ -1,0 +1,285 @@
+//! The registry of the actor and message types that may cross processes. A program registers
+//! them once in its `main`; since every host runs the program's own binary, the same names mean
+//! the same types everywhere (names are Rust's full type names). A host spawns an actor type by
+//! name from bincode parameters, and decodes a message by (actor type, message type) name; a
+//! caller encodes a message for a remote actor with the encoder registered for its type.
+//!
+//! ```
+//! use archipelago_actors::runtime::{Actor, Context, Handler, Message, Registry};
+//! # struct Counter(i64);
+//! # impl Actor for Counter {
+//! #     type Params = i64;
+//! #     async fn new(n: i64, _ctx: &Context<Self>) -> Result<Self, String> { Ok(Counter(n)) }
+//! # }
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! struct Add(i64);
+//! impl Message for Add { type Reply = i64; }
+//! # impl Handler<Add> for Counter {
+//! #     async fn handle(&mut self, Add(n): Add, _ctx: &Context<Self>) -> i64 { self.0 += n; self.0 }
+//! # }
+//! let registry = Registry::new().actor::<Counter>().handles::<Counter, Add>();
+//! registry.install();
+//! ```
+
+use std::any::{Any, TypeId, type_name};
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, RwLock};
+
+use archipelago_dataflow::DeviceSpec;
+use futures::future::BoxFuture;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::codec::{self, CodecError};
+use crate::runtime::{
+    Actor, ActorEnd, ActorInfo, ActorRef, CallError, Handler, Message, Pending, RuntimeHandle, SpawnError,
+    SpawnOptions,
+};
+
+/// An actor of some registered type, as a host holds it for remote callers.
+pub trait ErasedActor: Send + Sync {
+    /// Who it is.
+    fn info(&self) -> ActorInfo;
+    /// Stops it.
+    fn stop(&self, reason: &str);
+    /// Resolves when it ends.
+    fn ended(&self) -> Pending<ActorEnd>;
+    /// The typed reference, for the registered handlers to downcast.
+    fn as_any(&self) -> &dyn Any;
+    /// The actor's full Rust type name (the registry's key).
+    fn type_key(&self) -> &'static str;
+}
+
+impl<A: Actor> ErasedActor for ActorRef<A> {
+    fn info(&self) -> ActorInfo {
+        ActorRef::info(self).clone()
+    }
+    fn stop(&self, reason: &str) {
+        ActorRef::stop(self, reason);
+    }
+    fn ended(&self) -> Pending<ActorEnd> {
+        ActorRef::ended(self)
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+    fn type_key(&self) -> &'static str {
+        type_name::<A>()
+    }
+}
+
+type SpawnFn = fn(&RuntimeHandle, DeviceSpec, &[u8], SpawnOptions) -> Result<SpawnedErased, SpawnError>;
+/// A spawn in progress on a host.
+pub type SpawnedErased = Pending<Result<Arc<dyn ErasedActor>, SpawnError>>;
+/// A remote call's reply, encoded (`None` for a cast).
+pub type EncodedReply = Option<BoxFuture<'static, Result<Vec<u8>, CallError>>>;
+type HandleFn = fn(&dyn ErasedActor, &[u8], bool) -> Result<EncodedReply, CallError>;
+type EncodeFn = fn(&dyn Any) -> Result<Vec<u8>, CodecError>;
+type DecodeReplyFn = fn(&[u8]) -> Result<Box<dyn Any + Send>, CodecError>;
+
+/// How a registered message type is encoded, and its reply decoded, by a caller.
+#[derive(Clone, Copy)]
+pub(crate) struct MessageCodec {
+    pub(crate) encode: EncodeFn,
+    pub(crate) decode_reply: DecodeReplyFn,
+}
+
+/// Actor and message types that may cross processes.
+#[derive(Default, Clone)]
+pub struct Registry {
+    actors: HashMap<&'static str, SpawnFn>,
+    handlers: HashMap<(&'static str, &'static str), HandleFn>,
+    codecs: HashMap<TypeId, MessageCodec>,
+    params: HashMap<TypeId, EncodeFn>,
+}
+
+static GLOBAL: LazyLock<RwLock<Registry>> = LazyLock::new(RwLock::default);
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Registry {
+        Registry::default()
+    }
+
+    /// Registers actor type `A`, spawnable on another host from its parameters.
+    pub fn actor<A: Actor>(mut self) -> Registry
+    where
+        A::Params: Serialize + DeserializeOwned,
+    {
+        self.actors.insert(type_name::<A>(), spawn_erased::<A>);
+        self.params.insert(TypeId::of::<A>(), encode_erased::<A::Params>);
+        self
+    }
+
+    /// Registers message `M` of actor `A` (and its reply) to cross processes.
+    pub fn handles<A, M>(mut self) -> Registry
+    where
+        A: Handler<M>,
+        M: Message + Serialize + DeserializeOwned,
+        M::Reply: Serialize + DeserializeOwned,
+    {
+        self.handlers
+            .insert((type_name::<A>(), type_name::<M>()), handle_erased::<A, M>);
+        self.codecs.insert(
+            TypeId::of::<M>(),
+            MessageCodec {
+                encode: encode_erased::<M>,
+                decode_reply: decode_reply_erased::<M>,
+            },
+        );
+        self
+    }
+
+    /// Makes these types known to this process (added to what is already installed).
+    pub fn install(self) {
+        let mut global = GLOBAL.write().expect("registry");
+        global.actors.extend(self.actors);
+        global.handlers.extend(self.handlers);
+        global.codecs.extend(self.codecs);
+        global.params.extend(self.params);
+    }
+
+    /// Spawns the registered actor type `actor_type` from its encoded parameters.
+    pub fn spawn(
+        runtime: &RuntimeHandle,
+        actor_type: &str,
+        device: DeviceSpec,
+        params: &[u8],
+        options: SpawnOptions,
+    ) -> Result<SpawnedErased, SpawnError> {
+        let spawn = GLOBAL.read().expect("registry").actors.get(actor_type).copied();
+        let spawn = spawn.ok_or_else(|| SpawnError::Constructor {
+            actor: format!("an actor of type `{actor_type}`"),
+            reason: format!(
+                "`{actor_type}` is not registered on host {}; add `.actor::<{}>()` to the Registry the program installs (hosts run the same binary)",
+                runtime.host(),
+                super::super::system::short_name(actor_type)
+            ),
+        })?;
+        spawn(runtime, device, params, options)
+    }
+
+    /// Hands the encoded `message_type` message to `actor` (a call when `reply`).
+    pub fn deliver(
+        actor: &dyn ErasedActor,
+        message_type: &str,
+        payload: &[u8],
+        reply: bool,
+    ) -> Result<EncodedReply, CallError> {
+        let info = actor.info();
+        let found = GLOBAL
+            .read()
+            .expect("registry")
+            .handlers
+            .get(&(actor.type_key(), message_type))
+            .copied();
+        let handle = found.ok_or_else(|| CallError::NotRemote {
+            actor: info.to_string(),
+            message: message_type.to_string(),
+            reason: format!(
+                "the message is not registered for `{}` on host {}; add `.handles::<{}, {}>()` to the Registry",
+                info.type_name,
+                info.host,
+                info.type_name,
+                super::super::system::short_name(message_type)
+            ),
+        })?;
+        handle(actor, payload, reply)
+    }
+
+    /// Encodes actor type `A`'s parameters for a spawn on another host.
+    pub(crate) fn encode_params<A: Actor>(params: &A::Params) -> Result<Vec<u8>, String> {
+        let encode = GLOBAL
+            .read()
+            .expect("registry")
+            .params
+            .get(&TypeId::of::<A>())
+            .copied();
+        let encode = encode.ok_or_else(|| {
+            format!(
+                "`{}` is not registered to run on other hosts; add `.actor::<{}>()` to the Registry the program installs",
+                type_name::<A>(),
+                super::super::system::short_name(type_name::<A>())
+            )
+        })?;
+        encode(params).map_err(|e| e.to_string())
+    }
+
+    pub(crate) fn codec<M: 'static>() -> Option<MessageCodec> {
+        GLOBAL
+            .read()
+            .expect("registry")
+            .codecs
+            .get(&TypeId::of::<M>())
+            .copied()
+    }
+}
+
+fn spawn_erased<A: Actor>(
+    runtime: &RuntimeHandle,
+    device: DeviceSpec,
+    params: &[u8],
+    options: SpawnOptions,
+) -> Result<SpawnedErased, SpawnError>
+where
+    A::Params: DeserializeOwned,
+{
+    let params: A::Params = codec::decode(params).map_err(|e| SpawnError::Constructor {
+        actor: format!("an actor of type `{}`", type_name::<A>()),
+        reason: e.to_string(),
+    })?;
+    let spawning = runtime.spawn_with::<A>(device, params, options);
+    let driver = runtime.driver().clone();
+    Ok(Pending::new(
+        async move { spawning.await.map(|a| Arc::new(a) as Arc<dyn ErasedActor>) },
+        driver,
+    ))
+}
+
+fn handle_erased<A, M>(
+    actor: &dyn ErasedActor,
+    payload: &[u8],
+    reply: bool,
+) -> Result<EncodedReply, CallError>
+where
+    A: Handler<M>,
+    M: Message + DeserializeOwned,
+    M::Reply: Serialize,
+{
+    let label = actor.info().to_string();
+    let message = super::super::system::short_name(type_name::<M>());
+    let not_remote = move |reason: String| CallError::NotRemote {
+        actor: label.clone(),
+        message: message.to_string(),
+        reason,
+    };
+    let typed = actor
+        .as_any()
+        .downcast_ref::<ActorRef<A>>()
+        .ok_or_else(|| not_remote(format!("the actor is not a `{}`", type_name::<A>())))?;
+    let decoded: M = codec::decode(payload).map_err(|e| not_remote(e.to_string()))?;
+    if !reply {
+        typed.cast(decoded)?;
+        return Ok(None);
+    }
+    let call = typed.call(decoded);
+    Ok(Some(Box::pin(async move {
+        let value = call.await?;
+        codec::encode(&value).map_err(|e| not_remote(format!("its reply: {e}")))
+    })))
+}
+
+fn encode_erased<M: Serialize + 'static>(message: &dyn Any) -> Result<Vec<u8>, CodecError> {
+    let message = message
+        .downcast_ref::<M>()
+        .expect("the codec of this message type");
+    codec::encode(message)
+}
+
+fn decode_reply_erased<M>(bytes: &[u8]) -> Result<Box<dyn Any + Send>, CodecError>
+where
+    M: Message,
+    M::Reply: DeserializeOwned,
+{
+    Ok(Box::new(codec::decode::<M::Reply>(bytes)?))
+}

@@ -1,0 +1,150 @@
+//! The wire between a caller's process and a host's actor port: length-prefixed frames
+//! (`u32` little-endian length, then the bincode of a [`Frame`] through the one codec, so the
+//! size limit applies before anything is allocated). One TCP connection per (caller process,
+//! host); frames are handled in the order they arrive, which keeps each caller's messages in
+//! order.
+
+use archipelago_dataflow::{ActorId, DeviceSpec};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
+use crate::runtime::{ActorEnd, ActorInfo, CallError};
+
+/// One message on an actor-port connection.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Frame {
+    /// The caller's first frame: the cluster token.
+    Hello {
+        /// The token.
+        token: String,
+    },
+    /// Spawn a registered actor type on one of the host's devices.
+    Spawn {
+        /// Request number, echoed in [`Frame::Spawned`].
+        request: u64,
+        /// The actor's full Rust type name.
+        actor_type: String,
+        /// The device.
+        device: DeviceSpec,
+        /// Its parameters, encoded.
+        params: Vec<u8>,
+        /// Its name.
+        name: Option<String>,
+        /// Its restart budget.
+        max_restarts: u32,
+    },
+    /// The answer to a spawn.
+    Spawned {
+        /// The request answered.
+        request: u64,
+        /// The actor, or why it could not start.
+        result: Result<ActorInfo, String>,
+    },
+    /// A call (`call` set) or a cast of an encoded message.
+    Deliver {
+        /// Call number for the reply; `None` for a cast.
+        call: Option<u64>,
+        /// The actor, by its id on the host.
+        actor: ActorId,
+        /// The message's full Rust type name.
+        message_type: String,
+        /// The message, encoded.
+        payload: Vec<u8>,
+    },
+    /// A call's reply, encoded, or its error.
+    Reply {
+        /// The call answered.
+        call: u64,
+        /// The reply.
+        result: Result<Vec<u8>, CallError>,
+    },
+    /// Stop an actor.
+    Stop {
+        /// The actor.
+        actor: ActorId,
+        /// Why.
+        reason: String,
+    },
+    /// An actor spawned over this connection ended.
+    Ended {
+        /// The actor.
+        actor: ActorId,
+        /// How.
+        end: ActorEnd,
+    },
+    /// Liveness probe; answered with [`Frame::Pong`].
+    Ping,
+    /// Answer to [`Frame::Ping`].
+    Pong,
+}
+
+/// Why a frame could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The connection failed or closed.
+    #[error("the connection closed or failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// A length prefix over the limit (a hostile or confused peer).
+    #[error("a frame of {0} bytes is over the limit of {MAX_MESSAGE_BYTES}")]
+    TooLarge(usize),
+    /// The bytes are not a frame.
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+}
+
+/// Writes one frame.
+pub async fn write_frame<W: AsyncWriteExt + Unpin>(out: &mut W, frame: &Frame) -> Result<(), WireError> {
+    let bytes = codec::encode(frame)?;
+    out.write_all(&(bytes.len() as u32).to_le_bytes()).await?;
+    out.write_all(&bytes).await?;
+    Ok(())
+}
+
+/// Reads one frame; `Ok(None)` at a clean end of the stream.
+pub async fn read_frame<R: AsyncReadExt + Unpin>(input: &mut R) -> Result<Option<Frame>, WireError> {
+    let mut len = [0u8; 4];
+    match input.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE_BYTES {
+        return Err(WireError::TooLarge(len));
+    }
+    let mut bytes = vec![0u8; len];
+    input.read_exact(&mut bytes).await?;
+    Ok(Some(codec::decode(&bytes)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip_and_oversized_lengths_are_refused() {
+        let frame = Frame::Deliver {
+            call: Some(3),
+            actor: 2,
+            message_type: "m::Add".into(),
+            payload: vec![1, 2, 3],
+        };
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &frame).await.unwrap();
+        write_frame(&mut buf, &Frame::Ping).await.unwrap();
+        let mut input = &buf[..];
+        assert_eq!(read_frame(&mut input).await.unwrap(), Some(frame));
+        assert_eq!(read_frame(&mut input).await.unwrap(), Some(Frame::Ping));
+        assert!(read_frame(&mut input).await.unwrap().is_none());
+        let hostile = u32::MAX.to_le_bytes();
+        assert!(matches!(
+            read_frame(&mut &hostile[..]).await,
+            Err(WireError::TooLarge(_))
+        ));
+        let garbage = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];
+        assert!(matches!(
+            read_frame(&mut &garbage[..]).await,
+            Err(WireError::Codec(_))
+        ));
+    }
+}
