@@ -32,6 +32,7 @@ pub mod prelude;
 pub mod process_stats;
 pub mod replay;
 pub mod report;
+pub mod runtime;
 pub mod telemetry;
 pub mod trace;
 pub mod train_job;

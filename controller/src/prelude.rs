@@ -29,7 +29,8 @@
 
 pub use archipelago_actors::runtime::{
     Actor, ActorEnd, ActorInfo, ActorMesh, ActorRef, Call, CallError, Context, Handler, Message, Pending,
-    Runtime, RuntimeHandle, SpawnError, SpawnOptions, TensorError, TensorId, TensorRef, Waited, wait,
+    Registry, Runtime, RuntimeHandle, Slot, SpawnError, SpawnOptions, TensorError, TensorId, TensorRef,
+    Waited, wait,
 };
 pub use archipelago_actors::typed_tensor::{DType, TypedTensor};
 pub use archipelago_dataflow::{DeviceSpec, Mesh};

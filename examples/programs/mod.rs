@@ -1,3 +1,4 @@
 //! Programs on the runtime API, shared by the examples' binaries and their tests.
 
 pub mod actors_basics;
+pub mod sharded_store;

@@ -53,3 +53,116 @@ mod dataflow_basics {
         assert_eq!(totals, expected);
     }
 }
+
+/// The sharded store run by a driver against a controller and two host processes of the
+/// example's own binary, beside the same program on this process.
+mod actors_cluster {
+    use std::path::PathBuf;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use archipelago_controller::cluster::service::{ClusterConfig, serve_controller};
+    use archipelago_controller::prelude::*;
+    use archipelago_controller::runtime::{
+        CONTROLLER_ENV, DEVICES_ENV, HOST_NAME_ENV, ISLAND_ENV, ROLE_ENV, TOKEN_FILE_ENV, connect,
+    };
+    use archipelago_examples::programs::sharded_store::{Busy, Get, registry, run};
+
+    /// The example's binary (cargo builds examples beside the tests).
+    fn example_binary() -> PathBuf {
+        let exe = std::env::current_exe().unwrap();
+        let profile_dir = exe.parent().unwrap().parent().unwrap();
+        profile_dir.join("examples").join("actors_cluster")
+    }
+
+    struct Hosts(Vec<Child>);
+
+    impl Drop for Hosts {
+        fn drop(&mut self) {
+            for child in &mut self.0 {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+
+    #[test]
+    fn the_same_program_runs_on_two_host_processes_and_a_killed_host_is_named() {
+        let binary = example_binary();
+        assert!(binary.exists(), "{} is built by `cargo test`", binary.display());
+        let dir = tempfile::tempdir().unwrap();
+        let token_file = dir.path().join("token");
+        std::fs::write(&token_file, "cluster-secret").unwrap();
+        let controller = tokio::runtime::Runtime::new().unwrap();
+        let config = ClusterConfig {
+            host_timeout: Duration::from_secs(2),
+            wait_for_hosts: Duration::from_secs(6),
+            dashboard: None,
+        };
+        let (addr, _registry) = controller
+            .block_on(async {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+                serve_controller(listener, "cluster-secret", config)
+            })
+            .unwrap();
+        let host = |name: &str| {
+            Command::new(&binary)
+                .env(ROLE_ENV, "host")
+                .env(CONTROLLER_ENV, addr.to_string())
+                .env(TOKEN_FILE_ENV, &token_file)
+                .env(DEVICES_ENV, "cpu:0,cpu:1")
+                .env(HOST_NAME_ENV, name)
+                .env(ISLAND_ENV, "island-a")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap()
+        };
+        let mut hosts = Hosts(vec![host("h1"), host("h2")]);
+
+        registry().install();
+        let local = Runtime::local(DeviceSpec::cpus(4));
+        let (expected, _) = run(&local, 500).unwrap();
+        let cluster = connect(&addr.to_string(), "cluster-secret", 4).unwrap();
+        let (outcome, store) = run(&cluster, 500).unwrap();
+        assert_eq!(outcome.shards, expected.shards);
+        assert_eq!(outcome.read_back, expected.read_back);
+        // Hosts in registration order, each host's devices side by side.
+        let hosts_used: Vec<&str> = outcome.placement.iter().map(|(h, _)| h.as_str()).collect();
+        assert!(
+            hosts_used == ["h1", "h1", "h2", "h2"] || hosts_used == ["h2", "h2", "h1", "h1"],
+            "{hosts_used:?}"
+        );
+        let victim = hosts_used[3].to_string();
+
+        // A mesh larger than the cluster is refused once the wait for hosts has passed.
+        let too_big = std::thread::spawn({
+            let addr = addr.to_string();
+            move || connect(&addr, "cluster-secret", 5).err().map(|e| e.to_string())
+        });
+
+        // SIGKILL the host of shard 3 while a call to it is pending.
+        let pending = store.members()[3].call(Busy(60_000));
+        std::thread::sleep(Duration::from_millis(200));
+        hosts.0[if victim == "h1" { 0 } else { 1 }].kill().unwrap();
+        let killed = Instant::now();
+        let error = pending.get().unwrap_err().to_string();
+        assert!(
+            killed.elapsed() < Duration::from_secs(5),
+            "named after {:?}",
+            killed.elapsed()
+        );
+        assert!(
+            error.contains(&format!("host {victim}")) && error.contains("was lost"),
+            "{error}"
+        );
+        assert!(error.contains("Shard") && error.contains("cpu:1"), "{error}");
+        // The other host's shards still answer.
+        assert_eq!(store.members()[0].call(Get(0)).get().unwrap(), Some(0.0));
+
+        let too_big = too_big.join().unwrap().expect("5 devices are refused");
+        assert!(
+            too_big.contains("needs 5 devices") && too_big.contains("offer"),
+            "{too_big}"
+        );
+    }
+}

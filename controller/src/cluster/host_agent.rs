@@ -50,7 +50,7 @@ pub struct HostOptions {
     pub connect_timeout: Duration,
 }
 
-type Progress = Arc<Mutex<Vec<(ActorId, Arc<ActorProgress>)>>>;
+pub(crate) type Progress = Arc<Mutex<Vec<(ActorId, Arc<ActorProgress>)>>>;
 
 /// The host's part of the running job. Steps and answers run in their own tasks holding the
 /// gang, so that a `Stop` is read while a step hangs: it aborts the fabric, which ends the step.
@@ -95,6 +95,7 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
             fabric_addr: fabric_addr.clone(),
             pid: std::process::id(),
             tcp_addr: tcp_addr.clone(),
+            actor_addr: String::new(),
         }),
     );
     let request = with_token(&options.token, UnboundedReceiverStream::new(outgoing))?;
@@ -239,7 +240,7 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
 }
 
 /// Connects to the controller, retrying until `timeout` (hosts may start before it).
-async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<tonic::transport::Channel> {
+pub(crate) async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<tonic::transport::Channel> {
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .with_context(|| format!("bad controller address {addr}"))?
         .tcp_nodelay(true);
@@ -255,7 +256,11 @@ async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<tonic::transpo
     }
 }
 
-fn spawn_heartbeats(to_controller: UnboundedSender<HostMessage>, progress: Progress, every: Duration) {
+pub(crate) fn spawn_heartbeats(
+    to_controller: UnboundedSender<HostMessage>,
+    progress: Progress,
+    every: Duration,
+) {
     tokio::spawn(async move {
         loop {
             let actors = progress

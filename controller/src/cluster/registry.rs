@@ -34,6 +34,16 @@ pub struct HostInfo {
     pub tcp_addr: String,
     /// Its process id.
     pub pid: u32,
+    /// Where its actor port listens (a program's own binary serving as a host; empty for
+    /// `archipelago host`, which runs training actors).
+    pub actor_addr: String,
+}
+
+impl HostInfo {
+    /// Whether it serves the runtime API's actors (else the training actors).
+    pub fn serves_actors(&self) -> bool {
+        !self.actor_addr.is_empty()
+    }
 }
 
 /// What the running job hears from the hosts.
@@ -208,13 +218,20 @@ impl Registry {
         rx
     }
 
-    /// Waits until the live hosts offer at least `devices` devices, or `timeout` passes; returns
-    /// the hosts then live.
-    pub async fn wait_for_devices(&self, devices: usize, timeout: Duration) -> Vec<HostInfo> {
+    /// Waits until the live hosts of one kind (serving actor ports when `actor_hosts`, else
+    /// training hosts) offer at least `devices` devices, or `timeout` passes; returns those
+    /// hosts then live.
+    pub async fn wait_for_devices(
+        &self,
+        devices: usize,
+        timeout: Duration,
+        actor_hosts: bool,
+    ) -> Vec<HostInfo> {
         let deadline = Instant::now() + timeout;
         loop {
             let notified = self.changed.notified();
-            let hosts = self.hosts();
+            let mut hosts = self.hosts();
+            hosts.retain(|h| h.serves_actors() == actor_hosts);
             let offered: usize = hosts.iter().map(|h| h.devices.len()).sum();
             let left = deadline.saturating_duration_since(Instant::now());
             if offered >= devices || left.is_zero() {

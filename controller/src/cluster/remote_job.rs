@@ -154,7 +154,9 @@ async fn run_attempts(
     let mut restarts = 0;
     loop {
         let needed = program.plan.dp * program.plan.pp;
-        let hosts = registry.wait_for_devices(needed, config.wait_for_hosts).await;
+        let hosts = registry
+            .wait_for_devices(needed, config.wait_for_hosts, false)
+            .await;
         let (plan, placement) = place(&program, &hosts, restarts > 0)?;
         let plan = Arc::new(plan);
         let line = format!(

@@ -15,8 +15,8 @@ use tonic::{Request, Response, Status, Streaming};
 use archipelago_actors::fabric::grpc::TokenCheck;
 use archipelago_actors::proto::controller_server::{Controller as ControllerRpc, ControllerServer};
 use archipelago_actors::proto::{
-    Accepted, ControllerMessage, HostMessage, JobEvent, JobRequest, controller_message, host_message,
-    job_event,
+    Accepted, ActorSlot, ClusterReply, ClusterRequest, ControllerMessage, HostMessage, JobEvent, JobRequest,
+    controller_message, host_message, job_event,
 };
 use archipelago_dataflow::{DeviceSpec, Program};
 
@@ -89,6 +89,7 @@ impl ControllerRpc for ControllerService {
             fabric_addr: r.fabric_addr,
             tcp_addr: r.tcp_addr,
             pid: r.pid,
+            actor_addr: r.actor_addr,
         };
         let (tx, rx) = unbounded_channel();
         let id = self
@@ -120,6 +121,30 @@ impl ControllerRpc for ControllerService {
             }
         });
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+
+    async fn cluster(&self, request: Request<ClusterRequest>) -> Result<Response<ClusterReply>, Status> {
+        let needed = request.into_inner().min_devices.max(1) as usize;
+        let wait = self.config.wait_for_hosts;
+        let hosts = self.registry.wait_for_devices(needed, wait, true).await;
+        let slots: Vec<ActorSlot> = hosts
+            .iter()
+            .flat_map(|h| {
+                h.devices.iter().map(|d| ActorSlot {
+                    host: h.name.clone(),
+                    island: h.island.clone(),
+                    addr: h.actor_addr.clone(),
+                    device: d.to_string(),
+                })
+            })
+            .collect();
+        if slots.len() < needed {
+            return Err(Status::failed_precondition(format!(
+                "the program needs {needed} devices but the cluster's hosts running it offer {} after waiting {wait:?}; start more hosts of the program's binary (ARCHIPELAGO_ROLE=host) or ask for fewer devices",
+                slots.len()
+            )));
+        }
+        Ok(Response::new(ClusterReply { slots }))
     }
 
     async fn submit(&self, request: Request<JobRequest>) -> Result<Response<Self::SubmitStream>, Status> {

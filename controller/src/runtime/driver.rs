@@ -1,0 +1,52 @@
+//! The driver's side of a cluster: ask the controller where actors may go (it places them by
+//! island and waits for enough hosts), then connect to those hosts' actor ports.
+
+use tonic::transport::Endpoint;
+
+use archipelago_actors::fabric::grpc::with_token;
+use archipelago_actors::proto::ClusterRequest;
+use archipelago_actors::proto::controller_client::ControllerClient;
+use archipelago_actors::runtime::remote::Liveness;
+use archipelago_actors::runtime::{Runtime, Slot};
+
+/// A runtime on the cluster of the controller at `addr`, with at least `min_devices` devices
+/// (the controller waits for them up to its `--wait-for-hosts-s`).
+pub fn connect(addr: &str, token: &str, min_devices: usize) -> anyhow::Result<Runtime> {
+    let rpc = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let slots = rpc.block_on(ask_for_slots(addr, token, min_devices))?;
+    drop(rpc);
+    Runtime::on_cluster("runtime", slots, token, Liveness::default()).map_err(anyhow::Error::msg)
+}
+
+async fn ask_for_slots(addr: &str, token: &str, min_devices: usize) -> anyhow::Result<Vec<Slot>> {
+    let channel = Endpoint::from_shared(format!("http://{addr}"))?
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot reach the controller at {addr}: {e}"))?;
+    let request = with_token(
+        token,
+        ClusterRequest {
+            min_devices: min_devices as u32,
+        },
+    )?;
+    let reply = ControllerClient::new(channel)
+        .cluster(request)
+        .await
+        .map_err(|status| anyhow::anyhow!("the controller at {addr}: {}", status.message()))?
+        .into_inner();
+    reply
+        .slots
+        .into_iter()
+        .map(|s| {
+            Ok(Slot {
+                device: s.device.parse()?,
+                host: s.host,
+                island: s.island,
+                addr: s.addr,
+            })
+        })
+        .collect()
+}

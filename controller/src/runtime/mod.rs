@@ -1,0 +1,94 @@
+//! One program, one host or many: the process roles of a program written on the runtime API.
+//!
+//! A program calls [`init`] once in its `main` with its [`Registry`] and the devices it wants;
+//! the environment decides what the process becomes:
+//!
+//! - nothing set: the **embedded default**, a runtime on this process's own devices;
+//! - `ARCHIPELAGO_CONTROLLER` (and `ARCHIPELAGO_TOKEN_FILE`): the **driver** of a cluster — the
+//!   controller places the program's actors on the hosts running its binary (waiting for as
+//!   many devices as the program asked for, then refusing with both sizes);
+//! - `ARCHIPELAGO_ROLE=host` as well: a **host** — the process registers its devices
+//!   (`ARCHIPELAGO_DEVICES`, default `cpu:0`) with the controller, serves its actor port and
+//!   runs the actors the driver spawns on it, until the controller goes away; then it exits.
+//!
+//! The same binary is every role, as Monarch's hosts run the program's own binary: actor and
+//! message types are found by name in the registry every role installs.
+//!
+//! ```no_run
+//! use archipelago_controller::prelude::*;
+//! # struct Counter;
+//! # impl Actor for Counter {
+//! #     type Params = ();
+//! #     async fn new(_: (), _ctx: &Context<Self>) -> Result<Self, String> { Ok(Counter) }
+//! # }
+//! fn main() -> anyhow::Result<()> {
+//!     let registry = Registry::new().actor::<Counter>();
+//!     let runtime = archipelago_controller::runtime::init(registry, DeviceSpec::cpus(4))?;
+//!     let counter = runtime.spawn_at::<Counter>(0, (), SpawnOptions::default()).get()?;
+//!     Ok(())
+//! }
+//! ```
+
+mod driver;
+mod host;
+
+pub use driver::connect;
+pub use host::{HostSettings, serve_as_host};
+
+use archipelago_actors::runtime::{Registry, Runtime};
+use archipelago_dataflow::DeviceSpec;
+
+/// `host` turns a process of the program into a host.
+pub const ROLE_ENV: &str = "ARCHIPELAGO_ROLE";
+/// The controller's address (`host:port`).
+pub const CONTROLLER_ENV: &str = "ARCHIPELAGO_CONTROLLER";
+/// A file holding the cluster's token.
+pub const TOKEN_FILE_ENV: &str = "ARCHIPELAGO_TOKEN_FILE";
+/// A host's devices, e.g. `cpu:0,cpu:1`.
+pub const DEVICES_ENV: &str = "ARCHIPELAGO_DEVICES";
+/// A host's name.
+pub const HOST_NAME_ENV: &str = "ARCHIPELAGO_HOST_NAME";
+/// A host's island.
+pub const ISLAND_ENV: &str = "ARCHIPELAGO_ISLAND";
+/// Where a host's actor port listens (default `127.0.0.1:0`).
+pub const LISTEN_ENV: &str = "ARCHIPELAGO_LISTEN";
+
+/// Installs `registry` and returns the program's runtime: on `devices` of this process, or on
+/// the cluster of `ARCHIPELAGO_CONTROLLER` (as many devices as `devices` has). In a process
+/// started with `ARCHIPELAGO_ROLE=host` it serves as a host instead and never returns.
+pub fn init(registry: Registry, devices: Vec<DeviceSpec>) -> anyhow::Result<Runtime> {
+    registry.install();
+    let role = std::env::var(ROLE_ENV).unwrap_or_default();
+    if role == "host" {
+        let settings = HostSettings::from_env()?;
+        let outcome = serve_as_host(&settings);
+        if let Err(e) = &outcome {
+            eprintln!("error: {e:#}");
+        }
+        std::process::exit(i32::from(outcome.is_err()));
+    }
+    if !role.is_empty() {
+        anyhow::bail!(
+            "{ROLE_ENV} is `{role}`; the only role to set is `host` (leave it unset for the driver)"
+        );
+    }
+    match std::env::var(CONTROLLER_ENV) {
+        Ok(addr) => {
+            let token = read_token()?;
+            Ok(connect(&addr, &token, devices.len())?)
+        }
+        Err(_) => Ok(Runtime::local(devices)),
+    }
+}
+
+/// The cluster token from the file `ARCHIPELAGO_TOKEN_FILE` names.
+fn read_token() -> anyhow::Result<String> {
+    let path = std::env::var(TOKEN_FILE_ENV).map_err(|_| {
+        anyhow::anyhow!(
+            "{CONTROLLER_ENV} is set but {TOKEN_FILE_ENV} is not: point it at the cluster's token file"
+        )
+    })?;
+    let token = std::fs::read_to_string(&path)
+        .map_err(|e| anyhow::anyhow!("cannot read the token file {path} ({TOKEN_FILE_ENV}): {e}"))?;
+    Ok(token.trim().to_string())
+}
