@@ -8,7 +8,8 @@ use archipelago_dataflow::DeviceSpec;
 use archipelago_examples::programs::sharded_store::{registry, run};
 
 fn main() -> anyhow::Result<()> {
-    let runtime = archipelago_controller::runtime::init(registry(), DeviceSpec::cpus(4))?;
+    let registry = registry().merge(archipelago_examples::programs::tensor_exchange::registry());
+    let runtime = archipelago_controller::runtime::init(registry, DeviceSpec::cpus(4))?;
     let (outcome, _store) = run(&runtime, 1000)?;
     for (rank, ((sum, keys), (host, device))) in outcome.shards.iter().zip(&outcome.placement).enumerate() {
         println!("shard {rank} on {host} {device}: {keys} keys, sum {sum}");

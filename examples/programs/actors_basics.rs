@@ -86,7 +86,7 @@ impl Handler<SumOf> for Reducer {
         let mut total: Option<Vec<f32>> = None;
         for part in parts {
             let tensor = part.await.map_err(|e| e.to_string())??;
-            let values = ctx.fetch(&tensor).map_err(|e| e.to_string())?;
+            let values = ctx.fetch(&tensor).await.map_err(|e| e.to_string())?;
             let values = values.values::<f32>();
             match &mut total {
                 None => total = Some(values.to_vec()),

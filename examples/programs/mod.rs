@@ -2,3 +2,4 @@
 
 pub mod actors_basics;
 pub mod sharded_store;
+pub mod tensor_exchange;

@@ -67,6 +67,67 @@ mod actors_cluster {
         CONTROLLER_ENV, DEVICES_ENV, HOST_NAME_ENV, ISLAND_ENV, ROLE_ENV, TOKEN_FILE_ENV, connect,
     };
     use archipelago_examples::programs::sharded_store::{Busy, Get, registry, run};
+    use archipelago_examples::programs::tensor_exchange::{
+        self, HeldBytes, Holder, MakeEvery, MakeRamp, SumOf, every_dtype,
+    };
+
+    /// Waits (up to 5 s) until `probe` gives `want`; returns the last value.
+    fn eventually(want: u64, probe: impl Fn() -> u64) -> u64 {
+        let started = Instant::now();
+        loop {
+            let got = probe();
+            if got == want || started.elapsed() > Duration::from_secs(5) {
+                return got;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Every dtype round-trips exactly between processes; a reference handed to an actor of the
+    /// other host moves owner → consumer (not through this process) and is freed on the owner
+    /// once both drop it; a reference whose owner ended says so.
+    fn tensors_between_processes(cluster: &Runtime) {
+        let owner = cluster
+            .spawn_at::<Holder>(0, (), SpawnOptions::default())
+            .get()
+            .unwrap();
+        let other = cluster
+            .spawn_at::<Holder>(2, (), SpawnOptions::default())
+            .get()
+            .unwrap();
+        assert_ne!(owner.info().host, other.info().host);
+        let refs = owner.call(MakeEvery).get().unwrap();
+        let mut fetched = 0;
+        for (r, expected) in refs.iter().zip(every_dtype()) {
+            let got = cluster.fetch(r).get().unwrap();
+            assert_eq!((got.dtype(), got.shape()), (expected.dtype(), expected.shape()));
+            assert_eq!(
+                got.bytes(),
+                expected.bytes(),
+                "{} changed on the way",
+                expected.dtype()
+            );
+            fetched += got.byte_len() as u64;
+        }
+        drop(refs);
+        let n = 1 << 16;
+        let ramp = owner.call(MakeRamp(n)).get().unwrap();
+        let sum = other.call(SumOf(ramp.clone())).get().unwrap().unwrap();
+        assert_eq!(sum, (n as f64) * (n as f64 - 1.0) / 2.0);
+        let through_here = cluster.link_bytes().touching(archipelago_actors::fabric::DRIVER);
+        assert_eq!(
+            through_here, fetched,
+            "only the explicit fetches reached this process"
+        );
+        assert_eq!(owner.call(HeldBytes).get().unwrap(), 4 * n as u64);
+        drop(ramp);
+        assert_eq!(eventually(0, || owner.call(HeldBytes).get().unwrap()), 0);
+        let orphan = owner.call(MakeRamp(4)).get().unwrap();
+        owner.stop("its work is done");
+        owner.ended().get();
+        let error = cluster.fetch(&orphan).get().unwrap_err().to_string();
+        assert!(error.contains("its work is done"), "{error}");
+    }
 
     /// The example's binary (cargo builds examples beside the tests).
     fn example_binary() -> PathBuf {
@@ -119,7 +180,7 @@ mod actors_cluster {
         };
         let mut hosts = Hosts(vec![host("h1"), host("h2")]);
 
-        registry().install();
+        registry().merge(tensor_exchange::registry()).install();
         let local = Runtime::local(DeviceSpec::cpus(4));
         let (expected, _) = run(&local, 500).unwrap();
         let cluster = connect(&addr.to_string(), "cluster-secret", 4).unwrap();
@@ -133,6 +194,8 @@ mod actors_cluster {
             "{hosts_used:?}"
         );
         let victim = hosts_used[3].to_string();
+
+        tensors_between_processes(&cluster);
 
         // A mesh larger than the cluster is refused once the wait for hosts has passed.
         let too_big = std::thread::spawn({
@@ -166,3 +229,4 @@ mod actors_cluster {
         );
     }
 }
+

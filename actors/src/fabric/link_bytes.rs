@@ -10,6 +10,9 @@ use archipelago_dataflow::ActorId;
 /// The id standing for the driver (the program's own thread) on a link.
 pub const DRIVER: ActorId = ActorId::MAX;
 
+/// The id standing for a consumer in another process (an owner's count of bytes served out).
+pub const OTHER_PROCESS: ActorId = ActorId::MAX - 1;
+
 /// Bytes moved per `(from, to)` link.
 #[derive(Debug, Default)]
 pub struct LinkBytes {

@@ -11,7 +11,7 @@ pub mod tcp;
 
 pub use grpc::{GrpcFabric, Inbox, serve_fabric};
 pub use in_process::InProcessFabric;
-pub use link_bytes::{DRIVER, LinkBytes};
+pub use link_bytes::{DRIVER, LinkBytes, OTHER_PROCESS};
 pub use tcp::{TcpFabric, serve_tcp_fabric};
 
 use std::collections::HashMap;

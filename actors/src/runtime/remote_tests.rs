@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::remote::{ActorPort, Liveness, serve_actor_port};
 use super::*;
+use crate::typed_tensor::TypedTensor;
 
 struct Keeper {
     values: Vec<i64>,
@@ -196,5 +197,155 @@ fn a_lost_host_fails_the_pending_calls_and_a_wrong_token_is_refused() {
             .unwrap_err()
             .to_string()
             .contains("was lost")
+    );
+}
+
+/// Makes tensors of every dtype and of a given size; sums tensors from elsewhere.
+struct Tensors;
+
+impl Actor for Tensors {
+    type Params = ();
+    async fn new(_: (), _ctx: &Context<Self>) -> Result<Self, String> {
+        Ok(Tensors)
+    }
+}
+
+/// One tensor of each dtype, holding its type's extreme values.
+fn every_dtype() -> Vec<TypedTensor> {
+    vec![
+        TypedTensor::from_values(vec![4], &[f32::MIN, -0.0, f32::EPSILON, f32::MAX]),
+        TypedTensor::from_values(vec![2], &[half::bf16::MIN, half::bf16::MAX]),
+        TypedTensor::from_values(vec![1, 2], &[half::f16::MIN_POSITIVE, half::f16::MAX]),
+        TypedTensor::from_values(vec![3], &[i8::MIN, 0, i8::MAX]),
+        TypedTensor::from_values(vec![3], &[0u8, 128, 255]),
+        TypedTensor::from_values(vec![2], &[i32::MIN, i32::MAX]),
+        TypedTensor::from_values(vec![2, 1], &[i64::MIN, i64::MAX]),
+    ]
+}
+
+#[derive(Serialize, Deserialize)]
+struct MakeAll;
+impl Message for MakeAll {
+    type Reply = Vec<TensorRef>;
+}
+impl Handler<MakeAll> for Tensors {
+    async fn handle(&mut self, _: MakeAll, ctx: &Context<Self>) -> Vec<TensorRef> {
+        every_dtype().into_iter().map(|t| ctx.put(t)).collect()
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct MakeF32(usize);
+impl Message for MakeF32 {
+    type Reply = TensorRef;
+}
+impl Handler<MakeF32> for Tensors {
+    async fn handle(&mut self, MakeF32(n): MakeF32, ctx: &Context<Self>) -> TensorRef {
+        let values: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        ctx.put(TypedTensor::from_values(vec![n], &values))
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct SumOf(TensorRef);
+impl Message for SumOf {
+    type Reply = Result<f64, String>;
+}
+impl Handler<SumOf> for Tensors {
+    async fn handle(&mut self, SumOf(tensor): SumOf, ctx: &Context<Self>) -> Result<f64, String> {
+        let values = ctx.fetch(&tensor).await.map_err(|e| e.to_string())?;
+        Ok(values.values::<f32>().iter().map(|v| *v as f64).sum())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Held;
+impl Message for Held {
+    type Reply = u64;
+}
+impl Handler<Held> for Tensors {
+    async fn handle(&mut self, _: Held, ctx: &Context<Self>) -> u64 {
+        ctx.runtime().held_bytes(ctx.info().id)
+    }
+}
+
+fn tensor_registry() -> Registry {
+    Registry::new()
+        .actor::<Tensors>()
+        .handles::<Tensors, MakeAll>()
+        .handles::<Tensors, MakeF32>()
+        .handles::<Tensors, SumOf>()
+        .handles::<Tensors, Held>()
+}
+
+/// Waits (up to 5 s) until `probe` gives `want`.
+fn eventually(want: u64, probe: impl Fn() -> u64) -> u64 {
+    let started = Instant::now();
+    loop {
+        let got = probe();
+        if got == want || started.elapsed() > Duration::from_secs(5) {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn tensors_cross_hosts_exactly_and_are_freed_when_every_borrower_drops() {
+    tensor_registry().install();
+    let (owner_host, _p1, mut slots) = host("host-t1", 1, "tok");
+    let (_h2, _p2, more) = host("host-t2", 1, "tok");
+    slots.extend(more);
+    let driver = Runtime::on_cluster("remote-test", slots, "tok", Liveness::default()).unwrap();
+    let producer = driver
+        .spawn_at::<Tensors>(0, (), SpawnOptions::default())
+        .get()
+        .unwrap();
+    let consumer = driver
+        .spawn_at::<Tensors>(1, (), SpawnOptions::default())
+        .get()
+        .unwrap();
+
+    // Every dtype comes back bit for bit, fetched explicitly by the program.
+    let refs = producer.call(MakeAll).get().unwrap();
+    let mut fetched_bytes = 0;
+    for (r, expected) in refs.iter().zip(every_dtype()) {
+        assert_eq!((r.dtype(), r.shape()), (expected.dtype(), expected.shape()));
+        let got = driver.fetch(r).get().unwrap();
+        assert_eq!(got.bytes(), expected.bytes(), "{}", expected.dtype());
+        fetched_bytes += got.byte_len() as u64;
+    }
+    drop(refs);
+
+    // A reference the program passes to an actor of another host: the bytes go owner → consumer.
+    let n = 1 << 16;
+    let tensor = producer.call(MakeF32(n)).get().unwrap();
+    assert_eq!(producer.call(Held).get().unwrap(), 4 * n as u64);
+    let sum = consumer.call(SumOf(tensor.clone())).get().unwrap().unwrap();
+    assert_eq!(sum, (n as f64) * (n as f64 - 1.0) / 2.0);
+    assert_eq!(driver.link_bytes().touching(crate::fabric::DRIVER), fetched_bytes);
+    let owner_links = owner_host.link_bytes();
+    let producer_id = producer.info().id;
+    assert_eq!(
+        owner_links.between(producer_id, crate::fabric::OTHER_PROCESS),
+        fetched_bytes + 4 * n as u64,
+        "the owner served every byte itself"
+    );
+    // The consumer dropped its borrow; once the program drops its own, the owner frees it.
+    assert_eq!(
+        eventually(4 * n as u64, || producer.call(Held).get().unwrap()),
+        4 * n as u64
+    );
+    drop(tensor);
+    assert_eq!(eventually(0, || producer.call(Held).get().unwrap()), 0);
+
+    // A reference whose owner ended says so.
+    let orphan = producer.call(MakeF32(4)).get().unwrap();
+    producer.stop("its work is done");
+    producer.ended().get();
+    let error = driver.fetch(&orphan).get().unwrap_err().to_string();
+    assert!(
+        error.contains("owner") && error.contains("its work is done"),
+        "{error}"
     );
 }

@@ -220,6 +220,11 @@ impl Runtime {
             .enable_all()
             .build()
             .map_err(|e| e.to_string())?;
+        super::remote::links::know_hosts(
+            slots.iter().map(|s| s.addr.as_str()),
+            token,
+            driver.handle().clone(),
+        );
         let mut connections = HashMap::new();
         for slot in &slots {
             if !connections.contains_key(&slot.addr) {

@@ -1,29 +1,39 @@
 //! Tensor references with ownership: a tensor an actor [`put`](super::Context::put)s stays in
 //! that actor's store (on its device); others get a [`TensorRef`]. Resolving a reference
 //! ([`Context::fetch`](super::Context::fetch)) moves the bytes from the owner to the actor that
-//! asks — inside a process that is the shared buffer itself, no copy — and counts them on the
-//! `(owner, consumer)` link; the actor that merely passed the reference along never touches
-//! them. Fetching to the program is explicit ([`RuntimeHandle::fetch`](super::RuntimeHandle::fetch),
-//! counted on the link to [`DRIVER`]). When the last reference is dropped the owner frees the
-//! tensor; when the owner ends, its tensors go with it and references fail with
-//! [`TensorError::OwnerGone`].
+//! asks — inside a process that is the shared buffer itself, no copy; from another host, raw
+//! bytes on the owner host's actor port, straight into the asker's buffer — and counts them on
+//! the `(owner, consumer)` link; an actor (or the program) that merely passed the reference
+//! along never touches them. Fetching to the program is explicit
+//! ([`RuntimeHandle::fetch`](super::RuntimeHandle::fetch), counted on the link to [`DRIVER`]).
+//!
+//! Lifetime (after Ray's ownership protocol, simplified): the owner's store keeps a tensor while
+//! the owner's own reference lives or borrows are outstanding. Sending a reference to another
+//! process adds a borrow (done by the sender, before the message leaves); the borrowing process
+//! returns it when its last copy is dropped. Borrows are a signed balance, so a return that
+//! overtakes its borrow on another connection cannot free the tensor early. When the owner ends,
+//! its tensors go with it and references fail with [`TensorError::OwnerGone`]. Not covered yet:
+//! a borrow inside a message that is never delivered is never returned (the tensor stays until
+//! its owner ends).
 
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use archipelago_dataflow::ActorId;
+use serde::{Deserialize, Serialize};
 
-use crate::fabric::{DRIVER, LinkBytes};
+use super::remote::links::{self, OwnerLink};
+use crate::fabric::{DRIVER, LinkBytes, OTHER_PROCESS};
 use crate::typed_tensor::{DType, TypedTensor};
 
-/// Identifies a tensor: its owner and a number unique on that owner.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+/// Identifies a tensor: its owner and a number unique on that owner's runtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TensorId {
     /// The owning actor.
     pub owner: ActorId,
-    /// The tensor's number on its owner.
+    /// The tensor's number on its owner's runtime.
     pub index: u64,
 }
 
@@ -34,7 +44,7 @@ impl fmt::Display for TensorId {
 }
 
 /// Why a reference could not be resolved.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
 pub enum TensorError {
     /// The owner ended, and its tensors with it.
     #[error(
@@ -48,63 +58,59 @@ pub enum TensorError {
         /// How it ended.
         reason: String,
     },
-    /// The reference belongs to another runtime.
-    #[error("{tensor} belongs to another runtime; pass references only between actors of one runtime")]
-    ForeignRuntime {
-        /// The tensor.
-        tensor: TensorId,
-    },
+}
+
+/// One stored tensor and what keeps it.
+struct Entry {
+    tensor: TypedTensor,
+    /// Whether the owner's own reference is alive.
+    owned: bool,
+    /// Borrows sent out minus borrows returned.
+    borrows: i64,
 }
 
 #[derive(Default)]
 struct OwnerStore {
-    tensors: HashMap<u64, TypedTensor>,
+    tensors: HashMap<u64, Entry>,
     bytes: u64,
     /// `Some((owner label, reason))` once the owner ended.
     ended: Option<(String, String)>,
 }
 
+/// The stores of every actor of one runtime.
 #[derive(Default)]
-struct StoresInner {
+pub(crate) struct StoresInner {
     owners: Mutex<HashMap<ActorId, OwnerStore>>,
     next_index: AtomicU64,
     links: LinkBytes,
+    /// `(host, actor-port address)` once the runtime serves an actor port: only then can its
+    /// references cross processes.
+    pub(crate) home: OnceLock<(String, String)>,
 }
 
-/// The tensor stores of every actor of one runtime.
-#[derive(Default)]
-pub(crate) struct TensorStores {
-    inner: Arc<StoresInner>,
-}
-
-impl TensorStores {
-    /// Stores `tensor` on `owner` and returns the first reference to it.
-    pub(crate) fn put(&self, owner: ActorId, tensor: TypedTensor) -> TensorRef {
-        let index = self.inner.next_index.fetch_add(1, Ordering::Relaxed);
-        let id = TensorId { owner, index };
-        let meta = (tensor.dtype(), tensor.shape().to_vec(), tensor.byte_len() as u64);
-        let mut owners = self.inner.owners.lock().expect("tensor stores");
-        let store = owners.entry(owner).or_default();
-        store.bytes += meta.2;
-        store.tensors.insert(index, tensor);
-        TensorRef {
-            inner: Arc::new(RefInner {
-                id,
-                dtype: meta.0,
-                shape: meta.1,
-                bytes: meta.2,
-                stores: Arc::downgrade(&self.inner),
-            }),
+impl StoresInner {
+    /// Changes what keeps `id`: the owner's reference gone (`owner_gone`) and `borrows` added;
+    /// frees the tensor when nothing keeps it any more.
+    pub(crate) fn adjust(&self, id: TensorId, owner_gone: bool, borrows: i64) {
+        let mut owners = self.owners.lock().expect("tensor stores");
+        let Some(store) = owners.get_mut(&id.owner) else {
+            return;
+        };
+        let Some(entry) = store.tensors.get_mut(&id.index) else {
+            return;
+        };
+        entry.owned &= !owner_gone;
+        entry.borrows += borrows;
+        if !entry.owned && entry.borrows == 0 {
+            let bytes = entry.tensor.byte_len() as u64;
+            store.tensors.remove(&id.index);
+            store.bytes -= bytes;
         }
     }
 
-    /// Resolves `tensor` for `consumer`, counting its bytes on the `(owner, consumer)` link.
-    pub(crate) fn fetch(&self, tensor: &TensorRef, consumer: ActorId) -> Result<TypedTensor, TensorError> {
-        let id = tensor.inner.id;
-        if !std::ptr::eq(tensor.inner.stores.as_ptr(), Arc::as_ptr(&self.inner)) {
-            return Err(TensorError::ForeignRuntime { tensor: id });
-        }
-        let owners = self.inner.owners.lock().expect("tensor stores");
+    /// The tensor `id` for `consumer` (counted on the link unless it is the owner).
+    pub(crate) fn lookup(&self, id: TensorId, consumer: ActorId) -> Result<TypedTensor, TensorError> {
+        let owners = self.owners.lock().expect("tensor stores");
         let store = owners.get(&id.owner);
         if let Some((owner, reason)) = store.and_then(|s| s.ended.clone()) {
             return Err(TensorError::OwnerGone {
@@ -113,20 +119,90 @@ impl TensorStores {
                 reason,
             });
         }
-        let found = store.and_then(|s| s.tensors.get(&id.index)).cloned();
+        let found = store
+            .and_then(|s| s.tensors.get(&id.index))
+            .map(|e| e.tensor.clone());
         drop(owners);
-        // A live reference keeps its tensor in the store: absence means the owner ended.
+        // A live reference keeps its tensor: absence means it went with its owner.
         let found = found.ok_or_else(|| TensorError::OwnerGone {
             tensor: id,
             owner: format!("actor {}", id.owner),
             reason: "its store no longer holds it".into(),
         })?;
         if consumer != id.owner {
-            self.inner
-                .links
-                .record(id.owner, consumer, found.byte_len() as u64);
+            self.links.record(id.owner, consumer, found.byte_len() as u64);
         }
         Ok(found)
+    }
+}
+
+/// The tensor stores of every actor of one runtime.
+#[derive(Default)]
+pub(crate) struct TensorStores {
+    pub(crate) inner: Arc<StoresInner>,
+}
+
+impl TensorStores {
+    /// Stores `tensor` on `owner` and returns the owner's reference to it.
+    pub(crate) fn put(&self, owner: ActorId, tensor: TypedTensor) -> TensorRef {
+        let index = self.inner.next_index.fetch_add(1, Ordering::Relaxed);
+        let id = TensorId { owner, index };
+        let meta = Meta {
+            id,
+            dtype: tensor.dtype(),
+            shape: tensor.shape().to_vec(),
+            bytes: tensor.byte_len() as u64,
+        };
+        let mut owners = self.inner.owners.lock().expect("tensor stores");
+        let store = owners.entry(owner).or_default();
+        store.bytes += meta.bytes;
+        let entry = Entry {
+            tensor,
+            owned: true,
+            borrows: 0,
+        };
+        store.tensors.insert(index, entry);
+        TensorRef {
+            inner: Arc::new(RefInner {
+                meta,
+                holder: Holder::Owner(Arc::downgrade(&self.inner)),
+            }),
+        }
+    }
+
+    /// Resolves `tensor` for `consumer`, from this runtime's stores or the owner's host.
+    pub(crate) async fn fetch(
+        &self,
+        tensor: &TensorRef,
+        consumer: ActorId,
+    ) -> Result<TypedTensor, TensorError> {
+        let id = tensor.inner.meta.id;
+        match &tensor.inner.holder {
+            Holder::Owner(stores) | Holder::HomeBorrow(stores) => {
+                if std::ptr::eq(stores.as_ptr(), Arc::as_ptr(&self.inner)) {
+                    return self.inner.lookup(id, consumer);
+                }
+                // The owner is another runtime of this process: its buffer, no copy, counted
+                // by the owner as served to another runtime and here as received.
+                let owner = stores.upgrade().ok_or_else(|| TensorError::OwnerGone {
+                    tensor: id,
+                    owner: format!("actor {}", id.owner),
+                    reason: "its runtime shut down".into(),
+                })?;
+                let found = owner.lookup(id, OTHER_PROCESS)?;
+                self.inner
+                    .links
+                    .record(id.owner, consumer, found.byte_len() as u64);
+                Ok(found)
+            }
+            Holder::Remote(link) => {
+                let fetched = link.fetch(&tensor.inner.meta).await?;
+                self.inner
+                    .links
+                    .record(id.owner, consumer, fetched.byte_len() as u64);
+                Ok(fetched)
+            }
+        }
     }
 
     /// Bytes of tensors `owner` holds for references still alive.
@@ -149,35 +225,50 @@ impl TensorStores {
     }
 }
 
-impl StoresInner {
-    fn release(&self, id: TensorId, bytes: u64) {
-        let mut owners = self.owners.lock().expect("tensor stores");
-        if let Some(store) = owners.get_mut(&id.owner)
-            && store.tensors.remove(&id.index).is_some()
-        {
-            store.bytes -= bytes;
-        }
-    }
+/// What a reference knows without fetching.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Meta {
+    pub(crate) id: TensorId,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+    pub(crate) bytes: u64,
+}
+
+/// Who holds a reference, and so what dropping it returns.
+enum Holder {
+    /// The owner's own reference, in the owner's runtime.
+    Owner(Weak<StoresInner>),
+    /// A borrow that came back to the owner's runtime.
+    HomeBorrow(Weak<StoresInner>),
+    /// A borrow in another process.
+    Remote(Arc<OwnerLink>),
 }
 
 struct RefInner {
-    id: TensorId,
-    dtype: DType,
-    shape: Vec<usize>,
-    bytes: u64,
-    stores: Weak<StoresInner>,
+    meta: Meta,
+    holder: Holder,
 }
 
 impl Drop for RefInner {
     fn drop(&mut self) {
-        if let Some(stores) = self.stores.upgrade() {
-            stores.release(self.id, self.bytes);
+        match &self.holder {
+            Holder::Owner(stores) => {
+                if let Some(stores) = stores.upgrade() {
+                    stores.adjust(self.meta.id, true, 0);
+                }
+            }
+            Holder::HomeBorrow(stores) => {
+                if let Some(stores) = stores.upgrade() {
+                    stores.adjust(self.meta.id, false, -1);
+                }
+            }
+            Holder::Remote(link) => link.release(self.meta.id),
         }
     }
 }
 
-/// A reference to a tensor held by another actor; clone it to share, pass it in messages.
-/// The tensor is freed on its owner when the last clone is dropped.
+/// A reference to a tensor held by an actor; clone it to share, pass it in messages (to
+/// actors of other hosts too). The tensor is freed on its owner when every reference is gone.
 #[derive(Clone)]
 pub struct TensorRef {
     inner: Arc<RefInner>,
@@ -185,40 +276,104 @@ pub struct TensorRef {
 
 impl fmt::Debug for TensorRef {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "TensorRef({}, {} {:?})",
-            self.inner.id, self.inner.dtype, self.inner.shape
-        )
+        let m = &self.inner.meta;
+        write!(f, "TensorRef({}, {} {:?})", m.id, m.dtype, m.shape)
     }
 }
 
 impl TensorRef {
     /// Which tensor, on which owner.
     pub fn id(&self) -> TensorId {
-        self.inner.id
+        self.inner.meta.id
     }
 
     /// Its dtype (known without fetching).
     pub fn dtype(&self) -> DType {
-        self.inner.dtype
+        self.inner.meta.dtype
     }
 
     /// Its shape (known without fetching).
     pub fn shape(&self) -> &[usize] {
-        &self.inner.shape
+        &self.inner.meta.shape
     }
 
     /// Its size in bytes.
     pub fn byte_len(&self) -> u64 {
-        self.inner.bytes
+        self.inner.meta.bytes
+    }
+}
+
+/// A reference on the wire: the tensor and the actor port of its owner's host.
+#[derive(Serialize, Deserialize)]
+struct WireRef {
+    meta: Meta,
+    owner_host: String,
+    owner_addr: String,
+}
+
+impl Serialize for TensorRef {
+    /// Adds a borrow for the receiving process (before the message leaves).
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let meta = self.inner.meta.clone();
+        let wire = match &self.inner.holder {
+            Holder::Owner(stores) | Holder::HomeBorrow(stores) => {
+                let stores = stores.upgrade().ok_or_else(|| {
+                    serde::ser::Error::custom(format!("{}: its runtime has shut down", meta.id))
+                })?;
+                let Some((host, addr)) = stores.home.get().cloned() else {
+                    return Err(serde::ser::Error::custom(format!(
+                        "a reference to {} cannot leave its process: its runtime serves no actor port (tensors cross processes from hosts)",
+                        meta.id
+                    )));
+                };
+                stores.adjust(meta.id, false, 1);
+                WireRef {
+                    meta,
+                    owner_host: host,
+                    owner_addr: addr,
+                }
+            }
+            Holder::Remote(link) => {
+                link.borrow(meta.id);
+                WireRef {
+                    meta,
+                    owner_host: link.host().to_string(),
+                    owner_addr: link.addr().to_string(),
+                }
+            }
+        };
+        wire.serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for TensorRef {
+    /// Takes over the borrow the sender added.
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<TensorRef, D::Error> {
+        let wire = WireRef::deserialize(deserializer)?;
+        let holder = match links::home(&wire.owner_addr) {
+            Some(stores) => Holder::HomeBorrow(stores),
+            None => Holder::Remote(
+                links::owner_link(&wire.owner_host, &wire.owner_addr).map_err(serde::de::Error::custom)?,
+            ),
+        };
+        Ok(TensorRef {
+            inner: Arc::new(RefInner {
+                meta: wire.meta,
+                holder,
+            }),
+        })
     }
 }
 
 impl super::RuntimeHandle {
     /// Brings a tensor to the program (explicitly; counted on the link owner → [`DRIVER`]).
-    pub fn fetch(&self, tensor: &TensorRef) -> Result<TypedTensor, TensorError> {
-        self.inner().tensors.fetch(tensor, DRIVER)
+    pub fn fetch(&self, tensor: &TensorRef) -> super::Pending<Result<TypedTensor, TensorError>> {
+        let (runtime, tensor) = (self.clone(), tensor.clone());
+        let driver = self.driver().clone();
+        super::Pending::new(
+            async move { runtime.inner().tensors.fetch(&tensor, DRIVER).await },
+            driver,
+        )
     }
 
     /// Bytes `actor` holds in its store for live references.
@@ -239,7 +394,7 @@ impl<A: super::Actor> super::Context<A> {
     }
 
     /// Brings the tensor behind `tensor` here from its owner (no copy within a process).
-    pub fn fetch(&self, tensor: &TensorRef) -> Result<TypedTensor, TensorError> {
-        self.runtime().inner().tensors.fetch(tensor, self.info().id)
+    pub async fn fetch(&self, tensor: &TensorRef) -> Result<TypedTensor, TensorError> {
+        self.runtime().inner().tensors.fetch(tensor, self.info().id).await
     }
 }

@@ -295,7 +295,7 @@ impl Message for SumOf {
 impl Handler<SumOf> for Tensors {
     async fn handle(&mut self, SumOf(future): SumOf, ctx: &Context<Self>) -> Result<f64, String> {
         let tensor = future.await.map_err(|e| e.to_string())?;
-        let values = ctx.fetch(&tensor).map_err(|e| e.to_string())?;
+        let values = ctx.fetch(&tensor).await.map_err(|e| e.to_string())?;
         Ok(values.values::<f32>().iter().map(|v| *v as f64).sum())
     }
 }
@@ -329,7 +329,7 @@ fn futures_pass_into_calls_and_tensor_bytes_go_owner_to_consumer() {
     let copy = kept.clone();
     drop(kept);
     assert_eq!(rt.held_bytes(p), 4000);
-    assert_eq!(rt.fetch(&copy).unwrap().elements(), 1000);
+    assert_eq!(rt.fetch(&copy).get().unwrap().elements(), 1000);
     assert_eq!(
         links.between(p, DRIVER),
         4000,
@@ -346,7 +346,7 @@ fn a_reference_whose_owner_ended_says_so() {
     let tensor = producer.call(Make(16)).get().unwrap();
     producer.stop("scaled down");
     producer.ended().get();
-    let error = rt.fetch(&tensor).unwrap_err();
+    let error = rt.fetch(&tensor).get().unwrap_err();
     let text = error.to_string();
     assert!(text.contains("owner") && text.contains("scaled down"), "{text}");
 }

@@ -10,15 +10,20 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use archipelago_dataflow::ActorId;
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use super::host_port::spawn_frame_writer;
-use super::wire::{Frame, read_frame};
+use super::links::unreachable;
+use super::wire::{Frame, Outgoing, read_frame};
 use crate::error::ActorFailure;
+use crate::runtime::TensorError;
 use crate::runtime::supervision::{ActorEnd, ActorShared, CallError};
+use crate::runtime::tensor_store::Meta;
 use crate::runtime::{ActorInfo, SpawnError};
+use crate::typed_tensor::{DType, TypedTensor};
 
 /// How often a connection probes its host, and how long silence means the host is lost.
 #[derive(Debug, Clone, Copy)]
@@ -47,11 +52,15 @@ struct PendingCall {
     message: &'static str,
 }
 
+/// A fetch waiting for its tensor.
+type PendingFetch = (Meta, oneshot::Sender<Result<TypedTensor, TensorError>>);
+
 #[derive(Default)]
 struct State {
     calls: HashMap<u64, PendingCall>,
     spawns: HashMap<u64, oneshot::Sender<Result<ActorInfo, String>>>,
     actors: HashMap<ActorId, Weak<ActorShared>>,
+    fetches: HashMap<u64, PendingFetch>,
     lost: Option<String>,
     last_heard: Option<Instant>,
 }
@@ -60,7 +69,7 @@ struct State {
 pub struct HostConnection {
     host: String,
     addr: String,
-    out: UnboundedSender<Frame>,
+    out: UnboundedSender<Outgoing>,
     state: Mutex<State>,
     next: AtomicU64,
 }
@@ -79,9 +88,9 @@ impl HostConnection {
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
         let (mut input, output) = stream.into_split();
         let out = spawn_frame_writer(output, None);
-        let _ = out.send(Frame::Hello {
+        let _ = out.send(Outgoing::from(Frame::Hello {
             token: token.to_string(),
-        });
+        }));
         let connection = Arc::new(HostConnection {
             host: host.to_string(),
             addr: addr.to_string(),
@@ -96,6 +105,11 @@ impl HostConnection {
         tokio::spawn(async move {
             let reason = loop {
                 match read_frame(&mut input).await {
+                    Ok(Some(Frame::Tensor { request, result })) => {
+                        if let Err(reason) = reader.tensor_arrived(&mut input, request, result).await {
+                            break reason;
+                        }
+                    }
                     Ok(Some(frame)) => reader.received(frame),
                     Ok(None) => {
                         break "its actor port closed the connection (the host process ended?)".to_string();
@@ -120,7 +134,7 @@ impl HostConnection {
                     connection.lose(&format!("it did not answer for {:?}", liveness.patience));
                     return;
                 }
-                let _ = connection.out.send(Frame::Ping);
+                connection.send(Frame::Ping);
             }
         });
         Ok(connection)
@@ -157,6 +171,62 @@ impl HostConnection {
         }
     }
 
+    /// Reads a fetched tensor's bytes straight into its buffer and hands it to the fetch.
+    async fn tensor_arrived(
+        &self,
+        input: &mut tokio::net::tcp::OwnedReadHalf,
+        request: u64,
+        result: Result<(DType, Vec<usize>, u64), TensorError>,
+    ) -> Result<(), String> {
+        let pending = self.state.lock().expect("connection").fetches.remove(&request);
+        let Some((meta, reply)) = pending else {
+            return Err(format!(
+                "the host answered fetch {request}, which nobody asked for"
+            ));
+        };
+        let (dtype, shape, bytes) = match result {
+            Ok(header) => header,
+            Err(error) => {
+                let _ = reply.send(Err(error));
+                return Ok(());
+            }
+        };
+        // Hostile input: allocate only what the reference said it holds.
+        if (dtype, &shape, bytes) != (meta.dtype, &meta.shape, meta.bytes) {
+            return Err(format!(
+                "the host sent {bytes} bytes of {dtype} {shape:?} for {} ({} {:?}, {} bytes)",
+                meta.id, meta.dtype, meta.shape, meta.bytes
+            ));
+        }
+        let mut tensor = TypedTensor::zeros(dtype, shape).map_err(|e| e.to_string())?;
+        input
+            .read_exact(tensor.bytes_mut())
+            .await
+            .map_err(|e| format!("the tensor's bytes did not arrive: {e}"))?;
+        let _ = reply.send(Ok(tensor));
+        Ok(())
+    }
+
+    /// Queues a frame.
+    pub(crate) fn send(&self, frame: Frame) {
+        let _ = self.out.send(frame.into());
+    }
+
+    /// Asks the host for the tensor `meta` describes; `reply` gets it (or why not).
+    pub(crate) fn fetch(&self, meta: Meta, reply: oneshot::Sender<Result<TypedTensor, TensorError>>) {
+        let request = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut state = self.state.lock().expect("connection");
+        if let Some(lost) = state.lost.clone() {
+            drop(state);
+            let _ = reply.send(Err(unreachable(&meta, &self.host, &lost)));
+            return;
+        }
+        let tensor = meta.id;
+        state.fetches.insert(request, (meta, reply));
+        drop(state);
+        self.send(Frame::Fetch { request, tensor });
+    }
+
     /// The host is lost: every pending call fails, every actor seen through here ends.
     fn lose(&self, reason: &str) {
         let mut state = self.state.lock().expect("connection");
@@ -170,7 +240,11 @@ impl HostConnection {
         let calls: Vec<PendingCall> = state.calls.drain().map(|(_, c)| c).collect();
         let spawns: Vec<_> = state.spawns.drain().map(|(_, s)| s).collect();
         let actors: Vec<_> = state.actors.drain().filter_map(|(_, w)| w.upgrade()).collect();
+        let fetches: Vec<PendingFetch> = state.fetches.drain().map(|(_, f)| f).collect();
         drop(state);
+        for (meta, reply) in fetches {
+            let _ = reply.send(Err(unreachable(&meta, &self.host, &why)));
+        }
         for pending in calls {
             let failure = host_lost(
                 &pending.actor,
@@ -207,7 +281,7 @@ impl HostConnection {
         }
         state.spawns.insert(request, tx);
         drop(state);
-        let _ = self.out.send(frame(request));
+        self.send(frame(request));
         rx
     }
 
@@ -246,7 +320,7 @@ impl HostConnection {
             },
         );
         drop(state);
-        let _ = self.out.send(Frame::Deliver {
+        self.send(Frame::Deliver {
             call: Some(call),
             actor: actor.info.id,
             message_type: message_type.to_string(),
@@ -269,7 +343,7 @@ impl HostConnection {
                 &lost,
             )));
         }
-        let _ = self.out.send(Frame::Deliver {
+        self.send(Frame::Deliver {
             call: None,
             actor: actor.info.id,
             message_type: message_type.to_string(),
@@ -280,7 +354,7 @@ impl HostConnection {
 
     /// Asks the host to stop `actor`.
     pub(crate) fn stop(&self, actor: ActorId, reason: &str) {
-        let _ = self.out.send(Frame::Stop {
+        self.send(Frame::Stop {
             actor,
             reason: reason.to_string(),
         });

@@ -14,7 +14,8 @@ use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
 use super::registry::{ErasedActor, Registry};
-use super::wire::{Frame, read_frame, write_frame};
+use super::wire::{Frame, Outgoing, read_frame, write_frame};
+use crate::fabric::OTHER_PROCESS;
 use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
 
 /// The actors of this host that remote callers can reach, by id.
@@ -46,6 +47,13 @@ pub fn serve_actor_port(
     let token = token.to_string();
     let reachable: Reachable = Arc::default();
     let (close, closed) = watch::channel(false);
+    super::links::serve_home(
+        runtime.host(),
+        &addr.to_string(),
+        &runtime.inner().tensors.inner,
+        &token,
+        tokio::runtime::Handle::current(),
+    );
     let mut accepting = closed.clone();
     tokio::spawn(async move {
         loop {
@@ -81,8 +89,8 @@ pub fn serve_actor_port(
 pub(crate) fn spawn_frame_writer(
     half: tokio::net::tcp::OwnedWriteHalf,
     closed: Option<watch::Receiver<bool>>,
-) -> UnboundedSender<Frame> {
-    let (tx, mut rx) = unbounded_channel::<Frame>();
+) -> UnboundedSender<Outgoing> {
+    let (tx, mut rx) = unbounded_channel::<Outgoing>();
     let mut closed = closed;
     tokio::spawn(async move {
         let mut out = BufWriter::new(half);
@@ -99,14 +107,18 @@ pub(crate) fn spawn_frame_writer(
                 frame = rx.recv() => frame,
                 _ = close => None,
             };
-            let Some(frame) = frame else { return };
-            if write_frame(&mut out, &frame).await.is_err() {
-                return;
-            }
-            while let Ok(more) = rx.try_recv() {
-                if write_frame(&mut out, &more).await.is_err() {
+            let Some(first) = frame else { return };
+            let mut next = Some(first);
+            while let Some(outgoing) = next.take() {
+                if write_frame(&mut out, &outgoing.frame).await.is_err() {
                     return;
                 }
+                if let Some(payload) = &outgoing.payload
+                    && out.write_all(payload.bytes()).await.is_err()
+                {
+                    return;
+                }
+                next = rx.try_recv().ok();
             }
             if out.flush().await.is_err() {
                 return;
@@ -166,10 +178,13 @@ async fn serve_connection(
                         tokio::spawn(report_end(actor, out.clone(), reachable));
                         info
                     });
-                    let _ = out.send(Frame::Spawned {
-                        request,
-                        result: result.map_err(|e| e.to_string()),
-                    });
+                    send(
+                        &out,
+                        Frame::Spawned {
+                            request,
+                            result: result.map_err(|e| e.to_string()),
+                        },
+                    );
                 });
             }
             Frame::Deliver {
@@ -193,17 +208,23 @@ async fn serve_connection(
                     (Some(call), Ok(Some(reply))) => {
                         let out = out.clone();
                         tokio::spawn(async move {
-                            let _ = out.send(Frame::Reply {
-                                call,
-                                result: reply.await,
-                            });
+                            send(
+                                &out,
+                                Frame::Reply {
+                                    call,
+                                    result: reply.await,
+                                },
+                            );
                         });
                     }
                     (Some(call), Err(error)) => {
-                        let _ = out.send(Frame::Reply {
-                            call,
-                            result: Err(error),
-                        });
+                        send(
+                            &out,
+                            Frame::Reply {
+                                call,
+                                result: Err(error),
+                            },
+                        );
                     }
                     (None, Err(error)) => tracing::warn!("a cast was dropped: {error}"),
                     _ => {}
@@ -214,18 +235,32 @@ async fn serve_connection(
                     target.stop(&reason);
                 }
             }
-            Frame::Ping => {
-                let _ = out.send(Frame::Pong);
+            Frame::Ping => send(&out, Frame::Pong),
+            Frame::Borrow { tensor } => runtime.inner().tensors.inner.adjust(tensor, false, 1),
+            Frame::Release { tensor } => runtime.inner().tensors.inner.adjust(tensor, false, -1),
+            Frame::Fetch { request, tensor } => {
+                let found = runtime.inner().tensors.inner.lookup(tensor, OTHER_PROCESS);
+                let (result, payload) = match found {
+                    Ok(t) => (Ok((t.dtype(), t.shape().to_vec(), t.byte_len() as u64)), Some(t)),
+                    Err(e) => (Err(e), None),
+                };
+                let frame = Frame::Tensor { request, result };
+                let _ = out.send(Outgoing { frame, payload });
             }
             other => return Err(format!("unexpected frame from a caller: {other:?}")),
         }
     }
 }
 
+/// Queues a frame without payload (a closed connection drops it).
+fn send(out: &UnboundedSender<Outgoing>, frame: Frame) {
+    let _ = out.send(frame.into());
+}
+
 /// Tells the spawning connection when the actor ends, and forgets it.
-async fn report_end(actor: Arc<dyn ErasedActor>, out: UnboundedSender<Frame>, reachable: Reachable) {
+async fn report_end(actor: Arc<dyn ErasedActor>, out: UnboundedSender<Outgoing>, reachable: Reachable) {
     let end = actor.ended().await;
     let id = actor.info().id;
     reachable.lock().expect("reachable actors").remove(&id);
-    let _ = out.send(Frame::Ended { actor: id, end });
+    send(&out, Frame::Ended { actor: id, end });
 }

@@ -10,6 +10,7 @@
 
 pub mod connection;
 pub mod host_port;
+pub(crate) mod links;
 pub mod registry;
 pub mod wire;
 

@@ -130,6 +130,15 @@ impl Registry {
         self
     }
 
+    /// This registry with `other`'s types added (programs made of several parts).
+    pub fn merge(mut self, other: Registry) -> Registry {
+        self.actors.extend(other.actors);
+        self.handlers.extend(other.handlers);
+        self.codecs.extend(other.codecs);
+        self.params.extend(other.params);
+        self
+    }
+
     /// Makes these types known to this process (added to what is already installed).
     pub fn install(self) {
         let mut global = GLOBAL.write().expect("registry");

@@ -8,7 +8,22 @@ use archipelago_dataflow::{ActorId, DeviceSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
-use crate::runtime::{ActorEnd, ActorInfo, CallError};
+use crate::runtime::{ActorEnd, ActorInfo, CallError, TensorError, TensorId};
+use crate::typed_tensor::{DType, TypedTensor};
+
+/// A frame to write, with the raw payload that follows it (a fetched tensor's bytes).
+pub struct Outgoing {
+    /// The frame.
+    pub frame: Frame,
+    /// Bytes written right after it.
+    pub payload: Option<TypedTensor>,
+}
+
+impl From<Frame> for Outgoing {
+    fn from(frame: Frame) -> Outgoing {
+        Outgoing { frame, payload: None }
+    }
+}
 
 /// One message on an actor-port connection.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -71,6 +86,31 @@ pub enum Frame {
         actor: ActorId,
         /// How.
         end: ActorEnd,
+    },
+    /// The sender passes a reference to `tensor` on: one more borrow.
+    Borrow {
+        /// The tensor.
+        tensor: TensorId,
+    },
+    /// The sender dropped its reference to `tensor`: one borrow fewer.
+    Release {
+        /// The tensor.
+        tensor: TensorId,
+    },
+    /// Send the bytes of `tensor`.
+    Fetch {
+        /// Request number, echoed in [`Frame::Tensor`].
+        request: u64,
+        /// The tensor.
+        tensor: TensorId,
+    },
+    /// A fetched tensor's header: `Ok((dtype, shape, bytes))` is followed on the stream by
+    /// exactly `bytes` raw little-endian bytes (no serde on the payload).
+    Tensor {
+        /// The request answered.
+        request: u64,
+        /// The header, or why the tensor cannot be had.
+        result: Result<(DType, Vec<usize>, u64), TensorError>,
     },
     /// Liveness probe; answered with [`Frame::Pong`].
     Ping,

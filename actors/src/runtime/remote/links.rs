@@ -1,0 +1,153 @@
+//! Where references to other processes' tensors go. Each process keeps one ordered link per
+//! owner host (by actor-port address): borrows, returns and fetches of every reference to that
+//! host's tensors travel on it, in the order this process issued them. A process also knows its
+//! own homes (the runtimes of it that serve an actor port), so a reference that comes back to
+//! its owner's process is resolved there without the network.
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, Weak};
+
+use tokio::runtime::Handle;
+use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+use tokio::sync::oneshot;
+
+use super::connection::{HostConnection, Liveness};
+use super::wire::Frame;
+use crate::runtime::tensor_store::{Meta, StoresInner, TensorError, TensorId};
+use crate::typed_tensor::TypedTensor;
+
+#[derive(Default)]
+struct Table {
+    /// The cluster token to use towards each actor-port address.
+    tokens: HashMap<String, String>,
+    /// The token of this process's cluster, for addresses not seen yet.
+    default_token: Option<String>,
+    /// Where the links' connections run.
+    executor: Option<Handle>,
+    /// This process's runtimes serving an actor port, by address.
+    homes: HashMap<String, Weak<StoresInner>>,
+    /// Links to owner hosts, by address.
+    owners: HashMap<String, Arc<OwnerLink>>,
+}
+
+static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(Mutex::default);
+
+fn table() -> std::sync::MutexGuard<'static, Table> {
+    TABLE.lock().expect("tensor links")
+}
+
+/// Records that `stores` (host `host`) serve tensors on the actor port `addr` with `token`.
+pub(crate) fn serve_home(host: &str, addr: &str, stores: &Arc<StoresInner>, token: &str, executor: Handle) {
+    let _ = stores.home.set((host.to_string(), addr.to_string()));
+    let mut table = table();
+    table.homes.insert(addr.to_string(), Arc::downgrade(stores));
+    table.tokens.insert(addr.to_string(), token.to_string());
+    table.default_token.get_or_insert_with(|| token.to_string());
+    table.executor.get_or_insert(executor);
+}
+
+/// Records the hosts a driver talks to, and their token.
+pub(crate) fn know_hosts<'a>(addrs: impl IntoIterator<Item = &'a str>, token: &str, executor: Handle) {
+    let mut table = table();
+    for addr in addrs {
+        table.tokens.insert(addr.to_string(), token.to_string());
+    }
+    table.default_token.get_or_insert_with(|| token.to_string());
+    table.executor.get_or_insert(executor);
+}
+
+/// The stores of this process serving `addr`, if any.
+pub(crate) fn home(addr: &str) -> Option<Weak<StoresInner>> {
+    table().homes.get(addr).filter(|w| w.strong_count() > 0).cloned()
+}
+
+/// The link to the owner host at `addr` (made on first use).
+pub(crate) fn owner_link(host: &str, addr: &str) -> Result<Arc<OwnerLink>, String> {
+    let mut table = table();
+    if let Some(link) = table.owners.get(addr) {
+        return Ok(link.clone());
+    }
+    let token = table.tokens.get(addr).or(table.default_token.as_ref()).cloned();
+    let (Some(token), Some(executor)) = (token, table.executor.clone()) else {
+        return Err(format!(
+            "a reference to a tensor of host {host} arrived in a process that is not part of a cluster"
+        ));
+    };
+    let link = Arc::new(OwnerLink::start(host, addr, token, &executor));
+    table.owners.insert(addr.to_string(), link.clone());
+    Ok(link)
+}
+
+enum LinkOp {
+    Send(Frame),
+    Fetch(Meta, oneshot::Sender<Result<TypedTensor, TensorError>>),
+}
+
+/// This process's ordered link to one owner host.
+pub(crate) struct OwnerLink {
+    host: String,
+    addr: String,
+    ops: UnboundedSender<LinkOp>,
+}
+
+impl OwnerLink {
+    fn start(host: &str, addr: &str, token: String, executor: &Handle) -> OwnerLink {
+        let (ops, mut queue) = unbounded_channel::<LinkOp>();
+        let (host_name, address) = (host.to_string(), addr.to_string());
+        executor.spawn(async move {
+            let connection = HostConnection::connect(&host_name, &address, &token, Liveness::default()).await;
+            while let Some(op) = queue.recv().await {
+                match (&connection, op) {
+                    (Ok(c), LinkOp::Send(frame)) => c.send(frame),
+                    (Ok(c), LinkOp::Fetch(meta, reply)) => c.fetch(meta, reply),
+                    (Err(reason), LinkOp::Fetch(meta, reply)) => {
+                        let _ = reply.send(Err(unreachable(&meta, &host_name, reason)));
+                    }
+                    (Err(_), LinkOp::Send(_)) => {}
+                }
+            }
+        });
+        OwnerLink {
+            host: host.to_string(),
+            addr: addr.to_string(),
+            ops,
+        }
+    }
+
+    /// The owner host's name.
+    pub(crate) fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// Its actor port.
+    pub(crate) fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Adds a borrow of `tensor` (for a reference this process sends on).
+    pub(crate) fn borrow(&self, tensor: TensorId) {
+        let _ = self.ops.send(LinkOp::Send(Frame::Borrow { tensor }));
+    }
+
+    /// Returns a borrow of `tensor` (this process dropped a reference).
+    pub(crate) fn release(&self, tensor: TensorId) {
+        let _ = self.ops.send(LinkOp::Send(Frame::Release { tensor }));
+    }
+
+    /// Fetches the tensor `meta` describes from its owner.
+    pub(crate) async fn fetch(&self, meta: &Meta) -> Result<TypedTensor, TensorError> {
+        let (tx, rx) = oneshot::channel();
+        let _ = self.ops.send(LinkOp::Fetch(meta.clone(), tx));
+        rx.await
+            .unwrap_or_else(|_| Err(unreachable(meta, &self.host, "the link to it closed")))
+    }
+}
+
+/// The error of a fetch whose owner host cannot be reached.
+pub(crate) fn unreachable(meta: &Meta, host: &str, reason: &str) -> TensorError {
+    TensorError::OwnerGone {
+        tensor: meta.id,
+        owner: format!("actor {} of host {host}", meta.id.owner),
+        reason: format!("its host cannot be reached: {reason}"),
+    }
+}
