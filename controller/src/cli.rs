@@ -44,6 +44,9 @@ pub enum Command {
     /// The other end of the cross-process benchmark (started by `bench`).
     #[command(hide = true)]
     BenchPeer(crate::bench::cross_process::PeerArgs),
+    /// The host process of the runtime-API benchmark (started by `bench`).
+    #[command(hide = true)]
+    BenchActorHost(crate::bench::actor_api::ActorHostArgs),
 }
 
 /// The flags that describe a job (shared by `train` and `plan`).

@@ -24,6 +24,7 @@ fn main() {
         Command::Host(args) => archipelago_controller::cluster::commands::host(args),
         Command::Devices(args) => archipelago_controller::host_devices::devices(args),
         Command::BenchPeer(args) => archipelago_controller::bench::cross_process::peer_main(args),
+        Command::BenchActorHost(args) => archipelago_controller::bench::actor_api::host_main(args),
     };
     telemetry.shutdown();
     if let Err(e) = result {

@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::actor::{Actor, Handler, Message};
 use super::call::{Call, Pending};
-use super::envelope::{Letter, Mail};
+use super::envelope::{Letter, Mail, ReplyTo};
 use super::remote::HostConnection;
 use super::remote::registry::{MessageCodec, Registry};
 use super::supervision::{ActorEnd, ActorInfo, ActorShared, CallError};
@@ -125,7 +125,7 @@ impl<A: Actor> ActorRef<A> {
             Port::Local(port) => {
                 let letter = Letter {
                     message: Some(message),
-                    reply: Some(tx),
+                    reply: Some(ReplyTo::Channel(tx)),
                     cancel: Some(cancel.clone()),
                     seq: self.shared.sequence(),
                 };
@@ -166,6 +166,35 @@ impl<A: Actor> ActorRef<A> {
             }
         }
         Call::waiting(rx, cancel, self.shared.clone(), message_type, self.driver.clone())
+    }
+
+    /// Sends `message` to this process's actor with its reply going to `sink` (called on the
+    /// actor's thread): how a host answers callers of other processes without a task per call.
+    pub(crate) fn call_into<M: Message>(
+        &self,
+        message: M,
+        sink: Box<dyn FnOnce(Result<M::Reply, CallError>) + Send>,
+    ) where
+        A: Handler<M>,
+    {
+        let message_type = super::system::short_name(std::any::type_name::<M>());
+        let Port::Local(port) = &self.port else {
+            sink(Err(CallError::NotRemote {
+                actor: self.shared.label(),
+                message: message_type.to_string(),
+                reason: "a host forwards only to actors of its own process".into(),
+            }));
+            return;
+        };
+        let letter = Letter {
+            message: Some(message),
+            reply: Some(ReplyTo::Sink(sink)),
+            cancel: None,
+            seq: self.shared.sequence(),
+        };
+        if let Err(ractor::MessagingErr::SendErr(mut mail)) = port.send_message(Box::new(letter) as Mail<A>) {
+            mail.fail(self.shared.ended_error(message_type));
+        }
     }
 
     /// Encodes `message` for the actor's host with the codec registered for its type.

@@ -97,10 +97,24 @@ impl<R> Call<R> {
     ///
     /// # Panics
     /// When called from inside an async runtime (tokio forbids blocking there).
-    pub fn get(self) -> Result<R, CallError>
+    pub fn get(mut self) -> Result<R, CallError>
     where
         R: Send + 'static,
     {
+        // A reply already here needs no trip through the executor.
+        if let CallState::Waiting {
+            reply,
+            actor,
+            message,
+            ..
+        } = &mut self.state
+        {
+            match reply.try_recv() {
+                Ok(result) => return result,
+                Err(oneshot::error::TryRecvError::Closed) => return Err(actor.ended_error(message)),
+                Err(oneshot::error::TryRecvError::Empty) => {}
+            }
+        }
         let driver = self.driver.clone();
         driver.block_on(self)
     }

@@ -34,10 +34,31 @@ pub(crate) type Mail<A> = Box<dyn Envelope<A>>;
 /// Where a call's reply goes.
 pub(crate) type ReplyTx<R> = oneshot::Sender<Result<R, CallError>>;
 
+/// Where a call's reply goes: a waiting [`Call`](super::Call), or a sink that takes it on the
+/// actor's own thread (a host encoding the reply for a caller in another process).
+pub(crate) enum ReplyTo<R> {
+    /// A local caller's future.
+    Channel(ReplyTx<R>),
+    /// Called with the reply.
+    Sink(Box<dyn FnOnce(Result<R, CallError>) + Send>),
+}
+
+impl<R> ReplyTo<R> {
+    pub(crate) fn send(self, result: Result<R, CallError>) {
+        match self {
+            // The caller may have stopped waiting (timeout, dropped future): nothing to do.
+            ReplyTo::Channel(tx) => {
+                let _ = tx.send(result);
+            }
+            ReplyTo::Sink(sink) => sink(result),
+        }
+    }
+}
+
 /// A message of type `M` (a call when it has a reply channel, a cast otherwise).
 pub(crate) struct Letter<M: Message> {
     pub(crate) message: Option<M>,
-    pub(crate) reply: Option<ReplyTx<M::Reply>>,
+    pub(crate) reply: Option<ReplyTo<M::Reply>>,
     pub(crate) cancel: Option<Arc<AtomicBool>>,
     pub(crate) seq: u64,
 }
@@ -65,16 +86,15 @@ where
                 return;
             };
             let reply = actor.handle(message, ctx).await;
-            if let Some(tx) = self.reply.take() {
-                // The caller may have stopped waiting (timeout, dropped future): nothing to do.
-                let _ = tx.send(Ok(reply));
+            if let Some(to) = self.reply.take() {
+                to.send(Ok(reply));
             }
         })
     }
 
     fn fail(&mut self, error: CallError) {
-        if let Some(tx) = self.reply.take() {
-            let _ = tx.send(Err(error));
+        if let Some(to) = self.reply.take() {
+            to.send(Err(error));
         }
     }
 }

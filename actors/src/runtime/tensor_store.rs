@@ -376,6 +376,12 @@ impl super::RuntimeHandle {
         )
     }
 
+    /// Keeps `tensor` in the program's own store (owner [`DRIVER`]) and returns a reference to
+    /// pass to actors (of other hosts too, once this runtime serves an actor port).
+    pub fn put(&self, tensor: TypedTensor) -> TensorRef {
+        self.inner().tensors.put(DRIVER, tensor)
+    }
+
     /// Bytes `actor` holds in its store for live references.
     pub fn held_bytes(&self, actor: ActorId) -> u64 {
         self.inner().tensors.held_bytes(actor)

@@ -1,20 +1,30 @@
 //! The runtime API's own cost: Ray's and Monarch's actor microbenchmarks (WORKLOADS.md) run
 //! through typed actor calls — one caller → one actor synchronous and with 1000 calls in
-//! flight, one caller → 8 actors, a 64 MiB tensor argument — beside the raw fabric's round
-//! trips between two threads measured in the same run, so the API's overhead is a ratio.
+//! flight, one caller → 8 actors, a 64 MiB tensor argument — in one process and between two
+//! processes (the other one a host serving its actor port), each beside the raw fabric's round
+//! trips measured in the same run, so the API's overhead is a ratio.
 
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
+use clap::Args;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use archipelago_actors::runtime::{Actor, Context, Handler, Message, Runtime};
-use archipelago_actors::typed_tensor::TypedTensor;
+use archipelago_actors::runtime::remote::{Liveness, serve_actor_port};
+use archipelago_actors::runtime::{
+    Actor, ActorRef, Context, Handler, Message, Registry, Runtime, Slot, SpawnOptions, TensorRef,
+};
+use archipelago_actors::typed_tensor::{DType, TypedTensor};
 use archipelago_dataflow::DeviceSpec;
 
 use crate::process_stats::load_avg;
 
 const IN_FLIGHT: usize = 1000;
 const FAN_OUT: usize = 8;
+const TENSOR_BYTES: usize = 64 << 20;
+const TOKEN: &str = "bench-actor-api";
 
 /// Answers pings and takes tensors.
 struct Echo;
@@ -26,6 +36,7 @@ impl Actor for Echo {
     }
 }
 
+#[derive(Serialize, Deserialize)]
 struct Ping(u64);
 impl Message for Ping {
     type Reply = u64;
@@ -36,22 +47,65 @@ impl Handler<Ping> for Echo {
     }
 }
 
-/// A tensor argument by value (in-process: the shared buffer moves, no copy).
-struct Take(TypedTensor);
+/// A tensor argument: fetched from its owner by the callee (in one process: the shared buffer).
+#[derive(Serialize, Deserialize)]
+struct Take(TensorRef);
 impl Message for Take {
-    type Reply = usize;
+    type Reply = Result<usize, String>;
 }
 impl Handler<Take> for Echo {
-    async fn handle(&mut self, Take(t): Take, _ctx: &Context<Self>) -> usize {
-        t.byte_len()
+    async fn handle(&mut self, Take(t): Take, ctx: &Context<Self>) -> Result<usize, String> {
+        Ok(ctx.fetch(&t).await.map_err(|e| e.to_string())?.byte_len())
     }
 }
 
-/// Actor-call figures in one process; `fabric_round_trips` is the in-process fabric's
-/// `round_trips` object from the same run (for the ratios).
-pub fn in_process(round_trips: usize, batches: usize, fabric_round_trips: &Value) -> anyhow::Result<Value> {
-    let runtime = Runtime::local(DeviceSpec::cpus(1 + FAN_OUT));
-    let echo = runtime.spawn::<Echo>(DeviceSpec::Cpu(0), ()).get()?;
+fn registry() -> Registry {
+    Registry::new()
+        .actor::<Echo>()
+        .handles::<Echo, Ping>()
+        .handles::<Echo, Take>()
+}
+
+/// Flags of the hidden `bench-actor-host` subcommand (the other process of the benchmark).
+#[derive(Debug, Clone, Args)]
+pub struct ActorHostArgs {
+    /// Devices (one per callee, plus one).
+    #[arg(long, default_value_t = 1 + FAN_OUT)]
+    pub devices: usize,
+}
+
+/// Serves the bench's actors on an actor port until standard input closes.
+pub fn host_main(args: &ActorHostArgs) -> anyhow::Result<()> {
+    registry().install();
+    let runtime = Runtime::new("bench", "bench-host", DeviceSpec::cpus(args.devices));
+    let handle = runtime.handle().clone();
+    let port = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        serve_actor_port(listener, handle, TOKEN)
+    })?;
+    println!("actor port {}", port.addr);
+    std::io::stdout().flush()?;
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest)?;
+    println!("peer peak_rss_bytes {}", crate::process_stats::peak_rss_bytes());
+    Ok(())
+}
+
+struct Figures {
+    sync_s: f64,
+    pipelined_s: f64,
+    fan_out_s: f64,
+    tensor_s: f64,
+}
+
+/// Runs the four measurements against `echo` and `callees` from this thread.
+fn measure(
+    runtime: &Runtime,
+    echo: &ActorRef<Echo>,
+    callees: &[ActorRef<Echo>],
+    round_trips: usize,
+    batches: usize,
+) -> anyhow::Result<Figures> {
     for i in 0..100 {
         echo.call(Ping(i)).get()?;
     }
@@ -60,55 +114,150 @@ pub fn in_process(round_trips: usize, batches: usize, fabric_round_trips: &Value
         echo.call(Ping(i)).get()?;
     }
     let sync_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    for _ in 0..batches {
-        let calls: Vec<_> = (0..IN_FLIGHT as u64).map(|i| echo.call(Ping(i))).collect();
-        for call in calls {
-            call.get()?;
+    let in_flight = |targets: &[ActorRef<Echo>]| -> anyhow::Result<f64> {
+        let t = Instant::now();
+        for _ in 0..batches {
+            let calls: Vec<_> = (0..IN_FLIGHT)
+                .map(|i| targets[i % targets.len()].call(Ping(i as u64)))
+                .collect();
+            for call in calls {
+                call.get()?;
+            }
         }
-    }
-    let pipelined_s = t.elapsed().as_secs_f64();
-    let callees = (1..=FAN_OUT as u32)
-        .map(|d| runtime.spawn::<Echo>(DeviceSpec::Cpu(d), ()).get())
-        .collect::<Result<Vec<_>, _>>()?;
-    let t = Instant::now();
-    for _ in 0..batches {
-        let calls: Vec<_> = (0..IN_FLIGHT)
-            .map(|i| callees[i % FAN_OUT].call(Ping(i as u64)))
-            .collect();
-        for call in calls {
-            call.get()?;
-        }
-    }
-    let fan_out_s = t.elapsed().as_secs_f64();
-    let tensor = TypedTensor::zeros(archipelago_actors::typed_tensor::DType::F32, vec![16 << 20])?;
-    let reps = 20;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let pipelined_s = in_flight(std::slice::from_ref(echo))?;
+    let fan_out_s = in_flight(callees)?;
+    let tensor = runtime.put(TypedTensor::zeros(DType::F32, vec![TENSOR_BYTES / 4])?);
+    echo.call(Take(tensor.clone()))
+        .get()?
+        .map_err(anyhow::Error::msg)?;
+    let reps = 10;
     let t = Instant::now();
     for _ in 0..reps {
-        echo.call(Take(tensor.clone())).get()?;
+        let bytes = echo
+            .call(Take(tensor.clone()))
+            .get()?
+            .map_err(anyhow::Error::msg)?;
+        anyhow::ensure!(bytes == TENSOR_BYTES, "the callee got {bytes} bytes");
     }
     let tensor_s = t.elapsed().as_secs_f64() / reps as f64;
+    Ok(Figures {
+        sync_s,
+        pipelined_s,
+        fan_out_s,
+        tensor_s,
+    })
+}
+
+fn figures_json(
+    f: &Figures,
+    round_trips: usize,
+    batches: usize,
+    fabric_round_trips: &Value,
+    transport: &str,
+) -> Value {
     let pipelined = (batches * IN_FLIGHT) as f64;
-    let sync_per_s = round_trips as f64 / sync_s;
+    let sync_per_s = round_trips as f64 / f.sync_s;
     let ratio = |api: f64, key: &str| {
         fabric_round_trips
             .get(key)
             .and_then(Value::as_f64)
             .map(|f| api / f)
     };
-    Ok(json!({
-        "config": { "payload": "one u64", "sync_calls": round_trips, "in_flight": IN_FLIGHT, "pipelined_calls": pipelined, "fan_out_callees": FAN_OUT, "tensor_bytes": tensor.byte_len(), "caller": "the program's thread (Call::get)", "callees": "one actor per device thread" },
+    json!({
+        "config": { "transport": transport, "payload": "one u64", "sync_calls": round_trips, "in_flight": IN_FLIGHT, "pipelined_calls": pipelined, "fan_out_callees": FAN_OUT, "tensor_bytes": TENSOR_BYTES, "caller": "the program's thread (Call::get)", "callees": "one actor per device thread", "tensor": "the program puts it, the callee fetches it from the program's store" },
         "sync_calls_per_s": sync_per_s,
-        "sync_latency_us": sync_s / round_trips as f64 * 1e6,
-        "in_flight_1000_calls_per_s": pipelined / pipelined_s,
-        "one_caller_8_actors_in_flight_1000_calls_per_s": pipelined / fan_out_s,
-        "tensor_64mib_argument_gb_per_s": tensor.byte_len() as f64 / tensor_s / 1e9,
-        "tensor_note": "in one process a tensor argument moves as its shared buffer (no copy)",
+        "sync_latency_us": f.sync_s / round_trips as f64 * 1e6,
+        "in_flight_1000_calls_per_s": pipelined / f.pipelined_s,
+        "one_caller_8_actors_in_flight_1000_calls_per_s": pipelined / f.fan_out_s,
+        "tensor_64mib_argument_gb_per_s": TENSOR_BYTES as f64 / f.tensor_s / 1e9,
         "ratio_to_fabric": {
             "sync": ratio(sync_per_s, "sync_per_s"),
-            "in_flight_1000": ratio(pipelined / pipelined_s, "in_flight_1000_per_s"),
-            "one_caller_8": ratio(pipelined / fan_out_s, "one_caller_8_actors_in_flight_1000_per_s"),
+            "in_flight_1000": ratio(pipelined / f.pipelined_s, "in_flight_1000_per_s"),
+            "one_caller_8": ratio(pipelined / f.fan_out_s, "one_caller_8_actors_in_flight_1000_per_s"),
         },
         "load_avg": load_avg(),
-    }))
+    })
+}
+
+/// Actor-call figures in one process; `fabric_round_trips` is the in-process fabric's
+/// `round_trips` object from the same run (for the ratios).
+pub fn in_process(round_trips: usize, batches: usize, fabric_round_trips: &Value) -> anyhow::Result<Value> {
+    let runtime = Runtime::local(DeviceSpec::cpus(1 + FAN_OUT));
+    let echo = runtime.spawn::<Echo>(DeviceSpec::Cpu(0), ()).get()?;
+    let callees = (1..=FAN_OUT as u32)
+        .map(|d| runtime.spawn::<Echo>(DeviceSpec::Cpu(d), ()).get())
+        .collect::<Result<Vec<_>, _>>()?;
+    let figures = measure(&runtime, &echo, &callees, round_trips, batches)?;
+    Ok(figures_json(
+        &figures,
+        round_trips,
+        batches,
+        fabric_round_trips,
+        "in_process",
+    ))
+}
+
+/// The same between this process (the driver) and a host process of this binary over its
+/// actor port on 127.0.0.1; `fabric_round_trips` is the raw-TCP fabric's between 2 processes.
+pub fn between_processes(
+    round_trips: usize,
+    batches: usize,
+    fabric_round_trips: &Value,
+) -> anyhow::Result<Value> {
+    registry().install();
+    let mut child = Command::new(std::env::current_exe()?)
+        .arg("bench-actor-host")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()?;
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    stdout.read_line(&mut line)?;
+    let addr = line
+        .trim()
+        .strip_prefix("actor port ")
+        .ok_or_else(|| anyhow::anyhow!("the bench host said `{line}`"))?
+        .to_string();
+    let slots = DeviceSpec::cpus(1 + FAN_OUT)
+        .into_iter()
+        .map(|device| Slot {
+            host: "bench-host".into(),
+            island: "bench".into(),
+            addr: addr.clone(),
+            device,
+        })
+        .collect();
+    let runtime =
+        Runtime::on_cluster("bench", slots, TOKEN, Liveness::default()).map_err(anyhow::Error::msg)?;
+    // The program's own tensors are served from this process's actor port.
+    let handle = runtime.handle().clone();
+    let _port = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        serve_actor_port(listener, handle, TOKEN)
+    })?;
+    let echo = runtime.spawn_at::<Echo>(0, (), SpawnOptions::default()).get()?;
+    let callees = (1..=FAN_OUT)
+        .map(|slot| runtime.spawn_at::<Echo>(slot, (), SpawnOptions::default()).get())
+        .collect::<Result<Vec<_>, _>>()?;
+    let figures = measure(&runtime, &echo, &callees, round_trips, batches)?;
+    drop(child.stdin.take());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest)?;
+    child.wait()?;
+    let peer_rss: u64 = rest
+        .lines()
+        .find_map(|l| l.strip_prefix("peer peak_rss_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    let mut out = figures_json(
+        &figures,
+        round_trips,
+        batches,
+        fabric_round_trips,
+        "actor_port_tcp_2_processes",
+    );
+    out["peak_rss_bytes_host_process"] = json!(peer_rss);
+    Ok(out)
 }

@@ -2,7 +2,7 @@
 //! and the physical limit measured in the same run where there is one (memcpy for collectives,
 //! sequential file I/O for the NVMe offload tier).
 
-mod actor_api;
+pub mod actor_api;
 mod collectives;
 pub mod cross_process;
 pub mod device;
@@ -66,8 +66,15 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             data_path: DataPath::Grpc,
         };
         let fabric = cross_process::in_process(&peer);
-        let api = actor_api::in_process(peer.round_trips, peer.batches, &fabric["round_trips"])?;
-        let out = json!({ "suite": "actor_api", "fabric_in_process": fabric["round_trips"], "actor_api": api, "wall_s": started.elapsed().as_secs_f64() });
+        let tcp = cross_process::between_processes(&cross_process::PeerArgs {
+            data_path: DataPath::Tcp,
+            ..peer.clone()
+        })?;
+        let api = json!({
+            "in_process": actor_api::in_process(peer.round_trips, peer.batches, &fabric["round_trips"])?,
+            "two_processes": actor_api::between_processes(peer.round_trips, peer.batches, &tcp["round_trips"])?,
+        });
+        let out = json!({ "suite": "actor_api", "fabric_in_process": fabric["round_trips"], "fabric_tcp_2_processes": tcp["round_trips"], "actor_api": api, "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
     }
     let mut ring: Vec<serde_json::Value> = Vec::new();
@@ -101,11 +108,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "tcp_2_processes": cross_process::between_processes(&tcp)?,
     });
     eprintln!("cross_process: {processes}");
-    let api = actor_api::in_process(
-        peer.round_trips,
-        peer.batches,
-        &processes["in_process"]["round_trips"],
-    )?;
+    let api = json!({
+        "in_process": actor_api::in_process(peer.round_trips, peer.batches, &processes["in_process"]["round_trips"])?,
+        "two_processes": actor_api::between_processes(peer.round_trips, peer.batches, &processes["tcp_2_processes"]["round_trips"])?,
+    });
     eprintln!("actor_api: {api}");
     let scale = json!({
         "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,

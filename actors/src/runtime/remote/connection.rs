@@ -25,6 +25,9 @@ use crate::runtime::tensor_store::Meta;
 use crate::runtime::{ActorInfo, SpawnError};
 use crate::typed_tensor::{DType, TypedTensor};
 
+/// Bytes read from the socket at a time.
+pub(crate) const READ_BUFFER: usize = 256 << 10;
+
 /// How often a connection probes its host, and how long silence means the host is lost.
 #[derive(Debug, Clone, Copy)]
 pub struct Liveness {
@@ -86,7 +89,9 @@ impl HostConnection {
             .await
             .map_err(|e| format!("cannot reach the actor port of host {host} at {addr}: {e}"))?;
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
-        let (mut input, output) = stream.into_split();
+        let (input, output) = stream.into_split();
+        // Frames are small and many: read them through a buffer, not a syscall each.
+        let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER, input);
         let out = spawn_frame_writer(output, None);
         let _ = out.send(Outgoing::from(Frame::Hello {
             token: token.to_string(),
@@ -174,7 +179,7 @@ impl HostConnection {
     /// Reads a fetched tensor's bytes straight into its buffer and hands it to the fetch.
     async fn tensor_arrived(
         &self,
-        input: &mut tokio::net::tcp::OwnedReadHalf,
+        input: &mut tokio::io::BufReader<tokio::net::tcp::OwnedReadHalf>,
         request: u64,
         result: Result<(DType, Vec<usize>, u64), TensorError>,
     ) -> Result<(), String> {

@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
-use super::registry::{ErasedActor, Registry};
+use super::registry::{ErasedActor, Registry, ReplySink};
 use super::wire::{Frame, Outgoing, read_frame, write_frame};
 use crate::fabric::OTHER_PROCESS;
 use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
@@ -21,7 +21,7 @@ use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
 /// The actors of this host that remote callers can reach, by id.
 type Reachable = Arc<Mutex<HashMap<ActorId, Arc<dyn ErasedActor>>>>;
 
-/// A served actor port.
+/// A served actor port; dropping it closes the port (keep it as long as the host serves).
 pub struct ActorPort {
     /// Where it listens.
     pub addr: SocketAddr,
@@ -137,7 +137,8 @@ async fn serve_connection(
 ) -> Result<(), String> {
     let peer = stream.peer_addr().map_err(|e| e.to_string())?;
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    let (mut input, output) = stream.into_split();
+    let (input, output) = stream.into_split();
+    let mut input = tokio::io::BufReader::with_capacity(super::connection::READ_BUFFER, input);
     match read_frame(&mut input).await {
         Ok(Some(Frame::Hello { token: given })) if given == token => {}
         _ => {
@@ -194,40 +195,30 @@ async fn serve_connection(
                 payload,
             } => {
                 let target = reachable.lock().expect("reachable actors").get(&actor).cloned();
-                let outcome = match &target {
-                    Some(target) => {
-                        Registry::deliver(target.as_ref(), &message_type, &payload, call.is_some())
+                // A call's reply is encoded and queued on the actor's own thread.
+                let reply: Option<ReplySink> = call.map(|call| {
+                    let out = out.clone();
+                    Box::new(move |result| send(&out, Frame::Reply { call, result })) as ReplySink
+                });
+                let outcome = match target {
+                    Some(target) => Registry::deliver(target.as_ref(), &message_type, &payload, reply),
+                    None => {
+                        let error = CallError::Stopped {
+                            actor: format!("actor {actor} of host {}", runtime.host()),
+                            message: message_type.clone(),
+                            reason: "no live actor has that id on this host".into(),
+                        };
+                        match reply {
+                            Some(sink) => {
+                                sink(Err(error));
+                                Ok(())
+                            }
+                            None => Err(error),
+                        }
                     }
-                    None => Err(CallError::Stopped {
-                        actor: format!("actor {actor} of host {}", runtime.host()),
-                        message: message_type.clone(),
-                        reason: "no live actor has that id on this host".into(),
-                    }),
                 };
-                match (call, outcome) {
-                    (Some(call), Ok(Some(reply))) => {
-                        let out = out.clone();
-                        tokio::spawn(async move {
-                            send(
-                                &out,
-                                Frame::Reply {
-                                    call,
-                                    result: reply.await,
-                                },
-                            );
-                        });
-                    }
-                    (Some(call), Err(error)) => {
-                        send(
-                            &out,
-                            Frame::Reply {
-                                call,
-                                result: Err(error),
-                            },
-                        );
-                    }
-                    (None, Err(error)) => tracing::warn!("a cast was dropped: {error}"),
-                    _ => {}
+                if let Err(error) = outcome {
+                    tracing::warn!("a cast was dropped: {error}");
                 }
             }
             Frame::Stop { actor, reason } => {

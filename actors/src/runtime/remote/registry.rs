@@ -26,7 +26,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, RwLock};
 
 use archipelago_dataflow::DeviceSpec;
-use futures::future::BoxFuture;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -71,9 +70,9 @@ impl<A: Actor> ErasedActor for ActorRef<A> {
 type SpawnFn = fn(&RuntimeHandle, DeviceSpec, &[u8], SpawnOptions) -> Result<SpawnedErased, SpawnError>;
 /// A spawn in progress on a host.
 pub type SpawnedErased = Pending<Result<Arc<dyn ErasedActor>, SpawnError>>;
-/// A remote call's reply, encoded (`None` for a cast).
-pub type EncodedReply = Option<BoxFuture<'static, Result<Vec<u8>, CallError>>>;
-type HandleFn = fn(&dyn ErasedActor, &[u8], bool) -> Result<EncodedReply, CallError>;
+/// Where a remote call's encoded reply (or its error) goes; called on the actor's thread.
+pub type ReplySink = Box<dyn FnOnce(Result<Vec<u8>, CallError>) + Send>;
+type HandleFn = fn(&dyn ErasedActor, &[u8], Option<ReplySink>) -> Result<(), CallError>;
 type EncodeFn = fn(&dyn Any) -> Result<Vec<u8>, CodecError>;
 type DecodeReplyFn = fn(&[u8]) -> Result<Box<dyn Any + Send>, CodecError>;
 
@@ -168,31 +167,41 @@ impl Registry {
         spawn(runtime, device, params, options)
     }
 
-    /// Hands the encoded `message_type` message to `actor` (a call when `reply`).
+    /// Hands the encoded `message_type` message to `actor`: a call when `reply` is given (the
+    /// reply, or why there is none, goes there), else a cast (an error is returned).
     pub fn deliver(
         actor: &dyn ErasedActor,
         message_type: &str,
         payload: &[u8],
-        reply: bool,
-    ) -> Result<EncodedReply, CallError> {
-        let info = actor.info();
+        reply: Option<ReplySink>,
+    ) -> Result<(), CallError> {
         let found = GLOBAL
             .read()
             .expect("registry")
             .handlers
             .get(&(actor.type_key(), message_type))
             .copied();
-        let handle = found.ok_or_else(|| CallError::NotRemote {
-            actor: info.to_string(),
-            message: message_type.to_string(),
-            reason: format!(
-                "the message is not registered for `{}` on host {}; add `.handles::<{}, {}>()` to the Registry",
-                info.type_name,
-                info.host,
-                info.type_name,
-                super::super::system::short_name(message_type)
-            ),
-        })?;
+        let Some(handle) = found else {
+            let info = actor.info();
+            let error = CallError::NotRemote {
+                actor: info.to_string(),
+                message: message_type.to_string(),
+                reason: format!(
+                    "the message is not registered for `{}` on host {}; add `.handles::<{}, {}>()` to the Registry",
+                    info.type_name,
+                    info.host,
+                    info.type_name,
+                    super::super::system::short_name(message_type)
+                ),
+            };
+            return match reply {
+                Some(sink) => {
+                    sink(Err(error));
+                    Ok(())
+                }
+                None => Err(error),
+            };
+        };
         handle(actor, payload, reply)
     }
 
@@ -248,8 +257,8 @@ where
 fn handle_erased<A, M>(
     actor: &dyn ErasedActor,
     payload: &[u8],
-    reply: bool,
-) -> Result<EncodedReply, CallError>
+    reply: Option<ReplySink>,
+) -> Result<(), CallError>
 where
     A: Handler<M>,
     M: Message + DeserializeOwned,
@@ -265,17 +274,26 @@ where
     let typed = actor
         .as_any()
         .downcast_ref::<ActorRef<A>>()
-        .ok_or_else(|| not_remote(format!("the actor is not a `{}`", type_name::<A>())))?;
-    let decoded: M = codec::decode(payload).map_err(|e| not_remote(e.to_string()))?;
-    if !reply {
-        typed.cast(decoded)?;
-        return Ok(None);
+        .ok_or_else(|| not_remote(format!("the actor is not a `{}`", type_name::<A>())));
+    let decoded = typed.and_then(|typed| {
+        let message = codec::decode::<M>(payload).map_err(|e| not_remote(e.to_string()))?;
+        Ok((typed, message))
+    });
+    match (decoded, reply) {
+        (Ok((typed, message)), None) => typed.cast(message),
+        (Err(error), None) => Err(error),
+        (Err(error), Some(sink)) => {
+            sink(Err(error));
+            Ok(())
+        }
+        (Ok((typed, message)), Some(sink)) => {
+            let encode = move |value: M::Reply| {
+                codec::encode(&value).map_err(|e| not_remote(format!("its reply: {e}")))
+            };
+            typed.call_into(message, Box::new(move |result| sink(result.and_then(encode))));
+            Ok(())
+        }
     }
-    let call = typed.call(decoded);
-    Ok(Some(Box::pin(async move {
-        let value = call.await?;
-        codec::encode(&value).map_err(|e| not_remote(format!("its reply: {e}")))
-    })))
 }
 
 fn encode_erased<M: Serialize + 'static>(message: &dyn Any) -> Result<Vec<u8>, CodecError> {
