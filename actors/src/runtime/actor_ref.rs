@@ -101,6 +101,11 @@ impl<A: Actor> ActorRef<A> {
         self.key
     }
 
+    /// Whether the actor lives in another process.
+    pub fn is_remote(&self) -> bool {
+        matches!(self.port, Port::Remote(_))
+    }
+
     /// Who the actor is (id, type, name, device, host).
     pub fn info(&self) -> &ActorInfo {
         &self.shared.info

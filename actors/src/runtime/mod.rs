@@ -29,6 +29,7 @@ mod actor;
 mod actor_ref;
 mod call;
 mod cell;
+pub mod compiled;
 mod context;
 mod envelope;
 mod mesh;

@@ -131,6 +131,12 @@ fn actors_on_another_host_take_calls_and_casts_in_order_and_name_their_failures(
     assert_eq!(values, std::iter::once(-1).chain(0..150).collect::<Vec<_>>());
     assert_eq!((host.as_str(), device), ("host-a", DeviceSpec::Cpu(1)));
 
+    let mut recorder = super::compiled::Recorder::<i64>::new();
+    let input = recorder.input();
+    let pushed = recorder.call(&keeper, &input, Push);
+    let refused = recorder.compile(&driver, &pushed).err().expect("refused");
+    assert!(refused.to_string().contains("across hosts"), "{refused}");
+
     let error = keeper.call(Secret).get().unwrap_err();
     assert!(
         error.to_string().contains(".handles::<Keeper, Secret>()"),

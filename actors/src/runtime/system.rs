@@ -142,6 +142,16 @@ struct Cluster {
     connections: HashMap<String, Arc<HostConnection>>,
 }
 
+impl RuntimeInner {
+    /// The executor of this process's device `device`.
+    pub(crate) fn executor(&self, device: DeviceSpec) -> Option<Handle> {
+        self.devices
+            .iter()
+            .find(|d| d.device == device)
+            .map(|d| d.executor.clone())
+    }
+}
+
 struct LiveActor {
     shared: Arc<ActorShared>,
     cell: ractor::ActorCell,

@@ -12,6 +12,7 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use archipelago_actors::runtime::compiled::Recorder;
 use archipelago_actors::runtime::remote::{Liveness, serve_actor_port};
 use archipelago_actors::runtime::{
     Actor, ActorRef, Context, Handler, Message, Registry, Runtime, Slot, SpawnOptions, TensorRef,
@@ -190,13 +191,46 @@ pub fn in_process(round_trips: usize, batches: usize, fabric_round_trips: &Value
         .map(|d| runtime.spawn::<Echo>(DeviceSpec::Cpu(d), ()).get())
         .collect::<Result<Vec<_>, _>>()?;
     let figures = measure(&runtime, &echo, &callees, round_trips, batches)?;
-    Ok(figures_json(
-        &figures,
-        round_trips,
-        batches,
-        fabric_round_trips,
-        "in_process",
-    ))
+    let mut out = figures_json(&figures, round_trips, batches, fabric_round_trips, "in_process");
+    out["compiled_chain"] = compiled_chain(&runtime, &echo, &callees[0], CHAIN_ITERATIONS)?;
+    Ok(out)
+}
+
+/// Iterations of the driver → A → B → driver chain (Ray's compiled-graph microbenchmark).
+const CHAIN_ITERATIONS: usize = 10_000;
+
+/// The chain driver → `a` → `b` → driver of tiny calls, one iteration at a time: as two
+/// classic calls from the program, and recorded once as a compiled program.
+fn compiled_chain(
+    runtime: &Runtime,
+    a: &ActorRef<Echo>,
+    b: &ActorRef<Echo>,
+    iterations: usize,
+) -> anyhow::Result<Value> {
+    let t = Instant::now();
+    for i in 0..iterations as u64 {
+        let x = a.call(Ping(i)).get()?;
+        anyhow::ensure!(b.call(Ping(x)).get()? == i, "the chain lost its value");
+    }
+    let classic_us = t.elapsed().as_secs_f64() / iterations as f64 * 1e6;
+    let mut recorder = Recorder::<u64>::new();
+    let input = recorder.input();
+    let x = recorder.call(a, &input, Ping);
+    let y = recorder.call(b, &x, Ping);
+    let program = recorder.compile(runtime, &y)?;
+    let t = Instant::now();
+    for i in 0..iterations as u64 {
+        anyhow::ensure!(program.run(i).get()? == i, "the compiled chain lost its value");
+    }
+    let compiled_us = t.elapsed().as_secs_f64() / iterations as f64 * 1e6;
+    Ok(json!({
+        "config": { "iterations": iterations, "chain": "driver -> A -> B -> driver, one u64, A and B on two device threads of this process" },
+        "classic_calls_us_per_iteration": classic_us,
+        "compiled_us_per_iteration": compiled_us,
+        "compiled_speedup": classic_us / compiled_us,
+        "ray_2_60_same_machine_kind_us": { "compiled": 604.0, "classic": 3666.0, "note": "issue 16, 2026-11-23; another day's machine gave 241 and 1,363" },
+        "load_avg": load_avg(),
+    }))
 }
 
 /// The same between this process (the driver) and a host process of this binary over its
