@@ -3,3 +3,4 @@
 pub mod actors_basics;
 pub mod sharded_store;
 pub mod tensor_exchange;
+pub mod trial_search;

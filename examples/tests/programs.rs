@@ -230,3 +230,98 @@ mod actors_cluster {
     }
 }
 
+/// Trial search: successive halving stops the worse half at every rung and keeps training the
+/// rest from their checkpoints; the power-law fit recovers a known law; a ladder trains.
+mod trial_search {
+    use archipelago_controller::prelude::*;
+    use archipelago_examples::programs::trial_search::{
+        TrainTo, TrialConfig, fit_power_law, registry, scaling_ladder, successive_halving,
+    };
+
+    fn config(dir: &std::path::Path, name: &str, model: &str, lr: f32) -> TrialConfig {
+        TrialConfig {
+            name: name.into(),
+            model: model.into(),
+            lr,
+            batch: 4,
+            seed: 0,
+            dir: dir.join(name),
+        }
+    }
+
+    #[test]
+    fn successive_halving_stops_the_worse_half_at_every_rung() {
+        registry().install();
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = Runtime::local(DeviceSpec::cpus(2));
+        let model = "gpt:vocab=64,ctx=16,d=16,layers=1,heads=2";
+        let configs = [1e-4f32, 3e-3, 1e-2, 3e-2]
+            .iter()
+            .map(|lr| config(dir.path(), &format!("lr={lr}"), model, *lr))
+            .collect();
+        let halving = successive_halving(&runtime, configs, 2).unwrap();
+        let sizes: Vec<usize> = halving.rungs.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [4, 2, 1]);
+        let steps: Vec<u64> = halving.rungs.iter().map(|r| r[0].steps).collect();
+        assert_eq!(steps, [2, 4, 8], "survivors continue from their checkpoints");
+        for (k, rung) in halving.rungs.iter().enumerate().take(2) {
+            let kept: Vec<&str> = halving.rungs[k + 1].iter().map(|r| r.name.as_str()).collect();
+            let worst_kept = rung
+                .iter()
+                .filter(|r| kept.contains(&r.name.as_str()))
+                .map(|r| r.loss)
+                .fold(f32::MIN, f32::max);
+            let best_stopped = rung
+                .iter()
+                .filter(|r| !kept.contains(&r.name.as_str()))
+                .map(|r| r.loss)
+                .fold(f32::MAX, f32::min);
+            assert!(
+                worst_kept <= best_stopped,
+                "rung {k}: kept {worst_kept} vs stopped {best_stopped}"
+            );
+        }
+        assert_eq!(halving.stopped.len(), 3);
+        assert_eq!(halving.best, halving.rungs[2][0]);
+        assert!(halving.best.loss < halving.rungs[0].iter().map(|r| r.loss).fold(f32::MIN, f32::max));
+    }
+
+    #[test]
+    fn the_power_law_fit_recovers_a_known_law_and_a_ladder_trains() {
+        let points: Vec<(f64, f64)> = [1e3, 1e4, 1e5, 1e6]
+            .iter()
+            .map(|n: &f64| (*n, (2e8 / n).powf(0.076)))
+            .collect();
+        let law = fit_power_law(&points);
+        assert!(
+            (law.alpha - 0.076).abs() < 1e-9 && (law.n_c / 2e8 - 1.0).abs() < 1e-6,
+            "{law:?}"
+        );
+        assert!((law.r2 - 1.0).abs() < 1e-12);
+        registry().install();
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = Runtime::local(DeviceSpec::cpus(2));
+        let ladder = [8, 32]
+            .iter()
+            .map(|d| {
+                config(
+                    dir.path(),
+                    &format!("d={d}"),
+                    &format!("gpt:vocab=64,ctx=16,d={d},layers=1,heads=2"),
+                    3e-3,
+                )
+            })
+            .collect();
+        let (results, law) = scaling_ladder(&runtime, ladder, 3).unwrap();
+        assert!(results[0].params < results[1].params);
+        assert!(law.alpha.is_finite() && law.r2.is_finite(), "{law:?}");
+        // A trial that cannot build its model is refused at spawn, with the reason.
+        let bad = config(dir.path(), "bad", "transformer-xl", 1e-3);
+        let error = runtime
+            .spawn::<archipelago_examples::programs::trial_search::Trial>(DeviceSpec::Cpu(0), bad)
+            .get()
+            .unwrap_err();
+        assert!(error.to_string().contains("could not start"), "{error}");
+        let _ = TrainTo(0);
+    }
+}

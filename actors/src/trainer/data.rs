@@ -60,8 +60,8 @@ pub(super) fn samples(data: &DataSpec, input: InputKind) -> Result<Samples, Stri
         (DataSpec::Clusters { seed }, InputKind::Dense { features, classes }) => {
             Samples::Clusters(ClusterPool::new(*seed, features, classes))
         }
-        (DataSpec::SyntheticBytes { seed }, InputKind::Tokens { .. }) => {
-            Samples::Tokens(TokenStream::synthetic(*seed))
+        (DataSpec::SyntheticBytes { seed }, InputKind::Tokens { vocab, .. }) => {
+            Samples::Tokens(TokenStream::synthetic(*seed, vocab))
         }
         (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
             let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;

@@ -1,0 +1,66 @@
+//! Successive halving over gpt learning rates, then a scaling ladder fitted to a power law: see
+//! `programs/trial_search.rs`. `cargo run --example trial_search -- [--quick]`; like
+//! `actors_cluster` it runs on this process or, with `ARCHIPELAGO_CONTROLLER` set, on the hosts
+//! running this binary.
+
+use archipelago_dataflow::DeviceSpec;
+use archipelago_examples::programs::trial_search::{
+    TrialConfig, registry, scaling_ladder, successive_halving,
+};
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let runtime = archipelago_controller::runtime::init(registry(), DeviceSpec::cpus(2))?;
+    let root = std::env::temp_dir().join(format!("archipelago-trials-{}", std::process::id()));
+    let (model, first_rung) = if quick {
+        ("gpt:vocab=64,ctx=16,d=32,layers=1,heads=2", 4)
+    } else {
+        ("gpt-tiny", 20)
+    };
+    let configs = [3e-4f32, 1e-3, 3e-3, 1e-2]
+        .iter()
+        .map(|lr| TrialConfig {
+            name: format!("lr={lr}"),
+            model: model.to_string(),
+            lr: *lr,
+            batch: if quick { 4 } else { 16 },
+            seed: 0,
+            dir: root.join(format!("lr-{lr}")),
+        })
+        .collect();
+    let halving = successive_halving(&runtime, configs, first_rung)?;
+    for (k, rung) in halving.rungs.iter().enumerate() {
+        let line: Vec<String> = rung.iter().map(|r| format!("{} {:.4}", r.name, r.loss)).collect();
+        println!("rung {k} ({} steps): {}", rung[0].steps, line.join(", "));
+    }
+    println!(
+        "stopped early: {:?}; best {} (loss {:.4})",
+        halving.stopped, halving.best.name, halving.best.loss
+    );
+    let widths: &[usize] = if quick {
+        &[8, 16, 32, 64]
+    } else {
+        &[32, 64, 128, 256]
+    };
+    let ladder = widths
+        .iter()
+        .map(|d| TrialConfig {
+            name: format!("d={d}"),
+            model: format!("gpt:vocab=64,ctx=16,d={d},layers=2,heads=2"),
+            lr: 3e-3,
+            batch: 8,
+            seed: 0,
+            dir: root.join(format!("ladder-{d}")),
+        })
+        .collect();
+    let (results, law) = scaling_ladder(&runtime, ladder, if quick { 20 } else { 200 })?;
+    for r in &results {
+        println!("{}: {} parameters, final loss {:.4}", r.name, r.params, r.loss);
+    }
+    println!(
+        "L(N) = (N_c / N)^alpha: alpha {:.4}, N_c {:.3e}, R^2 {:.4}",
+        law.alpha, law.n_c, law.r2
+    );
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
