@@ -4,8 +4,7 @@
 //! processes (the other one a host serving its actor port), each beside the raw fabric's round
 //! trips measured in the same run, so the API's overhead is a ratio.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::io::Write;
 use std::time::Instant;
 
 use clap::Args;
@@ -20,6 +19,7 @@ use archipelago_actors::runtime::{
 use archipelago_actors::typed_tensor::{DType, TypedTensor};
 use archipelago_dataflow::DeviceSpec;
 
+use super::cross_process::{peer_peak_rss, start_peer};
 use crate::process_stats::load_avg;
 
 const IN_FLIGHT: usize = 1000;
@@ -241,19 +241,7 @@ pub fn between_processes(
     fabric_round_trips: &Value,
 ) -> anyhow::Result<Value> {
     registry().install();
-    let mut child = Command::new(std::env::current_exe()?)
-        .arg("bench-actor-host")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()?;
-    let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
-    let mut line = String::new();
-    stdout.read_line(&mut line)?;
-    let addr = line
-        .trim()
-        .strip_prefix("actor port ")
-        .ok_or_else(|| anyhow::anyhow!("the bench host said `{line}`"))?
-        .to_string();
+    let (mut child, mut stdout, addr) = start_peer(&["bench-actor-host"], "actor port ")?;
     let slots = DeviceSpec::cpus(1 + FAN_OUT)
         .into_iter()
         .map(|device| Slot {
@@ -280,11 +268,7 @@ pub fn between_processes(
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut stdout, &mut rest)?;
     child.wait()?;
-    let peer_rss: u64 = rest
-        .lines()
-        .find_map(|l| l.strip_prefix("peer peak_rss_bytes "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
+    let peer_rss = peer_peak_rss(&rest);
     let mut out = figures_json(
         &figures,
         round_trips,

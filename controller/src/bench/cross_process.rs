@@ -6,7 +6,7 @@
 //! the in-process fabric (threads) gives the in-process figures beside them.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -295,35 +295,59 @@ fn figures_json(transport: &str, figures: Figures, args: &PeerArgs) -> Value {
     })
 }
 
-/// The script between this process and a peer process over `args.data_path` on 127.0.0.1.
-pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .arg("bench-peer")
-        .args([
-            "--reps",
-            &args.reps.to_string(),
-            "--bytes",
-            &args.bytes.to_string(),
-        ])
-        .args([
-            "--round-trips",
-            &args.round_trips.to_string(),
-            "--batches",
-            &args.batches.to_string(),
-        ])
-        .args(["--data-path", &args.data_path.to_string()])
+/// Starts a second process of this binary with `args`; returns it, its standard output, and
+/// what its first line says after `prefix` (its address).
+pub(super) fn start_peer(
+    args: &[&str],
+    prefix: &str,
+) -> anyhow::Result<(Child, BufReader<ChildStdout>, String)> {
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
     let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
     let mut line = String::new();
     stdout.read_line(&mut line)?;
-    let peer = line
+    let said = line
         .trim()
-        .strip_prefix("peer fabric ")
-        .ok_or_else(|| anyhow::anyhow!("the bench peer said `{line}`"))?
+        .strip_prefix(prefix)
+        .ok_or_else(|| anyhow::anyhow!("the bench's other process ({}) said `{line}`", args[0]))?
         .to_string();
+    Ok((child, stdout, said))
+}
+
+/// The peak RSS a peer process printed in its last words (`peer peak_rss_bytes N`; 0 if none).
+pub(super) fn peer_peak_rss(rest: &str) -> u64 {
+    rest.lines()
+        .find_map(|l| l.strip_prefix("peer peak_rss_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The script between this process and a peer process over `args.data_path` on 127.0.0.1.
+pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
+    let reps = args.reps.to_string();
+    let bytes = args.bytes.to_string();
+    let round_trips = args.round_trips.to_string();
+    let batches = args.batches.to_string();
+    let data_path = args.data_path.to_string();
+    let (mut child, mut stdout, peer) = start_peer(
+        &[
+            "bench-peer",
+            "--reps",
+            &reps,
+            "--bytes",
+            &bytes,
+            "--round-trips",
+            &round_trips,
+            "--batches",
+            &batches,
+            "--data-path",
+            &data_path,
+        ],
+        "peer fabric ",
+    )?;
     let (runtime, local, here) = endpoint(args.data_path);
     let mut stdin = child.stdin.take().expect("piped");
     writeln!(stdin, "{here}")?;
@@ -342,11 +366,7 @@ pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
     if !status.success() {
         anyhow::bail!("the bench peer failed: {status}");
     }
-    let peer_rss: u64 = rest
-        .lines()
-        .find_map(|l| l.strip_prefix("peer peak_rss_bytes "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
+    let peer_rss = peer_peak_rss(&rest);
     let transport = format!("{}_2_processes", args.data_path);
     let mut out = figures_json(&transport, figures, args);
     out["peak_rss_bytes"] =
