@@ -166,3 +166,80 @@ fn the_dashboard_renders_lanes_and_the_loss_curve_while_the_job_runs_and_after()
     let timeline: serde_json::Value = serde_json::from_str(&get(&addr, "/api/timeline")).unwrap();
     assert_eq!(timeline["steps"], serde_json::json!([298, 299, 300]));
 }
+
+mod runtime_actors {
+    //! The dashboard of a program on the runtime API: its actors with their message rates, a
+    //! panic among the failures, the table rendered by headless Chromium.
+
+    use std::time::Duration;
+
+    use archipelago_controller::prelude::*;
+    use archipelago_controller::runtime::serve_dashboard;
+
+    use super::{chromium, dump_dom, get, wait_until};
+
+    struct Pinger;
+    impl Actor for Pinger {
+        type Params = ();
+        async fn new(_: (), _ctx: &Context<Self>) -> Result<Self, String> {
+            Ok(Pinger)
+        }
+    }
+    struct Ping(u64);
+    impl Message for Ping {
+        type Reply = u64;
+    }
+    impl Handler<Ping> for Pinger {
+        async fn handle(&mut self, Ping(n): Ping, _ctx: &Context<Self>) -> u64 {
+            n
+        }
+    }
+    struct Crash;
+    impl Message for Crash {
+        type Reply = ();
+    }
+    impl Handler<Crash> for Pinger {
+        async fn handle(&mut self, _: Crash, _ctx: &Context<Self>) {
+            panic!("told to crash");
+        }
+    }
+
+    #[test]
+    fn the_dashboard_lists_user_actors_with_rates_and_failures() {
+        let runtime = Runtime::local(DeviceSpec::cpus(2));
+        let busy = runtime
+            .spawn_with::<Pinger>(DeviceSpec::Cpu(0), (), SpawnOptions::named("busy").restarts(1))
+            .get()
+            .unwrap();
+        let _idle = runtime.spawn::<Pinger>(DeviceSpec::Cpu(1), ()).get().unwrap();
+        let (addr, _dashboard) = serve_dashboard(&runtime, "127.0.0.1:0").unwrap();
+        let addr = addr.to_string();
+        assert!(busy.call(Crash).get().is_err());
+        let actors = || -> serde_json::Value { serde_json::from_str(&get(&addr, "/api/actors")).unwrap() };
+        wait_until("a call rate on the busy actor", Duration::from_secs(20), || {
+            for n in 0..200 {
+                busy.call(Ping(n)).get().unwrap();
+            }
+            let view = actors();
+            view.as_array().is_some_and(|a| {
+                a.len() == 2 && a[0]["name"] == "busy" && a[0]["calls_per_s"].as_f64().unwrap_or(0.0) > 0.0
+            })
+        });
+        let view = actors();
+        assert_eq!(view[0]["failures"], 1, "{view}");
+        assert_eq!(view[0]["restarts"], 1, "{view}");
+        assert_eq!(view[0]["state"], "running", "{view}");
+        assert_eq!(view[1]["calls_per_s"], 0.0, "{view}");
+        let failures = get(&addr, "/api/failures");
+        assert!(
+            failures.contains("\\\"busy\\\" (`Pinger`)") && failures.contains("panicked"),
+            "{failures}"
+        );
+        let dom = dump_dom(&chromium(), &format!("http://{addr}/"));
+        assert_eq!(dom.matches("class=\"actor\"").count(), 2, "{dom}");
+        assert!(
+            dom.contains("<td>busy</td><td>Pinger</td><td>local</td><td>cpu:0</td>"),
+            "{dom}"
+        );
+    }
+}

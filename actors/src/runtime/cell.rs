@@ -107,6 +107,7 @@ impl<A: Actor> ractor::Actor for Cell<A> {
         };
         let failure = shared.failure(mail.message_type(), mail.seq(), panic_message(panic.as_ref()));
         tracing::error!(%failure, "actor handler panicked");
+        shared.failures.fetch_add(1, Ordering::Relaxed);
         // Everything already queued fails with this failure; the caller of this message too.
         shared.fail_pending(failure.clone());
         mail.fail(CallError::Failed(failure.clone()));

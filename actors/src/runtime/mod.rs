@@ -44,7 +44,7 @@ pub use call::{Call, Pending, Waited, wait};
 pub use context::Context;
 pub use mesh::ActorMesh;
 pub use remote::Registry;
-pub use supervision::{ActorEnd, ActorInfo, CallError, SpawnOptions};
+pub use supervision::{ActorEnd, ActorInfo, ActorStats, CallError, SpawnOptions};
 pub use system::{Runtime, RuntimeHandle, Slot, SpawnError};
 pub use tensor_store::{TensorError, TensorId, TensorRef};
 

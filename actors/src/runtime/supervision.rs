@@ -80,6 +80,23 @@ pub enum ActorEnd {
     Failed(Box<ActorFailure>),
 }
 
+/// What an actor has done so far: what the dashboard and `actor_stats` show.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ActorStats {
+    /// Who it is.
+    pub info: ActorInfo,
+    /// Messages taken off its queue.
+    pub handled: u64,
+    /// Messages waiting.
+    pub queue_depth: u64,
+    /// Restarts after panics.
+    pub restarts: u32,
+    /// Handler panics.
+    pub failures: u64,
+    /// How it ended (`None` while it runs).
+    pub ended: Option<String>,
+}
+
 /// Why a call did not produce a reply.
 #[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum CallError {
@@ -152,6 +169,8 @@ pub(crate) struct ActorShared {
     /// Messages taken off the queue.
     pub(crate) handled: AtomicU64,
     pub(crate) restarts: AtomicU32,
+    /// Handler panics so far.
+    pub(crate) failures: AtomicU64,
     /// Messages with a sequence number up to this one fail with this failure (set by a panic).
     failed_upto: Mutex<Option<(u64, Box<ActorFailure>)>>,
     /// How the actor is ending, decided (by a stop or a final panic) before it has ended.
@@ -168,6 +187,7 @@ impl ActorShared {
             next_seq: AtomicU64::new(0),
             handled: AtomicU64::new(0),
             restarts: AtomicU32::new(0),
+            failures: AtomicU64::new(0),
             failed_upto: Mutex::new(None),
             ending: Mutex::new(None),
             end: watch::Sender::new(None),
@@ -188,6 +208,22 @@ impl ActorShared {
         self.next_seq
             .load(Ordering::Relaxed)
             .saturating_sub(self.handled.load(Ordering::Relaxed))
+    }
+
+    /// Its figures now.
+    pub(crate) fn stats(&self) -> ActorStats {
+        let ended = self.end().map(|end| match end {
+            ActorEnd::Stopped { reason } => format!("stopped: {reason}"),
+            ActorEnd::Failed(failure) => format!("failed: {failure}"),
+        });
+        ActorStats {
+            info: self.info.clone(),
+            handled: self.handled.load(Ordering::Relaxed),
+            queue_depth: self.queue_depth(),
+            restarts: self.restarts.load(Ordering::Relaxed),
+            failures: self.failures.load(Ordering::Relaxed),
+            ended,
+        }
     }
 
     /// Fails every message sent so far that has not been handled yet.

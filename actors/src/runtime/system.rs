@@ -43,8 +43,11 @@ use super::remote::connection::spawn_failed;
 use super::remote::registry::Registry;
 use super::remote::wire::Frame;
 use super::remote::{HostConnection, Liveness};
-use super::supervision::{ActorInfo, ActorShared, SpawnOptions};
+use super::supervision::{ActorInfo, ActorShared, ActorStats, SpawnOptions};
 use super::tensor_store::TensorStores;
+
+/// How many ended actors a runtime remembers (for the dashboard).
+const ENDED_KEPT: usize = 256;
 
 /// How long a runtime's shutdown lets busy actors finish their message before killing them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
@@ -164,6 +167,8 @@ pub(crate) struct RuntimeInner {
     driver: Handle,
     next_id: AtomicUsize,
     live: Mutex<HashMap<ActorId, LiveActor>>,
+    /// The last actors that ended, as they ended (for the dashboard).
+    ended: Mutex<std::collections::VecDeque<ActorStats>>,
     pub(crate) tensors: TensorStores,
     /// The cluster's hosts, when the program drives actors on other hosts.
     cluster: Option<Cluster>,
@@ -203,6 +208,7 @@ impl Runtime {
             driver: driver.handle().clone(),
             next_id: AtomicUsize::new(0),
             live: Mutex::new(HashMap::new()),
+            ended: Mutex::default(),
             tensors: TensorStores::default(),
             cluster: None,
         };
@@ -250,6 +256,7 @@ impl Runtime {
             driver: driver.handle().clone(),
             next_id: AtomicUsize::new(0),
             live: Mutex::new(HashMap::new()),
+            ended: Mutex::default(),
             tensors: TensorStores::default(),
             cluster: Some(Cluster { slots, connections }),
         };
@@ -372,9 +379,44 @@ impl RuntimeHandle {
         infos
     }
 
+    /// The figures of this process's actors: the live ones, then the last that ended.
+    pub fn local_actor_stats(&self) -> Vec<ActorStats> {
+        let live = self.inner.live.lock().expect("live actors");
+        let mut stats: Vec<ActorStats> = live.values().map(|a| a.shared.stats()).collect();
+        drop(live);
+        stats.sort_by_key(|s| s.info.id);
+        stats.extend(self.inner.ended.lock().expect("ended actors").iter().cloned());
+        stats
+    }
+
+    /// The figures of every actor of the runtime: this process's, and on a cluster every
+    /// host's (asked over their actor ports; a host that does not answer is left out).
+    pub fn actor_stats(&self) -> Pending<Vec<ActorStats>> {
+        let mut stats = self.local_actor_stats();
+        let connections: Vec<Arc<HostConnection>> = match &self.inner.cluster {
+            Some(cluster) => cluster.connections.values().cloned().collect(),
+            None => Vec::new(),
+        };
+        Pending::new(
+            async move {
+                for connection in connections {
+                    stats.extend(connection.stats().await.unwrap_or_default());
+                }
+                stats
+            },
+            self.inner.driver.clone(),
+        )
+    }
+
     pub(crate) fn actor_ended(&self, shared: &ActorShared) {
         let id = shared.info.id;
         self.inner.live.lock().expect("live actors").remove(&id);
+        let mut ended = self.inner.ended.lock().expect("ended actors");
+        if ended.len() == ENDED_KEPT {
+            ended.pop_front();
+        }
+        ended.push_back(shared.stats());
+        drop(ended);
         let reason = match shared.end() {
             Some(super::ActorEnd::Failed(failure)) => failure.message.clone(),
             Some(super::ActorEnd::Stopped { reason }) => format!("stopped: {reason}"),

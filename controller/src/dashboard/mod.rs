@@ -5,7 +5,8 @@
 //! step time), a timeline of the last steps with one lane per actor (pipeline bubbles are the
 //! gaps), and failures as they happen. It renders the state embedded in the page at request time,
 //! then every server-sent event (`/events`), each carrying the whole state. JSON endpoints serve the same data:
-//! `/api/state`, `/api/cluster`, `/api/job`, `/api/timeline`, `/api/failures`.
+//! `/api/state`, `/api/cluster`, `/api/job`, `/api/timeline`, `/api/failures`, `/api/actors`
+//! (the actors of a program on the runtime API, with their message rates and failures).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -122,9 +123,38 @@ pub struct FailureView {
     pub message: String,
 }
 
+/// An actor of a program on the runtime API, as the page shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ActorView {
+    /// Its id on its host.
+    pub id: usize,
+    /// Its name.
+    pub name: String,
+    /// Its Rust type.
+    pub type_name: String,
+    /// Its device.
+    pub device: String,
+    /// Its host.
+    pub host: String,
+    /// Messages handled so far.
+    pub handled: u64,
+    /// Messages handled per second over the last sampling period.
+    pub calls_per_s: f64,
+    /// Messages waiting.
+    pub queue_depth: u64,
+    /// Restarts after panics.
+    pub restarts: u32,
+    /// Handler panics.
+    pub failures: u64,
+    /// `running`, or how it ended.
+    pub state: String,
+}
+
 /// Everything the page shows.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct DashboardView {
+    /// The actors of a program on the runtime API (empty for training jobs).
+    pub actors: Vec<ActorView>,
     /// The hosts.
     pub cluster: Vec<HostView>,
     /// The running (or last) job.
@@ -158,6 +188,11 @@ impl Dashboard {
             recent: Mutex::default(),
             events,
         })
+    }
+
+    /// Shows these actors (a program on the runtime API).
+    pub fn set_actors(&self, actors: Vec<ActorView>) {
+        self.update(|v| v.actors = actors);
     }
 
     /// A copy of what the page shows.
@@ -333,6 +368,10 @@ async fn failures(State(d): State<Arc<Dashboard>>) -> impl IntoResponse {
     Json(d.view().failures)
 }
 
+async fn actors(State(d): State<Arc<Dashboard>>) -> impl IntoResponse {
+    Json(d.view().actors)
+}
+
 async fn events(
     State(d): State<Arc<Dashboard>>,
 ) -> Sse<impl tokio_stream::Stream<Item = Result<Event, Infallible>>> {
@@ -353,6 +392,7 @@ pub fn serve(listener: tokio::net::TcpListener, dashboard: Arc<Dashboard>) -> st
         .route("/api/job", get(job))
         .route("/api/timeline", get(timeline_json))
         .route("/api/failures", get(failures))
+        .route("/api/actors", get(actors))
         .route("/events", get(events))
         .with_state(dashboard);
     tokio::spawn(async move {

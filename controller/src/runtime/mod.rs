@@ -29,9 +29,11 @@
 //! }
 //! ```
 
+mod dashboard;
 mod driver;
 mod host;
 
+pub use dashboard::serve_dashboard;
 pub use driver::connect;
 pub use host::{HostSettings, serve_as_host};
 

@@ -22,7 +22,7 @@ use crate::error::ActorFailure;
 use crate::runtime::TensorError;
 use crate::runtime::supervision::{ActorEnd, ActorShared, CallError};
 use crate::runtime::tensor_store::Meta;
-use crate::runtime::{ActorInfo, SpawnError};
+use crate::runtime::{ActorInfo, ActorStats, SpawnError};
 use crate::typed_tensor::{DType, TypedTensor};
 
 /// Bytes read from the socket at a time.
@@ -64,6 +64,7 @@ struct State {
     spawns: HashMap<u64, oneshot::Sender<Result<ActorInfo, String>>>,
     actors: HashMap<ActorId, Weak<ActorShared>>,
     fetches: HashMap<u64, PendingFetch>,
+    stats: HashMap<u64, oneshot::Sender<Vec<ActorStats>>>,
     lost: Option<String>,
     last_heard: Option<Instant>,
 }
@@ -165,6 +166,11 @@ impl HostConnection {
                     let _ = tx.send(result);
                 }
             }
+            Frame::StatsReply { request, stats } => {
+                if let Some(tx) = state.stats.remove(&request) {
+                    let _ = tx.send(stats);
+                }
+            }
             Frame::Ended { actor, end } => {
                 if let Some(shared) = state.actors.remove(&actor).and_then(|w| w.upgrade()) {
                     drop(state);
@@ -212,6 +218,21 @@ impl HostConnection {
         Ok(())
     }
 
+    /// The figures of the host's actors (`None` when the host is lost).
+    pub(crate) async fn stats(&self) -> Option<Vec<ActorStats>> {
+        let request = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut state = self.state.lock().expect("connection");
+            if state.lost.is_some() {
+                return None;
+            }
+            state.stats.insert(request, tx);
+        }
+        self.send(Frame::Stats { request });
+        rx.await.ok()
+    }
+
     /// Queues a frame.
     pub(crate) fn send(&self, frame: Frame) {
         let _ = self.out.send(frame.into());
@@ -246,6 +267,7 @@ impl HostConnection {
         let spawns: Vec<_> = state.spawns.drain().map(|(_, s)| s).collect();
         let actors: Vec<_> = state.actors.drain().filter_map(|(_, w)| w.upgrade()).collect();
         let fetches: Vec<PendingFetch> = state.fetches.drain().map(|(_, f)| f).collect();
+        state.stats.clear();
         drop(state);
         for (meta, reply) in fetches {
             let _ = reply.send(Err(unreachable(&meta, &self.host, &why)));

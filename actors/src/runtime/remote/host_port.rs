@@ -227,6 +227,10 @@ async fn serve_connection(
                 }
             }
             Frame::Ping => send(&out, Frame::Pong),
+            Frame::Stats { request } => {
+                let stats = runtime.local_actor_stats();
+                send(&out, Frame::StatsReply { request, stats });
+            }
             Frame::Borrow { tensor } => runtime.inner().tensors.inner.adjust(tensor, false, 1),
             Frame::Release { tensor } => runtime.inner().tensors.inner.adjust(tensor, false, -1),
             Frame::Fetch { request, tensor } => {

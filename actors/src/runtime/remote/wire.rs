@@ -8,7 +8,7 @@ use archipelago_dataflow::{ActorId, DeviceSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
-use crate::runtime::{ActorEnd, ActorInfo, CallError, TensorError, TensorId};
+use crate::runtime::{ActorEnd, ActorInfo, ActorStats, CallError, TensorError, TensorId};
 use crate::typed_tensor::{DType, TypedTensor};
 
 /// A frame to write, with the raw payload that follows it (a fetched tensor's bytes).
@@ -111,6 +111,18 @@ pub enum Frame {
         request: u64,
         /// The header, or why the tensor cannot be had.
         result: Result<(DType, Vec<usize>, u64), TensorError>,
+    },
+    /// Ask for the figures of the host's actors.
+    Stats {
+        /// Request number, echoed in [`Frame::StatsReply`].
+        request: u64,
+    },
+    /// The host's actors' figures.
+    StatsReply {
+        /// The request answered.
+        request: u64,
+        /// One entry per actor (live ones, then the last that ended).
+        stats: Vec<ActorStats>,
     },
     /// Liveness probe; answered with [`Frame::Pong`].
     Ping,
