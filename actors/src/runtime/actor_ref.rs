@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::actor::{Actor, Handler, Message};
 use super::call::{Call, Pending};
-use super::envelope::{Letter, Mail, ReplyTo};
+use super::envelope::{Letter, Mail, ReplySink, ReplyTo};
 use super::remote::HostConnection;
 use super::remote::registry::{MessageCodec, Registry};
 use super::supervision::{ActorEnd, ActorInfo, ActorShared, CallError};
@@ -193,13 +193,16 @@ impl<A: Actor> ActorRef<A> {
         };
         let letter = Letter {
             message: Some(message),
-            reply: Some(ReplyTo::Sink(sink)),
+            reply: Some(ReplyTo::Sink(ReplySink::new(
+                sink,
+                self.shared.clone(),
+                message_type,
+            ))),
             cancel: None,
             seq: self.shared.sequence(),
         };
-        if let Err(ractor::MessagingErr::SendErr(mut mail)) = port.send_message(Box::new(letter) as Mail<A>) {
-            mail.fail(self.shared.ended_error(message_type));
-        }
+        // A letter the mailbox refuses is dropped here, and its sink answers with the end.
+        let _ = port.send_message(Box::new(letter) as Mail<A>);
     }
 
     /// Encodes `message` for the actor's host with the codec registered for its type.

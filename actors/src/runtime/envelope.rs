@@ -10,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::actor::{Handler, Message};
 use super::context::Context;
-use super::supervision::CallError;
+use super::supervision::{ActorShared, CallError};
 
 /// One message in an actor's mailbox, its type erased.
 pub(crate) trait Envelope<A>: Send {
@@ -37,10 +37,11 @@ pub(crate) type ReplyTx<R> = oneshot::Sender<Result<R, CallError>>;
 /// Where a call's reply goes: a waiting [`Call`](super::Call), or a sink that takes it on the
 /// actor's own thread (a host encoding the reply for a caller in another process).
 pub(crate) enum ReplyTo<R> {
-    /// A local caller's future.
+    /// A local caller's future (a dropped sender tells it the actor ended).
     Channel(ReplyTx<R>),
-    /// Called with the reply.
-    Sink(Box<dyn FnOnce(Result<R, CallError>) + Send>),
+    /// Called with the reply — or, when the letter is dropped unanswered (the actor ended with
+    /// it queued), with the actor's end.
+    Sink(ReplySink<R>),
 }
 
 impl<R> ReplyTo<R> {
@@ -50,7 +51,40 @@ impl<R> ReplyTo<R> {
             ReplyTo::Channel(tx) => {
                 let _ = tx.send(result);
             }
-            ReplyTo::Sink(sink) => sink(result),
+            ReplyTo::Sink(mut sink) => {
+                if let Some(f) = sink.sink.take() {
+                    f(result);
+                }
+            }
+        }
+    }
+}
+
+/// A reply sink that always answers: dropped without a reply, it reports the actor's end.
+pub(crate) struct ReplySink<R> {
+    sink: Option<Box<dyn FnOnce(Result<R, CallError>) + Send>>,
+    actor: Arc<ActorShared>,
+    message: &'static str,
+}
+
+impl<R> ReplySink<R> {
+    pub(crate) fn new(
+        sink: Box<dyn FnOnce(Result<R, CallError>) + Send>,
+        actor: Arc<ActorShared>,
+        message: &'static str,
+    ) -> ReplySink<R> {
+        ReplySink {
+            sink: Some(sink),
+            actor,
+            message,
+        }
+    }
+}
+
+impl<R> Drop for ReplySink<R> {
+    fn drop(&mut self) {
+        if let Some(f) = self.sink.take() {
+            f(Err(self.actor.ended_error(self.message)));
         }
     }
 }

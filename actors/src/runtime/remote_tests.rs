@@ -144,8 +144,20 @@ fn actors_on_another_host_take_calls_and_casts_in_order_and_name_their_failures(
     );
 
     let queued = keeper.call(Push(7));
-    let crashed = keeper.call(Crash).get().unwrap_err();
+    let slow = keeper.call(Hold(100));
+    let crash = keeper.call(Crash);
+    // Calls queued behind the panic: the actor ends without handling them, and each caller
+    // still hears why (no hang).
+    let behind: Vec<_> = (0..20)
+        .map(|_| keeper.call(Dump).timeout(Duration::from_secs(5)))
+        .collect();
+    let crashed = crash.get().unwrap_err();
     queued.get().unwrap();
+    slow.get().unwrap();
+    for call in behind {
+        let error = call.get().unwrap_err();
+        assert!(matches!(error, CallError::Failed(_)), "{error}");
+    }
     let text = crashed.to_string();
     for part in [
         "host host-a",

@@ -172,10 +172,24 @@ impl HostConnection {
                 }
             }
             Frame::Ended { actor, end } => {
-                if let Some(shared) = state.actors.remove(&actor).and_then(|w| w.upgrade()) {
-                    drop(state);
+                let shared = state.actors.remove(&actor).and_then(|w| w.upgrade());
+                // Calls still pending on the ended actor will not be answered by it.
+                let orphans: Vec<u64> = state
+                    .calls
+                    .iter()
+                    .filter(|(_, c)| c.actor.info.id == actor)
+                    .map(|(id, _)| *id)
+                    .collect();
+                let orphans: Vec<PendingCall> =
+                    orphans.iter().filter_map(|id| state.calls.remove(id)).collect();
+                drop(state);
+                if let Some(shared) = &shared {
                     shared.set_end(end);
                     shared.publish_end();
+                }
+                for call in orphans {
+                    let error = call.actor.ended_error(call.message);
+                    (call.deliver)(Err(error));
                 }
             }
             _ => {}
