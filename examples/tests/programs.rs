@@ -230,6 +230,130 @@ mod actors_cluster {
     }
 }
 
+/// The parameter server (Li et al., OSDI 2014) of `programs/parameter_server.rs`: at bounded
+/// delay 0 it must train exactly as the library's data-parallel training does (the controller's
+/// own compile → actors → all-reduce → flat SGD path, its final parameters read back from the
+/// checkpoint it writes after the last step); a planted fault must break that comparison; at
+/// bounded delay 2 no worker may start more than 2 clocks ahead of the slowest.
+mod parameter_server {
+    use archipelago_actors::checkpoint::{CheckpointReader, step_dir};
+    use archipelago_controller::prelude::*;
+    use archipelago_controller::{Controller, TrainOptions};
+    use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Program};
+    use archipelago_examples::programs::parameter_server::{ClockEvent, Fault, Outcome, PsConfig, run};
+
+    fn config(workers: usize, staleness: u64, fault: Fault) -> PsConfig {
+        PsConfig {
+            model: ModelSpec::parse("mlp:in=16,hidden=32,layers=2,out=4").unwrap(),
+            seed: 7,
+            optimizer: OptimizerSpec::Sgd { lr: 0.5 },
+            servers: 2,
+            workers,
+            local_batch: 8,
+            clocks: 12,
+            staleness,
+            delay_ms: Vec::new(),
+            fault,
+        }
+    }
+
+    fn run_local(config: &PsConfig) -> Outcome {
+        let runtime = Runtime::local(DeviceSpec::cpus(config.devices()));
+        run(&runtime, config).unwrap()
+    }
+
+    /// `Controller::train` of the same model, seed, data, SGD and global batch at data
+    /// parallelism `dp`: each step's loss, and the final flat parameters (block after block).
+    fn data_parallel(config: &PsConfig, dp: usize) -> (Vec<f32>, Vec<f32>) {
+        let plan = ParallelPlan {
+            dp,
+            batch: config.global_batch(),
+            ..ParallelPlan::default()
+        };
+        let program = Program::new(config.model.clone())
+            .with_seed(config.seed)
+            .with_optimizer(config.optimizer)
+            .with_plan(plan);
+        let dir = tempfile::tempdir().unwrap();
+        let options = TrainOptions {
+            steps: config.clocks,
+            job: format!("ps-reference-dp{dp}"),
+            checkpoint_dir: Some(dir.path().to_path_buf()),
+            ..TrainOptions::default()
+        };
+        let report = Controller::local(DeviceSpec::cpus(dp))
+            .train(&program, &options)
+            .unwrap();
+        let reader = CheckpointReader::open(&step_dir(dir.path(), config.clocks)).unwrap();
+        let params = (config.model.desc().blocks.iter().enumerate())
+            .flat_map(|(i, b)| reader.read(i, 0..b.params as usize, false).unwrap()[0].clone())
+            .collect();
+        (report.steps.iter().map(|s| s.loss).collect(), params)
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn at_bounded_delay_0_it_trains_exactly_like_data_parallel_sgd_and_faults_are_caught() {
+        let synchronous = config(3, 0, Fault::None);
+        let (losses, params) = data_parallel(&synchronous, 3);
+        let (losses_dp1, params_dp1) = data_parallel(&synchronous, 1);
+        let ps = run_local(&synchronous);
+        let (d_params, d_losses) = (max_diff(&ps.params, &params), max_diff(&ps.losses, &losses));
+        let d_dp1 = max_diff(&ps.params, &params_dp1).max(max_diff(&ps.losses, &losses_dp1));
+        println!("K=0 vs dp=3: params {d_params:.2e}, losses {d_losses:.2e}; vs dp=1: {d_dp1:.2e}");
+        assert!(d_params <= 1e-5 && d_losses <= 1e-5, "{d_params} {d_losses}");
+        assert!(d_dp1 <= 1e-5, "{d_dp1}");
+        assert!(ps.losses[11] < 0.8 * ps.losses[0], "it trains: {:?}", ps.losses);
+        // Lockstep: every clock computed on values holding every earlier clock.
+        assert_eq!(ps.max_lead(), 0);
+        assert!(ps.workers.iter().flatten().all(|s| s.applied == s.clock));
+
+        for fault in [Fault::DropPushOf(1), Fault::AveragePushes] {
+            let faulty = run_local(&config(3, 0, fault));
+            let d = max_diff(&faulty.params, &params);
+            println!("{fault:?}: params {d:.2e}");
+            assert!(d > 1e-3, "{fault:?} went unnoticed: max |diff| {d}");
+        }
+    }
+
+    #[test]
+    fn at_bounded_delay_2_fast_workers_run_ahead_of_a_slow_one_by_at_most_2_clocks() {
+        let bounded = PsConfig {
+            delay_ms: vec![0, 0, 15],
+            ..config(3, 2, Fault::None)
+        };
+        let ps = run_local(&bounded);
+        for event in ps.logs.iter().flatten() {
+            match event {
+                ClockEvent::Granted { clock, pushed, .. } => {
+                    assert!(*clock <= pushed.iter().min().unwrap() + 2, "{event:?}");
+                }
+                // A clock is applied as soon as the slowest worker has pushed it.
+                ClockEvent::Applied { clock, pushed } => {
+                    assert_eq!(*clock + 1, *pushed.iter().min().unwrap(), "{event:?}");
+                }
+            }
+        }
+        // The fast workers did get ahead (so the bound was tested), as far as it allows.
+        assert_eq!(ps.max_lead(), 2);
+        for step in ps.workers.iter().flatten() {
+            assert!(step.clock - step.applied <= 2, "{step:?}");
+        }
+        assert!(ps.workers[0].iter().any(|s| s.clock - s.applied == 2));
+        // ... and were held back there: the servers enforced the bound.
+        assert!(ps.workers[0].iter().any(|s| s.refused > 0));
+        assert!(
+            ps.losses[11] < 0.8 * ps.losses[0],
+            "it still trains: {:?}",
+            ps.losses
+        );
+    }
+}
+
 /// Trial search: successive halving stops the worse half at every rung and keeps training the
 /// rest from their checkpoints; the power-law fit recovers a known law; a ladder trains.
 mod trial_search {

@@ -60,16 +60,19 @@ impl<R> ReplyTo<R> {
     }
 }
 
+/// A function that takes a call's reply.
+pub(crate) type SinkFn<R> = Box<dyn FnOnce(Result<R, CallError>) + Send>;
+
 /// A reply sink that always answers: dropped without a reply, it reports the actor's end.
 pub(crate) struct ReplySink<R> {
-    sink: Option<Box<dyn FnOnce(Result<R, CallError>) + Send>>,
+    sink: Option<SinkFn<R>>,
     actor: Arc<ActorShared>,
     message: &'static str,
 }
 
 impl<R> ReplySink<R> {
     pub(crate) fn new(
-        sink: Box<dyn FnOnce(Result<R, CallError>) + Send>,
+        sink: SinkFn<R>,
         actor: Arc<ActorShared>,
         message: &'static str,
     ) -> ReplySink<R> {

@@ -1,0 +1,56 @@
+//! The parameter server of `programs/parameter_server.rs` (Li et al., OSDI 2014): 2 servers and
+//! 4 workers train an mlp, first with bounded delay K = 0 (synchronous data parallelism), then
+//! with K = 2 and worker 3 sleeping 10 ms per clock. Prints the losses and how far ahead of the
+//! slowest worker the others ran. `cargo run --example parameter_server [-- K]` runs only that K.
+//! Like `actors_cluster`, the same binary runs on a cluster (`ARCHIPELAGO_CONTROLLER`, hosts
+//! with `ARCHIPELAGO_ROLE=host`).
+
+use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec};
+use archipelago_examples::programs::parameter_server::{Fault, PsConfig, registry, run};
+
+fn main() -> anyhow::Result<()> {
+    let only: Option<u64> = std::env::args().nth(1).map(|k| k.parse()).transpose()?;
+    let base = PsConfig {
+        model: ModelSpec::parse("mlp:in=32,hidden=64,layers=2,out=4")?,
+        seed: 7,
+        optimizer: OptimizerSpec::Sgd { lr: 0.5 },
+        servers: 2,
+        workers: 4,
+        local_batch: 16,
+        clocks: 30,
+        staleness: 0,
+        delay_ms: Vec::new(),
+        fault: Fault::None,
+    };
+    let runtime = archipelago_controller::runtime::init(registry(), DeviceSpec::cpus(base.devices()))?;
+    for staleness in [0, 2].into_iter().filter(|k| only.is_none_or(|o| o == *k)) {
+        let delay_ms = if staleness > 0 {
+            vec![0, 0, 0, 10]
+        } else {
+            Vec::new()
+        };
+        let config = PsConfig {
+            staleness,
+            delay_ms,
+            ..base.clone()
+        };
+        let outcome = run(&runtime, &config)?;
+        println!(
+            "K = {staleness}: {} servers, {} workers, global batch {}, {} clocks in {:.3} s",
+            config.servers,
+            config.workers,
+            config.global_batch(),
+            config.clocks,
+            outcome.wall_s
+        );
+        for (clock, loss) in outcome.losses.iter().enumerate() {
+            println!("  clock {clock:>2}  loss {loss:.5}");
+        }
+        let refused: u32 = outcome.workers.iter().flatten().map(|s| s.refused).sum();
+        println!(
+            "  most clocks a worker started ahead of the slowest: {} (bound {staleness}); pulls refused: {refused}",
+            outcome.max_lead()
+        );
+    }
+    Ok(())
+}
