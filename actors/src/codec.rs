@@ -20,8 +20,11 @@ use serde::de::DeserializeOwned;
 /// The largest encoded message accepted (64 MiB): bulk data belongs on the fabric as tensors.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// The largest frame of the actor port: a message at the limit plus its envelope.
+pub const MAX_FRAME_BYTES: usize = MAX_MESSAGE_BYTES + (64 << 10);
+
 fn config() -> impl bincode::config::Config {
-    bincode::config::standard().with_limit::<MAX_MESSAGE_BYTES>()
+    bincode::config::standard().with_limit::<MAX_FRAME_BYTES>()
 }
 
 /// Why a value could not be encoded or decoded.
@@ -79,12 +82,36 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, CodecError> {
     Ok(bytes)
 }
 
+/// Encodes a frame that wraps an already encoded message (allowed [`MAX_FRAME_BYTES`]).
+pub fn encode_frame<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, CodecError> {
+    let bytes = bincode::serde::encode_to_vec(value, config()).map_err(|e| CodecError::Encode {
+        ty: std::any::type_name::<T>(),
+        reason: e.to_string(),
+    })?;
+    if bytes.len() > MAX_FRAME_BYTES {
+        return Err(CodecError::TooLarge { bytes: bytes.len() });
+    }
+    Ok(bytes)
+}
+
+/// Decodes a frame (up to [`MAX_FRAME_BYTES`]) that must fill `bytes` exactly.
+pub fn decode_frame<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    if bytes.len() > MAX_FRAME_BYTES {
+        return Err(CodecError::TooLarge { bytes: bytes.len() });
+    }
+    decode_unchecked(bytes)
+}
+
 /// Decodes a `T` that must fill `bytes` exactly, refusing oversized payloads first.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
-    let ty = std::any::type_name::<T>();
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(CodecError::TooLarge { bytes: bytes.len() });
     }
+    decode_unchecked(bytes)
+}
+
+fn decode_unchecked<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    let ty = std::any::type_name::<T>();
     let (value, used) =
         bincode::serde::decode_from_slice(bytes, config()).map_err(|e| CodecError::Decode {
             ty,

@@ -161,22 +161,29 @@ impl TypedTensor {
         Ok(tensor)
     }
 
-    /// A zero-filled tensor (the buffer a receiver allocates before the bytes arrive).
+    /// A zero-filled tensor (the buffer a receiver allocates before the bytes arrive). A shape
+    /// whose size overflows, or memory that cannot be had, is an error, not an abort.
     pub fn zeros(dtype: DType, shape: Vec<usize>) -> Result<TypedTensor, ShapeMismatch> {
         let elements = shape.iter().try_fold(1usize, |a, d| a.checked_mul(*d));
         let len = elements.and_then(|e| e.checked_mul(dtype.size()));
-        let Some(len) = len.filter(|l| *l <= isize::MAX as usize / 2) else {
-            return Err(ShapeMismatch {
-                dtype,
-                shape,
-                bytes: 0,
-                expected: usize::MAX,
-            });
+        let refused = |shape: Vec<usize>| ShapeMismatch {
+            dtype,
+            shape,
+            bytes: 0,
+            expected: usize::MAX,
         };
+        let Some(len) = len.filter(|l| *l <= isize::MAX as usize / 2) else {
+            return Err(refused(shape));
+        };
+        let mut words: Vec<u64> = Vec::new();
+        if words.try_reserve_exact(len.div_ceil(8)).is_err() {
+            return Err(refused(shape));
+        }
+        words.resize(len.div_ceil(8), 0);
         Ok(TypedTensor {
             dtype,
             shape,
-            words: Arc::new(vec![0u64; len.div_ceil(8)]),
+            words: Arc::new(words),
             len,
         })
     }

@@ -1,5 +1,5 @@
 //! The cell that runs one user actor inside a ractor actor: it takes each envelope off the
-//! mailbox, skips cancelled ones, fails those queued before a panic, runs the handler with the
+//! mailbox, skips cancelled ones, fails those sent before a panic was handled, runs the handler with the
 //! panic caught, and applies the restart policy.
 
 use std::marker::PhantomData;
@@ -44,10 +44,12 @@ pub(crate) struct CellState<A: Actor> {
     max_restarts: u32,
 }
 
-/// Runs the constructor with panics caught.
+/// Runs the constructor with panics caught, as the actor (so that calling itself from its
+/// constructor is refused like a self-call from a handler).
 async fn construct<A: Actor>(params: &A::Params, ctx: &Context<A>) -> Result<A, String> {
-    AssertUnwindSafe(A::new(params.clone(), ctx))
-        .catch_unwind()
+    let build = AssertUnwindSafe(A::new(params.clone(), ctx)).catch_unwind();
+    CURRENT_ACTOR
+        .scope(ctx.myself().key(), build)
         .await
         .unwrap_or_else(|p| Err(panic_message(p.as_ref())))
 }

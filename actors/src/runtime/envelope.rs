@@ -71,11 +71,7 @@ pub(crate) struct ReplySink<R> {
 }
 
 impl<R> ReplySink<R> {
-    pub(crate) fn new(
-        sink: SinkFn<R>,
-        actor: Arc<ActorShared>,
-        message: &'static str,
-    ) -> ReplySink<R> {
+    pub(crate) fn new(sink: SinkFn<R>, actor: Arc<ActorShared>, message: &'static str) -> ReplySink<R> {
         ReplySink {
             sink: Some(sink),
             actor,

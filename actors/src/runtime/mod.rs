@@ -18,10 +18,15 @@
 //! - **One at a time**: an actor handles one message at a time and each handler runs to
 //!   completion, its `.await`s included; an actor's state is only seen between handlers. A
 //!   handler that calls its own actor gets [`CallError::SelfCall`] instead of a deadlock.
-//! - **Failures are named**: a panic fails that call and every call queued before it with an
-//!   [`ActorFailure`](crate::ActorFailure) naming job, actor, type, host, device and message;
-//!   with [`SpawnOptions::max_restarts`] the constructor runs again, otherwise the actor ends
-//!   and [`ActorRef::ended`] resolves. Calls to an ended actor fail at once.
+//! - **Failures are named**: a panic fails that call and every call already sent to the actor
+//!   (queued behind it) with an [`ActorFailure`](crate::ActorFailure) naming job, actor, type,
+//!   host, device and message; with [`SpawnOptions::max_restarts`] the constructor runs again,
+//!   otherwise the actor ends and [`ActorRef::ended`] resolves. Calls to an ended actor fail at
+//!   once; calls it had queued are answered with its end, across processes too.
+//! - **Across processes** the order per caller holds (one connection per caller and host); a
+//!   timeout or cancel ends the caller's wait but does not reach the host (a message already
+//!   sent still runs there); `queue_depth` and `restarts` of a remote reference are the
+//!   caller's view (see the host's `actor_stats` for the actor's own).
 //! - **Placement**: each device of the runtime is one OS thread running its actors; actors on
 //!   different devices run in parallel, actors on one device take turns.
 

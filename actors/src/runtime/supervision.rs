@@ -1,7 +1,7 @@
 //! Supervision: what a caller learns when an actor fails or stops, the restart policy, and the
 //! state every reference to one actor shares (its identity, message counters, how it ended).
 //!
-//! A panic in a handler fails that call and every call queued on the actor before the panic,
+//! A panic in a handler fails that call and every call already sent to the actor (queued behind it),
 //! each with the same [`ActorFailure`] naming actor, type, host, device and the message that
 //! panicked. With restarts left ([`SpawnOptions::max_restarts`]) the constructor runs again with
 //! the same parameters and later messages go to the new instance; without, the actor ends and
@@ -100,7 +100,7 @@ pub struct ActorStats {
 /// Why a call did not produce a reply.
 #[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum CallError {
-    /// The actor panicked while handling this message or one queued before it (or its host was
+    /// The actor panicked while handling this message or one ahead of it in its queue (or its host was
     /// lost).
     #[error("{0}")]
     Failed(Box<ActorFailure>),

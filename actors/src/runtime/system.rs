@@ -315,6 +315,21 @@ impl Drop for Runtime {
                 }
             });
         }
+        // Actors killed (or never stopped, when dropped inside an async runtime) ran no
+        // `post_stop`: their ends are published here, so nobody waits on `ended()` forever.
+        let left: Vec<Arc<ActorShared>> = inner
+            .live
+            .lock()
+            .expect("live actors")
+            .drain()
+            .map(|(_, a)| a.shared)
+            .collect();
+        for shared in left {
+            shared.set_end(super::ActorEnd::Stopped {
+                reason: "its runtime shut down".into(),
+            });
+            shared.publish_end();
+        }
         let here = std::thread::current().id();
         for device in &inner.devices {
             if let Some(stop) = device.stop.lock().expect("device stop").take() {
@@ -442,10 +457,14 @@ impl RuntimeHandle {
         options: SpawnOptions,
     ) -> Pending<Result<ActorRef<A>, SpawnError>> {
         let driver = self.inner.driver.clone();
-        if let Some(cluster) = &self.inner.cluster
-            && let Some(slot) = cluster.slots.iter().position(|s| s.device == device)
-        {
-            return self.spawn_at(slot, params, options);
+        if self.inner.cluster.is_some() {
+            let error = SpawnError::Constructor {
+                actor: format!("an actor of type `{}`", short_type_name::<A>()),
+                reason: format!(
+                    "on a cluster a device ({device}) does not say which host; place by slot with `spawn_at` (see `slots()`) or spawn a mesh"
+                ),
+            };
+            return Pending::new(std::future::ready(Err(error)), driver);
         }
         let Some(thread) = self.inner.devices.iter().find(|d| d.device == device) else {
             let error = SpawnError::NoSuchDevice {
@@ -602,10 +621,23 @@ impl RuntimeHandle {
         Pending::new(
             async move {
                 let mut members = Vec::with_capacity(spawns.len());
+                let mut failed = None;
                 for spawn in spawns {
-                    members.push(spawn.await?);
+                    match spawn.await {
+                        Ok(member) => members.push(member),
+                        Err(e) => failed = failed.or(Some(e)),
+                    }
                 }
-                Ok(ActorMesh::new(mesh, members))
+                match failed {
+                    None => Ok(ActorMesh::new(mesh, members)),
+                    // All or nothing: the members that did start are stopped.
+                    Some(e) => {
+                        members
+                            .iter()
+                            .for_each(|m| m.stop("another member of its mesh failed to start"));
+                        Err(e)
+                    }
+                }
             },
             driver,
         )

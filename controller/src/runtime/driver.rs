@@ -17,7 +17,7 @@ pub fn connect(addr: &str, token: &str, min_devices: usize) -> anyhow::Result<Ru
         .build()?;
     let slots = rpc.block_on(ask_for_slots(addr, token, min_devices))?;
     drop(rpc);
-    Runtime::on_cluster("runtime", slots, token, Liveness::default()).map_err(anyhow::Error::msg)
+    Runtime::on_cluster(&super::job_name(), slots, token, Liveness::default()).map_err(anyhow::Error::msg)
 }
 
 async fn ask_for_slots(addr: &str, token: &str, min_devices: usize) -> anyhow::Result<Vec<Slot>> {

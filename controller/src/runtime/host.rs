@@ -57,7 +57,7 @@ impl HostSettings {
 
 /// Serves as a host until the controller ends the session.
 pub fn serve_as_host(settings: &HostSettings) -> anyhow::Result<()> {
-    let runtime = Runtime::new("runtime", &settings.name, settings.devices.clone());
+    let runtime = Runtime::new(&super::job_name(), &settings.name, settings.devices.clone());
     let handle = runtime.handle().clone();
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(&settings.listen)

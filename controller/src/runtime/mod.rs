@@ -54,6 +54,18 @@ pub const HOST_NAME_ENV: &str = "ARCHIPELAGO_HOST_NAME";
 pub const ISLAND_ENV: &str = "ARCHIPELAGO_ISLAND";
 /// Where a host's actor port listens (default `127.0.0.1:0`).
 pub const LISTEN_ENV: &str = "ARCHIPELAGO_LISTEN";
+/// The job's name in every error (default: the program binary's name).
+pub const JOB_ENV: &str = "ARCHIPELAGO_JOB";
+
+/// The job's name: `ARCHIPELAGO_JOB`, else the program's binary name.
+pub fn job_name() -> String {
+    std::env::var(JOB_ENV).ok().unwrap_or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "program".into())
+    })
+}
 
 /// Installs `registry` and returns the program's runtime: on `devices` of this process, or on
 /// the cluster of `ARCHIPELAGO_CONTROLLER` (as many devices as `devices` has). In a process
@@ -79,7 +91,7 @@ pub fn init(registry: Registry, devices: Vec<DeviceSpec>) -> anyhow::Result<Runt
             let token = read_token()?;
             Ok(connect(&addr, &token, devices.len())?)
         }
-        Err(_) => Ok(Runtime::local(devices)),
+        Err(_) => Ok(Runtime::new(&job_name(), "local", devices)),
     }
 }
 

@@ -23,6 +23,8 @@ type Parcel = Option<(usize, u64, Result<Shared, CallError>)>;
 struct Inbox {
     rx: UnboundedReceiver<Parcel>,
     waiting: HashMap<(usize, u64), VecDeque<Result<Shared, CallError>>>,
+    /// Outputs of runs whose caller stopped waiting: skipped, so a later run gets its own.
+    unclaimed: usize,
 }
 
 impl Inbox {
@@ -62,6 +64,7 @@ pub(crate) fn dispatch<I, R>(
         inboxes.push(Inbox {
             rx,
             waiting: HashMap::new(),
+            unclaimed: 0,
         });
     }
     let outboxes = Arc::new(outboxes);
@@ -96,6 +99,23 @@ fn node_of(op: &ComputeOp) -> Option<usize> {
     }
 }
 
+/// Runs `invoke` with panics (in the message constructor or the value's type check) caught
+/// and turned into the run's error, so the interpreter lives on.
+async fn invoke_caught(invoke: &Invoke, value: Shared, node: usize) -> Result<Shared, CallError> {
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| invoke(value)));
+    let failed = |text: String| CallError::NotRemote {
+        actor: format!("the actor of recorded call {node}"),
+        message: "compiled program".into(),
+        reason: text,
+    };
+    match outcome {
+        Ok(call) => futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(call))
+            .await
+            .unwrap_or_else(|p| Err(failed(crate::error::panic_message(p.as_ref())))),
+        Err(p) => Err(failed(crate::error::panic_message(p.as_ref()))),
+    }
+}
+
 /// One actor's interpreter: its stream, every iteration, until the program is dropped.
 async fn interpret(
     me: usize,
@@ -121,7 +141,7 @@ async fn interpret(
                         continue;
                     };
                     let value = match table.get(input.as_str()).cloned() {
-                        Some(Ok(value)) => (invokers[node])(value).await,
+                        Some(Ok(value)) => invoke_caught(&invokers[node], value, node).await,
                         Some(Err(error)) => Err(error),
                         None => continue,
                     };
@@ -154,6 +174,9 @@ where
         let me = self.streams.len() - 1;
         let run = async move {
             let mut inbox = inbox.lock().await;
+            // Counted until this run's output is taken: a run whose future is dropped midway
+            // leaves its output to be skipped by the next run.
+            inbox.unclaimed += 1;
             let mut table: HashMap<&str, Result<Shared, CallError>> = HashMap::new();
             table.insert("input", Ok(Arc::new(input) as Shared));
             let stopped = || CallError::Stopped {
@@ -173,7 +196,14 @@ where
                             .map_err(|_| stopped())?;
                     }
                     Instruction::Recv { tensor, from, tag } => {
-                        let value = inbox.take(*from, *tag).await.ok_or_else(stopped)?;
+                        let value = loop {
+                            let value = inbox.take(*from, *tag).await.ok_or_else(stopped)?;
+                            if inbox.unclaimed == 1 {
+                                break value;
+                            }
+                            inbox.unclaimed -= 1;
+                        };
+                        inbox.unclaimed -= 1;
                         table.insert(tensor, value);
                     }
                     Instruction::Compute {

@@ -25,6 +25,9 @@ use crate::runtime::tensor_store::Meta;
 use crate::runtime::{ActorInfo, ActorStats, SpawnError};
 use crate::typed_tensor::{DType, TypedTensor};
 
+/// A fetched tensor's bytes are read in pieces of this size, each counting as a sign of life.
+const PAYLOAD_CHUNK: usize = 4 << 20;
+
 /// Bytes read from the socket at a time.
 pub(crate) const READ_BUFFER: usize = 256 << 10;
 
@@ -74,6 +77,8 @@ pub struct HostConnection {
     host: String,
     addr: String,
     out: UnboundedSender<Outgoing>,
+    /// Closes the connection's writer (and so the connection) once the host is lost.
+    close: tokio::sync::watch::Sender<bool>,
     state: Mutex<State>,
     next: AtomicU64,
 }
@@ -93,7 +98,8 @@ impl HostConnection {
         let (input, output) = stream.into_split();
         // Frames are small and many: read them through a buffer, not a syscall each.
         let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER, input);
-        let out = spawn_frame_writer(output, None);
+        let (close, closed) = tokio::sync::watch::channel(false);
+        let out = spawn_frame_writer(output, Some(closed));
         let _ = out.send(Outgoing::from(Frame::Hello {
             token: token.to_string(),
         }));
@@ -101,6 +107,7 @@ impl HostConnection {
             host: host.to_string(),
             addr: addr.to_string(),
             out,
+            close,
             state: Mutex::new(State {
                 last_heard: Some(Instant::now()),
                 ..State::default()
@@ -224,10 +231,14 @@ impl HostConnection {
             ));
         }
         let mut tensor = TypedTensor::zeros(dtype, shape).map_err(|e| e.to_string())?;
-        input
-            .read_exact(tensor.bytes_mut())
-            .await
-            .map_err(|e| format!("the tensor's bytes did not arrive: {e}"))?;
+        // In chunks, each one a sign of life: a long transfer is not a silent host.
+        for chunk in tensor.bytes_mut().chunks_mut(PAYLOAD_CHUNK) {
+            input
+                .read_exact(chunk)
+                .await
+                .map_err(|e| format!("the tensor's bytes did not arrive: {e}"))?;
+            self.state.lock().expect("connection").last_heard = Some(Instant::now());
+        }
         let _ = reply.send(Ok(tensor));
         Ok(())
     }
@@ -277,6 +288,7 @@ impl HostConnection {
         tracing::error!("{why}");
         state.lost = Some(why.clone());
         state.last_heard = None;
+        let _ = self.close.send(true);
         let calls: Vec<PendingCall> = state.calls.drain().map(|(_, c)| c).collect();
         let spawns: Vec<_> = state.spawns.drain().map(|(_, s)| s).collect();
         let actors: Vec<_> = state.actors.drain().filter_map(|(_, w)| w.upgrade()).collect();

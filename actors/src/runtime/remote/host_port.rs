@@ -14,7 +14,10 @@ use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
 use super::registry::{ErasedActor, Registry, ReplySink};
-use super::wire::{Frame, Outgoing, read_frame, write_frame};
+use super::wire::{Frame, Outgoing, read_frame, read_frame_within, write_frame};
+
+/// The largest first frame (the token) read before the caller is known.
+const HELLO_LIMIT: usize = 4 << 10;
 use crate::fabric::OTHER_PROCESS;
 use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
 
@@ -110,7 +113,8 @@ pub(crate) fn spawn_frame_writer(
             let Some(first) = frame else { return };
             let mut next = Some(first);
             while let Some(outgoing) = next.take() {
-                if write_frame(&mut out, &outgoing.frame).await.is_err() {
+                if let Err(e) = write_frame(&mut out, &outgoing.frame).await {
+                    tracing::warn!("an actor-port connection stopped writing: {e}");
                     return;
                 }
                 if let Some(payload) = &outgoing.payload
@@ -139,7 +143,7 @@ async fn serve_connection(
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
     let (input, output) = stream.into_split();
     let mut input = tokio::io::BufReader::with_capacity(super::connection::READ_BUFFER, input);
-    match read_frame(&mut input).await {
+    match read_frame_within(&mut input, HELLO_LIMIT).await {
         Ok(Some(Frame::Hello { token: given })) if given == token => {}
         _ => {
             tracing::warn!(%peer, "refused an actor-port connection without the cluster's token");
@@ -147,6 +151,8 @@ async fn serve_connection(
         }
     }
     let out = spawn_frame_writer(output, Some(closed));
+    // The actors this caller spawned are its own: they stop when its connection ends.
+    let owned = Owned::default();
     loop {
         let frame = match read_frame(&mut input).await {
             Ok(Some(frame)) => frame,
@@ -164,7 +170,7 @@ async fn serve_connection(
             } => {
                 let options = SpawnOptions { name, max_restarts };
                 let spawning = Registry::spawn(&runtime, &actor_type, device, &params, options);
-                let (out, reachable) = (out.clone(), reachable.clone());
+                let (out, reachable, owned) = (out.clone(), reachable.clone(), owned.0.clone());
                 tokio::spawn(async move {
                     let result = match spawning {
                         Ok(pending) => pending.await,
@@ -176,6 +182,7 @@ async fn serve_connection(
                             .lock()
                             .expect("reachable actors")
                             .insert(info.id, actor.clone());
+                        owned.lock().expect("owned actors").push(actor.clone());
                         tokio::spawn(report_end(actor, out.clone(), reachable));
                         info
                     });
@@ -243,6 +250,19 @@ async fn serve_connection(
                 let _ = out.send(Outgoing { frame, payload });
             }
             other => return Err(format!("unexpected frame from a caller: {other:?}")),
+        }
+    }
+}
+
+/// The actors spawned over one connection; dropping it (the connection ended, however) stops
+/// those still running, as Monarch ties actors to whoever spawned them.
+#[derive(Default)]
+struct Owned(Arc<Mutex<Vec<Arc<dyn ErasedActor>>>>);
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        for actor in self.0.lock().expect("owned actors").drain(..) {
+            actor.stop("the program that spawned it disconnected");
         }
     }
 }

@@ -7,7 +7,7 @@
 use archipelago_dataflow::{ActorId, DeviceSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::codec::{self, CodecError, MAX_MESSAGE_BYTES};
+use crate::codec::{self, CodecError, MAX_FRAME_BYTES};
 use crate::runtime::{ActorEnd, ActorInfo, ActorStats, CallError, TensorError, TensorId};
 use crate::typed_tensor::{DType, TypedTensor};
 
@@ -137,8 +137,8 @@ pub enum WireError {
     #[error("the connection closed or failed: {0}")]
     Io(#[from] std::io::Error),
     /// A length prefix over the limit (a hostile or confused peer).
-    #[error("a frame of {0} bytes is over the limit of {MAX_MESSAGE_BYTES}")]
-    TooLarge(usize),
+    #[error("a frame of {0} bytes is over the limit of {1}")]
+    TooLarge(usize, usize),
     /// The bytes are not a frame.
     #[error(transparent)]
     Codec(#[from] CodecError),
@@ -146,7 +146,7 @@ pub enum WireError {
 
 /// Writes one frame.
 pub async fn write_frame<W: AsyncWriteExt + Unpin>(out: &mut W, frame: &Frame) -> Result<(), WireError> {
-    let bytes = codec::encode(frame)?;
+    let bytes = codec::encode_frame(frame)?;
     out.write_all(&(bytes.len() as u32).to_le_bytes()).await?;
     out.write_all(&bytes).await?;
     Ok(())
@@ -154,6 +154,15 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin>(out: &mut W, frame: &Frame) -
 
 /// Reads one frame; `Ok(None)` at a clean end of the stream.
 pub async fn read_frame<R: AsyncReadExt + Unpin>(input: &mut R) -> Result<Option<Frame>, WireError> {
+    read_frame_within(input, MAX_FRAME_BYTES).await
+}
+
+/// Reads one frame of at most `limit` bytes (a connection's first frame, before its token is
+/// checked, gets a few KiB).
+pub async fn read_frame_within<R: AsyncReadExt + Unpin>(
+    input: &mut R,
+    limit: usize,
+) -> Result<Option<Frame>, WireError> {
     let mut len = [0u8; 4];
     match input.read_exact(&mut len).await {
         Ok(_) => {}
@@ -161,12 +170,12 @@ pub async fn read_frame<R: AsyncReadExt + Unpin>(input: &mut R) -> Result<Option
         Err(e) => return Err(e.into()),
     }
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE_BYTES {
-        return Err(WireError::TooLarge(len));
+    if len > limit {
+        return Err(WireError::TooLarge(len, limit));
     }
     let mut bytes = vec![0u8; len];
     input.read_exact(&mut bytes).await?;
-    Ok(Some(codec::decode(&bytes)?))
+    Ok(Some(codec::decode_frame(&bytes)?))
 }
 
 #[cfg(test)]
@@ -191,7 +200,7 @@ mod tests {
         let hostile = u32::MAX.to_le_bytes();
         assert!(matches!(
             read_frame(&mut &hostile[..]).await,
-            Err(WireError::TooLarge(_))
+            Err(WireError::TooLarge(..))
         ));
         let garbage = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];
         assert!(matches!(
