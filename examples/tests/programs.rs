@@ -120,6 +120,23 @@ mod actors_cluster {
             "only the explicit fetches reached this process"
         );
         assert_eq!(owner.call(HeldBytes).get().unwrap(), 4 * n as u64);
+        // A reference passed back to an actor on its owner's own host, used and dropped there
+        // while this process still holds it: the owner must keep the tensor (the two changes
+        // travel on different connections and may arrive in either order).
+        let neighbour = cluster
+            .spawn_at::<Holder>(1, (), SpawnOptions::default())
+            .get()
+            .unwrap();
+        assert_eq!(neighbour.info().host, owner.info().host);
+        for _ in 0..50 {
+            let small = owner.call(MakeRamp(8)).get().unwrap();
+            assert_eq!(neighbour.call(SumOf(small.clone())).get().unwrap().unwrap(), 28.0);
+            let again = cluster
+                .fetch(&small)
+                .get()
+                .expect("the owner freed a tensor still referenced");
+            assert_eq!(again.elements(), 8);
+        }
         drop(ramp);
         assert_eq!(eventually(0, || owner.call(HeldBytes).get().unwrap()), 0);
         let orphan = owner.call(MakeRamp(4)).get().unwrap();

@@ -51,7 +51,7 @@ pub use mesh::ActorMesh;
 pub use remote::Registry;
 pub use supervision::{ActorEnd, ActorInfo, ActorStats, CallError, SpawnOptions};
 pub use system::{Runtime, RuntimeHandle, Slot, SpawnError};
-pub use tensor_store::{TensorError, TensorId, TensorRef};
+pub use tensor_store::{BorrowKey, TensorError, TensorId, TensorRef};
 
 #[cfg(test)]
 mod tests;

@@ -7,14 +7,17 @@
 //! along never touches them. Fetching to the program is explicit
 //! ([`RuntimeHandle::fetch`](super::RuntimeHandle::fetch), counted on the link to [`DRIVER`]).
 //!
-//! Lifetime (after Ray's ownership protocol, simplified): the owner's store keeps a tensor while
-//! the owner's own reference lives or borrows are outstanding. Sending a reference to another
-//! process adds a borrow (done by the sender, before the message leaves); the borrowing process
-//! returns it when its last copy is dropped. Borrows are a signed balance, so a return that
-//! overtakes its borrow on another connection cannot free the tensor early. When the owner ends,
-//! its tensors go with it and references fail with [`TensorError::OwnerGone`]. Not covered yet:
-//! a borrow inside a message that is never delivered is never returned (the tensor stays until
-//! its owner ends).
+//! Lifetime (after Ray's ownership protocol): the owner's store keeps a tensor while the owner's
+//! own reference lives or any balance it keeps for the tensor is not zero. Balances are kept per
+//! key, each changed only in the order of one connection: `Holder(p)` counts the copies process
+//! `p` holds (it adds one when a copy arrives and takes it back when the copy is dropped, on its
+//! own link to the owner); `InFlight(p, n)` is reference `n` in a message process `p` sent: the
+//! sender adds it before the message leaves, the receiver takes it back after registering its
+//! own copy. A change that overtakes another on a different connection leaves some key at ±1
+//! for a while, never all of them at zero — so the tensor cannot be freed while a copy exists or
+//! is on its way. When the owner ends, its tensors go with it and references fail with
+//! [`TensorError::OwnerGone`]. Not covered: a reference in a message that is never delivered
+//! (or serialized for something else than a message) keeps its tensor until the owner ends.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -65,8 +68,17 @@ struct Entry {
     tensor: TypedTensor,
     /// Whether the owner's own reference is alive.
     owned: bool,
-    /// Borrows sent out minus borrows returned.
-    borrows: i64,
+    /// The balances that keep it, by key (zero balances are removed).
+    balances: HashMap<BorrowKey, i64>,
+}
+
+/// What a borrow balance counts (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum BorrowKey {
+    /// The copies held by a process.
+    Holder(u64),
+    /// A reference on its way in a message: `(sending process, number)`.
+    InFlight(u64, u64),
 }
 
 #[derive(Default)]
@@ -89,9 +101,9 @@ pub(crate) struct StoresInner {
 }
 
 impl StoresInner {
-    /// Changes what keeps `id`: the owner's reference gone (`owner_gone`) and `borrows` added;
+    /// Changes what keeps `id`: the owner's reference gone (`owner_gone`) and balances changed;
     /// frees the tensor when nothing keeps it any more.
-    pub(crate) fn adjust(&self, id: TensorId, owner_gone: bool, borrows: i64) {
+    pub(crate) fn adjust(&self, id: TensorId, owner_gone: bool, changes: &[(BorrowKey, i64)]) {
         let mut owners = self.owners.lock().expect("tensor stores");
         let Some(store) = owners.get_mut(&id.owner) else {
             return;
@@ -100,8 +112,14 @@ impl StoresInner {
             return;
         };
         entry.owned &= !owner_gone;
-        entry.borrows += borrows;
-        if !entry.owned && entry.borrows == 0 {
+        for (key, delta) in changes {
+            let balance = entry.balances.entry(*key).or_default();
+            *balance += delta;
+            if *balance == 0 {
+                entry.balances.remove(key);
+            }
+        }
+        if !entry.owned && entry.balances.is_empty() {
             let bytes = entry.tensor.byte_len() as u64;
             store.tensors.remove(&id.index);
             store.bytes -= bytes;
@@ -159,7 +177,7 @@ impl TensorStores {
         let entry = Entry {
             tensor,
             owned: true,
-            borrows: 0,
+            balances: HashMap::new(),
         };
         store.tensors.insert(index, entry);
         TensorRef {
@@ -254,15 +272,21 @@ impl Drop for RefInner {
         match &self.holder {
             Holder::Owner(stores) => {
                 if let Some(stores) = stores.upgrade() {
-                    stores.adjust(self.meta.id, true, 0);
+                    stores.adjust(self.meta.id, true, &[]);
                 }
             }
             Holder::HomeBorrow(stores) => {
                 if let Some(stores) = stores.upgrade() {
-                    stores.adjust(self.meta.id, false, -1);
+                    stores.adjust(
+                        self.meta.id,
+                        false,
+                        &[(BorrowKey::Holder(links::process_id()), -1)],
+                    );
                 }
             }
-            Holder::Remote(link) => link.release(self.meta.id),
+            Holder::Remote(link) => {
+                link.change(self.meta.id, vec![(BorrowKey::Holder(links::process_id()), -1)])
+            }
         }
     }
 }
@@ -303,12 +327,14 @@ impl TensorRef {
     }
 }
 
-/// A reference on the wire: the tensor and the actor port of its owner's host.
+/// A reference on the wire: the tensor, the actor port of its owner's host, and the in-flight
+/// balance the sender added for it.
 #[derive(Serialize, Deserialize)]
 struct WireRef {
     meta: Meta,
     owner_host: String,
     owner_addr: String,
+    in_flight: BorrowKey,
 }
 
 impl Serialize for TensorRef {
@@ -326,19 +352,23 @@ impl Serialize for TensorRef {
                         meta.id
                     )));
                 };
-                stores.adjust(meta.id, false, 1);
+                let in_flight = links::next_in_flight();
+                stores.adjust(meta.id, false, &[(in_flight, 1)]);
                 WireRef {
                     meta,
                     owner_host: host,
                     owner_addr: addr,
+                    in_flight,
                 }
             }
             Holder::Remote(link) => {
-                link.borrow(meta.id);
+                let in_flight = links::next_in_flight();
+                link.change(meta.id, vec![(in_flight, 1)]);
                 WireRef {
                     meta,
                     owner_host: link.host().to_string(),
                     owner_addr: link.addr().to_string(),
+                    in_flight,
                 }
             }
         };
@@ -347,14 +377,21 @@ impl Serialize for TensorRef {
 }
 
 impl<'de> Deserialize<'de> for TensorRef {
-    /// Takes over the borrow the sender added.
+    /// Registers this process's copy, then takes back the sender's in-flight balance.
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<TensorRef, D::Error> {
         let wire = WireRef::deserialize(deserializer)?;
-        let holder = match links::home(&wire.owner_addr) {
-            Some(stores) => Holder::HomeBorrow(stores),
-            None => Holder::Remote(
-                links::owner_link(&wire.owner_host, &wire.owner_addr).map_err(serde::de::Error::custom)?,
-            ),
+        let changes = vec![(BorrowKey::Holder(links::process_id()), 1), (wire.in_flight, -1)];
+        let holder = match links::home(&wire.owner_addr).and_then(|w| w.upgrade().map(|s| (w, s))) {
+            Some((weak, stores)) => {
+                stores.adjust(wire.meta.id, false, &changes);
+                Holder::HomeBorrow(weak)
+            }
+            None => {
+                let link = links::owner_link(&wire.owner_host, &wire.owner_addr)
+                    .map_err(serde::de::Error::custom)?;
+                link.change(wire.meta.id, changes);
+                Holder::Remote(link)
+            }
         };
         Ok(TensorRef {
             inner: Arc::new(RefInner {

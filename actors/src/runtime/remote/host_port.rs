@@ -238,8 +238,9 @@ async fn serve_connection(
                 let stats = runtime.local_actor_stats();
                 send(&out, Frame::StatsReply { request, stats });
             }
-            Frame::Borrow { tensor } => runtime.inner().tensors.inner.adjust(tensor, false, 1),
-            Frame::Release { tensor } => runtime.inner().tensors.inner.adjust(tensor, false, -1),
+            Frame::Borrows { tensor, changes } => {
+                runtime.inner().tensors.inner.adjust(tensor, false, &changes);
+            }
             Frame::Fetch { request, tensor } => {
                 let found = runtime.inner().tensors.inner.lookup(tensor, OTHER_PROCESS);
                 let (result, payload) = match found {

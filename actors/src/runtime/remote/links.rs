@@ -13,7 +13,27 @@ use tokio::sync::oneshot;
 
 use super::connection::{HostConnection, Liveness};
 use super::wire::Frame;
-use crate::runtime::tensor_store::{Meta, StoresInner, TensorError, TensorId};
+use crate::runtime::tensor_store::{BorrowKey, Meta, StoresInner, TensorError, TensorId};
+
+/// This process, as the owner's balances name it (random per process start).
+pub(crate) fn process_id() -> u64 {
+    static ID: LazyLock<u64> = LazyLock::new(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        archipelago_dataflow::rng::SplitMix64::keyed(&[nanos, u64::from(std::process::id())]).next_u64()
+    });
+    *ID
+}
+
+/// A new in-flight key for a reference this process is about to send.
+pub(crate) fn next_in_flight() -> BorrowKey {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    BorrowKey::InFlight(
+        process_id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+    )
+}
 use crate::typed_tensor::TypedTensor;
 
 #[derive(Default)]
@@ -124,14 +144,9 @@ impl OwnerLink {
         &self.addr
     }
 
-    /// Adds a borrow of `tensor` (for a reference this process sends on).
-    pub(crate) fn borrow(&self, tensor: TensorId) {
-        let _ = self.ops.send(LinkOp::Send(Frame::Borrow { tensor }));
-    }
-
-    /// Returns a borrow of `tensor` (this process dropped a reference).
-    pub(crate) fn release(&self, tensor: TensorId) {
-        let _ = self.ops.send(LinkOp::Send(Frame::Release { tensor }));
+    /// Changes the owner's balances for `tensor`, in this process's order.
+    pub(crate) fn change(&self, tensor: TensorId, changes: Vec<(BorrowKey, i64)>) {
+        let _ = self.ops.send(LinkOp::Send(Frame::Borrows { tensor, changes }));
     }
 
     /// Fetches the tensor `meta` describes from its owner.

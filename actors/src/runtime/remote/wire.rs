@@ -8,6 +8,7 @@ use archipelago_dataflow::{ActorId, DeviceSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::codec::{self, CodecError, MAX_FRAME_BYTES};
+use crate::runtime::tensor_store::BorrowKey;
 use crate::runtime::{ActorEnd, ActorInfo, ActorStats, CallError, TensorError, TensorId};
 use crate::typed_tensor::{DType, TypedTensor};
 
@@ -87,15 +88,12 @@ pub enum Frame {
         /// How.
         end: ActorEnd,
     },
-    /// The sender passes a reference to `tensor` on: one more borrow.
-    Borrow {
+    /// Changes to the balances that keep `tensor` on its owner (see `tensor_store`).
+    Borrows {
         /// The tensor.
         tensor: TensorId,
-    },
-    /// The sender dropped its reference to `tensor`: one borrow fewer.
-    Release {
-        /// The tensor.
-        tensor: TensorId,
+        /// `(key, change)` in the order the sender made them.
+        changes: Vec<(BorrowKey, i64)>,
     },
     /// Send the bytes of `tensor`.
     Fetch {
