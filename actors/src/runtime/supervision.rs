@@ -147,6 +147,12 @@ pub enum CallError {
         /// The message.
         message: String,
     },
+    /// A compiled program could not be compiled or run: what went wrong, with the fix.
+    #[error("compiled program: {reason}")]
+    Program {
+        /// What went wrong.
+        reason: String,
+    },
     /// The message cannot cross processes: its type (or its reply's) is not registered, or the
     /// bytes did not decode.
     #[error("`{message}` to {actor} cannot cross processes: {reason}")]

@@ -162,11 +162,7 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
         runtime: &RuntimeHandle,
         output: &Value<R>,
     ) -> Result<CompiledProgram<I, R>, CallError> {
-        let refused = |reason: String| CallError::NotRemote {
-            actor: "a compiled program".into(),
-            message: "compile".into(),
-            reason,
-        };
+        let refused = |reason: String| CallError::Program { reason };
         if self.participants.iter().any(|p| p.remote) {
             return Err(refused(
                 "its actors must be on this process for now (compiled programs across hosts are not built yet)".into(),

@@ -74,10 +74,11 @@ pub(crate) fn dispatch<I, R>(
         let executor = runtime
             .inner()
             .executor(participant.device)
-            .ok_or_else(|| CallError::NotRemote {
-                actor: format!("actor {}", participant.id),
-                message: "compile".into(),
-                reason: format!("its device {} is not one of this runtime's", participant.device),
+            .ok_or_else(|| CallError::Program {
+                reason: format!(
+                    "actor {} is on device {}, which is not one of this runtime's; record calls to actors of the runtime the program runs on",
+                    participant.id, participant.device
+                ),
             })?;
         let (stream, outboxes, invokers) = (streams[me].clone(), outboxes.clone(), invokers.clone());
         executor.spawn(interpret(me, stream, inbox, outboxes, invokers));
@@ -103,10 +104,8 @@ fn node_of(op: &ComputeOp) -> Option<usize> {
 /// and turned into the run's error, so the interpreter lives on.
 async fn invoke_caught(invoke: &Invoke, value: Shared, node: usize) -> Result<Shared, CallError> {
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| invoke(value)));
-    let failed = |text: String| CallError::NotRemote {
-        actor: format!("the actor of recorded call {node}"),
-        message: "compiled program".into(),
-        reason: text,
+    let failed = |text: String| CallError::Program {
+        reason: format!("recorded call {node} (building its message or reading its input) {text}"),
     };
     match outcome {
         Ok(call) => futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(call))
@@ -179,10 +178,8 @@ where
             inbox.unclaimed += 1;
             let mut table: HashMap<&str, Result<Shared, CallError>> = HashMap::new();
             table.insert("input", Ok(Arc::new(input) as Shared));
-            let stopped = || CallError::Stopped {
-                actor: "an actor of the compiled program".into(),
-                message: "run".into(),
-                reason: "the program's interpreters stopped".into(),
+            let stopped = || CallError::Program {
+                reason: "its interpreters have stopped (the runtime shut down); compile it again on a live runtime".into(),
             };
             for instruction in &stream {
                 match instruction {
