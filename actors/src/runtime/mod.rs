@@ -34,6 +34,7 @@ mod actor;
 mod actor_ref;
 mod call;
 mod cell;
+mod cluster;
 pub mod compiled;
 mod context;
 mod envelope;
@@ -46,11 +47,12 @@ mod tensor_store;
 pub use actor::{Actor, Handler, Message};
 pub use actor_ref::ActorRef;
 pub use call::{Call, Pending, Waited, wait};
+pub use cluster::Slot;
 pub use context::Context;
 pub use mesh::ActorMesh;
 pub use remote::Registry;
 pub use supervision::{ActorEnd, ActorInfo, ActorStats, CallError, SpawnOptions};
-pub use system::{Runtime, RuntimeHandle, Slot, SpawnError};
+pub use system::{Runtime, RuntimeHandle, SpawnError};
 pub use tensor_store::{BorrowKey, TensorError, TensorId, TensorRef};
 
 #[cfg(test)]

@@ -38,11 +38,8 @@ use super::actor::Actor;
 use super::actor_ref::ActorRef;
 use super::call::{Call, Pending, Waited, wait};
 use super::cell::{Cell, CellArgs};
+use super::cluster::Cluster;
 use super::mesh::ActorMesh;
-use super::remote::connection::spawn_failed;
-use super::remote::registry::Registry;
-use super::remote::wire::Frame;
-use super::remote::{HostConnection, Liveness};
 use super::supervision::{ActorInfo, ActorShared, ActorStats, SpawnOptions};
 use super::tensor_store::TensorStores;
 
@@ -53,7 +50,7 @@ const ENDED_KEPT: usize = 256;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// Process-unique keys of actors (ids are unique per runtime only).
-static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+pub(crate) static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 /// Why an actor or a mesh could not be spawned.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -125,27 +122,12 @@ impl DeviceThread {
     }
 }
 
-/// One device of the cluster a runtime places actors on: a host (by name and actor-port
-/// address), its island and the device.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Slot {
-    /// The host's name.
-    pub host: String,
-    /// Its island.
-    pub island: String,
-    /// Its actor port (empty for this process's own devices).
-    pub addr: String,
-    /// The device.
-    pub device: DeviceSpec,
-}
-
-/// The hosts of a runtime connected to a cluster.
-struct Cluster {
-    slots: Vec<Slot>,
-    connections: HashMap<String, Arc<HostConnection>>,
-}
-
 impl RuntimeInner {
+    /// This process's devices.
+    pub(crate) fn local_devices(&self) -> Vec<DeviceSpec> {
+        self.devices.iter().map(|d| d.device).collect()
+    }
+
     /// The executor of this process's device `device`.
     pub(crate) fn executor(&self, device: DeviceSpec) -> Option<Handle> {
         self.devices
@@ -155,29 +137,29 @@ impl RuntimeInner {
     }
 }
 
-struct LiveActor {
+pub(crate) struct LiveActor {
     shared: Arc<ActorShared>,
     cell: ractor::ActorCell,
 }
 
 pub(crate) struct RuntimeInner {
-    job: String,
-    host: String,
+    pub(crate) job: String,
+    pub(crate) host: String,
     devices: Vec<DeviceThread>,
-    driver: Handle,
-    next_id: AtomicUsize,
-    live: Mutex<HashMap<ActorId, LiveActor>>,
+    pub(crate) driver: Handle,
+    pub(crate) next_id: AtomicUsize,
+    pub(crate) live: Mutex<HashMap<ActorId, LiveActor>>,
     /// The last actors that ended, as they ended (for the dashboard).
-    ended: Mutex<std::collections::VecDeque<ActorStats>>,
+    pub(crate) ended: Mutex<std::collections::VecDeque<ActorStats>>,
     pub(crate) tensors: TensorStores,
     /// The cluster's hosts, when the program drives actors on other hosts.
-    cluster: Option<Cluster>,
+    pub(crate) cluster: Option<Cluster>,
 }
 
 /// A handle to a runtime, as actors hold it (cheap to clone; does not keep the runtime up).
 #[derive(Clone)]
 pub struct RuntimeHandle {
-    inner: Arc<RuntimeInner>,
+    pub(crate) inner: Arc<RuntimeInner>,
 }
 
 /// The runtime of this process. Dropping it stops every actor (each finishes the message it
@@ -195,12 +177,28 @@ impl Runtime {
 
     /// A runtime for job `job` on host `host` with `devices`.
     pub fn new(job: &str, host: &str, devices: Vec<DeviceSpec>) -> Runtime {
-        let driver = tokio::runtime::Builder::new_multi_thread()
+        let driver = Runtime::driver_executor().expect("the runtime's driver executor");
+        Runtime::assemble(job, host, devices, driver, None)
+    }
+
+    /// The small executor for timers and for blocking waits from plain threads.
+    pub(crate) fn driver_executor() -> std::io::Result<tokio::runtime::Runtime> {
+        tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("runtime-driver")
             .enable_all()
             .build()
-            .expect("the runtime's driver executor");
+    }
+
+    /// A runtime from its parts: this process's `devices` (a thread each), its driver executor
+    /// and, for a program driving a cluster, the cluster.
+    pub(crate) fn assemble(
+        job: &str,
+        host: &str,
+        devices: Vec<DeviceSpec>,
+        driver: tokio::runtime::Runtime,
+        cluster: Option<Cluster>,
+    ) -> Runtime {
         let inner = RuntimeInner {
             job: job.to_string(),
             host: host.to_string(),
@@ -210,7 +208,7 @@ impl Runtime {
             live: Mutex::new(HashMap::new()),
             ended: Mutex::default(),
             tensors: TensorStores::default(),
-            cluster: None,
+            cluster,
         };
         Runtime {
             handle: RuntimeHandle {
@@ -218,54 +216,6 @@ impl Runtime {
             },
             driver: Some(driver),
         }
-    }
-
-    /// A runtime that places its actors on the cluster's `slots` (hosts running this program's
-    /// binary, with the same [`Registry`](super::Registry) installed) and reaches them over
-    /// their actor ports with the cluster `token`. Actors go to `slots` in order: a mesh's
-    /// member `r` to `slots[r]`.
-    pub fn on_cluster(
-        job: &str,
-        slots: Vec<Slot>,
-        token: &str,
-        liveness: Liveness,
-    ) -> Result<Runtime, String> {
-        let driver = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("runtime-driver")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
-        super::remote::links::know_hosts(
-            slots.iter().map(|s| s.addr.as_str()),
-            token,
-            driver.handle().clone(),
-        );
-        let mut connections = HashMap::new();
-        for slot in &slots {
-            if !connections.contains_key(&slot.addr) {
-                let connection =
-                    driver.block_on(HostConnection::connect(&slot.host, &slot.addr, token, liveness))?;
-                connections.insert(slot.addr.clone(), connection);
-            }
-        }
-        let inner = RuntimeInner {
-            job: job.to_string(),
-            host: "driver".to_string(),
-            devices: Vec::new(),
-            driver: driver.handle().clone(),
-            next_id: AtomicUsize::new(0),
-            live: Mutex::new(HashMap::new()),
-            ended: Mutex::default(),
-            tensors: TensorStores::default(),
-            cluster: Some(Cluster { slots, connections }),
-        };
-        Ok(Runtime {
-            handle: RuntimeHandle {
-                inner: Arc::new(inner),
-            },
-            driver: Some(driver),
-        })
     }
 
     /// A handle to hand to other threads (it does not keep the runtime up).
@@ -363,24 +313,6 @@ impl RuntimeHandle {
         self.slots().iter().map(|s| s.device).collect()
     }
 
-    /// Where actors can go, in placement order: this process's devices, or the cluster's.
-    pub fn slots(&self) -> Vec<Slot> {
-        match &self.inner.cluster {
-            Some(cluster) => cluster.slots.clone(),
-            None => self
-                .inner
-                .devices
-                .iter()
-                .map(|d| Slot {
-                    host: self.inner.host.clone(),
-                    island: String::new(),
-                    addr: String::new(),
-                    device: d.device,
-                })
-                .collect(),
-        }
-    }
-
     /// The host this runtime runs on.
     pub fn host(&self) -> &str {
         &self.inner.host
@@ -402,25 +334,6 @@ impl RuntimeHandle {
         stats.sort_by_key(|s| s.info.id);
         stats.extend(self.inner.ended.lock().expect("ended actors").iter().cloned());
         stats
-    }
-
-    /// The figures of every actor of the runtime: this process's, and on a cluster every
-    /// host's (asked over their actor ports; a host that does not answer is left out).
-    pub fn actor_stats(&self) -> Pending<Vec<ActorStats>> {
-        let mut stats = self.local_actor_stats();
-        let connections: Vec<Arc<HostConnection>> = match &self.inner.cluster {
-            Some(cluster) => cluster.connections.values().cloned().collect(),
-            None => Vec::new(),
-        };
-        Pending::new(
-            async move {
-                for connection in connections {
-                    stats.extend(connection.stats().await.unwrap_or_default());
-                }
-                stats
-            },
-            self.inner.driver.clone(),
-        )
     }
 
     pub(crate) fn actor_ended(&self, shared: &ActorShared) {
@@ -522,76 +435,6 @@ impl RuntimeHandle {
                         actor: format!("actor {id} (`{}`) on {device}", short_type_name::<A>()),
                         reason: join.to_string(),
                     }),
-                }
-            },
-            driver,
-        )
-    }
-
-    /// Spawns an actor on the `slot`-th of [`RuntimeHandle::slots`] (on a cluster, on that
-    /// slot's host: `A` and its parameters must be registered).
-    pub fn spawn_at<A: Actor>(
-        &self,
-        slot: usize,
-        params: A::Params,
-        options: SpawnOptions,
-    ) -> Pending<Result<ActorRef<A>, SpawnError>> {
-        let driver = self.inner.driver.clone();
-        let Some(cluster) = &self.inner.cluster else {
-            let devices = self.devices();
-            return match devices.get(slot) {
-                Some(device) => self.spawn_with(*device, params, options),
-                None => Pending::new(
-                    std::future::ready(Err(SpawnError::MeshTooLarge {
-                        mesh: format!("slot {slot}"),
-                        needed: slot + 1,
-                        available: devices.len(),
-                    })),
-                    driver,
-                ),
-            };
-        };
-        let Some(slot) = cluster.slots.get(slot).cloned() else {
-            let error = SpawnError::MeshTooLarge {
-                mesh: format!("slot {slot}"),
-                needed: slot + 1,
-                available: cluster.slots.len(),
-            };
-            return Pending::new(std::future::ready(Err(error)), driver);
-        };
-        let actor_type = std::any::type_name::<A>();
-        let failed = |reason: String| {
-            let error = spawn_failed(actor_type, &slot.host, reason);
-            Pending::new(std::future::ready(Err(error)), driver.clone())
-        };
-        let params = match Registry::encode_params::<A>(&params) {
-            Ok(params) => params,
-            Err(reason) => return failed(reason),
-        };
-        let connection = cluster.connections[&slot.addr].clone();
-        let answer = connection.spawn(|request| Frame::Spawn {
-            request,
-            actor_type: actor_type.to_string(),
-            device: slot.device,
-            params,
-            name: options.name,
-            max_restarts: options.max_restarts,
-        });
-        let (job, key) = (self.inner.job.clone(), NEXT_KEY.fetch_add(1, Ordering::Relaxed));
-        let spawned_driver = driver.clone();
-        Pending::new(
-            async move {
-                match answer.await {
-                    Ok(Ok(info)) => {
-                        let shared = Arc::new(ActorShared::new(info, job));
-                        Ok(ActorRef::remote(connection, shared, key, spawned_driver))
-                    }
-                    Ok(Err(reason)) => Err(spawn_failed(actor_type, &slot.host, reason)),
-                    Err(_) => Err(spawn_failed(
-                        actor_type,
-                        &slot.host,
-                        "the connection dropped".into(),
-                    )),
                 }
             },
             driver,

@@ -178,8 +178,10 @@ where
             inbox.unclaimed += 1;
             let mut table: HashMap<&str, Result<Shared, CallError>> = HashMap::new();
             table.insert("input", Ok(Arc::new(input) as Shared));
-            let stopped = || CallError::Program {
+            let stopped = || {
+                CallError::Program {
                 reason: "its interpreters have stopped (the runtime shut down); compile it again on a live runtime".into(),
+            }
             };
             for instruction in &stream {
                 match instruction {
