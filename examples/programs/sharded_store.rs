@@ -67,6 +67,31 @@ impl Handler<Summary> for Shard {
     }
 }
 
+/// Stores a value through another shard: the receiving shard calls `to` itself (an actor
+/// reference passed in a message — across hosts, shard to shard, not through the program).
+#[derive(Serialize, Deserialize)]
+pub struct PutVia {
+    /// The shard that owns the key.
+    pub to: ActorRef<Shard>,
+    /// The key.
+    pub key: u64,
+    /// The value.
+    pub value: f64,
+}
+impl Message for PutVia {
+    type Reply = Result<String, String>;
+}
+impl Handler<PutVia> for Shard {
+    async fn handle(
+        &mut self,
+        PutVia { to, key, value }: PutVia,
+        ctx: &Context<Self>,
+    ) -> Result<String, String> {
+        to.call(Put(key, value)).await.map_err(|e| e.to_string())?;
+        Ok(format!("{} → {}", ctx.info().host, to.info().host))
+    }
+}
+
 /// Holds the shard busy for a while (to have a call pending when a host dies).
 #[derive(Serialize, Deserialize)]
 pub struct Busy(pub u64);
@@ -87,6 +112,7 @@ pub fn registry() -> Registry {
         .handles::<Shard, Get>()
         .handles::<Shard, Summary>()
         .handles::<Shard, Busy>()
+        .handles::<Shard, PutVia>()
 }
 
 /// What the program computed.

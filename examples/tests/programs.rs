@@ -66,7 +66,7 @@ mod actors_cluster {
     use archipelago_controller::runtime::{
         CONTROLLER_ENV, DEVICES_ENV, HOST_NAME_ENV, ISLAND_ENV, ROLE_ENV, TOKEN_FILE_ENV, connect,
     };
-    use archipelago_examples::programs::sharded_store::{Busy, Get, registry, run};
+    use archipelago_examples::programs::sharded_store::{Busy, Get, PutVia, registry, run};
     use archipelago_examples::programs::tensor_exchange::{
         self, HeldBytes, Holder, MakeEvery, MakeRamp, SumOf, every_dtype,
     };
@@ -213,6 +213,25 @@ mod actors_cluster {
         let victim = hosts_used[3].to_string();
 
         tensors_between_processes(&cluster);
+
+        // An actor reference in a message: shard 0 (one host) puts a key into shard 3 (the
+        // other host) by calling it itself.
+        let via = store.members()[0]
+            .call(PutVia {
+                to: store.members()[3].clone(),
+                key: 4 * 1000 + 3,
+                value: 2.5,
+            })
+            .get()
+            .unwrap()
+            .unwrap();
+        let (from, to) = (&outcome.placement[0].0, &outcome.placement[3].0);
+        assert_eq!(via, format!("{from} → {to}"));
+        assert_ne!(from, to);
+        assert_eq!(
+            store.members()[3].call(Get(4 * 1000 + 3)).get().unwrap(),
+            Some(2.5)
+        );
 
         // A mesh larger than the cluster is refused once the wait for hosts has passed.
         let too_big = std::thread::spawn({

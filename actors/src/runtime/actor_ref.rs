@@ -101,6 +101,14 @@ impl<A: Actor> ActorRef<A> {
         self.key
     }
 
+    /// The actor port of the actor's host, for a reference to another process's actor.
+    pub(crate) fn remote_addr(&self) -> Option<&str> {
+        match &self.port {
+            Port::Remote(connection) => Some(connection.addr()),
+            Port::Local(_) => None,
+        }
+    }
+
     /// Whether the actor lives in another process.
     pub fn is_remote(&self) -> bool {
         matches!(self.port, Port::Remote(_))

@@ -32,6 +32,7 @@
 
 mod actor;
 mod actor_ref;
+mod actor_ref_wire;
 mod call;
 mod cell;
 mod cluster;

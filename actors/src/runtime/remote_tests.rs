@@ -367,3 +367,53 @@ fn tensors_cross_hosts_exactly_and_are_freed_when_every_borrower_drops() {
         "{error}"
     );
 }
+
+/// Calls the keeper it is handed (an actor reference inside a message).
+struct Relay;
+
+impl Actor for Relay {
+    type Params = ();
+    async fn new(_: (), _ctx: &Context<Self>) -> Result<Self, String> {
+        Ok(Relay)
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct PushVia(ActorRef<Keeper>, i64);
+impl Message for PushVia {
+    type Reply = Result<usize, String>;
+}
+impl Handler<PushVia> for Relay {
+    async fn handle(&mut self, PushVia(keeper, v): PushVia, _ctx: &Context<Self>) -> Result<usize, String> {
+        keeper.call(Push(v)).await.map_err(|e| e.to_string())
+    }
+}
+
+#[test]
+fn an_actor_reference_travels_in_a_message_and_is_called_by_the_receiver() {
+    registry()
+        .merge(Registry::new().actor::<Relay>().handles::<Relay, PushVia>())
+        .install();
+    let (_host, _port, slots) = host("host-r", 2, "tok");
+    let driver = Runtime::on_cluster("remote-test", slots, "tok", Liveness::default()).unwrap();
+    let keeper = driver
+        .spawn_at::<Keeper>(0, vec![], SpawnOptions::default())
+        .get()
+        .unwrap();
+    let relay = driver
+        .spawn_at::<Relay>(1, (), SpawnOptions::default())
+        .get()
+        .unwrap();
+    for v in 0..5 {
+        assert_eq!(
+            relay.call(PushVia(keeper.clone(), v)).get().unwrap(),
+            Ok(v as usize + 1)
+        );
+    }
+    assert_eq!(keeper.call(Dump).get().unwrap().0, vec![0, 1, 2, 3, 4]);
+    // A reference whose actor has ended arrives as an error, not a hang.
+    keeper.stop("done");
+    keeper.ended().get();
+    let error = relay.call(PushVia(keeper.clone(), 9)).get().unwrap_err();
+    assert!(error.to_string().contains("ended"), "{error}");
+}

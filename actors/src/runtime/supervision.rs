@@ -170,6 +170,9 @@ pub enum CallError {
 pub(crate) struct ActorShared {
     pub(crate) info: ActorInfo,
     pub(crate) job: String,
+    /// The runtime of this process the actor lives in (unset for a reference to an actor of
+    /// another process).
+    pub(crate) home: std::sync::OnceLock<std::sync::Weak<super::system::RuntimeInner>>,
     /// Sequence number of the next message sent (calls and casts).
     next_seq: AtomicU64,
     /// Messages taken off the queue.
@@ -190,6 +193,7 @@ impl ActorShared {
         ActorShared {
             info,
             job,
+            home: std::sync::OnceLock::new(),
             next_seq: AtomicU64::new(0),
             handled: AtomicU64::new(0),
             restarts: AtomicU32::new(0),

@@ -138,8 +138,12 @@ impl RuntimeInner {
 }
 
 pub(crate) struct LiveActor {
-    shared: Arc<ActorShared>,
-    cell: ractor::ActorCell,
+    pub(crate) shared: Arc<ActorShared>,
+    pub(crate) cell: ractor::ActorCell,
+    /// Its process-unique key.
+    pub(crate) key: u64,
+    /// Its Rust type's full name (checked before a reference is rebuilt from the wire).
+    pub(crate) type_key: &'static str,
 }
 
 pub(crate) struct RuntimeInner {
@@ -402,6 +406,7 @@ impl RuntimeHandle {
             host: self.inner.host.clone(),
         };
         let shared = Arc::new(ActorShared::new(info, self.inner.job.clone()));
+        let _ = shared.home.set(Arc::downgrade(&self.inner));
         let args = CellArgs::<A> {
             params,
             shared: shared.clone(),
@@ -415,6 +420,8 @@ impl RuntimeHandle {
             let live = LiveActor {
                 shared: shared.clone(),
                 cell: port.get_cell(),
+                key,
+                type_key: std::any::type_name::<A>(),
             };
             runtime.inner.live.lock().expect("live actors").insert(id, live);
             Ok::<_, ractor::SpawnErr>((port, shared))

@@ -15,7 +15,6 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
-use super::host_port::spawn_frame_writer;
 use super::links::unreachable;
 use super::wire::{Frame, Outgoing, read_frame};
 use crate::error::ActorFailure;
@@ -84,25 +83,47 @@ pub struct HostConnection {
 }
 
 impl HostConnection {
-    /// Connects to the actor port of `host` at `addr` with the cluster `token`.
+    /// Connects to the actor port of `host` at `addr` with the cluster `token`; fails when
+    /// the port cannot be reached.
     pub async fn connect(
         host: &str,
         addr: &str,
         token: &str,
         liveness: Liveness,
     ) -> Result<Arc<HostConnection>, String> {
-        let stream = TcpStream::connect(addr)
+        let (connection, connected) =
+            HostConnection::start(host, addr, token, liveness, &tokio::runtime::Handle::current());
+        connected
             .await
-            .map_err(|e| format!("cannot reach the actor port of host {host} at {addr}: {e}"))?;
-        stream.set_nodelay(true).map_err(|e| e.to_string())?;
-        let (input, output) = stream.into_split();
-        // Frames are small and many: read them through a buffer, not a syscall each.
-        let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER, input);
-        let (close, closed) = tokio::sync::watch::channel(false);
-        let out = spawn_frame_writer(output, Some(closed));
+            .unwrap_or_else(|_| Err("the connection task ended".into()))?;
+        Ok(connection)
+    }
+
+    /// A connection that connects in the background on `executor` (frames sent meanwhile wait
+    /// in order); usable at once, e.g. from a reference decoded inside a message. A port that
+    /// cannot be reached loses the host, failing what was sent.
+    pub(crate) fn lazy(
+        host: &str,
+        addr: &str,
+        token: &str,
+        liveness: Liveness,
+        executor: &tokio::runtime::Handle,
+    ) -> Arc<HostConnection> {
+        HostConnection::start(host, addr, token, liveness, executor).0
+    }
+
+    fn start(
+        host: &str,
+        addr: &str,
+        token: &str,
+        liveness: Liveness,
+        executor: &tokio::runtime::Handle,
+    ) -> (Arc<HostConnection>, oneshot::Receiver<Result<(), String>>) {
+        let (out, outgoing) = tokio::sync::mpsc::unbounded_channel::<Outgoing>();
         let _ = out.send(Outgoing::from(Frame::Hello {
             token: token.to_string(),
         }));
+        let (close, closed) = tokio::sync::watch::channel(false);
         let connection = Arc::new(HostConnection {
             host: host.to_string(),
             addr: addr.to_string(),
@@ -114,8 +135,27 @@ impl HostConnection {
             }),
             next: AtomicU64::new(1),
         });
+        let (ready, connected) = oneshot::channel();
         let reader = connection.clone();
-        tokio::spawn(async move {
+        executor.spawn(async move {
+            let stream = match TcpStream::connect(&reader.addr).await {
+                Ok(stream) => stream,
+                Err(e) => {
+                    let why = format!(
+                        "cannot reach the actor port of host {} at {}: {e}",
+                        reader.host, reader.addr
+                    );
+                    reader.lose(&why);
+                    let _ = ready.send(Err(why));
+                    return;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            let (input, output) = stream.into_split();
+            tokio::spawn(super::host_port::write_frames(output, outgoing, Some(closed)));
+            let _ = ready.send(Ok(()));
+            // Frames are small and many: read them through a buffer, not a syscall each.
+            let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER, input);
             let reason = loop {
                 match read_frame(&mut input).await {
                     Ok(Some(Frame::Tensor { request, result })) => {
@@ -133,7 +173,7 @@ impl HostConnection {
             reader.lose(&reason);
         });
         let prober = Arc::downgrade(&connection);
-        tokio::spawn(async move {
+        executor.spawn(async move {
             loop {
                 tokio::time::sleep(liveness.ping_every).await;
                 let Some(connection) = prober.upgrade() else {
@@ -150,12 +190,17 @@ impl HostConnection {
                 connection.send(Frame::Ping);
             }
         });
-        Ok(connection)
+        (connection, connected)
     }
 
     /// The host's name.
     pub fn host(&self) -> &str {
         &self.host
+    }
+
+    /// The host's actor port.
+    pub fn addr(&self) -> &str {
+        &self.addr
     }
 
     fn received(&self, frame: Frame) {

@@ -53,7 +53,7 @@ pub fn serve_actor_port(
     super::links::serve_home(
         runtime.host(),
         &addr.to_string(),
-        &runtime.inner().tensors.inner,
+        &runtime.inner,
         &token,
         tokio::runtime::Handle::current(),
     );
@@ -93,9 +93,19 @@ pub(crate) fn spawn_frame_writer(
     half: tokio::net::tcp::OwnedWriteHalf,
     closed: Option<watch::Receiver<bool>>,
 ) -> UnboundedSender<Outgoing> {
-    let (tx, mut rx) = unbounded_channel::<Outgoing>();
+    let (tx, rx) = unbounded_channel::<Outgoing>();
+    tokio::spawn(write_frames(half, rx, closed));
+    tx
+}
+
+/// Writes the frames of `rx` on `half` until the senders are gone or `closed` changes.
+pub(crate) async fn write_frames(
+    half: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
+    closed: Option<watch::Receiver<bool>>,
+) {
     let mut closed = closed;
-    tokio::spawn(async move {
+    {
         let mut out = BufWriter::new(half);
         loop {
             let close = async {
@@ -128,8 +138,7 @@ pub(crate) fn spawn_frame_writer(
                 return;
             }
         }
-    });
-    tx
+    }
 }
 
 async fn serve_connection(

@@ -13,6 +13,7 @@ use tokio::sync::oneshot;
 
 use super::connection::{HostConnection, Liveness};
 use super::wire::Frame;
+use crate::runtime::system::RuntimeInner;
 use crate::runtime::tensor_store::{BorrowKey, Meta, StoresInner, TensorError, TensorId};
 
 /// This process, as the owner's balances name it (random per process start).
@@ -48,6 +49,11 @@ struct Table {
     homes: HashMap<String, Weak<StoresInner>>,
     /// Links to owner hosts, by address.
     owners: HashMap<String, Arc<OwnerLink>>,
+    /// This process's runtimes serving an actor port, by address (for actor references).
+    runtimes: HashMap<String, Weak<RuntimeInner>>,
+    /// Connections to other hosts' actor ports made for actor references that arrived in
+    /// messages, by address.
+    actor_ports: HashMap<String, Arc<HostConnection>>,
 }
 
 static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(Mutex::default);
@@ -57,10 +63,12 @@ fn table() -> std::sync::MutexGuard<'static, Table> {
 }
 
 /// Records that `stores` (host `host`) serve tensors on the actor port `addr` with `token`.
-pub(crate) fn serve_home(host: &str, addr: &str, stores: &Arc<StoresInner>, token: &str, executor: Handle) {
+pub(crate) fn serve_home(host: &str, addr: &str, runtime: &Arc<RuntimeInner>, token: &str, executor: Handle) {
+    let stores = &runtime.tensors.inner;
     let _ = stores.home.set((host.to_string(), addr.to_string()));
     let mut table = table();
     table.homes.insert(addr.to_string(), Arc::downgrade(stores));
+    table.runtimes.insert(addr.to_string(), Arc::downgrade(runtime));
     table.tokens.insert(addr.to_string(), token.to_string());
     table.default_token.get_or_insert_with(|| token.to_string());
     table.executor.get_or_insert(executor);
@@ -79,6 +87,32 @@ pub(crate) fn know_hosts<'a>(addrs: impl IntoIterator<Item = &'a str>, token: &s
 /// The stores of this process serving `addr`, if any.
 pub(crate) fn home(addr: &str) -> Option<Weak<StoresInner>> {
     table().homes.get(addr).filter(|w| w.strong_count() > 0).cloned()
+}
+
+/// The runtime of this process serving `addr`, if any.
+pub(crate) fn home_runtime(addr: &str) -> Option<Arc<RuntimeInner>> {
+    table().runtimes.get(addr).and_then(Weak::upgrade)
+}
+
+/// A connection to the actor port at `addr` of host `host` (made on first use, connecting in
+/// the background), with the executor that runs it.
+pub(crate) fn actor_port(host: &str, addr: &str) -> Result<(Arc<HostConnection>, Handle), String> {
+    let mut table = table();
+    let executor = table.executor.clone();
+    if let (Some(connection), Some(executor)) = (table.actor_ports.get(addr), executor.clone())
+        && connection.lost().is_none()
+    {
+        return Ok((connection.clone(), executor));
+    }
+    let token = table.tokens.get(addr).or(table.default_token.as_ref()).cloned();
+    let (Some(token), Some(executor)) = (token, executor) else {
+        return Err(format!(
+            "a reference to an actor of host {host} arrived in a process that is not part of a cluster"
+        ));
+    };
+    let connection = HostConnection::lazy(host, addr, &token, Liveness::default(), &executor);
+    table.actor_ports.insert(addr.to_string(), connection.clone());
+    Ok((connection, executor))
 }
 
 /// The link to the owner host at `addr` (made on first use).
