@@ -72,10 +72,7 @@ pub enum CodecError {
 
 /// Encodes `value`.
 pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, CodecError> {
-    let bytes = bincode::serde::encode_to_vec(value, config()).map_err(|e| CodecError::Encode {
-        ty: std::any::type_name::<T>(),
-        reason: e.to_string(),
-    })?;
+    let bytes = encode_frame(value)?;
     if bytes.len() > MAX_MESSAGE_BYTES {
         return Err(CodecError::TooLarge { bytes: bytes.len() });
     }
