@@ -9,7 +9,7 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
 use super::actor::{Actor, Handler, Message};
-use super::call::{Call, Pending};
+use super::call::{Call, Canceller, Pending};
 use super::envelope::{Letter, Mail, ReplySink, ReplyTo};
 use super::remote::HostConnection;
 use super::remote::registry::{MessageCodec, Registry};
@@ -133,18 +133,19 @@ impl<A: Actor> ActorRef<A> {
             return Call::failed(error, self.driver.clone());
         }
         let (tx, rx) = oneshot::channel();
-        let cancel = Arc::new(AtomicBool::new(false));
-        match &self.port {
+        let cancel = match &self.port {
             Port::Local(port) => {
+                let flag = Arc::new(AtomicBool::new(false));
                 let letter = Letter {
                     message: Some(message),
                     reply: Some(ReplyTo::Channel(tx)),
-                    cancel: Some(cancel.clone()),
+                    cancel: Some(flag.clone()),
                     seq: self.shared.sequence(),
                 };
                 if port.send_message(Box::new(letter)).is_err() {
                     return Call::failed(self.shared.ended_error(message_type), self.driver.clone());
                 }
+                Canceller::Flag(flag)
             }
             Port::Remote(connection) => {
                 if self.shared.end().is_some() {
@@ -169,15 +170,16 @@ impl<A: Actor> ActorRef<A> {
                     let _ = tx.send(reply);
                 });
                 self.shared.sequence();
-                connection.call(
+                let id = connection.call(
                     &self.shared,
                     message_type,
                     std::any::type_name::<M>(),
                     payload,
                     deliver,
                 );
+                Canceller::Remote(connection.clone(), id)
             }
-        }
+        };
         Call::waiting(rx, cancel, self.shared.clone(), message_type, self.driver.clone())
     }
 
@@ -187,6 +189,7 @@ impl<A: Actor> ActorRef<A> {
         &self,
         message: M,
         sink: Box<dyn FnOnce(Result<M::Reply, CallError>) + Send>,
+        cancel: Option<Arc<AtomicBool>>,
     ) where
         A: Handler<M>,
     {
@@ -206,7 +209,7 @@ impl<A: Actor> ActorRef<A> {
                 self.shared.clone(),
                 message_type,
             ))),
-            cancel: None,
+            cancel,
             seq: self.shared.sequence(),
         };
         // A letter the mailbox refuses is dropped here, and its sink answers with the end.

@@ -24,10 +24,28 @@ pub struct Call<R> {
     driver: Handle,
 }
 
+/// How a call is taken back: a flag the actor's cell checks before it starts the message, or a
+/// `Cancel` frame to the host of a remote actor (which sets that flag there).
+pub(crate) enum Canceller {
+    /// The local letter's flag.
+    Flag(Arc<AtomicBool>),
+    /// Call `id` on a host's connection.
+    Remote(Arc<super::remote::HostConnection>, u64),
+}
+
+impl Canceller {
+    fn cancel(&self) {
+        match self {
+            Canceller::Flag(flag) => flag.store(true, Ordering::Release),
+            Canceller::Remote(connection, call) => connection.cancel(*call),
+        }
+    }
+}
+
 enum CallState<R> {
     Waiting {
         reply: oneshot::Receiver<Result<R, CallError>>,
-        cancel: Arc<AtomicBool>,
+        cancel: Canceller,
         actor: Arc<ActorShared>,
         message: &'static str,
         deadline: Option<(Instant, Duration)>,
@@ -39,7 +57,7 @@ enum CallState<R> {
 impl<R> Call<R> {
     pub(crate) fn waiting(
         reply: oneshot::Receiver<Result<R, CallError>>,
-        cancel: Arc<AtomicBool>,
+        cancel: Canceller,
         actor: Arc<ActorShared>,
         message: &'static str,
         driver: Handle,
@@ -83,7 +101,7 @@ impl<R> Call<R> {
             ..
         } = &self.state
         {
-            cancel.store(true, Ordering::Release);
+            cancel.cancel();
             let error = CallError::Cancelled {
                 actor: actor.label(),
                 message: message.to_string(),
@@ -150,7 +168,7 @@ impl<R> Future for Call<R> {
         if let Some((at, after)) = *deadline {
             let timer = sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at.into())));
             if timer.as_mut().poll(cx).is_ready() {
-                cancel.store(true, Ordering::Release);
+                cancel.cancel();
                 let error = CallError::Timeout {
                     actor: actor.label(),
                     message: message.to_string(),

@@ -24,9 +24,9 @@
 //!   otherwise the actor ends and [`ActorRef::ended`] resolves. Calls to an ended actor fail at
 //!   once; calls it had queued are answered with its end, across processes too.
 //! - **Across processes** the order per caller holds (one connection per caller and host); a
-//!   timeout or cancel ends the caller's wait but does not reach the host (a message already
-//!   sent still runs there); `queue_depth` and `restarts` of a remote reference are the
-//!   caller's view (see the host's `actor_stats` for the actor's own).
+//!   timeout or cancel reaches the host (a `Cancel` frame), which skips the message if it has
+//!   not started; `queue_depth` and `restarts` of a remote reference are the caller's view (see
+//!   the host's `actor_stats` for the actor's own).
 //! - **Placement**: each device of the runtime is one OS thread running its actors; actors on
 //!   different devices run in parallel, actors on one device take turns.
 

@@ -131,6 +131,20 @@ fn actors_on_another_host_take_calls_and_casts_in_order_and_name_their_failures(
     assert_eq!(values, std::iter::once(-1).chain(0..150).collect::<Vec<_>>());
     assert_eq!((host.as_str(), device), ("host-a", DeviceSpec::Cpu(1)));
 
+    // A timeout and a cancel reach the host: the messages queued behind a busy one never run.
+    let busy = keeper.call(Hold(300));
+    let timed_out = keeper.call(Push(1000)).timeout(Duration::from_millis(50)).get();
+    assert!(
+        matches!(timed_out, Err(CallError::Timeout { .. })),
+        "{timed_out:?}"
+    );
+    let mut cancelled = keeper.call(Push(2000));
+    cancelled.cancel();
+    assert!(matches!(cancelled.get(), Err(CallError::Cancelled { .. })));
+    busy.get().unwrap();
+    let (values, _, _) = keeper.call(Dump).get().unwrap();
+    assert!(!values.contains(&1000) && !values.contains(&2000), "{values:?}");
+
     let mut recorder = super::compiled::Recorder::<i64>::new();
     let input = recorder.input();
     let pushed = recorder.call(&keeper, &input, Push);

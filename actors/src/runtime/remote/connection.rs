@@ -397,7 +397,7 @@ impl HostConnection {
         message_type: &'static str,
         payload: Vec<u8>,
         deliver: Deliver,
-    ) {
+    ) -> u64 {
         let call = self.next.fetch_add(1, Ordering::Relaxed);
         let mut state = self.state.lock().expect("connection");
         if let Some(lost) = state.lost.clone() {
@@ -407,7 +407,7 @@ impl HostConnection {
                 &format!("sending `{message}`"),
                 &lost,
             ))));
-            return;
+            return call;
         }
         state.calls.insert(
             call,
@@ -424,6 +424,14 @@ impl HostConnection {
             message_type: message_type.to_string(),
             payload,
         });
+        call
+    }
+
+    /// Gives up on call `call`: its reply will be ignored, and the host skips the message if
+    /// it has not started it.
+    pub(crate) fn cancel(&self, call: u64) {
+        self.state.lock().expect("connection").calls.remove(&call);
+        self.send(Frame::Cancel { call });
     }
 
     /// Sends a cast (fails only when the host is already lost).

@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
-use super::registry::{ErasedActor, Registry, ReplySink};
+use super::registry::{CancelFlag, ErasedActor, Registry, ReplySink};
 use super::wire::{Frame, Outgoing, read_frame, read_frame_within, write_frame};
 
 /// The largest first frame (the token) read before the caller is known.
@@ -162,6 +162,7 @@ async fn serve_connection(
     let out = spawn_frame_writer(output, Some(closed));
     // The actors this caller spawned are its own: they stop when its connection ends.
     let owned = Owned::default();
+    let cancels: Arc<Mutex<HashMap<u64, CancelFlag>>> = Arc::default();
     loop {
         let frame = match read_frame(&mut input).await {
             Ok(Some(frame)) => frame,
@@ -212,9 +213,16 @@ async fn serve_connection(
             } => {
                 let target = reachable.lock().expect("reachable actors").get(&actor).cloned();
                 // A call's reply is encoded and queued on the actor's own thread.
-                let reply: Option<ReplySink> = call.map(|call| {
-                    let out = out.clone();
-                    Box::new(move |result| send(&out, Frame::Reply { call, result })) as ReplySink
+                // The call's cancel flag stays findable until its reply leaves.
+                let reply: Option<(ReplySink, CancelFlag)> = call.map(|call| {
+                    let (out, cancels) = (out.clone(), cancels.clone());
+                    let flag = CancelFlag::default();
+                    cancels.lock().expect("cancel flags").insert(call, flag.clone());
+                    let sink = Box::new(move |result| {
+                        cancels.lock().expect("cancel flags").remove(&call);
+                        send(&out, Frame::Reply { call, result });
+                    }) as ReplySink;
+                    (sink, flag)
                 });
                 let outcome = match target {
                     Some(target) => Registry::deliver(target.as_ref(), &message_type, &payload, reply),
@@ -225,7 +233,7 @@ async fn serve_connection(
                             reason: "no live actor has that id on this host".into(),
                         };
                         match reply {
-                            Some(sink) => {
+                            Some((sink, _)) => {
                                 sink(Err(error));
                                 Ok(())
                             }
@@ -243,6 +251,11 @@ async fn serve_connection(
                 }
             }
             Frame::Ping => send(&out, Frame::Pong),
+            Frame::Cancel { call } => {
+                if let Some(flag) = cancels.lock().expect("cancel flags").get(&call) {
+                    flag.store(true, std::sync::atomic::Ordering::Release);
+                }
+            }
             Frame::Stats { request } => {
                 let stats = runtime.local_actor_stats();
                 send(&out, Frame::StatsReply { request, stats });

@@ -72,7 +72,9 @@ type SpawnFn = fn(&RuntimeHandle, DeviceSpec, &[u8], SpawnOptions) -> Result<Spa
 pub type SpawnedErased = Pending<Result<Arc<dyn ErasedActor>, SpawnError>>;
 /// Where a remote call's encoded reply (or its error) goes; called on the actor's thread.
 pub type ReplySink = Box<dyn FnOnce(Result<Vec<u8>, CallError>) + Send>;
-type HandleFn = fn(&dyn ErasedActor, &[u8], Option<ReplySink>) -> Result<(), CallError>;
+type HandleFn = fn(&dyn ErasedActor, &[u8], Option<(ReplySink, CancelFlag)>) -> Result<(), CallError>;
+/// The flag a caller's `Cancel` sets, checked before the message starts.
+pub type CancelFlag = Arc<std::sync::atomic::AtomicBool>;
 type EncodeFn = fn(&dyn Any) -> Result<Vec<u8>, CodecError>;
 type DecodeReplyFn = fn(&[u8]) -> Result<Box<dyn Any + Send>, CodecError>;
 
@@ -173,7 +175,7 @@ impl Registry {
         actor: &dyn ErasedActor,
         message_type: &str,
         payload: &[u8],
-        reply: Option<ReplySink>,
+        reply: Option<(ReplySink, CancelFlag)>,
     ) -> Result<(), CallError> {
         let found = GLOBAL
             .read()
@@ -195,7 +197,7 @@ impl Registry {
                 ),
             };
             return match reply {
-                Some(sink) => {
+                Some((sink, _)) => {
                     sink(Err(error));
                     Ok(())
                 }
@@ -257,7 +259,7 @@ where
 fn handle_erased<A, M>(
     actor: &dyn ErasedActor,
     payload: &[u8],
-    reply: Option<ReplySink>,
+    reply: Option<(ReplySink, CancelFlag)>,
 ) -> Result<(), CallError>
 where
     A: Handler<M>,
@@ -282,15 +284,19 @@ where
     match (decoded, reply) {
         (Ok((typed, message)), None) => typed.cast(message),
         (Err(error), None) => Err(error),
-        (Err(error), Some(sink)) => {
+        (Err(error), Some((sink, _))) => {
             sink(Err(error));
             Ok(())
         }
-        (Ok((typed, message)), Some(sink)) => {
+        (Ok((typed, message)), Some((sink, cancel))) => {
             let encode = move |value: M::Reply| {
                 codec::encode(&value).map_err(|e| not_remote(format!("its reply: {e}")))
             };
-            typed.call_into(message, Box::new(move |result| sink(result.and_then(encode))));
+            typed.call_into(
+                message,
+                Box::new(move |result| sink(result.and_then(encode))),
+                Some(cancel),
+            );
             Ok(())
         }
     }

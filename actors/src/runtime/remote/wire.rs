@@ -67,6 +67,11 @@ pub enum Frame {
         /// The message, encoded.
         payload: Vec<u8>,
     },
+    /// The caller gave up on a call (cancel or timeout): skip it if it has not started.
+    Cancel {
+        /// The call.
+        call: u64,
+    },
     /// A call's reply, encoded, or its error.
     Reply {
         /// The call answered.
