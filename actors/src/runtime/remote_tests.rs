@@ -199,7 +199,11 @@ fn a_lost_host_fails_the_pending_calls_and_a_wrong_token_is_refused() {
         .spawn_at::<Keeper>(0, vec![], SpawnOptions::default())
         .get()
         .unwrap_err();
-    assert!(error.to_string().contains("host-b"), "{error}");
+    let text = error.to_string();
+    assert!(
+        text.contains("host-b") && text.contains("wrong or missing cluster token"),
+        "{text}"
+    );
 
     let driver = Runtime::on_cluster("remote-test", slots, "right", Liveness::default()).unwrap();
     let keeper = driver

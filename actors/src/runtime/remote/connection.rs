@@ -158,6 +158,7 @@ impl HostConnection {
             let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER, input);
             let reason = loop {
                 match read_frame(&mut input).await {
+                    Ok(Some(Frame::Refused { reason })) => break reason,
                     Ok(Some(Frame::Tensor { request, result })) => {
                         if let Err(reason) = reader.tensor_arrived(&mut input, request, result).await {
                             break reason;

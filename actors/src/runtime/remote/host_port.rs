@@ -156,7 +156,18 @@ async fn serve_connection(
         Ok(Some(Frame::Hello { token: given })) if given == token => {}
         _ => {
             tracing::warn!(%peer, "refused an actor-port connection without the cluster's token");
-            return Err("refused: wrong or missing token (pass the cluster's --token-file)".into());
+            let reason = "it refused this process: wrong or missing cluster token (start every process with the cluster's token file, ARCHIPELAGO_TOKEN_FILE)";
+            // Say why before closing, so the caller reports the refusal, not a lost host.
+            let mut output = output;
+            let _ = write_frame(
+                &mut output,
+                &Frame::Refused {
+                    reason: reason.into(),
+                },
+            )
+            .await;
+            let _ = output.flush().await;
+            return Err(reason.into());
         }
     }
     let out = spawn_frame_writer(output, Some(closed));

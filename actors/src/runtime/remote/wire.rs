@@ -127,6 +127,11 @@ pub enum Frame {
         /// One entry per actor (live ones, then the last that ended).
         stats: Vec<ActorStats>,
     },
+    /// The host refuses the connection (its last frame): why.
+    Refused {
+        /// The reason, with the fix.
+        reason: String,
+    },
     /// Liveness probe; answered with [`Frame::Pong`].
     Ping,
     /// Answer to [`Frame::Ping`].
