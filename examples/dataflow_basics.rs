@@ -1,15 +1,16 @@
-//! The general dataflow API, not a training loop: a sharded map-reduce over tensors on 4 actors,
-//! and a producer → consumer loop between two actors with state kept across runs.
+//! Not a training loop: a sharded map-reduce over 4 actors (eager calls) and a producer →
+//! consumer loop recorded once as a compiled program, the consumer's total kept across runs; see
+//! `programs/dataflow_basics.rs`.
 //!
 //! Run: `cargo run --example dataflow_basics`
 
-use archipelago_examples::{producer_consumer, sharded_sum_of_squares};
+use archipelago_examples::programs::dataflow_basics::{SHARDS, producer_consumer, sharded_sum_of_squares};
 
 fn main() -> anyhow::Result<()> {
     let n = 1000;
     let total = sharded_sum_of_squares(n)?;
     let expected: f64 = (0..n).map(|i| (i * i) as f64).sum();
-    println!("Σ i² for i < {n} over 4 actors = {total} (exact: {expected})");
+    println!("Σ i² for i < {n} over {SHARDS} shard actors = {total} (exact: {expected})");
     anyhow::ensure!(
         ((total as f64 - expected) / expected).abs() < 1e-5,
         "map-reduce result is wrong"

@@ -2,8 +2,14 @@
 //! 4 workers train an mlp, first with bounded delay K = 0 (synchronous data parallelism), then
 //! with K = 2 and worker 3 sleeping 10 ms per clock. Prints the losses and how far ahead of the
 //! slowest worker the others ran. `cargo run --example parameter_server [-- K]` runs only that K.
-//! Like `actors_cluster`, the same binary runs on a cluster (`ARCHIPELAGO_CONTROLLER`, hosts
-//! with `ARCHIPELAGO_ROLE=host`).
+//!
+//! With no `ARCHIPELAGO_*` variable set it runs on 6 CPU devices of this process. Like
+//! `actors_cluster`, the same binary also runs on a cluster: start `archipelago controller`,
+//! hosts of this binary offering 6 devices in all (`ARCHIPELAGO_ROLE=host
+//! ARCHIPELAGO_CONTROLLER=… ARCHIPELAGO_TOKEN_FILE=… ARCHIPELAGO_DEVICES=cpu:0,cpu:1,cpu:2`, twice),
+//! then this binary with `ARCHIPELAGO_CONTROLLER` and `ARCHIPELAGO_TOKEN_FILE` set: the servers and
+//! workers run on the hosts (workers call the servers host to host) and the results are the
+//! same (`bash examples/multi_host.sh parameter_server` does all of it).
 
 use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec};
 use archipelago_examples::programs::parameter_server::{Fault, PsConfig, registry, run};
@@ -43,6 +49,10 @@ fn main() -> anyhow::Result<()> {
             config.clocks,
             outcome.wall_s
         );
+        let on: Vec<String> = (outcome.placement.iter())
+            .map(|(host, device)| format!("{host} {device}"))
+            .collect();
+        println!("  servers, then workers, on: {}", on.join(", "));
         for (clock, loss) in outcome.losses.iter().enumerate() {
             println!("  clock {clock:>2}  loss {loss:.5}");
         }

@@ -1,7 +1,14 @@
 //! Successive halving over gpt learning rates, then a scaling ladder fitted to a power law: see
-//! `programs/trial_search.rs`. `cargo run --example trial_search -- [--quick]`; like
-//! `actors_cluster` it runs on this process or, with `ARCHIPELAGO_CONTROLLER` set, on the hosts
-//! running this binary.
+//! `programs/trial_search.rs`. `cargo run --example trial_search -- [--quick]`.
+//!
+//! With no `ARCHIPELAGO_*` variable set the trials run on 4 CPU devices of this process. Like
+//! `actors_cluster`, the same binary also runs on a cluster: start `archipelago controller`, hosts
+//! of this binary offering 4 devices in all (`ARCHIPELAGO_ROLE=host ARCHIPELAGO_CONTROLLER=…
+//! ARCHIPELAGO_TOKEN_FILE=… ARCHIPELAGO_DEVICES=cpu:0,cpu:1`, twice), then this binary with
+//! `ARCHIPELAGO_CONTROLLER` and `ARCHIPELAGO_TOKEN_FILE` set: one trial per device of the hosts,
+//! each checkpointing into its directory under the temporary directory (on one machine, or a
+//! shared file system), with the same rungs and winner (`bash examples/multi_host.sh
+//! trial_search --quick` does all of it).
 
 use archipelago_dataflow::DeviceSpec;
 use archipelago_examples::programs::trial_search::{
@@ -10,7 +17,8 @@ use archipelago_examples::programs::trial_search::{
 
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
-    let runtime = archipelago_controller::runtime::init(registry(), DeviceSpec::cpus(2))?;
+    // One device per trial (4 learning rates, 4 ladder sizes); on a cluster: wait for 4.
+    let runtime = archipelago_controller::runtime::init(registry(), DeviceSpec::cpus(4))?;
     let root = std::env::temp_dir().join(format!("archipelago-trials-{}", std::process::id()));
     let (model, first_rung) = if quick {
         ("gpt:vocab=64,ctx=16,d=32,layers=1,heads=2", 4)
@@ -33,6 +41,10 @@ fn main() -> anyhow::Result<()> {
         let line: Vec<String> = rung.iter().map(|r| format!("{} {:.4}", r.name, r.loss)).collect();
         println!("rung {k} ({} steps): {}", rung[0].steps, line.join(", "));
     }
+    let on: Vec<String> = (halving.placement.iter())
+        .map(|(host, device)| format!("{host} {device}"))
+        .collect();
+    println!("trials on: {}", on.join(", "));
     println!(
         "stopped early: {:?}; best {} (loss {:.4})",
         halving.stopped, halving.best.name, halving.best.loss

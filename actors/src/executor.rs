@@ -1,7 +1,7 @@
 //! The executor: runs one actor's instruction stream for a step.
 //!
 //! Sends, receives and collectives are the same for every job; local compute is delegated to a
-//! [`Computation`] (training on burn, or user functions). Every instruction is timed, a panic in
+//! [`Computation`] (training on burn). Every instruction is timed, a panic in
 //! compute is caught and becomes an [`ActorFailure`] naming the instruction, and a failure aborts
 //! the fabric so that no peer waits forever for this actor. Each instruction runs inside a
 //! `tracing` span `instruction` with job, step, actor, device, index, instruction, micro-batch
@@ -21,7 +21,7 @@ use crate::error::{ActorFailure, panic_message};
 use crate::fabric::{Fabric, FabricError, Tag};
 use crate::host_tensor::HostTensor;
 
-/// An actor's named host tensors (gradient buckets, received tensors, user values).
+/// An actor's named host tensors (gradient buckets, received tensors, activations).
 #[derive(Default)]
 pub struct TensorTable {
     tensors: HashMap<String, HostTensor>,

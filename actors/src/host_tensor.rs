@@ -1,9 +1,13 @@
 //! Host tensors: f32 data in a shared buffer with a shape — what crosses the fabric.
 //!
 //! In-process, a send moves the `Arc`, never the bytes; `into_vec` gives the buffer back without a
-//! copy when nobody else holds it.
+//! copy when nobody else holds it. [`to_burn`] / [`into_burn`] and [`from_burn`] move a host
+//! tensor onto a burn device and back (the trainer's activations and gradients).
 
 use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 
 /// A dense f32 tensor in host memory.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,4 +68,39 @@ impl HostTensor {
     pub fn into_vec(self) -> Vec<f32> {
         Arc::try_unwrap(self.data).unwrap_or_else(|shared| shared.as_ref().clone())
     }
+}
+
+/// A host tensor as a burn tensor of rank `D` on `device`.
+///
+/// # Panics
+/// When the host tensor's rank is not `D`.
+pub fn to_burn<B: Backend, const D: usize>(t: &HostTensor, device: &B::Device) -> Tensor<B, D> {
+    into_burn(t.clone(), device)
+}
+
+/// [`to_burn`] for a tensor the caller gives up: its buffer is not copied when nobody else
+/// holds it (a received activation, say).
+///
+/// # Panics
+/// When the host tensor's rank is not `D`.
+pub fn into_burn<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) -> Tensor<B, D> {
+    assert_eq!(
+        t.shape.len(),
+        D,
+        "tensor of rank {} read as rank {D}",
+        t.shape.len()
+    );
+    let shape = t.shape.clone();
+    Tensor::from_data(TensorData::new(t.into_vec(), shape), device)
+}
+
+/// A burn tensor back in host memory.
+pub fn from_burn<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
+    let shape = t.dims().to_vec();
+    let data = t
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 data");
+    HostTensor::new(shape, data)
 }

@@ -24,7 +24,6 @@ pub mod error;
 pub mod executor;
 pub mod fabric;
 pub mod flat_optimizer;
-pub mod flow_functions;
 pub mod gpus;
 pub mod host_tensor;
 pub mod offload;

@@ -24,7 +24,6 @@ pub mod cli;
 pub mod cluster;
 pub mod dashboard;
 pub mod error;
-pub mod flow_job;
 pub mod gang;
 pub mod host_devices;
 pub mod local;
@@ -38,7 +37,6 @@ pub mod trace;
 pub mod train_job;
 
 pub use error::JobError;
-pub use flow_job::FlowRun;
 pub use local::Controller;
 pub use report::{StepRecord, TrainReport};
 pub use train_job::{StepProgress, TrainOptions};

@@ -4,6 +4,17 @@
 //! OTLP/gRPC with the process's role as `service.name`. The exporter batches on its own runtime
 //! thread; with no collector it drops spans (bounded queue) and never blocks the job. tonic, h2,
 //! hyper and OpenTelemetry's own spans are kept out of the export.
+//!
+//! Beside the spans, the figures of runtime-API actors (messages handled, queue depth, failures,
+//! restarts, bytes per link) are exported as OTLP metrics: see [`export_actor_metrics`], which
+//! [`crate::runtime::init`] calls for the program's runtime.
+
+mod metrics;
+
+pub use metrics::{
+    FAILURES, FLUSH_WAIT, LINK_BYTES, MESSAGES, QUEUE_DEPTH, RESTARTS, export_actor_metrics,
+    flush_actor_metrics,
+};
 
 use std::time::Duration;
 
@@ -32,6 +43,7 @@ impl Telemetry {
             .with_writer(std::io::stderr)
             .with_filter(filter);
         let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").unwrap_or_default();
+        metrics::set_service(service);
         let (provider, runtime) = if endpoint.is_empty() {
             (None, None)
         } else {
@@ -59,8 +71,10 @@ impl Telemetry {
         }
     }
 
-    /// Flushes the spans still queued (waiting at most a few seconds for the collector).
+    /// Flushes the spans still queued and the actors' figures (waiting at most a few seconds
+    /// for the collector).
     pub fn shutdown(self) {
+        flush_actor_metrics();
         if let Some(provider) = self.provider {
             let _ = provider.shutdown_with_timeout(Duration::from_secs(3));
         }

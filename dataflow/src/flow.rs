@@ -1,10 +1,11 @@
-//! User dataflow graphs: computations placed on actors, joined by edges that carry tensors.
+//! User dataflow graphs: computations placed on actors, joined by edges that carry values.
 //!
-//! A [`Value`] is a future of a tensor on one actor. Using it on another actor inserts a transfer
+//! A [`Value`] is a future of a value on one actor. Using it on another actor inserts a transfer
 //! edge (send ↔ recv); [`FlowGraph::all_reduce`] joins same-named values with a collective edge.
-//! The graph compiles to the same per-actor instruction streams as training, through the same
-//! lowering and verifier, and runs on the same actors. Functions are referenced by name; the
-//! runtime looks them up in the job's function table.
+//! The graph compiles to per-actor instruction streams through the same lowering and verifier as
+//! training. Computations are referenced by name and the executor gives the names their meaning:
+//! the runtime's compiled programs (`archipelago_actors::runtime::compiled`) record calls over
+//! actors as `node:{i}` computations and run the streams this module compiles.
 //!
 //! ```
 //! use archipelago_dataflow::flow::FlowGraph;

@@ -103,12 +103,13 @@ pub enum ComputeOp {
         /// One past the last block.
         end: usize,
     },
-    /// A user computation, looked up by name in the job's function table.
+    /// A user computation, named by whoever built the graph (a compiled program's recorded call
+    /// is `node:{i}`; its input and output are `input` and `return`).
     User {
-        /// The registered function's name.
+        /// The computation's name.
         name: String,
     },
-    /// Hand the input tensor to the caller under `key` (results of user dataflow graphs).
+    /// Hand the input tensor to the caller under `key` ([`FlowGraph::output`](crate::flow::FlowGraph::output)).
     Output {
         /// The key the caller reads it under.
         key: String,

@@ -20,7 +20,7 @@
 //!    communication buffers per actor, and refuses plans over a device's memory budget.
 //!
 //! The same graph IR serves user-declared dataflow graphs ([`flow::FlowGraph`]) that are not
-//! training loops at all.
+//! training loops at all: the runtime's compiled programs are built with it.
 //!
 //! ```
 //! use archipelago_dataflow::{compile, ModelSpec, Program, ParallelPlan};

@@ -4,7 +4,8 @@
 //! optimizer state and a vector clock; `W` [`Worker`] actors each build the burn model on their
 //! own device (in their constructor) and compute the gradient of their data shard. Each worker
 //! pulls every range, computes, and pushes each server its slice of the gradient tagged with its
-//! clock. `examples/parameter_server.rs` runs it; `examples/tests/programs.rs` checks it.
+//! clock. `examples/parameter_server.rs` runs it; `examples/tests/programs.rs` checks it on this
+//! process and `examples/tests/cluster.rs` on two host processes of the example's binary.
 //!
 //! # Consistency: bounded delay `K`
 //! A worker's *clock* is the number of clocks it has pushed (the clock it works on next). A
@@ -24,17 +25,20 @@
 //! `.await`s included: a server that awaited inside `Pull` until the bound held would never
 //! handle the `Push`es that make it hold — a deadlock. The runtime has no reply that completes
 //! later (a reply port kept by the actor), so a `Pull` never waits: it answers [`Pulled::Wait`]
-//! and the worker's loop asks again after a back-off (50 µs, doubling up to 2 ms). No handler
-//! ever waits for another actor, and the slowest worker's pull is always granted (`c = min ≤ min
-//! + K`), so every run finishes.
+//! and the worker asks again after a back-off (50 µs, doubling up to 2 ms). A server never
+//! waits for another actor, and the slowest worker's pull is always granted (`c = min ≤ min +
+//! K`), so every run finishes.
 //!
-//! # Why the program carries values and gradients
-//! An [`ActorRef`] cannot travel to an actor on another host (it is not serde and there is no
-//! lookup by name), so on a cluster a worker actor could not call the servers itself. Each
-//! worker's loop therefore runs in the program (one thread per worker): pull from the servers,
-//! [`Compute`] on the worker actor, push to the servers. Every message is serde and registered
-//! ([`registry`]), so the same program runs on a cluster like `actors_cluster`; in one process
-//! the vectors move, nothing is encoded.
+//! # Where the loops run
+//! Each worker runs its whole loop in one [`Train`] handler, holding the servers'
+//! [`ActorRef`]s it was handed in that message: it pulls, computes and pushes itself, and on a
+//! cluster the values and gradients go worker host ↔ server host, never through the program.
+//! The program only spawns the actors (servers on its first slots, workers on the next: on
+//! this process's devices or on the hosts running its binary, the same code), starts every
+//! loop, and reads the servers' final state. Every message is serde and registered
+//! ([`registry`]); in one process the vectors move and nothing is encoded. If a loop fails the
+//! program stops the servers, so the other loops, which would wait for that worker's clocks
+//! forever, fail too.
 //!
 //! # Scaling, data, equivalence
 //! Worker `r`'s loss is the sum over its `B` rows of `−log p(label)` divided by the global batch
@@ -52,27 +56,21 @@
 //! models than bounded delay, and sparse keys: every range is dense and has one owner.
 //!
 //! The server actor is in `parameter_server/server.rs`, the worker actor in
-//! `parameter_server/worker.rs`; this file holds the run's configuration and the workers' loops.
+//! `parameter_server/worker.rs`; this file holds the run's configuration and the program that starts it.
 
 mod server;
 mod worker;
 
 pub use server::{ClockEvent, Pull, Pulled, Push, Server, ServerState, Snapshot};
-pub use worker::{Compute, Computed, Worker};
+pub use worker::{Train, Worker};
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use archipelago_controller::prelude::*;
 use archipelago_dataflow::{InputKind, ModelSpec, OptimizerSpec};
-
-/// The first back-off of a worker whose pull was refused.
-const MIN_BACKOFF: Duration = Duration::from_micros(50);
-/// The longest back-off.
-const MAX_BACKOFF: Duration = Duration::from_millis(2);
 
 /// A fault planted on purpose, so that a test can show its comparison catches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,6 +81,8 @@ pub enum Fault {
     DropPushOf(usize),
     /// Servers apply the mean of the pushes instead of their sum.
     AveragePushes,
+    /// This worker's loop fails when it reaches this clock (the others must not wait forever).
+    FailAt(usize, u64),
 }
 
 /// What a run trains and how.
@@ -171,7 +171,7 @@ pub fn registry() -> Registry {
         .handles::<Server, Pull>()
         .handles::<Server, Push>()
         .handles::<Server, Snapshot>()
-        .handles::<Worker, Compute>()
+        .handles::<Worker, Train>()
 }
 
 /// One clock of one worker, as its loop saw it.
@@ -200,6 +200,8 @@ pub struct Outcome {
     pub logs: Vec<Vec<ClockEvent>>,
     /// Seconds the workers' loops took.
     pub wall_s: f64,
+    /// Where each server, then each worker, ran: `(host, device)`.
+    pub placement: Vec<(String, DeviceSpec)>,
 }
 
 impl Outcome {
@@ -218,68 +220,6 @@ impl Outcome {
             .max()
             .unwrap_or(0)
     }
-}
-
-/// One worker's loop: per clock, pull every range (asking again after a back-off while a
-/// server refuses), compute on the worker actor, push each server its slice. Gives up (`None`)
-/// when `failed` is set: another loop failed, and the clocks it would have pushed never come.
-fn worker_loop(
-    rank: usize,
-    worker: &ActorRef<Worker>,
-    servers: &[ActorRef<Server>],
-    config: &PsConfig,
-    failed: &AtomicBool,
-) -> anyhow::Result<Option<Vec<WorkerStep>>> {
-    let n = config.model.desc().params() as usize;
-    let mut steps = Vec::new();
-    for clock in 0..config.clocks {
-        let mut ranges: Vec<Option<Vec<f32>>> = vec![None; servers.len()];
-        let (mut applied, mut refused, mut backoff) = (u64::MAX, 0, MIN_BACKOFF);
-        loop {
-            let asks: Vec<_> = (0..servers.len())
-                .filter(|&s| ranges[s].is_none())
-                .map(|s| (s, servers[s].call(Pull { worker: rank, clock })))
-                .collect();
-            for (s, ask) in asks {
-                if let Pulled::Granted { applied: a, values } = ask.get()?.map_err(anyhow::Error::msg)? {
-                    applied = applied.min(a);
-                    ranges[s] = Some(values);
-                }
-            }
-            if ranges.iter().all(Option::is_some) {
-                break;
-            }
-            if failed.load(Ordering::Relaxed) {
-                return Ok(None);
-            }
-            refused += 1;
-            std::thread::sleep(backoff);
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-        }
-        let params = ranges.into_iter().flatten().flatten().collect();
-        let computed = worker.call(Compute { clock, params }).get()?;
-        let Computed { loss, grad } = computed.map_err(anyhow::Error::msg)?;
-        let pushes: Vec<_> = (0..servers.len())
-            .map(|s| {
-                let grad = grad[config.key_range(s, n)].to_vec();
-                servers[s].call(Push {
-                    worker: rank,
-                    clock,
-                    grad,
-                })
-            })
-            .collect();
-        for push in pushes {
-            push.get()?.map_err(anyhow::Error::msg)?;
-        }
-        steps.push(WorkerStep {
-            clock,
-            applied,
-            loss,
-            refused,
-        });
-    }
-    Ok(Some(steps))
 }
 
 /// Trains `config` on `runtime`: servers on its first `servers` slots, workers on the next
@@ -308,28 +248,48 @@ pub fn run(runtime: &Runtime, config: &PsConfig) -> anyhow::Result<Outcome> {
         .map(|w| w.get())
         .collect::<Result<Vec<_>, _>>()?;
 
+    let placement = (servers.iter().map(|s| s.info()))
+        .chain(workers.iter().map(|w| w.info()))
+        .map(|info| (info.host.clone(), info.device))
+        .collect();
     let began = Instant::now();
-    let (server_refs, failed) = (servers.as_slice(), &AtomicBool::new(false));
-    let traces = std::thread::scope(|scope| {
-        let loops: Vec<_> = workers
-            .iter()
-            .enumerate()
-            .map(|(rank, worker)| {
-                scope.spawn(move || {
-                    let result = worker_loop(rank, worker, server_refs, config, failed);
-                    let result = result.map_err(|e| e.context(format!("worker {rank}'s loop")));
-                    failed.fetch_or(result.is_err(), Ordering::Relaxed);
-                    result
-                })
-            })
-            .collect();
-        let results: Vec<_> = loops
+    let train = Train {
+        servers: servers.clone(),
+    };
+    let mut pending: Vec<(usize, _)> = workers
+        .iter()
+        .map(|w| w.call(train.clone()))
+        .enumerate()
+        .collect();
+    let mut traces = vec![Vec::new(); workers.len()];
+    let mut failure = None;
+    while !pending.is_empty() {
+        let (ranks, calls): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
+        let waited = runtime.wait(calls, 1, None);
+        for (i, result) in waited.ready {
+            match result
+                .map_err(anyhow::Error::from)
+                .and_then(|r| r.map_err(anyhow::Error::msg))
+            {
+                Ok(steps) => traces[ranks[i]] = steps,
+                Err(e) if failure.is_none() => {
+                    // The other loops would wait for this worker's clocks forever: end them.
+                    servers.iter().for_each(|s| s.stop("a worker's loop failed"));
+                    failure = Some(e.context(format!("worker {}'s loop", ranks[i])));
+                }
+                Err(_) => {}
+            }
+        }
+        pending = waited
+            .pending
             .into_iter()
-            .map(|l| l.join().expect("a worker loop panicked"))
-            .collect::<anyhow::Result<_>>()?;
-        // `None` only when another loop failed, whose error the line above returned.
-        Ok::<_, anyhow::Error>(results.into_iter().flatten().collect::<Vec<_>>())
-    })?;
+            .map(|(i, call)| (ranks[i], call))
+            .collect();
+    }
+    if let Some(error) = failure {
+        workers.iter().for_each(|w| w.stop("a worker's loop failed"));
+        return Err(error);
+    }
     let wall_s = began.elapsed().as_secs_f64();
 
     let mut params = Vec::new();
@@ -356,5 +316,6 @@ pub fn run(runtime: &Runtime, config: &PsConfig) -> anyhow::Result<Outcome> {
         workers: traces,
         logs,
         wall_s,
+        placement,
     })
 }

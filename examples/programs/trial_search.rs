@@ -8,6 +8,12 @@
 //! A trial is an actor that owns a checkpoint directory: `TrainTo(steps)` runs the library's
 //! own training (`Controller::local` on the trial's device) from its last checkpoint up to
 //! `steps` and checkpoints again, so a promoted trial continues where it stopped.
+//!
+//! The same code runs on this process or on a cluster: trial `i` goes to slot `i` (modulo the
+//! slots) of the runtime — this process's devices, or the devices of the hosts running the
+//! program's binary, where it trains on its host and keeps its checkpoints in its directory
+//! there. Only configs and results (names, steps, losses) cross processes; a trial on a host
+//! computes exactly what it computes here (`examples/tests/cluster.rs` compares the two).
 
 use std::path::PathBuf;
 
@@ -122,6 +128,8 @@ pub struct Halving {
     pub stopped: Vec<String>,
     /// The winner.
     pub best: TrialResult,
+    /// Where each trial ran, in the order of the configs: `(host, device)`.
+    pub placement: Vec<(String, DeviceSpec)>,
 }
 
 /// Successive halving over `configs`: rung `k` trains the survivors to `first_rung · 2^k`
@@ -137,6 +145,10 @@ pub fn successive_halving(
         let options = SpawnOptions::named(config.name.clone());
         trials.push(runtime.spawn_at::<Trial>(i % slots, config, options).get()?);
     }
+    let placement = trials
+        .iter()
+        .map(|t| (t.info().host.clone(), t.info().device))
+        .collect();
     let (mut rungs, mut stopped) = (Vec::new(), Vec::new());
     let mut steps = first_rung;
     loop {
@@ -151,7 +163,12 @@ pub fn successive_halving(
         rungs.push(results.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>());
         if results.len() == 1 {
             let best = results.remove(0).1;
-            return Ok(Halving { rungs, stopped, best });
+            return Ok(Halving {
+                rungs,
+                stopped,
+                best,
+                placement,
+            });
         }
         let keep = results.len().div_ceil(2);
         let survivors: Vec<usize> = results[..keep].iter().map(|(i, _)| *i).collect();

@@ -109,6 +109,14 @@ impl<A: Actor> ActorRef<A> {
         }
     }
 
+    /// The connection to the actor's host, when it lives in another process.
+    pub(crate) fn remote_connection(&self) -> Option<&Arc<HostConnection>> {
+        match &self.port {
+            Port::Remote(connection) => Some(connection),
+            Port::Local(_) => None,
+        }
+    }
+
     /// Whether the actor lives in another process.
     pub fn is_remote(&self) -> bool {
         matches!(self.port, Port::Remote(_))

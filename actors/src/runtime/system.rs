@@ -158,7 +158,12 @@ pub(crate) struct RuntimeInner {
     pub(crate) tensors: TensorStores,
     /// The cluster's hosts, when the program drives actors on other hosts.
     pub(crate) cluster: Option<Cluster>,
+    /// What runs when the runtime shuts down (`None` once it has begun).
+    shutdown_hooks: Mutex<Option<Vec<ShutdownHook>>>,
 }
+
+/// Work to do when a runtime shuts down (see [`RuntimeHandle::on_shutdown`]).
+type ShutdownHook = Box<dyn FnOnce() + Send>;
 
 /// A handle to a runtime, as actors hold it (cheap to clone; does not keep the runtime up).
 #[derive(Clone)]
@@ -213,6 +218,7 @@ impl Runtime {
             ended: Mutex::default(),
             tensors: TensorStores::default(),
             cluster,
+            shutdown_hooks: Mutex::new(Some(Vec::new())),
         };
         Runtime {
             handle: RuntimeHandle {
@@ -249,6 +255,8 @@ impl std::ops::Deref for Runtime {
 impl Drop for Runtime {
     fn drop(&mut self) {
         let inner = &self.handle.inner;
+        let hooks = inner.shutdown_hooks.lock().expect("shutdown hooks").take();
+        hooks.into_iter().flatten().for_each(|hook| hook());
         let cells: Vec<ractor::ActorCell> = inner
             .live
             .lock()
@@ -320,6 +328,30 @@ impl RuntimeHandle {
     /// The host this runtime runs on.
     pub fn host(&self) -> &str {
         &self.inner.host
+    }
+
+    /// The job this runtime runs actors for.
+    pub fn job(&self) -> &str {
+        &self.inner.job
+    }
+
+    /// Whether `self` and `other` are handles to the same runtime.
+    pub fn same_runtime(&self, other: &RuntimeHandle) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Runs `hook` when the runtime shuts down (its [`Runtime`] is dropped), before its actors
+    /// stop — e.g. a last export of their figures. Added after the shutdown began, it runs at
+    /// once.
+    pub fn on_shutdown(&self, hook: impl FnOnce() + Send + 'static) {
+        let mut hooks = self.inner.shutdown_hooks.lock().expect("shutdown hooks");
+        match hooks.as_mut() {
+            Some(hooks) => hooks.push(Box::new(hook)),
+            None => {
+                drop(hooks);
+                hook();
+            }
+        }
     }
 
     /// The live actors (spawned, not yet ended).

@@ -30,8 +30,7 @@ use archipelago_dataflow::{ActorId, ComputeOp, ModelDesc, Program};
 use crate::block::{Activation, Block, deterministic_init};
 use crate::executor::{Computation, StepMetrics, TensorTable};
 use crate::flat_optimizer::FlatOptimizer;
-use crate::flow_functions::from_burn;
-use crate::host_tensor::HostTensor;
+use crate::host_tensor::{HostTensor, from_burn};
 use crate::offload::OffloadActor;
 use crate::zoo::{BuildContext, ModelBuilder};
 

@@ -11,8 +11,7 @@ use burn::tensor::{ElementConversion, Tensor};
 use super::{BlockCopies, Segment, Trainer};
 use crate::block::{Activation, Block, read_flat};
 use crate::executor::TensorTable;
-use crate::flow_functions::into_burn;
-use crate::host_tensor::HostTensor;
+use crate::host_tensor::{HostTensor, into_burn};
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// A received tensor from the table as an activation.

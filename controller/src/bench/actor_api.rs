@@ -65,6 +65,7 @@ fn registry() -> Registry {
         .actor::<Echo>()
         .handles::<Echo, Ping>()
         .handles::<Echo, Take>()
+        .compiled::<Echo, Ping, u64>(Ping)
 }
 
 /// Flags of the hidden `bench-actor-host` subcommand (the other process of the benchmark).
@@ -192,7 +193,8 @@ pub fn in_process(round_trips: usize, batches: usize, fabric_round_trips: &Value
         .collect::<Result<Vec<_>, _>>()?;
     let figures = measure(&runtime, &echo, &callees, round_trips, batches)?;
     let mut out = figures_json(&figures, round_trips, batches, fabric_round_trips, "in_process");
-    out["compiled_chain"] = compiled_chain(&runtime, &echo, &callees[0], CHAIN_ITERATIONS)?;
+    let placement = "A and B on two device threads of this process";
+    out["compiled_chain"] = compiled_chain(&runtime, &echo, &callees[0], CHAIN_ITERATIONS, placement)?;
     Ok(out)
 }
 
@@ -206,6 +208,7 @@ fn compiled_chain(
     a: &ActorRef<Echo>,
     b: &ActorRef<Echo>,
     iterations: usize,
+    placement: &str,
 ) -> anyhow::Result<Value> {
     let t = Instant::now();
     for i in 0..iterations as u64 {
@@ -224,7 +227,7 @@ fn compiled_chain(
     }
     let compiled_us = t.elapsed().as_secs_f64() / iterations as f64 * 1e6;
     Ok(json!({
-        "config": { "iterations": iterations, "chain": "driver -> A -> B -> driver, one u64, A and B on two device threads of this process" },
+        "config": { "iterations": iterations, "chain": format!("driver -> A -> B -> driver, one u64, {placement}") },
         "classic_calls_us_per_iteration": classic_us,
         "compiled_us_per_iteration": compiled_us,
         "compiled_speedup": classic_us / compiled_us,
@@ -264,6 +267,8 @@ pub fn between_processes(
         .map(|slot| runtime.spawn_at::<Echo>(slot, (), SpawnOptions::default()).get())
         .collect::<Result<Vec<_>, _>>()?;
     let figures = measure(&runtime, &echo, &callees, round_trips, batches)?;
+    let placement = "A and B on two device threads of the other process (raw TCP to it and back)";
+    let chain = compiled_chain(&runtime, &echo, &callees[0], CHAIN_ITERATIONS, placement)?;
     drop(child.stdin.take());
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut stdout, &mut rest)?;
@@ -277,5 +282,6 @@ pub fn between_processes(
         "actor_port_tcp_2_processes",
     );
     out["peak_rss_bytes_host_process"] = json!(peer_rss);
+    out["compiled_chain"] = chain;
     Ok(out)
 }

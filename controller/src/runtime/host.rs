@@ -55,9 +55,11 @@ impl HostSettings {
     }
 }
 
-/// Serves as a host until the controller ends the session.
+/// Serves as a host until the controller ends the session (exporting its actors' figures as
+/// OpenTelemetry metrics when `OTEL_EXPORTER_OTLP_ENDPOINT` is set).
 pub fn serve_as_host(settings: &HostSettings) -> anyhow::Result<()> {
     let runtime = Runtime::new(&super::job_name(), &settings.name, settings.devices.clone());
+    crate::telemetry::export_actor_metrics(&runtime);
     let handle = runtime.handle().clone();
     runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(&settings.listen)

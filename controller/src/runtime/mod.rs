@@ -14,6 +14,9 @@
 //! The same binary is every role, as Monarch's hosts run the program's own binary: actor and
 //! message types are found by name in the registry every role installs.
 //!
+//! With `OTEL_EXPORTER_OTLP_ENDPOINT` set, every role exports its actors' figures as OpenTelemetry
+//! metrics (see [`crate::telemetry::export_actor_metrics`]).
+//!
 //! ```no_run
 //! use archipelago_controller::prelude::*;
 //! # struct Counter;
@@ -69,7 +72,9 @@ pub fn job_name() -> String {
 
 /// Installs `registry` and returns the program's runtime: on `devices` of this process, or on
 /// the cluster of `ARCHIPELAGO_CONTROLLER` (as many devices as `devices` has). In a process
-/// started with `ARCHIPELAGO_ROLE=host` it serves as a host instead and never returns.
+/// started with `ARCHIPELAGO_ROLE=host` it serves as a host instead and never returns. With
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` set, the runtime's actors are exported as OpenTelemetry metrics
+/// ([`crate::telemetry::export_actor_metrics`]).
 pub fn init(registry: Registry, devices: Vec<DeviceSpec>) -> anyhow::Result<Runtime> {
     registry.install();
     let role = std::env::var(ROLE_ENV).unwrap_or_default();
@@ -86,13 +91,15 @@ pub fn init(registry: Registry, devices: Vec<DeviceSpec>) -> anyhow::Result<Runt
             "{ROLE_ENV} is `{role}`; the only role to set is `host` (leave it unset for the driver)"
         );
     }
-    match std::env::var(CONTROLLER_ENV) {
+    let runtime = match std::env::var(CONTROLLER_ENV) {
         Ok(addr) => {
             let token = read_token()?;
-            Ok(connect(&addr, &token, devices.len())?)
+            connect(&addr, &token, devices.len())?
         }
-        Err(_) => Ok(Runtime::new(&job_name(), "local", devices)),
-    }
+        Err(_) => Runtime::new(&job_name(), "local", devices),
+    };
+    crate::telemetry::export_actor_metrics(&runtime);
+    Ok(runtime)
 }
 
 /// The cluster token from the file `ARCHIPELAGO_TOKEN_FILE` names.

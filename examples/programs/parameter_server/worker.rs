@@ -1,8 +1,10 @@
 //! The worker of the parameter server (Li et al., OSDI 2014; see `../parameter_server.rs`): the
 //! burn model, built in the constructor on the worker's own device thread and initialised as the
-//! library's trainer initialises it, and the worker's rows of each clock's global batch. A
-//! [`Compute`] loads the pulled values and returns the worker's share of the global loss and its
-//! flat gradient.
+//! library's trainer initialises it, the worker's rows of each clock's global batch, and its
+//! training loop. A [`Train`] hands the worker the servers' references; its handler runs every
+//! clock — pull every range (asking again after a back-off while a server answers "not yet"),
+//! load the values, forward and backward on its rows, push each server its slice of the
+//! gradient — calling the servers itself, host to host on a cluster.
 
 use std::time::Duration;
 
@@ -18,7 +20,13 @@ use archipelago_controller::prelude::*;
 use archipelago_dataflow::data::ClusterPool;
 use archipelago_dataflow::{InputKind, ModelSpec};
 
-use super::{PsConfig, Role};
+use super::server::{Pull, Pulled, Push, Server};
+use super::{Fault, PsConfig, Role, WorkerStep};
+
+/// The first back-off of a worker whose pull was refused.
+const MIN_BACKOFF: Duration = Duration::from_micros(50);
+/// The longest back-off.
+const MAX_BACKOFF: Duration = Duration::from_millis(2);
 
 /// The model's blocks built on this thread's device, initialised as the trainer initialises
 /// them, and their flat parameters (block after block).
@@ -118,38 +126,103 @@ impl Worker {
     }
 }
 
-/// Computes the gradient of the worker's rows of `clock` at `params`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Compute {
-    /// The clock.
-    pub clock: u64,
-    /// The whole flat parameter vector, as pulled.
-    pub params: Vec<f32>,
-}
-
-/// A worker's loss and gradient.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Computed {
+/// The worker's loss and gradient at one clock.
+struct Computed {
     /// Its share of the global loss (its rows' loss sum over the global batch).
-    pub loss: f32,
+    loss: f32,
     /// The gradient of that share, flat.
-    pub grad: Vec<f32>,
+    grad: Vec<f32>,
 }
 
-impl Message for Compute {
-    type Reply = Result<Computed, String>;
+/// Worker `worker` pulls every server's range for `clock`, asking again after a back-off while
+/// a server answers [`Pulled::Wait`]; returns the flat values, the fewest clocks applied to a
+/// range, and how many times a pull was refused.
+async fn pull(
+    worker: usize,
+    servers: &[ActorRef<Server>],
+    clock: u64,
+) -> Result<(Vec<f32>, u64, u32), String> {
+    let mut ranges: Vec<Option<Vec<f32>>> = vec![None; servers.len()];
+    let (mut applied, mut refused, mut backoff) = (u64::MAX, 0, MIN_BACKOFF);
+    loop {
+        let asks: Vec<_> = (0..servers.len())
+            .filter(|&s| ranges[s].is_none())
+            .map(|s| (s, servers[s].call(Pull { worker, clock })))
+            .collect();
+        for (s, ask) in asks {
+            let answer = ask.await.map_err(|e| format!("pull from server {s}: {e}"))??;
+            if let Pulled::Granted { applied: a, values } = answer {
+                applied = applied.min(a);
+                ranges[s] = Some(values);
+            }
+        }
+        if ranges.iter().all(Option::is_some) {
+            let values = ranges.into_iter().flatten().flatten().collect();
+            return Ok((values, applied, refused));
+        }
+        refused += 1;
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
 }
 
-impl Handler<Compute> for Worker {
+/// Worker `worker` pushes each server its slice of `grad` for `clock`.
+async fn push(
+    worker: usize,
+    config: &PsConfig,
+    servers: &[ActorRef<Server>],
+    clock: u64,
+    grad: &[f32],
+) -> Result<(), String> {
+    let pushes: Vec<_> = (0..servers.len())
+        .map(|s| {
+            let grad = grad[config.key_range(s, grad.len())].to_vec();
+            servers[s].call(Push { worker, clock, grad })
+        })
+        .collect();
+    for (s, push) in pushes.into_iter().enumerate() {
+        push.await.map_err(|e| format!("push to server {s}: {e}"))??;
+    }
+    Ok(())
+}
+
+/// Runs the worker's every clock against `servers` (in key-range order); the reply is each
+/// clock as the worker saw it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Train {
+    /// The servers, by key range.
+    pub servers: Vec<ActorRef<Server>>,
+}
+
+impl Message for Train {
+    type Reply = Result<Vec<WorkerStep>, String>;
+}
+
+impl Handler<Train> for Worker {
     async fn handle(
         &mut self,
-        Compute { clock, params }: Compute,
+        Train { servers }: Train,
         _ctx: &Context<Self>,
-    ) -> Result<Computed, String> {
+    ) -> Result<Vec<WorkerStep>, String> {
         let delay = self.config.delay_ms.get(self.rank).copied().unwrap_or(0);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
+        let mut steps = Vec::new();
+        for clock in 0..self.config.clocks {
+            if self.config.fault == Fault::FailAt(self.rank, clock) {
+                return Err(format!("a planted failure at clock {clock}"));
+            }
+            let (params, applied, refused) = pull(self.rank, &servers, clock).await?;
+            if delay > 0 {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
+            let Computed { loss, grad } = self.gradient(clock, &params)?;
+            push(self.rank, &self.config, &servers, clock, &grad).await?;
+            steps.push(WorkerStep {
+                clock,
+                applied,
+                loss,
+                refused,
+            });
         }
-        self.gradient(clock, &params)
+        Ok(steps)
     }
 }

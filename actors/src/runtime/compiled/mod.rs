@@ -31,14 +31,28 @@
 //! ```
 //!
 //! Values are shared (`Arc`) between the actors of one process; a value a call needs is cloned
-//! into its message. Across hosts the streams would run on the hosts' interpreters with the
-//! registered codecs; that is not built yet: a program over actors of other hosts is refused.
+//! into its message. Actors of other hosts take part the same way: their streams are installed
+//! on their hosts' interpreters, and a value crossing processes travels straight from one
+//! interpreter to the next (host to host, never through the program) in the bincode of its
+//! type. Such calls and values must be registered ([`Registry::compiled`](crate::runtime::Registry::compiled)),
+//! since the host builds the message with its own binary's constructor; compiling checks that
+//! before anything runs.
 
+mod hosted;
+mod interpreter;
+mod registered;
+#[cfg(test)]
+mod remote_tests;
+pub(crate) mod routes;
 mod runner;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use hosted::{Part, install};
+pub(crate) use registered::{NodeFn, ValueCodec};
+
 use std::any::Any;
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -49,6 +63,7 @@ use futures::future::BoxFuture;
 
 pub use runner::CompiledProgram;
 
+use super::remote::HostConnection;
 use super::{Actor, ActorRef, CallError, Handler, Message, RuntimeHandle};
 
 /// A value in flight between the actors of a compiled program.
@@ -62,11 +77,12 @@ pub struct Value<T> {
     _type: PhantomData<fn() -> T>,
 }
 
-/// A participant: an actor of the program, by its runtime id, with its device.
+/// A participant: an actor of the program, by its runtime id, with its device and (when it
+/// lives in another process) the connection to its host.
 pub(crate) struct Participant {
     pub(crate) id: ActorId,
     pub(crate) device: archipelago_dataflow::DeviceSpec,
-    pub(crate) remote: bool,
+    pub(crate) connection: Option<Arc<HostConnection>>,
 }
 
 /// Records calls over actors into a program whose input is an `I`.
@@ -74,6 +90,10 @@ pub struct Recorder<I> {
     flow_calls: Vec<(usize, Vec<FlowValue>, String)>,
     participants: Vec<Participant>,
     nodes: Vec<Invoke>,
+    /// Each node's registry key (for actors of other hosts).
+    keys: Vec<String>,
+    /// Each recorded value's type name, by its name (`input`, `v{n}`).
+    value_types: HashMap<String, &'static str>,
     _input: PhantomData<fn(I)>,
 }
 
@@ -83,6 +103,8 @@ impl<I: Clone + Send + Sync + 'static> Default for Recorder<I> {
             flow_calls: Vec::new(),
             participants: Vec::new(),
             nodes: Vec::new(),
+            keys: Vec::new(),
+            value_types: HashMap::from([("input".to_string(), std::any::type_name::<I>())]),
             _input: PhantomData,
         }
     }
@@ -130,7 +152,10 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
             Box::pin(async move { Ok(Arc::new(call.await?) as Shared) })
         });
         self.nodes.push(invoke);
+        self.keys.push(registered::node_key::<A, M, T>());
         let output = format!("v{index}");
+        self.value_types
+            .insert(output.clone(), std::any::type_name::<M::Reply>());
         self.flow_calls
             .push((participant, vec![value.flow.clone()], output.clone()));
         Value {
@@ -143,14 +168,19 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
     }
 
     fn participant<A: Actor>(&mut self, actor: &ActorRef<A>) -> usize {
-        let id = actor.info().id;
-        if let Some(i) = self.participants.iter().position(|p| p.id == id) {
+        // Ids are per runtime: an actor is its id on its host.
+        let (id, addr) = (actor.info().id, actor.remote_addr());
+        if let Some(i) = self
+            .participants
+            .iter()
+            .position(|p| p.id == id && p.connection.as_ref().map(|c| c.addr()) == addr)
+        {
             return i;
         }
         self.participants.push(Participant {
             id,
             device: actor.info().device,
-            remote: actor.is_remote(),
+            connection: actor.remote_connection().cloned(),
         });
         self.participants.len() - 1
     }
@@ -163,11 +193,6 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
         output: &Value<R>,
     ) -> Result<CompiledProgram<I, R>, CallError> {
         let refused = |reason: String| CallError::Program { reason };
-        if self.participants.iter().any(|p| p.remote) {
-            return Err(refused(
-                "its actors must be on this process for now (compiled programs across hosts are not built yet)".into(),
-            ));
-        }
         let program = self.participants.len();
         let mut flow = FlowGraph::new(program + 1);
         let input = flow.compute(program, "input", &[], "input");
@@ -193,7 +218,13 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
         };
         flow.compute(program, "return", &[result], "return");
         let streams: Vec<Vec<Instruction>> = flow.compile().map_err(|e| refused(e.to_string()))?;
-        runner::dispatch(runtime, self.participants, self.nodes, streams)
+        let recorded = runner::Recorded {
+            participants: self.participants,
+            invokers: self.nodes,
+            keys: self.keys,
+            value_types: self.value_types,
+        };
+        runner::dispatch(runtime, recorded, streams)
     }
 }
 

@@ -1,163 +1,216 @@
-//! Runs a compiled program: one interpreter per actor, spawned once on the actor's device
-//! thread, walks that actor's stream every iteration — `Recv` waits for a value from a peer,
-//! `Compute` calls the actor's handler (a local call on the same thread), `Send` hands the value
-//! to the next actor's interpreter. The program's own stream (the last) sends the input and
-//! waits for the output. A failed call travels down the stream as an error value, so an
-//! iteration always ends, with the error naming the actor.
+//! Dispatches a compiled program once — each participant's stream to an interpreter on its
+//! actor's device thread, in this process or installed on the actor's host (a
+//! [`Frame::Program`], answered once the host has resolved the registered calls and codecs) —
+//! and runs it: the program's own stream (the last) sends the input and waits for the output.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use archipelago_dataflow::{ComputeOp, Instruction};
 use tokio::sync::Mutex;
-use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
+use super::interpreter::{interpret, node_of};
+use super::registered::{node, value_codec};
+use super::routes::{self, Inbox, Outbox, Route, value_name};
 use super::{Invoke, Participant, Shared};
+use crate::runtime::remote::HostConnection;
+use crate::runtime::remote::wire::{Frame, Peer};
 use crate::runtime::{CallError, Pending, RuntimeHandle};
-
-/// What travels between interpreters: `(from, tag, value)`; `None` stops the receiver.
-type Parcel = Option<(usize, u64, Result<Shared, CallError>)>;
-
-/// An interpreter's mailbox, matching parcels by `(from, tag)` in arrival order.
-struct Inbox {
-    rx: UnboundedReceiver<Parcel>,
-    waiting: HashMap<(usize, u64), VecDeque<Result<Shared, CallError>>>,
-    /// Outputs of runs whose caller stopped waiting: skipped, so a later run gets its own.
-    unclaimed: usize,
-}
-
-impl Inbox {
-    /// The next value from `from` on `tag`; `None` once the program is dropped.
-    async fn take(&mut self, from: usize, tag: u64) -> Option<Result<Shared, CallError>> {
-        loop {
-            if let Some(value) = self.waiting.get_mut(&(from, tag)).and_then(VecDeque::pop_front) {
-                return Some(value);
-            }
-            let (f, t, value) = self.rx.recv().await.flatten()?;
-            self.waiting.entry((f, t)).or_default().push_back(value);
-        }
-    }
-}
 
 /// A compiled program, dispatched: [`CompiledProgram::run`] it as often as needed.
 pub struct CompiledProgram<I, R> {
+    program: u64,
     streams: Vec<Vec<Instruction>>,
-    outboxes: Arc<Vec<UnboundedSender<Parcel>>>,
+    outbox: Arc<Outbox>,
     inbox: Arc<Mutex<Inbox>>,
+    /// The hosts with interpreters of this program, told when it is dropped.
+    hosts: Vec<Arc<HostConnection>>,
+    /// The participants whose interpreters run in this process (its own stream included).
+    here: Vec<usize>,
     runtime: RuntimeHandle,
     _types: PhantomData<fn(I) -> R>,
 }
 
-/// Spawns each participant's interpreter on its device thread.
+/// What a dispatch needs besides the streams: the recorded calls (this process's invokers and
+/// their registry keys) and the type of every recorded value.
+pub(crate) struct Recorded {
+    pub(crate) participants: Vec<Participant>,
+    pub(crate) invokers: Vec<Invoke>,
+    pub(crate) keys: Vec<String>,
+    pub(crate) value_types: HashMap<String, &'static str>,
+}
+
+/// A program id no other process picks (this process's random id, then a count).
+fn new_program_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    crate::runtime::remote::links::process_id().wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed) << 1)
+}
+
+/// The nodes a stream computes.
+fn nodes_of(stream: &[Instruction]) -> Vec<usize> {
+    stream
+        .iter()
+        .filter_map(|i| match i {
+            Instruction::Compute { op, .. } => node_of(op),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Dispatches every participant's stream; fails (before anything runs) when a host cannot run
+/// its part.
 pub(crate) fn dispatch<I, R>(
     runtime: &RuntimeHandle,
-    participants: Vec<Participant>,
-    nodes: Vec<Invoke>,
+    recorded: Recorded,
     streams: Vec<Vec<Instruction>>,
 ) -> Result<CompiledProgram<I, R>, CallError> {
-    let mut inboxes = Vec::new();
-    let mut outboxes = Vec::new();
-    for _ in 0..streams.len() {
-        let (tx, rx) = unbounded_channel();
-        outboxes.push(tx);
-        inboxes.push(Inbox {
-            rx,
-            waiting: HashMap::new(),
-            unclaimed: 0,
-        });
-    }
-    let outboxes = Arc::new(outboxes);
-    let invokers: Arc<Vec<Invoke>> = Arc::new(nodes);
-    let program_inbox = inboxes.pop().expect("the program's own stream");
-    for ((me, participant), inbox) in participants.iter().enumerate().zip(inboxes) {
-        let executor = runtime
-            .inner()
-            .executor(participant.device)
-            .ok_or_else(|| CallError::Program {
-                reason: format!(
+    let refused = |reason: String| CallError::Program { reason };
+    let program = new_program_id();
+    let own = streams.len() - 1;
+    // Where each stream runs: `None` in this process, else the connection to its host.
+    let place: Vec<Option<Arc<HostConnection>>> = recorded
+        .participants
+        .iter()
+        .map(|p| p.connection.clone())
+        .chain([None])
+        .collect();
+    let addr = |q: usize| place[q].as_ref().map(|c| c.addr().to_string());
+    // The codecs of the values each stream sends to another process.
+    let sends = |p: usize| -> Result<HashMap<String, (String, super::registered::ValueCodec)>, CallError> {
+        let mut codecs = HashMap::new();
+        for instruction in &streams[p] {
+            let Instruction::Send { tensor, to, .. } = instruction else {
+                continue;
+            };
+            if addr(*to) == addr(p) {
+                continue;
+            }
+            let name = value_name(tensor).to_string();
+            let value_type = recorded.value_types.get(&name).copied().unwrap_or("?");
+            let codec = value_codec(value_type).ok_or_else(|| {
+                refused(format!(
+                    "value `{name}` (a `{value_type}`) crosses processes but has no registered codec; add `.program_value::<{}>()` (or a `.compiled::<..>` call taking or returning it) to the Registry",
+                    crate::runtime::system::short_name(value_type)
+                ))
+            })?;
+            codecs.insert(name, (value_type.to_string(), codec));
+        }
+        Ok(codecs)
+    };
+    let outbox_here = |p: usize| -> Result<Outbox, CallError> {
+        let routes = place
+            .iter()
+            .enumerate()
+            .map(|(q, at)| match at {
+                None => Route::Local(routes::inbox_sender(program, q)),
+                Some(connection) => Route::Host(connection.clone()),
+            })
+            .collect();
+        Ok(Outbox {
+            program,
+            me: p,
+            routes,
+            codecs: sends(p)?,
+        })
+    };
+    // Check and build everything before starting anything.
+    let mut local = Vec::new();
+    let mut installs = Vec::new();
+    for (p, participant) in recorded.participants.iter().enumerate() {
+        let nodes = nodes_of(&streams[p]);
+        match &participant.connection {
+            None => {
+                let executor = runtime.inner().executor(participant.device).ok_or_else(|| refused(format!(
                     "actor {} is on device {}, which is not one of this runtime's; record calls to actors of the runtime the program runs on",
                     participant.id, participant.device
-                ),
-            })?;
-        let (stream, outboxes, invokers) = (streams[me].clone(), outboxes.clone(), invokers.clone());
-        executor.spawn(interpret(me, stream, inbox, outboxes, invokers));
-    }
-    Ok(CompiledProgram {
-        streams,
-        outboxes,
-        inbox: Arc::new(Mutex::new(program_inbox)),
-        runtime: runtime.clone(),
-        _types: PhantomData,
-    })
-}
-
-/// The node a `node:{i}` compute names.
-fn node_of(op: &ComputeOp) -> Option<usize> {
-    match op {
-        ComputeOp::User { name } => name.strip_prefix("node:")?.parse().ok(),
-        _ => None,
-    }
-}
-
-/// Runs `invoke` with panics (in the message constructor or the value's type check) caught
-/// and turned into the run's error, so the interpreter lives on.
-async fn invoke_caught(invoke: &Invoke, value: Shared, node: usize) -> Result<Shared, CallError> {
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| invoke(value)));
-    let failed = |text: String| CallError::Program {
-        reason: format!("recorded call {node} (building its message or reading its input) {text}"),
-    };
-    match outcome {
-        Ok(call) => futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(call))
-            .await
-            .unwrap_or_else(|p| Err(failed(crate::error::panic_message(p.as_ref())))),
-        Err(p) => Err(failed(crate::error::panic_message(p.as_ref()))),
-    }
-}
-
-/// One actor's interpreter: its stream, every iteration, until the program is dropped.
-async fn interpret(
-    me: usize,
-    stream: Vec<Instruction>,
-    mut inbox: Inbox,
-    outboxes: Arc<Vec<UnboundedSender<Parcel>>>,
-    invokers: Arc<Vec<Invoke>>,
-) {
-    loop {
-        let mut table: HashMap<&str, Result<Shared, CallError>> = HashMap::new();
-        for instruction in &stream {
-            match instruction {
-                Instruction::Recv { tensor, from, tag } => {
-                    let Some(value) = inbox.take(*from, *tag).await else {
-                        return;
-                    };
-                    table.insert(tensor, value);
-                }
-                Instruction::Compute { op, inputs, outputs } => {
-                    let (Some(node), Some(input), Some(output)) =
-                        (node_of(op), inputs.first(), outputs.first())
-                    else {
-                        continue;
-                    };
-                    let value = match table.get(input.as_str()).cloned() {
-                        Some(Ok(value)) => invoke_caught(&invokers[node], value, node).await,
-                        Some(Err(error)) => Err(error),
-                        None => continue,
-                    };
-                    table.insert(output, value);
-                }
-                Instruction::Send { tensor, to, tag } => {
-                    let Some(value) = table.get(tensor.as_str()).cloned() else {
-                        continue;
-                    };
-                    if outboxes[*to].send(Some((me, *tag, value))).is_err() {
-                        return;
+                )))?;
+                let invokers: HashMap<usize, Invoke> = nodes
+                    .iter()
+                    .map(|n| (*n, recorded.invokers[*n].clone()))
+                    .collect();
+                local.push((p, executor, invokers, outbox_here(p)?));
+            }
+            Some(connection) => {
+                let mut keys = Vec::new();
+                for n in nodes {
+                    let key = &recorded.keys[n];
+                    if node(key).is_none() {
+                        return Err(refused(format!(
+                            "recorded call {n} (`{key}`) is to an actor of host {}, and compiled calls to other hosts must be registered: add `.compiled::<A, M, T>(make)` with the same constructor to the Registry",
+                            connection.host()
+                        )));
                     }
+                    keys.push((n, key.clone()));
                 }
-                _ => {}
+                let peers = place
+                    .iter()
+                    .map(|at| match at {
+                        None => Peer::Caller,
+                        Some(c) if c.addr() == connection.addr() => Peer::Here,
+                        Some(c) => Peer::Host {
+                            host: c.host().to_string(),
+                            addr: c.addr().to_string(),
+                        },
+                    })
+                    .collect();
+                let sends = sends(p)?
+                    .into_iter()
+                    .map(|(name, (value_type, _))| (name, value_type))
+                    .collect();
+                let frame = Frame::Program {
+                    program,
+                    me: p,
+                    actor: participant.id,
+                    stream: streams[p].clone(),
+                    nodes: keys,
+                    peers,
+                    sends,
+                };
+                installs.push((connection.clone(), p, frame));
             }
         }
     }
+    let own_outbox = outbox_here(own)?;
+    let mut hosts: Vec<Arc<HostConnection>> = Vec::new();
+    let mut answers = Vec::new();
+    for (connection, p, frame) in installs {
+        answers.push((
+            connection.host().to_string(),
+            connection.install_program(program, p, frame),
+        ));
+        if !hosts.iter().any(|h| h.addr() == connection.addr()) {
+            hosts.push(connection);
+        }
+    }
+    let inbox = routes::claim_inbox(program, own).expect("a new program's inbox");
+    let compiled = CompiledProgram {
+        program,
+        streams,
+        outbox: Arc::new(own_outbox),
+        inbox: Arc::new(Mutex::new(inbox)),
+        hosts,
+        here: place
+            .iter()
+            .enumerate()
+            .filter(|(_, at)| at.is_none())
+            .map(|(p, _)| p)
+            .collect(),
+        runtime: runtime.clone(),
+        _types: PhantomData,
+    };
+    for (p, executor, invokers, outbox) in local {
+        let inbox = routes::claim_inbox(program, p).expect("a new program's inbox");
+        executor.spawn(interpret(compiled.streams[p].clone(), inbox, outbox, invokers));
+    }
+    // A refusal drops `compiled`, which stops whatever did start.
+    for (host, answer) in answers {
+        let answer =
+            futures::executor::block_on(answer).unwrap_or_else(|_| Err("the connection to it ended".into()));
+        answer.map_err(|e| refused(format!("host {host} could not install its part: {e}")))?;
+    }
+    Ok(compiled)
 }
 
 impl<I, R> CompiledProgram<I, R>
@@ -169,18 +222,21 @@ where
     /// actor to actor, and the output comes back. Runs are handled in order.
     pub fn run(&self, input: I) -> Pending<Result<R, CallError>> {
         let stream = self.streams.last().cloned().unwrap_or_default();
-        let (outboxes, inbox) = (self.outboxes.clone(), self.inbox.clone());
-        let me = self.streams.len() - 1;
+        let (outbox, inbox) = (self.outbox.clone(), self.inbox.clone());
         let run = async move {
             let mut inbox = inbox.lock().await;
             // Counted until this run's output is taken: a run whose future is dropped midway
             // leaves its output to be skipped by the next run.
             inbox.unclaimed += 1;
+            if let Some(error) = inbox.broken() {
+                return Err(error.clone());
+            }
             let mut table: HashMap<&str, Result<Shared, CallError>> = HashMap::new();
             table.insert("input", Ok(Arc::new(input) as Shared));
             let stopped = || {
                 CallError::Program {
-                reason: "its interpreters have stopped (the runtime shut down); compile it again on a live runtime".into(),
+                reason: "its interpreters have stopped (the runtime shut down); compile it again on a live runtime"
+                    .into(),
             }
             };
             for instruction in &stream {
@@ -190,9 +246,7 @@ where
                             .get(tensor.as_str())
                             .cloned()
                             .unwrap_or_else(|| Err(stopped()));
-                        outboxes[*to]
-                            .send(Some((me, *tag, value)))
-                            .map_err(|_| stopped())?;
+                        outbox.send(tensor, *to, *tag, value)?;
                     }
                     Instruction::Recv { tensor, from, tag } => {
                         let value = loop {
@@ -233,8 +287,9 @@ where
 
 impl<I, R> Drop for CompiledProgram<I, R> {
     fn drop(&mut self) {
-        for outbox in self.outboxes.iter() {
-            let _ = outbox.send(None);
+        routes::end_participants(self.program, &self.here);
+        for host in &self.hosts {
+            host.end_program(self.program);
         }
     }
 }

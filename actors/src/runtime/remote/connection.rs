@@ -67,6 +67,10 @@ struct State {
     actors: HashMap<ActorId, Weak<ActorShared>>,
     fetches: HashMap<u64, PendingFetch>,
     stats: HashMap<u64, oneshot::Sender<Vec<ActorStats>>>,
+    /// Compiled programs' streams being installed on the host, by (program, participant).
+    installs: HashMap<(u64, usize), oneshot::Sender<Result<(), String>>>,
+    /// Compiled programs with interpreters on the host: broken if it is lost.
+    programs: Vec<u64>,
     lost: Option<String>,
     last_heard: Option<Instant>,
 }
@@ -219,6 +223,22 @@ impl HostConnection {
                     let _ = tx.send(result);
                 }
             }
+            Frame::Value {
+                program,
+                from,
+                to,
+                tag,
+                value_type,
+                value,
+            } => {
+                drop(state);
+                crate::runtime::compiled::routes::arrive(program, from, to, tag, &value_type, value);
+            }
+            Frame::ProgramReady { program, me, result } => {
+                if let Some(tx) = state.installs.remove(&(program, me)) {
+                    let _ = tx.send(result);
+                }
+            }
             Frame::StatsReply { request, stats } => {
                 if let Some(tx) = state.stats.remove(&request) {
                     let _ = tx.send(stats);
@@ -340,7 +360,16 @@ impl HostConnection {
         let actors: Vec<_> = state.actors.drain().filter_map(|(_, w)| w.upgrade()).collect();
         let fetches: Vec<PendingFetch> = state.fetches.drain().map(|(_, f)| f).collect();
         state.stats.clear();
+        let installs: Vec<_> = state.installs.drain().map(|(_, tx)| tx).collect();
+        let programs = std::mem::take(&mut state.programs);
         drop(state);
+        for install in installs {
+            let _ = install.send(Err(why.clone()));
+        }
+        for program in programs {
+            let reason = format!("{why} while the program ran there");
+            crate::runtime::compiled::routes::break_program(program, CallError::Program { reason });
+        }
         for (meta, reply) in fetches {
             let _ = reply.send(Err(unreachable(&meta, &self.host, &why)));
         }
@@ -359,6 +388,45 @@ impl HostConnection {
             actor.set_end(ActorEnd::Failed(host_lost(&actor, "running", &why)));
             actor.publish_end();
         }
+    }
+
+    /// Installs a participant's stream of a compiled program (a [`Frame::Program`]) on the
+    /// host; resolves when the host has (or why not). The program is broken if the host is lost.
+    pub(crate) fn install_program(
+        &self,
+        program: u64,
+        me: usize,
+        frame: Frame,
+    ) -> oneshot::Receiver<Result<(), String>> {
+        let (tx, rx) = oneshot::channel();
+        let mut state = self.state.lock().expect("connection");
+        if let Some(lost) = state.lost.clone() {
+            let _ = tx.send(Err(lost));
+            return rx;
+        }
+        state.installs.insert((program, me), tx);
+        if !state.programs.contains(&program) {
+            state.programs.push(program);
+        }
+        drop(state);
+        self.send(frame);
+        rx
+    }
+
+    /// Forgets `program` (dropped) and tells the host to stop its interpreters.
+    pub(crate) fn end_program(&self, program: u64) {
+        self.state
+            .lock()
+            .expect("connection")
+            .programs
+            .retain(|p| *p != program);
+        self.send(Frame::ProgramEnd { program });
+    }
+
+    /// Whether frames sent now can still go out: the host is not lost and the connection's
+    /// writer still runs (it ends with the runtime it was started on).
+    pub(crate) fn usable(&self) -> bool {
+        self.lost().is_none() && !self.out.is_closed()
     }
 
     /// Why the host is unusable, once it is.

@@ -19,6 +19,7 @@ use super::wire::{Frame, Outgoing, read_frame, read_frame_within, write_frame};
 /// The largest first frame (the token) read before the caller is known.
 const HELLO_LIMIT: usize = 4 << 10;
 use crate::fabric::OTHER_PROCESS;
+use crate::runtime::compiled;
 use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
 
 /// The actors of this host that remote callers can reach, by id.
@@ -173,6 +174,8 @@ async fn serve_connection(
     let out = spawn_frame_writer(output, Some(closed));
     // The actors this caller spawned are its own: they stop when its connection ends.
     let owned = Owned::default();
+    // The compiled programs this caller installed: stopped when its connection ends.
+    let mut programs = Programs::default();
     let cancels: Arc<Mutex<HashMap<u64, CancelFlag>>> = Arc::default();
     loop {
         let frame = match read_frame(&mut input).await {
@@ -256,6 +259,49 @@ async fn serve_connection(
                     tracing::warn!("a cast was dropped: {error}");
                 }
             }
+            Frame::Program {
+                program,
+                me,
+                actor,
+                stream,
+                nodes,
+                peers,
+                sends,
+            } => {
+                let target = reachable.lock().expect("reachable actors").get(&actor).cloned();
+                let part = compiled::Part {
+                    program,
+                    me,
+                    actor,
+                    stream,
+                    nodes,
+                    peers,
+                    sends,
+                };
+                let result = compiled::install(&runtime, target, &out, part);
+                if result.is_ok() {
+                    programs.0.push((program, me));
+                }
+                send(&out, Frame::ProgramReady { program, me, result });
+            }
+            Frame::Value {
+                program,
+                from,
+                to,
+                tag,
+                value_type,
+                value,
+            } => compiled::routes::arrive(program, from, to, tag, &value_type, value),
+            Frame::ProgramEnd { program } => {
+                let ended: Vec<usize> = programs
+                    .0
+                    .iter()
+                    .filter(|(p, _)| *p == program)
+                    .map(|(_, me)| *me)
+                    .collect();
+                programs.0.retain(|(p, _)| *p != program);
+                compiled::routes::end_participants(program, &ended);
+            }
             Frame::Stop { actor, reason } => {
                 if let Some(target) = reachable.lock().expect("reachable actors").get(&actor) {
                     target.stop(&reason);
@@ -297,6 +343,19 @@ impl Drop for Owned {
     fn drop(&mut self) {
         for actor in self.0.lock().expect("owned actors").drain(..) {
             actor.stop("the program that spawned it disconnected");
+        }
+    }
+}
+
+/// The compiled programs installed over one connection; dropping it (the connection ended)
+/// stops their interpreters on this host.
+#[derive(Default)]
+struct Programs(Vec<(u64, usize)>);
+
+impl Drop for Programs {
+    fn drop(&mut self) {
+        for (program, me) in self.0.drain(..) {
+            compiled::routes::end_participants(program, &[me]);
         }
     }
 }

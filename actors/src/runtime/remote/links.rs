@@ -97,10 +97,20 @@ pub(crate) fn home_runtime(addr: &str) -> Option<Arc<RuntimeInner>> {
 /// A connection to the actor port at `addr` of host `host` (made on first use, connecting in
 /// the background), with the executor that runs it.
 pub(crate) fn actor_port(host: &str, addr: &str) -> Result<(Arc<HostConnection>, Handle), String> {
+    actor_port_on(host, addr, None)
+}
+
+/// [`actor_port`], a new connection running on `executor` when given (the caller's runtime,
+/// where a process holds several).
+pub(crate) fn actor_port_on(
+    host: &str,
+    addr: &str,
+    executor: Option<Handle>,
+) -> Result<(Arc<HostConnection>, Handle), String> {
     let mut table = table();
-    let executor = table.executor.clone();
+    let executor = executor.or_else(|| table.executor.clone());
     if let (Some(connection), Some(executor)) = (table.actor_ports.get(addr), executor.clone())
-        && connection.lost().is_none()
+        && connection.usable()
     {
         return Ok((connection.clone(), executor));
     }

@@ -92,6 +92,10 @@ pub struct Registry {
     handlers: HashMap<(&'static str, &'static str), HandleFn>,
     codecs: HashMap<TypeId, MessageCodec>,
     params: HashMap<TypeId, EncodeFn>,
+    /// Calls that compiled programs may record on other hosts, by node key.
+    pub(in crate::runtime) program_calls: HashMap<String, crate::runtime::compiled::NodeFn>,
+    /// Values that may travel between the interpreters of a compiled program, by type name.
+    pub(in crate::runtime) values: HashMap<&'static str, crate::runtime::compiled::ValueCodec>,
 }
 
 static GLOBAL: LazyLock<RwLock<Registry>> = LazyLock::new(RwLock::default);
@@ -137,6 +141,8 @@ impl Registry {
         self.handlers.extend(other.handlers);
         self.codecs.extend(other.codecs);
         self.params.extend(other.params);
+        self.program_calls.extend(other.program_calls);
+        self.values.extend(other.values);
         self
     }
 
@@ -147,6 +153,13 @@ impl Registry {
         global.handlers.extend(self.handlers);
         global.codecs.extend(self.codecs);
         global.params.extend(self.params);
+        global.program_calls.extend(self.program_calls);
+        global.values.extend(self.values);
+    }
+
+    /// Reads the registry this process installed.
+    pub(in crate::runtime) fn installed<T>(read: impl FnOnce(&Registry) -> T) -> T {
+        read(&GLOBAL.read().expect("registry"))
     }
 
     /// Spawns the registered actor type `actor_type` from its encoded parameters.

@@ -4,7 +4,7 @@
 //! host); frames are handled in the order they arrive, which keeps each caller's messages in
 //! order.
 
-use archipelago_dataflow::{ActorId, DeviceSpec};
+use archipelago_dataflow::{ActorId, DeviceSpec, Instruction};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::codec::{self, CodecError, MAX_FRAME_BYTES};
@@ -24,6 +24,22 @@ impl From<Frame> for Outgoing {
     fn from(frame: Frame) -> Outgoing {
         Outgoing { frame, payload: None }
     }
+}
+
+/// Where a participant of a compiled program runs, as seen from the host given the stream.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Peer {
+    /// In the process that installed the program (the program's own stream, its local actors).
+    Caller,
+    /// On this host.
+    Here,
+    /// On another host, reached at its actor port.
+    Host {
+        /// The host's name.
+        host: String,
+        /// Its actor port.
+        addr: String,
+    },
 }
 
 /// One message on an actor-port connection.
@@ -114,6 +130,52 @@ pub enum Frame {
         request: u64,
         /// The header, or why the tensor cannot be had.
         result: Result<(DType, Vec<usize>, u64), TensorError>,
+    },
+    /// Install one participant's stream of a compiled program on this host.
+    Program {
+        /// The program (unique across processes).
+        program: u64,
+        /// The participant this stream is.
+        me: usize,
+        /// Its actor on this host.
+        actor: ActorId,
+        /// The stream.
+        stream: Vec<Instruction>,
+        /// `(node, key)`: the registered call each `node:{n}` compute runs.
+        nodes: Vec<(usize, String)>,
+        /// Where every participant's interpreter runs, seen from this host.
+        peers: Vec<Peer>,
+        /// `(value name, type name)` of the values this stream sends to other processes.
+        sends: Vec<(String, String)>,
+    },
+    /// The answer to [`Frame::Program`].
+    ProgramReady {
+        /// The program.
+        program: u64,
+        /// The participant.
+        me: usize,
+        /// Installed, or why not.
+        result: Result<(), String>,
+    },
+    /// A value of a compiled program, from one interpreter to another.
+    Value {
+        /// The program.
+        program: u64,
+        /// The sending participant.
+        from: usize,
+        /// The receiving participant.
+        to: usize,
+        /// The transfer's tag in the streams.
+        tag: u64,
+        /// The value's full Rust type name (its registered codec).
+        value_type: String,
+        /// The value, encoded, or the error that replaced it.
+        value: Result<Vec<u8>, CallError>,
+    },
+    /// The program was dropped: stop its interpreters on this host.
+    ProgramEnd {
+        /// The program.
+        program: u64,
     },
     /// Ask for the figures of the host's actors.
     Stats {
