@@ -12,8 +12,11 @@ use archipelago_actors::offload::OffloadStats;
 use archipelago_actors::trainer::Placement;
 use archipelago_actors::zoo::ModelBuilder;
 use archipelago_actors::{Builders, CpuBackend};
+use archipelago_dataflow::data::{DataSpec, TokenStream};
 use archipelago_dataflow::memory::MemoryEstimate;
-use archipelago_dataflow::{ActorId, DeviceSpec, Instruction, ModelSpec, Plan, PlanError, Program, compile};
+use archipelago_dataflow::{
+    ActorId, DeviceSpec, InputKind, Instruction, ModelSpec, Plan, PlanError, Program, compile,
+};
 
 use crate::JobError;
 use crate::actor_gang::ActorGang;
@@ -160,6 +163,7 @@ impl Controller {
 
 async fn run(plan: Plan, builders: Builders, options: &TrainOptions) -> Result<TrainReport, JobError> {
     check_options(options)?;
+    check_data(&plan.program)?;
     let devices: Vec<DeviceSpec> = plan.actors.iter().map(|a| a.device).collect();
     builders.check(&devices).map_err(JobError::Runtime)?;
     let (restore, first_step) = resume_point(&plan.program, options)?;
@@ -182,6 +186,18 @@ pub(crate) fn check_options(options: &TrainOptions) -> Result<(), JobError> {
         return Err(JobError::Runtime(
             "resuming needs the checkpoint directory (--resume DIR)".into(),
         ));
+    }
+    Ok(())
+}
+
+/// Refuses `--data` a model cannot train on (bytes outside a gpt's vocabulary, too short),
+/// before any actor starts. A file this process cannot read is left to the hosts to read.
+pub(crate) fn check_data(program: &Program) -> Result<(), JobError> {
+    if let (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) =
+        (&program.data, program.model.input)
+        && let Ok(bytes) = std::fs::read(path)
+    {
+        TokenStream::check_text(path, &bytes, ctx, vocab).map_err(JobError::Runtime)?;
     }
     Ok(())
 }

@@ -127,6 +127,37 @@ fn data_file_trains_a_gpt_on_its_bytes() {
 }
 
 #[test]
+fn a_small_vocabulary_gpt_trains_on_what_it_can_represent_and_refuses_data_it_cannot() {
+    // The synthetic stream is generated within the vocabulary.
+    let small = "gpt:vocab=64,ctx=16,d=32,layers=1,heads=4";
+    let (ok, text) = archipelago(&["train", "--model", small, "--steps", "2"]);
+    assert!(ok, "{text}");
+    // Text whose bytes are below the vocabulary trains (lowercase ASCII < 128) ...
+    let dir = tempfile::tempdir().unwrap();
+    let text_file = dir.path().join("text.txt");
+    std::fs::write(
+        &text_file,
+        "the quick brown fox jumps over the lazy dog. ".repeat(40),
+    )
+    .unwrap();
+    let fits = "gpt:vocab=128,ctx=16,d=32,layers=1,heads=4";
+    let data = text_file.to_str().unwrap();
+    let (ok, text) = archipelago(&["train", "--model", fits, "--steps", "2", "--data", data]);
+    assert!(ok, "{text}");
+    // ... and text that does not fit is refused before any actor starts, with the fix.
+    let (ok, text) = archipelago(&["train", "--model", small, "--steps", "2", "--data", data]);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("byte values up to 122") && text.contains("use vocab=123"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("actor 0"),
+        "refused after an actor started: {text}"
+    );
+}
+
+#[test]
 fn plan_refuses_bad_pipeline_input_naming_the_fix() {
     let cases: [(&[&str], &str); 5] = [
         (&["--pp", "12", "--microbatches", "4"], "use --pp 9 or less"),

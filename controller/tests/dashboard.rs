@@ -1,6 +1,7 @@
 //! The dashboard in a real browser: `archipelago train --dashboard` serves the page, headless
-//! Chromium (Debian's `chromium`, which `.ci/run` installs when missing) loads it while the job
-//! runs and after it ends, and the DOM has one timeline lane per actor and a drawn loss curve;
+//! Chromium (Debian's `chromium`, which `scripts/test.sh` — the README's test command — installs
+//! when missing; the test prints its version and never skips) loads it while the job runs and
+//! after it ends, and the DOM has one timeline lane per actor and a drawn loss curve;
 //! the server-sent events and the JSON endpoints carry the same state.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -21,15 +22,19 @@ impl Drop for Proc {
 
 fn chromium() -> String {
     for candidate in ["chromium", "chromium-browser", "/usr/bin/chromium"] {
-        if Command::new(candidate)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
+        if let Ok(out) = Command::new(candidate).arg("--version").output()
+            && out.status.success()
         {
+            eprintln!(
+                "dashboard test browser: {}",
+                String::from_utf8_lossy(&out.stdout).trim()
+            );
             return candidate.to_string();
         }
     }
-    panic!("this test needs Debian's `chromium` (apt-get install chromium; .ci/run installs it)");
+    panic!(
+        "this test needs Debian's `chromium` (run the tests with `bash scripts/test.sh`, which installs it, or apt-get install chromium)"
+    );
 }
 
 /// The body of `GET path` from `addr`.

@@ -130,6 +130,27 @@ impl TokenStream {
         TokenStream { tokens }
     }
 
+    /// Whether the bytes of text file `path` can train a gpt of context `ctx` and vocabulary
+    /// `vocab` (every byte is a token below `vocab`, and there is more than one context); else
+    /// why not, with the fix.
+    pub fn check_text(path: &str, bytes: &[u8], ctx: usize, vocab: usize) -> Result<(), String> {
+        if bytes.len() <= ctx + 1 {
+            return Err(format!(
+                "--data {path} has {} bytes; it needs more than ctx+1 = {}",
+                bytes.len(),
+                ctx + 1
+            ));
+        }
+        let top = bytes.iter().copied().max().unwrap_or(0) as usize;
+        if top >= vocab {
+            return Err(format!(
+                "--data {path} holds byte values up to {top}, and a gpt with vocab={vocab} has tokens 0..{vocab}: use vocab={} or more (vocab=256 fits any file)",
+                top + 1
+            ));
+        }
+        Ok(())
+    }
+
     /// Bytes in the stream.
     pub fn len(&self) -> usize {
         self.tokens.len()
@@ -192,5 +213,17 @@ mod tests {
         let b = s.batch(2, 16, 128, 3..5);
         assert_eq!(b.inputs.len(), 256);
         assert_eq!(b.inputs[1..128], b.targets[..127]);
+    }
+
+    #[test]
+    fn text_data_must_fit_the_vocabulary_and_the_context() {
+        assert!(TokenStream::check_text("f", b"hello world", 4, 128).is_ok());
+        let small = TokenStream::check_text("f", b"hello world", 4, 64).unwrap_err();
+        assert!(
+            small.contains("up to 119") && small.contains("vocab=120"),
+            "{small}"
+        );
+        let short = TokenStream::check_text("f", b"hi", 4, 256).unwrap_err();
+        assert!(short.contains("ctx+1 = 5"), "{short}");
     }
 }

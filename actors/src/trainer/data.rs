@@ -65,18 +65,7 @@ pub(super) fn samples(data: &DataSpec, input: InputKind) -> Result<Samples, Stri
         }
         (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
             let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;
-            if vocab < 256 {
-                return Err(format!(
-                    "--data trains on bytes: the model needs vocab=256, not {vocab}"
-                ));
-            }
-            if bytes.len() <= ctx + 1 {
-                return Err(format!(
-                    "--data {path} has {} bytes; it needs more than ctx+1 = {}",
-                    bytes.len(),
-                    ctx + 1
-                ));
-            }
+            TokenStream::check_text(path, &bytes, ctx, vocab)?;
             Samples::Tokens(TokenStream::from_bytes(bytes))
         }
         (data, input) => return Err(format!("data {data:?} does not fit a model that takes {input:?}")),

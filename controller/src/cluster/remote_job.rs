@@ -20,7 +20,7 @@ use super::remote_gang::{LaunchSpec, RemoteGang};
 use super::service::ClusterConfig;
 use crate::JobError;
 use crate::report::TrainReport;
-use crate::train_job::{StepProgress, TrainOptions, check_options, drive, resume_point};
+use crate::train_job::{StepProgress, TrainOptions, check_data, check_options, drive, resume_point};
 
 /// How many times a job is restarted after host losses before it gives up.
 const MAX_RESTARTS: u32 = 3;
@@ -169,6 +169,7 @@ async fn run_attempts(
         tracing::info!("{line}");
         tell(job_event::Kind::Info(line));
         check_options(train)?;
+        check_data(&plan.program)?;
         let (restore, first_step) = resume_point(&plan.program, train)?;
         let grace = config.host_timeout + Duration::from_secs(1);
         // Each launch has its own name, so that nothing of an earlier one is taken for it.

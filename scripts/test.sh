@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The README's test command: installs what the tests need on a fresh Debian machine (Debian's
+# headless `chromium`, which the dashboard test drives), then runs every test of the workspace.
+# `.ci/run` calls this same script after fmt, clippy and doc.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v chromium > /dev/null; then
+    echo "scripts/test.sh: installing Debian's chromium for the dashboard test" >&2
+    sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+    $sudo apt-get install -y -q chromium > /dev/null 2>&1 \
+        || { $sudo apt-get update -q > /dev/null && $sudo apt-get install -y -q chromium > /dev/null; }
+fi
+chromium --version
+cargo test --workspace "$@"
