@@ -72,23 +72,41 @@ pub enum CodecError {
 
 /// Encodes `value`.
 pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, CodecError> {
-    let bytes = encode_frame(value)?;
-    if bytes.len() > MAX_MESSAGE_BYTES {
-        return Err(CodecError::TooLarge { bytes: bytes.len() });
-    }
+    // Most messages are small: one allocation instead of a few growing ones.
+    let mut bytes = Vec::with_capacity(64);
+    encode_into(value, &mut bytes, MAX_MESSAGE_BYTES)?;
     Ok(bytes)
 }
 
 /// Encodes a frame that wraps an already encoded message (allowed [`MAX_FRAME_BYTES`]).
 pub fn encode_frame<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, CodecError> {
-    let bytes = bincode::serde::encode_to_vec(value, config()).map_err(|e| CodecError::Encode {
-        ty: std::any::type_name::<T>(),
-        reason: e.to_string(),
-    })?;
-    if bytes.len() > MAX_FRAME_BYTES {
-        return Err(CodecError::TooLarge { bytes: bytes.len() });
-    }
+    let mut bytes = Vec::with_capacity(64);
+    encode_into(value, &mut bytes, MAX_FRAME_BYTES)?;
     Ok(bytes)
+}
+
+/// Appends the encoding of frame `value` to `out` (a writer's reused buffer); allowed
+/// [`MAX_FRAME_BYTES`]. On an error `out` keeps what it held before.
+pub fn encode_frame_into<T: Serialize + ?Sized>(value: &T, out: &mut Vec<u8>) -> Result<(), CodecError> {
+    encode_into(value, out, MAX_FRAME_BYTES)
+}
+
+fn encode_into<T: Serialize + ?Sized>(value: &T, out: &mut Vec<u8>, limit: usize) -> Result<(), CodecError> {
+    let start = out.len();
+    let written =
+        bincode::serde::encode_into_std_write(value, out, config()).map_err(|e| CodecError::Encode {
+            ty: std::any::type_name::<T>(),
+            reason: e.to_string(),
+        });
+    let bytes = out.len() - start;
+    if written.is_err() || bytes > limit {
+        out.truncate(start);
+    }
+    written?;
+    if bytes > limit {
+        return Err(CodecError::TooLarge { bytes });
+    }
+    Ok(())
 }
 
 /// Decodes a frame (up to [`MAX_FRAME_BYTES`]) that must fill `bytes` exactly.

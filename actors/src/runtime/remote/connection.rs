@@ -16,7 +16,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use super::links::unreachable;
-use super::wire::{Frame, Outgoing, read_frame};
+use super::wire::{Frame, Outgoing, read_frame_with};
 use crate::error::ActorFailure;
 use crate::runtime::TensorError;
 use crate::runtime::supervision::{ActorEnd, ActorShared, CallError};
@@ -160,8 +160,9 @@ impl HostConnection {
             let _ = ready.send(Ok(()));
             // Frames are small and many: read them through a buffer, not a syscall each.
             let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER, input);
+            let mut scratch = Vec::new();
             let reason = loop {
-                match read_frame(&mut input).await {
+                match read_frame_with(&mut input, &mut scratch).await {
                     Ok(Some(Frame::Refused { reason })) => break reason,
                     Ok(Some(Frame::Tensor { request, result })) => {
                         if let Err(reason) = reader.tensor_arrived(&mut input, request, result).await {

@@ -14,7 +14,7 @@ use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
 use super::registry::{CancelFlag, ErasedActor, Registry, ReplySink};
-use super::wire::{Frame, Outgoing, read_frame, read_frame_within, write_frame};
+use super::wire::{Frame, Outgoing, read_frame_with, read_frame_within, write_frame, write_frame_with};
 
 /// The largest first frame (the token) read before the caller is known.
 const HELLO_LIMIT: usize = 4 << 10;
@@ -106,6 +106,7 @@ pub(crate) async fn write_frames(
     closed: Option<watch::Receiver<bool>>,
 ) {
     let mut closed = closed;
+    let mut scratch = Vec::new();
     {
         let mut out = BufWriter::new(half);
         loop {
@@ -124,7 +125,7 @@ pub(crate) async fn write_frames(
             let Some(first) = frame else { return };
             let mut next = Some(first);
             while let Some(outgoing) = next.take() {
-                if let Err(e) = write_frame(&mut out, &outgoing.frame).await {
+                if let Err(e) = write_frame_with(&mut out, &outgoing.frame, &mut scratch).await {
                     tracing::warn!("an actor-port connection stopped writing: {e}");
                     return;
                 }
@@ -172,13 +173,14 @@ async fn serve_connection(
         }
     }
     let out = spawn_frame_writer(output, Some(closed));
+    let mut scratch = Vec::new();
     // The actors this caller spawned are its own: they stop when its connection ends.
     let owned = Owned::default();
     // The compiled programs this caller installed: stopped when its connection ends.
     let mut programs = Programs::default();
     let cancels: Arc<Mutex<HashMap<u64, CancelFlag>>> = Arc::default();
     loop {
-        let frame = match read_frame(&mut input).await {
+        let frame = match read_frame_with(&mut input, &mut scratch).await {
             Ok(Some(frame)) => frame,
             Ok(None) => return Ok(()),
             Err(e) => return Err(e.to_string()),

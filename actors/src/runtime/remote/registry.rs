@@ -279,19 +279,20 @@ where
     M: Message + DeserializeOwned,
     M::Reply: Serialize,
 {
-    let label = actor.info().to_string();
-    let message = super::super::system::short_name(type_name::<M>());
-    let not_remote = move |reason: String| CallError::NotRemote {
-        actor: label.clone(),
-        message: message.to_string(),
+    // Named only when something fails (formatting the actor costs allocations on every call).
+    let not_remote = |actor: &ActorInfo, reason: String| CallError::NotRemote {
+        actor: actor.to_string(),
+        message: super::super::system::short_name(type_name::<M>()).to_string(),
         reason,
     };
-    let typed = actor
-        .as_any()
-        .downcast_ref::<ActorRef<A>>()
-        .ok_or_else(|| not_remote(format!("the actor is not a `{}`", type_name::<A>())));
+    let typed = actor.as_any().downcast_ref::<ActorRef<A>>().ok_or_else(|| {
+        not_remote(
+            &actor.info(),
+            format!("the actor is not a `{}`", type_name::<A>()),
+        )
+    });
     let decoded = typed.and_then(|typed| {
-        let message = codec::decode::<M>(payload).map_err(|e| not_remote(e.to_string()))?;
+        let message = codec::decode::<M>(payload).map_err(|e| not_remote(typed.info(), e.to_string()))?;
         Ok((typed, message))
     });
     match (decoded, reply) {
@@ -302,8 +303,9 @@ where
             Ok(())
         }
         (Ok((typed, message)), Some((sink, cancel))) => {
+            let target = typed.clone();
             let encode = move |value: M::Reply| {
-                codec::encode(&value).map_err(|e| not_remote(format!("its reply: {e}")))
+                codec::encode(&value).map_err(|e| not_remote(target.info(), format!("its reply: {e}")))
             };
             typed.call_into(
                 message,

@@ -216,15 +216,60 @@ pub enum WireError {
 
 /// Writes one frame.
 pub async fn write_frame<W: AsyncWriteExt + Unpin>(out: &mut W, frame: &Frame) -> Result<(), WireError> {
-    let bytes = codec::encode_frame(frame)?;
-    out.write_all(&(bytes.len() as u32).to_le_bytes()).await?;
-    out.write_all(&bytes).await?;
+    write_frame_with(out, frame, &mut Vec::new()).await
+}
+
+/// Writes one frame, encoded in `scratch` (a writer's buffer, reused frame after frame so that
+/// small frames cost no allocation).
+pub async fn write_frame_with<W: AsyncWriteExt + Unpin>(
+    out: &mut W,
+    frame: &Frame,
+    scratch: &mut Vec<u8>,
+) -> Result<(), WireError> {
+    scratch.clear();
+    scratch.extend_from_slice(&[0; 4]);
+    codec::encode_frame_into(frame, scratch)?;
+    let len = (scratch.len() - 4) as u32;
+    scratch[..4].copy_from_slice(&len.to_le_bytes());
+    out.write_all(scratch).await?;
+    keep_small(scratch);
     Ok(())
+}
+
+/// Lets a reused buffer keep at most 1 MiB between frames (a rare large frame is not held).
+fn keep_small(buffer: &mut Vec<u8>) {
+    if buffer.capacity() > 1 << 20 {
+        *buffer = Vec::new();
+    }
 }
 
 /// Reads one frame; `Ok(None)` at a clean end of the stream.
 pub async fn read_frame<R: AsyncReadExt + Unpin>(input: &mut R) -> Result<Option<Frame>, WireError> {
     read_frame_within(input, MAX_FRAME_BYTES).await
+}
+
+/// Reads one frame into `scratch` (a reader's buffer, reused frame after frame); `Ok(None)` at
+/// a clean end of the stream.
+pub async fn read_frame_with<R: AsyncReadExt + Unpin>(
+    input: &mut R,
+    scratch: &mut Vec<u8>,
+) -> Result<Option<Frame>, WireError> {
+    let mut len = [0u8; 4];
+    match input.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME_BYTES {
+        return Err(WireError::TooLarge(len, MAX_FRAME_BYTES));
+    }
+    scratch.clear();
+    scratch.resize(len, 0);
+    input.read_exact(scratch).await?;
+    let frame = codec::decode_frame(scratch)?;
+    keep_small(scratch);
+    Ok(Some(frame))
 }
 
 /// Reads one frame of at most `limit` bytes (a connection's first frame, before its token is
