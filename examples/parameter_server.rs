@@ -19,7 +19,7 @@ fn main() -> anyhow::Result<()> {
     let base = PsConfig {
         model: ModelSpec::parse("mlp:in=32,hidden=64,layers=2,out=4")?,
         seed: 7,
-        optimizer: OptimizerSpec::Sgd { lr: 0.5 },
+        optimizer: OptimizerSpec::sgd(0.5),
         servers: 2,
         workers: 4,
         local_batch: 16,

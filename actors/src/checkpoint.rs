@@ -3,7 +3,8 @@
 //!
 //! A checkpoint is a directory `step-NNNNNNNN/` holding one shard file per actor that owns state
 //! and, written last by the controller, `manifest.json`. A shard file holds *pieces*: a range of
-//! one block's flat parameters with the optimizer state of the same range (Adam `m`, `v`), so the
+//! one block's flat parameters with the optimizer state of the same range (Adam, AdamW and LAMB:
+//! `m`, `v`; SGD with momentum: its buffer in `m`; plain SGD: none), so the
 //! layout of the writer (dp, pp, ZeRO shards) does not matter to the reader: an actor of any new
 //! layout reads the ranges it needs from whichever pieces cover them. Every file is written to a
 //! temporary name, fsynced and renamed; the manifest carries each file's size and CRC-32C, and a
@@ -11,7 +12,7 @@
 //! previous complete one.
 //!
 //! File layout: `ARCHCKPT`, a little-endian u64 header length, the header (JSON of
-//! [`ShardHeader`]), then each piece's parameters, `m` and `v` as little-endian f32.
+//! [`ShardHeader`]), then each piece's parameters, `m` and `v` (those it has) as little-endian f32.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -37,9 +38,10 @@ pub struct Piece {
     pub range: Range<usize>,
     /// The parameters of the range.
     pub params: Vec<f32>,
-    /// Adam's first moments of the range (empty for SGD).
+    /// The first moments of the range (Adam, AdamW, LAMB), or SGD's momentum buffer; empty for
+    /// plain SGD.
     pub m: Vec<f32>,
-    /// Adam's second moments of the range (empty for SGD).
+    /// The second moments of the range (Adam, AdamW, LAMB); empty for SGD.
     pub v: Vec<f32>,
 }
 
@@ -63,8 +65,20 @@ pub struct PieceIndex {
     pub end: usize,
     /// Byte offset of its parameters after the header.
     pub offset: u64,
-    /// Whether `m` and `v` follow the parameters.
+    /// Whether optimizer state follows the parameters.
     pub has_state: bool,
+    /// How many state values per parameter follow (`m`, then `v`); absent in files written
+    /// before SGD's momentum, where `has_state` meant `m` and `v`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_values: Option<u8>,
+}
+
+impl PieceIndex {
+    /// State values per parameter that follow the parameters.
+    pub fn state_values(&self) -> usize {
+        self.state_values
+            .map_or(if self.has_state { 2 } else { 0 }, usize::from)
+    }
 }
 
 /// The header of a shard file.
@@ -141,9 +155,12 @@ pub fn write_shard(dir: &Path, actor: ActorId, state: &ShardState) -> Result<Sha
         .sum();
     let mut data = Vec::with_capacity(data_bytes);
     for p in &state.pieces {
-        let has_state = !p.m.is_empty();
+        let values = usize::from(!p.m.is_empty()) + usize::from(!p.v.is_empty());
+        let fits = |s: &[f32]| s.is_empty() || s.len() == p.range.len();
         if p.params.len() != p.range.len()
-            || (has_state && (p.m.len() != p.range.len() || p.v.len() != p.range.len()))
+            || !fits(&p.m)
+            || !fits(&p.v)
+            || (p.m.is_empty() && !p.v.is_empty())
         {
             return Err(format!(
                 "piece of block {} ({:?}) has {} parameters and {}/{} state values",
@@ -159,7 +176,8 @@ pub fn write_shard(dir: &Path, actor: ActorId, state: &ShardState) -> Result<Sha
             start: p.range.start,
             end: p.range.end,
             offset: data.len() as u64,
-            has_state,
+            has_state: values > 0,
+            state_values: Some(values as u8),
         });
         for values in [&p.params, &p.m, &p.v] {
             data.extend_from_slice(bytemuck::cast_slice(values));
@@ -287,11 +305,24 @@ impl CheckpointReader {
 
     /// Parameters (and, with `state`, Adam's `m` and `v`) of elements `range` of `block`.
     pub fn read(&self, block: usize, range: Range<usize>, state: bool) -> Result<[Vec<f32>; 3], String> {
+        self.read_values(block, range, if state { 2 } else { 0 })
+    }
+
+    /// Parameters of elements `range` of `block` and the first `values` state values of each
+    /// (0: none; 1: `m`, SGD's momentum buffer; 2: `m` and `v`); the ones not asked for are empty.
+    /// A checkpoint whose state has another number of values per parameter (written by another
+    /// kind of optimizer) is refused.
+    pub fn read_values(
+        &self,
+        block: usize,
+        range: Range<usize>,
+        values: usize,
+    ) -> Result<[Vec<f32>; 3], String> {
         let len = range.len();
+        let state = values > 0;
         let mut out = [vec![0.0f32; len], Vec::new(), Vec::new()];
-        if state {
-            out[1] = vec![0.0; len];
-            out[2] = vec![0.0; len];
+        for v in out.iter_mut().skip(1).take(values) {
+            *v = vec![0.0; len];
         }
         let mut covered = 0;
         for f in &self.manifest.files {
@@ -306,8 +337,17 @@ impl CheckpointReader {
                         self.dir.display()
                     ));
                 }
+                if state && p.state_values() != values {
+                    return Err(format!(
+                        "checkpoint {} holds {} optimizer state values per parameter for block {block}, this \
+                         optimizer keeps {values} (Adam, AdamW and LAMB keep 2, SGD with momentum 1): resume \
+                         with an optimizer of the kind that wrote it",
+                        self.dir.display(),
+                        p.state_values()
+                    ));
+                }
                 let piece_len = (p.end - p.start) as u64;
-                let parts = if state { 3 } else { 1 };
+                let parts = 1 + values;
                 for (k, values) in out.iter_mut().take(parts).enumerate() {
                     let at = f.data_offset + p.offset + 4 * (k as u64 * piece_len + (from - p.start) as u64);
                     let into = &mut values[from - range.start..to - range.start];
@@ -365,6 +405,28 @@ mod tests {
             layout: serde_json::Value::Null,
             files,
         }
+    }
+
+    /// SGD's momentum is one state value per parameter: written as `m` alone, read back, and
+    /// refused by a reader that keeps two (Adam) — a piece without `v` is not Adam's state.
+    #[test]
+    fn a_momentum_buffer_is_one_state_value() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = step_dir(root.path(), 1);
+        let mut p = piece(0, 0..4, 1.0);
+        p.v.clear();
+        let state = ShardState {
+            steps: 1,
+            pieces: vec![p],
+        };
+        let files = vec![write_shard(&dir, 0, &state).unwrap()];
+        write_manifest(&dir, &manifest(files, 1)).unwrap();
+        let reader = CheckpointReader::open(&dir).unwrap();
+        let [params, m, v] = reader.read_values(0, 1..3, 1).unwrap();
+        assert_eq!((params, m, v), (vec![1.0, 2.0], vec![1.25, 2.25], vec![]));
+        let wrong = reader.read_values(0, 0..4, 2).unwrap_err();
+        assert!(wrong.contains("holds 1 optimizer state values"), "{wrong}");
+        assert_eq!(reader.read(0, 0..4, false).unwrap()[0], vec![0.0, 1.0, 2.0, 3.0]);
     }
 
     /// Two writers split block 0 at 7; a reader asks for a range across the split and gets the

@@ -61,6 +61,12 @@ pub struct StepMetrics {
     pub peak_microbatches_held: usize,
     /// The offload actor's figures (cumulative over the run), when the state is offloaded.
     pub offload: Option<crate::offload::OffloadStats>,
+    /// The learning rate of the step's update (the schedule's), when the actor updates.
+    #[serde(default)]
+    pub lr: Option<f32>,
+    /// The global gradient norm before clipping, when the step clips.
+    #[serde(default)]
+    pub grad_norm: Option<f32>,
 }
 
 /// Local compute of an actor.

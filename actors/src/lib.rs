@@ -9,7 +9,8 @@
 //! - [`typed_tensor`]: tensors of every dtype as raw bytes;
 //! - [`fabric`]: how tensors move between actors, with the in-process implementation;
 //! - [`collectives`]: the chunked, pipelined ring all-reduce and the per-actor collective worker;
-//! - [`flat_optimizer`]: Adam and SGD on flat shards;
+//! - [`optim`]: optimizers on flat shards (Adam, AdamW, SGD with momentum and Nesterov, LAMB),
+//!   gradient clipping and parameter groups ([`flat_optimizer`] is its former name);
 //! - [`block`] and [`zoo`]: the burn glue (block trait, parameter flattening) and the models;
 //! - [`backend`] and [`gpus`]: the burn backends per device kind (`cpu:N`, `cuda:N` with the
 //!   `cuda` feature) and the GPUs a host offers.
@@ -23,10 +24,10 @@ pub mod device_actor;
 pub mod error;
 pub mod executor;
 pub mod fabric;
-pub mod flat_optimizer;
 pub mod gpus;
 pub mod host_tensor;
 pub mod offload;
+pub mod optim;
 pub mod peak;
 pub mod progress;
 pub mod proto;
@@ -40,3 +41,5 @@ pub use backend::CudaBackend;
 pub use backend::{Builders, CpuBackend, check_devices};
 pub use error::ActorFailure;
 pub use host_tensor::HostTensor;
+/// The optimizers' former module name (examples and programs written against it still build).
+pub use optim as flat_optimizer;

@@ -13,7 +13,9 @@ use serde::Serialize;
 use archipelago_dataflow::data::DataSpec;
 use archipelago_dataflow::passes::partition::parse_stages;
 use archipelago_dataflow::passes::schedule::Schedule;
-use archipelago_dataflow::{DeviceSpec, InputKind, ModelSpec, OptimizerSpec, ParallelPlan, Program};
+use archipelago_dataflow::{
+    DeviceSpec, InputKind, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, ParamGroups, Program,
+};
 
 use crate::train_job::{StepProgress, TrainOptions};
 
@@ -65,9 +67,41 @@ pub struct JobArgs {
     /// Steps to train.
     #[arg(long, default_value_t = 30)]
     pub steps: u64,
-    /// Adam learning rate.
+    /// Learning rate (the peak under --lr-schedule).
     #[arg(long, default_value_t = 1e-3)]
     pub lr: f32,
+    /// Update rule: adam, adamw (decoupled weight decay), sgd (plain, or with --momentum and
+    /// --nesterov) or lamb (per-parameter trust ratio), each with PyTorch's defaults.
+    #[arg(long, default_value = "adam")]
+    pub optimizer: String,
+    /// SGD's momentum factor (default 0: plain SGD, `p -= lr·g`).
+    #[arg(long)]
+    pub momentum: Option<f32>,
+    /// SGD with Nesterov momentum (needs --momentum > 0).
+    #[arg(long)]
+    pub nesterov: bool,
+    /// Weight decay: an L2 term in the gradient for adam and sgd, decoupled for adamw and lamb
+    /// (default: PyTorch's, 0 for adam and sgd, 0.01 for adamw and lamb). Biases and LayerNorm
+    /// parameters take none unless --weight-decay-all.
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// Apply weight decay to every parameter, biases and LayerNorm included.
+    #[arg(long)]
+    pub weight_decay_all: bool,
+    /// Clip the gradients to this global L2 norm (over every actor's gradients) before each
+    /// update, as torch.nn.utils.clip_grad_norm_.
+    #[arg(long)]
+    pub clip_grad_norm: Option<f32>,
+    /// Learning-rate schedule after the warmup: constant, cosine or linear (decaying to
+    /// --lr-final-fraction of --lr at the last step).
+    #[arg(long, default_value = "constant")]
+    pub lr_schedule: String,
+    /// Updates of linear warmup from lr/warmup to lr.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// The rate the cosine or linear decay ends at, as a fraction of --lr.
+    #[arg(long, default_value_t = 0.1)]
+    pub lr_final_fraction: f32,
     /// Seed of initialisation and synthetic data.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -149,7 +183,7 @@ impl JobArgs {
                 .map(|s| parse_stages(s, blocks))
                 .transpose()?,
         };
-        program.optimizer = OptimizerSpec::adam(self.lr);
+        self.set_optimizer(&mut program)?;
         program.devices = match &self.devices {
             Some(list) => DeviceSpec::parse_list(list)?,
             None => DeviceSpec::cpus(self.dp * self.pp),
@@ -160,6 +194,41 @@ impl JobArgs {
             );
         }
         Ok(program)
+    }
+}
+
+impl JobArgs {
+    /// The optimizer, its schedule, clipping and parameter groups from the flags.
+    fn set_optimizer(&self, program: &mut Program) -> anyhow::Result<()> {
+        let mut spec = OptimizerSpec::named(&self.optimizer, self.lr).map_err(anyhow::Error::msg)?;
+        if self.momentum.is_some() || self.nesterov {
+            spec = spec
+                .with_momentum(self.momentum.unwrap_or(0.0), self.nesterov)
+                .map_err(anyhow::Error::msg)?;
+        }
+        if let Some(wd) = self.weight_decay {
+            spec = spec.with_weight_decay(wd);
+        }
+        spec.check().map_err(anyhow::Error::msg)?;
+        let decay: LrDecay = self.lr_schedule.parse().map_err(anyhow::Error::msg)?;
+        program.optimizer = spec;
+        program.lr_schedule = LrSchedule {
+            warmup_steps: self.warmup_steps,
+            decay,
+            total_steps: self.steps,
+            final_fraction: if decay == LrDecay::Constant {
+                1.0
+            } else {
+                self.lr_final_fraction
+            },
+        };
+        program.clip_grad_norm = self.clip_grad_norm;
+        program.param_groups = if self.weight_decay_all {
+            ParamGroups::DecayAll
+        } else {
+            ParamGroups::NoDecayForVectors
+        };
+        Ok(())
     }
 }
 

@@ -46,7 +46,9 @@ pub fn replay(plan: &Plan, medians: &[Vec<f64>]) -> Prediction {
                     backward[chunk_of(*start)] += share;
                     weight[chunk_of(*start)] += share;
                 }
-                ComputeOp::OptimizerStep { .. } => optimizer[a.stage] += t / replicas,
+                ComputeOp::OptimizerStep { .. }
+                | ComputeOp::GradNorm { .. }
+                | ComputeOp::TrustNorms { .. } => optimizer[a.stage] += t / replicas,
                 _ => {}
             }
         }

@@ -11,6 +11,12 @@ pub struct StepRecord {
     pub loss: f32,
     /// Wall time from sending `Step` to the last `StepDone`.
     pub time_s: f64,
+    /// The learning rate of the step's update (the schedule's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f32>,
+    /// The global gradient norm before clipping (reported when the job clips).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f32>,
 }
 
 /// Memory of one actor.

@@ -87,7 +87,10 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             ComputeOp::BackwardWeight { .. } => "backward-weight",
             ComputeOp::Loss { .. } => "loss",
             ComputeOp::LoadBatch { .. } => "load",
-            ComputeOp::OptimizerStep { .. } | ComputeOp::OffloadGrads { .. } => "optimizer",
+            ComputeOp::OptimizerStep { .. }
+            | ComputeOp::OffloadGrads { .. }
+            | ComputeOp::GradNorm { .. }
+            | ComputeOp::TrustNorms { .. } => "optimizer",
             ComputeOp::LoadParams { .. } | ComputeOp::ShardParams { .. } | ComputeOp::DropParams { .. } => {
                 "params"
             }
@@ -119,6 +122,8 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
             ComputeOp::Loss { .. } => "loss",
             ComputeOp::LoadBatch { .. } => "load",
             ComputeOp::OptimizerStep { .. } => "optimizer",
+            ComputeOp::GradNorm { .. } => "grad norm",
+            ComputeOp::TrustNorms { .. } => "trust norms",
             ComputeOp::OffloadGrads { .. } => "offload grads",
             ComputeOp::LoadParams { .. } => "load params",
             ComputeOp::ShardParams { .. } => "shard params",

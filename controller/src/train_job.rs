@@ -364,7 +364,13 @@ pub(crate) async fn drive<G: Gang>(
         if let Some(d) = &options.dashboard {
             d.step_done(plan, step, loss, time_s, &reports);
         }
-        steps.push(StepRecord { step, loss, time_s });
+        steps.push(StepRecord {
+            step,
+            loss,
+            time_s,
+            lr: reports.iter().find_map(|r| r.metrics.lr),
+            grad_norm: reports.iter().find_map(|r| r.metrics.grad_norm),
+        });
         if let Some(callback) = &options.on_step {
             callback(&StepProgress {
                 step,

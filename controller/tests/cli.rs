@@ -302,3 +302,82 @@ fn devices_are_listed_and_a_missing_gpu_is_refused_at_start() {
         "too few devices accepted: {text}"
     );
 }
+
+/// The optimizer flags: SGD with Nesterov momentum, weight decay, warmup then cosine decay and
+/// clipping trains on dp=2 and reports every step's rate and gradient norm; conflicting or
+/// unknown settings are refused before anything starts, naming the flag.
+#[test]
+fn optimizer_flags_train_and_refuse_conflicts() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let args = [
+        "train",
+        "--model",
+        "mlp:in=8,hidden=16,layers=2,out=3",
+        "--dp",
+        "2",
+        "--batch",
+        "8",
+        "--steps",
+        "4",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        "--momentum",
+        "0.9",
+        "--nesterov",
+        "--weight-decay",
+        "0.01",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--clip-grad-norm",
+        "0.5",
+        "--quiet",
+    ];
+    let (ok, text) = archipelago(&[&args[..], &["--report", report.to_str().unwrap()]].concat());
+    assert!(ok, "{text}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let steps = r["steps"].as_array().unwrap();
+    let lr: Vec<f64> = steps.iter().map(|s| s["lr"].as_f64().unwrap()).collect();
+    assert!(
+        (lr[0] - 0.05).abs() < 1e-6 && (lr[1] - 0.1).abs() < 1e-6,
+        "{lr:?}"
+    );
+    assert!(
+        (lr[3] - 0.01).abs() < 1e-6,
+        "cosine to a tenth at the last step: {lr:?}"
+    );
+    assert!(steps.iter().all(|s| s["grad_norm"].as_f64().unwrap() > 0.0));
+    for (flags, needle) in [
+        (
+            &["--optimizer", "lamb", "--offload", "cpu"][..],
+            "--optimizer lamb needs a norm",
+        ),
+        (
+            &["--clip-grad-norm", "1", "--offload", "cpu"][..],
+            "--clip-grad-norm needs a norm",
+        ),
+        (
+            &["--optimizer", "sgd", "--nesterov"][..],
+            "--nesterov needs --momentum > 0",
+        ),
+        (
+            &["--optimizer", "adamw", "--momentum", "0.9"][..],
+            "apply to --optimizer sgd",
+        ),
+        (&["--optimizer", "adagrad"][..], "use adam, adamw, sgd or lamb"),
+        (&["--lr-schedule", "step"][..], "use constant, cosine or linear"),
+    ] {
+        let (ok, text) = archipelago(
+            &[
+                &["plan", "--model", "mlp:in=8,hidden=16,layers=2,out=3"][..],
+                flags,
+            ]
+            .concat(),
+        );
+        assert!(!ok && text.contains(needle), "{flags:?}: {text}");
+    }
+}

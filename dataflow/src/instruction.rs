@@ -72,8 +72,30 @@ pub enum ComputeOp {
         /// One past the last block.
         end: usize,
     },
+    /// Gradient clipping's first phase (`torch.nn.utils.clip_grad_norm_`): the sum of squares of
+    /// this actor's share of the reduced gradients of blocks `start..end` (its shard of each
+    /// bucket, so that every element counts once over the dp group) into a one-value tensor;
+    /// summed over every actor it is the squared global norm the update is clipped by.
+    GradNorm {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
+    /// LAMB's first phase (You et al., 2020) for blocks `start..end`: start the optimizer step
+    /// (clipped by the reduced global norm when clipping), update this actor's moments and write,
+    /// per parameter of the stage, the partial sums of squares of the parameter and of its update
+    /// direction over the elements this actor owns; summed over the dp group they are the whole
+    /// parameters' norms the trust ratios take.
+    TrustNorms {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
     /// Optimizer step on the flat parameters of blocks `start..end` (with offload: collect the
-    /// offload actor's updated parameters).
+    /// offload actor's updated parameters). Besides the gradient buckets it may read the reduced
+    /// global gradient norm (clipping) or LAMB's reduced per-parameter norms, named after them.
     OptimizerStep {
         /// First block.
         start: usize,
@@ -231,6 +253,8 @@ impl fmt::Display for ComputeOp {
                 write!(f, "BackwardWeight(blocks {start}..{end}, mb {mb})")
             }
             ComputeOp::OffloadGrads { start, end } => write!(f, "OffloadGrads(blocks {start}..{end})"),
+            ComputeOp::GradNorm { start, end } => write!(f, "GradNorm(blocks {start}..{end})"),
+            ComputeOp::TrustNorms { start, end } => write!(f, "TrustNorms(blocks {start}..{end})"),
             ComputeOp::OptimizerStep { start, end } => write!(f, "OptimizerStep(blocks {start}..{end})"),
             ComputeOp::LoadParams { start, end } => write!(f, "LoadParams(blocks {start}..{end})"),
             ComputeOp::ShardParams { start, end } => write!(f, "ShardParams(blocks {start}..{end})"),

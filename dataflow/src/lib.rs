@@ -39,6 +39,7 @@ pub mod instruction;
 pub mod memory;
 pub mod mesh;
 pub mod model_spec;
+pub mod optimizer;
 pub mod passes;
 pub mod plan;
 pub mod program;
@@ -51,8 +52,9 @@ pub use error::PlanError;
 pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction};
 pub use mesh::Mesh;
 pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
+pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
-pub use program::{Offload, OptimizerSpec, ParallelPlan, Program};
+pub use program::{Offload, ParallelPlan, Program};
 
 /// Index of an actor in a plan: its rank in the mesh.
 pub type ActorId = usize;

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::instruction::{ActorStream, ComputeOp, Instruction};
 use crate::memory::{self, ActorShare, MemoryEstimate};
 use crate::mesh::Mesh;
+use crate::passes::optimizer::StepNorms;
 use crate::passes::partition::{self, Chunk};
 use crate::passes::pipeline::{self, Layout};
 use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
@@ -262,6 +263,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
             plan.zero, plan.dp, plan.offload
         )));
     }
+    crate::passes::optimizer::check(program)?;
     // ZeRO-3 pairs with activation checkpointing (DESIGN.md): implied.
     let mut program = program.clone();
     if plan.zero == 3 && plan.dp > 1 {
@@ -316,7 +318,15 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         plan.bucket_bytes.max(1),
     );
     layout.islands = island_indices(&program.islands, mesh.size())?;
-    let graph = pipeline::build_step(&layout, plan.batch, &orders, plan.zero, plan.offload.is_some());
+    let norms = StepNorms::of(program);
+    let graph = pipeline::build_step(
+        &layout,
+        plan.batch,
+        &orders,
+        plan.zero,
+        plan.offload.is_some(),
+        norms,
+    );
     let streams = crate::passes::lower::lower(&graph);
     verify(&streams)?;
     let optimizer_s: Vec<f64> = (0..pp)
@@ -465,235 +475,5 @@ fn island_indices(names: &[String], actors: usize) -> Result<Vec<usize>, PlanErr
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::passes::schedule::Schedule;
-    use crate::{CollectiveKind, ModelSpec, ParallelPlan};
-
-    fn program(dp: usize, batch: usize) -> Program {
-        Program::new(ModelSpec::mlp_8x1024()).with_plan(ParallelPlan {
-            dp,
-            batch,
-            ..ParallelPlan::default()
-        })
-    }
-
-    fn collectives(plan: &Plan, actor: usize) -> Vec<(CollectiveKind, Vec<usize>)> {
-        plan.actors[actor]
-            .stream
-            .instructions
-            .iter()
-            .filter_map(|i| match i {
-                Instruction::StartCollective { kind, group, .. } => Some((*kind, group.clone())),
-                _ => None,
-            })
-            .collect()
-    }
-
-    /// A dp group spanning two islands of two all-reduces hierarchically, its group listed
-    /// island by island; one island, uneven islands and ZeRO-2's reduce-scatter stay flat rings.
-    #[test]
-    fn dp_groups_across_islands_all_reduce_hierarchically() {
-        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let mut p = program(4, 64);
-        p.islands = names(&["a", "b", "a", "b"]);
-        let plan = compile(&p).unwrap();
-        let found = collectives(&plan, 1);
-        assert!(!found.is_empty());
-        for (kind, group) in &found {
-            assert_eq!(*kind, CollectiveKind::HierarchicalAllReduceSum { island_size: 2 });
-            assert_eq!(group, &vec![0, 2, 1, 3]);
-        }
-        p.islands = names(&["a", "a", "a", "b"]);
-        let plan = compile(&p).unwrap();
-        assert!(
-            collectives(&plan, 0)
-                .iter()
-                .all(|(k, _)| *k == CollectiveKind::AllReduceSum)
-        );
-        p.islands = names(&["a", "b", "a", "b"]);
-        p.plan.zero = 2;
-        let plan = compile(&p).unwrap();
-        assert!(
-            collectives(&plan, 0)
-                .iter()
-                .all(|(k, _)| *k != CollectiveKind::HierarchicalAllReduceSum { island_size: 2 })
-        );
-        p.islands = names(&["a", "b"]);
-        assert!(matches!(compile(&p), Err(PlanError::Conflict(_))));
-    }
-
-    #[test]
-    fn dp_plans_verify_and_overlap_all_reduce_with_backward() {
-        let plan = compile(&program(4, 64)).unwrap();
-        assert_eq!(plan.actors.len(), 4);
-        let s = &plan.actors[2].stream.instructions;
-        assert!(matches!(
-            s[0],
-            Instruction::Compute {
-                op: ComputeOp::LoadBatch { start: 32, end: 48 },
-                ..
-            }
-        ));
-        // The last bucket's all-reduce starts before the first bucket's backward runs.
-        let first_start = s
-            .iter()
-            .position(|i| matches!(i, Instruction::StartCollective { .. }))
-            .unwrap();
-        let last_backward = s
-            .iter()
-            .rposition(|i| {
-                matches!(
-                    i,
-                    Instruction::Compute {
-                        op: ComputeOp::Backward { .. },
-                        ..
-                    }
-                )
-            })
-            .unwrap();
-        assert!(first_start < last_backward, "{}", plan.summary());
-        assert!(plan.to_json().contains("AllReduceSum"));
-    }
-
-    #[test]
-    fn indivisible_batch_is_refused_with_the_fix() {
-        let err = compile(&program(3, 64)).unwrap_err().to_string();
-        assert!(err.contains("--batch 63 or --batch 66"), "{err}");
-    }
-
-    #[test]
-    fn memory_budget_is_enforced() {
-        let mut p = program(2, 64);
-        p.plan.device_memory = Some(64 << 20);
-        let err = compile(&p).unwrap_err().to_string();
-        assert!(err.contains("budget"), "{err}");
-        // dp=2 needs ≈ 159 MiB (16Ψ = 128 MiB + 28 MiB of all-reduce buffers). Under 140 MiB
-        // ZeRO-1 and -2 fit; ZeRO-3 does not (it gathers a whole 28 MiB bucket, twice, at once).
-        let mut p = program(2, 64);
-        p.plan.device_memory = Some(140 << 20);
-        let err = compile(&p).unwrap_err().to_string();
-        let fixes: Vec<&str> = err
-            .split("it fits with ")
-            .nth(1)
-            .unwrap()
-            .split(", or ")
-            .collect();
-        for fix in ["--zero 1", "--zero 2", "--offload cpu", "--offload nvme:DIR"] {
-            assert!(fixes.contains(&fix), "{fix} missing: {err}");
-        }
-        assert!(fixes.iter().any(|f| f.starts_with("--pp 2")), "{err}");
-        assert!(!fixes.contains(&"--zero 3"), "{err}");
-        let m = compile(&program(2, 64)).unwrap().memory[0].clone();
-        assert_eq!(m.model_state(), 16 * 8_407_050);
-    }
-
-    fn pipeline(pp: usize, m: usize, schedule: Schedule) -> Program {
-        let mut p = program(1, 64);
-        p.plan.pp = pp;
-        p.plan.microbatches = m;
-        p.plan.schedule = schedule;
-        p
-    }
-
-    #[test]
-    fn pipeline_plans_verify_and_print_schedule_bubble_and_peak() {
-        let plan = compile(&pipeline(2, 8, Schedule::OneFOneB)).unwrap();
-        assert_eq!(plan.mesh.to_string(), "dp=1 × pp=2");
-        assert_eq!(plan.chunks, vec![(0, 4), (4, 9)]);
-        assert_eq!(plan.prediction.peak_in_flight, vec![2, 1]);
-        let summary = plan.summary();
-        assert!(summary.contains("stage 0: bubble 0.1"), "{summary}");
-        assert!(
-            summary.contains("peak micro-batches held 2: F0 F1 B0 F2 B1"),
-            "{summary}"
-        );
-        let gpipe = compile(&pipeline(2, 8, Schedule::GPipe)).unwrap();
-        assert_eq!(gpipe.prediction.peak_in_flight, vec![8, 8]);
-        // GPipe keeps every micro-batch's activations; 1F1B at most pp; checkpointing only inputs.
-        assert!(gpipe.memory[0].activations > 3 * plan.memory[0].activations);
-        let mut ckpt = pipeline(2, 8, Schedule::GPipe);
-        ckpt.plan.checkpoint_activations = true;
-        let ckpt = compile(&ckpt).unwrap();
-        assert!(ckpt.memory[0].activations < gpipe.memory[0].activations / 2);
-        // Each stage holds only its blocks' state.
-        assert!(plan.memory[0].params < 4 * 8_407_050 / 2 + 4 * 1_100_000);
-        // Stage 0 sends activations to stage 1 and receives their gradients.
-        let s0 = &plan.actors[0].stream.instructions;
-        assert!(s0.iter().any(|i| matches!(i, Instruction::Send { to: 1, .. })));
-        assert!(s0.iter().any(|i| matches!(i, Instruction::Recv { from: 1, .. })));
-    }
-
-    #[test]
-    fn pipeline_times_data_parallel_all_reduces_within_each_stage() {
-        let mut p = pipeline(2, 4, Schedule::OneFOneB);
-        p.plan.dp = 2;
-        let plan = compile(&p).unwrap();
-        assert_eq!(plan.actors.len(), 4);
-        for a in &plan.actors {
-            let groups: Vec<&Vec<usize>> = a
-                .stream
-                .instructions
-                .iter()
-                .filter_map(|i| match i {
-                    Instruction::StartCollective { group, .. } => Some(group),
-                    _ => None,
-                })
-                .collect();
-            assert!(!groups.is_empty());
-            let expected = plan.mesh.group(a.actor, "dp");
-            assert!(
-                groups.iter().all(|g| **g == expected),
-                "actor {}: {groups:?}",
-                a.actor
-            );
-        }
-    }
-
-    #[test]
-    fn bad_pipeline_input_is_refused_with_the_fix() {
-        let err = |p: Program| compile(&p).unwrap_err().to_string();
-        let e = err(pipeline(12, 8, Schedule::OneFOneB));
-        assert!(e.contains("only 9 blocks") && e.contains("--pp 9"), "{e}");
-        let e = err(pipeline(2, 5, Schedule::OneFOneB));
-        assert!(e.contains("--microbatches 4") && e.contains("--batch 65"), "{e}");
-        let mut p = pipeline(2, 4, Schedule::OneFOneB);
-        p.plan.stages = Some(vec![(0, 5), (4, 9)]);
-        assert!(err(p).contains("overlap"));
-        let mut p = pipeline(2, 4, Schedule::OneFOneB);
-        p.plan.stages = Some(vec![(0, 0), (0, 9)]);
-        assert!(err(p).contains("empty"));
-        let mut p = pipeline(2, 3, Schedule::Interleaved);
-        p.plan.virtual_stages = 2;
-        p.plan.batch = 66;
-        assert!(err(p).contains("--microbatches 4"));
-        let mut p = pipeline(2, 4, Schedule::OneFOneB);
-        p.plan.virtual_stages = 2;
-        assert!(err(p).contains("--schedule interleaved"));
-    }
-
-    #[test]
-    fn compiles_a_large_pipeline_mesh_quickly() {
-        let model = ModelSpec::parse("gpt:layers=64").unwrap();
-        let p = Program::new(model).with_plan(ParallelPlan {
-            dp: 64,
-            pp: 16,
-            microbatches: 16,
-            batch: 1024,
-            ..ParallelPlan::default()
-        });
-        let plan = compile(&p).unwrap();
-        assert_eq!(plan.actors.len(), 1024);
-    }
-
-    #[test]
-    fn compiles_a_large_mesh_quickly() {
-        let p = Program::new(ModelSpec::gpt_tiny()).with_plan(ParallelPlan {
-            dp: 512,
-            batch: 1024,
-            ..ParallelPlan::default()
-        });
-        let plan = compile(&p).unwrap();
-        assert_eq!(plan.actors.len(), 512);
-    }
-}
+#[path = "plan_tests.rs"]
+mod tests;

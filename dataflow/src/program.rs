@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use crate::DeviceSpec;
 use crate::data::DataSpec;
 use crate::model_spec::{InputKind, ModelDesc, ModelSpec};
+pub use crate::optimizer::OptimizerSpec;
+use crate::optimizer::{LrSchedule, ParamGroups};
 use crate::passes::schedule::Schedule;
 
 /// How the work is split over devices.
@@ -128,47 +130,6 @@ impl ParallelPlan {
     }
 }
 
-/// The optimizer, run on flat parameter shards.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub enum OptimizerSpec {
-    /// Adam (Kingma & Ba, 2015) with bias correction; no weight decay.
-    Adam {
-        /// Learning rate.
-        lr: f32,
-        /// First-moment decay.
-        beta1: f32,
-        /// Second-moment decay.
-        beta2: f32,
-        /// Added to the root of the second moment.
-        eps: f32,
-    },
-    /// Plain SGD: `p -= lr · g`.
-    Sgd {
-        /// Learning rate.
-        lr: f32,
-    },
-}
-
-impl OptimizerSpec {
-    /// Adam with the workloads' learning rate 1e-3 and PyTorch's defaults otherwise.
-    pub fn adam(lr: f32) -> OptimizerSpec {
-        OptimizerSpec::Adam {
-            lr,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-        }
-    }
-
-    /// f32 state values kept per parameter (Adam: m and v).
-    pub fn state_floats_per_param(&self) -> u64 {
-        match self {
-            OptimizerSpec::Adam { .. } => 2,
-            OptimizerSpec::Sgd { .. } => 0,
-        }
-    }
-}
-
 /// A whole training job as the compiler sees it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Program {
@@ -176,8 +137,18 @@ pub struct Program {
     pub model: ModelDesc,
     /// The parallel plan.
     pub plan: ParallelPlan,
-    /// The optimizer.
+    /// The optimizer's update rule.
     pub optimizer: OptimizerSpec,
+    /// The learning rate over the steps, as a fraction of the optimizer's rate.
+    #[serde(default)]
+    pub lr_schedule: LrSchedule,
+    /// Clip the gradients to this global L2 norm (over every gradient of the model, on every
+    /// actor) before each update, as `torch.nn.utils.clip_grad_norm_`; `None`: no clipping.
+    #[serde(default)]
+    pub clip_grad_norm: Option<f32>,
+    /// Which parameters take weight decay.
+    #[serde(default)]
+    pub param_groups: ParamGroups,
     /// Where samples come from.
     pub data: DataSpec,
     /// Seed of initialisation (and of the synthetic data unless the data spec says otherwise).
@@ -205,6 +176,9 @@ impl Program {
                 ..ParallelPlan::default()
             },
             optimizer: OptimizerSpec::adam(1e-3),
+            lr_schedule: LrSchedule::constant(),
+            clip_grad_norm: None,
+            param_groups: ParamGroups::default(),
             data,
             seed: 0,
             devices: Vec::new(),
@@ -218,6 +192,9 @@ impl Program {
             model,
             plan: ParallelPlan::default(),
             optimizer: OptimizerSpec::adam(1e-3),
+            lr_schedule: LrSchedule::constant(),
+            clip_grad_norm: None,
+            param_groups: ParamGroups::default(),
             data,
             seed: 0,
             devices: Vec::new(),
@@ -241,9 +218,27 @@ impl Program {
         self
     }
 
-    /// Replaces the optimizer.
+    /// Replaces the optimizer's update rule.
     pub fn with_optimizer(mut self, optimizer: OptimizerSpec) -> Program {
         self.optimizer = optimizer;
+        self
+    }
+
+    /// Replaces the learning-rate schedule.
+    pub fn with_lr_schedule(mut self, schedule: LrSchedule) -> Program {
+        self.lr_schedule = schedule;
+        self
+    }
+
+    /// Clips the gradients to global L2 norm `max_norm` before each update (`None`: no clipping).
+    pub fn with_clip_grad_norm(mut self, max_norm: Option<f32>) -> Program {
+        self.clip_grad_norm = max_norm;
+        self
+    }
+
+    /// Replaces the parameter groups (which parameters take weight decay).
+    pub fn with_param_groups(mut self, groups: ParamGroups) -> Program {
+        self.param_groups = groups;
         self
     }
 

@@ -53,6 +53,22 @@ pub fn train_with_options(model: &str, plan: ParallelPlan, options: TrainOptions
         .unwrap_or_else(|e| panic!("{what}: {e}"))
 }
 
+/// Trains `program` on the embedded controller, one CPU actor per mesh position of its plan.
+pub fn train_program(program: &Program, options: &TrainOptions) -> TrainReport {
+    let plan = &program.plan;
+    let what = format!(
+        "{} {} dp={} pp={} zero={}",
+        program.model.name,
+        program.optimizer.name(),
+        plan.dp,
+        plan.pp,
+        plan.zero
+    );
+    Controller::local(DeviceSpec::cpus(plan.actors()))
+        .train(program, options)
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
 /// Trains `model` with `dp` replicas, global batch `batch`, `steps` steps and gradient buckets of
 /// `bucket_bytes` (small buckets exercise the overlap path), on the embedded controller.
 pub fn train(model: &str, dp: usize, batch: usize, steps: u64, bucket_bytes: u64) -> TrainReport {

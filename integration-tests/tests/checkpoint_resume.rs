@@ -6,8 +6,10 @@
 use std::path::Path;
 
 use archipelago_controller::{TrainOptions, TrainReport};
-use archipelago_dataflow::ParallelPlan;
-use archipelago_integration_tests::{max_relative_difference, small_plan as plan, train_with_options};
+use archipelago_dataflow::{LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, Program};
+use archipelago_integration_tests::{
+    max_relative_difference, small_plan as plan, train_program, train_with_options,
+};
 
 const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
 
@@ -141,6 +143,69 @@ fn offloaded_state_checkpoints_and_resumes_across_tiers_and_layouts() {
             copy_dir(&stopped, &dir);
             let resumed = train_with_options(MLP, reader, options(8, Some(&dir), 0, true));
             assert_continues(&reference, &resumed, 5, &format!("{what} → {to}"));
+        }
+    }
+}
+
+/// SGD with Nesterov momentum and weight decay (one state value: its buffer, stored where `m`
+/// goes), AdamW and LAMB (two), each under warmup and cosine decay over 8 steps: stopped after 4
+/// under dp=2 ZeRO-3 and resumed on other layouts — and, for the momentum buffer, from and into
+/// an offload actor's region — they equal the run that never stopped, the schedule's position
+/// coming back with the step counter.
+#[test]
+fn momentum_adamw_and_lamb_resume_with_their_state_and_schedule() {
+    use archipelago_dataflow::Offload;
+    let momentum = OptimizerSpec::sgd(0.1)
+        .with_weight_decay(0.01)
+        .with_momentum(0.9, true)
+        .unwrap();
+    let cpu = |dp: usize, zero: u8| ParallelPlan {
+        offload: Offload::Cpu,
+        ..plan(dp, 1, zero)
+    };
+    for (optimizer, readers) in [
+        (
+            momentum,
+            vec![(plan(1, 1, 0), "dp=1"), (cpu(2, 1), "dp=2 zero 1 + cpu")],
+        ),
+        (
+            OptimizerSpec::adamw(1e-2),
+            vec![(plan(1, 1, 0), "dp=1"), (plan(2, 2, 1), "dp=2 pp=2 zero 1")],
+        ),
+        (
+            OptimizerSpec::lamb(1e-2),
+            vec![(plan(1, 1, 0), "dp=1"), (plan(1, 3, 0), "pp=3")],
+        ),
+    ] {
+        let name = optimizer.name();
+        let program = |layout| {
+            Program::new(ModelSpec::parse(MLP).unwrap())
+                .with_seed(7)
+                .with_optimizer(optimizer)
+                .with_lr_schedule(LrSchedule::cosine(2, 8))
+                .with_plan(layout)
+        };
+        let reference = train_program(&program(plan(1, 1, 0)), &options(8, None, 0, false));
+        let root = tempfile::tempdir().unwrap();
+        let mut writers = vec![(plan(2, 1, 3), "dp=2 zero 3")];
+        if optimizer.state_floats_per_param() == 1 {
+            writers.push((cpu(2, 3), "dp=2 zero 3 + cpu"));
+        }
+        for (writer, from) in writers {
+            let stopped = root.path().join(from.replace([' ', '=', '+'], "_"));
+            train_program(&program(writer), &options(4, Some(&stopped), 4, false));
+            for (reader, to) in &readers {
+                let dir = root
+                    .path()
+                    .join(format!("{from}-{to}").replace([' ', '=', '+'], "_"));
+                copy_dir(&stopped, &dir);
+                let resumed = train_program(&program(reader.clone()), &options(8, Some(&dir), 0, true));
+                assert_continues(&reference, &resumed, 5, &format!("{name}: {from} → {to}"));
+                assert_eq!(
+                    resumed.steps[0].lr, reference.steps[4].lr,
+                    "{name}: the schedule's position"
+                );
+            }
         }
     }
 }

@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use archipelago_dataflow::{Offload, OptimizerSpec};
 
-use crate::flat_optimizer::update_slices;
+use crate::optim::{ParamLayout, StepContext, update_range};
 
 pub mod nvme;
 pub mod store;
@@ -37,7 +37,7 @@ pub struct OffloadStats {
 
 enum Request {
     Update {
-        t: i32,
+        step: StepContext,
         segment: usize,
         grads: Vec<f32>,
         return_params: bool,
@@ -71,13 +71,31 @@ pub struct OffloadActor {
 
 impl OffloadActor {
     /// Starts the offload actor of `actor` on `tier` with each segment's initial parameter shard
-    /// (keyed by the segment's first block); the optimizer state starts at zero.
+    /// (keyed by the segment's first block) and the parameters of each shard (weight-decay
+    /// groups; a segment without one is one group with decay); the optimizer state starts at zero.
     pub fn spawn(
         tier: &Offload,
         actor: usize,
         spec: OptimizerSpec,
         shards: HashMap<usize, Vec<f32>>,
+        layouts: HashMap<usize, ParamLayout>,
     ) -> Result<OffloadActor, String> {
+        if spec.needs_param_norms() {
+            return Err(format!(
+                "{} needs per-parameter norms over every shard before its update; the offload actor updates each \
+                 segment alone",
+                spec.name()
+            ));
+        }
+        for (segment, layout) in &layouts {
+            let len = shards.get(segment).map(Vec::len);
+            if len != Some(layout.len()) {
+                return Err(format!(
+                    "segment {segment}: parameter groups of {} elements for a shard of {len:?}",
+                    layout.len()
+                ));
+            }
+        }
         let floats = 1 + spec.state_floats_per_param() as usize;
         let store: Box<dyn StateStore> = match tier {
             Offload::Cpu => {
@@ -107,7 +125,7 @@ impl OffloadActor {
                 // A panic inside the tier is reported to the device actor, not swallowed.
                 let report = results.clone();
                 let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    run(store, spec, inbox, results, shared)
+                    run(store, spec, &layouts, inbox, results, shared)
                 }));
                 if let Err(panic) = outcome {
                     let what = panic
@@ -136,11 +154,18 @@ impl OffloadActor {
             .ok_or_else(|| "the offload actor has stopped".to_string())
     }
 
-    /// Hands `segment`'s gradients to the offload actor for the update of step `t` (from 1);
-    /// [`OffloadActor::next_updated`] returns the result (the parameters when `return_params`).
-    pub fn update(&self, t: i32, segment: usize, grads: Vec<f32>, return_params: bool) -> Result<(), String> {
+    /// Hands `segment`'s gradients to the offload actor for the update of `step` (its number
+    /// from 1, learning rate and clipping factor); [`OffloadActor::next_updated`] returns the
+    /// result (the parameters when `return_params`).
+    pub fn update(
+        &self,
+        step: StepContext,
+        segment: usize,
+        grads: Vec<f32>,
+        return_params: bool,
+    ) -> Result<(), String> {
         self.send(Request::Update {
-            t,
+            step,
             segment,
             grads,
             return_params,
@@ -206,6 +231,7 @@ impl Drop for OffloadActor {
 fn run(
     mut store: Box<dyn StateStore>,
     spec: OptimizerSpec,
+    layouts: &HashMap<usize, ParamLayout>,
     inbox: Receiver<Request>,
     results: Sender<Result<(usize, Vec<f32>), String>>,
     stats: Arc<Mutex<OffloadStats>>,
@@ -218,11 +244,12 @@ fn run(
     for request in inbox {
         match request {
             Request::Update {
-                t,
+                step: ctx,
                 segment,
                 grads,
                 return_params,
             } => {
+                let t = ctx.t;
                 if t != step {
                     if !order.is_empty() {
                         last_order = std::mem::take(&mut order);
@@ -234,7 +261,15 @@ fn run(
                     Some(e) => Err(e.clone()),
                     None => {
                         let began = Instant::now();
-                        let r = update(&mut *store, spec, t, segment, &grads, return_params, &last_order);
+                        let task = Task {
+                            spec,
+                            step: ctx,
+                            layout: layouts.get(&segment),
+                            segment,
+                            grads: &grads,
+                            return_params,
+                        };
+                        let r = update(&mut *store, task, &last_order);
                         optimizer_s += began.elapsed().as_secs_f64();
                         r
                     }
@@ -295,16 +330,27 @@ fn run(
     }
 }
 
-/// One segment's update: read the next segment ahead, load, step, save (written behind).
-fn update(
-    store: &mut dyn StateStore,
+/// One segment's update as handed over.
+struct Task<'a> {
     spec: OptimizerSpec,
-    t: i32,
+    step: StepContext,
+    /// The shard's parameter groups (`None`: one group with decay).
+    layout: Option<&'a ParamLayout>,
     segment: usize,
-    grads: &[f32],
+    grads: &'a [f32],
     return_params: bool,
-    last_order: &[usize],
-) -> Result<Vec<f32>, String> {
+}
+
+/// One segment's update: read the next segment ahead, load, step, save (written behind).
+fn update(store: &mut dyn StateStore, task: Task<'_>, last_order: &[usize]) -> Result<Vec<f32>, String> {
+    let Task {
+        spec,
+        step,
+        layout,
+        segment,
+        grads,
+        return_params,
+    } = task;
     let position = last_order.iter().position(|&s| s == segment);
     let last = position.is_some_and(|i| i + 1 == last_order.len());
     if let Some(&next) = position.and_then(|i| last_order.get(i + 1)) {
@@ -318,8 +364,17 @@ fn update(
             state.len
         ));
     }
+    let len = state.len;
     let (params, m, v) = state.split();
-    update_slices(spec, t, params, m, v, grads);
+    let whole;
+    let layout = match layout {
+        Some(l) => l,
+        None => {
+            whole = ParamLayout::whole(len);
+            &whole
+        }
+    };
+    update_range(spec, &step, layout, 0..len, params, m, v, grads);
     let out = if return_params {
         params.to_vec()
     } else {
@@ -336,7 +391,7 @@ fn update(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::flat_optimizer::FlatOptimizer;
+    use crate::optim::FlatOptimizer;
 
     /// The offload actor's Adam, over steps with segments arriving out of order, equals one
     /// flat optimizer over the whole vector — on both tiers.
@@ -352,13 +407,18 @@ mod tests {
             },
         ] {
             let shards = HashMap::from([(0, init[..6].to_vec()), (6, init[6..].to_vec())]);
-            let actor = OffloadActor::spawn(&tier, 0, spec, shards).unwrap();
+            let actor = OffloadActor::spawn(&tier, 0, spec, shards, HashMap::new()).unwrap();
             let mut flat = FlatOptimizer::new(spec, 10);
             let mut expected = init.clone();
             for t in 1..=4 {
                 let grads: Vec<f32> = (0..10).map(|i| ((i * t) % 7) as f32 - 3.0).collect();
-                actor.update(t, 6, grads[6..].to_vec(), true).unwrap();
-                actor.update(t, 0, grads[..6].to_vec(), true).unwrap();
+                let step = StepContext {
+                    t,
+                    lr: spec.lr(),
+                    grad_scale: 1.0,
+                };
+                actor.update(step, 6, grads[6..].to_vec(), true).unwrap();
+                actor.update(step, 0, grads[..6].to_vec(), true).unwrap();
                 flat.begin_step();
                 flat.update(0, &mut expected, &grads);
                 let mut got = vec![0.0; 10];
@@ -372,12 +432,62 @@ mod tests {
             assert_eq!(&read[2..], &expected[6..], "{tier}");
             let wrong = actor.read_params(6, vec![0.0; 6], 0..3).unwrap_err();
             assert!(wrong.contains("the shard has 4"), "{tier}: {wrong}");
-            let bad = actor.update(5, 0, vec![1.0; 3], true);
+            let step = StepContext {
+                t: 5,
+                lr: spec.lr(),
+                grad_scale: 1.0,
+            };
+            let bad = actor.update(step, 0, vec![1.0; 3], true);
             assert!(bad.is_ok());
             assert!(
                 actor.next_updated().unwrap_err().contains("3 gradients"),
                 "{tier}"
             );
         }
+    }
+
+    /// SGD with momentum keeps one state value per parameter (`[params | buffer]`), and the
+    /// shard's parameter groups and the step's rate reach the offloaded update: equal to a flat
+    /// optimizer with the same groups and schedule.
+    #[test]
+    fn offloaded_momentum_with_groups_equals_the_flat_optimizer() {
+        use archipelago_dataflow::LrSchedule;
+
+        use crate::optim::{ParamLayout, ParamPart};
+        let spec = OptimizerSpec::sgd(0.1)
+            .with_weight_decay(0.2)
+            .with_momentum(0.9, true)
+            .unwrap();
+        let schedule = LrSchedule::cosine(1, 4);
+        let init: Vec<f32> = (0..6).map(|i| 1.0 - i as f32 * 0.3).collect();
+        let part = |range, param, decay| ParamPart { range, param, decay };
+        let layout = ParamLayout::new(vec![part(0..4, 0, true), part(4..6, 1, false)], 2).unwrap();
+        let layouts = HashMap::from([(0, layout.clone())]);
+        let shards = HashMap::from([(0, init.clone())]);
+        let actor = OffloadActor::spawn(&Offload::Cpu, 0, spec, shards, layouts).unwrap();
+        let mut flat = FlatOptimizer::new(spec, 6)
+            .with_schedule(schedule)
+            .with_layout(layout);
+        let mut expected = init.clone();
+        for t in 1..=4 {
+            let grads: Vec<f32> = (0..6).map(|i| ((i + t) % 3) as f32 - 1.0).collect();
+            flat.begin_step();
+            flat.update(0, &mut expected, &grads);
+            actor.update(flat.context(), 0, grads, true).unwrap();
+            assert_eq!(actor.next_updated().unwrap().1, expected, "step {t}");
+        }
+        assert_eq!(
+            actor.read_state(0).unwrap().len(),
+            12,
+            "parameters and one buffer"
+        );
+        let lamb = OffloadActor::spawn(
+            &Offload::Cpu,
+            1,
+            OptimizerSpec::lamb(0.1),
+            HashMap::new(),
+            HashMap::new(),
+        );
+        assert!(lamb.err().unwrap().contains("per-parameter norms"));
     }
 }

@@ -1,11 +1,13 @@
 //! Where an offload actor keeps each segment's state: one flat region per segment holding the
-//! master parameter shard followed by the optimizer state of the same range (Adam: `m`, `v`).
+//! master parameter shard followed by the optimizer state of the same range (Adam, AdamW: `m`,
+//! `v`; SGD with momentum: its buffer).
 //! [`HostStore`] keeps the regions in host memory (ZeRO-Offload); the NVMe tier
 //! ([`super::nvme::NvmeStore`]) keeps them in a file.
 
 use std::collections::HashMap;
 
-/// One segment's state region: `[params | m | v]`, each `len` long (just `params` for SGD).
+/// One segment's state region: `[params | m | v]`, each `len` long (`[params | buffer]` for SGD
+/// with momentum, just `params` for plain SGD).
 #[derive(Debug)]
 pub struct SegmentState {
     /// The region.
@@ -15,11 +17,12 @@ pub struct SegmentState {
 }
 
 impl SegmentState {
-    /// The parameters and the optimizer state as separate slices: `(params, m, v)`.
+    /// The parameters and the optimizer state as separate slices: `(params, m, v)`, `m` and `v`
+    /// empty where the rule keeps less state.
     pub fn split(&mut self) -> (&mut [f32], &mut [f32], &mut [f32]) {
         let (params, state) = self.data.split_at_mut(self.len);
-        let half = state.len() / 2;
-        let (m, v) = state.split_at_mut(half);
+        let first = state.len().min(self.len);
+        let (m, v) = state.split_at_mut(first);
         (params, m, v)
     }
 }

@@ -75,17 +75,21 @@ impl<B: AutodiffBackend> Trainer<B> {
                 let mut pieces = Vec::new();
                 for (start, len, parts) in self.offload_regions()? {
                     let region = offload.read_state(start)?;
-                    let has_state = region.len() == 3 * len;
+                    // `[params | m | v]`, as many parts as the rule keeps state values + 1.
+                    let values = (region.len() / len.max(1)).saturating_sub(1);
                     for p in parts {
-                        let third = |k: usize| {
+                        let part = |k: usize| {
+                            if k > values {
+                                return Vec::new();
+                            }
                             region[k * len + p.in_region.start..k * len + p.in_region.end].to_vec()
                         };
                         pieces.push(Piece {
                             block: p.block,
                             range: p.in_block,
-                            params: third(0),
-                            m: if has_state { third(1) } else { Vec::new() },
-                            v: if has_state { third(2) } else { Vec::new() },
+                            params: part(0),
+                            m: part(1),
+                            v: part(2),
                         });
                     }
                 }
@@ -133,7 +137,9 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Loads the held blocks' parameters and this actor's optimizer state from `checkpoint`,
     /// whatever layout wrote it.
     pub fn restore(&mut self, checkpoint: &CheckpointReader) -> Result<(), String> {
-        let state = self.optimizer.has_state();
+        // State values per parameter of the rule (offloaded state is restored below).
+        let floats = self.optimizer.spec().state_floats_per_param() as usize;
+        let values = if self.offload.is_some() { 0 } else { floats };
         for index in 0..self.blocks.len() {
             if !self.held_blocks[index] {
                 continue;
@@ -149,7 +155,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 Some((0..len, self.offsets[index]..self.offsets[index + 1]))
             };
             if let Some((in_block, at)) = part {
-                let [params, m, v] = checkpoint.read(index, in_block, state)?;
+                let [params, m, v] = checkpoint.read_values(index, in_block, values)?;
                 if self.sharding.zero >= 3 && !self.offload_params {
                     self.shard_master[at.clone()].copy_from_slice(&params);
                 }
@@ -160,15 +166,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
         }
         if let Some(offload) = &self.offload {
-            let thirds = if self.optimizer.spec().state_floats_per_param() > 0 {
-                3
-            } else {
-                1
-            };
+            let thirds = 1 + floats;
             for (start, len, parts) in self.offload_regions()? {
                 let mut region = vec![0.0f32; thirds * len];
                 for p in parts {
-                    let values = checkpoint.read(p.block, p.in_block, thirds == 3)?;
+                    let values = checkpoint.read_values(p.block, p.in_block, floats)?;
                     for (k, v) in values.iter().take(thirds).enumerate() {
                         region[k * len + p.in_region.start..k * len + p.in_region.end].copy_from_slice(v);
                     }

@@ -16,8 +16,9 @@
 //! the gradient bucket.
 //!
 //! The parts: `data.rs` (batches), `passes.rs` (forward, loss, backward, gradient buckets),
-//! `zero.rs` (the optimizer step, ZeRO shards and parameter loading), `offload.rs` (handing
-//! gradients to the offload actor and taking its updated parameters back).
+//! `zero.rs` (the optimizer step, ZeRO shards and parameter loading), `norms.rs` (clipping's
+//! global norm, LAMB's parameter norms, the parameter groups), `offload.rs` (handing gradients
+//! to the offload actor and taking its updated parameters back).
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -29,16 +30,18 @@ use archipelago_dataflow::{ActorId, ComputeOp, ModelDesc, Program};
 
 use crate::block::{Activation, Block, deterministic_init};
 use crate::executor::{Computation, StepMetrics, TensorTable};
-use crate::flat_optimizer::FlatOptimizer;
 use crate::host_tensor::{HostTensor, from_burn};
 use crate::offload::OffloadActor;
+use crate::optim::FlatOptimizer;
 use crate::zoo::{BuildContext, ModelBuilder};
 
 use data::{Batch, Samples, samples};
+use norms::{StageParams, UpdateState};
 pub use zero::Sharding;
 
 mod checkpoint;
 mod data;
+mod norms;
 mod offload;
 mod passes;
 mod zero;
@@ -84,6 +87,8 @@ pub struct Trainer<B: AutodiffBackend> {
     /// f32 master parameters of the held blocks, flat in block order.
     master: Vec<f32>,
     optimizer: FlatOptimizer,
+    /// Clipping, and the optimizer step in flight.
+    update: UpdateState,
     /// Gradient bucket buffers kept from the last step (no fresh allocation per step).
     spare_buffers: Vec<Vec<f32>>,
     samples: Samples,
@@ -159,6 +164,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut shard_master = vec![0.0f32; if sharded { sharding.state_len() } else { 0 }];
         let mut blocks = Vec::with_capacity(desc.blocks.len());
         let mut master = Vec::new();
+        let mut stage_params = StageParams::default();
         for (index, info) in desc.blocks.iter().enumerate() {
             if !held(index) {
                 blocks.push(None);
@@ -178,7 +184,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                     info.params
                 ));
             }
-            let init = deterministic_init(&block.param_shapes(), program.seed, index);
+            let shapes = block.param_shapes();
+            stage_params.push_block(offsets[index], &shapes, program.param_groups);
+            let init = deterministic_init(&shapes, program.seed, index);
             if sharded {
                 if let Some((from, to)) = sharding.owned_part(index, &offsets) {
                     shard_master[to].copy_from_slice(&init[from]);
@@ -195,8 +203,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         let offload = if plan.offload.is_some() {
             // The offload actor starts with each segment's optimizer range of the master copy.
             let mut shards = HashMap::new();
+            let mut layouts = HashMap::new();
             for &(start, end) in &placement.segments {
                 let range = sharding.optimizer_range(start, offsets[end] - offsets[start])?;
+                let window = offsets[start] + range.start..offsets[start] + range.end;
+                layouts.insert(start, stage_params.layout(&[(window, 0)], range.len())?);
                 let shard = if sharded {
                     let state = sharding.segment(start)?.state;
                     &shard_master[state..state + range.len()]
@@ -210,6 +221,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 actor,
                 program.optimizer,
                 shards,
+                layouts,
             )?)
         } else {
             None
@@ -223,13 +235,35 @@ impl<B: AutodiffBackend> Trainer<B> {
             (None, 0) => master.len(),
             (None, _) => sharding.state_len(),
         };
+        // Where each parameter's elements lie in the optimizer's state: the master vector, or
+        // this replica's shard of each segment, concatenated.
+        let windows: Vec<(Range<usize>, usize)> = match (&offload, sharding.zero) {
+            (Some(_), _) => Vec::new(),
+            (None, 0) => vec![(0..master.len(), 0)],
+            (None, _) => placement
+                .segments
+                .iter()
+                .map(|&(start, _)| {
+                    let shard = sharding.segment(start)?;
+                    let from = offsets[start] + shard.own.start..offsets[start] + shard.own.end;
+                    Ok((from, shard.state))
+                })
+                .collect::<Result<_, String>>()?,
+        };
+        let optimizer = FlatOptimizer::new(program.optimizer, state_len)
+            .with_schedule(program.lr_schedule)
+            .with_layout(stage_params.layout(&windows, state_len)?);
         Ok(Trainer {
             device,
             desc,
             blocks,
             offsets,
             chunk_starts: chunks.iter().map(|c| c.0).collect(),
-            optimizer: FlatOptimizer::new(program.optimizer, state_len),
+            optimizer,
+            update: UpdateState {
+                clip: program.clip_grad_norm,
+                ..UpdateState::default()
+            },
             master,
             spare_buffers: Vec::new(),
             samples,
@@ -336,6 +370,8 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 self.backward_weight(*start..*end, *mb, outputs, table)
             }
             ComputeOp::OffloadGrads { .. } => self.offload_grads(&nth(inputs, 0)?, table),
+            ComputeOp::GradNorm { .. } => self.grad_norm(inputs, outputs, table),
+            ComputeOp::TrustNorms { .. } => self.trust_norms(inputs, outputs, table),
             ComputeOp::OptimizerStep { .. } if self.offload.is_some() => {
                 self.collect_offloaded(outputs, table)
             }
@@ -377,6 +413,11 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             .sum();
         // The gradients the optimizer step consumed: whole buckets, or shards under ZeRO-2.
         let held_grads = std::mem::take(&mut self.optimizer_grad_bytes);
+        let steps = if self.offload.is_some() {
+            self.steps_done
+        } else {
+            self.optimizer.steps()
+        };
         let metrics = StepMetrics {
             loss: self.loss_sum.take(),
             model_state_bytes: state + held_grads,
@@ -384,9 +425,12 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             compute_weight_bytes: 4 * materialized as u64,
             peak_microbatches_held: self.peak_live,
             offload: self.offload.as_ref().map(OffloadActor::stats),
+            lr: (steps > 0).then(|| self.optimizer.lr_at(steps)),
+            grad_norm: self.update.grad_norm.take(),
         };
         self.peak_grad_bytes = 0;
         self.peak_live = 0;
+        self.update.begun = false;
         metrics
     }
 

@@ -39,8 +39,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             shard
         };
         let return_params = !self.offload_params;
+        let t = self.steps_done + 1;
+        let step = crate::optim::StepContext {
+            t,
+            lr: self.optimizer.lr_at(t),
+            grad_scale: 1.0, // clipping is refused with offload (the plan's check)
+        };
         self.offload_actor()?
-            .update(self.steps_done + 1, blocks.start, grads, return_params)?;
+            .update(step, blocks.start, grads, return_params)?;
         self.handed_off.push(blocks.start);
         Ok(())
     }

@@ -7,6 +7,8 @@ use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
 
+use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
+
 use super::Trainer;
 use crate::collectives::shard_range;
 use crate::executor::TensorTable;
@@ -149,8 +151,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         outputs: &[String],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        self.optimizer.begin_step();
+        self.begin_update(table)?;
+        self.take_trust_norms(table)?;
         for (k, name) in inputs.iter().enumerate() {
+            if name == GRAD_SQUARES || name == TRUST_SQUARES {
+                continue; // read by begin_update and take_trust_norms
+            }
             let (grad, blocks) = self.take_bucket(name, table)?;
             let range = self.offsets[blocks.start]..self.offsets[blocks.end];
             if self.sharding.zero == 0 {

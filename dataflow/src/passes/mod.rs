@@ -2,6 +2,7 @@
 
 pub mod data_parallel;
 pub mod lower;
+pub mod optimizer;
 pub mod partition;
 pub mod pipeline;
 pub mod schedule;

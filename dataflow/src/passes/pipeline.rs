@@ -18,6 +18,8 @@ use crate::instruction::{CollectiveKind, ComputeOp};
 use crate::mesh::Mesh;
 use crate::model_spec::ModelDesc;
 use crate::passes::data_parallel::{Bucket, buckets_in, grad_name};
+use crate::passes::optimizer::StepNorms;
+pub use crate::passes::optimizer::param_name;
 use crate::passes::partition::Chunk;
 use crate::passes::schedule::{Pass, PipelineShape, Slot};
 
@@ -161,7 +163,17 @@ pub fn microbatch_of(tensor: &str) -> Option<usize> {
 /// to the actor's offload actor (`OffloadGrads`) one segment after its reduction starts, so the
 /// reduction still overlaps the next segment's backward and the host's optimizer update overlaps
 /// the rest of it; the step's `OptimizerStep` only collects the updated parameters.
-pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8, offload: bool) -> Graph {
+///
+/// The step ends with every actor's optimizer update ([`super::optimizer::append_updates`]),
+/// preceded by the reductions `norms` asks for (clipping's global norm, LAMB's parameter norms).
+pub fn build_step(
+    layout: &Layout,
+    batch: usize,
+    orders: &[Vec<Slot>],
+    zero: u8,
+    offload: bool,
+    norms: StepNorms,
+) -> Graph {
     let PipelineShape { pp, m, .. } = layout.shape;
     let dp = layout.mesh.axis_size("dp");
     let mut graph = Graph::new(layout.mesh.size());
@@ -173,7 +185,6 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8,
     let last_chunk = layout.chunks.len() - 1;
     let last_segment = layout.segments.len() - 1;
     let splits_backward = orders.iter().flatten().any(|s| s.pass == Pass::W);
-    let dev = |k: usize| layout.device_of_segment(k);
     // Batches: the first chunk's device feeds the inputs, the last chunk's device the targets.
     for s in 0..pp {
         if s != layout.device_of_chunk(0) && s != layout.device_of_chunk(last_chunk) {
@@ -280,45 +291,8 @@ pub fn build_step(layout: &Layout, batch: usize, orders: &[Vec<Slot>], zero: u8,
                 hand_off(&mut graph, layout, last, s);
             }
         }
-        let held: Vec<&Bucket> = layout.segments.iter().filter(|b| dev(b.id) == s).collect();
-        let grads: Vec<String> = held.iter().map(|b| grad_name(b.id)).collect();
-        // With offload the gradients have left already; the step collects the host's results.
-        let grads: Vec<&str> = if offload {
-            Vec::new()
-        } else {
-            grads.iter().map(String::as_str).collect()
-        };
-        let op = ComputeOp::OptimizerStep {
-            start: held.first().map_or(0, |b| b.start),
-            end: held.last().map_or(0, |b| b.end),
-        };
-        // ZeRO-1/2 gather the updated parameters after the step; ZeRO-3 keeps them sharded.
-        let sharded = (1..=2).contains(&zero) && dp > 1;
-        let params: Vec<String> = held.iter().map(|b| param_name(b.id)).collect();
-        let outputs: Vec<&str> = if sharded {
-            params.iter().map(String::as_str).collect()
-        } else {
-            Vec::new()
-        };
-        for r in 0..dp {
-            graph.compute(layout.actor(r, s), op.clone(), &grads, &outputs);
-        }
-        if sharded {
-            let group = layout.mesh.group(layout.actor(0, s), "dp");
-            for b in &held {
-                graph.collective(CollectiveKind::AllGather, group.clone(), &param_name(b.id));
-            }
-            for b in &held {
-                let load = ComputeOp::LoadParams {
-                    start: b.start,
-                    end: b.end,
-                };
-                for r in 0..dp {
-                    graph.compute(layout.actor(r, s), load.clone(), &[&param_name(b.id)], &[]);
-                }
-            }
-        }
     }
+    super::optimizer::append_updates(&mut graph, layout, zero, offload, norms);
     graph
 }
 
@@ -331,11 +305,6 @@ fn hand_off(graph: &mut Graph, layout: &Layout, b: &Bucket, s: usize) {
     for r in 0..layout.mesh.axis_size("dp") {
         graph.compute(layout.actor(r, s), op.clone(), &[&grad_name(b.id)], &[]);
     }
-}
-
-/// Name of segment `k`'s gathered parameters (ZeRO).
-pub fn param_name(k: usize) -> String {
-    format!("param.{k}")
 }
 
 fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, s: usize, last: usize) {

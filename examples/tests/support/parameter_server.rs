@@ -13,7 +13,7 @@ pub fn config(workers: usize, staleness: u64, fault: Fault) -> PsConfig {
     PsConfig {
         model: ModelSpec::parse("mlp:in=16,hidden=32,layers=2,out=4").unwrap(),
         seed: 7,
-        optimizer: OptimizerSpec::Sgd { lr: 0.5 },
+        optimizer: OptimizerSpec::sgd(0.5),
         servers: 2,
         workers,
         local_batch: 8,

@@ -1,0 +1,339 @@
+//! The end of a training step: the optimizer update of every actor, with the reductions some
+//! updates need before anything changes, and ZeRO's all-gather of the updated parameters.
+//!
+//! Gradient clipping by the global norm (as `torch.nn.utils.clip_grad_norm_`; Pascanu et al.,
+//! ICML 2013) needs one number over every gradient of the model: each actor sums the squares of
+//! its share of its reduced buckets (`GradNorm`: its ZeRO shard of each bucket, so that replicas
+//! holding the same values count them once), and a one-value all-reduce over *every* actor
+//! (dp × pp) gives the total before any update. LAMB (You et al., ICLR 2020) needs per-parameter
+//! norms of the parameters and of their update directions: a parameter lives on one pipeline
+//! stage but may be split over that stage's dp group by ZeRO, so each actor writes its partial
+//! sums (`TrustNorms`) and an all-reduce over the dp group completes them. On one actor neither
+//! reduction exists (the identity) and the tensors go straight to `OptimizerStep`.
+//!
+//! Offload (ZeRO-Offload) hands buckets to the offload actor as soon as they are reduced, before
+//! any global norm could be known, so [`StepNorms`] that need a reduction are refused with it at
+//! compile time (deferring the offloaded update is left to issue 17).
+
+use crate::PlanError;
+use crate::graph::Graph;
+use crate::instruction::{CollectiveKind, ComputeOp};
+use crate::passes::data_parallel::{Bucket, grad_name};
+use crate::passes::pipeline::Layout;
+use crate::program::Program;
+
+/// The tensor holding the squared global gradient norm (one value), read by the update.
+pub const GRAD_SQUARES: &str = "gradsq";
+/// The tensor holding LAMB's per-parameter sums of squares (`‖p‖², ‖u‖²` per parameter of the
+/// stage, in the stage's parameter order), read by the update.
+pub const TRUST_SQUARES: &str = "trustsq";
+
+/// The reductions a step needs before its update.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepNorms {
+    /// Gradient clipping: the global gradient norm over every actor.
+    pub clip: bool,
+    /// LAMB: per-parameter norms over each stage's dp group.
+    pub trust: bool,
+}
+
+impl StepNorms {
+    /// What `program`'s optimizer needs.
+    pub fn of(program: &Program) -> StepNorms {
+        StepNorms {
+            clip: program.clip_grad_norm.is_some(),
+            trust: program.optimizer.needs_param_norms(),
+        }
+    }
+
+    /// True when no reduction precedes the update.
+    pub fn none(&self) -> bool {
+        !self.clip && !self.trust
+    }
+}
+
+/// Refuses an optimizer PyTorch would refuse, a schedule without an end, and clipping or LAMB
+/// together with offload (whose early update cannot wait for a global norm).
+pub fn check(program: &Program) -> Result<(), PlanError> {
+    program.optimizer.check().map_err(PlanError::Conflict)?;
+    program.lr_schedule.check().map_err(PlanError::Conflict)?;
+    if let Some(max) = program.clip_grad_norm
+        && !(max > 0.0 && max.is_finite())
+    {
+        return Err(PlanError::Conflict(format!(
+            "--clip-grad-norm {max}: the bound must be a finite number > 0"
+        )));
+    }
+    let norms = StepNorms::of(program);
+    if program.plan.offload.is_some() && !norms.none() {
+        let what = if norms.clip {
+            "--clip-grad-norm"
+        } else {
+            "--optimizer lamb"
+        };
+        return Err(PlanError::Conflict(format!(
+            "{what} needs a norm over whole gradients (clipping) or whole parameters (LAMB) before any \
+             update, but --offload {} updates each bucket on the host as soon as it is reduced; deferring \
+             that update until the norm is known is not built yet (issue 17): drop --offload, or {}",
+            program.plan.offload,
+            if norms.clip {
+                "drop --clip-grad-norm"
+            } else {
+                "use --optimizer adamw"
+            }
+        )));
+    }
+    Ok(())
+}
+
+/// Appends every actor's optimizer step to `graph`: the norms and their reductions (all actors'
+/// `GradNorm` before the one all-reduce over every actor, so no actor updates before the norm is
+/// known), then per pipeline device `TrustNorms` and its dp all-reduce, the update, and under
+/// ZeRO-1/2 the all-gather and load of the updated parameters.
+pub fn append_updates(graph: &mut Graph, layout: &Layout, zero: u8, offload: bool, norms: StepNorms) {
+    let pp = layout.shape.pp;
+    let dp = layout.mesh.axis_size("dp");
+    let held = |s: usize| -> Vec<&Bucket> {
+        layout
+            .segments
+            .iter()
+            .filter(|b| layout.device_of_segment(b.id) == s)
+            .collect()
+    };
+    let span = |buckets: &[&Bucket]| {
+        (
+            buckets.first().map_or(0, |b| b.start),
+            buckets.last().map_or(0, |b| b.end),
+        )
+    };
+    if norms.clip {
+        for s in 0..pp {
+            let buckets = held(s);
+            let grads: Vec<String> = buckets.iter().map(|b| grad_name(b.id)).collect();
+            let grads: Vec<&str> = grads.iter().map(String::as_str).collect();
+            let (start, end) = span(&buckets);
+            for r in 0..dp {
+                let op = ComputeOp::GradNorm { start, end };
+                graph.compute(layout.actor(r, s), op, &grads, &[GRAD_SQUARES]);
+            }
+        }
+        if layout.mesh.size() > 1 {
+            let everyone = (0..layout.mesh.size()).collect();
+            graph.collective(CollectiveKind::AllReduceSum, everyone, GRAD_SQUARES);
+        }
+    }
+    for s in 0..pp {
+        let buckets = held(s);
+        let (start, end) = span(&buckets);
+        let group = layout.mesh.group(layout.actor(0, s), "dp");
+        let names: Vec<String> = buckets.iter().map(|b| grad_name(b.id)).collect();
+        // With offload the gradients have left already; the step collects the host's results.
+        let mut inputs: Vec<&str> = if offload {
+            Vec::new()
+        } else {
+            names.iter().map(String::as_str).collect()
+        };
+        if norms.trust {
+            let mut trust_inputs = inputs.clone();
+            if norms.clip {
+                trust_inputs.push(GRAD_SQUARES);
+            }
+            for r in 0..dp {
+                let op = ComputeOp::TrustNorms { start, end };
+                graph.compute(layout.actor(r, s), op, &trust_inputs, &[TRUST_SQUARES]);
+            }
+            if dp > 1 {
+                graph.collective(CollectiveKind::AllReduceSum, group.clone(), TRUST_SQUARES);
+            }
+            inputs.push(TRUST_SQUARES);
+        } else if norms.clip {
+            inputs.push(GRAD_SQUARES);
+        }
+        // ZeRO-1/2 gather the updated parameters after the step; ZeRO-3 keeps them sharded.
+        let sharded = (1..=2).contains(&zero) && dp > 1;
+        let params: Vec<String> = buckets.iter().map(|b| param_name(b.id)).collect();
+        let outputs: Vec<&str> = if sharded {
+            params.iter().map(String::as_str).collect()
+        } else {
+            Vec::new()
+        };
+        let op = ComputeOp::OptimizerStep { start, end };
+        for r in 0..dp {
+            graph.compute(layout.actor(r, s), op.clone(), &inputs, &outputs);
+        }
+        if sharded {
+            for b in &buckets {
+                graph.collective(CollectiveKind::AllGather, group.clone(), &param_name(b.id));
+            }
+            for b in &buckets {
+                let load = ComputeOp::LoadParams {
+                    start: b.start,
+                    end: b.end,
+                };
+                for r in 0..dp {
+                    graph.compute(layout.actor(r, s), load.clone(), &[&param_name(b.id)], &[]);
+                }
+            }
+        }
+    }
+}
+
+/// Name of segment `k`'s gathered parameters (ZeRO).
+pub fn param_name(k: usize) -> String {
+    format!("param.{k}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::instruction::Instruction;
+    use crate::{ModelSpec, ParallelPlan, compile};
+
+    fn streams(plan: ParallelPlan, clip: bool, lamb: bool) -> Vec<Vec<Instruction>> {
+        let mut program = Program::new(ModelSpec::parse("mlp:in=8,hidden=16,layers=4,out=3").unwrap())
+            .with_plan(plan)
+            .with_clip_grad_norm(clip.then_some(1.0));
+        if lamb {
+            program.optimizer = crate::OptimizerSpec::lamb(1e-3);
+        }
+        compile(&program)
+            .unwrap()
+            .actors
+            .into_iter()
+            .map(|a| a.stream.instructions)
+            .collect()
+    }
+
+    fn position(stream: &[Instruction], what: &dyn Fn(&Instruction) -> bool) -> Option<usize> {
+        stream.iter().position(what)
+    }
+
+    fn is_compute(name: &'static str) -> impl Fn(&Instruction) -> bool {
+        move |i| matches!(i, Instruction::Compute { op, .. } if op.to_string().starts_with(name))
+    }
+
+    /// dp = 2 × pp = 2 with clipping: every actor sums its squares, joins one all-reduce over all
+    /// four actors, and updates only after waiting for it.
+    #[test]
+    fn clipping_reduces_the_norm_over_every_actor_before_any_update() {
+        let plan = ParallelPlan {
+            dp: 2,
+            pp: 2,
+            microbatches: 2,
+            batch: 8,
+            bucket_bytes: 256,
+            ..ParallelPlan::default()
+        };
+        for stream in streams(plan, true, false) {
+            let norm = position(&stream, &is_compute("GradNorm")).expect("GradNorm");
+            let reduce = position(&stream, &|i| {
+                matches!(i, Instruction::StartCollective { tensor, group, .. }
+                    if tensor == GRAD_SQUARES && group == &vec![0, 1, 2, 3])
+            })
+            .expect("the all-actor all-reduce");
+            let wait = position(
+                &stream,
+                &|i| matches!(i, Instruction::WaitCollective { tensor, .. } if tensor == GRAD_SQUARES),
+            )
+            .expect("its wait");
+            let update = position(&stream, &is_compute("OptimizerStep")).expect("OptimizerStep");
+            assert!(norm < reduce && reduce < wait && wait < update, "{stream:#?}");
+            let Instruction::Compute { inputs, .. } = &stream[update] else {
+                unreachable!()
+            };
+            assert_eq!(inputs.last().map(String::as_str), Some(GRAD_SQUARES));
+            assert!(position(&stream, &is_compute("TrustNorms")).is_none());
+        }
+    }
+
+    /// LAMB under ZeRO-3 × dp = 2: the per-parameter sums are all-reduced over the dp group
+    /// (where the shards of a parameter live) before the update; with clipping the global norm
+    /// comes first. On one actor there is no collective at all.
+    #[test]
+    fn lamb_reduces_its_norms_over_the_dp_group() {
+        let plan = ParallelPlan {
+            dp: 2,
+            zero: 3,
+            batch: 8,
+            bucket_bytes: 256,
+            ..ParallelPlan::default()
+        };
+        for stream in streams(plan, true, true) {
+            let clip = position(
+                &stream,
+                &|i| matches!(i, Instruction::WaitCollective { tensor, .. } if tensor == GRAD_SQUARES),
+            )
+            .unwrap();
+            let trust = position(&stream, &is_compute("TrustNorms")).unwrap();
+            let reduce = position(&stream, &|i| {
+                matches!(i, Instruction::StartCollective { tensor, group, .. }
+                    if tensor == TRUST_SQUARES && group.len() == 2)
+            })
+            .unwrap();
+            let update = position(&stream, &is_compute("OptimizerStep")).unwrap();
+            assert!(clip < trust && trust < reduce && reduce < update);
+        }
+        let single = streams(ParallelPlan::default(), true, true);
+        let stream = &single[0];
+        assert!(
+            !stream
+                .iter()
+                .any(|i| matches!(i, Instruction::StartCollective { .. }))
+        );
+        let norm = position(stream, &is_compute("GradNorm")).unwrap();
+        let trust = position(stream, &is_compute("TrustNorms")).unwrap();
+        assert!(norm < trust && trust < position(stream, &is_compute("OptimizerStep")).unwrap());
+    }
+
+    /// Negative control: without clipping or LAMB the step has no norm instructions and no
+    /// extra collective (the streams the equivalence suite has always run).
+    #[test]
+    fn plain_updates_need_no_reduction() {
+        let plan = ParallelPlan {
+            dp: 2,
+            batch: 8,
+            ..ParallelPlan::default()
+        };
+        for stream in streams(plan, false, false) {
+            assert!(position(&stream, &is_compute("GradNorm")).is_none());
+            assert!(
+                !stream.iter().any(
+                    |i| matches!(i, Instruction::StartCollective { tensor, .. } if tensor == GRAD_SQUARES)
+                )
+            );
+        }
+    }
+
+    /// Offload updates each bucket on the host as soon as it is reduced, before a global norm
+    /// exists: clipping and LAMB are refused with it, naming the flags; without offload they
+    /// compile.
+    #[test]
+    fn clipping_and_lamb_are_refused_with_offload() {
+        let model = ModelSpec::parse("mlp:in=8,hidden=16,layers=4,out=3").unwrap();
+        let offloaded = ParallelPlan {
+            offload: crate::Offload::Cpu,
+            batch: 8,
+            ..ParallelPlan::default()
+        };
+        let clip = Program::new(model.clone())
+            .with_plan(offloaded.clone())
+            .with_clip_grad_norm(Some(1.0));
+        let err = compile(&clip).unwrap_err().to_string();
+        assert!(
+            err.contains("--clip-grad-norm needs") && err.contains("drop --offload"),
+            "{err}"
+        );
+        let lamb = Program::new(model.clone())
+            .with_plan(offloaded)
+            .with_optimizer(crate::OptimizerSpec::lamb(1e-3));
+        let err = compile(&lamb).unwrap_err().to_string();
+        assert!(err.contains("--optimizer lamb needs"), "{err}");
+        let bad = Program::new(model).with_clip_grad_norm(Some(0.0));
+        assert!(
+            compile(&bad)
+                .unwrap_err()
+                .to_string()
+                .contains("must be a finite number > 0")
+        );
+    }
+}
