@@ -222,7 +222,18 @@ pub fn verify(dir: &Path) -> Result<Manifest, String> {
         serde_json::from_slice(&text).map_err(|e| format!("unreadable manifest {}: {e}", path.display()))?;
     for f in &manifest.files {
         let path = dir.join(&f.file);
-        let mut bytes = Vec::with_capacity(f.bytes as usize);
+        // The manifest is input: its sizes are checked against the file before anything is read.
+        let on_disk = std::fs::metadata(&path)
+            .map_err(|e| format!("shard {} unreadable: {e}", path.display()))?
+            .len();
+        if on_disk != f.bytes {
+            return Err(format!(
+                "shard {} has {on_disk} bytes, the manifest says {}",
+                path.display(),
+                f.bytes
+            ));
+        }
+        let mut bytes = Vec::new();
         File::open(&path)
             .and_then(|mut file| file.read_to_end(&mut bytes))
             .map_err(|e| format!("shard {} unreadable: {e}", path.display()))?;
@@ -405,6 +416,27 @@ mod tests {
             layout: serde_json::Value::Null,
             files,
         }
+    }
+
+    /// A manifest is input: a file size it claims (1 PiB here) is checked against the file
+    /// before anything is allocated or read.
+    #[test]
+    fn an_absurd_manifest_size_is_refused_before_reading() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = step_dir(root.path(), 1);
+        let state = ShardState {
+            steps: 1,
+            pieces: vec![piece(0, 0..4, 1.0)],
+        };
+        let mut file = write_shard(&dir, 0, &state).unwrap();
+        let real = file.bytes;
+        file.bytes = 1 << 50;
+        write_manifest(&dir, &manifest(vec![file], 1)).unwrap();
+        let error = verify(&dir).unwrap_err();
+        assert!(
+            error.contains(&format!("has {real} bytes, the manifest says {}", 1u64 << 50)),
+            "{error}"
+        );
     }
 
     /// SGD's momentum is one state value per parameter: written as `m` alone, read back, and

@@ -1,8 +1,8 @@
 //! The fabric between hosts: actors of this host exchange tensors through in-process mailboxes;
 //! a tensor for an actor on another host goes out on one long-lived gRPC stream per peer host
 //! (`Fabric.Push`), as raw little-endian f32 bytes in chunks of at most [`CHUNK_BYTES`], and the
-//! receiving host assembles it into a buffer allocated on its first chunk and drops it into the
-//! receiver's mailbox. Collectives and the executor see the same [`Fabric`] trait either way.
+//! receiving host assembles it (chunks in order, once each, the buffer growing with what arrives:
+//! [`assembly`](super::assembly)) and drops it into the receiver's mailbox. Collectives and the executor see the same [`Fabric`] trait either way.
 //!
 //! Every call carries the job token (`authorization: Bearer …`); a peer without it is refused.
 
@@ -117,52 +117,22 @@ struct PushService {
     inbox: Inbox,
 }
 
-/// A tensor being assembled from its chunks.
-struct Partial {
-    shape: Vec<usize>,
-    data: Vec<f32>,
-    filled: usize,
-}
-
 #[tonic::async_trait]
 impl FabricService for PushService {
     async fn push(&self, request: Request<Streaming<TensorChunk>>) -> Result<Response<PushReply>, Status> {
         let mut stream = request.into_inner();
-        let mut partial: HashMap<(u32, u32, u64, u64), Partial> = HashMap::new();
+        let mut assembler = super::assembly::Assembler::default();
         let mut tensors = 0;
         while let Some(chunk) = stream.next().await {
             let chunk = chunk?;
-            let key = (chunk.from, chunk.to, chunk.edge, chunk.seq);
-            let entry = partial.entry(key).or_insert_with(|| {
-                let shape: Vec<usize> = chunk.shape.iter().map(|&d| d as usize).collect();
-                let len = shape.iter().product();
-                Partial {
-                    shape,
-                    data: vec![0.0; len],
-                    filled: 0,
-                }
-            });
-            let values = chunk.data.len() / 4;
-            let at = chunk.offset as usize;
-            let Some(into) = entry.data.get_mut(at..at + values) else {
-                return Err(Status::invalid_argument(format!(
-                    "chunk at {at} of {values} values outside a tensor of {}",
-                    entry.data.len()
-                )));
+            let Some(((from, to, edge, seq), tensor)) =
+                assembler.take(&chunk).map_err(Status::invalid_argument)?
+            else {
+                continue;
             };
-            bytemuck::cast_slice_mut::<f32, u8>(into).copy_from_slice(&chunk.data[..values * 4]);
-            entry.filled += values;
-            if entry.filled == entry.data.len() {
-                let done = partial.remove(&key).expect("present");
-                let tag = Tag {
-                    edge: chunk.edge,
-                    seq: chunk.seq,
-                };
-                let tensor = HostTensor::new(done.shape, done.data);
-                self.inbox
-                    .deliver(chunk.from as ActorId, chunk.to as ActorId, tag, tensor)?;
-                tensors += 1;
-            }
+            let tag = Tag { edge, seq };
+            self.inbox.deliver(from as ActorId, to as ActorId, tag, tensor)?;
+            tensors += 1;
         }
         Ok(Response::new(PushReply { tensors }))
     }

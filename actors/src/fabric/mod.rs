@@ -4,6 +4,7 @@
 //! an actor on another host is the implementation's business. Messages are matched by
 //! `(sender, tag)`, so independent edges never block each other.
 
+pub mod assembly;
 pub mod grpc;
 mod in_process;
 mod link_bytes;

@@ -23,6 +23,8 @@ use crate::host_tensor::HostTensor;
 const MAGIC: &[u8; 8] = b"ARCHTCP1";
 /// Largest tensor rank a frame may carry (a guard against garbage).
 const MAX_RANK: u32 = 8;
+/// Elements read into a growing tensor buffer at a time (4 MiB).
+const READ_CHUNK_ELEMENTS: usize = 1 << 20;
 
 /// Serves this host's raw-TCP fabric on `listener`, delivering into `inbox`; returns its address.
 /// Each connection gets its own reader thread.
@@ -113,8 +115,15 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(ActorId, ActorId, Ta
     let shape = (0..rank)
         .map(|_| read_u64(r).map(|d| d as usize))
         .collect::<std::io::Result<Vec<usize>>>()?;
-    let mut data = vec![0.0f32; shape.iter().product()];
-    r.read_exact(bytemuck::cast_slice_mut(&mut data))?;
+    let len = super::assembly::announced_elements(&shape).map_err(std::io::Error::other)?;
+    // The buffer grows with the bytes that arrive: announcing a huge tensor costs only what is
+    // sent.
+    let mut data: Vec<f32> = Vec::new();
+    while data.len() < len {
+        let start = data.len();
+        data.resize(start + (len - start).min(READ_CHUNK_ELEMENTS), 0.0);
+        r.read_exact(bytemuck::cast_slice_mut(&mut data[start..]))?;
+    }
     Ok(Some((from, to, tag, HostTensor::new(shape, data))))
 }
 
@@ -220,6 +229,50 @@ impl Link for TcpLink {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// The header of a frame from actor 0 to 1 announcing `shape`, then `payload`.
+    fn frame_bytes(shape: &[u64], payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&1u32.to_le_bytes());
+        out.extend_from_slice(&[0; 16]);
+        out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+        for d in shape {
+            out.extend_from_slice(&d.to_le_bytes());
+        }
+        out.extend_from_slice(payload);
+        out
+    }
+
+    #[test]
+    fn a_frame_announcing_a_huge_or_overflowing_tensor_is_refused_without_allocating_it() {
+        // 1 TiB announced, 8 bytes sent: refused at the limit, nothing near 1 TiB allocated.
+        let huge = frame_bytes(&[1 << 38], &[0; 8]);
+        let error = read_frame(&mut &huge[..]).unwrap_err().to_string();
+        assert!(error.contains("over the limit"), "{error}");
+        let overflow = frame_bytes(&[u64::MAX, 3], &[]);
+        let error = read_frame(&mut &overflow[..]).unwrap_err().to_string();
+        assert!(error.contains("overflows"), "{error}");
+        // Within the limit (8 GiB announced), a truncated stream fails after what was sent.
+        let truncated = frame_bytes(&[1 << 31], &[0; 64]);
+        assert!(read_frame(&mut &truncated[..]).is_err());
+        // An honest frame still reads exactly.
+        let values = [1.5f32, -2.0, 3.25];
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let honest = frame_bytes(&[3], &bytes);
+        let (_, _, _, tensor) = read_frame(&mut &honest[..]).unwrap().unwrap();
+        assert_eq!(tensor.data.to_vec(), values.to_vec());
+    }
+
+    proptest::proptest! {
+        /// Arbitrary bytes on the wire: the decoder returns a frame, the end, or an error;
+        /// never a panic.
+        #[test]
+        fn arbitrary_bytes_never_panic_the_frame_reader(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256)) {
+            let mut input = &bytes[..];
+            while let Ok(Some(_)) = read_frame(&mut input) {}
+        }
+    }
 
     /// Two hosts with two actors each over raw TCP: a ring all-reduce across them sums
     /// correctly; a connection with a wrong token delivers nothing.

@@ -323,4 +323,20 @@ mod tests {
             Err(WireError::Codec(_))
         ));
     }
+
+    proptest::proptest! {
+        /// Arbitrary bytes from the network: frames, the end or an error, never a panic, and
+        /// never more allocated than the length limit allows.
+        #[test]
+        fn arbitrary_bytes_never_panic_the_frame_reader(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)
+        ) {
+            let executor = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            executor.block_on(async {
+                let mut input = &bytes[..];
+                let mut scratch = Vec::new();
+                while let Ok(Some(_)) = read_frame_with(&mut input, &mut scratch).await {}
+            });
+        }
+    }
 }

@@ -1,0 +1,183 @@
+//! Hostile-input rules shared by the fabrics' receivers: how many elements a tensor a peer
+//! announces may have (its shape's product, overflow-checked and bounded), and the assembly of a
+//! tensor from gRPC chunks, which must arrive in order, once each, inside the announced tensor —
+//! its buffer grows with the bytes that actually arrive, so a peer announcing a huge tensor
+//! costs only what it sends.
+
+use std::collections::HashMap;
+
+use crate::host_tensor::HostTensor;
+use crate::proto::TensorChunk;
+
+/// The most elements of one tensor a peer may announce (16 GiB of f32).
+pub const MAX_TENSOR_ELEMENTS: usize = 1 << 32;
+
+/// The number of elements of `shape`, or why a peer may not send it.
+pub fn announced_elements(shape: &[usize]) -> Result<usize, String> {
+    let len = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| format!("a tensor of shape {shape:?} overflows"))?;
+    if len > MAX_TENSOR_ELEMENTS {
+        return Err(format!(
+            "a tensor of shape {shape:?} has {len} elements, over the limit of {MAX_TENSOR_ELEMENTS}"
+        ));
+    }
+    Ok(len)
+}
+
+/// A tensor being assembled: its shape, its elements so far, and how many it will have.
+struct Partial {
+    shape: Vec<usize>,
+    data: Vec<f32>,
+    len: usize,
+}
+
+/// Key of a tensor in flight: (from, to, edge, seq).
+pub type ChunkKey = (u32, u32, u64, u64);
+
+/// Assembles the tensors of one gRPC stream from their chunks.
+#[derive(Default)]
+pub struct Assembler {
+    partial: HashMap<ChunkKey, Partial>,
+}
+
+impl Assembler {
+    /// Takes one chunk; returns the tensor it completes, if any, or why the stream is refused
+    /// (a repeated, overlapping, out-of-order or out-of-range chunk, a changed shape, a payload
+    /// that is not whole f32s, or an announced tensor over the limit).
+    pub fn take(&mut self, chunk: &TensorChunk) -> Result<Option<(ChunkKey, HostTensor)>, String> {
+        let key = (chunk.from, chunk.to, chunk.edge, chunk.seq);
+        let shape: Vec<usize> = chunk.shape.iter().map(|&d| d as usize).collect();
+        if !chunk.data.len().is_multiple_of(4) {
+            return Err(format!(
+                "a chunk of {} bytes is not whole f32 values",
+                chunk.data.len()
+            ));
+        }
+        let entry = match self.partial.entry(key) {
+            std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::hash_map::Entry::Vacant(entry) => {
+                let len = announced_elements(&shape)?;
+                entry.insert(Partial {
+                    shape: shape.clone(),
+                    data: Vec::new(),
+                    len,
+                })
+            }
+        };
+        if entry.shape != shape {
+            return Err(format!(
+                "a chunk of shape {shape:?} for a tensor announced as {:?}",
+                entry.shape
+            ));
+        }
+        let values = chunk.data.len() / 4;
+        let at = usize::try_from(chunk.offset).unwrap_or(usize::MAX);
+        if at != entry.data.len() {
+            return Err(format!(
+                "a chunk at element {at} where {} of {} were filled: repeated, overlapping or out-of-order chunks are refused",
+                entry.data.len(),
+                entry.len
+            ));
+        }
+        if values > entry.len - entry.data.len() {
+            return Err(format!(
+                "a chunk of {values} values at {at} runs past a tensor of {}",
+                entry.len
+            ));
+        }
+        entry.data.extend(
+            chunk
+                .data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        );
+        if entry.data.len() < entry.len {
+            return Ok(None);
+        }
+        let done = self.partial.remove(&key).expect("present");
+        Ok(Some((key, HostTensor::new(done.shape, done.data))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn chunk(shape: &[u64], offset: u64, values: &[f32]) -> TensorChunk {
+        TensorChunk {
+            from: 0,
+            to: 1,
+            edge: 7,
+            seq: 0,
+            shape: shape.to_vec(),
+            offset,
+            data: values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>()
+                .into(),
+        }
+    }
+
+    #[test]
+    fn chunks_in_order_assemble_exactly_and_a_repeat_is_refused() {
+        let mut assembler = Assembler::default();
+        assert!(assembler.take(&chunk(&[2, 2], 0, &[1.0, 2.0])).unwrap().is_none());
+        let (_, tensor) = assembler.take(&chunk(&[2, 2], 2, &[3.0, 4.0])).unwrap().unwrap();
+        assert_eq!(tensor.data.to_vec(), vec![1.0, 2.0, 3.0, 4.0]);
+
+        // The same first chunk twice must not count twice toward the fill (a tensor with holes).
+        let mut assembler = Assembler::default();
+        assembler.take(&chunk(&[4], 0, &[1.0, 2.0])).unwrap();
+        let error = assembler.take(&chunk(&[4], 0, &[1.0, 2.0])).unwrap_err();
+        assert!(error.contains("repeated"), "{error}");
+        let mut assembler = Assembler::default();
+        let error = assembler.take(&chunk(&[4], 2, &[3.0, 4.0])).unwrap_err();
+        assert!(error.contains("out-of-order"), "{error}");
+        let error = Assembler::default()
+            .take(&chunk(&[2], 0, &[1.0, 2.0, 3.0]))
+            .unwrap_err();
+        assert!(error.contains("runs past"), "{error}");
+    }
+
+    #[test]
+    fn a_huge_or_overflowing_announcement_is_refused_or_costs_only_what_arrives() {
+        // 1 TiB announced: refused before anything is allocated.
+        let error = Assembler::default()
+            .take(&chunk(&[1 << 38], 0, &[1.0]))
+            .unwrap_err();
+        assert!(error.contains("over the limit"), "{error}");
+        let error = Assembler::default()
+            .take(&chunk(&[u64::MAX, 2], 0, &[1.0]))
+            .unwrap_err();
+        assert!(error.contains("overflows"), "{error}");
+        // Within the limit, a first chunk allocates only its own values.
+        let mut assembler = Assembler::default();
+        assembler.take(&chunk(&[1 << 31], 0, &[1.0; 4])).unwrap();
+        assert!(assembler.partial.values().all(|p| p.data.capacity() < 1 << 10));
+    }
+
+    proptest! {
+        /// Any sequence of chunks: no panic, and every tensor delivered is whole.
+        #[test]
+        fn any_chunks_never_panic_and_deliver_only_whole_tensors(
+            chunks in proptest::collection::vec(
+                (proptest::collection::vec(0u64..6, 0..3), 0u64..12, proptest::collection::vec(any::<u8>(), 0..40)),
+                0..24,
+            )
+        ) {
+            let mut assembler = Assembler::default();
+            for (shape, offset, data) in chunks {
+                let chunk = TensorChunk { from: 0, to: 1, edge: 0, seq: 0, shape, offset, data: data.into() };
+                if let Ok(Some((_, tensor))) = assembler.take(&chunk) {
+                    let want: usize = tensor.shape.iter().product();
+                    prop_assert_eq!(tensor.data.len(), want);
+                }
+            }
+        }
+    }
+}
