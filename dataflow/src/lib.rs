@@ -54,7 +54,7 @@ pub use mesh::Mesh;
 pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
 pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
-pub use program::{Offload, ParallelPlan, Program};
+pub use program::{Offload, ParallelPlan, Program, TestFault};
 
 /// Index of an actor in a plan: its rank in the mesh.
 pub type ActorId = usize;

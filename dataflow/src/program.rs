@@ -159,6 +159,27 @@ pub struct Program {
     /// island. A dp group spanning islands all-reduces hierarchically.
     #[serde(default)]
     pub islands: Vec<String>,
+    /// Test hook, not an option: a fault the trainer injects so that the equivalence tests can
+    /// show their comparison catches it. `None` (always, outside those tests) costs nothing.
+    #[doc(hidden)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_fault: Option<TestFault>,
+}
+
+/// Test hook: a training fault for the equivalence suite's negative controls (see
+/// `integration-tests/tests/sgd_matrix.rs`). Never set outside tests.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TestFault {
+    /// One gradient all-reduce (the first bucket updated in the first step) is skipped: every
+    /// replica updates that bucket with its own gradient.
+    SkipAllReduce,
+    /// Replica 1's gradient is dropped: it contributes zeros to every all-reduce.
+    DropReplicaGrad,
+    /// The micro-batches' gradients are averaged where the code sums them.
+    AverageMicrobatches,
+    /// A ZeRO shard is updated with the gradient one element off its offset.
+    ShiftZeroShard,
 }
 
 impl Program {
@@ -183,6 +204,7 @@ impl Program {
             seed: 0,
             devices: Vec::new(),
             islands: Vec::new(),
+            test_fault: None,
         }
     }
 
@@ -199,6 +221,7 @@ impl Program {
             seed: 0,
             devices: Vec::new(),
             islands: Vec::new(),
+            test_fault: None,
         }
     }
 

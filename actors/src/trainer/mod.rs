@@ -18,7 +18,8 @@
 //! The parts: `data.rs` (batches), `passes.rs` (forward, loss, backward, gradient buckets),
 //! `zero.rs` (the optimizer step, ZeRO shards and parameter loading), `norms.rs` (clipping's
 //! global norm, LAMB's parameter norms, the parameter groups), `offload.rs` (handing gradients
-//! to the offload actor and taking its updated parameters back).
+//! to the offload actor and taking its updated parameters back), `fault.rs` (a test hook: the
+//! faults of the equivalence suite's negative controls).
 
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
@@ -36,11 +37,13 @@ use crate::optim::FlatOptimizer;
 use crate::zoo::{BuildContext, ModelBuilder};
 
 use data::{Batch, Samples, samples};
+use fault::FaultHook;
 use norms::{StageParams, UpdateState};
 pub use zero::Sharding;
 
 mod checkpoint;
 mod data;
+mod fault;
 mod norms;
 mod offload;
 mod passes;
@@ -131,6 +134,8 @@ pub struct Trainer<B: AutodiffBackend> {
     /// Move each gradient bucket off the device and each block's parameters onto it in one
     /// transfer (GPUs; see `read_flat` and `Block::load_params`).
     batched_transfers: bool,
+    /// Test hook: the fault the program names (`None` but in the equivalence suite's controls).
+    fault: Option<FaultHook>,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -294,6 +299,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             handed_off: Vec::new(),
             steps_done: 0,
             batched_transfers: false,
+            fault: FaultHook::new(program.test_fault, placement.replica, program.plan.microbatches),
         })
     }
 

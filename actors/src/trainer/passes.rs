@@ -174,6 +174,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         // On a GPU one device-to-host read for the whole bucket (see `read_flat`).
         let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
         read_flat(parts, &mut flat, !first, self.batched_transfers);
+        if let Some(fault) = &mut self.fault {
+            fault.on_bucket(grad_name, &mut flat);
+        }
         table.insert(grad_name.to_string(), HostTensor::flat(flat));
         self.grad_ranges.insert(grad_name.to_string(), blocks);
         let held: u64 = self

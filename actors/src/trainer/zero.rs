@@ -157,7 +157,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             if name == GRAD_SQUARES || name == TRUST_SQUARES {
                 continue; // read by begin_update and take_trust_norms
             }
-            let (grad, blocks) = self.take_bucket(name, table)?;
+            let (mut grad, blocks) = self.take_bucket(name, table)?;
+            if let Some(fault) = &mut self.fault {
+                grad = fault.on_update(name, grad);
+            }
             let range = self.offsets[blocks.start]..self.offsets[blocks.end];
             if self.sharding.zero == 0 {
                 self.optimizer
@@ -170,6 +173,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                 } = self.sharding.segment(blocks.start)?.clone();
                 let own = range.start + shard.start..range.start + shard.end;
                 let grads = bucket_or_shard(name, &grad.data, range.len(), &shard)?;
+                let shifted = self.fault.as_ref().and_then(|f| f.shard_gradient(grads));
+                let grads = shifted.as_deref().unwrap_or(grads);
                 if self.sharding.zero >= 3 {
                     // The master copy is the shard itself; it stays sharded until the next gather.
                     let at = state..state + shard.len();

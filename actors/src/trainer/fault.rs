@@ -1,0 +1,74 @@
+//! Test hook: the faults the equivalence suite injects to show that its element-wise comparison
+//! catches them (`Program::test_fault`; see `integration-tests/tests/sgd_matrix.rs`). Built only
+//! when a program names a fault: the normal path holds `None` and never calls in here.
+
+use std::collections::HashMap;
+
+use archipelago_dataflow::TestFault;
+
+use crate::host_tensor::HostTensor;
+
+/// The fault in force on one actor, and what it needs to inject it.
+pub(super) struct FaultHook {
+    fault: TestFault,
+    /// This actor's position in its dp group.
+    replica: usize,
+    /// Micro-batches per step.
+    microbatches: usize,
+    /// `SkipAllReduce`: each bucket as this actor computed it, before the all-reduce.
+    local: HashMap<String, Vec<f32>>,
+    /// `SkipAllReduce`: the one all-reduce has been skipped.
+    skipped: bool,
+}
+
+impl FaultHook {
+    pub(super) fn new(fault: Option<TestFault>, replica: usize, microbatches: usize) -> Option<FaultHook> {
+        fault.map(|fault| FaultHook {
+            fault,
+            replica,
+            microbatches,
+            local: HashMap::new(),
+            skipped: false,
+        })
+    }
+
+    /// A bucket as the backward left it, before any collective reads it.
+    pub(super) fn on_bucket(&mut self, name: &str, flat: &mut [f32]) {
+        match self.fault {
+            TestFault::DropReplicaGrad if self.replica == 1 => flat.fill(0.0),
+            TestFault::SkipAllReduce if !self.skipped => {
+                self.local.insert(name.to_string(), flat.to_vec());
+            }
+            _ => {}
+        }
+    }
+
+    /// The gradient the optimizer step is about to apply for bucket `name`.
+    pub(super) fn on_update(&mut self, name: &str, grad: HostTensor) -> HostTensor {
+        match self.fault {
+            // The first bucket updated in the first step, only: one all-reduce skipped.
+            TestFault::SkipAllReduce if !self.skipped => match self.local.remove(name) {
+                Some(local) => {
+                    self.skipped = true;
+                    self.local.clear();
+                    HostTensor::flat(local)
+                }
+                None => grad,
+            },
+            TestFault::AverageMicrobatches => {
+                let scale = 1.0 / self.microbatches as f32;
+                HostTensor::flat(grad.data.iter().map(|g| g * scale).collect())
+            }
+            _ => grad,
+        }
+    }
+
+    /// A ZeRO shard's gradient, read one element off (when that is the fault).
+    pub(super) fn shard_gradient(&self, grads: &[f32]) -> Option<Vec<f32>> {
+        (self.fault == TestFault::ShiftZeroShard).then(|| {
+            let mut shifted = grads.to_vec();
+            shifted.rotate_left(1);
+            shifted
+        })
+    }
+}
