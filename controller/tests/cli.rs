@@ -1,5 +1,6 @@
-//! The `archipelago` binary: `plan` and `train` refuse bad input with a fix, `plan` prints the
-//! streams without starting actors, and `train` writes the report's stable keys.
+//! The `archipelago` binary: `plan`, `train`, `controller` and `host` refuse bad input with a fix
+//! (every refusal listed in issue 19 pinned), `plan` prints the streams without starting actors,
+//! and `train` writes the report's stable keys.
 
 use std::process::Command;
 
@@ -380,4 +381,87 @@ fn optimizer_flags_train_and_refuse_conflicts() {
         );
         assert!(!ok && text.contains(needle), "{flags:?}: {text}");
     }
+}
+
+// Every refusal of bad input made before any actor starts (issue 19's list: `--zero 4`,
+// `--offload-params` without `--zero 3`, `--dp 0`, a missing or empty token file, `--resume` with
+// no checkpoint or another model's): each exits non-zero naming what to change.
+
+fn refused(args: &[&str], needles: &[&str]) {
+    let (ok, text) = archipelago(args);
+    assert!(!ok, "{args:?} was accepted: {text}");
+    for needle in needles {
+        assert!(text.contains(needle), "{args:?}: `{needle}` not in: {text}");
+    }
+}
+
+#[test]
+fn plan_flags_that_cannot_work_are_refused_naming_the_fix() {
+    for command in ["plan", "train"] {
+        refused(
+            &[command, "--model", "mlp-8x1024", "--dp", "2", "--zero", "4"],
+            &["--zero 4", "0, 1, 2 and 3"],
+        );
+        refused(
+            &[command, "--model", "mlp-8x1024", "--dp", "2", "--offload-params"],
+            &["--offload-params", "needs --zero 3", "--offload cpu or nvme:DIR"],
+        );
+        refused(
+            &[command, "--model", "mlp-8x1024", "--dp", "0"],
+            &["--dp must be at least 1"],
+        );
+    }
+}
+
+#[test]
+fn a_missing_or_empty_token_file_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "").unwrap();
+    for (file, needle) in [(&missing, "cannot read the token file"), (&empty, "is empty")] {
+        let file = file.to_str().unwrap();
+        refused(
+            &["controller", "--listen", "127.0.0.1:0", "--token-file", file],
+            &[needle, file],
+        );
+        refused(
+            &["host", "--controller", "127.0.0.1:9", "--token-file", file],
+            &[needle],
+        );
+    }
+}
+
+#[test]
+fn resuming_without_a_checkpoint_or_from_another_models_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_str().unwrap();
+    refused(
+        &["train", "--model", "mlp-8x1024", "--steps", "1", "--resume", root],
+        &["no complete checkpoint under", root],
+    );
+    // A checkpoint of one model, then a resume of another from it.
+    let small = "mlp:in=8,hidden=16,layers=2,out=4";
+    let (ok, text) = archipelago(&[
+        "train",
+        "--model",
+        small,
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        root,
+    ]);
+    assert!(ok, "{text}");
+    refused(
+        &[
+            "train",
+            "--model",
+            "mlp:in=8,hidden=32,layers=2,out=4",
+            "--steps",
+            "3",
+            "--resume",
+            root,
+        ],
+        &["is of model", small],
+    );
 }
