@@ -487,6 +487,17 @@ impl RuntimeHandle {
         mesh: Mesh,
         params: impl Fn(&[usize]) -> A::Params,
     ) -> Pending<Result<ActorMesh<A>, SpawnError>> {
+        self.spawn_mesh_with(mesh, params, |_| SpawnOptions::default())
+    }
+
+    /// [`spawn_mesh`](Self::spawn_mesh) with each member's name and restart budget from
+    /// `options(coords)`.
+    pub fn spawn_mesh_with<A: Actor>(
+        &self,
+        mesh: Mesh,
+        params: impl Fn(&[usize]) -> A::Params,
+        options: impl Fn(&[usize]) -> SpawnOptions,
+    ) -> Pending<Result<ActorMesh<A>, SpawnError>> {
         let driver = self.inner.driver.clone();
         let devices = self.devices();
         if mesh.size() > devices.len() {
@@ -498,7 +509,10 @@ impl RuntimeHandle {
             return Pending::new(std::future::ready(Err(error)), driver);
         }
         let spawns: Vec<_> = (0..mesh.size())
-            .map(|rank| self.spawn_at::<A>(rank, params(&mesh.coords(rank)), SpawnOptions::default()))
+            .map(|rank| {
+                let coords = mesh.coords(rank);
+                self.spawn_at::<A>(rank, params(&coords), options(&coords))
+            })
             .collect();
         Pending::new(
             async move {

@@ -266,6 +266,21 @@ fn meshes_call_every_member_at_once() {
         dp_group,
         vec![actors.members()[1].info().id, actors.members()[3].info().id]
     );
+
+    // Members named by their coordinates, each with a restart budget of one.
+    let mesh = Mesh::new(&[("dp", 2)]).unwrap();
+    let named = rt
+        .spawn_mesh_with::<Counter>(
+            mesh,
+            |_| vec![7],
+            |c| SpawnOptions::named(format!("worker-{}", c[0])).restarts(1),
+        )
+        .get()
+        .unwrap();
+    let names: Vec<_> = named.members().iter().map(|a| a.info().name.clone()).collect();
+    assert_eq!(names, ["worker-0", "worker-1"]);
+    assert!(named.at(&[1]).call(Boom).get().is_err());
+    assert_eq!(named.at(&[1]).call(Log).get().unwrap(), (vec![7], 1));
 }
 
 /// Makes tensors and keeps them; sums tensors it is given a reference (or a future of one) to.
