@@ -12,6 +12,11 @@ use crate::proto::TensorChunk;
 /// The most elements of one tensor a peer may announce (16 GiB of f32).
 pub const MAX_TENSOR_ELEMENTS: usize = 1 << 32;
 
+/// Elements reserved at once for an announced tensor (64 MiB of f32): a tensor up to this size
+/// is received into one allocation (no regrowth copying its bytes), a larger one grows with
+/// what arrives, so an announcement alone never costs more than this.
+pub const EAGER_ELEMENTS: usize = 1 << 24;
+
 /// The number of elements of `shape`, or why a peer may not send it.
 pub fn announced_elements(shape: &[usize]) -> Result<usize, String> {
     let len = shape
@@ -61,7 +66,7 @@ impl Assembler {
                 let len = announced_elements(&shape)?;
                 entry.insert(Partial {
                     shape: shape.clone(),
-                    data: Vec::new(),
+                    data: Vec::with_capacity(len.min(EAGER_ELEMENTS)),
                     len,
                 })
             }
@@ -155,10 +160,15 @@ mod tests {
             .take(&chunk(&[u64::MAX, 2], 0, &[1.0]))
             .unwrap_err();
         assert!(error.contains("overflows"), "{error}");
-        // Within the limit, a first chunk allocates only its own values.
+        // Within the limit (8 GiB announced), a first chunk reserves at most the eager bound.
         let mut assembler = Assembler::default();
         assembler.take(&chunk(&[1 << 31], 0, &[1.0; 4])).unwrap();
-        assert!(assembler.partial.values().all(|p| p.data.capacity() < 1 << 10));
+        assert!(
+            assembler
+                .partial
+                .values()
+                .all(|p| p.data.capacity() <= EAGER_ELEMENTS)
+        );
     }
 
     proptest! {

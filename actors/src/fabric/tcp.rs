@@ -116,9 +116,9 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(ActorId, ActorId, Ta
         .map(|_| read_u64(r).map(|d| d as usize))
         .collect::<std::io::Result<Vec<usize>>>()?;
     let len = super::assembly::announced_elements(&shape).map_err(std::io::Error::other)?;
-    // The buffer grows with the bytes that arrive: announcing a huge tensor costs only what is
-    // sent.
-    let mut data: Vec<f32> = Vec::new();
+    // Up to 64 MiB is reserved at once (no regrowth copies); beyond, the buffer grows with the
+    // bytes that arrive: announcing a huge tensor costs only what is sent.
+    let mut data: Vec<f32> = Vec::with_capacity(len.min(super::assembly::EAGER_ELEMENTS));
     while data.len() < len {
         let start = data.len();
         data.resize(start + (len - start).min(READ_CHUNK_ELEMENTS), 0.0);
