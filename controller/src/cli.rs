@@ -272,6 +272,11 @@ pub struct TrainArgs {
     /// `grpc` (gRPC streams).
     #[arg(long, default_value = "tcp")]
     pub data_path: archipelago_actors::fabric::DataPath,
+    /// How the devices of this process reduce gradients: `shared` (through each other's
+    /// buffers, no messages: the faster) or `ring` (the chunked message ring that groups across
+    /// hosts run). Hosts of a cluster use shared buffers among their own devices.
+    #[arg(long, default_value = "shared")]
+    pub collectives: archipelago_actors::collectives::Collectives,
     /// Serve the live dashboard (job, loss curve, timeline per actor, failures) on this address,
     /// e.g. `127.0.0.1:8080` (port 0 picks one; the address is printed).
     #[arg(long)]
@@ -377,6 +382,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         restart_on_failure,
         data_path: args.data_path,
         dashboard: None,
+        collectives: args.collectives,
     };
     let mut options = options;
     if let Some(addr) = &args.dashboard {

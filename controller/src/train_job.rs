@@ -71,6 +71,10 @@ pub struct TrainOptions {
     pub data_path: archipelago_actors::fabric::DataPath,
     /// A dashboard to feed with the job's steps (see [`crate::dashboard`]).
     pub dashboard: Option<Arc<crate::dashboard::Dashboard>>,
+    /// A local run: how the devices' groups reduce — through each other's buffers (the
+    /// default) or as rings of messages (as groups that span hosts do). Hosts of a cluster
+    /// always use shared buffers among their own devices.
+    pub collectives: archipelago_actors::collectives::Collectives,
 }
 
 impl Default for TrainOptions {
@@ -88,6 +92,7 @@ impl Default for TrainOptions {
             restart_on_failure: false,
             data_path: archipelago_actors::fabric::DataPath::Tcp,
             dashboard: None,
+            collectives: archipelago_actors::collectives::Collectives::Shared,
         }
     }
 }
@@ -168,7 +173,11 @@ async fn run(plan: Plan, builders: Builders, options: &TrainOptions) -> Result<T
     builders.check(&devices).map_err(JobError::Runtime)?;
     let (restore, first_step) = resume_point(&plan.program, options)?;
     let n = plan.actors.len();
-    let fabric = Arc::new(InProcessFabric::new(n, options.patience));
+    let fabric = Arc::new(InProcessFabric::with_collectives(
+        n,
+        options.patience,
+        options.collectives,
+    ));
     let all: Vec<ActorId> = (0..n).collect();
     let factories = trainer_factories(&plan, &builders, &all, restore);
     let streams = plan.actors.iter().map(|a| a.stream.clone()).collect();

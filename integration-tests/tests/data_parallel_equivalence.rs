@@ -33,6 +33,44 @@ fn gpt_data_parallel_matches_one_device() {
     }
 }
 
+/// Both ways devices of one process reduce — through each other's buffers (the default) and
+/// as rings of messages (what groups across hosts run) — train to the one-device parameters,
+/// at dp=4 where their summation orders differ (member order against ring order).
+#[test]
+fn shared_buffer_and_ring_collectives_train_alike() {
+    use archipelago_actors::collectives::Collectives;
+    use archipelago_controller::{Controller, TrainOptions};
+    use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
+    let reference = train(MLP, 1, 24, 6, 25 << 20);
+    for zero in [0, 2] {
+        let program = Program::new(ModelSpec::parse(MLP).unwrap())
+            .with_seed(7)
+            .with_plan(ParallelPlan {
+                dp: 4,
+                batch: 24,
+                zero,
+                bucket_bytes: 8 << 10,
+                ..ParallelPlan::default()
+            });
+        for collectives in [Collectives::Shared, Collectives::Ring] {
+            let options = TrainOptions {
+                steps: 6,
+                collectives,
+                ..TrainOptions::default()
+            };
+            let run = Controller::local(DeviceSpec::cpus(4))
+                .train(&program, &options)
+                .unwrap();
+            assert_equivalent(
+                &reference,
+                &run,
+                1e-5,
+                &format!("mlp dp=4 zero={zero} {collectives}"),
+            );
+        }
+    }
+}
+
 #[test]
 fn a_different_seed_changes_the_result() {
     // The equivalence check can fail: a run from other weights is far from the reference.

@@ -6,7 +6,8 @@
 
 use archipelago_dataflow::ActorId;
 
-use super::ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_range};
+use super::ring_all_reduce::{ChunkPool, shard_range};
+use super::{all_gather, all_reduce, reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
 
 /// Marks the edge of the cross-island phase (the inner phases use the collective's own edge).
@@ -45,10 +46,10 @@ pub fn hierarchical_all_reduce(
     }
     let (island, place) = (at / k, at % k);
     let mine = &group[island * k..(island + 1) * k];
-    ring_reduce_scatter(fabric, me, mine, edge, data, chunk_elems, pool)?;
+    reduce_scatter(fabric, me, mine, edge, data, chunk_elems, pool)?;
     let own = shard_range(data.len(), k, place);
     let peers: Vec<ActorId> = group.iter().skip(place).step_by(k).copied().collect();
-    ring_all_reduce(
+    all_reduce(
         fabric,
         me,
         &peers,
@@ -57,20 +58,29 @@ pub fn hierarchical_all_reduce(
         chunk_elems,
         pool,
     )?;
-    ring_all_gather(fabric, me, mine, edge, data, chunk_elems, pool)
+    all_gather(fabric, me, mine, edge, data, chunk_elems, pool)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::collectives::Collectives;
     use crate::fabric::InProcessFabric;
     use std::sync::Arc;
     use std::time::Duration;
 
-    /// Six members in three islands of two: every member ends with the sum.
+    /// Six members in three islands of two: every member ends with the sum, through shared
+    /// buffers and as rings.
     #[test]
     fn sums_across_three_islands_of_two() {
-        let fabric = Arc::new(InProcessFabric::new(6, Duration::from_secs(10)));
+        for collectives in [Collectives::Shared, Collectives::Ring] {
+            sums_across_three_islands_of_two_with(collectives);
+        }
+    }
+
+    fn sums_across_three_islands_of_two_with(collectives: Collectives) {
+        let patience = Duration::from_secs(10);
+        let fabric = Arc::new(InProcessFabric::with_collectives(6, patience, collectives));
         let group = vec![4, 0, 1, 5, 2, 3];
         let len = 1000;
         let handles: Vec<_> = (0..6)

@@ -9,7 +9,8 @@ use std::thread::JoinHandle;
 use archipelago_dataflow::{ActorId, CollectiveKind};
 
 use super::hierarchical::{Islands, hierarchical_all_reduce};
-use super::ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_range};
+use super::ring_all_reduce::{ChunkPool, shard_range};
+use super::{all_gather, all_reduce, reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
 use crate::host_tensor::HostTensor;
 
@@ -55,13 +56,13 @@ impl CollectiveWorker {
                     let (fabric, group, edge) = (fabric.as_ref(), &job.group, job.edge);
                     let result = match job.kind {
                         CollectiveKind::AllReduceSum => {
-                            ring_all_reduce(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
+                            all_reduce(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
                         }
                         CollectiveKind::ReduceScatterSum => {
-                            ring_reduce_scatter(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
+                            reduce_scatter(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
                         }
                         CollectiveKind::AllGather => {
-                            ring_all_gather(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
+                            all_gather(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
                         }
                         CollectiveKind::HierarchicalAllReduceSum { island_size } => hierarchical_all_reduce(
                             fabric,

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use archipelago_dataflow::ActorId;
 
 use super::{Fabric, FabricError, LinkBytes, Tag};
+use crate::collectives::{Collectives, SharedCollectives};
 use crate::host_tensor::HostTensor;
 
 #[derive(Default)]
@@ -21,16 +22,26 @@ pub struct InProcessFabric {
     aborted: Mutex<Option<String>>,
     patience: Duration,
     links: LinkBytes,
+    /// Collectives of members of this process through each other's buffers (`None`: rings).
+    shared: Option<SharedCollectives>,
 }
 
 impl InProcessFabric {
     /// A fabric for `actors` actors whose receives give up after `patience` (the hang watchdog).
+    /// Groups of its actors run their collectives through each other's buffers
+    /// ([`SharedCollectives`]).
     pub fn new(actors: usize, patience: Duration) -> InProcessFabric {
+        Self::with_collectives(actors, patience, Collectives::Shared)
+    }
+
+    /// A fabric whose groups run their collectives as `collectives` says.
+    pub fn with_collectives(actors: usize, patience: Duration, collectives: Collectives) -> InProcessFabric {
         InProcessFabric {
             mailboxes: (0..actors).map(|_| Mailbox::default()).collect(),
             aborted: Mutex::new(None),
             patience,
             links: LinkBytes::default(),
+            shared: (collectives == Collectives::Shared).then(|| SharedCollectives::new(patience)),
         }
     }
 
@@ -104,6 +115,14 @@ impl Fabric for InProcessFabric {
             let _guard = mailbox.messages.lock().expect("mailbox");
             mailbox.arrived.notify_all();
         }
+        if let Some(shared) = &self.shared {
+            shared.abort(reason);
+        }
+    }
+
+    fn shared_group(&self, group: &[ActorId]) -> Option<&SharedCollectives> {
+        let all_here = group.iter().all(|&a| a < self.mailboxes.len());
+        self.shared.as_ref().filter(|_| all_here)
     }
 }
 

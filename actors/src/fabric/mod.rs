@@ -20,6 +20,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::collectives::SharedCollectives;
 use crate::host_tensor::HostTensor;
 use archipelago_dataflow::ActorId;
 
@@ -62,6 +63,20 @@ pub enum FabricError {
     /// An actor id outside the fabric.
     #[error("actor {0} is not on this fabric")]
     NoSuchActor(ActorId),
+    /// A shared-buffer collective waited longer than the fabric's patience for members.
+    #[error(
+        "actor {me} waited {waited:?} in collective {edge} for actors {missing:?}, which never joined it (are they stuck or dead?)"
+    )]
+    GroupTimeout {
+        /// The waiting actor.
+        me: ActorId,
+        /// The members that never arrived.
+        missing: Vec<ActorId>,
+        /// The collective.
+        edge: u64,
+        /// How long it waited.
+        waited: Duration,
+    },
 }
 
 /// Moves tensors between actors.
@@ -76,6 +91,12 @@ pub trait Fabric: Send + Sync {
     fn abort(&self, reason: &str);
     /// Payload bytes sent so far from this side of the fabric, per `(from, to)` link.
     fn link_bytes(&self) -> &LinkBytes;
+    /// The shared-buffer collectives of `group` when every member of it lives in this process
+    /// and the fabric allows them (`None`: the group's collectives are rings of messages).
+    fn shared_group(&self, group: &[ActorId]) -> Option<&SharedCollectives> {
+        let _ = group;
+        None
+    }
 }
 
 /// One outgoing connection to another host's fabric, shared by every actor of that host.
@@ -142,6 +163,15 @@ impl<L: Link> Fabric for HostRoutes<L> {
 
     fn link_bytes(&self) -> &LinkBytes {
         self.local.link_bytes()
+    }
+
+    fn shared_group(&self, group: &[ActorId]) -> Option<&SharedCollectives> {
+        let all_here = group.iter().all(|&a| matches!(self.routes.get(a), Some(None)));
+        if all_here {
+            self.local.shared_group(group)
+        } else {
+            None
+        }
     }
 }
 

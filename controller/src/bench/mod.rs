@@ -41,6 +41,10 @@ pub struct BenchArgs {
     /// trips) and stop.
     #[arg(long)]
     pub actor_api_only: bool,
+    /// Run only the collectives (ring in one process, shared buffers in one process, ring over
+    /// gRPC) beside a memcpy of the same bytes, and stop.
+    #[arg(long)]
+    pub collectives_only: bool,
 }
 
 /// Runs the suite and prints its JSON.
@@ -79,6 +83,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let mut ring: Vec<serde_json::Value> = Vec::new();
     for transport in [
+        collectives::Transport::SharedBuffers,
         collectives::Transport::InProcess,
         collectives::Transport::GrpcLoopback,
     ] {
@@ -91,6 +96,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
     }
     eprintln!("collectives: {}", serde_json::Value::from(ring.clone()));
+    if args.collectives_only {
+        let out =
+            json!({ "suite": "collectives", "collectives": ring, "wall_s": started.elapsed().as_secs_f64() });
+        return write_out(&out, args);
+    }
     let peer = cross_process::PeerArgs {
         reps,
         bytes: 64 << 20,

@@ -83,6 +83,7 @@ impl RemoteOptions {
             restart_on_failure: self.restart_on_failure,
             data_path: self.data_path,
             dashboard: None,
+            collectives: Default::default(),
         }
     }
 }
