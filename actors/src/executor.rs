@@ -20,6 +20,7 @@ use crate::collectives::{CollectiveWorker, DEFAULT_CHUNK_ELEMS, PendingCollectiv
 use crate::error::{ActorFailure, panic_message};
 use crate::fabric::{Fabric, FabricError, Tag};
 use crate::host_tensor::HostTensor;
+use crate::progress::Waiting;
 
 /// An actor's named host tensors (gradient buckets, received tensors, activations).
 #[derive(Default)]
@@ -212,7 +213,7 @@ impl Executor {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let mut timings = Vec::with_capacity(self.stream.len());
-        let mut pending: HashMap<u64, PendingCollective> = HashMap::new();
+        let mut pending: HashMap<u64, (PendingCollective, Vec<ActorId>)> = HashMap::new();
         for index in 0..self.stream.len() {
             let started = Instant::now();
             self.progress.set(step, Some(index));
@@ -277,7 +278,7 @@ impl Executor {
         &mut self,
         step: u64,
         index: usize,
-        pending: &mut HashMap<u64, PendingCollective>,
+        pending: &mut HashMap<u64, (PendingCollective, Vec<ActorId>)>,
     ) -> Result<u64, (String, bool)> {
         let edge = |tag: u64| (step << 32) | tag;
         let fabric_err = |e: FabricError| {
@@ -321,17 +322,20 @@ impl Executor {
                     .map_err(fabric_err)
             }
             Instruction::Recv { tensor, from, tag } => {
-                let value = self
-                    .fabric
-                    .recv(
-                        self.actor,
-                        *from,
-                        Tag {
-                            edge: edge(*tag),
-                            seq: 0,
-                        },
-                    )
-                    .map_err(fabric_err)?;
+                self.progress.wait_on(Waiting::Recv {
+                    from: *from,
+                    tag: *tag,
+                });
+                let received = self.fabric.recv(
+                    self.actor,
+                    *from,
+                    Tag {
+                        edge: edge(*tag),
+                        seq: 0,
+                    },
+                );
+                self.progress.wait_on(Waiting::Nothing);
+                let value = received.map_err(fabric_err)?;
                 let bytes = value.bytes();
                 self.table.insert(tensor.clone(), value);
                 Ok(bytes)
@@ -347,17 +351,18 @@ impl Executor {
                     .remove(tensor)
                     .ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
                 let bytes = value.bytes();
-                pending.insert(
-                    *tag,
-                    self.collectives.start(*kind, edge(*tag), group.clone(), value),
-                );
+                let started = self.collectives.start(*kind, edge(*tag), group.clone(), value);
+                pending.insert(*tag, (started, group.clone()));
                 Ok(bytes)
             }
             Instruction::WaitCollective { tensor, tag } => {
-                let started = pending
+                let (started, group) = pending
                     .remove(tag)
                     .ok_or_else(|| (format!("collective {tag} was not started"), false))?;
-                let value = started.wait().map_err(fabric_err)?;
+                self.progress.wait_on(Waiting::Collective { tag: *tag, group });
+                let finished = started.wait();
+                self.progress.wait_on(Waiting::Nothing);
+                let value = finished.map_err(fabric_err)?;
                 let bytes = value.bytes();
                 self.table.insert(tensor.clone(), value);
                 Ok(bytes)

@@ -25,6 +25,11 @@ use archipelago_dataflow::{ActorId, ActorStream, DeviceSpec};
 
 use crate::JobError;
 use crate::gang::Gang;
+use crate::hang::find_hang;
+
+/// How often the gang samples its actors' progress; two samples without progress, with an actor
+/// blocked for good, make a hang report.
+const HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// Running device actors of one job.
 pub struct ActorGang {
@@ -36,6 +41,8 @@ pub struct ActorGang {
     events: UnboundedReceiver<ActorEvent>,
     fabric: Arc<dyn Fabric>,
     watchdog: Duration,
+    /// The streams launched (to name the instruction an actor blocks on).
+    streams: Vec<ActorStream>,
 }
 
 impl ActorGang {
@@ -57,6 +64,7 @@ impl ActorGang {
             events,
             fabric,
             watchdog,
+            streams: streams.clone(),
         };
         for (stream, computation) in streams.into_iter().zip(factories) {
             let progress = Arc::new(ActorProgress::default());
@@ -93,6 +101,18 @@ impl ActorGang {
             return Err(e);
         }
         Ok(gang)
+    }
+
+    /// Every actor's progress counter, in actor order.
+    fn beats(&self) -> Vec<u64> {
+        self.ids.iter().map(|(.., p)| p.snapshot().beats).collect()
+    }
+
+    /// Every actor's progress, `None` for an actor whose thread has ended.
+    fn snapshots(&self) -> Vec<(ActorId, Option<archipelago_actors::progress::ProgressSnapshot>)> {
+        (self.ids.iter().zip(&self.handles))
+            .map(|((id, _, p), handle)| (*id, (!handle.is_finished()).then(|| p.snapshot())))
+            .collect()
     }
 
     /// Each actor's id, device and what it is running now.
@@ -156,22 +176,43 @@ impl ActorGang {
     ) -> Result<Vec<T>, JobError> {
         let mut waiting: BTreeSet<usize> = self.ids.iter().map(|(id, ..)| *id).collect();
         let mut out = Vec::with_capacity(self.actors.len());
-        let started = Instant::now();
+        let mut last_event = Instant::now();
+        let (mut beats, mut progressed) = (self.beats(), Instant::now());
         while !waiting.is_empty() {
-            let event = match tokio::time::timeout(self.watchdog, self.events.recv()).await {
+            let left = self.watchdog.saturating_sub(last_event.elapsed());
+            let event = match tokio::time::timeout(HEARTBEAT.min(left), self.events.recv()).await {
                 Ok(Some(event)) => event,
                 Ok(None) => return Err(JobError::Runtime("every actor is gone".into())),
-                Err(_) => {
+                Err(_) if last_event.elapsed() >= self.watchdog => {
                     self.fabric
                         .abort("the controller's watchdog stopped a silent step");
                     return Err(JobError::Hang {
                         job: self.job.clone(),
                         step,
                         silent: waiting.into_iter().collect(),
-                        waited_s: started.elapsed().as_secs_f64(),
+                        waited_s: last_event.elapsed().as_secs_f64(),
                     });
                 }
+                Err(_) => {
+                    let now = self.beats();
+                    if now != beats {
+                        (beats, progressed) = (now, Instant::now());
+                    } else if progressed.elapsed() >= 2 * HEARTBEAT
+                        && let Some(report) = find_hang(&self.snapshots(), &self.streams)
+                    {
+                        let detected_s = progressed.elapsed().as_secs_f64();
+                        self.fabric
+                            .abort(&format!("the controller found a hang: {report}"));
+                        return Err(JobError::Deadlock {
+                            job: self.job.clone(),
+                            report: Box::new(report),
+                            detected_s,
+                        });
+                    }
+                    continue;
+                }
             };
+            last_event = Instant::now();
             match event {
                 ActorEvent::Failed(failure) => return Err(self.root_cause(*failure).await),
                 ActorEvent::Ready { actor } => {

@@ -26,6 +26,17 @@ pub enum JobError {
         /// Seconds waited.
         waited_s: f64,
     },
+    /// No actor made progress for two heartbeats and the wait-for chains prove that some can
+    /// never resume; the job was stopped with the chains.
+    #[error("job {job}: hang found {detected_s:.1} s after the last progress; {report}")]
+    Deadlock {
+        /// The job.
+        job: String,
+        /// Who waits for whom.
+        report: Box<crate::hang::HangReport>,
+        /// Seconds from the last progress to the report.
+        detected_s: f64,
+    },
     /// A host died, closed its session or went silent; the job stopped.
     #[error("{0}")]
     HostLost(Box<HostLoss>),

@@ -25,6 +25,7 @@ pub mod cluster;
 pub mod dashboard;
 pub mod error;
 pub mod gang;
+pub mod hang;
 pub mod host_devices;
 pub mod local;
 pub mod prelude;

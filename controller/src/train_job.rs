@@ -180,7 +180,8 @@ async fn run(plan: Plan, builders: Builders, options: &TrainOptions) -> Result<T
     ));
     let all: Vec<ActorId> = (0..n).collect();
     let factories = trainer_factories(&plan, &builders, &all, restore);
-    let streams = plan.actors.iter().map(|a| a.stream.clone()).collect();
+    let mut streams: Vec<_> = plan.actors.iter().map(|a| a.stream.clone()).collect();
+    crate::hang::inject_stream_fault(&mut streams, plan.program.test_fault);
     let watchdog = options.patience + Duration::from_secs(10);
     let mut gang = ActorGang::start(&options.job, streams, factories, fabric, watchdog).await?;
     let mut history = Vec::new();

@@ -8,12 +8,12 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::DeviceSpec;
 use crate::data::DataSpec;
 use crate::model_spec::{InputKind, ModelDesc, ModelSpec};
 pub use crate::optimizer::OptimizerSpec;
 use crate::optimizer::{LrSchedule, ParamGroups};
 use crate::passes::schedule::Schedule;
+use crate::{ActorId, DeviceSpec};
 
 /// How the work is split over devices.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -180,6 +180,18 @@ pub enum TestFault {
     AverageMicrobatches,
     /// A ZeRO shard is updated with the gradient one element off its offset.
     ShiftZeroShard,
+    /// `actor`'s last send of every step is left out of its stream: its peer waits for a
+    /// message that never comes while `actor` finishes the step (the hang tests).
+    SkipLastSend {
+        /// The actor.
+        actor: ActorId,
+    },
+    /// `actor`'s first receive is moved before its first send: with a pipeline, two stages each
+    /// wait for the other (the hang tests).
+    RecvBeforeSend {
+        /// The actor.
+        actor: ActorId,
+    },
 }
 
 impl Program {

@@ -135,3 +135,75 @@ fn a_block_that_does_not_match_its_description_is_refused_at_start() {
         "{err}"
     );
 }
+
+/// Trains a pp=2 mlp with a stream fault and returns the job's error and how long it took.
+fn pipeline_with_fault(fault: archipelago_dataflow::TestFault) -> (JobError, Duration) {
+    let mut program = Program::new(ModelSpec::parse("mlp:in=16,hidden=16,layers=4,out=4").unwrap())
+        .with_plan(ParallelPlan {
+            pp: 2,
+            microbatches: 2,
+            batch: 8,
+            ..ParallelPlan::default()
+        });
+    program.test_fault = Some(fault);
+    let options = TrainOptions {
+        steps: 2,
+        // The fabric alone would fail the receive after a minute with a timeout, not a hang
+        // report: a `Deadlock` error shows the detector found it first (the time is printed).
+        patience: Duration::from_secs(60),
+        ..TrainOptions::default()
+    };
+    let started = Instant::now();
+    let error = Controller::local(DeviceSpec::cpus(2))
+        .train(&program, &options)
+        .expect_err("a hung pipeline must fail");
+    (error, started.elapsed())
+}
+
+#[test]
+fn a_send_that_never_happens_is_reported_in_seconds_ending_at_the_idle_sender() {
+    use archipelago_controller::hang::ChainEnd;
+    let (error, took) = pipeline_with_fault(archipelago_dataflow::TestFault::SkipLastSend { actor: 1 });
+    let JobError::Deadlock { report, .. } = &error else {
+        panic!("expected a hang report, got: {error}");
+    };
+    let text = error.to_string();
+    assert_eq!(report.chains.len(), 1, "{text}");
+    let (links, end) = &report.chains[0];
+    assert_eq!(*end, ChainEnd::Idle, "{text}");
+    assert_eq!(
+        links.iter().map(|l| l.actor).collect::<Vec<_>>(),
+        vec![0, 1],
+        "{text}"
+    );
+    assert!(text.contains("Recv(") && text.contains("from actor 1"), "{text}");
+    println!("skipped send reported after {took:?}: {text}");
+    assert!(
+        took < Duration::from_secs(30),
+        "the report took {took:?}, the fabric's patience is 60 s"
+    );
+}
+
+#[test]
+fn two_stages_waiting_for_each_other_are_reported_as_a_cycle() {
+    use archipelago_controller::hang::ChainEnd;
+    let (error, took) = pipeline_with_fault(archipelago_dataflow::TestFault::RecvBeforeSend { actor: 0 });
+    let JobError::Deadlock { report, .. } = &error else {
+        panic!("expected a hang report, got: {error}");
+    };
+    let text = error.to_string();
+    assert!(!report.chains.is_empty(), "{text}");
+    assert!(
+        report.chains.iter().all(|(_, end)| *end == ChainEnd::Cycle),
+        "{text}"
+    );
+    assert!(
+        text.contains("actor 0") && text.contains("actor 1") && text.contains("a cycle"),
+        "{text}"
+    );
+    println!("cycle reported after {took:?}: {text}");
+    assert!(
+        took < Duration::from_secs(30),
+        "the report took {took:?}, the fabric's patience is 60 s"
+    );
+}

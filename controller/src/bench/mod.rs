@@ -6,6 +6,7 @@ pub mod actor_api;
 mod collectives;
 pub mod cross_process;
 pub mod device;
+mod hang;
 mod offload;
 mod scale;
 mod training;
@@ -126,6 +127,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let scale = json!({
         "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,
         "dispatch": scale::noop_step(1024, if args.quick { 20 } else { 100 })?,
+        "hang_report": hang::hang_to_report()?,
     });
     eprintln!("scale: {scale}");
     let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
