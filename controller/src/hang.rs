@@ -14,6 +14,7 @@
 use std::fmt;
 
 use archipelago_actors::progress::{ProgressSnapshot, Waiting};
+use archipelago_actors::proto::ActorState;
 use archipelago_dataflow::{ActorId, ActorStream, Instruction, TestFault};
 
 /// One actor on a wait-for chain.
@@ -102,6 +103,8 @@ fn next_in_chain(
 
 /// The hang in `states` (each actor's progress, `None` for an actor that is gone), if one of
 /// its blocked actors can never resume. Call it only when nothing progressed for two heartbeats.
+/// A chain that reaches an actor missing from `states` proves nothing (a host sees only its
+/// own actors; the controller sees them all).
 pub fn find_hang(
     states: &[(ActorId, Option<ProgressSnapshot>)],
     streams: &[ActorStream],
@@ -117,12 +120,8 @@ pub fn find_hang(
             instruction.map_or(format!("instruction {i}"), |x| format!("instruction {i} `{x}`"))
         }
     };
-    let state_of = |actor: ActorId| {
-        states
-            .iter()
-            .find(|(id, _)| *id == actor)
-            .and_then(|(_, s)| s.clone())
-    };
+    // `None`: not one of `states` (another host's actor, when a host looks at its own).
+    let state_of = |actor: ActorId| states.iter().find(|(id, _)| *id == actor).map(|(_, s)| s.clone());
     let step = states
         .iter()
         .filter_map(|(_, s)| s.as_ref())
@@ -156,8 +155,11 @@ pub fn find_hang(
                         doing,
                         waits_for,
                     });
+                    let Some(next_state) = state_of(next) else {
+                        break None; // waits for an actor it cannot see: no conclusion
+                    };
                     at = next;
-                    current = state_of(next);
+                    current = next_state;
                 }
                 None if now.index.is_none() => {
                     links.push(ChainLink {
@@ -176,6 +178,47 @@ pub fn find_hang(
         }
     }
     (!chains.is_empty()).then_some(HangReport { step, chains })
+}
+
+/// An actor's progress as a host's heartbeat carries it.
+pub(crate) fn actor_state(actor: ActorId, progress: &ProgressSnapshot) -> ActorState {
+    let (wait_kind, wait_from, wait_tag, wait_group) = match &progress.waiting {
+        Waiting::Nothing => (0, 0, 0, Vec::new()),
+        Waiting::Recv { from, tag } => (1, *from as u32, *tag, Vec::new()),
+        Waiting::Collective { tag, group } => (2, 0, *tag, group.iter().map(|&a| a as u32).collect()),
+    };
+    ActorState {
+        actor: actor as u32,
+        step: progress.step,
+        index: progress.index.map_or(-1, |i| i as i64),
+        beats: progress.beats,
+        wait_kind,
+        wait_from,
+        wait_tag,
+        wait_group,
+    }
+}
+
+/// An actor's progress from a heartbeat (an unknown wait kind reads as none).
+pub(crate) fn progress_of(state: &ActorState) -> (ActorId, ProgressSnapshot) {
+    let waiting = match state.wait_kind {
+        1 => Waiting::Recv {
+            from: state.wait_from as ActorId,
+            tag: state.wait_tag,
+        },
+        2 => Waiting::Collective {
+            tag: state.wait_tag,
+            group: state.wait_group.iter().map(|&a| a as ActorId).collect(),
+        },
+        _ => Waiting::Nothing,
+    };
+    let snapshot = ProgressSnapshot {
+        step: state.step,
+        index: usize::try_from(state.index).ok(),
+        beats: state.beats,
+        waiting,
+    };
+    (state.actor as ActorId, snapshot)
 }
 
 /// Applies the stream faults of the hang tests (`TestFault::SkipLastSend`,
@@ -259,6 +302,12 @@ mod tests {
         let group = vec![0, 1];
         let inside = Waiting::Collective { tag: 9, group };
         let states = vec![(0, at(1, Some(4), inside.clone())), (1, at(1, Some(6), inside))];
+        assert_eq!(find_hang(&states, &[]), None);
+    }
+
+    #[test]
+    fn a_wait_for_an_actor_out_of_sight_proves_nothing() {
+        let states = vec![(0, at(1, Some(4), Waiting::Recv { from: 5, tag: 3 }))];
         assert_eq!(find_hang(&states, &[]), None);
     }
 

@@ -233,3 +233,32 @@ fn with_restart_on_failure_a_killed_host_costs_no_sample_and_no_parameter() {
     assert_same(&reference, &run, 1e-5, "restarted on h1");
     assert!(checkpoints.join("step-00000012/manifest.json").exists());
 }
+
+/// A pipeline across two host processes whose stage 1 never sends its last gradient: the
+/// controller reads who waits for whom from the hosts' heartbeats and stops the job with the
+/// chain (actor 0 on one host waits for actor 1 on the other, which is idle), long before the
+/// fabric's patience (60 s) would time the receive out.
+#[test]
+fn a_hang_across_hosts_is_reported_with_the_chain_from_the_heartbeats() {
+    let mut cluster = Cluster::start(5.0, 30.0);
+    cluster.add_host("h1", "cpu:0");
+    cluster.add_host("h2", "cpu:0");
+    let mut hung = program(plan(1, 2, 0));
+    hung.test_fault = Some(archipelago_dataflow::TestFault::SkipLastSend { actor: 1 });
+    let options = TrainOptions {
+        steps: 2,
+        job: "hang-across-hosts".into(),
+        patience: std::time::Duration::from_secs(60),
+        ..TrainOptions::default()
+    };
+    let started = Instant::now();
+    let error = cluster.controller().train(&hung, &options).expect_err("a hung job must fail");
+    let text = error.to_string();
+    println!("reported after {:.1} s: {text}", started.elapsed().as_secs_f64());
+    assert!(text.contains("who waits for whom"), "{text}");
+    assert!(
+        text.contains("waits for tag") && text.contains("from actor 1 -> actor 1 (idle)"),
+        "{text}"
+    );
+    assert!(text.contains("ends at an idle actor"), "{text}");
+}

@@ -17,8 +17,8 @@ use archipelago_actors::fabric::{DataPath, Fabric, InProcessFabric, TcpFabric, s
 use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::proto::{
-    ActorState, Answer, Ask, ControllerMessage, Failure, Heartbeat, HostMessage, Launch, Ready, Register,
-    StepDone, controller_message, host_message,
+    Answer, Ask, ControllerMessage, Failure, Heartbeat, HostMessage, Launch, Ready, Register, StepDone,
+    controller_message, host_message,
 };
 use archipelago_dataflow::{ActorId, DeviceSpec, ModelSpec, Plan};
 
@@ -267,14 +267,7 @@ pub(crate) fn spawn_heartbeats(
                 .lock()
                 .expect("progress")
                 .iter()
-                .map(|(actor, p)| {
-                    let (step, index) = p.get();
-                    ActorState {
-                        actor: *actor as u32,
-                        step,
-                        index: index.map_or(-1, |i| i as i64),
-                    }
-                })
+                .map(|(actor, p)| crate::hang::actor_state(*actor, &p.snapshot()))
                 .collect();
             let unix_ms = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -331,7 +324,8 @@ async fn start_job(
     let devices: Vec<DeviceSpec> = actors.iter().map(|&a| plan.actors[a].device).collect();
     builders.check(&devices).map_err(JobError::Runtime)?;
     let factories = trainer_factories(&plan, &builders, &actors, restore);
-    let streams = actors.iter().map(|&a| plan.actors[a].stream.clone()).collect();
+    let mut streams: Vec<_> = actors.iter().map(|&a| plan.actors[a].stream.clone()).collect();
+    crate::hang::inject_stream_fault(&mut streams, plan.program.test_fault);
     let watchdog = patience + Duration::from_secs(10);
     let gang = ActorGang::start(&launch.job, streams, factories, fabric.clone(), watchdog).await?;
     Ok((gang, fabric))

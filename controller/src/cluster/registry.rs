@@ -60,6 +60,8 @@ struct HostEntry {
     to_host: UnboundedSender<Result<ControllerMessage, Status>>,
     last_seen: Instant,
     actors: Vec<ActorState>,
+    /// Heartbeats received so far.
+    heartbeats: u64,
 }
 
 #[derive(Default)]
@@ -130,6 +132,7 @@ impl Registry {
                 to_host,
                 last_seen: Instant::now(),
                 actors: Vec::new(),
+                heartbeats: 0,
             },
         );
         drop(inner);
@@ -143,7 +146,21 @@ impl Registry {
         if let Some(h) = self.lock().hosts.get_mut(&id) {
             h.last_seen = Instant::now();
             h.actors = actors;
+            h.heartbeats += 1;
         }
+    }
+
+    /// The actors' states of `hosts` as their last heartbeats told them, with the number of
+    /// heartbeats each host has sent (hosts no longer registered are left out).
+    pub fn heartbeat_states(&self, hosts: &[u32]) -> (Vec<ActorState>, Vec<u64>) {
+        let inner = self.lock();
+        let known = hosts.iter().filter_map(|id| inner.hosts.get(id));
+        let (mut states, mut counts) = (Vec::new(), Vec::new());
+        for h in known {
+            states.extend(h.actors.iter().cloned());
+            counts.push(h.heartbeats);
+        }
+        (states, counts)
     }
 
     /// Passes a host's message to the running job (any message also counts as a sign of life).

@@ -15,12 +15,25 @@ use archipelago_actors::checkpoint::ShardFile;
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::DataPath;
 use archipelago_actors::proto::{ActorState, Ask, Launch, Step, Stop, controller_message, host_message};
-use archipelago_dataflow::{ActorId, Plan};
+use archipelago_dataflow::{ActorId, ActorStream, Plan};
 
 use super::registry::{HostEvent, HostInfo, Registry};
 use crate::JobError;
 use crate::error::HostLoss;
 use crate::gang::Gang;
+use crate::hang::{find_hang, progress_of};
+use archipelago_actors::progress::ProgressSnapshot;
+
+/// How often a job's heartbeat states are looked at for a hang.
+const HANG_SAMPLE: Duration = Duration::from_millis(500);
+
+/// The actors' progress counters when they last moved, with each host's heartbeat count then.
+#[derive(Default)]
+struct QuietSince {
+    beats: Vec<(ActorId, u64)>,
+    heartbeats: Vec<u64>,
+    at: Option<Instant>,
+}
 
 /// A job's actors on several hosts.
 pub struct RemoteGang {
@@ -180,10 +193,18 @@ impl RemoteGang {
         let mut waiting: BTreeSet<u32> = self.hosts.keys().copied().collect();
         let mut out = Vec::with_capacity(waiting.len());
         let started = Instant::now();
+        let (mut quiet, mut last_event) = (QuietSince::default(), Instant::now());
         while !waiting.is_empty() {
-            let event = match tokio::time::timeout(self.watchdog, self.events.recv()).await {
+            let left = self.watchdog.saturating_sub(last_event.elapsed());
+            let event = match tokio::time::timeout(HANG_SAMPLE.min(left), self.events.recv()).await {
                 Ok(Some(event)) => event,
                 Ok(None) => return Err(JobError::Runtime("the registry closed".into())),
+                Err(_) if last_event.elapsed() < self.watchdog => {
+                    if let Some(hang) = self.hang(&mut quiet) {
+                        return Err(hang);
+                    }
+                    continue;
+                }
                 Err(_) => {
                     let silent: Vec<usize> = waiting
                         .iter()
@@ -197,6 +218,7 @@ impl RemoteGang {
                     });
                 }
             };
+            last_event = Instant::now();
             if let HostEvent::Message(_, kind) = &event
                 && job_of(kind) != Some(self.job.as_str())
             {
@@ -236,6 +258,39 @@ impl RemoteGang {
             }
         }
         Ok(out)
+    }
+
+    /// A hang among the job's actors as the hosts' heartbeats show them: no actor progressed
+    /// while every host sent two more heartbeats, and a wait-for chain can never resolve.
+    fn hang(&self, quiet: &mut QuietSince) -> Option<JobError> {
+        let hosts: Vec<u32> = self.hosts.keys().copied().collect();
+        let (states, heartbeats) = self.registry.heartbeat_states(&hosts);
+        let progress: Vec<(ActorId, ProgressSnapshot)> = states.iter().map(progress_of).collect();
+        let beats: Vec<(ActorId, u64)> = progress.iter().map(|(a, p)| (*a, p.beats)).collect();
+        if quiet.beats != beats || heartbeats.len() != hosts.len() {
+            *quiet = QuietSince {
+                beats,
+                heartbeats,
+                at: Some(Instant::now()),
+            };
+            return None;
+        }
+        let two_more = heartbeats
+            .iter()
+            .zip(&quiet.heartbeats)
+            .all(|(now, then)| *now >= then + 2);
+        if !two_more {
+            return None;
+        }
+        let states: Vec<(ActorId, Option<ProgressSnapshot>)> =
+            progress.into_iter().map(|(a, p)| (a, Some(p))).collect();
+        let streams: Vec<ActorStream> = self.plan.actors.iter().map(|a| a.stream.clone()).collect();
+        let report = find_hang(&states, &streams)?;
+        Some(JobError::Deadlock {
+            job: self.job.clone(),
+            report: Box::new(report),
+            detected_s: quiet.at.map_or(0.0, |at| at.elapsed().as_secs_f64()),
+        })
     }
 
     async fn wait_for_loss(&mut self) -> Option<JobError> {
