@@ -1,7 +1,8 @@
-//! The parameter server of `programs/parameter_server.rs` (Li et al., OSDI 2014): 2 servers and
-//! 4 workers train an mlp, first with bounded delay K = 0 (synchronous data parallelism), then
-//! with K = 2 and worker 3 sleeping 10 ms per clock. Prints the losses and how far ahead of the
-//! slowest worker the others ran. `cargo run --example parameter_server [-- K]` runs only that K.
+//! The parameter server of `programs/parameter_server.rs` (Li et al., OSDI 2014), a user of the
+//! library `archipelago_actors::ps`: 2 servers and 4 workers train an mlp, first with bounded
+//! delay K = 0 (synchronous data parallelism), then with K = 2 and worker 3 sleeping 10 ms per
+//! clock. Prints the ring, the losses and how far ahead of the slowest worker the others ran.
+//! `cargo run --example parameter_server [-- K]` runs only that K.
 //!
 //! With no `ARCHIPELAGO_*` variable set it runs on 6 CPU devices of this process. Like
 //! `actors_cluster`, the same binary also runs on a cluster: start `archipelago controller`,
@@ -49,6 +50,7 @@ fn main() -> anyhow::Result<()> {
             config.clocks,
             outcome.wall_s
         );
+        print!("{}", outcome.ring.describe());
         let on: Vec<String> = (outcome.placement.iter())
             .map(|(host, device)| format!("{host} {device}"))
             .collect();
@@ -56,11 +58,23 @@ fn main() -> anyhow::Result<()> {
         for (clock, loss) in outcome.losses.iter().enumerate() {
             println!("  clock {clock:>2}  loss {loss:.5}");
         }
-        let refused: u32 = outcome.workers.iter().flatten().map(|s| s.refused).sum();
+        let refused: u32 = outcome
+            .workers
+            .iter()
+            .flat_map(|w| &w.steps)
+            .map(|s| s.refused)
+            .sum();
         println!(
             "  most clocks a worker started ahead of the slowest: {} (bound {staleness}); pulls refused: {refused}",
             outcome.max_lead()
         );
+        for server in &outcome.servers {
+            let f = &server.figures;
+            println!(
+                "  server {}: {} keys, {} pushes, {} pulls, {} bytes in, {} bytes out",
+                f.index, f.keys, f.pushes, f.pulls, f.bytes_in, f.bytes_out
+            );
+        }
     }
     Ok(())
 }

@@ -10,6 +10,14 @@ median step time; a step waits for its loss). Prints one JSON line per run.
     python3 scripts/torch_reference.py --device cpu --threads 1 --models gpt-tiny,mlp-8x1024
     python3 scripts/torch_reference.py --device cpu --threads 1 --dp 2 --models mlp-8x1024  # DDP, gloo
     python3 scripts/torch_reference.py --device cuda --models gpt-tiny,gpt-151m --tf32 off
+
+Two more modes share weights and data with archipelago through safetensors files (PyTorch's
+names and layouts, as `archipelago export` writes and `--init` reads them; see
+scripts/torch_fixture.py):
+
+    /work/peers-venv/bin/python scripts/torch_reference.py --fixture integration-tests/fixtures/torch
+    /work/peers-venv/bin/python scripts/torch_reference.py --check-export model.safetensors \
+        [--export-model gpt:vocab=16,ctx=8,d=16,layers=2,heads=2]  # a gpt's heads are not in its weights
 """
 
 import argparse
@@ -162,7 +170,18 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timed", type=int, default=30)
     p.add_argument("--port", type=int, default=29571)
+    p.add_argument("--fixture", metavar="DIR", help="write the reference fixture (tiny mlp and gpt, SGD and AdamW) to DIR")
+    p.add_argument("--check-export", metavar="FILE", help="load an `archipelago export` file (strict) and run a forward")
+    p.add_argument("--export-model", metavar="SPEC", help="with --check-export: the model spec (a gpt's heads are not in its weights)")
     args = p.parse_args()
+    if args.fixture or args.check_export:
+        import torch_fixture
+
+        if args.fixture:
+            torch_fixture.write_fixture(args.fixture, Gpt)
+        if args.check_export:
+            print(json.dumps(torch_fixture.check_export(args.check_export, Gpt, args.export_model)), flush=True)
+        return
     torch.backends.cuda.matmul.allow_tf32 = args.tf32 == "on"
     torch.backends.cudnn.allow_tf32 = args.tf32 == "on"
     if args.dp > 1:

@@ -5,6 +5,11 @@
 //! - [`trainer`]: the training computations (segments, loss, backward, optimizer) on burn;
 //! - [`runtime`]: the runtime API — typed actors, futures, tensor references, meshes,
 //!   supervision (see its module docs for the guarantees);
+//! - [`ps`]: the parameter server (Li et al., OSDI 2014) as a library on the runtime API — key
+//!   ranges on a consistent-hash ring, server actors with user-defined updates, consistency per
+//!   task, dense and sparse workers, checkpoints;
+//! - [`weights_file`], [`batch_file`] and [`tensor_file`]: weights and batches as safetensors
+//!   files with PyTorch's names and layouts (`--init`, `archipelago export`, `--data`);
 //! - [`codec`]: the one bincode codec for control data that crosses processes;
 //! - [`typed_tensor`]: tensors of every dtype as raw bytes;
 //! - [`fabric`]: how tensors move between actors, with the in-process implementation;
@@ -16,6 +21,7 @@
 //!   `cuda` feature) and the GPUs a host offers.
 
 pub mod backend;
+pub mod batch_file;
 pub mod block;
 pub mod checkpoint;
 pub mod codec;
@@ -31,9 +37,12 @@ pub mod optim;
 pub mod peak;
 pub mod progress;
 pub mod proto;
+pub mod ps;
 pub mod runtime;
+pub mod tensor_file;
 pub mod trainer;
 pub mod typed_tensor;
+pub mod weights_file;
 pub mod zoo;
 
 #[cfg(feature = "cuda")]

@@ -1,4 +1,4 @@
-//! The `archipelago` command line: `train`, `plan`, `bench`, `controller` and `host`.
+//! The `archipelago` command line: `train`, `plan`, `ps`, `export`, `bench`, `controller` and `host`.
 //!
 //! `train` and `plan` share one flag set, so `plan` shows exactly what `train` would run. Later
 //! parallelisms add flags here (`--pp`, `--schedule`, `--zero`, `--offload`, `--tp`,
@@ -35,6 +35,9 @@ pub enum Command {
     Train(Box<TrainArgs>),
     /// Compile and verify a job without starting any actor; print mesh, streams and memory.
     Plan(PlanArgs),
+    /// Train with a parameter server (Li et al., OSDI 2014): server actors hold the model's key
+    /// ranges on a consistent-hash ring, workers pull and push under a consistency model.
+    Ps(Box<crate::ps_job::cli::PsArgs>),
     /// Run the benchmarks and print JSON.
     Bench(crate::bench::BenchArgs),
     /// Serve the controller of a cluster: hosts register here, clients submit jobs here.
@@ -43,6 +46,9 @@ pub enum Command {
     Host(crate::cluster::commands::HostArgs),
     /// List what this host can offer: CPU cores, GPUs and their memory, as device specs.
     Devices(crate::host_devices::DevicesArgs),
+    /// Write the full model of a checkpoint (any layout) as one safetensors file with PyTorch's
+    /// names and layouts.
+    Export(crate::export::ExportArgs),
     /// The other end of the cross-process benchmark (started by `bench`).
     #[command(hide = true)]
     BenchPeer(crate::bench::cross_process::PeerArgs),
@@ -105,9 +111,15 @@ pub struct JobArgs {
     /// Seed of initialisation and synthetic data.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Train a gpt on the bytes of this text file instead of the synthetic stream.
+    /// Train on this file instead of the synthetic data: the bytes of a text file (a gpt), or a
+    /// `.safetensors` file of `inputs` `[n, in]` f32 and `targets` `[n]` integers (an mlp) or
+    /// `tokens` `[n, ctx+1]` integers (a gpt).
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Start from the weights in this safetensors file (PyTorch's names and layouts, as
+    /// `archipelago export` writes them) instead of the seeded initialisation.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
     /// Gradient bucket size in MiB (an all-reduce starts as each bucket's gradients are ready).
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mb: f64,
@@ -155,7 +167,11 @@ impl JobArgs {
     pub fn program(&self) -> anyhow::Result<Program> {
         let spec = ModelSpec::parse(&self.model)?;
         let mut program = Program::new(spec).with_seed(self.seed);
-        if let Some(path) = &self.data {
+        if let Some(path) = self.data.as_ref().filter(|p| is_safetensors(p)) {
+            program.data = DataSpec::TensorFile {
+                path: path.display().to_string(),
+            };
+        } else if let Some(path) = &self.data {
             if !matches!(program.model.input, InputKind::Tokens { .. }) {
                 anyhow::bail!("--data trains a gpt on text; `{}` is not a gpt model", self.model);
             }
@@ -163,6 +179,7 @@ impl JobArgs {
                 path: path.display().to_string(),
             };
         }
+        program.init = self.init.as_ref().map(|p| p.display().to_string());
         let blocks = program.model.blocks.len();
         program.plan = ParallelPlan {
             dp: self.dp,
@@ -195,6 +212,11 @@ impl JobArgs {
         }
         Ok(program)
     }
+}
+
+/// Whether `path` names a safetensors file (by its extension).
+fn is_safetensors(path: &std::path::Path) -> bool {
+    path.extension().is_some_and(|e| e == "safetensors")
 }
 
 impl JobArgs {

@@ -19,10 +19,12 @@ fn main() {
     let result = match &cli.command {
         Command::Train(args) => cli::train(args),
         Command::Plan(args) => cli::plan(args),
+        Command::Ps(args) => archipelago_controller::ps_job::cli::ps(args).map(|_| ()),
         Command::Bench(args) => archipelago_controller::bench::run(args),
         Command::Controller(args) => archipelago_controller::cluster::commands::controller(args),
         Command::Host(args) => archipelago_controller::cluster::commands::host(args),
         Command::Devices(args) => archipelago_controller::host_devices::devices(args),
+        Command::Export(args) => archipelago_controller::export::run(args),
         Command::BenchPeer(args) => archipelago_controller::bench::cross_process::peer_main(args),
         Command::BenchActorHost(args) => archipelago_controller::bench::actor_api::host_main(args),
     };

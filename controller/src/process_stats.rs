@@ -5,6 +5,11 @@ pub fn peak_rss_bytes() -> u64 {
     proc_kib_field("/proc/self/status", "VmHWM:")
 }
 
+/// Resident set size of this process now (`VmRSS`), 0 where unknown.
+pub fn rss_bytes() -> u64 {
+    proc_kib_field("/proc/self/status", "VmRSS:")
+}
+
 /// Total memory of this machine in bytes (`MemTotal`), 0 where unknown.
 pub fn mem_total_bytes() -> u64 {
     proc_kib_field("/proc/meminfo", "MemTotal:")

@@ -4,12 +4,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use archipelago_actors::batch_file::BatchFile;
 use archipelago_actors::checkpoint::{self, CheckpointReader, MANIFEST, Manifest};
 use archipelago_actors::device_actor::ComputationFactory;
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::InProcessFabric;
 use archipelago_actors::offload::OffloadStats;
 use archipelago_actors::trainer::Placement;
+use archipelago_actors::weights_file::InitWeights;
 use archipelago_actors::zoo::ModelBuilder;
 use archipelago_actors::{Builders, CpuBackend};
 use archipelago_dataflow::data::{DataSpec, TokenStream};
@@ -200,14 +202,25 @@ pub(crate) fn check_options(options: &TrainOptions) -> Result<(), JobError> {
     Ok(())
 }
 
-/// Refuses `--data` a model cannot train on (bytes outside a gpt's vocabulary, too short),
-/// before any actor starts. A file this process cannot read is left to the hosts to read.
+/// Refuses `--data` a model cannot train on (bytes outside a gpt's vocabulary, too short; a
+/// safetensors file without the tensors the model reads) and `--init` weights that are not
+/// exactly the model's, before any actor starts. A file this process cannot read is left to the
+/// hosts to read.
 pub(crate) fn check_data(program: &Program) -> Result<(), JobError> {
-    if let (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) =
-        (&program.data, program.model.input)
-        && let Ok(bytes) = std::fs::read(path)
-    {
-        TokenStream::check_text(path, &bytes, ctx, vocab).map_err(JobError::Runtime)?;
+    let path_here = |path: &str| std::path::Path::new(path).exists();
+    match (&program.data, program.model.input) {
+        (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
+            if let Ok(bytes) = std::fs::read(path) {
+                TokenStream::check_text(path, &bytes, ctx, vocab).map_err(JobError::Runtime)?;
+            }
+        }
+        (DataSpec::TensorFile { path }, input) if path_here(path) => {
+            BatchFile::open(std::path::Path::new(path), input).map_err(JobError::Runtime)?;
+        }
+        _ => {}
+    }
+    if let Some(path) = program.init.as_deref().filter(|p| path_here(p)) {
+        InitWeights::open(std::path::Path::new(path), &program.model).map_err(JobError::Runtime)?;
     }
     Ok(())
 }
@@ -357,15 +370,15 @@ pub(crate) async fn drive<G: Gang>(
             .fold(0.0, f64::max);
         for r in &reports {
             let (compute, wait) = split_time(&plan.actors[r.actor].stream.instructions, r);
-            per_actor_compute[r.actor].push(compute);
-            per_actor_wait[r.actor].push(wait);
+            push_recent(&mut per_actor_compute[r.actor], compute);
+            push_recent(&mut per_actor_wait[r.actor], wait);
             if step > first_step || options.steps == first_step {
-                per_actor_bubble[r.actor].push(1.0 - compute / span.max(1e-12));
+                push_recent(&mut per_actor_bubble[r.actor], 1.0 - compute / span.max(1e-12));
             }
             peaks[r.actor] = peaks[r.actor].max(r.metrics.peak_model_state_bytes);
             peak_held[r.actor] = peak_held[r.actor].max(r.metrics.peak_microbatches_held);
             for t in &r.timings {
-                per_instruction[r.actor][t.index].push(t.seconds);
+                push_recent(&mut per_instruction[r.actor][t.index], t.seconds);
             }
         }
         if let Some(trace) = &mut trace {
@@ -511,4 +524,16 @@ fn split_time(stream: &[Instruction], report: &StepReport) -> (f64, f64) {
         }
     }
     (compute, wait)
+}
+
+/// Steps whose timings the medians of a report cover at least (the last 1,024 to 2,047): a
+/// job of a million steps holds no more timings than one of two thousand.
+const RECENT_STEPS: usize = 1024;
+
+/// Appends a step's timing, forgetting the oldest [`RECENT_STEPS`] once twice as many are held.
+fn push_recent(times: &mut Vec<f64>, value: f64) {
+    times.push(value);
+    if times.len() >= 2 * RECENT_STEPS {
+        times.drain(..RECENT_STEPS);
+    }
 }

@@ -465,3 +465,96 @@ fn resuming_without_a_checkpoint_or_from_another_models_is_refused() {
         &["is of model", small],
     );
 }
+
+/// `--init` and `--data FILE.safetensors` are checked before any actor starts, naming the
+/// missing, extra or misshapen tensors; `train --init --data` then `export` writes the trained
+/// model, which `--init` accepts again.
+#[test]
+fn weights_and_batch_files_are_checked_before_launch_and_export_writes_the_model() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/../integration-tests/fixtures/torch");
+    let gpt = "gpt:vocab=16,ctx=8,d=16,layers=2,heads=2";
+    let file = |name: &str| format!("{fixture}/{name}");
+    refused(
+        &[
+            "train",
+            "--model",
+            gpt,
+            "--steps",
+            "1",
+            "--init",
+            &file("mlp.init.safetensors"),
+        ],
+        &[
+            "missing tok.weight",
+            "not parameters of this model: layers.0.bias",
+        ],
+    );
+    refused(
+        &[
+            "train",
+            "--model",
+            "gpt:vocab=16,ctx=8,d=8,layers=2,heads=2",
+            "--steps",
+            "1",
+            "--init",
+            &file("gpt.init.safetensors"),
+        ],
+        &["`tok.weight` is F32 [16, 16], expected F32 [16, 8]"],
+    );
+    refused(
+        &[
+            "train",
+            "--model",
+            gpt,
+            "--steps",
+            "1",
+            "--data",
+            &file("mlp.data.safetensors"),
+        ],
+        &["holds inputs, targets, which this model does not read; it reads only tokens"],
+    );
+    refused(
+        &[
+            "train",
+            "--model",
+            "gpt:vocab=16,ctx=4,d=16,layers=2,heads=2",
+            "--steps",
+            "1",
+            "--data",
+            &file("gpt.data.safetensors"),
+        ],
+        &["needs `tokens`: I64, I32 or U8 [n, 5]"],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let out = dir.path().join("model.safetensors");
+    let (ckpt, out) = (ckpt.to_str().unwrap(), out.to_str().unwrap());
+    let (ok, text) = archipelago(&[
+        "train",
+        "--model",
+        gpt,
+        "--steps",
+        "2",
+        "--batch",
+        "4",
+        "--dp",
+        "2",
+        "--zero",
+        "3",
+        "--init",
+        &file("gpt.init.safetensors"),
+        "--data",
+        &file("gpt.data.safetensors"),
+        "--checkpoint-dir",
+        ckpt,
+    ]);
+    assert!(ok, "{text}");
+    let (ok, text) = archipelago(&["export", ckpt, "--out", out]);
+    assert!(ok && text.contains("7232 parameters, step 2"), "{text}");
+    let (ok, text) = archipelago(&["train", "--model", gpt, "--steps", "1", "--init", out]);
+    assert!(ok, "{text}");
+    refused(
+        &["export", dir.path().to_str().unwrap(), "--out", out],
+        &["no complete checkpoint"],
+    );
+}

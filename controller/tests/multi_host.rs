@@ -252,7 +252,10 @@ fn a_hang_across_hosts_is_reported_with_the_chain_from_the_heartbeats() {
         ..TrainOptions::default()
     };
     let started = Instant::now();
-    let error = cluster.controller().train(&hung, &options).expect_err("a hung job must fail");
+    let error = cluster
+        .controller()
+        .train(&hung, &options)
+        .expect_err("a hung job must fail");
     let text = error.to_string();
     println!("reported after {:.1} s: {text}", started.elapsed().as_secs_f64());
     assert!(text.contains("who waits for whom"), "{text}");

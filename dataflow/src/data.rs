@@ -27,6 +27,14 @@ pub enum DataSpec {
         /// Path of the file, read by each actor.
         path: String,
     },
+    /// The rows of a safetensors file: `inputs` `[n, features]` f32 and `targets` `[n]` integer
+    /// classes for an mlp, `tokens` `[n, ctx + 1]` integer ids for a gpt (each row's first `ctx`
+    /// tokens are the inputs, its last `ctx` the next-token targets). Step `s` with global batch
+    /// `b` takes rows `(s·b + j) mod n`, `j` in `0..b`.
+    TensorFile {
+        /// Path of the file, read by each actor.
+        path: String,
+    },
 }
 
 /// A slice of a batch of dense rows.

@@ -49,6 +49,19 @@ pub enum PlanError {
     /// A device string could not be parsed.
     #[error("cannot read device `{0}`: expected `cpu:N` or `cuda:N`")]
     BadDevice(String),
+    /// A block's parameter descriptions are inconsistent.
+    #[error(
+        "block {block} `{name}`: {why}; describe each parameter once, with a unique name, so that the \
+         descriptions add up to the block's parameter count"
+    )]
+    BadParams {
+        /// The block.
+        block: usize,
+        /// Its name.
+        name: String,
+        /// What is wrong.
+        why: String,
+    },
     /// The model has no blocks.
     #[error("the model has no blocks; a model is an ordered list of at least one block")]
     EmptyModel,

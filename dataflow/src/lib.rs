@@ -40,6 +40,8 @@ pub mod memory;
 pub mod mesh;
 pub mod model_spec;
 pub mod optimizer;
+pub mod param_desc;
+pub mod param_names;
 pub mod passes;
 pub mod plan;
 pub mod program;
@@ -53,6 +55,7 @@ pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction};
 pub use mesh::Mesh;
 pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
 pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
+pub use param_desc::{DType, ParamDesc, ParamInit, Split};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
 pub use program::{Offload, ParallelPlan, Program, TestFault};
 

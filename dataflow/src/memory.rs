@@ -1,5 +1,8 @@
 //! The memory estimate per actor: parameters, gradients, optimizer state, activations and
-//! communication buffers, in bytes (f32), computed from the plan alone.
+//! communication buffers, in bytes, computed from the plan alone. Model state comes from the
+//! parameter descriptions ([`crate::ParamDesc`]): values in their dtype, gradients only for
+//! trainable parameters (in the same dtype), optimizer state in f32 only for trainable ones (a
+//! frozen LoRA base weight costs its values and nothing else). Activations are f32.
 //!
 //! Activations follow the schedule: a pipeline device holds those of every micro-batch in flight
 //! (GPipe: all `m`; 1F1B: at most `pp − s`), or only chunk inputs under activation checkpointing
@@ -99,12 +102,16 @@ pub struct ActorShare<'a> {
 pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> MemoryEstimate {
     let dp = program.plan.dp.max(1) as u64;
     let rows = share.microbatch_rows as u64;
-    let held_params: u64 = share
-        .chunks
-        .iter()
-        .map(|&(s, e)| model.blocks[s..e].iter().map(|b| b.params).sum::<u64>())
-        .sum();
-    let params = 4 * held_params;
+    let held = |of: fn(&crate::BlockInfo) -> u64| -> u64 {
+        share
+            .chunks
+            .iter()
+            .map(|&(s, e)| model.blocks[s..e].iter().map(of).sum::<u64>())
+            .sum()
+    };
+    let params = held(crate::BlockInfo::param_bytes);
+    let grads = held(crate::BlockInfo::grad_bytes);
+    let optimized = held(crate::BlockInfo::optimized_params);
     let acts = |s: usize, e: usize| -> u64 {
         model.blocks[s..e]
             .iter()
@@ -141,11 +148,11 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     };
     // ZeRO-3 gathers one segment's parameters while the previous one computes.
     let gathered = if zero >= 3 { 2 * largest_bucket } else { 0 };
-    let optimizer = sharded(params * program.optimizer.state_floats_per_param(), 1);
+    let optimizer = sharded(4 * optimized * program.optimizer.state_floats_per_param(), 1);
     let mut estimate = MemoryEstimate {
         actor: share.actor,
         params: sharded(params, 3),
-        grads: sharded(params, 2),
+        grads: sharded(grads, 2),
         optimizer,
         activations,
         buffers: if dp > 1 {
@@ -207,5 +214,70 @@ fn chunk_input_floats(model: &ModelDesc, start: usize) -> u64 {
         (0, InputKind::Dense { features, .. }) => features as u64,
         (0, InputKind::Tokens { ctx, .. }) => ctx as u64,
         (s, _) => model.blocks[s - 1].output_floats_per_sample,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ModelSpec;
+    use crate::optimizer::OptimizerSpec;
+    use crate::param_desc::DType;
+    use crate::passes::data_parallel::buckets;
+
+    /// One actor holding the whole model, with Adam (two state values per parameter).
+    fn whole_model(model: &ModelDesc) -> MemoryEstimate {
+        let program = Program::new(ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3").unwrap())
+            .with_optimizer(OptimizerSpec::adam(1e-3));
+        let all = buckets(model, u64::MAX);
+        let refs: Vec<&Bucket> = all.iter().collect();
+        estimate(
+            &program,
+            model,
+            ActorShare {
+                actor: 0,
+                chunks: &[(0, model.blocks.len())],
+                buckets: &refs,
+                microbatch_rows: 1,
+                peak_in_flight: 1,
+            },
+        )
+    }
+
+    /// Model state is counted from the descriptions: f32 values, gradients and Adam's `m`, `v`
+    /// for every trainable parameter; a bf16 parameter costs half its values and gradient; a
+    /// frozen one costs its values only (no gradient, no optimizer state), and leaves the
+    /// gradient buckets.
+    #[test]
+    fn model_state_follows_dtype_and_frozen_parameters() {
+        let mut model = ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3")
+            .unwrap()
+            .desc();
+        let n = model.params();
+        let base = whole_model(&model);
+        assert_eq!((base.params, base.grads, base.optimizer), (4 * n, 4 * n, 8 * n));
+
+        // Block 1's weight `[8, 8]` (64 elements) in bf16.
+        let w = &mut model.blocks[1].param_descs[0];
+        assert_eq!((w.name.as_str(), w.len()), ("layers.1.weight", 64));
+        w.dtype = DType::BF16;
+        let half = whole_model(&model);
+        assert_eq!((half.params, half.grads), (4 * n - 128, 4 * n - 128));
+        assert_eq!(half.optimizer, 8 * n, "optimizer state stays f32");
+
+        // The same weight frozen (back in f32).
+        let w = &mut model.blocks[1].param_descs[0];
+        w.dtype = DType::F32;
+        w.trainable = false;
+        let frozen = whole_model(&model);
+        assert_eq!(frozen.params, 4 * n);
+        assert_eq!(frozen.grads, 4 * (n - 64));
+        assert_eq!(frozen.optimizer, 8 * (n - 64));
+        let bytes: u64 = buckets(&model, u64::MAX).iter().map(|b| b.bytes).sum();
+        assert_eq!(
+            bytes,
+            4 * (n - 64),
+            "a frozen parameter has no gradient to reduce"
+        );
     }
 }

@@ -1,8 +1,10 @@
 //! Model descriptions: the zoo's specs (`mlp-8x1024`, `gpt-tiny`, parametric `mlp:`/`gpt:`) and
-//! the pure per-block facts the compiler plans with (parameter counts, activation sizes).
+//! the pure per-block facts the compiler plans with (each parameter's description, activation
+//! sizes).
 //!
 //! The definitions follow `shared/WORKLOADS.md` exactly. A model is an ordered list of blocks;
-//! the compiler never sees weights, only these counts.
+//! the compiler never sees weights, only their descriptions ([`ParamDesc`]: name, shape, dtype,
+//! trainable or frozen, split, initialisation).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -10,6 +12,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::PlanError;
+use crate::param_desc::{ParamDesc, describe};
 
 /// A model of the built-in zoo.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -74,8 +77,14 @@ impl InputKind {
 pub struct BlockInfo {
     /// A readable name, e.g. `linear_relu.3`.
     pub name: String,
-    /// Number of f32 parameters.
+    /// Number of parameter elements (the sum of [`BlockInfo::param_descs`]' lengths when they
+    /// are given; [`ModelDesc::check`] holds them to it).
     pub params: u64,
+    /// Each parameter, in the runtime's flattening order. Empty for a user model that gives only
+    /// a count: the runtime then describes its parameters from the burn module (f32, trainable,
+    /// replicated) and the compiler counts them as f32 and trainable.
+    #[serde(default)]
+    pub param_descs: Vec<ParamDesc>,
     /// f32 activations kept for backward, per sample.
     pub activation_floats_per_sample: u64,
     /// f32 values of the block's output per sample (what crosses to the next pipeline stage, and
@@ -95,10 +104,101 @@ pub struct ModelDesc {
     pub blocks: Vec<BlockInfo>,
 }
 
+impl BlockInfo {
+    /// A block described parameter by parameter (its count is their sum).
+    pub fn described(
+        name: impl Into<String>,
+        param_descs: Vec<ParamDesc>,
+        activation_floats_per_sample: u64,
+        output_floats_per_sample: u64,
+    ) -> BlockInfo {
+        BlockInfo {
+            name: name.into(),
+            params: param_descs.iter().map(|p| p.len() as u64).sum(),
+            param_descs,
+            activation_floats_per_sample,
+            output_floats_per_sample,
+        }
+    }
+
+    /// Number of parameter elements (cheap: no walk over the descriptions).
+    pub fn param_count(&self) -> u64 {
+        self.params
+    }
+
+    /// Bytes of the parameters' values, from each one's dtype (f32 when not described).
+    pub fn param_bytes(&self) -> u64 {
+        if self.param_descs.is_empty() {
+            return 4 * self.params;
+        }
+        self.param_descs.iter().map(ParamDesc::bytes).sum()
+    }
+
+    /// Bytes of the gradients: those of the trainable parameters (frozen ones have none).
+    pub fn grad_bytes(&self) -> u64 {
+        if self.param_descs.is_empty() {
+            return 4 * self.params;
+        }
+        self.param_descs.iter().map(ParamDesc::grad_bytes).sum()
+    }
+
+    /// Elements the optimizer keeps state for (the trainable parameters').
+    pub fn optimized_params(&self) -> u64 {
+        if self.param_descs.is_empty() {
+            return self.params;
+        }
+        self.param_descs.iter().map(ParamDesc::optimized_len).sum()
+    }
+
+    /// Whether any parameter is frozen.
+    pub fn has_frozen(&self) -> bool {
+        self.param_descs.iter().any(|p| !p.trainable)
+    }
+}
+
 impl ModelDesc {
     /// Total parameter count.
     pub fn params(&self) -> u64 {
         self.blocks.iter().map(|b| b.params).sum()
+    }
+
+    /// Checks the parameter descriptions: each described block's lengths add up to its count,
+    /// no parameter is empty, and names are unique over the model (initialisation and
+    /// checkpoints are keyed by them).
+    pub fn check(&self) -> Result<(), PlanError> {
+        let mut names = std::collections::HashSet::new();
+        for (index, block) in self.blocks.iter().enumerate() {
+            let bad = |why: String| PlanError::BadParams {
+                block: index,
+                name: block.name.clone(),
+                why,
+            };
+            if block.param_descs.is_empty() {
+                continue;
+            }
+            let sum: u64 = block.param_descs.iter().map(|p| p.len() as u64).sum();
+            if sum != block.params {
+                return Err(bad(format!(
+                    "its parameters add up to {sum} elements but it counts {}",
+                    block.params
+                )));
+            }
+            for p in &block.param_descs {
+                if p.is_empty() {
+                    return Err(bad(format!(
+                        "parameter `{}` has shape {:?}, with no element",
+                        p.name, p.shape
+                    )));
+                }
+                if !names.insert(p.name.as_str()) {
+                    return Err(bad(format!(
+                        "parameter name `{}` is used twice in the model",
+                        p.name
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -218,23 +318,24 @@ impl ModelSpec {
                 layers,
                 out,
             } => {
+                let mut params = describe(self).into_iter();
                 let mut blocks = Vec::with_capacity(layers + 1);
                 let mut width = input;
                 for i in 0..layers {
-                    blocks.push(BlockInfo {
-                        name: format!("linear_relu.{i}"),
-                        params: (width * hidden + hidden) as u64,
-                        activation_floats_per_sample: (width + 2 * hidden) as u64,
-                        output_floats_per_sample: hidden as u64,
-                    });
+                    blocks.push(BlockInfo::described(
+                        format!("linear_relu.{i}"),
+                        params.next().unwrap_or_default(),
+                        (width + 2 * hidden) as u64,
+                        hidden as u64,
+                    ));
                     width = hidden;
                 }
-                blocks.push(BlockInfo {
-                    name: "output".into(),
-                    params: (width * out + out) as u64,
-                    activation_floats_per_sample: (width + 3 * out) as u64,
-                    output_floats_per_sample: out as u64,
-                });
+                blocks.push(BlockInfo::described(
+                    "output",
+                    params.next().unwrap_or_default(),
+                    (width + 3 * out) as u64,
+                    out as u64,
+                ));
                 ModelDesc {
                     name: self.to_string(),
                     input: InputKind::Dense {
@@ -251,29 +352,28 @@ impl ModelSpec {
                 layers,
                 heads,
             } => {
-                let per_layer =
-                    2 * d + (d * 3 * d + 3 * d) + (d * d + d) + 2 * d + (d * 4 * d + 4 * d) + (4 * d * d + d);
                 let layer_acts = ctx * (17 * d + 3 * heads * ctx);
-                let mut blocks = vec![BlockInfo {
-                    name: "embedding".into(),
-                    params: (vocab * d + ctx * d) as u64,
-                    activation_floats_per_sample: (ctx * d) as u64,
-                    output_floats_per_sample: (ctx * d) as u64,
-                }];
+                let mut params = describe(self).into_iter();
+                let mut blocks = vec![BlockInfo::described(
+                    "embedding",
+                    params.next().unwrap_or_default(),
+                    (ctx * d) as u64,
+                    (ctx * d) as u64,
+                )];
                 for i in 0..layers {
-                    blocks.push(BlockInfo {
-                        name: format!("transformer.{i}"),
-                        params: per_layer as u64,
-                        activation_floats_per_sample: layer_acts as u64,
-                        output_floats_per_sample: (ctx * d) as u64,
-                    });
+                    blocks.push(BlockInfo::described(
+                        format!("transformer.{i}"),
+                        params.next().unwrap_or_default(),
+                        layer_acts as u64,
+                        (ctx * d) as u64,
+                    ));
                 }
-                blocks.push(BlockInfo {
-                    name: "head".into(),
-                    params: (2 * d + d * vocab) as u64,
-                    activation_floats_per_sample: (ctx * (2 * d + 3 * vocab)) as u64,
-                    output_floats_per_sample: (ctx * vocab) as u64,
-                });
+                blocks.push(BlockInfo::described(
+                    "head",
+                    params.next().unwrap_or_default(),
+                    (ctx * (2 * d + 3 * vocab)) as u64,
+                    (ctx * vocab) as u64,
+                ));
                 ModelDesc {
                     name: self.to_string(),
                     input: InputKind::Tokens { vocab, ctx },
@@ -337,6 +437,36 @@ mod tests {
     fn workload_parameter_counts_match_workloads_md() {
         assert_eq!(ModelSpec::parse("mlp-8x1024").unwrap().desc().params(), 8_407_050);
         assert_eq!(ModelSpec::parse("gpt-tiny").unwrap().desc().params(), 3_323_392);
+    }
+
+    /// Every zoo block is described parameter by parameter, the descriptions add up to its
+    /// count and pass the model check; a duplicated name or a wrong count is refused.
+    #[test]
+    fn zoo_blocks_are_described_parameter_by_parameter() {
+        for spec in [
+            "mlp-8x1024",
+            "gpt-tiny",
+            "gpt:vocab=64,ctx=16,d=32,layers=2,heads=2",
+        ] {
+            let desc = ModelSpec::parse(spec).unwrap().desc();
+            desc.check().unwrap();
+            for b in &desc.blocks {
+                assert!(!b.param_descs.is_empty(), "{spec} {}", b.name);
+                assert_eq!(b.param_bytes(), 4 * b.param_count());
+                assert_eq!(b.grad_bytes(), b.param_bytes());
+            }
+        }
+        let mut desc = ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3")
+            .unwrap()
+            .desc();
+        let first = desc.blocks[0].param_descs[0].clone();
+        desc.blocks[1].param_descs[0].name = first.name.clone();
+        assert!(desc.check().unwrap_err().to_string().contains("used twice"));
+        let mut desc = ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3")
+            .unwrap()
+            .desc();
+        desc.blocks[2].params += 1;
+        assert!(desc.check().unwrap_err().to_string().contains("add up to"));
     }
 
     #[test]

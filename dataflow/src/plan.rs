@@ -225,6 +225,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     if blocks == 0 {
         return Err(PlanError::EmptyModel);
     }
+    program.model.check()?;
     if !plan.batch.is_multiple_of(plan.dp) {
         let lower = plan.batch / plan.dp * plan.dp;
         return Err(PlanError::BatchNotDivisible {

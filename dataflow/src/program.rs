@@ -159,10 +159,14 @@ pub struct Program {
     /// island. A dp group spanning islands all-reduces hierarchically.
     #[serde(default)]
     pub islands: Vec<String>,
+    /// Start from the weights in this safetensors file (read by each actor; PyTorch's names and
+    /// layouts, see [`crate::param_names`]) instead of the seeded initialisation.
+    #[serde(default)]
+    pub init: Option<String>,
     /// Test hook, not an option: a fault the trainer injects so that the equivalence tests can
     /// show their comparison catches it. `None` (always, outside those tests) costs nothing.
     #[doc(hidden)]
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub test_fault: Option<TestFault>,
 }
 
@@ -216,6 +220,7 @@ impl Program {
             seed: 0,
             devices: Vec::new(),
             islands: Vec::new(),
+            init: None,
             test_fault: None,
         }
     }
@@ -233,6 +238,7 @@ impl Program {
             seed: 0,
             devices: Vec::new(),
             islands: Vec::new(),
+            init: None,
             test_fault: None,
         }
     }
@@ -248,7 +254,7 @@ impl Program {
         self.seed = seed;
         match &mut self.data {
             DataSpec::Clusters { seed: s } | DataSpec::SyntheticBytes { seed: s } => *s = seed,
-            DataSpec::TextFile { .. } => {}
+            DataSpec::TextFile { .. } | DataSpec::TensorFile { .. } => {}
         }
         self
     }

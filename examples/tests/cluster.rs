@@ -200,13 +200,19 @@ mod parameter_server {
             (ps.placement[2..]).iter().any(|(h, _)| *h != ps.placement[0].0),
             "a worker on the other host than server 0: {on:?}"
         );
-        let d_local = max_diff(&ps.params, &local.params).max(max_diff(&ps.losses, &local.losses));
-        let d_dp = max_diff(&ps.params, &params_dp).max(max_diff(&ps.losses, &losses_dp));
+        let d_local =
+            max_diff(ps.dense_params(), local.dense_params()).max(max_diff(&ps.losses, &local.losses));
+        let d_dp = max_diff(ps.dense_params(), &params_dp).max(max_diff(&ps.losses, &losses_dp));
         println!("K=0 on two hosts vs this process: {d_local:.2e}; vs dp=3: {d_dp:.2e}");
         assert!(d_local <= 1e-5, "{d_local}");
         assert!(d_dp <= 1e-5, "{d_dp}");
         assert_eq!(ps.max_lead(), 0);
-        assert!(ps.workers.iter().flatten().all(|s| s.applied == s.clock));
+        assert!(
+            ps.workers
+                .iter()
+                .flat_map(|w| &w.steps)
+                .all(|s| s.applied == s.clock)
+        );
 
         check_bounded_delay(&run(&cluster, &bounded(3)).unwrap(), 2);
 
@@ -218,6 +224,73 @@ mod parameter_server {
             error.contains("worker 1's loop") && error.contains("a planted failure at clock 4"),
             "{error}"
         );
+
+        cli_on_the_hosts(&hosts);
+    }
+
+    /// `archipelago ps --controller ADDR` (its command line run in this process, as the driver)
+    /// places a sparse logistic regression on the same hosts — processes of the example's binary,
+    /// which registers the library's types as `archipelago ps` does — and ends exactly where the
+    /// same command without `--controller` ends.
+    fn cli_on_the_hosts(hosts: &TestCluster) {
+        use archipelago_controller::ps_job::cli::run_command_line;
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, crate::support::cluster::TOKEN).unwrap();
+        let common = [
+            "--model",
+            "sparse-lr",
+            "--features",
+            "5000",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "1",
+            "--l1",
+            "0.001",
+            "--steps",
+            "5",
+            "--servers",
+            "2",
+            "--workers",
+            "2",
+            "--batch",
+            "64",
+            "--staleness",
+            "0",
+        ];
+        let report = |name: &str| dir.path().join(name).display().to_string();
+        let (local, remote) = (report("local.json"), report("cluster.json"));
+        let mut args: Vec<&str> = common.to_vec();
+        args.extend(["--report", &local]);
+        let here = run_command_line(&args).unwrap();
+        let token = token.display().to_string();
+        let mut args: Vec<&str> = common.to_vec();
+        args.extend([
+            "--controller",
+            &hosts.addr,
+            "--token-file",
+            &token,
+            "--report",
+            &remote,
+        ]);
+        let there = run_command_line(&args).unwrap();
+        println!(
+            "archipelago ps: param_l2 {} here, {} on the hosts",
+            here.param_l2, there.param_l2
+        );
+        assert!(std::path::Path::new(&local).exists() && std::path::Path::new(&remote).exists());
+        assert_eq!(there.steps.len(), 5);
+        let losses = |r: &archipelago_controller::ps_job::report::PsReport| {
+            r.steps.iter().map(|s| s.loss).collect::<Vec<_>>()
+        };
+        assert_eq!(losses(&here), losses(&there));
+        // Norms and objectives sum over a hash map's order: equal up to f64 rounding.
+        assert!((here.param_l2 - there.param_l2).abs() <= 1e-9 * here.param_l2);
+        let (a, b) = (here.sparse.unwrap(), there.sparse.unwrap());
+        assert_eq!(a.recovery, b.recovery);
+        assert!((a.objective_end - b.objective_end).abs() <= 1e-9);
+        assert_eq!(there.servers[0].pushes, 10);
     }
 }
 

@@ -81,19 +81,27 @@ mod parameter_server {
         let (losses, params) = data_parallel(&synchronous, 3);
         let (losses_dp1, params_dp1) = data_parallel(&synchronous, 1);
         let ps = run_local(&synchronous);
-        let (d_params, d_losses) = (max_diff(&ps.params, &params), max_diff(&ps.losses, &losses));
-        let d_dp1 = max_diff(&ps.params, &params_dp1).max(max_diff(&ps.losses, &losses_dp1));
+        let (d_params, d_losses) = (
+            max_diff(ps.dense_params(), &params),
+            max_diff(&ps.losses, &losses),
+        );
+        let d_dp1 = max_diff(ps.dense_params(), &params_dp1).max(max_diff(&ps.losses, &losses_dp1));
         println!("K=0 vs dp=3: params {d_params:.2e}, losses {d_losses:.2e}; vs dp=1: {d_dp1:.2e}");
         assert!(d_params <= 1e-5 && d_losses <= 1e-5, "{d_params} {d_losses}");
         assert!(d_dp1 <= 1e-5, "{d_dp1}");
         assert!(ps.losses[11] < 0.8 * ps.losses[0], "it trains: {:?}", ps.losses);
         // Lockstep: every clock computed on values holding every earlier clock.
         assert_eq!(ps.max_lead(), 0);
-        assert!(ps.workers.iter().flatten().all(|s| s.applied == s.clock));
+        assert!(
+            ps.workers
+                .iter()
+                .flat_map(|w| &w.steps)
+                .all(|s| s.applied == s.clock)
+        );
 
         for fault in [Fault::DropPushOf(1), Fault::AveragePushes] {
             let faulty = run_local(&config(3, 0, fault));
-            let d = max_diff(&faulty.params, &params);
+            let d = max_diff(faulty.dense_params(), &params);
             println!("{fault:?}: params {d:.2e}");
             assert!(d > 1e-3, "{fault:?} went unnoticed: max |diff| {d}");
         }

@@ -1,5 +1,8 @@
 //! Shared helpers for the integration tests: run a zoo model under a plan and compare reports.
 
+pub mod closed_form;
+pub mod torch_fixture;
+
 use archipelago_controller::{Controller, TrainOptions, TrainReport};
 use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
 
@@ -90,6 +93,31 @@ pub fn train(model: &str, dp: usize, batch: usize, steps: u64, bucket_bytes: u64
             },
         )
         .unwrap_or_else(|e| panic!("{model} dp={dp}: {e}"))
+}
+
+/// Asserts that `report`'s run of `model` (seed 7, as every helper here trains) moved each
+/// block's parameters away from their initial values (the library's initialisation from
+/// `(seed, name)`): a run that updated nothing would pass every equivalence trivially. (Whether a
+/// few steps lower the loss is left to chance by the batches; the update rules themselves are
+/// checked against closed forms and PyTorch in `optimizer_equivalence.rs`.)
+pub fn assert_params_moved(model: &str, report: &TrainReport) {
+    let desc = ModelSpec::parse(model).expect("model spec").desc();
+    let initial: Vec<f64> = desc
+        .blocks
+        .iter()
+        .map(|b| {
+            let init = archipelago_actors::block::initial_params(&b.param_descs, 7);
+            init.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>().sqrt()
+        })
+        .collect();
+    assert_eq!(initial.len(), report.block_l2.len(), "{model}: block counts");
+    for (b, (before, after)) in initial.iter().zip(&report.block_l2).enumerate() {
+        let moved = (before - after).abs() / before.max(1e-12);
+        assert!(
+            moved > 1e-6,
+            "{model}: block {b}'s parameters did not move from their initialisation ({before} → {after})"
+        );
+    }
 }
 
 /// Largest relative difference between two non-negative figures lists.

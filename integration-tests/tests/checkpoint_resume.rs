@@ -5,8 +5,12 @@
 
 use std::path::Path;
 
+use archipelago_actors::checkpoint::{
+    CheckpointReader, Manifest, Piece, ShardState, Slice, step_dir, write_manifest, write_shard,
+};
 use archipelago_controller::{TrainOptions, TrainReport};
 use archipelago_dataflow::{LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, Program};
+use archipelago_integration_tests::closed_form::{excess, read_params};
 use archipelago_integration_tests::{
     max_relative_difference, small_plan as plan, train_program, train_with_options,
 };
@@ -147,14 +151,51 @@ fn offloaded_state_checkpoints_and_resumes_across_tiers_and_layouts() {
     }
 }
 
-/// SGD with Nesterov momentum and weight decay (one state value: its buffer, stored where `m`
-/// goes), AdamW and LAMB (two), each under warmup and cosine decay over 8 steps: stopped after 4
-/// under dp=2 ZeRO-3 and resumed on other layouts — and, for the momentum buffer, from and into
-/// an offload actor's region — they equal the run that never stopped, the schedule's position
-/// coming back with the step counter.
+/// Reads the checkpoint in `from` and writes it, piece by piece through the library's writer,
+/// into `to` after `edit` (a negative control's damage).
+fn rewrite_checkpoint(from: &Path, to: &Path, edit: &dyn Fn(&mut ShardState)) {
+    let reader = CheckpointReader::open(from).unwrap();
+    let manifest = reader.manifest().clone();
+    let mut files = Vec::new();
+    for f in &manifest.files {
+        let mut state = ShardState {
+            steps: f.header.steps,
+            schedule_step: f.header.schedule_step,
+            pieces: Vec::new(),
+        };
+        for p in &f.header.pieces {
+            let Slice::Flat { start, end } = p.slice else {
+                panic!("the trainer writes flat pieces")
+            };
+            let names: Vec<&str> = p.state.iter().map(String::as_str).collect();
+            let (values, tensors) = reader.read_param(&p.param, &p.shape, start..end, &names).unwrap();
+            state.pieces.push(Piece {
+                block: p.block,
+                block_offset: p.block_offset,
+                param: p.param.clone(),
+                shape: p.shape.clone(),
+                slice: p.slice.clone(),
+                values,
+                state: p.state.iter().cloned().zip(tensors).collect(),
+            });
+        }
+        edit(&mut state);
+        files.push(write_shard(to, f.header.actor, &state).unwrap());
+    }
+    write_manifest(to, &Manifest { files, ..manifest }).unwrap();
+}
+
+/// SGD with Nesterov momentum and weight decay (its `momentum_buffer`), AdamW and LAMB
+/// (`exp_avg`, `exp_avg_sq`), each under 3 steps of warmup then cosine decay over 8 steps:
+/// stopped inside the warmup (after step 2) or right after it (after step 4) on one layout and
+/// resumed on another — for the momentum buffer also from and into an offload actor's region —
+/// they end at the parameters of the run that never stopped, element by element, with its
+/// losses and its rate at every step. Negative controls: the same checkpoint with the schedule's
+/// position reset to 0, or with the optimizer state dropped (zeroed), trains elsewhere.
 #[test]
 fn momentum_adamw_and_lamb_resume_with_their_state_and_schedule() {
     use archipelago_dataflow::Offload;
+    const STEPS: u64 = 8;
     let momentum = OptimizerSpec::sgd(0.1)
         .with_weight_decay(0.01)
         .with_momentum(0.9, true)
@@ -163,49 +204,88 @@ fn momentum_adamw_and_lamb_resume_with_their_state_and_schedule() {
         offload: Offload::Cpu,
         ..plan(dp, 1, zero)
     };
-    for (optimizer, readers) in [
-        (
-            momentum,
-            vec![(plan(1, 1, 0), "dp=1"), (cpu(2, 1), "dp=2 zero 1 + cpu")],
-        ),
-        (
-            OptimizerSpec::adamw(1e-2),
-            vec![(plan(1, 1, 0), "dp=1"), (plan(2, 2, 1), "dp=2 pp=2 zero 1")],
-        ),
-        (
-            OptimizerSpec::lamb(1e-2),
-            vec![(plan(1, 1, 0), "dp=1"), (plan(1, 3, 0), "pp=3")],
-        ),
+    for (optimizer, writer, reader, rtol) in [
+        (momentum, cpu(2, 3), plan(1, 2, 0), 1e-5),
+        (momentum, plan(2, 1, 3), cpu(2, 1), 1e-5),
+        (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), plan(2, 2, 1), 1e-4),
+        (OptimizerSpec::lamb(1e-2), plan(1, 2, 0), plan(2, 1, 3), 1e-4),
     ] {
         let name = optimizer.name();
         let program = |layout| {
             Program::new(ModelSpec::parse(MLP).unwrap())
                 .with_seed(7)
                 .with_optimizer(optimizer)
-                .with_lr_schedule(LrSchedule::cosine(2, 8))
+                .with_lr_schedule(LrSchedule::cosine(3, STEPS))
                 .with_plan(layout)
         };
-        let reference = train_program(&program(plan(1, 1, 0)), &options(8, None, 0, false));
         let root = tempfile::tempdir().unwrap();
-        let mut writers = vec![(plan(2, 1, 3), "dp=2 zero 3")];
-        if optimizer.state_floats_per_param() == 1 {
-            writers.push((cpu(2, 3), "dp=2 zero 3 + cpu"));
-        }
-        for (writer, from) in writers {
-            let stopped = root.path().join(from.replace([' ', '=', '+'], "_"));
-            train_program(&program(writer), &options(4, Some(&stopped), 4, false));
-            for (reader, to) in &readers {
+        let straight = root.path().join("straight");
+        let reference = train_program(
+            &program(plan(1, 1, 0)),
+            &options(STEPS, Some(&straight), STEPS, false),
+        );
+        let reference_params = read_params(&step_dir(&straight, STEPS), &program(plan(1, 1, 0)));
+        let expected: Vec<Vec<f64>> = reference_params
+            .iter()
+            .map(|p| p.iter().map(|&x| f64::from(x)).collect())
+            .collect();
+        let resume = |dir: &Path, what: &str| {
+            let resumed = train_program(&program(reader.clone()), &options(STEPS, Some(dir), STEPS, true));
+            let params = read_params(&step_dir(dir, STEPS), &program(reader.clone()));
+            let (excess, abs) = excess(&expected, &params, rtol, 1e-6);
+            eprintln!("{name} {what}: max |Δparam| {abs:e} (allclose excess {excess:.3})");
+            (resumed, excess, abs)
+        };
+        for stop in [2, 4] {
+            let what = format!("{} → {} after step {stop}", describe(&writer), describe(&reader));
+            let stopped = root.path().join(format!("stopped-{stop}"));
+            train_program(
+                &program(writer.clone()),
+                &options(stop, Some(&stopped), stop, false),
+            );
+            let dir = root.path().join(format!("resumed-{stop}"));
+            copy_dir(&stopped, &dir);
+            let (resumed, excess, abs) = resume(&dir, &what);
+            assert_continues(&reference, &resumed, stop + 1, &format!("{name}: {what}"));
+            assert!(excess <= 1.0, "{name} {what}: parameters differ by {abs:e}");
+            for (s, r) in resumed.steps.iter().zip(&reference.steps[stop as usize..]) {
+                assert_eq!(s.lr, r.lr, "{name} {what}: the rate of step {}", s.step);
+            }
+            // Negative controls: the schedule restarted, the optimizer state lost.
+            let from = step_dir(&stopped, stop);
+            for (control, edit) in [
+                (
+                    "schedule position reset",
+                    &(|s: &mut ShardState| s.schedule_step = 0) as &dyn Fn(&mut ShardState),
+                ),
+                ("optimizer state dropped", &|s: &mut ShardState| {
+                    for p in &mut s.pieces {
+                        for (_, t) in &mut p.state {
+                            t.iter_mut().for_each(|x| *x = 0.0);
+                        }
+                    }
+                }),
+            ] {
                 let dir = root
                     .path()
-                    .join(format!("{from}-{to}").replace([' ', '=', '+'], "_"));
-                copy_dir(&stopped, &dir);
-                let resumed = train_program(&program(reader.clone()), &options(8, Some(&dir), 0, true));
-                assert_continues(&reference, &resumed, 5, &format!("{name}: {from} → {to}"));
-                assert_eq!(
-                    resumed.steps[0].lr, reference.steps[4].lr,
-                    "{name}: the schedule's position"
+                    .join(format!("control-{stop}-{}", control.replace(' ', "-")));
+                rewrite_checkpoint(&from, &step_dir(&dir, stop), edit);
+                let (_, excess, abs) = resume(&dir, &format!("{what} with the {control}"));
+                assert!(
+                    excess > 100.0,
+                    "{name} {what}: the {control} is not caught ({abs:e}, {excess:.1}× the tolerance)"
                 );
             }
         }
     }
+}
+
+fn describe(layout: &ParallelPlan) -> String {
+    format!(
+        "dp={} pp={} zero {}{}",
+        layout.dp,
+        layout.pp,
+        layout.zero,
+        if layout.offload.is_some() { " + cpu" } else { "" }
+    )
 }

@@ -4,7 +4,7 @@
 //! zero 2 4Ψ + 12Ψ/N; zero 3 16Ψ/N — and the plan's estimate. Under ZeRO-3 no actor keeps a
 //! compute copy of the weights between steps.
 
-use archipelago_integration_tests::{assert_equivalent, small_plan as plan, train_plan};
+use archipelago_integration_tests::{assert_equivalent, assert_params_moved, small_plan as plan, train_plan};
 
 const MLP7: &str = "mlp:in=24,hidden=48,layers=6,out=5";
 const PARAMS: f64 = 13_205.0;
@@ -21,10 +21,7 @@ fn formula(zero: u8, psi: f64, n: f64) -> f64 {
 #[test]
 fn every_zero_stage_matches_one_device_and_the_memory_formulas() {
     let reference = train_plan(MLP7, plan(1, 1, 0), 6);
-    assert!(
-        reference.final_loss < reference.steps[0].loss,
-        "the mlp does not learn"
-    );
+    assert_params_moved(MLP7, &reference);
     for zero in [0, 1, 2, 3] {
         for dp in [2, 4] {
             let run = train_plan(MLP7, plan(dp, 1, zero), 6);

@@ -1,7 +1,7 @@
 //! Collectives on top of the fabric, and the worker thread that runs them beside compute.
 //!
 //! A group whose members all live in one process reduces through their buffers
-//! ([`shared`]); any other group runs the chunked ring of messages ([`ring_all_reduce`]).
+//! ([`shared`]); any other group runs the chunked ring of messages ([`ring_all_reduce()`]).
 //! [`all_reduce`], [`reduce_scatter`] and [`all_gather`] pick between them by asking the fabric
 //! ([`crate::fabric::Fabric::shared_group`]), so every member of a group picks the same.
 

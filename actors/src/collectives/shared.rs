@@ -169,7 +169,7 @@ impl SharedCollectives {
         }
     }
 
-    /// Sums `data` over `group` in place, as [`super::ring_all_reduce`] does; every member of
+    /// Sums `data` over `group` in place, as [`super::ring_all_reduce()`] does; every member of
     /// `group` calls it from its own thread with the same `edge` and length.
     pub fn all_reduce(
         &self,

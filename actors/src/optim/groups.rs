@@ -2,11 +2,11 @@
 //! of BERT/GPT-2: no weight decay for biases and LayerNorm): which elements of the optimizer's
 //! flat state belong to which parameter, and whether that parameter takes weight decay.
 //!
-//! The trainer builds a [`ParamLayout`] from its blocks' parameter shapes (`Block::param_shapes`)
-//! and the ZeRO shard it owns: a parameter cut by a shard boundary appears as a part on each
-//! replica, under the same parameter index, so LAMB's per-parameter norms add up across the dp
-//! group. Until the plan describes parameters one by one (issue 17), this is where the groups
-//! come from; any caller with its own knowledge of the parameters can build one directly.
+//! The trainer builds a [`ParamLayout`] from its blocks' parameter shapes (`Block::param_shapes`,
+//! checked against the plan's parameter descriptions) and the ZeRO shard it owns: a parameter
+//! cut by a shard boundary appears as a part on each replica, under the same parameter index, so
+//! LAMB's per-parameter norms add up across the dp group. Any caller with its own knowledge of
+//! the parameters can build one directly.
 
 use std::ops::Range;
 

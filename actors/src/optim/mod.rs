@@ -53,6 +53,9 @@ pub struct FlatOptimizer {
     /// Second moments (Adam, AdamW, LAMB); empty otherwise.
     v: Vec<f32>,
     t: i32,
+    /// Steps the learning-rate schedule has advanced (checkpointed beside `t`; they move
+    /// together, but a resumed run restores each from what was saved).
+    schedule_step: u64,
     lr: f32,
     grad_scale: f32,
     /// LAMB: this step's trust ratio per parameter, once the reduced norms are set.
@@ -70,6 +73,7 @@ impl FlatOptimizer {
             m: vec![0.0; if floats >= 1 { len } else { 0 }],
             v: vec![0.0; if floats >= 2 { len } else { 0 }],
             t: 0,
+            schedule_step: 0,
             lr: spec.lr(),
             grad_scale: 1.0,
             trust: Vec::new(),
@@ -101,14 +105,15 @@ impl FlatOptimizer {
     /// position) and sets the step's learning rate; no clipping until [`FlatOptimizer::clip`].
     pub fn begin_step(&mut self) {
         self.t += 1;
-        self.lr = self.lr_at(self.t);
+        self.schedule_step += 1;
+        self.lr = self.lr_at(self.schedule_step);
         self.grad_scale = 1.0;
         self.trust.clear();
     }
 
-    /// The learning rate of step `t` (from 1) under the schedule.
-    pub fn lr_at(&self, t: i32) -> f32 {
-        self.spec.lr() * self.schedule.factor(t.max(1) as u64)
+    /// The learning rate at schedule position `t` (from 1).
+    pub fn lr_at(&self, t: u64) -> f32 {
+        self.spec.lr() * self.schedule.factor(t.max(1))
     }
 
     /// This step's learning rate.
@@ -263,6 +268,23 @@ impl FlatOptimizer {
     /// Sets the steps taken (a restored checkpoint's).
     pub fn set_steps(&mut self, t: i32) {
         self.t = t;
+    }
+
+    /// Steps the learning-rate schedule has advanced: the next step's rate is the schedule's at
+    /// this + 1.
+    pub fn schedule_step(&self) -> u64 {
+        self.schedule_step
+    }
+
+    /// Sets the schedule's position (a restored checkpoint's, or one more after an update run
+    /// elsewhere: the offload actor's).
+    pub fn set_schedule_step(&mut self, position: u64) {
+        self.schedule_step = position;
+    }
+
+    /// The rate of the next step under the schedule.
+    pub fn next_lr(&self) -> f32 {
+        self.lr_at(self.schedule_step + 1)
     }
 
     /// The state of the parameters at `range`: (`m` or SGD's momentum buffer, `v`); empty

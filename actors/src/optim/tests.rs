@@ -452,9 +452,9 @@ fn weight_decay_skips_parameters_without_decay() {
     );
 }
 
-/// A run stopped after 3 steps, its state and step counter moved into a fresh optimizer (as a
-/// checkpoint does), equals 6 uninterrupted steps bit for bit, for each stateful rule and a
-/// schedule whose position comes from the step counter.
+/// A run stopped after 3 steps, its state, step counter and schedule position moved into a
+/// fresh optimizer (as a checkpoint does), equals 6 uninterrupted steps bit for bit, for each
+/// stateful rule; a schedule position left at 0 (the warmup again) is caught.
 #[test]
 fn resuming_from_state_and_step_counter_equals_not_stopping() {
     let schedule = LrSchedule::linear(2, 6).with_final_fraction(0.1);
@@ -486,10 +486,19 @@ fn resuming_from_state_and_step_counter_equals_not_stopping() {
         let mut resumed = fresh();
         resumed.set_state(0, m, v);
         resumed.set_steps(first.steps());
+        let mut reset = resumed.clone();
+        resumed.set_schedule_step(first.schedule_step());
+        let mut r = q.clone();
         for t in 4..=STEPS {
             step(&mut resumed, &mut q, t);
+            step(&mut reset, &mut r, t);
         }
         assert_eq!(p, q, "{}", spec.name());
+        assert!(
+            max_diff(&r, &p.iter().map(|&x| x as f64).collect::<Vec<_>>()) > 1e-4,
+            "{}: reset schedule",
+            spec.name()
+        );
         assert_eq!(
             resumed.state_bytes(),
             4 * 7 * spec.state_floats_per_param(),

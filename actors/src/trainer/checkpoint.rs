@@ -4,13 +4,17 @@
 //! Ownership follows ZeRO: under ZeRO ≥ 1 each replica saves its shard of every block (parameters
 //! and optimizer state); unsharded replicas hold the same state, so only replica 0 saves it.
 //! With offload the owned state is read from (and restored into) the offload actor's regions.
+//! Whatever an actor owns of a block is cut at its parameters' boundaries: each piece is one
+//! named parameter or a flat range of one, with the optimizer state of those elements under the
+//! names of [`archipelago_dataflow::OptimizerSpec::state_names`]; restoring reads each parameter
+//! by name, its shape checked against this model's description.
 
 use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
 
 use super::Trainer;
-use crate::checkpoint::{CheckpointReader, Piece, ShardState};
+use crate::checkpoint::{CheckpointReader, Piece, ShardState, Slice};
 
 /// Where one block's part of a segment's offload region lies.
 struct RegionPart {
@@ -21,7 +25,90 @@ struct RegionPart {
     in_region: Range<usize>,
 }
 
+/// Where one parameter's part of a block range lies.
+struct ParamSpan {
+    /// The parameter's index in its block's descriptions.
+    param: usize,
+    /// Where the parameter starts in the block.
+    block_offset: usize,
+    /// Its elements in the range.
+    in_param: Range<usize>,
+    /// The same elements, relative to the range's start.
+    in_range: Range<usize>,
+}
+
 impl<B: AutodiffBackend> Trainer<B> {
+    /// Block `block`'s range `in_block` cut at its parameters' boundaries.
+    fn param_spans(&self, block: usize, in_block: &Range<usize>) -> Vec<ParamSpan> {
+        let mut spans = Vec::new();
+        let mut at = 0;
+        for (param, p) in self.param_descs[block].iter().enumerate() {
+            let span = at..at + p.len();
+            let (from, to) = (span.start.max(in_block.start), span.end.min(in_block.end));
+            if from < to {
+                spans.push(ParamSpan {
+                    param,
+                    block_offset: span.start,
+                    in_param: from - span.start..to - span.start,
+                    in_range: from - in_block.start..to - in_block.start,
+                });
+            }
+            at = span.end;
+        }
+        spans
+    }
+
+    /// Pieces of block `block`'s range `in_block`: one per parameter it touches, with `values`
+    /// and each named state tensor (all of the range's length) cut to that parameter's part.
+    fn pieces_of(
+        &self,
+        block: usize,
+        in_block: &Range<usize>,
+        values: &[f32],
+        state: &[(&str, &[f32])],
+    ) -> Vec<Piece> {
+        self.param_spans(block, in_block)
+            .into_iter()
+            .map(|s| {
+                let p = &self.param_descs[block][s.param];
+                Piece {
+                    block,
+                    block_offset: s.block_offset,
+                    param: p.name.clone(),
+                    shape: p.shape.clone(),
+                    slice: Slice::flat(s.in_param),
+                    values: values[s.in_range.clone()].to_vec(),
+                    state: state
+                        .iter()
+                        .map(|(name, v)| (name.to_string(), v[s.in_range.clone()].to_vec()))
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// Reads block `block`'s range `in_block` from `checkpoint`, parameter by parameter by name:
+    /// the values and the state tensors `state`, each of the range's length.
+    fn read_range(
+        &self,
+        checkpoint: &CheckpointReader,
+        block: usize,
+        in_block: &Range<usize>,
+        state: &[&str],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>), String> {
+        let mut values = vec![0.0f32; in_block.len()];
+        let mut tensors = vec![vec![0.0f32; in_block.len()]; state.len()];
+        for s in self.param_spans(block, in_block) {
+            let p = &self.param_descs[block][s.param];
+            let (v, st) = checkpoint.read_param(&p.name, &p.shape, s.in_param, state)?;
+            values[s.in_range.clone()].copy_from_slice(&v);
+            for (into, from) in tensors.iter_mut().zip(st) {
+                into[s.in_range.clone()].copy_from_slice(&from);
+            }
+        }
+        Ok((values, tensors))
+    }
+
     /// The part of block `index` this actor owns in a checkpoint: (range in the block, where its
     /// optimizer state lives); `None` when another actor owns it all.
     fn checkpoint_part(&self, index: usize) -> Option<(Range<usize>, Range<usize>)> {
@@ -72,25 +159,26 @@ impl<B: AutodiffBackend> Trainer<B> {
                 if self.sharding.zero == 0 && self.sharding.rank != 0 {
                     return Ok(None);
                 }
+                let names = self.optimizer.spec().state_names();
                 let mut pieces = Vec::new();
                 for (start, len, parts) in self.offload_regions()? {
+                    if len == 0 {
+                        continue; // this replica's shard of the segment is empty
+                    }
                     let region = offload.read_state(start)?;
-                    // `[params | m | v]`, as many parts as the rule keeps state values + 1.
-                    let values = (region.len() / len.max(1)).saturating_sub(1);
+                    // `[params | state 1 | state 2]`, as many parts as the rule keeps tensors + 1.
+                    let kept = (region.len() / len.max(1)).saturating_sub(1);
+                    if kept != names.len() {
+                        return Err(format!(
+                            "the offload actor keeps {kept} state tensors per parameter, {} keeps {names:?}",
+                            self.optimizer.spec().name()
+                        ));
+                    }
                     for p in parts {
-                        let part = |k: usize| {
-                            if k > values {
-                                return Vec::new();
-                            }
-                            region[k * len + p.in_region.start..k * len + p.in_region.end].to_vec()
-                        };
-                        pieces.push(Piece {
-                            block: p.block,
-                            range: p.in_block,
-                            params: part(0),
-                            m: part(1),
-                            v: part(2),
-                        });
+                        let part = |k: usize| &region[k * len + p.in_region.start..k * len + p.in_region.end];
+                        let state: Vec<(&str, &[f32])> =
+                            names.iter().enumerate().map(|(k, n)| (*n, part(k + 1))).collect();
+                        pieces.extend(self.pieces_of(p.block, &p.in_block, part(0), &state));
                     }
                 }
                 pieces
@@ -106,7 +194,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         } else {
             self.optimizer.steps()
         };
-        Ok(Some(ShardState { steps, pieces }))
+        Ok(Some(ShardState {
+            steps,
+            schedule_step: self.optimizer.schedule_step(),
+            pieces,
+        }))
     }
 
     /// The owned pieces of state held by this actor itself (no offload).
@@ -123,30 +215,32 @@ impl<B: AutodiffBackend> Trainer<B> {
                 self.master[base + in_block.start..base + in_block.end].to_vec()
             };
             let (m, v) = self.optimizer.state(at);
-            pieces.push(Piece {
-                block: index,
-                range: in_block,
-                params,
-                m: m.to_vec(),
-                v: v.to_vec(),
-            });
+            let state: Vec<(&str, &[f32])> = self
+                .optimizer
+                .spec()
+                .state_names()
+                .iter()
+                .copied()
+                .zip([m, v])
+                .collect();
+            pieces.extend(self.pieces_of(index, &in_block, &params, &state));
         }
         pieces
     }
 
-    /// Loads the held blocks' parameters and this actor's optimizer state from `checkpoint`,
-    /// whatever layout wrote it.
+    /// Loads the held blocks' parameters, this actor's optimizer state, the optimizer's step
+    /// count and the schedule's position from `checkpoint`, whatever layout wrote it.
     pub fn restore(&mut self, checkpoint: &CheckpointReader) -> Result<(), String> {
-        // State values per parameter of the rule (offloaded state is restored below).
-        let floats = self.optimizer.spec().state_floats_per_param() as usize;
-        let values = if self.offload.is_some() { 0 } else { floats };
+        let names = self.optimizer.spec().state_names();
+        // Offloaded state is restored below, into the offload actor's regions.
+        let resident: &[&str] = if self.offload.is_some() { &[] } else { names };
         for index in 0..self.blocks.len() {
             if !self.held_blocks[index] {
                 continue;
             }
             let len = self.offsets[index + 1] - self.offsets[index];
             if self.sharding.zero < 3 {
-                let [params, ..] = checkpoint.read(index, 0..len, false)?;
+                let (params, _) = self.read_range(checkpoint, index, &(0..len), &[])?;
                 self.master[self.offsets[index]..self.offsets[index + 1]].copy_from_slice(&params);
             }
             let part = if self.sharding.zero >= 1 {
@@ -155,30 +249,33 @@ impl<B: AutodiffBackend> Trainer<B> {
                 Some((0..len, self.offsets[index]..self.offsets[index + 1]))
             };
             if let Some((in_block, at)) = part {
-                let [params, m, v] = checkpoint.read_values(index, in_block, values)?;
+                let (params, state) = self.read_range(checkpoint, index, &in_block, resident)?;
                 if self.sharding.zero >= 3 && !self.offload_params {
                     self.shard_master[at.clone()].copy_from_slice(&params);
                 }
-                self.optimizer.set_state(at.start, &m, &v);
+                let empty = Vec::new();
+                let (m, v) = (state.first().unwrap_or(&empty), state.get(1).unwrap_or(&empty));
+                self.optimizer.set_state(at.start, m, v);
             }
             if self.sharding.zero < 3 {
                 self.reload(index..index + 1)?;
             }
         }
         if let Some(offload) = &self.offload {
-            let thirds = 1 + floats;
+            let tensors = 1 + names.len();
             for (start, len, parts) in self.offload_regions()? {
-                let mut region = vec![0.0f32; thirds * len];
+                let mut region = vec![0.0f32; tensors * len];
                 for p in parts {
-                    let values = checkpoint.read_values(p.block, p.in_block, floats)?;
-                    for (k, v) in values.iter().take(thirds).enumerate() {
-                        region[k * len + p.in_region.start..k * len + p.in_region.end].copy_from_slice(v);
+                    let (params, state) = self.read_range(checkpoint, p.block, &p.in_block, names)?;
+                    for (k, v) in std::iter::once(params).chain(state).enumerate() {
+                        region[k * len + p.in_region.start..k * len + p.in_region.end].copy_from_slice(&v);
                     }
                 }
                 offload.write_state(start, region)?;
             }
         }
         self.optimizer.set_steps(checkpoint.steps());
+        self.optimizer.set_schedule_step(checkpoint.schedule_step());
         self.steps_done = checkpoint.steps();
         Ok(())
     }

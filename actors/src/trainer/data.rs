@@ -6,14 +6,23 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use archipelago_dataflow::InputKind;
-use archipelago_dataflow::data::{ClusterPool, DataSpec, TokenStream};
+use archipelago_dataflow::data::{ClusterPool, DataSpec, DenseBatch, TokenBatch, TokenStream};
 
 use super::Trainer;
+use crate::batch_file::BatchFile;
 use crate::block::Activation;
 
 pub(super) enum Samples {
     Clusters(ClusterPool),
     Tokens(TokenStream),
+    /// Rows of a safetensors file (`--data FILE.safetensors`).
+    File(BatchFile),
+}
+
+/// One micro-batch's rows, from whichever source.
+enum Rows {
+    Dense(DenseBatch),
+    Tokens(TokenBatch),
 }
 
 pub(super) struct Batch<B: AutodiffBackend> {
@@ -24,9 +33,21 @@ pub(super) struct Batch<B: AutodiffBackend> {
 impl<B: AutodiffBackend> Trainer<B> {
     pub(super) fn load_batch(&mut self, step: u64, rows: Range<usize>, name: &str) {
         let n = rows.len();
-        let batch = match &self.samples {
-            Samples::Clusters(pool) => {
-                let b = pool.batch(step, self.global_batch, rows);
+        // Tokens per sequence (a gpt; 1 for dense rows, which do not use it).
+        let ctx = self.desc.input.tokens_per_sample();
+        let rows = match &self.samples {
+            Samples::Clusters(pool) => Rows::Dense(pool.batch(step, self.global_batch, rows)),
+            Samples::Tokens(stream) => Rows::Tokens(stream.batch(step, self.global_batch, ctx, rows)),
+            Samples::File(file) => match file.dense(step, self.global_batch, rows.clone()) {
+                Some(dense) => Rows::Dense(dense),
+                None => Rows::Tokens(
+                    file.tokens(step, self.global_batch, rows)
+                        .expect("a batch file holds dense or token rows"),
+                ),
+            },
+        };
+        let batch = match rows {
+            Rows::Dense(b) => {
                 let features = b.x.len() / n.max(1);
                 let x = Tensor::<B, 2>::from_data(TensorData::new(b.x, [n, features]), &self.device);
                 let labels: Vec<i32> = b.labels.iter().map(|&l| l as i32).collect();
@@ -35,11 +56,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     targets: Tensor::from_data(TensorData::new(labels, [n]), &self.device),
                 }
             }
-            Samples::Tokens(stream) => {
-                let InputKind::Tokens { ctx, .. } = self.desc.input else {
-                    unreachable!("checked at build")
-                };
-                let b = stream.batch(step, self.global_batch, ctx, rows);
+            Rows::Tokens(b) => {
                 let ids: Vec<i32> = b.inputs.iter().map(|&t| t as i32).collect();
                 let targets: Vec<i32> = b.targets.iter().map(|&t| t as i32).collect();
                 Batch {
@@ -67,6 +84,9 @@ pub(super) fn samples(data: &DataSpec, input: InputKind) -> Result<Samples, Stri
             let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;
             TokenStream::check_text(path, &bytes, ctx, vocab)?;
             Samples::Tokens(TokenStream::from_bytes(bytes))
+        }
+        (DataSpec::TensorFile { path }, input) => {
+            Samples::File(BatchFile::open(std::path::Path::new(path), input)?)
         }
         (data, input) => return Err(format!("data {data:?} does not fit a model that takes {input:?}")),
     })

@@ -27,13 +27,14 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{ActorId, ComputeOp, ModelDesc, Program};
+use archipelago_dataflow::{ActorId, ComputeOp, DType, ModelDesc, ParamDesc, Program};
 
-use crate::block::{Activation, Block, deterministic_init};
+use crate::block::{Activation, Block, check_described, describe_shapes, init_range};
 use crate::executor::{Computation, StepMetrics, TensorTable};
 use crate::host_tensor::{HostTensor, from_burn};
 use crate::offload::OffloadActor;
 use crate::optim::FlatOptimizer;
+use crate::weights_file::InitWeights;
 use crate::zoo::{BuildContext, ModelBuilder};
 
 use data::{Batch, Samples, samples};
@@ -120,6 +121,9 @@ pub struct Trainer<B: AutodiffBackend> {
     gather_pool: Vec<Vec<f32>>,
     /// Which blocks this actor holds (under ZeRO-3 their modules come and go).
     held_blocks: Vec<bool>,
+    /// Each held block's parameters, described one by one (the model's descriptions, or ones
+    /// made from the built module for a model that gives only counts); empty for other blocks.
+    param_descs: Vec<Vec<ParamDesc>>,
     builder: Arc<dyn ModelBuilder<B>>,
     seed: u64,
     actor: ActorId,
@@ -140,7 +144,8 @@ pub struct Trainer<B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// Builds the blocks of `chunks` (half-open block ranges) of `program`'s model on `device`
-    /// for `actor`, initialised from `(seed, block index)`, and the data source.
+    /// for `actor`, each parameter initialised whole from `(seed, its name)` and sliced to what
+    /// this actor keeps (or read from the program's `--init` file), and the data source.
     pub fn new(
         program: &Program,
         builder: Arc<dyn ModelBuilder<B>>,
@@ -170,9 +175,16 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut blocks = Vec::with_capacity(desc.blocks.len());
         let mut master = Vec::new();
         let mut stage_params = StageParams::default();
+        let init_file = program
+            .init
+            .as_deref()
+            .map(|path| InitWeights::open(std::path::Path::new(path), &desc))
+            .transpose()?;
+        let mut param_descs = Vec::with_capacity(desc.blocks.len());
         for (index, info) in desc.blocks.iter().enumerate() {
             if !held(index) {
                 blocks.push(None);
+                param_descs.push(Vec::new());
                 continue;
             }
             let ctx = BuildContext {
@@ -190,17 +202,40 @@ impl<B: AutodiffBackend> Trainer<B> {
                 ));
             }
             let shapes = block.param_shapes();
+            let described = if info.param_descs.is_empty() {
+                describe_shapes(&info.name, &shapes)
+            } else {
+                check_described(&info.name, &info.param_descs, &shapes)?;
+                info.param_descs.clone()
+            };
+            if let Some(p) = described.iter().find(|p| !p.trainable || p.dtype != DType::F32) {
+                return Err(format!(
+                    "parameter `{}` is described as {}{:?}: the trainer holds every parameter as a \
+                     trainable f32 for now (frozen and low-precision parameters are planned, not yet \
+                     trained); describe it as trainable f32",
+                    p.name,
+                    if p.trainable { "" } else { "frozen " },
+                    p.dtype
+                ));
+            }
             stage_params.push_block(offsets[index], &shapes, program.param_groups);
-            let init = deterministic_init(&shapes, program.seed, index);
+            // Each parameter drawn whole from (seed, name), then sliced to what is kept here: the
+            // block, or under ZeRO-3 only this replica's shard of it.
+            let init = |range: Range<usize>| match &init_file {
+                Some(file) => file.block(index).map(|all| all[range].to_vec()),
+                None => Ok(init_range(&described, program.seed, range)),
+            };
             if sharded {
                 if let Some((from, to)) = sharding.owned_part(index, &offsets) {
-                    shard_master[to].copy_from_slice(&init[from]);
+                    shard_master[to].copy_from_slice(&init(from)?);
                 }
                 blocks.push(None);
             } else {
+                let init = init(0..info.params as usize)?;
                 blocks.push(Some(block.load_params(&init, false)));
                 master.extend_from_slice(&init);
             }
+            param_descs.push(described);
         }
         let samples = samples(&program.data, desc.input)?;
         let held_blocks: Vec<bool> = (0..desc.blocks.len()).map(held).collect();
@@ -291,6 +326,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             shard_master,
             gather_pool: Vec::new(),
             held_blocks,
+            param_descs,
             builder,
             seed: program.seed,
             actor,
@@ -431,7 +467,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             compute_weight_bytes: 4 * materialized as u64,
             peak_microbatches_held: self.peak_live,
             offload: self.offload.as_ref().map(OffloadActor::stats),
-            lr: (steps > 0).then(|| self.optimizer.lr_at(steps)),
+            lr: (steps > 0).then(|| self.optimizer.lr_at(self.optimizer.schedule_step())),
             grad_norm: self.update.grad_norm.take(),
         };
         self.peak_grad_bytes = 0;

@@ -42,7 +42,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let t = self.steps_done + 1;
         let step = crate::optim::StepContext {
             t,
-            lr: self.optimizer.lr_at(t),
+            lr: self.optimizer.next_lr(),
             grad_scale: 1.0, // clipping is refused with offload (the plan's check)
         };
         self.offload_actor()?
@@ -92,6 +92,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
         }
         self.steps_done += 1;
+        // The update ran on the offload actor; the schedule's position is kept here.
+        self.optimizer
+            .set_schedule_step(self.optimizer.schedule_step() + 1);
         Ok(())
     }
 }

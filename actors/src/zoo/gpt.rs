@@ -162,7 +162,7 @@ mod tests {
 
     use super::*;
     use crate::CpuBackend;
-    use crate::block::{Block, deterministic_init};
+    use crate::block::{Block, describe_shapes, initial_params};
 
     /// Attention is causal: changing the input at position 4 leaves the outputs before it as they
     /// were and changes those from it on.
@@ -170,7 +170,7 @@ mod tests {
     fn a_later_position_never_changes_an_earlier_output() {
         let device = FlexDevice;
         let layer: Box<dyn Block<CpuBackend>> = Box::new(TransformerLayer::<CpuBackend>::new(8, 2, &device));
-        let init = deterministic_init(&layer.param_shapes(), 3, 1);
+        let init = initial_params(&describe_shapes("layer", &layer.param_shapes()), 3);
         let layer = layer.load_params(&init, false);
         let x = Tensor::<CpuBackend, 3>::random([1, 6, 8], Distribution::Default, &device);
         let changed = x.clone().slice_assign(

@@ -2,8 +2,10 @@
 //! trait through which users bring their own.
 //!
 //! Every actor builds its own copy of each block it holds (burn's autodiff graph must not be
-//! shared between actor threads), and every block is initialised from `(seed, block index)`
-//! alone, so a dp=N run starts from exactly the weights of dp=1.
+//! shared between actor threads), and every parameter is initialised whole from `(seed, its
+//! name)` alone (then sliced to what the actor keeps), so every layout starts from exactly the
+//! weights of dp=1. The zoo's parameters are described by [`archipelago_dataflow::ModelSpec::desc`]
+//! (PyTorch's names, burn's shapes).
 
 mod gpt;
 mod mlp;
@@ -29,7 +31,8 @@ pub struct BuildContext {
 }
 
 /// Builds a model's blocks on an actor. The runtime overwrites the parameters a builder produces
-/// with [`crate::block::deterministic_init`] (or, under ZeRO-3, with gathered values each time a
+/// with [`crate::block::initial_params`] of the block's descriptions (or, under ZeRO-3, with
+/// gathered values each time a
 /// segment runs), so builders need not be seeded; the zoo's builders use burn's zeros
 /// initializer, which costs a memset instead of a random draw per parameter.
 pub trait ModelBuilder<B: AutodiffBackend>: Send + Sync {
@@ -76,6 +79,57 @@ impl<B: AutodiffBackend> ModelBuilder<B> for ZooModel {
                     Box::new(TransformerLayer::new(d, heads, device))
                 } else {
                     Box::new(GptHead::new(d, vocab, device))
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::FlexDevice;
+
+    use super::*;
+    use crate::CpuBackend;
+    use crate::block::check_described;
+
+    /// The compiler's description of every zoo block lists the runtime block's parameters: the
+    /// same count, order and shapes, and names that are the burn paths' PyTorch names
+    /// (LayerNorm's `gamma`/`beta` are `weight`/`bias`).
+    #[test]
+    fn descriptions_match_the_runtime_blocks() {
+        for spec in [
+            "mlp:in=5,hidden=7,layers=3,out=2",
+            "gpt:vocab=11,ctx=6,d=8,layers=2,heads=2",
+        ] {
+            let model = ZooModel(ModelSpec::parse(spec).unwrap());
+            let desc = ModelBuilder::<CpuBackend>::desc(&model);
+            for (index, info) in desc.blocks.iter().enumerate() {
+                let ctx = BuildContext {
+                    seed: 0,
+                    actor: 0,
+                    block: index,
+                };
+                let block = ModelBuilder::<CpuBackend>::build_block(&model, &ctx, &FlexDevice);
+                let shapes = block.param_shapes();
+                check_described(&info.name, &info.param_descs, &shapes).unwrap();
+                for ((path, _), p) in shapes.iter().zip(&info.param_descs) {
+                    let leaf = path.rsplit('.').next().unwrap();
+                    let torch_leaf = match leaf {
+                        "gamma" => "weight",
+                        "beta" => "bias",
+                        other => other,
+                    };
+                    assert!(
+                        p.name.ends_with(torch_leaf),
+                        "{spec}: {path} described as {}",
+                        p.name
+                    );
+                }
+                let mut wrong = info.param_descs.clone();
+                wrong.reverse();
+                if wrong.len() > 1 && wrong != info.param_descs {
+                    assert!(check_described(&info.name, &wrong, &shapes).is_err());
                 }
             }
         }

@@ -8,7 +8,9 @@ pub mod cross_process;
 pub mod device;
 mod hang;
 mod offload;
+pub mod parameter_server;
 mod scale;
+mod soak;
 mod training;
 
 use std::path::PathBuf;
@@ -42,10 +44,18 @@ pub struct BenchArgs {
     /// trips) and stop.
     #[arg(long)]
     pub actor_api_only: bool,
+    /// Run only the parameter server's figures (sparse logistic regression at 1, 2 and 4
+    /// servers: pushes, pulls and bytes per second, examples per second) and stop.
+    #[arg(long)]
+    pub ps_only: bool,
     /// Run only the collectives (ring in one process, shared buffers in one process, ring over
     /// gRPC) beside a memcpy of the same bytes, and stop.
     #[arg(long)]
     pub collectives_only: bool,
+    /// Run only the soak (10,000 short steps; 2,000 with --quick): memory at step 1,000 and at
+    /// the end, with the dashboard attached, and stop.
+    #[arg(long)]
+    pub soak_only: bool,
 }
 
 /// Runs the suite and prints its JSON.
@@ -59,6 +69,17 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             "peak_rss_bytes_bench_process": crate::process_stats::peak_rss_bytes(),
             "wall_s": started.elapsed().as_secs_f64(),
         });
+        return write_out(&out, args);
+    }
+    let ps_clocks = if args.quick { 8 } else { 30 };
+    if args.ps_only {
+        let ps = parameter_server::sparse_scaling(&[1, 2, 4], 2, 1024, ps_clocks)?;
+        let out = json!({ "suite": "parameter_server", "quick": args.quick, "parameter_server": ps, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() });
+        return write_out(&out, args);
+    }
+    let soak_steps = if args.quick { 2_000 } else { 10_000 };
+    if args.soak_only {
+        let out = json!({ "suite": "soak", "soak": soak::soak(soak_steps)?, "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
     }
     let reps = if args.quick { 5 } else { 15 };
@@ -147,6 +168,10 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let dir = args.nvme_dir.clone().unwrap_or_else(std::env::temp_dir);
     let offload = offload::mlp_offload(warmup, timed, &dir)?;
     eprintln!("offload: {offload}");
+    let soak = soak::soak(soak_steps)?;
+    eprintln!("soak: {soak}");
+    let ps = parameter_server::sparse_scaling(&[1, 2, 4], 2, 1024, ps_clocks)?;
+    eprintln!("parameter_server: {ps}");
     let physical = json!({
         "matmul_gflops_one_thread": archipelago_actors::peak::matmul_gflops(512, if args.quick { 5 } else { 20 }),
         "config": { "n": 512, "dtype": "f32", "backend": "burn Flex, one thread (one actor's core)" },
@@ -166,6 +191,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "zero": zero,
         "gpt_tiny": gpt,
         "offload": offload,
+        "soak": soak,
+        "parameter_server": ps,
         "load_avg_end": load_avg(),
         // VmHWM of this process over the whole suite (every in-process run shares it); the peer
         // process's is under cross_process.*_2_processes.peak_rss_bytes.

@@ -44,8 +44,27 @@ pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
             .sum::<usize>();
     }
     let s = median(&mut times);
+    let plan = compile(&program)?;
+    let began = Instant::now();
+    let json_bytes = serde_json::to_vec(&plan)?;
+    let json_encode_s = began.elapsed().as_secs_f64();
+    let began = Instant::now();
+    let _: archipelago_dataflow::Plan = serde_json::from_slice(&json_bytes)?;
+    let json_decode_s = began.elapsed().as_secs_f64();
+    let began = Instant::now();
+    let bincode_bytes = archipelago_actors::codec::encode(&plan)?;
+    let bincode_encode_s = began.elapsed().as_secs_f64();
+    let began = Instant::now();
+    let decoded: Result<archipelago_dataflow::Plan, _> = archipelago_actors::codec::decode(&bincode_bytes);
+    let bincode_decode_s = began.elapsed().as_secs_f64();
     Ok(json!({
         "name": "compile_and_verify_4096_devices",
+        "launch_plan": {
+            "what": "the whole compiled plan, as every host's Launch carries it",
+            "json_bytes": json_bytes.len(), "json_encode_s": json_encode_s, "json_decode_s": json_decode_s,
+            "bincode_bytes": bincode_bytes.len(), "bincode_encode_s": bincode_encode_s, "bincode_decode_s": bincode_decode_s,
+            "bincode_decodes_within_the_codec_limit": decoded.is_ok(),
+        },
         "config": { "model": program.model.name, "dp": dp, "pp": pp, "tp": 1, "microbatches": m, "schedule": "1f1b", "reps": reps },
         "median_s": s,
         "instructions": instructions,

@@ -188,9 +188,9 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
                         reports.iter_mut().for_each(|r| r.host_peak_rss_bytes = rss);
                         reports
                     });
-                    let kind = match result
-                        .and_then(|r| serde_json::to_vec(&r).map_err(|e| JobError::Runtime(e.to_string())))
-                    {
+                    let kind = match result.and_then(|r| {
+                        archipelago_actors::codec::encode(&r).map_err(|e| JobError::Runtime(e.to_string()))
+                    }) {
                         Ok(reports) => host_message::Kind::StepDone(StepDone {
                             job: step.job,
                             step: step.step,
@@ -289,7 +289,7 @@ async fn start_job(
     here: &str,
     token: &str,
 ) -> Result<(ActorGang, Arc<dyn Fabric>), JobError> {
-    let plan: Plan = serde_json::from_slice(&launch.plan)
+    let plan: Plan = archipelago_actors::codec::decode(&launch.plan)
         .map_err(|e| JobError::Runtime(format!("unreadable plan: {e}")))?;
     let patience = Duration::from_millis(launch.patience_ms);
     let local = Arc::new(InProcessFabric::new(plan.actors.len(), patience));

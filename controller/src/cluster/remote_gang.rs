@@ -101,7 +101,8 @@ impl RemoteGang {
             next_ask: 0,
             step: 0,
         };
-        let plan_json = serde_json::to_vec(&*plan).map_err(|e| JobError::Runtime(e.to_string()))?;
+        let plan_bytes =
+            archipelago_actors::codec::encode(&*plan).map_err(|e| JobError::Runtime(e.to_string()))?;
         let actor_addrs: Vec<String> = placement
             .iter()
             .map(|h| match data_path {
@@ -112,7 +113,7 @@ impl RemoteGang {
         for (&id, (_, actors)) in &gang.hosts {
             let launch = Launch {
                 job: job.to_string(),
-                plan: plan_json.clone().into(),
+                plan: plan_bytes.clone().into(),
                 actors: actors.iter().map(|&a| a as u32).collect(),
                 actor_addrs: actor_addrs.clone(),
                 patience_ms: patience.as_millis() as u64,
@@ -368,8 +369,8 @@ impl Gang for RemoteGang {
             })
             .await?;
         let mut reports = Vec::new();
-        for json in parts {
-            let part: Vec<StepReport> = serde_json::from_slice(&json)
+        for bytes in parts {
+            let part: Vec<StepReport> = archipelago_actors::codec::decode(&bytes)
                 .map_err(|e| JobError::Runtime(format!("unreadable step report: {e}")))?;
             reports.extend(part);
         }

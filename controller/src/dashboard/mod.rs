@@ -8,6 +8,8 @@
 //! `/api/state`, `/api/cluster`, `/api/job`, `/api/timeline`, `/api/failures`, `/api/actors`
 //! (the actors of a program on the runtime API, with their message rates and failures).
 
+pub mod history;
+
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -63,10 +65,13 @@ pub struct JobView {
     pub step: u64,
     /// `running`, `finished` or `failed`.
     pub state: String,
-    /// `(step, loss)` of every step so far.
+    /// `(step, loss)` of every `history_stride`-th step so far and of the newest (at most
+    /// [`history::MAX_POINTS`] + 1 points, however long the job).
     pub losses: Vec<(u64, f32)>,
-    /// Wall time of every step so far.
+    /// Wall time of the same steps.
     pub step_times: Vec<f64>,
+    /// One step in this many is on the curve (1 until the curve is full).
+    pub history_stride: u64,
     /// Samples per second of the last step.
     pub samples_per_s: f64,
     /// Estimated device bytes per actor.
@@ -165,6 +170,19 @@ pub struct DashboardView {
     pub failures: Vec<FailureView>,
 }
 
+/// Failures the page keeps (the newest).
+const FAILURES_KEPT: usize = 100;
+
+/// Adds a failure to the view, dropping the oldest beyond [`FAILURES_KEPT`].
+fn push_failure(v: &mut DashboardView, message: String) {
+    v.failures.push(FailureView {
+        unix_s: unix_now(),
+        message,
+    });
+    let over = v.failures.len().saturating_sub(FAILURES_KEPT);
+    v.failures.drain(..over);
+}
+
 /// The dashboard's state; the job loop and the registry feed it.
 pub struct Dashboard {
     view: Mutex<DashboardView>,
@@ -236,6 +254,7 @@ impl Dashboard {
                 Some(old) => JobView {
                     losses: old.losses,
                     step_times: old.step_times,
+                    history_stride: old.history_stride,
                     ..job
                 },
                 None => job,
@@ -256,10 +275,8 @@ impl Dashboard {
         };
         self.update(|v| {
             if let Some(job) = &mut v.job {
-                job.losses.retain(|(s, _)| *s < step);
-                job.step_times.truncate(job.losses.len());
-                job.losses.push((step, loss));
-                job.step_times.push(time_s);
+                let (losses, times, stride) = (&mut job.losses, &mut job.step_times, &mut job.history_stride);
+                history::record(losses, times, stride, step, loss, time_s);
                 job.step = step;
                 job.samples_per_s = job.batch as f64 / time_s.max(1e-9);
             }
@@ -274,22 +291,14 @@ impl Dashboard {
                 job.state = if error.is_some() { "failed" } else { "finished" }.into();
             }
             if let Some(message) = error {
-                v.failures.push(FailureView {
-                    unix_s: unix_now(),
-                    message: message.to_string(),
-                });
+                push_failure(v, message.to_string());
             }
         });
     }
 
     /// A failure or hang report that did not (yet) end the job, e.g. a lost host.
     pub fn failure(&self, message: &str) {
-        self.update(|v| {
-            v.failures.push(FailureView {
-                unix_s: unix_now(),
-                message: message.to_string(),
-            })
-        });
+        self.update(|v| push_failure(v, message.to_string()));
     }
 }
 

@@ -290,6 +290,19 @@ impl OptimizerSpec {
     }
 }
 
+impl OptimizerSpec {
+    /// The names of the state tensors kept per parameter, in order, as PyTorch's optimizers
+    /// name them in their `state_dict`: `exp_avg`, `exp_avg_sq` (Adam, AdamW, LAMB);
+    /// `momentum_buffer` (SGD with momentum); none (plain SGD). Checkpoints store state by these.
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self.state_floats_per_param() {
+            0 => &[],
+            1 => &["momentum_buffer"],
+            _ => &["exp_avg", "exp_avg_sq"],
+        }
+    }
+}
+
 /// Which parameters take weight decay.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ParamGroups {
@@ -324,6 +337,9 @@ mod tests {
         assert_eq!(OptimizerSpec::sgd(0.1).state_floats_per_param(), 0);
         let momentum = OptimizerSpec::sgd(0.1).with_momentum(0.9, true).unwrap();
         assert_eq!(momentum.state_floats_per_param(), 1);
+        assert_eq!(momentum.state_names(), ["momentum_buffer"]);
+        assert_eq!(OptimizerSpec::lamb(1e-3).state_names(), ["exp_avg", "exp_avg_sq"]);
+        assert!(OptimizerSpec::sgd(0.1).state_names().is_empty());
         assert!(momentum.check().is_ok());
     }
 

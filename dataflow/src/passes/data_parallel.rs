@@ -22,11 +22,12 @@ pub struct Bucket {
     pub start: usize,
     /// One past the last block.
     pub end: usize,
-    /// Gradient bytes (f32).
+    /// Gradient bytes (of the trainable parameters, each in its dtype).
     pub bytes: u64,
 }
 
-/// Cuts the blocks into buckets of about `bucket_bytes`, filling from the last block backwards.
+/// Cuts the blocks into buckets of about `bucket_bytes` of gradients (the trainable parameters'
+/// bytes, from their descriptions), filling from the last block backwards.
 pub fn buckets(model: &ModelDesc, bucket_bytes: u64) -> Vec<Bucket> {
     buckets_in(model, 0..model.blocks.len(), bucket_bytes, 0)
 }
@@ -38,7 +39,7 @@ pub fn buckets_in(model: &ModelDesc, range: Range<usize>, bucket_bytes: u64, fir
     let mut end = range.end;
     let mut bytes = 0u64;
     for i in range.clone().rev() {
-        bytes += 4 * model.blocks[i].params;
+        bytes += model.blocks[i].grad_bytes();
         if bytes >= bucket_bytes || i == range.start {
             ranges.push((i, end, bytes));
             end = i;

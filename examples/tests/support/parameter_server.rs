@@ -4,9 +4,12 @@
 
 use archipelago_actors::checkpoint::{CheckpointReader, step_dir};
 use archipelago_controller::prelude::*;
+use archipelago_controller::ps_job::PsOutcome;
 use archipelago_controller::{Controller, TrainOptions};
 use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Program};
-use archipelago_examples::programs::parameter_server::{ClockEvent, Fault, Outcome, PsConfig, run};
+use archipelago_examples::programs::parameter_server::{
+    ClockEvent, Fault, PsConfig, clock_log, run, worker_steps,
+};
 
 /// 2 servers and `workers` workers train a tiny mlp for 12 clocks at bounded delay `staleness`.
 pub fn config(workers: usize, staleness: u64, fault: Fault) -> PsConfig {
@@ -33,7 +36,7 @@ pub fn bounded(workers: usize) -> PsConfig {
 }
 
 /// The run on this process (one device per actor).
-pub fn run_local(config: &PsConfig) -> Outcome {
+pub fn run_local(config: &PsConfig) -> PsOutcome {
     let runtime = Runtime::local(DeviceSpec::cpus(config.devices()));
     run(&runtime, config).unwrap()
 }
@@ -76,8 +79,8 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// A run at bounded delay `k` with a slow worker 2: no pull was granted more than `k` clocks
 /// ahead of the slowest worker, every clock was applied as soon as the slowest pushed it, the
 /// fast workers got ahead as far as the bound allows and were held back there, and it trains.
-pub fn check_bounded_delay(ps: &Outcome, k: u64) {
-    for event in ps.logs.iter().flatten() {
+pub fn check_bounded_delay(ps: &PsOutcome, k: u64) {
+    for event in clock_log(ps) {
         match event {
             ClockEvent::Granted { clock, pushed, .. } => {
                 assert!(*clock <= pushed.iter().min().unwrap() + k, "{event:?}");
@@ -90,12 +93,13 @@ pub fn check_bounded_delay(ps: &Outcome, k: u64) {
     }
     // The fast workers did get ahead (so the bound was tested), as far as it allows.
     assert_eq!(ps.max_lead(), k);
-    for step in ps.workers.iter().flatten() {
+    let steps = worker_steps(ps);
+    for step in steps.iter().copied().flatten() {
         assert!(step.clock - step.applied <= k, "{step:?}");
     }
-    assert!(ps.workers[0].iter().any(|s| s.clock - s.applied == k));
+    assert!(steps[0].iter().any(|s| s.clock - s.applied == k));
     // ... and were held back there: the servers enforced the bound.
-    assert!(ps.workers[0].iter().any(|s| s.refused > 0));
+    assert!(steps[0].iter().any(|s| s.refused > 0));
     let last = ps.losses.len() - 1;
     assert!(
         ps.losses[last] < 0.8 * ps.losses[0],

@@ -1,0 +1,101 @@
+//! The parameter server of Li et al., "Scaling Distributed Machine Learning with the Parameter
+//! Server" (OSDI 2014), as a library on the runtime API: server actors hold a model as `u64`
+//! keys with `width` f32 values each, workers pull values and push gradients for the keys their
+//! data touches, the consistency model is chosen per task, and the server's update is the
+//! user's.
+//!
+//! - [`Ring`] ([`ring`]): key ranges on a consistent-hash ring over the servers, with virtual
+//!   nodes; adding or removing a server moves only the ranges it gains or loses.
+//! - [`PsServer`] ([`server`]): one server — its keys ([`KeyStore`], created on first touch),
+//!   the workers' clocks, the pushes of clocks not yet applied, its figures, its checkpoint.
+//! - [`ServerUpdate`] ([`update`]): ps-lite's server handle — [`Sgd`], [`ProximalL1`], [`Adam`]
+//!   provided, any other rule a type of the program's own.
+//! - [`PsClient`] ([`client`]): a worker's pull and push, split by the ring.
+//! - [`Consistency`] ([`clock`]): sequential, bounded delay `K`, eventual.
+//! - Workers: [`DenseWorker`] (any zoo model, its flat parameters cut into keys) and
+//!   [`SparseLrWorker`] (sparse logistic regression with L1 on synthetic click-through data).
+//! - [`checkpoint`]: servers write their keys, state and clocks; a job stops and resumes.
+//!
+//! The driver that spawns a job, runs it and writes its report is the controller's
+//! (`archipelago_controller::ps_job`, `archipelago ps`).
+//!
+//! # Consistency, precisely
+//! A worker's clock is the number of clocks it has pushed. Every worker pulls from and pushes to
+//! every server at every clock (empty key lists where it needs none of a server's keys), so every
+//! server knows every worker's clock and enforces the bound itself.
+//! - **Sequential** (`K = 0`): a pull of clock `c` is granted once every worker has pushed clock
+//!   `c − 1`; a server applies clock `c` once all `W` pushes of `c` are in, as their sum (worker
+//!   order) through the update rule, once per key. A pull of `c` sees exactly clocks `0 .. c`.
+//!   With [`Sgd`] this is synchronous data-parallel SGD, step for step.
+//! - **Bounded delay `K`**: a pull of clock `c` is granted once the slowest worker has pushed
+//!   `c − K` clocks (it waits only while the slowest is more than `K` behind); clocks are applied
+//!   whole, as under `K = 0`, so a pull of `c` sees every clock `< c − K`, and perhaps more.
+//! - **Eventual** (`K = ∞`): pulls are always granted and a push is applied alone, on arrival.
+//!
+//! A pull that must wait is answered "not yet" and retried by the client after a back-off (a
+//! handler cannot wait for other messages of its own actor). Servers count pushes, pulls,
+//! refusals, payload bytes and the most clocks a granted pull was ahead of the slowest worker.
+//!
+//! # How the next slice fits (not built here)
+//! - **Chain replication with `R` replicas**: [`Ring::chain`] already names, for every key, its
+//!   owner and the next `R − 1` distinct servers clockwise. A server forwards an applied clock's
+//!   sums down its chain (a `Replicate` message carrying the same `(key, sum)` pairs the owner
+//!   applied) and acknowledges a push only when the tail has it; a replica is the same
+//!   [`PsServer`] with a `KeyStore` per range it replicates.
+//! - **Failover after a SIGKILLed host**: the driver watches [`ActorRef::ended`](crate::runtime::ActorRef::ended);
+//!   on loss it removes the server from the ring ([`Ring::remove`] moves exactly the lost arcs to
+//!   the next point's server, which is the chain's second), sends the new ring to every worker
+//!   and server, and the new tails copy ranges to restore `R`.
+//! - **Vector clocks per key range**: every range is named by its end point ([`KeyRange::end`]),
+//!   stable under adds and removes; a server keeps a version vector per range (today it keeps
+//!   one [`WorkerClocks`] for all), so a pull can ask for "at least version v" of a range and a
+//!   recovering replica knows what it holds.
+//! - **Significantly-modified filter and key caching**: both live in [`PsClient`] (the filter
+//!   keeps the last values sent per key and drops pushes below the threshold; the key cache
+//!   sends a hash of a key list the server has seen) and in the server's [`Pull`]/[`Push`]
+//!   handlers, which would accept a key-list hash in place of the list.
+
+pub mod checkpoint;
+pub mod client;
+pub mod clock;
+pub mod dense_worker;
+pub mod ring;
+pub mod server;
+#[cfg(test)]
+mod server_tests;
+pub mod sparse_lr;
+pub mod store;
+pub mod update;
+pub mod worker;
+
+pub use client::{ClientFigures, PsClient, PulledValues};
+pub use clock::{ClockEvent, Consistency, WorkerClocks};
+pub use dense_worker::{DenseLayout, DenseWorker, DenseWorkerParams};
+pub use ring::{KeyRange, Ring, RingError, ServerId};
+pub use server::{
+    Assign, Dump, Dumped, PsServer, Pull, Pulled, Push, SaveCheckpoint, ServerFigures, ServerParams,
+    ServerReport, Stats, register_server,
+};
+pub use sparse_lr::{CtrSpec, SparseLrParams, SparseLrWorker};
+pub use store::KeyStore;
+pub use update::{Adam, BuiltinUpdate, Initializer, ProximalL1, Rule, ServerUpdate, Sgd};
+pub use worker::{LoopSettings, SeedModel, Train, WorkerRun, WorkerStep};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::runtime::Registry;
+
+/// Registers a job's servers and both kinds of worker for update rule `U`, so that they and
+/// their messages cross processes (merge it into the program's registry).
+pub fn registry<U>() -> Registry
+where
+    U: ServerUpdate + Serialize + DeserializeOwned,
+{
+    register_server::<U>(Registry::new())
+        .actor::<DenseWorker<U>>()
+        .handles::<DenseWorker<U>, Train<U>>()
+        .handles::<DenseWorker<U>, SeedModel<U>>()
+        .actor::<SparseLrWorker<U>>()
+        .handles::<SparseLrWorker<U>, Train<U>>()
+}

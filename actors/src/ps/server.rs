@@ -1,0 +1,492 @@
+//! The server actor of the parameter server (Li et al., OSDI 2014): the keys of its ranges on the
+//! [`Ring`], their values and update state ([`KeyStore`]), every worker's clock, and the pushes
+//! of clocks not yet applied. The consistency rules are those of [`super::clock`].
+//!
+//! A [`Pull`] that the bound does not allow yet is answered [`Pulled::Wait`] at once: a handler
+//! runs to completion before the actor takes its next message, so a server that awaited inside
+//! a pull would never take the pushes that end the wait. The worker's client asks again after a
+//! back-off; the slowest worker's pull is always granted, so a run cannot deadlock.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use super::checkpoint::{self, ServerFile};
+use super::clock::{ClockEvent, Consistency, WorkerClocks};
+use super::ring::{Ring, ServerId};
+use super::store::KeyStore;
+use super::update::ServerUpdate;
+use crate::runtime::{Actor, Context, Handler, Message};
+
+/// A fault planted on purpose so that a test can show its comparison catches it (never set by
+/// the library itself).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum ServerFault {
+    /// The server as it should be.
+    #[default]
+    None,
+    /// Pushes of this worker are counted but their gradients dropped.
+    DropPushOf(usize),
+    /// A clock's pushes are averaged instead of summed.
+    AveragePushes,
+}
+
+/// What a server is built from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServerParams<U> {
+    /// The server's index on the ring.
+    pub index: ServerId,
+    /// Workers of the job.
+    pub workers: usize,
+    /// Values per key.
+    pub width: usize,
+    /// The task's consistency model.
+    pub consistency: Consistency,
+    /// The update rule (and first-touch initialiser).
+    pub update: U,
+    /// The ring: which keys are this server's.
+    pub ring: Ring,
+    /// The clock every worker starts at (0, or the checkpoint's on resume).
+    pub first_clock: u64,
+    /// Resume the keys this ring gives the server from the checkpoint in this directory.
+    pub resume: Option<PathBuf>,
+    /// Keep a [`ClockEvent`] per granted pull and applied clock (tests; costs memory per clock).
+    pub log_clocks: bool,
+    /// A planted fault (tests only).
+    #[doc(hidden)]
+    pub fault: ServerFault,
+}
+
+/// One server of a parameter-server job.
+pub struct PsServer<U: ServerUpdate> {
+    params: ServerParams<U>,
+    store: KeyStore,
+    clocks: WorkerClocks,
+    /// Pushes of clocks not yet applied (aggregating models): per clock, per worker.
+    pending: BTreeMap<u64, Vec<Option<Push>>>,
+    applied: u64,
+    figures: ServerFigures,
+    log: Vec<ClockEvent>,
+}
+
+/// A server's traffic and holdings.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServerFigures {
+    /// The server.
+    pub index: ServerId,
+    /// Pushes taken.
+    pub pushes: u64,
+    /// Pulls granted.
+    pub pulls: u64,
+    /// Pulls answered "not yet".
+    pub refused: u64,
+    /// Payload bytes received (keys and gradients of pushes, keys of pulls).
+    pub bytes_in: u64,
+    /// Payload bytes sent (values of granted pulls).
+    pub bytes_out: u64,
+    /// Keys held.
+    pub keys: u64,
+    /// Bytes of values and state held.
+    pub held_bytes: u64,
+    /// Clocks applied.
+    pub applied: u64,
+    /// The most clocks a granted pull was ahead of the slowest worker.
+    pub max_lead: u64,
+}
+
+impl<U: ServerUpdate> Actor for PsServer<U> {
+    type Params = ServerParams<U>;
+
+    async fn new(params: ServerParams<U>, _ctx: &Context<Self>) -> Result<Self, String> {
+        if params.width == 0 || params.workers == 0 {
+            return Err("a server needs keys of at least one value and at least one worker".into());
+        }
+        let mut store = KeyStore::new(params.width, params.update.state_len(params.width));
+        if let Some(dir) = &params.resume {
+            restore(&mut store, &params, dir)?;
+        }
+        Ok(PsServer {
+            clocks: WorkerClocks::new(params.workers, params.first_clock),
+            applied: params.first_clock,
+            figures: ServerFigures {
+                index: params.index,
+                applied: params.first_clock,
+                ..ServerFigures::default()
+            },
+            store,
+            pending: BTreeMap::new(),
+            log: Vec::new(),
+            params,
+        })
+    }
+}
+
+/// Loads into `store` the keys `params.ring` gives this server, from every server file of the
+/// checkpoint in `dir` (any number of servers may have written it).
+fn restore<U: ServerUpdate>(
+    store: &mut KeyStore,
+    params: &ServerParams<U>,
+    dir: &std::path::Path,
+) -> Result<(), String> {
+    let manifest = checkpoint::read_manifest(dir)?;
+    if manifest.workers != params.workers
+        || manifest.width != params.width
+        || manifest.clock != params.first_clock
+    {
+        return Err(format!(
+            "the checkpoint in {} has {} workers, width {} at clock {}; this job has {} workers, width {} from clock {}",
+            dir.display(),
+            manifest.workers,
+            manifest.width,
+            manifest.clock,
+            params.workers,
+            params.width,
+            params.first_clock
+        ));
+    }
+    for server in 0..manifest.servers {
+        let file: ServerFile = checkpoint::read_server_file(dir, server, store.state_len())?;
+        if file.applied != manifest.clock || file.width != params.width {
+            return Err(format!(
+                "server file {server} in {} is at clock {} (width {}), the manifest at {}",
+                dir.display(),
+                file.applied,
+                file.width,
+                manifest.clock
+            ));
+        }
+        for (key, values, state) in file.entries() {
+            if params.ring.owner(key) == params.index {
+                store.assign(key, values, Some(state), &params.update);
+            }
+        }
+    }
+    Ok(())
+}
+
+impl<U: ServerUpdate> PsServer<U> {
+    fn check_keys(&self, keys: &[u64], values: usize, what: &str) -> Result<(), String> {
+        if let Some(&key) = keys
+            .iter()
+            .find(|&&k| self.params.ring.owner(k) != self.params.index)
+        {
+            return Err(format!(
+                "a {what} for key {key}, which the ring gives server {}, not server {}",
+                self.params.ring.owner(key),
+                self.params.index
+            ));
+        }
+        if values != keys.len() * self.params.width {
+            return Err(format!(
+                "a {what} of {values} values for {} keys of width {}",
+                keys.len(),
+                self.params.width
+            ));
+        }
+        Ok(())
+    }
+
+    /// Applies every clock all workers have pushed, in clock order, each as the sum of its pushes
+    /// in worker order.
+    fn apply_complete(&mut self) {
+        while self.applied < self.clocks.slowest() {
+            let clock = self.applied;
+            let pushes = self.pending.remove(&clock).unwrap_or_default();
+            let mut sums: HashMap<u64, Vec<f32>> = HashMap::new();
+            let width = self.params.width;
+            for (worker, push) in pushes.into_iter().enumerate() {
+                let Some(push) = push else { continue };
+                if self.params.fault == ServerFault::DropPushOf(worker) {
+                    continue;
+                }
+                for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
+                    match sums.get_mut(key) {
+                        Some(sum) => sum.iter_mut().zip(grad).for_each(|(s, g)| *s += g),
+                        None => {
+                            sums.insert(*key, grad.to_vec());
+                        }
+                    }
+                }
+            }
+            if self.params.fault == ServerFault::AveragePushes {
+                let w = self.params.workers as f32;
+                sums.values_mut().flatten().for_each(|s| *s /= w);
+            }
+            for (key, grad) in &sums {
+                self.store.update(*key, grad, &self.params.update);
+            }
+            self.applied += 1;
+            if self.params.log_clocks {
+                let pushed = self.clocks.clocks().to_vec();
+                self.log.push(ClockEvent::Applied { clock, pushed });
+            }
+        }
+    }
+
+    fn figures(&self) -> ServerFigures {
+        ServerFigures {
+            keys: self.store.len() as u64,
+            held_bytes: self.store.bytes(),
+            applied: self.applied,
+            ..self.figures.clone()
+        }
+    }
+}
+
+/// A worker asks for the values of `keys` (this server's) before starting `clock`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Pull {
+    /// The worker.
+    pub worker: usize,
+    /// The clock it wants to start.
+    pub clock: u64,
+    /// The keys it needs from this server.
+    pub keys: Vec<u64>,
+}
+
+/// A server's answer to a [`Pull`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Pulled {
+    /// The bound holds: the keys' values (`width` each, in the order asked).
+    Granted {
+        /// Clocks applied to the values.
+        applied: u64,
+        /// The values.
+        values: Vec<f32>,
+    },
+    /// Too far ahead of the slowest worker: ask again later.
+    Wait {
+        /// The slowest worker's clock.
+        slowest: u64,
+    },
+}
+
+impl Message for Pull {
+    type Reply = Result<Pulled, String>;
+}
+
+impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
+    async fn handle(&mut self, pull: Pull, _ctx: &Context<Self>) -> Result<Pulled, String> {
+        self.clocks.check(pull.worker, pull.clock, "pull")?;
+        self.check_keys(&pull.keys, pull.keys.len() * self.params.width, "pull")?;
+        self.figures.bytes_in += 8 * pull.keys.len() as u64;
+        if !self.clocks.may_start(pull.clock, self.params.consistency) {
+            self.figures.refused += 1;
+            return Ok(Pulled::Wait {
+                slowest: self.clocks.slowest(),
+            });
+        }
+        let lead = pull.clock.saturating_sub(self.clocks.slowest());
+        self.figures.max_lead = self.figures.max_lead.max(lead);
+        self.figures.pulls += 1;
+        if self.params.log_clocks {
+            let pushed = self.clocks.clocks().to_vec();
+            let (worker, clock) = (pull.worker, pull.clock);
+            self.log.push(ClockEvent::Granted {
+                worker,
+                clock,
+                pushed,
+            });
+        }
+        let mut values = Vec::new();
+        self.store.read(&pull.keys, &self.params.update, &mut values);
+        self.figures.bytes_out += 4 * values.len() as u64;
+        Ok(Pulled::Granted {
+            applied: self.applied,
+            values,
+        })
+    }
+}
+
+/// A worker's gradients of `keys` (this server's) at `clock`; every worker pushes every server
+/// at every clock, with no keys where it touched none of the server's.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Push {
+    /// The worker.
+    pub worker: usize,
+    /// The clock it computed.
+    pub clock: u64,
+    /// The keys.
+    pub keys: Vec<u64>,
+    /// Their gradients, `width` each.
+    pub grads: Vec<f32>,
+}
+
+impl Message for Push {
+    type Reply = Result<(), String>;
+}
+
+impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
+    async fn handle(&mut self, push: Push, _ctx: &Context<Self>) -> Result<(), String> {
+        self.clocks.check(push.worker, push.clock, "push")?;
+        self.check_keys(&push.keys, push.grads.len(), "push")?;
+        if !self.clocks.may_start(push.clock, self.params.consistency) {
+            // A worker that pushes without a granted pull: refused, so that the pushes kept
+            // for clocks not yet applied stay within the bound.
+            return Err(format!(
+                "worker {} pushed clock {} while the slowest worker is at {}: pull before pushing",
+                push.worker,
+                push.clock,
+                self.clocks.slowest()
+            ));
+        }
+        self.figures.pushes += 1;
+        self.figures.bytes_in += 8 * push.keys.len() as u64 + 4 * push.grads.len() as u64;
+        let worker = push.worker;
+        if self.params.consistency.aggregates() {
+            let workers = self.params.workers;
+            let slots = self
+                .pending
+                .entry(push.clock)
+                .or_insert_with(|| vec![None; workers]);
+            slots[worker] = Some(push);
+            self.clocks.advance(worker);
+            self.apply_complete();
+        } else {
+            // Eventual: applied alone, on arrival.
+            if self.params.fault != ServerFault::DropPushOf(worker) {
+                let width = self.params.width;
+                for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
+                    self.store.update(*key, grad, &self.params.update);
+                }
+            }
+            self.clocks.advance(worker);
+            let before = self.applied;
+            self.applied = self.clocks.slowest();
+            if self.params.log_clocks && self.applied > before {
+                let pushed = self.clocks.clocks().to_vec();
+                self.log.push(ClockEvent::Applied {
+                    clock: before,
+                    pushed,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sets the values of `keys` (this server's): how worker 0 seeds a dense model's initial values.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Assign {
+    /// The keys.
+    pub keys: Vec<u64>,
+    /// Their values, `width` each.
+    pub values: Vec<f32>,
+}
+
+impl Message for Assign {
+    type Reply = Result<(), String>;
+}
+
+impl<U: ServerUpdate> Handler<Assign> for PsServer<U> {
+    async fn handle(&mut self, assign: Assign, _ctx: &Context<Self>) -> Result<(), String> {
+        self.check_keys(&assign.keys, assign.values.len(), "seed")?;
+        let width = self.params.width;
+        for (key, values) in assign.keys.iter().zip(assign.values.chunks_exact(width)) {
+            self.store.assign(*key, values, None, &self.params.update);
+        }
+        Ok(())
+    }
+}
+
+/// Asks a server for its figures and, when kept, its clock log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Stats;
+
+/// A server's figures and clock log.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServerReport {
+    /// Traffic and holdings.
+    pub figures: ServerFigures,
+    /// Every worker's clock.
+    pub clocks: Vec<u64>,
+    /// The clock log (empty unless `log_clocks`).
+    pub log: Vec<ClockEvent>,
+}
+
+impl Message for Stats {
+    type Reply = ServerReport;
+}
+
+impl<U: ServerUpdate> Handler<Stats> for PsServer<U> {
+    async fn handle(&mut self, _: Stats, _ctx: &Context<Self>) -> ServerReport {
+        ServerReport {
+            figures: self.figures(),
+            clocks: self.clocks.clocks().to_vec(),
+            log: self.log.clone(),
+        }
+    }
+}
+
+/// Asks a server for every key it holds and their values (ascending by key).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Dump;
+
+/// A server's keys and values.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Dumped {
+    /// The keys, ascending.
+    pub keys: Vec<u64>,
+    /// Their values, `width` each.
+    pub values: Vec<f32>,
+}
+
+impl Message for Dump {
+    type Reply = Dumped;
+}
+
+impl<U: ServerUpdate> Handler<Dump> for PsServer<U> {
+    async fn handle(&mut self, _: Dump, _ctx: &Context<Self>) -> Dumped {
+        let mut dumped = Dumped::default();
+        for (key, values, _) in self.store.entries() {
+            dumped.keys.push(key);
+            dumped.values.extend_from_slice(values);
+        }
+        dumped
+    }
+}
+
+/// Writes the server's keys, values, state and clock into `dir` (every worker must have
+/// finished the same clock, so that no push is pending).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SaveCheckpoint {
+    /// The checkpoint's directory.
+    pub dir: PathBuf,
+}
+
+impl Message for SaveCheckpoint {
+    type Reply = Result<u64, String>;
+}
+
+impl<U: ServerUpdate> Handler<SaveCheckpoint> for PsServer<U> {
+    async fn handle(&mut self, save: SaveCheckpoint, _ctx: &Context<Self>) -> Result<u64, String> {
+        if !self.pending.is_empty() || self.clocks.clocks().iter().any(|&c| c != self.applied) {
+            return Err(format!(
+                "server {} cannot checkpoint between clocks: workers at {:?}, {} applied",
+                self.params.index,
+                self.clocks.clocks(),
+                self.applied
+            ));
+        }
+        checkpoint::write_server_file(&save.dir, self.params.index, self.applied, &self.store)
+    }
+}
+
+/// The registry entries of a server with update rule `U` (add them to the program's registry
+/// so that servers and their messages cross processes).
+pub fn register_server<U>(registry: crate::runtime::Registry) -> crate::runtime::Registry
+where
+    U: ServerUpdate + Serialize + DeserializeOwned,
+{
+    registry
+        .actor::<PsServer<U>>()
+        .handles::<PsServer<U>, Pull>()
+        .handles::<PsServer<U>, Push>()
+        .handles::<PsServer<U>, Assign>()
+        .handles::<PsServer<U>, Stats>()
+        .handles::<PsServer<U>, Dump>()
+        .handles::<PsServer<U>, SaveCheckpoint>()
+}

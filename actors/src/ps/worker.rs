@@ -1,0 +1,104 @@
+//! What every worker of the parameter server (Li et al., OSDI 2014) shares, whatever its model:
+//! the message that runs its clocks against the servers ([`Train`]), the one that seeds a dense
+//! model's initial values ([`SeedModel`]), what it reports per clock ([`WorkerStep`]) and the
+//! settings of its loop ([`LoopSettings`]). The workers themselves are [`super::DenseWorker`] (a
+//! burn model, chunked into keys) and [`super::SparseLrWorker`] (sparse logistic regression).
+
+use serde::{Deserialize, Serialize};
+
+use super::client::ClientFigures;
+use super::ring::Ring;
+use super::server::PsServer;
+use super::update::ServerUpdate;
+use crate::runtime::{ActorRef, Message};
+
+/// Runs clocks `first_clock .. first_clock + clocks` of a worker against `servers`; the reply is
+/// each clock as the worker saw it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(bound = "")]
+pub struct Train<U: ServerUpdate> {
+    /// The servers, by ring index.
+    pub servers: Vec<ActorRef<PsServer<U>>>,
+    /// The ring over them.
+    pub ring: Ring,
+    /// The clock to start at.
+    pub first_clock: u64,
+    /// Clocks to run.
+    pub clocks: u64,
+}
+
+impl<U: ServerUpdate> Message for Train<U> {
+    type Reply = Result<WorkerRun, String>;
+}
+
+/// Sets a dense model's initial values on the servers (sent to one worker, before any [`Train`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(bound = "")]
+pub struct SeedModel<U: ServerUpdate> {
+    /// The servers, by ring index.
+    pub servers: Vec<ActorRef<PsServer<U>>>,
+    /// The ring over them.
+    pub ring: Ring,
+}
+
+impl<U: ServerUpdate> Message for SeedModel<U> {
+    type Reply = Result<(), String>;
+}
+
+/// One clock of one worker, as its loop saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStep {
+    /// The clock.
+    pub clock: u64,
+    /// Clocks applied to the values it computed on (the fewest over the servers).
+    pub applied: u64,
+    /// Its share of the global loss (its rows' loss sum over the global batch).
+    pub loss: f32,
+    /// Pulls answered "not yet" before every server granted.
+    pub refused: u32,
+    /// Seconds the clock took (pull, compute, push).
+    pub time_s: f64,
+}
+
+/// A worker's whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRun {
+    /// Every clock.
+    pub steps: Vec<WorkerStep>,
+    /// Its traffic.
+    pub figures: ClientFigures,
+}
+
+/// How a worker's loop runs, beside its model.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoopSettings {
+    /// The worker's rank.
+    pub rank: usize,
+    /// Workers of the job.
+    pub workers: usize,
+    /// Rows per clock (the global batch is `workers × local_batch`).
+    pub local_batch: usize,
+    /// Milliseconds it sleeps per clock (to make a slow worker).
+    pub delay_ms: u64,
+    /// A planted failure at this clock (tests only).
+    #[doc(hidden)]
+    pub fail_at: Option<u64>,
+}
+
+impl LoopSettings {
+    /// Rows per clock over all workers.
+    pub fn global_batch(&self) -> usize {
+        self.workers * self.local_batch
+    }
+
+    /// Sleeps the configured delay and fails where a failure is planted.
+    pub async fn before_compute(&self, clock: u64) -> Result<(), String> {
+        if self.fail_at == Some(clock) {
+            return Err(format!("a planted failure at clock {clock}"));
+        }
+        if self.delay_ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(self.delay_ms)).await;
+        }
+        Ok(())
+    }
+}

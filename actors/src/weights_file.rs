@@ -1,0 +1,287 @@
+//! A zoo model's weights as a safetensors file with PyTorch's names and layouts: read by
+//! `--init FILE.safetensors`, written by `archipelago export`.
+//!
+//! The names, shapes and transposes are [`archipelago_dataflow::param_names`]'s: a file holds
+//! exactly one f32 tensor per parameter, under its PyTorch `state_dict` key, in PyTorch's layout
+//! (a `Linear` weight `[out, in]`, which burn holds as `[in, out]`). [`InitWeights`] reads one
+//! block at a time, in the runtime's flattening order, so an actor reads only the blocks it holds.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::Path;
+
+use safetensors::{Dtype, View};
+
+use archipelago_dataflow::param_names::{NamedParam, block_params};
+use archipelago_dataflow::{ModelDesc, ModelSpec};
+
+use crate::tensor_file::TensorFile;
+
+/// The zoo spec of `model` (the parameters of a user's own blocks have no PyTorch names).
+fn zoo_spec(model: &ModelDesc, what: &str) -> Result<ModelSpec, String> {
+    ModelSpec::parse(&model.name).map_err(|_| {
+        format!(
+            "{what} names parameters as the zoo's models do; `{}` is not a zoo model",
+            model.name
+        )
+    })
+}
+
+/// Refuses a weights file that does not hold exactly `params`, naming every missing name, every
+/// extra one and every tensor of the wrong shape or dtype.
+pub fn check_weights(file: &TensorFile, params: &[NamedParam]) -> Result<(), String> {
+    let mut problems = Vec::new();
+    let expected: HashMap<&str, &NamedParam> = params.iter().map(|p| (p.name.as_str(), p)).collect();
+    let missing: Vec<&str> = params
+        .iter()
+        .filter(|p| file.info(&p.name).is_none())
+        .map(|p| p.name.as_str())
+        .collect();
+    if !missing.is_empty() {
+        problems.push(format!("missing {}", missing.join(", ")));
+    }
+    let extra: Vec<&str> = file
+        .names()
+        .into_iter()
+        .filter(|n| !expected.contains_key(n))
+        .collect();
+    if !extra.is_empty() {
+        problems.push(format!("not parameters of this model: {}", extra.join(", ")));
+    }
+    for p in params {
+        let Some((dtype, shape)) = file.info(&p.name) else {
+            continue;
+        };
+        let torch_shape = p.torch_shape();
+        if dtype != Dtype::F32 || shape != torch_shape.as_slice() {
+            problems.push(format!(
+                "`{}` is {dtype:?} {shape:?}, expected F32 {torch_shape:?}",
+                p.name
+            ));
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "{} does not hold this model's weights: {}",
+        file.path().display(),
+        problems.join("; ")
+    ))
+}
+
+/// Reads parameter `p` in burn's layout (transposing a `Linear` weight).
+fn read_param(file: &TensorFile, p: &NamedParam) -> Result<Vec<f32>, String> {
+    let values = file.read_f32(&p.name)?;
+    if !p.transposed {
+        return Ok(values);
+    }
+    let torch = p.torch_shape();
+    Ok(transpose(&values, torch[0], torch[1]))
+}
+
+/// The transpose of row-major `rows × cols` `values`.
+fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; values.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            out[c * rows + r] = values[r * cols + c];
+        }
+    }
+    out
+}
+
+/// A checked weights file for a model: each block's flat parameters on demand.
+#[derive(Debug)]
+pub struct InitWeights {
+    file: TensorFile,
+    blocks: Vec<Vec<NamedParam>>,
+}
+
+impl InitWeights {
+    /// Opens `path` for `model` and checks it holds exactly the model's parameters.
+    pub fn open(path: &Path, model: &ModelDesc) -> Result<InitWeights, String> {
+        let spec = zoo_spec(model, "--init")?;
+        let file = TensorFile::open(path).map_err(|e| format!("--init: {e}"))?;
+        let blocks = block_params(&spec);
+        let all: Vec<NamedParam> = blocks.iter().flatten().cloned().collect();
+        check_weights(&file, &all).map_err(|e| format!("--init: {e}"))?;
+        Ok(InitWeights { file, blocks })
+    }
+
+    /// Block `index`'s parameters, flat in the runtime's order and burn's layouts.
+    pub fn block(&self, index: usize) -> Result<Vec<f32>, String> {
+        let params = self
+            .blocks
+            .get(index)
+            .ok_or_else(|| format!("the model has no block {index}"))?;
+        let mut out = Vec::with_capacity(params.iter().map(NamedParam::len).sum());
+        for p in params {
+            out.extend(read_param(&self.file, p)?);
+        }
+        Ok(out)
+    }
+}
+
+/// One f32 tensor to write (the safetensors crate's [`View`]).
+struct F32Tensor {
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+impl View for &F32Tensor {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// Writes `model`'s weights to `path`: `blocks[i]` is block `i`'s flat parameters in the
+/// runtime's order and burn's layouts; the file has PyTorch's names and layouts, and its
+/// `__metadata__` says `{"format": "pt"}` (what Hugging Face's loaders check). The same weights
+/// always give the same bytes (the crate orders tensors by name; the metadata has one entry, as
+/// the crate writes it from a `HashMap` whose order would vary between runs).
+pub fn write_weights(path: &Path, model: &ModelSpec, blocks: &[Vec<f32>]) -> Result<(), String> {
+    let named = block_params(model);
+    if named.len() != blocks.len() {
+        return Err(format!(
+            "{model} has {} blocks, {} were given",
+            named.len(),
+            blocks.len()
+        ));
+    }
+    let mut tensors = Vec::new();
+    for (index, (params, flat)) in named.iter().zip(blocks).enumerate() {
+        let total: usize = params.iter().map(NamedParam::len).sum();
+        if total != flat.len() {
+            return Err(format!(
+                "block {index} of {model} has {total} parameters, {} were given",
+                flat.len()
+            ));
+        }
+        let mut at = 0;
+        for p in params {
+            let values = &flat[at..at + p.len()];
+            at += p.len();
+            let torch = if p.transposed {
+                transpose(values, p.shape[0], p.shape[1])
+            } else {
+                values.to_vec()
+            };
+            let bytes = torch.iter().flat_map(|v| v.to_le_bytes()).collect();
+            tensors.push((
+                p.name.clone(),
+                F32Tensor {
+                    shape: p.torch_shape(),
+                    bytes,
+                },
+            ));
+        }
+    }
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(
+        tensors.iter().map(|(name, t)| (name.as_str(), t)),
+        Some(metadata),
+        path,
+    )
+    .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::FlexDevice;
+
+    use super::*;
+    use crate::CpuBackend;
+    use crate::zoo::{BuildContext, ModelBuilder, ZooModel};
+
+    /// `param_names` lists each zoo block's parameters in `Block::param_shapes`' order, with the
+    /// same shapes, and its PyTorch names end as burn's paths do (`gamma`/`beta` → `weight`/`bias`).
+    #[test]
+    fn param_names_follow_the_runtime_flattening_order() {
+        for spec in [
+            "mlp:in=5,hidden=7,layers=3,out=2",
+            "gpt:vocab=11,ctx=6,d=8,layers=2,heads=2",
+        ] {
+            let model = ModelSpec::parse(spec).unwrap();
+            let zoo = ZooModel(model.clone());
+            for (index, named) in block_params(&model).iter().enumerate() {
+                let ctx = BuildContext {
+                    seed: 0,
+                    actor: 0,
+                    block: index,
+                };
+                let block = ModelBuilder::<CpuBackend>::build_block(&zoo, &ctx, &FlexDevice);
+                let shapes = block.param_shapes();
+                assert_eq!(shapes.len(), named.len(), "{spec} block {index}");
+                for ((path, shape), p) in shapes.iter().zip(named) {
+                    assert_eq!(shape, &p.shape, "{spec} {path} vs {}", p.name);
+                    let leaf = match path.rsplit('.').next().unwrap() {
+                        "gamma" => "weight",
+                        "beta" => "bias",
+                        other => other,
+                    };
+                    assert!(p.name.ends_with(leaf), "{spec} {path} vs {}", p.name);
+                    assert_eq!(p.transposed, shape.len() == 2 && !path.contains("embedding"));
+                }
+            }
+        }
+    }
+
+    /// Written weights read back block by block equal what was written; the file holds PyTorch
+    /// layouts (a `Linear` weight transposed); a file for another model is refused naming the
+    /// missing, extra and misshapen tensors.
+    #[test]
+    fn weights_round_trip_and_wrong_files_are_refused() {
+        let model = ModelSpec::parse("mlp:in=3,hidden=4,layers=1,out=2").unwrap();
+        let blocks: Vec<Vec<f32>> = model
+            .desc()
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(b, info)| (0..info.params).map(|i| (100 * b as u64 + i) as f32).collect())
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("w.safetensors");
+        write_weights(&path, &model, &blocks).unwrap();
+        let init = InitWeights::open(&path, &model.desc()).unwrap();
+        for (index, flat) in blocks.iter().enumerate() {
+            assert_eq!(&init.block(index).unwrap(), flat);
+        }
+        // burn's [3, 4] weight w[i][o] = 4i + o; PyTorch's [4, 3] holds w[o][i] = 4i + o.
+        let file = TensorFile::open(&path).unwrap();
+        assert_eq!(file.info("layers.0.weight").unwrap().1, [4, 3]);
+        assert_eq!(
+            &file.read_f32("layers.0.weight").unwrap()[..4],
+            [0.0, 4.0, 8.0, 1.0]
+        );
+        let other = ModelSpec::parse("mlp:in=3,hidden=5,layers=2,out=2").unwrap();
+        let err = InitWeights::open(&path, &other.desc()).unwrap_err();
+        assert!(err.contains("missing layers.2.weight, layers.2.bias"), "{err}");
+        assert!(
+            err.contains("`layers.0.weight` is F32 [4, 3], expected F32 [5, 3]"),
+            "{err}"
+        );
+        let deeper = ModelSpec::parse("mlp:in=3,hidden=4,layers=2,out=2").unwrap();
+        let deeper_blocks: Vec<Vec<f32>> = deeper
+            .desc()
+            .blocks
+            .iter()
+            .map(|b| vec![0.5; b.params as usize])
+            .collect();
+        write_weights(&path, &deeper, &deeper_blocks).unwrap();
+        let err = InitWeights::open(&path, &model.desc()).unwrap_err();
+        assert!(
+            err.contains("not parameters of this model: layers.2.bias, layers.2.weight"),
+            "{err}"
+        );
+    }
+}

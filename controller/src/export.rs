@@ -1,0 +1,103 @@
+//! `archipelago export`: the full model of a sharded checkpoint, written as one safetensors file
+//! with PyTorch's names and layouts (what `torch.load_state_dict`, Hugging Face and PEFT read).
+//!
+//! Whatever layout wrote the checkpoint (dp, pp, ZeRO shards, offload), every block is read whole
+//! through [`CheckpointReader`] and written by [`write_weights`], which names and transposes each
+//! parameter as [`archipelago_dataflow::param_names`] says. Reading it back with `--init` starts a
+//! run from exactly these weights.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use archipelago_actors::checkpoint::{self, CheckpointReader, MANIFEST};
+use archipelago_actors::weights_file::write_weights;
+use archipelago_dataflow::ModelSpec;
+
+/// Flags of `export`.
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A checkpoint: one `step-N` directory, or a checkpoint directory (its newest complete
+    /// checkpoint is taken).
+    pub checkpoint_dir: PathBuf,
+    /// The safetensors file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// What an export wrote.
+#[derive(Debug, Clone)]
+pub struct Exported {
+    /// The checkpoint read.
+    pub checkpoint: PathBuf,
+    /// Its model.
+    pub model: ModelSpec,
+    /// Its step.
+    pub step: u64,
+    /// Parameters written.
+    pub params: u64,
+}
+
+/// The checkpoint in `dir`: `dir` itself when it holds a manifest, else its newest complete one.
+fn checkpoint_in(dir: &Path) -> Result<PathBuf, String> {
+    if dir.join(MANIFEST).exists() {
+        return Ok(dir.to_path_buf());
+    }
+    let (latest, skipped) = checkpoint::latest_complete(dir);
+    latest.map(|(step_dir, _)| step_dir).ok_or_else(|| {
+        format!(
+            "no complete checkpoint in {} (give a `step-N` directory or the --checkpoint-dir of a run){}",
+            dir.display(),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", skipped.join("; "))
+            }
+        )
+    })
+}
+
+/// Writes the model of the checkpoint in `dir` to `out` (see the module docs).
+pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
+    let checkpoint = checkpoint_in(dir)?;
+    let reader = CheckpointReader::open(&checkpoint)?;
+    let manifest = reader.manifest();
+    let model = ModelSpec::parse(&manifest.model).map_err(|e| {
+        format!(
+            "the checkpoint in {} is of `{}`, not a zoo model, so its parameters have no PyTorch names: {e}",
+            checkpoint.display(),
+            manifest.model
+        )
+    })?;
+    let desc = model.desc();
+    let blocks = desc
+        .blocks
+        .iter()
+        .enumerate()
+        .map(|(index, info)| {
+            let [params, _, _] = reader.read_values(index, 0..info.params as usize, 0)?;
+            Ok(params)
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    write_weights(out, &model, &blocks)?;
+    Ok(Exported {
+        step: manifest.step,
+        checkpoint,
+        params: desc.params(),
+        model,
+    })
+}
+
+/// Runs `archipelago export`.
+pub fn run(args: &ExportArgs) -> anyhow::Result<()> {
+    let done = export(&args.checkpoint_dir, &args.out).map_err(anyhow::Error::msg)?;
+    println!(
+        "exported {} ({} parameters, step {}) from {} to {}",
+        done.model,
+        done.params,
+        done.step,
+        done.checkpoint.display(),
+        args.out.display()
+    );
+    Ok(())
+}

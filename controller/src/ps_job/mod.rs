@@ -1,0 +1,491 @@
+//! The driver of a parameter-server job (Li et al., OSDI 2014) on the runtime API: it spawns the
+//! servers of `archipelago_actors::ps` on the runtime's first `S` slots and the workers on the
+//! next `W` (this process's devices, or the hosts of a cluster: the same code), seeds a dense
+//! model's initial values through worker 0, starts every worker's loop, and collects the servers'
+//! figures and final values, checkpointing them when asked. Values and gradients move worker ↔
+//! server only; the driver reads the final model once, at the end, for the report.
+//!
+//! `archipelago ps` ([`cli`]) builds a [`PsJob`] from train's flags; [`report`] is its JSON.
+
+pub mod cli;
+pub mod report;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use archipelago_actors::ps::checkpoint::{Manifest, read_manifest, write_manifest};
+use archipelago_actors::ps::server::ServerFault;
+use archipelago_actors::ps::{
+    Consistency, CtrSpec, DenseWorker, DenseWorkerParams, Dump, LoopSettings, PsServer, Ring, SaveCheckpoint,
+    SeedModel, ServerParams, ServerReport, ServerUpdate, SparseLrParams, SparseLrWorker, Stats, Train,
+    WorkerRun,
+};
+use archipelago_actors::runtime::{Actor, ActorRef, Handler, Pending, Runtime, SpawnError, SpawnOptions};
+use archipelago_dataflow::ModelSpec;
+use archipelago_dataflow::data::DataSpec;
+
+/// The model a job trains.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PsModel {
+    /// A zoo model, its flat parameters cut into keys of `width` values.
+    Dense {
+        /// The model.
+        model: ModelSpec,
+        /// Its data.
+        data: DataSpec,
+        /// Seed of the initial parameters.
+        seed: u64,
+        /// Values per key.
+        width: usize,
+    },
+    /// Sparse logistic regression on synthetic click-through data (keys of width 1).
+    SparseLr(CtrSpec),
+}
+
+impl PsModel {
+    /// Values per key.
+    pub fn width(&self) -> usize {
+        match self {
+            PsModel::Dense { width, .. } => *width,
+            PsModel::SparseLr(_) => 1,
+        }
+    }
+}
+
+/// A parameter-server job.
+#[derive(Debug, Clone)]
+pub struct PsJob<U> {
+    /// What it trains.
+    pub model: PsModel,
+    /// The servers' update rule.
+    pub update: U,
+    /// Server actors.
+    pub servers: usize,
+    /// Worker actors.
+    pub workers: usize,
+    /// Replicas per key range (only 1 until chain replication exists).
+    pub replicas: usize,
+    /// Virtual nodes per server on the ring.
+    pub vnodes: usize,
+    /// The consistency model.
+    pub consistency: Consistency,
+    /// Rows per worker per clock.
+    pub local_batch: usize,
+    /// Clocks this job runs (from 0, or from the checkpoint's clock with `resume`).
+    pub clocks: u64,
+    /// Milliseconds each worker sleeps per clock, by rank (missing ranks do not sleep).
+    pub delay_ms: Vec<u64>,
+    /// Write a checkpoint here after the last clock.
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Resume from the checkpoint in this directory.
+    pub resume: Option<PathBuf>,
+    /// Keep the servers' clock logs (for tests of the bound).
+    pub log_clocks: bool,
+    /// A planted server fault (tests only).
+    #[doc(hidden)]
+    pub fault: ServerFault,
+    /// A planted worker failure: `(rank, clock)` (tests only).
+    #[doc(hidden)]
+    pub fail_at: Option<(usize, u64)>,
+}
+
+impl<U> PsJob<U> {
+    /// Rows per clock over all workers.
+    pub fn global_batch(&self) -> usize {
+        self.workers * self.local_batch
+    }
+
+    /// Devices the job needs: one per server, then one per worker.
+    pub fn devices(&self) -> usize {
+        self.servers + self.workers
+    }
+
+    /// Refuses a job that cannot run, naming the fix.
+    pub fn check(&self) -> Result<(), String> {
+        if self.servers == 0 {
+            return Err("--servers 0: a parameter server needs at least one server".into());
+        }
+        if self.workers == 0 {
+            return Err("--workers 0: a parameter server needs at least one worker".into());
+        }
+        if self.replicas == 0 {
+            return Err("--replicas 0: every key range needs at least one copy (use --replicas 1)".into());
+        }
+        if self.replicas > self.servers {
+            return Err(format!(
+                "--replicas {} with --servers {}: a range cannot have more replicas than there are servers; \
+                 use --replicas {} or more --servers",
+                self.replicas, self.servers, self.servers
+            ));
+        }
+        if self.replicas > 1 {
+            return Err(format!(
+                "--replicas {}: chain replication is not built yet, every range has one copy; use --replicas 1",
+                self.replicas
+            ));
+        }
+        if self.local_batch == 0 {
+            return Err("--batch must give every worker at least one row".into());
+        }
+        if self.vnodes == 0 {
+            return Err("--vnodes 0: every server needs at least one point on the ring".into());
+        }
+        match &self.model {
+            PsModel::Dense { width: 0, .. } => Err("--key-width 0: a key holds at least one value".into()),
+            PsModel::SparseLr(spec) => spec.check(),
+            PsModel::Dense { .. } => Ok(()),
+        }
+    }
+}
+
+/// The final model as the servers hold it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FinalModel {
+    /// A dense model's flat parameters, in order (padding dropped).
+    Dense(Vec<f32>),
+    /// Every weight a server holds.
+    Sparse(HashMap<u64, f32>),
+}
+
+/// What a job produced.
+#[derive(Debug, Clone)]
+pub struct PsOutcome {
+    /// The clock the job started at.
+    pub first_clock: u64,
+    /// The global loss of each clock it ran (the sum of the workers' shares).
+    pub losses: Vec<f32>,
+    /// Each worker's run, by rank.
+    pub workers: Vec<WorkerRun>,
+    /// Each server's figures and clock log.
+    pub servers: Vec<ServerReport>,
+    /// The final model.
+    pub model: FinalModel,
+    /// The ring.
+    pub ring: Ring,
+    /// Seconds the workers' loops took.
+    pub wall_s: f64,
+    /// Where each server, then each worker, ran: `(host, device)`.
+    pub placement: Vec<(String, String)>,
+}
+
+impl PsOutcome {
+    /// The most clocks a granted pull was ahead of the slowest worker, over every server.
+    pub fn max_lead(&self) -> u64 {
+        self.servers.iter().map(|s| s.figures.max_lead).max().unwrap_or(0)
+    }
+
+    /// The dense model's flat parameters (empty for a sparse one).
+    pub fn dense_params(&self) -> &[f32] {
+        match &self.model {
+            FinalModel::Dense(p) => p,
+            FinalModel::Sparse(_) => &[],
+        }
+    }
+}
+
+/// Runs `job` on `runtime`: servers on its first `servers` slots, workers on the next `workers`.
+pub fn run<U>(runtime: &Runtime, job: &PsJob<U>) -> anyhow::Result<PsOutcome>
+where
+    U: ServerUpdate + Serialize + DeserializeOwned,
+{
+    job.check().map_err(anyhow::Error::msg)?;
+    let slots = runtime.slots().len();
+    anyhow::ensure!(
+        job.devices() <= slots,
+        "{} servers and {} workers need {} devices; the runtime has {slots}",
+        job.servers,
+        job.workers,
+        job.devices()
+    );
+    let width = job.model.width();
+    let first_clock = match &job.resume {
+        Some(dir) => {
+            let manifest = read_manifest(dir).map_err(anyhow::Error::msg)?;
+            anyhow::ensure!(
+                manifest.workers == job.workers && manifest.width == width,
+                "the checkpoint in {} was written by {} workers with keys of width {}; resume with --workers {}",
+                dir.display(),
+                manifest.workers,
+                manifest.width,
+                manifest.workers
+            );
+            manifest.clock
+        }
+        None => 0,
+    };
+    let ring = Ring::new(0..job.servers, job.vnodes)?;
+    let spawn_servers: Vec<_> = (0..job.servers)
+        .map(|index| {
+            let params = ServerParams {
+                index,
+                workers: job.workers,
+                width,
+                consistency: job.consistency,
+                update: job.update.clone(),
+                ring: ring.clone(),
+                first_clock,
+                resume: job.resume.clone(),
+                log_clocks: job.log_clocks,
+                fault: job.fault,
+            };
+            runtime.spawn_at::<PsServer<U>>(index, params, SpawnOptions::named(format!("ps-server-{index}")))
+        })
+        .collect();
+    let servers = all_or_none(spawn_servers)?;
+    let result = with_servers(runtime, job, &servers, ring, first_clock);
+    servers.iter().for_each(|s| s.stop("the job is over"));
+    result
+}
+
+/// The job once its servers run: spawns and drives the workers, reads the servers' figures and
+/// final values, checkpoints them when asked. The caller stops the servers.
+fn with_servers<U>(
+    runtime: &Runtime,
+    job: &PsJob<U>,
+    servers: &[ActorRef<PsServer<U>>],
+    ring: Ring,
+    first_clock: u64,
+) -> anyhow::Result<PsOutcome>
+where
+    U: ServerUpdate + Serialize + DeserializeOwned,
+{
+    let width = job.model.width();
+    let settings = |rank: usize| LoopSettings {
+        rank,
+        workers: job.workers,
+        local_batch: job.local_batch,
+        delay_ms: job.delay_ms.get(rank).copied().unwrap_or(0),
+        fail_at: job.fail_at.filter(|(r, _)| *r == rank).map(|(_, c)| c),
+    };
+    let train = Train {
+        servers: servers.to_vec(),
+        ring: ring.clone(),
+        first_clock,
+        clocks: job.clocks,
+    };
+    let (placement_workers, runs, wall_s) = match &job.model {
+        PsModel::Dense {
+            model,
+            data,
+            seed,
+            width,
+        } => {
+            let params = |rank| DenseWorkerParams {
+                model: model.clone(),
+                data: data.clone(),
+                seed: *seed,
+                width: *width,
+                settings: settings(rank),
+            };
+            let workers = spawn_workers::<DenseWorker<U>>(runtime, job, params)?;
+            if job.resume.is_none() {
+                let seed = SeedModel {
+                    servers: servers.to_vec(),
+                    ring: ring.clone(),
+                };
+                let seeded = workers[0].call(seed).get();
+                if let Err(e) = seeded
+                    .map_err(anyhow::Error::from)
+                    .and_then(|r| r.map_err(anyhow::Error::msg))
+                {
+                    workers.iter().for_each(|w| w.stop("seeding failed"));
+                    return Err(e.context("worker 0 seeding the model's initial values"));
+                }
+            }
+            drive(runtime, servers, workers, train)?
+        }
+        PsModel::SparseLr(spec) => {
+            let params = |rank| SparseLrParams {
+                data: *spec,
+                settings: settings(rank),
+            };
+            let workers = spawn_workers::<SparseLrWorker<U>>(runtime, job, params)?;
+            drive(runtime, servers, workers, train)?
+        }
+    };
+    let reports: Vec<ServerReport> = servers
+        .iter()
+        .map(|s| s.call(Stats).get())
+        .collect::<Result<_, _>>()?;
+    for (s, report) in reports.iter().enumerate() {
+        anyhow::ensure!(
+            report.figures.applied == first_clock + job.clocks,
+            "server {s} applied {} of {} clocks after every worker finished",
+            report.figures.applied,
+            first_clock + job.clocks
+        );
+    }
+    let model = final_model(servers, &job.model)?;
+    if let Some(dir) = &job.checkpoint_dir {
+        // The directory stops being a checkpoint until the new manifest is in.
+        match std::fs::remove_file(dir.join("manifest.json")) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                anyhow::bail!("cannot replace the checkpoint in {}: {e}", dir.display())
+            }
+            _ => {}
+        }
+        for (s, server) in servers.iter().enumerate() {
+            let saved = server.call(SaveCheckpoint { dir: dir.clone() }).get()?;
+            saved.map_err(|e| anyhow::anyhow!("server {s}'s checkpoint: {e}"))?;
+        }
+        let manifest = Manifest {
+            clock: first_clock + job.clocks,
+            servers: job.servers,
+            workers: job.workers,
+            width,
+            update: job.update.describe(),
+        };
+        write_manifest(dir, &manifest).map_err(anyhow::Error::msg)?;
+    }
+    let losses = (0..job.clocks as usize)
+        .map(|c| runs.iter().map(|r| r.steps[c].loss).sum())
+        .collect();
+    let placement = servers
+        .iter()
+        .map(|s| (s.info().host.clone(), s.info().device.to_string()))
+        .chain(placement_workers)
+        .collect();
+    Ok(PsOutcome {
+        first_clock,
+        losses,
+        workers: runs,
+        servers: reports,
+        model,
+        ring,
+        wall_s,
+        placement,
+    })
+}
+
+fn spawn_workers<W: Actor>(
+    runtime: &Runtime,
+    job: &PsJob<impl Sized>,
+    params: impl Fn(usize) -> W::Params,
+) -> anyhow::Result<Vec<ActorRef<W>>> {
+    let pending: Vec<_> = (0..job.workers)
+        .map(|rank| {
+            let options = SpawnOptions::named(format!("ps-worker-{rank}"));
+            runtime.spawn_at::<W>(job.servers + rank, params(rank), options)
+        })
+        .collect();
+    all_or_none(pending)
+}
+
+/// Every spawned actor, or the first error with the others stopped.
+fn all_or_none<A: Actor>(
+    pending: Vec<Pending<Result<ActorRef<A>, SpawnError>>>,
+) -> anyhow::Result<Vec<ActorRef<A>>> {
+    let results: Vec<_> = pending.into_iter().map(|p| p.get()).collect();
+    if let Some(index) = results.iter().position(Result::is_err) {
+        results
+            .iter()
+            .flatten()
+            .for_each(|a| a.stop("another actor of the job could not start"));
+        let error = results
+            .into_iter()
+            .nth(index)
+            .expect("the failed spawn")
+            .unwrap_err();
+        return Err(error.into());
+    }
+    Ok(results.into_iter().flatten().collect())
+}
+
+type Placed = Vec<(String, String)>;
+
+/// Starts every worker's loop and waits for all; if one fails, stops the servers (the other
+/// loops would wait for that worker's clocks forever) and returns its error.
+fn drive<U, W>(
+    runtime: &Runtime,
+    servers: &[ActorRef<PsServer<U>>],
+    workers: Vec<ActorRef<W>>,
+    train: Train<U>,
+) -> anyhow::Result<(Placed, Vec<WorkerRun>, f64)>
+where
+    U: ServerUpdate,
+    W: Actor + Handler<Train<U>>,
+{
+    let placed = workers
+        .iter()
+        .map(|w| (w.info().host.clone(), w.info().device.to_string()))
+        .collect();
+    let began = Instant::now();
+    let mut pending: Vec<(usize, _)> = workers
+        .iter()
+        .map(|w| w.call(train.clone()))
+        .enumerate()
+        .collect();
+    let mut runs: Vec<Option<WorkerRun>> = vec![None; workers.len()];
+    let mut failure = None;
+    while !pending.is_empty() {
+        let (ranks, calls): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
+        let waited = runtime.wait(calls, 1, None);
+        for (i, result) in waited.ready {
+            match result
+                .map_err(anyhow::Error::from)
+                .and_then(|r| r.map_err(anyhow::Error::msg))
+            {
+                Ok(run) => runs[ranks[i]] = Some(run),
+                Err(e) if failure.is_none() => {
+                    servers.iter().for_each(|s| s.stop("a worker's loop failed"));
+                    failure = Some(e.context(format!("worker {}'s loop", ranks[i])));
+                }
+                Err(_) => {}
+            }
+        }
+        pending = waited
+            .pending
+            .into_iter()
+            .map(|(i, call)| (ranks[i], call))
+            .collect();
+    }
+    let wall_s = began.elapsed().as_secs_f64();
+    workers.iter().for_each(|w| w.stop("the job is over"));
+    if let Some(error) = failure {
+        return Err(error);
+    }
+    Ok((
+        placed,
+        runs.into_iter()
+            .map(|r| r.expect("every loop answered"))
+            .collect(),
+        wall_s,
+    ))
+}
+
+/// Reads every server's keys and values.
+fn final_model<U: ServerUpdate>(
+    servers: &[ActorRef<PsServer<U>>],
+    model: &PsModel,
+) -> anyhow::Result<FinalModel> {
+    let dumps: Vec<_> = servers.iter().map(|s| s.call(Dump)).collect();
+    let mut entries: Vec<(u64, Vec<f32>)> = Vec::new();
+    let width = model.width();
+    for dump in dumps {
+        let dump = dump.get()?;
+        for (key, values) in dump.keys.iter().zip(dump.values.chunks_exact(width)) {
+            entries.push((*key, values.to_vec()));
+        }
+    }
+    Ok(match model {
+        PsModel::Dense { model, .. } => {
+            let params = model.desc().params() as usize;
+            let mut flat = vec![0.0f32; params.div_ceil(width) * width];
+            for (key, values) in entries {
+                let at = key as usize * width;
+                anyhow::ensure!(
+                    at + width <= flat.len(),
+                    "a server holds key {key}, outside the model"
+                );
+                flat[at..at + width].copy_from_slice(&values);
+            }
+            flat.truncate(params);
+            FinalModel::Dense(flat)
+        }
+        PsModel::SparseLr(_) => FinalModel::Sparse(entries.into_iter().map(|(k, v)| (k, v[0])).collect()),
+    })
+}
