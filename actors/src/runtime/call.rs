@@ -222,29 +222,42 @@ pub struct Waited<R> {
 /// Waits until `k` of `calls` have completed (or `timeout` passed, when given), and returns
 /// them with the rest still pending. `k` larger than the number of calls waits for all.
 pub async fn wait<R>(calls: Vec<Call<R>>, k: usize, timeout: Option<Duration>) -> Waited<R> {
+    use futures::StreamExt;
     let k = k.min(calls.len());
-    let mut pending: Vec<(usize, Call<R>)> = calls.into_iter().enumerate().collect();
-    let mut ready = Vec::new();
-    let deadline = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
-    let mut deadline = deadline;
-    std::future::poll_fn(|cx| {
-        let mut i = 0;
-        while i < pending.len() && ready.len() < k {
-            if let Poll::Ready(result) = Pin::new(&mut pending[i].1).poll(cx) {
-                let (index, _) = pending.remove(i);
-                ready.push((index, result));
-            } else {
-                i += 1;
+    // Completions arrive in any order; each wakes only its own call (no rescan of the rest).
+    let mut running: futures::stream::FuturesUnordered<Indexed<R>> = (calls.into_iter().enumerate())
+        .map(|(index, call)| Indexed { index, call })
+        .collect();
+    let mut ready = Vec::with_capacity(k);
+    let until_k = async {
+        while ready.len() < k {
+            match running.next().await {
+                Some(done) => ready.push(done),
+                None => break,
             }
         }
-        if ready.len() >= k {
-            return Poll::Ready(());
+    };
+    match timeout {
+        Some(limit) => {
+            let _ = tokio::time::timeout(limit, until_k).await;
         }
-        let expired = deadline
-            .as_mut()
-            .is_some_and(|timer| timer.as_mut().poll(cx).is_ready());
-        if expired { Poll::Ready(()) } else { Poll::Pending }
-    })
-    .await;
+        None => until_k.await,
+    }
+    let mut pending: Vec<(usize, Call<R>)> = running.into_iter().map(|c| (c.index, c.call)).collect();
+    pending.sort_unstable_by_key(|(index, _)| *index);
     Waited { ready, pending }
+}
+
+/// A call with its place in the list given to [`wait`].
+struct Indexed<R> {
+    index: usize,
+    call: Call<R>,
+}
+
+impl<R> Future for Indexed<R> {
+    type Output = (usize, Result<R, CallError>);
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        Pin::new(&mut this.call).poll(cx).map(|result| (this.index, result))
+    }
 }

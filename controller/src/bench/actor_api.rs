@@ -97,6 +97,9 @@ struct Figures {
     sync_s: f64,
     pipelined_s: f64,
     fan_out_s: f64,
+    /// The same 1000 in flight to one actor, awaited as one list (`Runtime::wait`, Ray's
+    /// `ray.get(list)`) instead of one `get` after another.
+    pipelined_wait_all_s: f64,
     tensor_s: f64,
 }
 
@@ -130,6 +133,16 @@ fn measure(
     };
     let pipelined_s = in_flight(std::slice::from_ref(echo))?;
     let fan_out_s = in_flight(callees)?;
+    let t = Instant::now();
+    for _ in 0..batches {
+        let calls: Vec<_> = (0..IN_FLIGHT).map(|i| echo.call(Ping(i as u64))).collect();
+        let waited = runtime.wait(calls, IN_FLIGHT, None);
+        anyhow::ensure!(waited.pending.is_empty(), "calls left pending");
+        for (_, result) in waited.ready {
+            result?;
+        }
+    }
+    let pipelined_wait_all_s = t.elapsed().as_secs_f64();
     let tensor = runtime.put(TypedTensor::zeros(DType::F32, vec![TENSOR_BYTES / 4])?);
     echo.call(Take(tensor.clone()))
         .get()?
@@ -148,6 +161,7 @@ fn measure(
         sync_s,
         pipelined_s,
         fan_out_s,
+        pipelined_wait_all_s,
         tensor_s,
     })
 }
@@ -172,11 +186,13 @@ fn figures_json(
         "sync_calls_per_s": sync_per_s,
         "sync_latency_us": f.sync_s / round_trips as f64 * 1e6,
         "in_flight_1000_calls_per_s": pipelined / f.pipelined_s,
+        "in_flight_1000_wait_all_calls_per_s": pipelined / f.pipelined_wait_all_s,
         "one_caller_8_actors_in_flight_1000_calls_per_s": pipelined / f.fan_out_s,
         "tensor_64mib_argument_gb_per_s": TENSOR_BYTES as f64 / f.tensor_s / 1e9,
         "ratio_to_fabric": {
             "sync": ratio(sync_per_s, "sync_per_s"),
             "in_flight_1000": ratio(pipelined / f.pipelined_s, "in_flight_1000_per_s"),
+            "in_flight_1000_wait_all": ratio(pipelined / f.pipelined_wait_all_s, "in_flight_1000_per_s"),
             "one_caller_8": ratio(pipelined / f.fan_out_s, "one_caller_8_actors_in_flight_1000_per_s"),
         },
         "load_avg": load_avg(),
