@@ -258,6 +258,8 @@ impl<R> Future for Indexed<R> {
     type Output = (usize, Result<R, CallError>);
     fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        Pin::new(&mut this.call).poll(cx).map(|result| (this.index, result))
+        Pin::new(&mut this.call)
+            .poll(cx)
+            .map(|result| (this.index, result))
     }
 }
