@@ -198,7 +198,8 @@ impl ActorGang {
                     if now != beats {
                         (beats, progressed) = (now, Instant::now());
                     } else if progressed.elapsed() >= 2 * HEARTBEAT
-                        && let Some(report) = find_hang(&self.snapshots(), &self.streams)
+                        && let Some(report) =
+                            find_hang(&self.snapshots(), |a| self.streams.iter().find(|s| s.actor == a))
                     {
                         let detected_s = progressed.elapsed().as_secs_f64();
                         self.fabric

@@ -5,6 +5,8 @@
 
 mod common;
 
+mod otlp_text;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,8 +17,9 @@ use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
-use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use tonic::{Request, Response, Status};
+
+use otlp_text::{service_name, text};
 
 use archipelago_controller::TrainOptions;
 use common::{Cluster, plan, program};
@@ -34,16 +37,6 @@ struct Receiver {
     spans: Arc<Mutex<Vec<Received>>>,
 }
 
-fn text(value: Option<&opentelemetry_proto::tonic::common::v1::AnyValue>) -> String {
-    match value.and_then(|v| v.value.as_ref()) {
-        Some(Value::StringValue(s)) => s.clone(),
-        Some(Value::IntValue(i)) => i.to_string(),
-        Some(Value::DoubleValue(d)) => d.to_string(),
-        Some(Value::BoolValue(b)) => b.to_string(),
-        other => format!("{other:?}"),
-    }
-}
-
 #[tonic::async_trait]
 impl TraceService for Receiver {
     async fn export(
@@ -52,13 +45,7 @@ impl TraceService for Receiver {
     ) -> Result<Response<ExportTraceServiceResponse>, Status> {
         let mut spans = self.spans.lock().unwrap();
         for resource in request.into_inner().resource_spans {
-            let service = resource
-                .resource
-                .iter()
-                .flat_map(|r| &r.attributes)
-                .find(|kv| kv.key == "service.name")
-                .map(|kv| text(kv.value.as_ref()))
-                .unwrap_or_default();
+            let service = service_name(resource.resource.iter().flat_map(|r| &r.attributes));
             for scope in resource.scope_spans {
                 for span in scope.spans {
                     let attributes = span

@@ -5,6 +5,8 @@
 //! the messages each actor handled, a queue held up behind a busy handler, a panic among the
 //! failures and restarts, the tensor bytes per link, and an idle actor's zeros.
 
+mod otlp_text;
+
 use std::collections::HashMap;
 use std::io::Write as _;
 use std::process::{Child, Command, Stdio};
@@ -17,12 +19,12 @@ use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::
 use opentelemetry_proto::tonic::collector::metrics::v1::{
     ExportMetricsServiceRequest, ExportMetricsServiceResponse,
 };
-use opentelemetry_proto::tonic::common::v1::AnyValue;
-use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::metrics::v1::metric::Data;
 use opentelemetry_proto::tonic::metrics::v1::number_data_point;
 use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
+
+use otlp_text::{service_name, text};
 
 use archipelago_controller::prelude::*;
 use archipelago_controller::telemetry::{FAILURES, LINK_BYTES, MESSAGES, QUEUE_DEPTH, RESTARTS};
@@ -164,16 +166,6 @@ struct Receiver {
     points: Arc<Mutex<Vec<Point>>>,
 }
 
-fn text(value: Option<&AnyValue>) -> String {
-    match value.and_then(|v| v.value.as_ref()) {
-        Some(Value::StringValue(s)) => s.clone(),
-        Some(Value::IntValue(i)) => i.to_string(),
-        Some(Value::DoubleValue(d)) => d.to_string(),
-        Some(Value::BoolValue(b)) => b.to_string(),
-        other => format!("{other:?}"),
-    }
-}
-
 #[tonic::async_trait]
 impl MetricsService for Receiver {
     async fn export(
@@ -182,13 +174,7 @@ impl MetricsService for Receiver {
     ) -> Result<Response<ExportMetricsServiceResponse>, Status> {
         let mut points = self.points.lock().unwrap();
         for resource in request.into_inner().resource_metrics {
-            let service = resource
-                .resource
-                .iter()
-                .flat_map(|r| &r.attributes)
-                .find(|kv| kv.key == "service.name")
-                .map(|kv| text(kv.value.as_ref()))
-                .unwrap_or_default();
+            let service = service_name(resource.resource.iter().flat_map(|r| &r.attributes));
             for metric in resource.scope_metrics.into_iter().flat_map(|s| s.metrics) {
                 let (monotonic_sum, data_points) = match metric.data {
                     Some(Data::Sum(sum)) => (sum.is_monotonic, sum.data_points),

@@ -15,7 +15,7 @@ use archipelago_actors::checkpoint::ShardFile;
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::DataPath;
 use archipelago_actors::proto::{ActorState, Ask, Launch, Step, Stop, controller_message, host_message};
-use archipelago_dataflow::{ActorId, ActorStream, Plan};
+use archipelago_dataflow::{ActorId, Plan};
 
 use super::registry::{HostEvent, HostInfo, Registry};
 use crate::JobError;
@@ -285,8 +285,7 @@ impl RemoteGang {
         }
         let states: Vec<(ActorId, Option<ProgressSnapshot>)> =
             progress.into_iter().map(|(a, p)| (a, Some(p))).collect();
-        let streams: Vec<ActorStream> = self.plan.actors.iter().map(|a| a.stream.clone()).collect();
-        let report = find_hang(&states, &streams)?;
+        let report = find_hang(&states, |a| self.plan.actors.get(a).map(|p| &p.stream))?;
         Some(JobError::Deadlock {
             job: self.job.clone(),
             report: Box::new(report),
