@@ -65,6 +65,9 @@ pub struct Builders {
     /// Batched host ⇄ device transfers (see [`Trainer::with_batched_transfers`]): by device kind
     /// (on for GPUs) unless set.
     batched_transfers: Option<bool>,
+    /// With `--state device`, update with tensor ops even on CPU devices (see
+    /// [`Builders::with_tensor_op_update`]).
+    tensor_op_update: bool,
     #[cfg(feature = "cuda")]
     cuda: Option<Arc<dyn ModelBuilder<CudaBackend>>>,
 }
@@ -75,6 +78,7 @@ impl Builders {
         Builders {
             cpu: Arc::new(ZooModel(spec.clone())),
             batched_transfers: None,
+            tensor_op_update: false,
             #[cfg(feature = "cuda")]
             cuda: Some(Arc::new(ZooModel(spec))),
         }
@@ -85,6 +89,7 @@ impl Builders {
         Builders {
             cpu: builder,
             batched_transfers: None,
+            tensor_op_update: false,
             #[cfg(feature = "cuda")]
             cuda: None,
         }
@@ -102,6 +107,14 @@ impl Builders {
     /// path's transfers).
     pub fn with_batched_transfers(mut self, on: bool) -> Builders {
         self.batched_transfers = Some(on);
+        self
+    }
+
+    /// With the state on the device (`--state device`), runs the update as tensor ops on CPU
+    /// devices too (by default they run the optimizer's flat loops in place on the tensors'
+    /// buffers, host memory there): tests the GPU path's update on CPU.
+    pub fn with_tensor_op_update(mut self, on: bool) -> Builders {
+        self.tensor_op_update = on;
         self
     }
 
@@ -130,7 +143,10 @@ impl Builders {
         placement: &Placement,
         restore: Option<&CheckpointReader>,
     ) -> Result<Box<dyn Computation>, String> {
-        let batched = |by_kind: bool| self.batched_transfers.unwrap_or(by_kind);
+        let paths = |gpu: bool| GpuPaths {
+            batched_transfers: self.batched_transfers.unwrap_or(gpu),
+            tensor_op_update: self.tensor_op_update || gpu,
+        };
         match device {
             DeviceSpec::Cpu(_) => trainer_on(
                 program,
@@ -139,7 +155,7 @@ impl Builders {
                 FlexDevice,
                 placement,
                 restore,
-                batched(false),
+                paths(false),
             ),
             #[cfg(feature = "cuda")]
             DeviceSpec::Cuda(n) => {
@@ -147,12 +163,18 @@ impl Builders {
                     format!("no blocks were given for the CUDA backend, which cuda:{n} needs")
                 })?;
                 let gpu = burn::backend::cuda::CudaDevice { index: n as usize };
-                trainer_on(program, builder, actor, gpu, placement, restore, batched(true))
+                trainer_on(program, builder, actor, gpu, placement, restore, paths(true))
             }
             #[cfg(not(feature = "cuda"))]
             DeviceSpec::Cuda(_) => Err(check_devices(&[device]).err().unwrap_or_default()),
         }
     }
+}
+
+/// The GPU's ways of moving and updating the state, on for GPUs and, in tests, for CPUs.
+struct GpuPaths {
+    batched_transfers: bool,
+    tensor_op_update: bool,
 }
 
 fn trainer_on<B: AutodiffBackend>(
@@ -162,10 +184,11 @@ fn trainer_on<B: AutodiffBackend>(
     device: B::Device,
     placement: &Placement,
     restore: Option<&CheckpointReader>,
-    batched_transfers: bool,
+    paths: GpuPaths,
 ) -> Result<Box<dyn Computation>, String> {
     let mut trainer = Trainer::<B>::new(program, builder, actor, device, placement)?
-        .with_batched_transfers(batched_transfers);
+        .with_batched_transfers(paths.batched_transfers)
+        .with_tensor_op_update(paths.tensor_op_update);
     if let Some(checkpoint) = restore {
         trainer.restore(checkpoint)?;
     }

@@ -8,7 +8,9 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Float, Int, Tensor, TensorData};
+
+use crate::transfer::{TransferKind, download, upload};
 
 use std::ops::Range;
 
@@ -93,6 +95,9 @@ pub trait Block<B: AutodiffBackend>: Send {
     /// `flat` goes to the device in one write and each parameter is a slice of it there (GPUs),
     /// else each parameter is written on its own.
     fn load_params(self: Box<Self>, flat: &[f32], one_transfer: bool) -> Box<dyn Block<B>>;
+    /// Replaces the parameters with slices of `whole`, a flat tensor already on the block's
+    /// device (training state on the device): nothing crosses between host and device.
+    fn load_params_from(self: Box<Self>, whole: Tensor<B::InnerBackend, 1>) -> Box<dyn Block<B>>;
     /// A copy whose parameters are fresh autodiff leaves over the same values (no bytes copied):
     /// each micro-batch's forward runs on its own copy, so the graphs of micro-batches in flight
     /// share no node and burn never merges them (its graph cleanup after one micro-batch's
@@ -128,13 +133,13 @@ pub fn read_flat<B: Backend>(
         }
     };
     if one_transfer && parts.len() > 1 {
-        let data = Tensor::cat(parts, 0).into_data().convert::<f32>();
+        let data = download(Tensor::cat(parts, 0), TransferKind::Gradient).convert::<f32>();
         put(0, data.as_slice::<f32>().expect("f32 gradients"));
         return;
     }
     let mut at = 0;
     for part in parts {
-        let data = part.into_data().convert::<f32>();
+        let data = download(part, TransferKind::Gradient).convert::<f32>();
         let values = data.as_slice::<f32>().expect("f32 gradients");
         put(at, values);
         at += values.len();
@@ -167,11 +172,24 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
     fn load_params(self: Box<Self>, flat: &[f32], one_transfer: bool) -> Box<dyn Block<B>> {
         let whole = (one_transfer && !flat.is_empty()).then(|| {
             let device = self.devices().into_iter().next().unwrap_or_default();
-            Tensor::<B, 1>::from_data(TensorData::new(flat.to_vec(), [flat.len()]), &device)
+            upload::<B, 1, Float>(
+                TensorData::new(flat.to_vec(), [flat.len()]),
+                &device,
+                TransferKind::Parameter,
+            )
         });
         let mut mapper = LoadMapper {
             flat,
             whole,
+            offset: 0,
+        };
+        Box::new((*self).map(&mut mapper))
+    }
+
+    fn load_params_from(self: Box<Self>, whole: Tensor<B::InnerBackend, 1>) -> Box<dyn Block<B>> {
+        let mut mapper = LoadMapper {
+            flat: &[],
+            whole: Some(Tensor::from_inner(whole)),
             offset: 0,
         };
         Box::new((*self).map(&mut mapper))
@@ -215,7 +233,7 @@ struct FlattenVisitor<'a> {
 
 impl<B: Backend> ModuleVisitor<B> for FlattenVisitor<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let data = param.val().into_data().convert::<f32>();
+        let data = download(param.val(), TransferKind::Parameter).convert::<f32>();
         let values = data.as_slice::<f32>().expect("f32 parameters");
         self.out[self.offset..self.offset + values.len()].copy_from_slice(values);
         self.offset += values.len();
@@ -269,9 +287,10 @@ impl<B: Backend> ModuleMapper<B> for LoadMapper<'_, B> {
         self.offset += n;
         let mut fresh = match &self.whole {
             Some(whole) => whole.clone().slice([range]).reshape(shape),
-            None => Tensor::<B, D>::from_data(
+            None => upload::<B, D, Float>(
                 TensorData::new(self.flat[range].to_vec(), shape),
                 &tensor.device(),
+                TransferKind::Parameter,
             ),
         };
         if tensor.is_require_grad() {

@@ -68,6 +68,9 @@ pub struct StepMetrics {
     /// The global gradient norm before clipping, when the step clips.
     #[serde(default)]
     pub grad_norm: Option<f32>,
+    /// The step's host ⇄ device bytes by kind (set by the executor from [`crate::transfer`]).
+    #[serde(default)]
+    pub transfers: crate::transfer::Transfers,
 }
 
 /// Local compute of an actor.
@@ -98,6 +101,10 @@ pub trait Computation: Send {
     fn save_state(&self) -> Result<Option<crate::checkpoint::ShardState>, String> {
         Err("this computation keeps no trainable state to checkpoint".into())
     }
+    /// Brings host copies of state kept on the device up to date, before
+    /// [`Computation::block_params`], [`Computation::block_squares`] or
+    /// [`Computation::save_state`] read them (a no-op when the state lives in host memory).
+    fn sync_host(&mut self) {}
     /// Sums of squares of parameters by block, for the parameters this actor answers for: summed
     /// over all actors of a job they give each block's squared L2 norm exactly once.
     fn block_squares(&self) -> Vec<(usize, f64)> {
@@ -186,20 +193,23 @@ impl Executor {
     }
 
     /// The computation's block parameters.
-    pub fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
+    pub fn block_params(&mut self) -> Vec<(usize, Vec<f32>)> {
+        self.computation.sync_host();
         self.computation.block_params()
     }
 
     /// The computation's block squares (see [`Computation::block_squares`]).
-    pub fn block_squares(&self) -> Vec<(usize, f64)> {
+    pub fn block_squares(&mut self) -> Vec<(usize, f64)> {
+        self.computation.sync_host();
         self.computation.block_squares()
     }
 
     /// Writes this actor's shard of the trainable state into checkpoint directory `dir`.
     pub fn save_checkpoint(
-        &self,
+        &mut self,
         dir: &std::path::Path,
     ) -> Result<Option<crate::checkpoint::ShardFile>, String> {
+        self.computation.sync_host();
         match self.computation.save_state()? {
             Some(state) => crate::checkpoint::write_shard(dir, self.actor, &state).map(Some),
             None => Ok(None),
@@ -213,6 +223,8 @@ impl Executor {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let mut timings = Vec::with_capacity(self.stream.len());
+        // This step's host ⇄ device transfers only (not those of building or restoring).
+        crate::transfer::take();
         let mut pending: HashMap<u64, (PendingCollective, Vec<ActorId>)> = HashMap::new();
         for index in 0..self.stream.len() {
             let started = Instant::now();
@@ -261,7 +273,8 @@ impl Executor {
             });
         }
         self.progress.set(step, None);
-        let metrics = self.computation.finish_step();
+        let mut metrics = self.computation.finish_step();
+        metrics.transfers = crate::transfer::take();
         Ok(StepReport {
             actor: self.actor,
             step,
@@ -271,6 +284,16 @@ impl Executor {
             timings,
             host_peak_rss_bytes: 0,
         })
+    }
+
+    /// A tensor the computation holds outside the table (on its device), moved into host memory
+    /// for a send or a collective.
+    fn exported(computation: &mut dyn Computation, tensor: &str) -> Result<HostTensor, (String, bool)> {
+        match catch_unwind(AssertUnwindSafe(|| computation.export(tensor))) {
+            Ok(Some(result)) => result.map_err(|m| (m, false)),
+            Ok(None) => Err((format!("`{tensor}` is not here"), false)),
+            Err(payload) => Err((panic_message(payload.as_ref()), false)),
+        }
     }
 
     /// Runs instruction `index`; returns the bytes it moved (sends, receives, collectives).
@@ -298,14 +321,7 @@ impl Executor {
             Instruction::Send { tensor, to, tag } => {
                 let value = match self.table.get(tensor) {
                     Some(t) => t.clone(),
-                    None => {
-                        let computation = &mut self.computation;
-                        match catch_unwind(AssertUnwindSafe(|| computation.export(tensor))) {
-                            Ok(Some(result)) => result.map_err(|m| (m, false))?,
-                            Ok(None) => return Err((format!("`{tensor}` is not here"), false)),
-                            Err(payload) => return Err((panic_message(payload.as_ref()), false)),
-                        }
-                    }
+                    None => Self::exported(self.computation.as_mut(), tensor)?,
                 };
                 let bytes = value.bytes();
                 self.fabric
@@ -346,10 +362,10 @@ impl Executor {
                 group,
                 tag,
             } => {
-                let value = self
-                    .table
-                    .remove(tensor)
-                    .ok_or_else(|| (format!("`{tensor}` is not here"), false))?;
+                let value = match self.table.remove(tensor) {
+                    Some(t) => t,
+                    None => Self::exported(self.computation.as_mut(), tensor)?,
+                };
                 let bytes = value.bytes();
                 let started = self.collectives.start(*kind, edge(*tag), group.clone(), value);
                 pending.insert(*tag, (started, group.clone()));

@@ -9,6 +9,8 @@ use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use crate::transfer::{TransferKind, download, upload};
+
 /// A dense f32 tensor in host memory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct HostTensor {
@@ -79,7 +81,8 @@ pub fn to_burn<B: Backend, const D: usize>(t: &HostTensor, device: &B::Device) -
 }
 
 /// [`to_burn`] for a tensor the caller gives up: its buffer is not copied when nobody else
-/// holds it (a received activation, say).
+/// holds it (a received activation, say). Counted as an activation transfer
+/// ([`crate::transfer`]).
 ///
 /// # Panics
 /// When the host tensor's rank is not `D`.
@@ -91,14 +94,17 @@ pub fn into_burn<B: Backend, const D: usize>(t: HostTensor, device: &B::Device) 
         t.shape.len()
     );
     let shape = t.shape.clone();
-    Tensor::from_data(TensorData::new(t.into_vec(), shape), device)
+    upload(
+        TensorData::new(t.into_vec(), shape),
+        device,
+        TransferKind::Activation,
+    )
 }
 
-/// A burn tensor back in host memory.
+/// A burn tensor back in host memory (counted as an activation transfer).
 pub fn from_burn<B: Backend, const D: usize>(t: Tensor<B, D>) -> HostTensor {
     let shape = t.dims().to_vec();
-    let data = t
-        .into_data()
+    let data = download(t, TransferKind::Activation)
         .convert::<f32>()
         .into_vec::<f32>()
         .expect("f32 data");

@@ -41,6 +41,7 @@ pub mod ps;
 pub mod runtime;
 pub mod tensor_file;
 pub mod trainer;
+pub mod transfer;
 pub mod typed_tensor;
 pub mod weights_file;
 pub mod zoo;

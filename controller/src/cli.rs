@@ -34,7 +34,7 @@ pub enum Command {
     /// Train a model on the embedded controller (this process, one CPU actor per device).
     Train(Box<TrainArgs>),
     /// Compile and verify a job without starting any actor; print mesh, streams and memory.
-    Plan(PlanArgs),
+    Plan(Box<PlanArgs>),
     /// Train with a parameter server (Li et al., OSDI 2014): server actors hold the model's key
     /// ranges on a consistent-hash ring, workers pull and push under a consistency model.
     Ps(Box<crate::ps_job::cli::PsArgs>),
@@ -153,6 +153,12 @@ pub struct JobArgs {
     /// With --zero 3 and --offload: keep the parameter shards in the offload tier too.
     #[arg(long)]
     pub offload_params: bool,
+    /// Where the master parameters, gradient buckets and optimizer state live when not
+    /// offloaded: `host` (flat vectors, every step reads the gradients off the device and writes
+    /// the parameters back) or `device` (tensors on the device, updated there; ZeRO-0 without
+    /// clipping or LAMB for now). Each step's host ⇄ device bytes are in the report.
+    #[arg(long, default_value = "host")]
+    pub state: String,
     /// Devices to place the actors on, in mesh order: e.g. `cuda:0,cuda:1` (a `cuda` build) or
     /// `cpu:0,cpu:1`; default `cpu:0..` (one per dp × pp actor). `archipelago devices` lists them.
     #[arg(long)]
@@ -194,6 +200,7 @@ impl JobArgs {
             zero: self.zero,
             offload: self.offload.parse().map_err(anyhow::Error::msg)?,
             offload_params: self.offload_params,
+            state: self.state.parse().map_err(anyhow::Error::msg)?,
             stages: self
                 .stages
                 .as_deref()

@@ -17,6 +17,12 @@ pub struct StepRecord {
     /// The global gradient norm before clipping (reported when the job clips).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_norm: Option<f32>,
+    /// Host ⇄ device bytes of the step, by kind, summed over actors (batches, activations,
+    /// gradients, parameters, scalars; each `to_device` and `to_host`). Counted at every copy
+    /// into or out of a burn tensor on every backend: on CPU the same calls that cross PCIe on a
+    /// GPU.
+    #[serde(default)]
+    pub transfers: archipelago_actors::transfer::Transfers,
 }
 
 /// Memory of one actor.

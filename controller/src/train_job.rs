@@ -393,6 +393,10 @@ pub(crate) async fn drive<G: Gang>(
             time_s,
             lr: reports.iter().find_map(|r| r.metrics.lr),
             grad_norm: reports.iter().find_map(|r| r.metrics.grad_norm),
+            transfers: reports.iter().fold(Default::default(), |mut all, r| {
+                all.add(&r.metrics.transfers);
+                all
+            }),
         });
         if let Some(callback) = &options.on_step {
             callback(&StepProgress {

@@ -57,7 +57,7 @@ pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
 pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
 pub use param_desc::{DType, ParamDesc, ParamInit, Split};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
-pub use program::{Offload, ParallelPlan, Program, TestFault};
+pub use program::{Offload, ParallelPlan, Program, StatePlacement, TestFault};
 
 /// Index of an actor in a plan: its rank in the mesh.
 pub type ActorId = usize;

@@ -52,6 +52,45 @@ pub struct ParallelPlan {
     /// holds parameters only between a segment's all-gather and its drop.
     #[serde(default)]
     pub offload_params: bool,
+    /// Where an actor keeps its master parameters, gradient buckets and optimizer state when
+    /// they are not offloaded (`--state host|device`).
+    #[serde(default)]
+    pub state: StatePlacement,
+}
+
+/// Where the training state (master parameters, gradient buckets, optimizer state) lives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StatePlacement {
+    /// Flat `f32` vectors in host memory, updated by the flat-loop optimizer: every step reads
+    /// the gradients off the device and writes the parameters back into the modules.
+    #[default]
+    Host,
+    /// Tensors on the actor's own device, updated there by tensor ops; the modules take their
+    /// parameters as slices of the master tensor. Nothing crosses between host and device on
+    /// the optimizer path unless a collective needs a gradient in host memory (dp > 1, until
+    /// collectives run on the device).
+    Device,
+}
+
+impl fmt::Display for StatePlacement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StatePlacement::Host => "host",
+            StatePlacement::Device => "device",
+        })
+    }
+}
+
+impl FromStr for StatePlacement {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "host" => Ok(StatePlacement::Host),
+            "device" => Ok(StatePlacement::Device),
+            _ => Err(format!("--state `{s}`: use `host` or `device`")),
+        }
+    }
 }
 
 /// Where an actor's master parameters and optimizer state live.
@@ -119,6 +158,7 @@ impl Default for ParallelPlan {
             zero: 0,
             offload: Offload::None,
             offload_params: false,
+            state: StatePlacement::Host,
         }
     }
 }

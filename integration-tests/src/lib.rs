@@ -155,3 +155,15 @@ pub fn assert_equivalent(reference: &TrainReport, run: &TrainReport, tolerance: 
         "{what}: step counts differ"
     );
 }
+
+/// The stateful update rules a path of the optimizer must match the host loops under: AdamW with
+/// weight decay (and its parameter groups) and SGD with Nesterov momentum and weight decay.
+pub fn stateful_rules() -> [OptimizerSpec; 2] {
+    [
+        OptimizerSpec::adamw(1e-2).with_weight_decay(0.1),
+        OptimizerSpec::sgd(0.1)
+            .with_momentum(0.9, true)
+            .expect("momentum")
+            .with_weight_decay(0.05),
+    ]
+}

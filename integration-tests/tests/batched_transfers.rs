@@ -2,12 +2,15 @@
 //! in one transfer, a block's parameters written in one transfer and sliced on the device — run
 //! here on CPU devices (forced on with `Builders::with_batched_transfers`) and train to the same
 //! parameters and losses as the tensor-by-tensor path, alone and under ZeRO-3 (which loads the
-//! parameters of every segment each step) and pipeline stages.
+//! parameters of every segment each step) and pipeline stages. Likewise the GPU's update of a
+//! training state kept on the device (`--state device`): tensor ops instead of the flat loops
+//! the CPU backend runs in place (`Builders::with_tensor_op_update`), under AdamW with parameter
+//! groups and SGD with Nesterov momentum and weight decay.
 
 use archipelago_actors::Builders;
 use archipelago_controller::{Controller, TrainOptions, TrainReport};
-use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
-use archipelago_integration_tests::{assert_equivalent, assert_params_moved, small_plan};
+use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program, StatePlacement};
+use archipelago_integration_tests::{assert_equivalent, assert_params_moved, small_plan, stateful_rules};
 
 const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
 const GPT: &str = "gpt:vocab=256,ctx=16,d=32,layers=2,heads=4";
@@ -57,6 +60,55 @@ fn batched_transfers_train_like_tensor_by_tensor_ones() {
                 1e-5,
                 &format!("{model} dp={dp} pp={pp} zero={zero} batched"),
             );
+        }
+    }
+}
+
+#[test]
+fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
+    for model in [MLP, GPT] {
+        let spec = ModelSpec::parse(model).unwrap();
+        let batch = if model == GPT { 8 } else { 24 };
+        for optimizer in stateful_rules() {
+            for (dp, pp) in [(1, 1), (2, 1), (1, 2)] {
+                let train = |state, tensor_ops| {
+                    let plan = ParallelPlan {
+                        batch,
+                        state,
+                        ..small_plan(dp, pp, 0)
+                    };
+                    let program = Program::new(spec.clone())
+                        .with_seed(7)
+                        .with_optimizer(optimizer)
+                        .with_plan(plan);
+                    let options = TrainOptions {
+                        steps: 4,
+                        ..TrainOptions::default()
+                    };
+                    let builders = Builders::zoo(spec.clone())
+                        .with_batched_transfers(tensor_ops)
+                        .with_tensor_op_update(tensor_ops);
+                    Controller::local(DeviceSpec::cpus(dp * pp))
+                        .train_blocks(&program, builders, &options)
+                        .unwrap()
+                };
+                let host = train(StatePlacement::Host, false);
+                let device = train(StatePlacement::Device, true);
+                let what = format!("{model} {optimizer:?} dp={dp} pp={pp} tensor-op update");
+                assert_params_moved(model, &host);
+                assert_equivalent(&host, &device, 1e-6, &what);
+                let optimizer_bytes: u64 = device.steps.iter().map(|s| s.transfers.optimizer_path()).sum();
+                // dp = 2: each replica's buckets leave for the all-reduce and come back, 4 steps.
+                let expected = if dp > 1 {
+                    4 * dp as u64 * 2 * 4 * device.params
+                } else {
+                    0
+                };
+                assert_eq!(
+                    optimizer_bytes, expected,
+                    "{what}: optimizer-path bytes over 4 steps"
+                );
+            }
         }
     }
 }

@@ -204,8 +204,15 @@ fn momentum_adamw_and_lamb_resume_with_their_state_and_schedule() {
         offload: Offload::Cpu,
         ..plan(dp, 1, zero)
     };
+    // The training state on the device: written from it, and restored onto it.
+    let device = |dp: usize, pp: usize| ParallelPlan {
+        state: archipelago_dataflow::StatePlacement::Device,
+        ..plan(dp, pp, 0)
+    };
     for (optimizer, writer, reader, rtol) in [
         (momentum, cpu(2, 3), plan(1, 2, 0), 1e-5),
+        (momentum, device(2, 1), plan(1, 2, 0), 1e-5),
+        (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), device(1, 2), 1e-4),
         (momentum, plan(2, 1, 3), cpu(2, 1), 1e-5),
         (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), plan(2, 2, 1), 1e-4),
         (OptimizerSpec::lamb(1e-2), plan(1, 2, 0), plan(2, 1, 3), 1e-4),
@@ -282,10 +289,11 @@ fn momentum_adamw_and_lamb_resume_with_their_state_and_schedule() {
 
 fn describe(layout: &ParallelPlan) -> String {
     format!(
-        "dp={} pp={} zero {}{}",
+        "dp={} pp={} zero {}{} state {}",
         layout.dp,
         layout.pp,
         layout.zero,
-        if layout.offload.is_some() { " + cpu" } else { "" }
+        if layout.offload.is_some() { " + cpu" } else { "" },
+        layout.state
     )
 }

@@ -8,7 +8,11 @@
 //! The negative controls inject one fault each (`Program::test_fault`, a test-only hook) and
 //! assert that the same element-wise comparison catches it by a wide margin: an all-reduce
 //! skipped, one replica's gradient dropped, micro-batch gradients averaged instead of summed, a
-//! ZeRO shard updated at the wrong offset.
+//! ZeRO shard updated at the wrong offset. `state_on_device` runs the matrix with the training
+//! state on the device and checks the host ⇄ device bytes each step reports.
+
+#[path = "sgd_matrix/state_on_device.rs"]
+mod state_on_device;
 
 use archipelago_actors::checkpoint::{CheckpointReader, step_dir};
 use archipelago_controller::{TrainOptions, TrainReport};
@@ -35,12 +39,18 @@ struct Run {
 /// Trains the mlp with plain SGD under `plan` (with `fault` injected), checkpointing after the
 /// last step, and reads every parameter back from that checkpoint.
 fn run(plan: ParallelPlan, fault: Option<TestFault>) -> Run {
-    let dir = tempfile::tempdir().expect("temp dir");
     let mut program = Program::new(ModelSpec::parse(MLP).expect("model spec"))
         .with_seed(7)
         .with_optimizer(OptimizerSpec::sgd(LR))
         .with_plan(plan);
     program.test_fault = fault;
+    run_program(program)
+}
+
+/// Trains `program` for `STEPS`, checkpointing after the last step, and reads every parameter
+/// back from that checkpoint.
+fn run_program(program: Program) -> Run {
+    let dir = tempfile::tempdir().expect("temp dir");
     let options = TrainOptions {
         steps: STEPS,
         checkpoint_dir: Some(dir.path().to_path_buf()),
@@ -89,7 +99,7 @@ fn param_difference(reference: &Run, run: &Run) -> (f64, f64) {
 
 fn describe(plan: &ParallelPlan) -> String {
     format!(
-        "dp={} pp={} m={} {} v={} zero={} offload={}{}",
+        "dp={} pp={} m={} {} v={} zero={} offload={}{} state={}",
         plan.dp,
         plan.pp,
         plan.microbatches,
@@ -97,12 +107,14 @@ fn describe(plan: &ParallelPlan) -> String {
         plan.virtual_stages,
         plan.zero,
         plan.offload,
-        if plan.offload_params { " params" } else { "" }
+        if plan.offload_params { " params" } else { "" },
+        plan.state
     )
 }
 
-/// `plan` trains to the reference's losses (every step), block norms and parameters.
-fn check(reference: &Run, plan: ParallelPlan) {
+/// `plan` trains to the reference's losses (every step), block norms and parameters; returns
+/// the run.
+fn check(reference: &Run, plan: ParallelPlan) -> Run {
     let what = describe(&plan);
     let r = run(plan, None);
     assert_equivalent(&reference.report, &r.report, RTOL, &what);
@@ -112,6 +124,7 @@ fn check(reference: &Run, plan: ParallelPlan) {
         excess <= 1.0,
         "{what}: parameters differ by {abs:e} ({excess:.1}× the tolerance)"
     );
+    r
 }
 
 /// With `fault` injected, `plan` ends `MARGIN`× past the tolerance; without it, it passes.

@@ -277,6 +277,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.optimizer.set_steps(checkpoint.steps());
         self.optimizer.set_schedule_step(checkpoint.schedule_step());
         self.steps_done = checkpoint.steps();
+        if self.device_state.is_some() {
+            self.upload_state();
+        }
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Float, Int, Tensor, TensorData};
 
 use archipelago_dataflow::InputKind;
 use archipelago_dataflow::data::{ClusterPool, DataSpec, DenseBatch, TokenBatch, TokenStream};
@@ -11,6 +11,7 @@ use archipelago_dataflow::data::{ClusterPool, DataSpec, DenseBatch, TokenBatch, 
 use super::Trainer;
 use crate::batch_file::BatchFile;
 use crate::block::Activation;
+use crate::transfer::{TransferKind, upload};
 
 pub(super) enum Samples {
     Clusters(ClusterPool),
@@ -49,22 +50,31 @@ impl<B: AutodiffBackend> Trainer<B> {
         let batch = match rows {
             Rows::Dense(b) => {
                 let features = b.x.len() / n.max(1);
-                let x = Tensor::<B, 2>::from_data(TensorData::new(b.x, [n, features]), &self.device);
+                let x = upload::<B, 2, Float>(
+                    TensorData::new(b.x, [n, features]),
+                    &self.device,
+                    TransferKind::Batch,
+                );
                 let labels: Vec<i32> = b.labels.iter().map(|&l| l as i32).collect();
                 Batch {
                     input: Activation::Rows(x),
-                    targets: Tensor::from_data(TensorData::new(labels, [n]), &self.device),
+                    targets: upload(TensorData::new(labels, [n]), &self.device, TransferKind::Batch),
                 }
             }
             Rows::Tokens(b) => {
                 let ids: Vec<i32> = b.inputs.iter().map(|&t| t as i32).collect();
                 let targets: Vec<i32> = b.targets.iter().map(|&t| t as i32).collect();
                 Batch {
-                    input: Activation::Tokens(Tensor::from_data(
+                    input: Activation::Tokens(upload(
                         TensorData::new(ids, [n, ctx]),
                         &self.device,
+                        TransferKind::Batch,
                     )),
-                    targets: Tensor::from_data(TensorData::new(targets, [n * ctx]), &self.device),
+                    targets: upload(
+                        TensorData::new(targets, [n * ctx]),
+                        &self.device,
+                        TransferKind::Batch,
+                    ),
                 }
             }
         };

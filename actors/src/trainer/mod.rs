@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{ActorId, ComputeOp, DType, ModelDesc, ParamDesc, Program};
+use archipelago_dataflow::{ActorId, ComputeOp, DType, ModelDesc, ParamDesc, Program, StatePlacement};
 
 use crate::block::{Activation, Block, check_described, describe_shapes, init_range};
 use crate::executor::{Computation, StepMetrics, TensorTable};
@@ -38,12 +38,15 @@ use crate::weights_file::InitWeights;
 use crate::zoo::{BuildContext, ModelBuilder};
 
 use data::{Batch, Samples, samples};
+use device_state::DeviceState;
 use fault::FaultHook;
 use norms::{StageParams, UpdateState};
 pub use zero::Sharding;
 
 mod checkpoint;
+mod cpu_buffers;
 mod data;
+mod device_state;
 mod fault;
 mod norms;
 mod offload;
@@ -140,6 +143,14 @@ pub struct Trainer<B: AutodiffBackend> {
     batched_transfers: bool,
     /// Test hook: the fault the program names (`None` but in the equivalence suite's controls).
     fault: Option<FaultHook>,
+    /// `--state device`: the master parameters, optimizer state and gradient buckets on the
+    /// device (authoritative; `master` and the optimizer's moments are then host copies brought
+    /// up to date by [`Computation::sync_host`]).
+    device_state: Option<DeviceState<B::InnerBackend>>,
+    /// This actor's segments (first block, one past the last).
+    segment_ranges: Vec<(usize, usize)>,
+    /// Update the device state with tensor ops even where its buffers are host memory (CPU).
+    tensor_op_update: bool,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -336,7 +347,43 @@ impl<B: AutodiffBackend> Trainer<B> {
             steps_done: 0,
             batched_transfers: false,
             fault: FaultHook::new(program.test_fault, placement.replica, program.plan.microbatches),
-        })
+            device_state: None,
+            segment_ranges: placement.segments.clone(),
+            tensor_op_update: false,
+        }
+        .with_state_on_device(program.plan.state == StatePlacement::Device))
+    }
+
+    /// Moves the master parameters and optimizer state onto the device (`--state device`) from
+    /// the host copies, or leaves them in host memory.
+    fn with_state_on_device(mut self, on: bool) -> Trainer<B> {
+        if on {
+            self.upload_state();
+        }
+        self
+    }
+
+    /// (Re)builds the device state from the host copies (at start, and after a restore).
+    pub(super) fn upload_state(&mut self) {
+        let segments: Vec<(usize, Range<usize>)> = self
+            .segment_ranges
+            .iter()
+            .map(|&(start, end)| (start, self.offsets[start]..self.offsets[end]))
+            .collect();
+        let optimizer = &self.optimizer;
+        let device = self.device.clone();
+        self.device_state = Some(DeviceState::upload(
+            optimizer.spec(),
+            &segments,
+            &self.master,
+            |range| {
+                let (m, v) = optimizer.state(range);
+                (m.to_vec(), v.to_vec())
+            },
+            optimizer.layout(),
+            &device,
+            self.tensor_op_update,
+        ));
     }
 
     /// Reads each gradient bucket off the device in one transfer (concatenated on the device
@@ -344,6 +391,16 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// tensor by tensor: for GPUs, where every copy between host and device has a fixed cost.
     pub fn with_batched_transfers(mut self, on: bool) -> Trainer<B> {
         self.batched_transfers = on;
+        self
+    }
+
+    /// With the state on the device, updates it with tensor ops even on the CPU backend (whose
+    /// buffers the optimizer's flat loops otherwise update in place): the GPU path, for tests.
+    pub fn with_tensor_op_update(mut self, on: bool) -> Trainer<B> {
+        self.tensor_op_update = on;
+        if self.device_state.is_some() {
+            self.upload_state();
+        }
         self
     }
 
@@ -432,6 +489,9 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
     }
 
     fn export(&mut self, name: &str) -> Option<Result<HostTensor, String>> {
+        if let Some(bucket) = self.device_state.as_mut().and_then(|d| d.export_bucket(name)) {
+            return Some(Ok(HostTensor::flat(bucket)));
+        }
         if let Some(key) = self.by_name.get(name) {
             return Some(to_host(&self.segments.get(key)?.output));
         }
@@ -448,7 +508,10 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         self.grads_started.clear();
         self.live.clear();
         let params = 4 * (self.master.len() + self.shard_master.len()) as u64;
-        let state = params + self.optimizer.state_bytes();
+        let state = match &self.device_state {
+            Some(device) => device.bytes(),
+            None => params + self.optimizer.state_bytes(),
+        };
         let materialized: usize = (0..self.blocks.len())
             .filter(|&i| self.blocks[i].is_some())
             .map(|i| self.offsets[i + 1] - self.offsets[i])
@@ -469,6 +532,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             offload: self.offload.as_ref().map(OffloadActor::stats),
             lr: (steps > 0).then(|| self.optimizer.lr_at(self.optimizer.schedule_step())),
             grad_norm: self.update.grad_norm.take(),
+            transfers: Default::default(), // the executor's count of the step
         };
         self.peak_grad_bytes = 0;
         self.peak_live = 0;
@@ -488,6 +552,17 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
 
     fn save_state(&self) -> Result<Option<crate::checkpoint::ShardState>, String> {
         self.checkpoint_state()
+    }
+
+    fn sync_host(&mut self) {
+        let Some(state) = &self.device_state else {
+            return;
+        };
+        let (master, optimizer) = (&mut self.master, &mut self.optimizer);
+        state.download_into(|range, params, m, v| {
+            master[range.clone()].copy_from_slice(&params);
+            optimizer.set_state(range.start, &m, &v);
+        });
     }
 
     fn block_squares(&self) -> Vec<(usize, f64)> {

@@ -4,14 +4,15 @@
 
 use std::ops::Range;
 
+use burn::tensor::Tensor;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
 
 use super::{BlockCopies, Segment, Trainer};
 use crate::block::{Activation, Block, read_flat};
 use crate::executor::TensorTable;
 use crate::host_tensor::{HostTensor, into_burn};
+use crate::transfer::{TransferKind, download};
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// A received tensor from the table as an activation.
@@ -109,7 +110,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             .get(logits)
             .ok_or_else(|| format!("no segment produced `{logits}`"))?;
         let value = self.loss_of(&self.segments[&key].output, batch)?;
-        let scalar = value.into_scalar().elem::<f32>();
+        let scalar = download(value, TransferKind::Scalar)
+            .convert::<f32>()
+            .as_slice::<f32>()
+            .map_err(|e| format!("the loss: {e:?}"))?[0];
         *self.loss_sum.get_or_insert(0.0) += scalar;
         self.segments.get_mut(&key).expect("segment").batch = Some(batch.to_string());
         self.losses.insert(loss.to_string(), key);
@@ -160,6 +164,14 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let range = self.offsets[blocks.start]..self.offsets[blocks.end];
         let first = self.grads_started.insert(grad_name.to_string());
+        if let Some(state) = &mut self.device_state {
+            // The bucket stays on the device (summed there over micro-batches).
+            let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
+            state.add_grads(grad_name, parts, first);
+            self.grad_ranges.insert(grad_name.to_string(), blocks);
+            self.peak_grad_bytes = self.peak_grad_bytes.max(4 * range.len() as u64);
+            return Ok(());
+        }
         let mut flat = if first {
             match self.spare_buffers.iter().position(|b| b.len() == range.len()) {
                 Some(i) => self.spare_buffers.swap_remove(i),

@@ -152,6 +152,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         self.begin_update(table)?;
+        if self.device_state.is_some() {
+            return self.optimizer_step_on_device(inputs, table);
+        }
         self.take_trust_norms(table)?;
         for (k, name) in inputs.iter().enumerate() {
             if name == GRAD_SQUARES || name == TRUST_SQUARES {
@@ -316,6 +319,33 @@ impl<B: AutodiffBackend> Trainer<B> {
             shards[shard.state..shard.state + len].copy_from_slice(&params);
         }
         Ok(shards)
+    }
+
+    /// The update with the state on the device: each bucket (on the device, or reduced by a
+    /// collective and moved back onto it) updates its segment there, and the segment's modules
+    /// take their parameters as slices of the new master tensor.
+    fn optimizer_step_on_device(&mut self, inputs: &[String], table: &mut TensorTable) -> Result<(), String> {
+        let ctx = self.optimizer.context();
+        let state = self.device_state.as_mut().ok_or("no device state")?;
+        for name in inputs {
+            let blocks = self
+                .grad_ranges
+                .remove(name)
+                .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+            let reduced = table.remove(name).map(HostTensor::into_vec);
+            let grad = state.bucket(name, reduced, &self.device)?;
+            self.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
+            let master = state.update(blocks.start, grad, &ctx)?;
+            let base = self.offsets[blocks.start];
+            for index in blocks {
+                let block = self.blocks[index]
+                    .take()
+                    .ok_or_else(|| format!("block {index} is not held by this actor"))?;
+                let at = self.offsets[index] - base..self.offsets[index + 1] - base;
+                self.blocks[index] = Some(block.load_params_from(master.clone().slice([at])));
+            }
+        }
+        Ok(())
     }
 
     /// Loads the master parameters of `blocks` into their modules.

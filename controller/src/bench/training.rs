@@ -86,6 +86,7 @@ pub fn mlp_dp_scaling(warmup: u64, timed: u64) -> anyhow::Result<Value> {
             "samples_per_s": 64.0 / step_s,
             "compute_s_per_actor": report.actors.iter().map(|a| a.compute_s).collect::<Vec<_>>(),
             "comm_wait_s_per_actor": report.actors.iter().map(|a| a.comm_wait_s).collect::<Vec<_>>(),
+            "host_device_bytes_per_step": report.steps.last().map(|s| s.transfers),
             "final_loss": report.final_loss,
             "load_avg": load_avg(),
         }));

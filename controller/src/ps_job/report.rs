@@ -127,6 +127,7 @@ impl PsReport {
                     .fold(0.0, f64::max),
                 lr: None,
                 grad_norm: None,
+                transfers: Default::default(),
             })
             .collect();
         let (params, param_l2, block_l2) = match &outcome.model {

@@ -1,0 +1,311 @@
+//! Training state on the device (`--state device`): each segment's master parameters, optimizer
+//! state and gradient bucket are flat tensors on the actor's own device; the update runs there
+//! as tensor ops, and the modules take their parameters as slices of the master tensor. Nothing
+//! crosses between host and device on the optimizer path unless a collective needs a gradient
+//! in host memory (dp > 1, until collectives run on the device: then exactly the bucket's bytes
+//! each way).
+//!
+//! On the CPU backend, whose device memory is host memory, the update is the optimizer's own flat
+//! loop over the tensors' buffers, in place (`cpu_buffers`). Elsewhere the update rules are
+//! `optim::{adam, sgd}`'s formulas (PyTorch's `Adam`, `AdamW`, `SGD` with momentum and Nesterov)
+//! written as tensor ops with the same operations in the same order (on the CPU backend they
+//! matched the flat loops bit for bit); the parameter groups (no weight decay for biases and
+//! LayerNorm) are then a 0/1 mask per segment, made once. Covered for now: the replicated update
+//! (ZeRO-0, no offload, no clipping, no LAMB; the plan refuses the rest).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Float, Tensor, TensorData};
+
+use archipelago_dataflow::OptimizerSpec;
+
+use super::cpu_buffers::{from_cpu, into_cpu, is_cpu, values_mut};
+use crate::optim::{ParamLayout, StepContext, update_range};
+use crate::transfer::{TransferKind, download, upload};
+
+/// One segment's state on the device.
+struct SegmentState<B: Backend> {
+    /// The segment's elements in the actor's flat master coordinates.
+    range: Range<usize>,
+    /// Master parameters, flat in block order.
+    master: Tensor<B, 1>,
+    /// First moments (Adam, AdamW) or SGD's momentum buffer.
+    m: Option<Tensor<B, 1>>,
+    /// Second moments (Adam, AdamW).
+    v: Option<Tensor<B, 1>>,
+    /// 1 where an element takes weight decay, 0 where its parameter group has none (the
+    /// tensor-op update only; the flat loops read the groups from the layout).
+    decay: Option<Tensor<B, 1>>,
+}
+
+/// An actor's training state on its device, by segment (first block), and the gradient buckets
+/// of the step in flight.
+pub(super) struct DeviceState<B: Backend> {
+    spec: OptimizerSpec,
+    /// Update with the optimizer's flat loops on the buffers in place (CPU backend), not with
+    /// tensor ops.
+    in_place: bool,
+    /// The parameters of the state (weight-decay groups), in flat master coordinates.
+    layout: ParamLayout,
+    segments: HashMap<usize, SegmentState<B>>,
+    buckets: HashMap<String, Tensor<B, 1>>,
+}
+
+impl<B: Backend> DeviceState<B> {
+    /// Moves the state of `segments` (first block, range in the flat master) onto `device`:
+    /// parameters from `master`, the optimizer's moments from `state` (`(m, v)` of a master
+    /// range; empty slices for what the rule keeps none of), the decay mask from `layout`.
+    pub(super) fn upload(
+        spec: OptimizerSpec,
+        segments: &[(usize, Range<usize>)],
+        master: &[f32],
+        state: impl Fn(Range<usize>) -> (Vec<f32>, Vec<f32>),
+        layout: &ParamLayout,
+        device: &B::Device,
+        tensor_ops: bool,
+    ) -> DeviceState<B> {
+        let in_place = is_cpu::<B>() && !tensor_ops;
+        let put = |values: Vec<f32>| {
+            let n = values.len();
+            upload::<B, 1, Float>(TensorData::new(values, [n]), device, TransferKind::Parameter)
+        };
+        let mut by_start = HashMap::new();
+        for (start, range) in segments {
+            let mask = (!in_place).then(|| {
+                let mut mask = vec![0.0f32; range.len()];
+                for (piece, part) in layout.pieces(range.clone()) {
+                    let at = piece.start - range.start..piece.end - range.start;
+                    mask[at].fill(if part.decay { 1.0 } else { 0.0 });
+                }
+                put(mask)
+            });
+            let (m, v) = state(range.clone());
+            let segment = SegmentState {
+                range: range.clone(),
+                master: put(master[range.clone()].to_vec()),
+                m: (!m.is_empty()).then(|| put(m)),
+                v: (!v.is_empty()).then(|| put(v)),
+                decay: mask,
+            };
+            by_start.insert(*start, segment);
+        }
+        DeviceState {
+            spec,
+            in_place,
+            layout: layout.clone(),
+            segments: by_start,
+            buckets: HashMap::new(),
+        }
+    }
+
+    /// Adds a micro-batch's gradients of one segment (flat tensors in order) to bucket `name`,
+    /// or starts it with them.
+    pub(super) fn add_grads(&mut self, name: &str, parts: Vec<Tensor<B, 1>>, first: bool) {
+        let grads = Tensor::cat(parts, 0);
+        let sum = match self.buckets.remove(name) {
+            Some(acc) if !first => acc + grads,
+            _ => grads,
+        };
+        self.buckets.insert(name.to_string(), sum);
+    }
+
+    /// Takes bucket `name` off the device into host memory (for a collective).
+    pub(super) fn export_bucket(&mut self, name: &str) -> Option<Vec<f32>> {
+        let bucket = self.buckets.remove(name)?;
+        Some(
+            download(bucket, TransferKind::Gradient)
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 gradients"),
+        )
+    }
+
+    /// Bucket `name` of this step: the one on the device, or `reduced` (from a collective, in
+    /// host memory) moved onto it.
+    pub(super) fn bucket(
+        &mut self,
+        name: &str,
+        reduced: Option<Vec<f32>>,
+        device: &B::Device,
+    ) -> Result<Tensor<B, 1>, String> {
+        match (self.buckets.remove(name), reduced) {
+            (Some(bucket), _) => Ok(bucket),
+            (None, Some(values)) => {
+                let n = values.len();
+                Ok(upload(
+                    TensorData::new(values, [n]),
+                    device,
+                    TransferKind::Gradient,
+                ))
+            }
+            (None, None) => Err(format!("gradient `{name}` missing")),
+        }
+    }
+
+    /// Bytes held on the device: parameters, optimizer state, masks and buckets in flight.
+    pub(super) fn bytes(&self) -> u64 {
+        let n = |t: &Tensor<B, 1>| 4 * t.shape().num_elements() as u64;
+        let state: u64 = self
+            .segments
+            .values()
+            .map(|s| {
+                n(&s.master)
+                    + s.m.as_ref().map_or(0, n)
+                    + s.v.as_ref().map_or(0, n)
+                    + s.decay.as_ref().map_or(0, n)
+            })
+            .sum();
+        state + self.buckets.values().map(n).sum::<u64>()
+    }
+
+    /// Updates the segment starting at block `start` with its reduced gradient `grad`; returns
+    /// its new master parameters (for the modules).
+    pub(super) fn update(
+        &mut self,
+        start: usize,
+        grad: Tensor<B, 1>,
+        ctx: &StepContext,
+    ) -> Result<Tensor<B, 1>, String> {
+        let spec = self.spec;
+        let s = self
+            .segments
+            .get_mut(&start)
+            .ok_or_else(|| format!("no segment of this actor's device state starts at block {start}"))?;
+        if grad.shape().num_elements() != s.range.len() {
+            return Err(format!(
+                "gradient of the segment at block {start} has {} values, its parameters {}",
+                grad.shape().num_elements(),
+                s.range.len()
+            ));
+        }
+        if self.in_place {
+            return update_in_place(spec, &self.layout, s, grad, ctx);
+        }
+        let g = if ctx.grad_scale == 1.0 {
+            grad
+        } else {
+            grad.mul_scalar(ctx.grad_scale)
+        };
+        let wd = spec.weight_decay();
+        let decay = s
+            .decay
+            .clone()
+            .ok_or("the device state has no weight-decay mask")?;
+        // `wd·p` where the group decays, 0 elsewhere (the flat loops' per-group `wd`).
+        let decayed = |p: &Tensor<B, 1>, decay: &Tensor<B, 1>| p.clone() * decay.clone().mul_scalar(wd);
+        let p = s.master.clone();
+        match spec {
+            OptimizerSpec::Adam {
+                beta1, beta2, eps, ..
+            }
+            | OptimizerSpec::AdamW {
+                beta1, beta2, eps, ..
+            } => {
+                let decoupled = matches!(spec, OptimizerSpec::AdamW { .. });
+                let (m, v) = match (s.m.take(), s.v.take()) {
+                    (Some(m), Some(v)) => (m, v),
+                    _ => return Err("Adam's moments are missing from the device state".into()),
+                };
+                let g = if !decoupled && wd != 0.0 {
+                    g + decayed(&p, &decay)
+                } else {
+                    g
+                };
+                let p = if decoupled && wd != 0.0 {
+                    p * decay.clone().mul_scalar(ctx.lr * wd).neg().add_scalar(1.0)
+                } else {
+                    p
+                };
+                let c1 = 1.0 - beta1.powi(ctx.t);
+                let c2_sqrt = (1.0 - beta2.powi(ctx.t)).sqrt();
+                let m = m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1);
+                let v = v.mul_scalar(beta2) + g.clone().mul_scalar(1.0 - beta2) * g;
+                let denominator = v.clone().sqrt().div_scalar(c2_sqrt).add_scalar(eps);
+                s.master = p - m.clone().mul_scalar(ctx.lr / c1) / denominator;
+                s.m = Some(m);
+                s.v = Some(v);
+            }
+            OptimizerSpec::Sgd {
+                momentum,
+                dampening,
+                nesterov,
+                ..
+            } => {
+                let d = if wd != 0.0 { g + decayed(&p, &decay) } else { g };
+                let d = if momentum == 0.0 {
+                    d
+                } else {
+                    let b = match s.m.take() {
+                        Some(b) if ctx.t > 1 => {
+                            b.mul_scalar(momentum) + d.clone().mul_scalar(1.0 - dampening)
+                        }
+                        Some(_) => d.clone(),
+                        None => return Err("SGD's momentum buffer is missing from the device state".into()),
+                    };
+                    s.m = Some(b.clone());
+                    if nesterov { d + b.mul_scalar(momentum) } else { b }
+                };
+                s.master = p - d.mul_scalar(ctx.lr);
+            }
+            OptimizerSpec::Lamb { .. } => {
+                return Err("LAMB runs with --state host (its norms are reduced from host copies)".into());
+            }
+        }
+        Ok(s.master.clone())
+    }
+
+    /// Copies the state back into host memory: calls `put(range, params, m, v)` per segment
+    /// (empty `m`, `v` where the rule keeps none).
+    pub(super) fn download_into(&self, mut put: impl FnMut(Range<usize>, Vec<f32>, Vec<f32>, Vec<f32>)) {
+        let read = |t: &Tensor<B, 1>| {
+            download(t.clone(), TransferKind::Parameter)
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 state")
+        };
+        for s in self.segments.values() {
+            let m = s.m.as_ref().map(read).unwrap_or_default();
+            let v = s.v.as_ref().map(read).unwrap_or_default();
+            put(s.range.clone(), read(&s.master), m, v);
+        }
+    }
+}
+
+/// The CPU backend's update: the optimizer's flat loop over the segment's own buffers, in place.
+fn update_in_place<B: Backend>(
+    spec: OptimizerSpec,
+    layout: &ParamLayout,
+    s: &mut SegmentState<B>,
+    grad: Tensor<B, 1>,
+    ctx: &StepContext,
+) -> Result<Tensor<B, 1>, String> {
+    let cpu =
+        |t: Tensor<B, 1>| into_cpu(t).ok_or_else(|| "a device-state tensor is not a CPU tensor".to_string());
+    // Moved out (an empty tensor in its place), so that the buffer is not shared by this state.
+    let empty = Tensor::empty([0], &s.master.device());
+    let mut master = cpu(std::mem::replace(&mut s.master, empty))?;
+    let mut m = s.m.take().map(cpu).transpose()?;
+    let mut v = s.v.take().map(cpu).transpose()?;
+    let mut grad = cpu(grad)?;
+    {
+        let params = values_mut(&mut master)?;
+        let mut none = [0.0f32; 0];
+        let m = match &mut m {
+            Some(m) => values_mut(m)?,
+            None => &mut none[..],
+        };
+        let mut none_v = [0.0f32; 0];
+        let v = match &mut v {
+            Some(v) => values_mut(v)?,
+            None => &mut none_v[..],
+        };
+        let grads = values_mut(&mut grad)?;
+        update_range(spec, ctx, layout, s.range.clone(), params, m, v, grads);
+    }
+    s.master = from_cpu(master);
+    s.m = m.map(from_cpu);
+    s.v = v.map(from_cpu);
+    Ok(s.master.clone())
+}

@@ -1,0 +1,105 @@
+//! Training state on the device (`--state device`, `ParallelPlan::state`): the same element-wise
+//! equivalence with one device as the rest of the matrix, under plain SGD and under the
+//! scale-insensitive and stateful rules (AdamW with parameter groups, SGD with momentum,
+//! Nesterov and weight decay), and the host ⇄ device bytes each step reports: zero on the
+//! optimizer path (gradients, parameters) with the state on the device; with the state in host
+//! memory (today's round trip: the negative control) exactly the model's bytes each way per
+//! step; at dp = 2 on the device, exactly each replica's gradient bucket each way (the
+//! all-reduce runs in host memory until collectives run on the device).
+
+use archipelago_dataflow::passes::schedule::Schedule;
+use archipelago_dataflow::{ModelSpec, ParallelPlan, Program, StatePlacement};
+
+use super::{Run, check, param_difference, reference, run_program};
+use archipelago_integration_tests::{small_plan, stateful_rules};
+
+fn on_device(plan: ParallelPlan) -> ParallelPlan {
+    ParallelPlan {
+        state: StatePlacement::Device,
+        ..plan
+    }
+}
+
+/// The model's parameter bytes (f32).
+fn model_bytes() -> u64 {
+    let desc = ModelSpec::parse(super::MLP).expect("model spec").desc();
+    4 * desc.blocks.iter().map(|b| b.params).sum::<u64>()
+}
+
+/// Every step's (gradient, parameter) bytes each way, summed over actors.
+fn optimizer_path(run: &Run) -> Vec<([u64; 2], [u64; 2])> {
+    run.report
+        .steps
+        .iter()
+        .map(|s| {
+            let t = &s.transfers;
+            (
+                [t.gradients.to_host, t.gradients.to_device],
+                [t.parameters.to_host, t.parameters.to_device],
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn sgd_with_the_state_on_the_device_matches_one_device_and_moves_no_optimizer_bytes() {
+    let reference = reference();
+    let bytes = model_bytes();
+    // The negative control: the host path reads every gradient off the device and writes
+    // every parameter back, each step.
+    for (step, path) in optimizer_path(&reference).into_iter().enumerate() {
+        assert_eq!(path, ([bytes, 0], [0, bytes]), "host path, step {}", step + 1);
+    }
+    let pipeline = ParallelPlan {
+        microbatches: 2,
+        schedule: Schedule::OneFOneB,
+        ..small_plan(1, 2, 0)
+    };
+    for plan in [
+        small_plan(1, 1, 0),
+        pipeline,
+        small_plan(2, 1, 0),
+        small_plan(2, 2, 0),
+    ] {
+        let plan = on_device(plan);
+        let dp = plan.dp as u64;
+        let run = check(&reference, plan);
+        // Each replica's bucket leaves for the all-reduce and comes back once it is reduced.
+        let expected = if dp > 1 {
+            ([dp * bytes, dp * bytes], [0, 0])
+        } else {
+            ([0, 0], [0, 0])
+        };
+        for (step, path) in optimizer_path(&run).into_iter().enumerate() {
+            assert_eq!(path, expected, "device state dp={dp}, step {}", step + 1);
+        }
+    }
+}
+
+#[test]
+fn stateful_rules_on_the_device_match_the_host_loops() {
+    for optimizer in stateful_rules() {
+        for (dp, pp) in [(1, 1), (2, 1), (1, 2)] {
+            let program = |state| {
+                Program::new(ModelSpec::parse(super::MLP).expect("model spec"))
+                    .with_seed(7)
+                    .with_optimizer(optimizer)
+                    .with_plan(ParallelPlan {
+                        state,
+                        ..small_plan(dp, pp, 0)
+                    })
+            };
+            let host = run_program(program(StatePlacement::Host));
+            let device = run_program(program(StatePlacement::Device));
+            let (excess, abs) = param_difference(&host, &device);
+            eprintln!("{optimizer:?} dp={dp} pp={pp}: device vs host max |Δparam| {abs:e}");
+            assert!(excess <= 1.0, "{optimizer:?} dp={dp} pp={pp}: {abs:e} apart");
+            let losses = |r: &Run| r.report.steps.iter().map(|s| s.loss).collect::<Vec<_>>();
+            assert_eq!(
+                losses(&host),
+                losses(&device),
+                "{optimizer:?} dp={dp} pp={pp}: losses"
+            );
+        }
+    }
+}
