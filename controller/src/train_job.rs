@@ -275,17 +275,7 @@ pub(crate) fn trainer_factories(
         .iter()
         .map(|&id| {
             let a = &plan.actors[id];
-            let placement = Placement {
-                chunks: a.chunks.clone(),
-                segments: plan
-                    .buckets
-                    .iter()
-                    .filter(|b| a.chunks.iter().any(|&(s, e)| s <= b.start && b.end <= e))
-                    .map(|b| (b.start, b.end))
-                    .collect(),
-                replica: a.replica,
-                replicas: plan.program.plan.dp,
-            };
+            let placement = Placement::of(a);
             let (program, builders, actor, device, restore) = (
                 plan.program.clone(),
                 builders.clone(),

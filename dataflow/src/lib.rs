@@ -30,6 +30,7 @@
 //! assert_eq!(plan.actors.len(), 2);
 //! ```
 
+pub mod actor_training;
 pub mod data;
 pub mod device;
 pub mod error;
@@ -49,6 +50,7 @@ pub mod rng;
 pub mod simulate;
 pub mod verify;
 
+pub use actor_training::{ActorTraining, SegmentPlan, ZeroStage, shard_range};
 pub use device::DeviceSpec;
 pub use error::PlanError;
 pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction};

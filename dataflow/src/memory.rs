@@ -15,6 +15,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ZeroStage;
 use crate::model_spec::{InputKind, ModelDesc};
 use crate::passes::data_parallel::Bucket;
 use crate::passes::partition::Chunk;
@@ -138,8 +139,8 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         4 * rows * in_flight * largest
     };
     let largest_bucket = share.buckets.iter().map(|b| b.bytes).max().unwrap_or(0);
-    let zero = if dp > 1 { program.plan.zero } else { 0 };
-    let sharded = |bytes: u64, from_stage: u8| {
+    let zero = ZeroStage::in_force(program.plan.zero, program.plan.dp);
+    let sharded = |bytes: u64, from_stage: ZeroStage| {
         if zero >= from_stage {
             bytes.div_ceil(dp)
         } else {
@@ -147,12 +148,19 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         }
     };
     // ZeRO-3 gathers one segment's parameters while the previous one computes.
-    let gathered = if zero >= 3 { 2 * largest_bucket } else { 0 };
-    let optimizer = sharded(4 * optimized * program.optimizer.state_floats_per_param(), 1);
+    let gathered = if zero.shards_parameters() {
+        2 * largest_bucket
+    } else {
+        0
+    };
+    let optimizer = sharded(
+        4 * optimized * program.optimizer.state_floats_per_param(),
+        ZeroStage::ShardedOptimizer,
+    );
     let mut estimate = MemoryEstimate {
         actor: share.actor,
-        params: sharded(params, 3),
-        grads: sharded(grads, 2),
+        params: sharded(params, ZeroStage::ShardedParameters),
+        grads: sharded(grads, ZeroStage::ShardedGradients),
         optimizer,
         activations,
         buffers: if dp > 1 {
@@ -164,7 +172,7 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         disk: 0,
     };
     if program.plan.offload.is_some() {
-        offload(&mut estimate, program, share, largest_bucket, zero >= 1);
+        offload(&mut estimate, program, share, largest_bucket, zero);
     }
     estimate
 }
@@ -175,8 +183,18 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
 /// ZeRO-3 with `--offload-params`) and, with one micro-batch, only the bucket being produced
 /// plus the one waiting to be handed off (gradient accumulation over micro-batches keeps every
 /// bucket until the last micro-batch).
-fn offload(estimate: &mut MemoryEstimate, program: &Program, share: ActorShare, bucket: u64, sharded: bool) {
-    let dp = if sharded { program.plan.dp.max(1) as u64 } else { 1 };
+fn offload(
+    estimate: &mut MemoryEstimate,
+    program: &Program,
+    share: ActorShare,
+    bucket: u64,
+    zero: ZeroStage,
+) {
+    let dp = if zero.shards_optimizer() {
+        program.plan.dp.max(1) as u64
+    } else {
+        1
+    };
     let full_params: u64 = share.buckets.iter().map(|b| b.bytes).sum();
     let floats = 1 + program.optimizer.state_floats_per_param();
     let offloaded = (full_params * floats).div_ceil(dp);
@@ -185,7 +203,7 @@ fn offload(estimate: &mut MemoryEstimate, program: &Program, share: ActorShare, 
     }
     if program.plan.microbatches <= 1 {
         // The bucket being produced, and the one before it (its shard under ZeRO-2/3).
-        let waiting = if sharded && program.plan.zero >= 2 {
+        let waiting = if zero.shards_gradients() {
             bucket.div_ceil(dp)
         } else {
             bucket

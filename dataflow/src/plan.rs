@@ -12,7 +12,7 @@ use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
 use crate::program::{Offload, Program};
 use crate::simulate::{CostModel, Prediction, simulate};
 use crate::verify::verify;
-use crate::{ActorId, DeviceSpec, PlanError};
+use crate::{ActorId, ActorTraining, DeviceSpec, PlanError};
 
 pub use crate::passes::data_parallel::Bucket;
 
@@ -33,6 +33,8 @@ pub struct ActorPlan {
     pub chunks: Vec<Chunk>,
     /// Its instruction stream for one step.
     pub stream: ActorStream,
+    /// Its training state: segments and shards, ZeRO stage in force, offload, checkpointing.
+    pub training: ActorTraining,
 }
 
 /// A compiled, verified program.
@@ -325,7 +327,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         &layout,
         plan.batch,
         &orders,
-        plan.zero,
+        crate::ZeroStage::in_force(plan.zero, plan.dp),
         plan.offload.is_some(),
         norms,
     );
@@ -370,6 +372,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
             replica: mesh.coord(actor, "dp"),
             stage,
             chunks: held,
+            training: ActorTraining::of(program, &buckets, mesh.coord(actor, "dp")),
             stream: ActorStream {
                 actor,
                 device: devices[actor],

@@ -43,10 +43,9 @@ impl ChunkPool {
 }
 
 /// The elements of shard `s` of a buffer of `len` elements split over `n` members (the ZeRO
-/// layout: member `i` of a group owns shard `i`).
-pub fn shard_range(len: usize, n: usize, s: usize) -> Range<usize> {
-    s * len / n..(s + 1) * len / n
-}
+/// layout: member `i` of a group owns shard `i`): the plan's function, so that the plan's shards
+/// and the collectives' agree.
+pub use archipelago_dataflow::shard_range;
 
 /// The ring around `group` as seen by `me`.
 struct Ring<'a> {

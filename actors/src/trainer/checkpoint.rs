@@ -115,7 +115,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         if !self.held_blocks[index] {
             return None;
         }
-        if self.sharding.zero >= 1 {
+        if self.sharding.zero.shards_optimizer() {
             self.sharding.owned_part(index, &self.offsets)
         } else if self.sharding.rank == 0 {
             let len = self.offsets[index + 1] - self.offsets[index];
@@ -156,7 +156,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub(super) fn checkpoint_state(&self) -> Result<Option<ShardState>, String> {
         let pieces = match &self.offload {
             Some(offload) => {
-                if self.sharding.zero == 0 && self.sharding.rank != 0 {
+                if !self.sharding.zero.shards_optimizer() && self.sharding.rank != 0 {
                     return Ok(None);
                 }
                 let names = self.optimizer.spec().state_names();
@@ -208,7 +208,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             let Some((in_block, at)) = self.checkpoint_part(index) else {
                 continue;
             };
-            let params = if self.sharding.zero >= 3 {
+            let params = if self.sharding.zero.shards_parameters() {
                 self.shard_master[at.clone()].to_vec()
             } else {
                 let base = self.offsets[index];
@@ -239,25 +239,25 @@ impl<B: AutodiffBackend> Trainer<B> {
                 continue;
             }
             let len = self.offsets[index + 1] - self.offsets[index];
-            if self.sharding.zero < 3 {
+            if !self.sharding.zero.shards_parameters() {
                 let (params, _) = self.read_range(checkpoint, index, &(0..len), &[])?;
                 self.master[self.offsets[index]..self.offsets[index + 1]].copy_from_slice(&params);
             }
-            let part = if self.sharding.zero >= 1 {
+            let part = if self.sharding.zero.shards_optimizer() {
                 self.sharding.owned_part(index, &self.offsets)
             } else {
                 Some((0..len, self.offsets[index]..self.offsets[index + 1]))
             };
             if let Some((in_block, at)) = part {
                 let (params, state) = self.read_range(checkpoint, index, &in_block, resident)?;
-                if self.sharding.zero >= 3 && !self.offload_params {
+                if self.sharding.zero.shards_parameters() && !self.offload_params {
                     self.shard_master[at.clone()].copy_from_slice(&params);
                 }
                 let empty = Vec::new();
                 let (m, v) = (state.first().unwrap_or(&empty), state.get(1).unwrap_or(&empty));
                 self.optimizer.set_state(at.start, m, v);
             }
-            if self.sharding.zero < 3 {
+            if !self.sharding.zero.shards_parameters() {
                 self.reload(index..index + 1)?;
             }
         }

@@ -27,7 +27,10 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{ActorId, ComputeOp, DType, ModelDesc, ParamDesc, Program, StatePlacement};
+use archipelago_dataflow::{
+    ActorId, ActorPlan, ActorTraining, ComputeOp, DType, ModelDesc, ParamDesc, Program, SegmentPlan,
+    StatePlacement, ZeroStage,
+};
 
 use crate::block::{Activation, Block, check_described, describe_shapes, init_range};
 use crate::executor::{Computation, StepMetrics, TensorTable};
@@ -69,17 +72,24 @@ pub(super) struct Segment<B: AutodiffBackend> {
     batch: Option<String>,
 }
 
-/// What an actor holds: its chunks of blocks, its gradient buckets, its place in the dp group.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What an actor's plan gives its trainer: the chunks of blocks it holds and its training plan
+/// (segments and shards, ZeRO stage in force, offload, checkpointing, where the state lives).
+#[derive(Debug, Clone, PartialEq)]
 pub struct Placement {
     /// Chunks of blocks (half-open ranges) this actor holds.
     pub chunks: Vec<(usize, usize)>,
-    /// Its gradient buckets (segments), half-open block ranges.
-    pub segments: Vec<(usize, usize)>,
-    /// Its position in its data-parallel group.
-    pub replica: usize,
-    /// Members of its data-parallel group.
-    pub replicas: usize,
+    /// The plan's decisions about its training state.
+    pub training: ActorTraining,
+}
+
+impl Placement {
+    /// The placement `plan` gives its actor.
+    pub fn of(plan: &ActorPlan) -> Placement {
+        Placement {
+            chunks: plan.chunks.clone(),
+            training: plan.training.clone(),
+        }
+    }
 }
 
 /// One actor's model, optimizer state and in-flight step.
@@ -165,6 +175,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         placement: &Placement,
     ) -> Result<Trainer<B>, String> {
         let chunks = &placement.chunks;
+        let training = &placement.training;
         let desc = program.model.clone();
         let held = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
         let mut offsets = vec![0];
@@ -172,16 +183,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             let n = if held(index) { info.params as usize } else { 0 };
             offsets.push(offsets[index] + n);
         }
-        let sharding = Sharding::new(
-            program.plan.zero,
-            placement.replica,
-            placement.replicas,
-            &placement.segments,
-            &offsets,
-        );
+        let sharding = Sharding::of(training, &offsets)?;
         // ZeRO-3 initialises block by block and keeps only this replica's shard of each
         // segment (as DeepSpeed's `zero.Init`): the whole model never exists on one actor.
-        let sharded = sharding.zero >= 3;
+        let sharded = sharding.zero.shards_parameters();
         let mut shard_master = vec![0.0f32; if sharded { sharding.state_len() } else { 0 }];
         let mut blocks = Vec::with_capacity(desc.blocks.len());
         let mut master = Vec::new();
@@ -250,12 +255,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         let samples = samples(&program.data, desc.input)?;
         let held_blocks: Vec<bool> = (0..desc.blocks.len()).map(held).collect();
-        let plan = &program.plan;
-        let offload = if plan.offload.is_some() {
+        let offload = if training.offload.is_some() {
             // The offload actor starts with each segment's optimizer range of the master copy.
             let mut shards = HashMap::new();
             let mut layouts = HashMap::new();
-            for &(start, end) in &placement.segments {
+            for &SegmentPlan { start, end, .. } in &training.segments {
                 let range = sharding.optimizer_range(start, offsets[end] - offsets[start])?;
                 let window = offsets[start] + range.start..offsets[start] + range.end;
                 layouts.insert(start, stage_params.layout(&[(window, 0)], range.len())?);
@@ -268,7 +272,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 shards.insert(start, shard.to_vec());
             }
             Some(OffloadActor::spawn(
-                &plan.offload,
+                &training.offload,
                 actor,
                 program.optimizer,
                 shards,
@@ -277,24 +281,24 @@ impl<B: AutodiffBackend> Trainer<B> {
         } else {
             None
         };
-        let offload_params = offload.is_some() && plan.offload_params && sharded;
+        let offload_params = offload.is_some() && training.offload_params;
         if offload_params {
             shard_master = Vec::new();
         }
         let state_len = match (&offload, sharding.zero) {
             (Some(_), _) => 0,
-            (None, 0) => master.len(),
+            (None, ZeroStage::Replicated) => master.len(),
             (None, _) => sharding.state_len(),
         };
         // Where each parameter's elements lie in the optimizer's state: the master vector, or
         // this replica's shard of each segment, concatenated.
         let windows: Vec<(Range<usize>, usize)> = match (&offload, sharding.zero) {
             (Some(_), _) => Vec::new(),
-            (None, 0) => vec![(0..master.len(), 0)],
-            (None, _) => placement
+            (None, ZeroStage::Replicated) => vec![(0..master.len(), 0)],
+            (None, _) => training
                 .segments
                 .iter()
-                .map(|&(start, _)| {
+                .map(|&SegmentPlan { start, .. }| {
                     let shard = sharding.segment(start)?;
                     let from = offsets[start] + shard.own.start..offsets[start] + shard.own.end;
                     Ok((from, shard.state))
@@ -319,7 +323,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             spare_buffers: Vec::new(),
             samples,
             global_batch: program.plan.batch,
-            checkpoint: program.plan.checkpoint_activations,
+            checkpoint: training.checkpoint_activations,
             batches: HashMap::new(),
             segments: HashMap::new(),
             by_name: HashMap::new(),
@@ -346,12 +350,12 @@ impl<B: AutodiffBackend> Trainer<B> {
             handed_off: Vec::new(),
             steps_done: 0,
             batched_transfers: false,
-            fault: FaultHook::new(program.test_fault, placement.replica, program.plan.microbatches),
+            fault: FaultHook::new(program.test_fault, training.replica, program.plan.microbatches),
             device_state: None,
-            segment_ranges: placement.segments.clone(),
+            segment_ranges: training.block_ranges(),
             tensor_op_update: false,
         }
-        .with_state_on_device(program.plan.state == StatePlacement::Device))
+        .with_state_on_device(training.state == StatePlacement::Device))
     }
 
     /// Moves the master parameters and optimizer state onto the device (`--state device`) from
@@ -541,7 +545,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
     }
 
     fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
-        if self.sharding.zero >= 3 {
+        if self.sharding.zero.shards_parameters() {
             return Vec::new(); // only shards here; see block_squares
         }
         (0..self.blocks.len())
@@ -567,7 +571,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
 
     fn block_squares(&self) -> Vec<(usize, f64)> {
         let sq = |v: &[f32]| v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
-        if self.sharding.zero < 3 {
+        if !self.sharding.zero.shards_parameters() {
             // Every replica holds every parameter: the first one answers for the group.
             if self.sharding.rank != 0 {
                 return Vec::new();

@@ -160,7 +160,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let range = self.offsets[blocks.start]..self.offsets[blocks.end];
             let SegmentShard { own, state, .. } = self.sharding.segment(blocks.start)?.clone();
-            if self.sharding.zero == 0 {
+            if !self.sharding.zero.shards_optimizer() {
                 let len = range.len();
                 if grad.len() != len {
                     return Err(format!("gradient `{name}` has {} values, not {len}", grad.len()));
@@ -177,7 +177,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 continue;
             }
             let grads = bucket_or_shard(name, &grad.data, range.len(), &own)?;
-            let params = if self.sharding.zero >= 3 {
+            let params = if self.sharding.zero.shards_parameters() {
                 &self.shard_master[state..state + own.len()]
             } else {
                 &self.master[range.start + own.start..range.start + own.end]

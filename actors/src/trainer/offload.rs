@@ -4,6 +4,7 @@
 //! where the ZeRO stage keeps them (the master copy and modules, a gathered buffer for the
 //! all-gather, or the ZeRO-3 shard master — nowhere under `--offload-params`).
 
+use archipelago_dataflow::ZeroStage;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::Trainer;
@@ -71,11 +72,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             let SegmentShard { end, own, state } = self.sharding.segment(start)?.clone();
             let range = self.offsets[start]..self.offsets[end];
             match self.sharding.zero {
-                0 => {
+                ZeroStage::Replicated => {
                     self.master[range].copy_from_slice(&params);
                     self.reload(start..end)?;
                 }
-                1 | 2 => {
+                ZeroStage::ShardedOptimizer | ZeroStage::ShardedGradients => {
                     let mut gathered = self.gather_buffer(range.len());
                     gathered[own].copy_from_slice(&params);
                     let k = starts

@@ -8,9 +8,9 @@ use std::ops::Range;
 use burn::tensor::backend::AutodiffBackend;
 
 use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
+use archipelago_dataflow::{ActorTraining, ZeroStage};
 
 use super::Trainer;
-use crate::collectives::shard_range;
 use crate::executor::TensorTable;
 use crate::host_tensor::HostTensor;
 use crate::zoo::BuildContext;
@@ -29,8 +29,8 @@ pub(super) struct SegmentShard {
 /// Where this actor sits in its data-parallel group, and what ZeRO shards.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sharding {
-    /// ZeRO stage in effect (0 when the group has one member).
-    pub zero: u8,
+    /// The ZeRO stage in force (the plan's: replicated when the group has one member).
+    pub zero: ZeroStage,
     /// This actor's position in its dp group (its shard).
     pub rank: usize,
     /// Members of the dp group.
@@ -40,36 +40,37 @@ pub struct Sharding {
 }
 
 impl Sharding {
-    /// Shard `rank` of `members` of every segment in `segments` (half-open block ranges), for a
-    /// model whose block `i` lives at `offsets[i]..offsets[i + 1]` of the flat parameters.
-    pub(super) fn new(
-        zero: u8,
-        rank: usize,
-        members: usize,
-        segments: &[(usize, usize)],
-        offsets: &[usize],
-    ) -> Sharding {
-        let zero = if members > 1 { zero } else { 0 };
+    /// The shards the plan gives this actor (`training`), for a model whose block `i` lives at
+    /// `offsets[i]..offsets[i + 1]` of the flat parameters.
+    pub(super) fn of(training: &ActorTraining, offsets: &[usize]) -> Result<Sharding, String> {
         let mut shards = HashMap::new();
         let mut state = 0;
-        for &(start, end) in segments {
-            let own = shard_range(offsets[end] - offsets[start], members, rank);
+        for segment in &training.segments {
+            let (start, end) = (segment.start, segment.end);
+            if offsets[end] - offsets[start] != segment.params {
+                return Err(format!(
+                    "the plan's segment of blocks {start}..{end} has {} parameters, the model's blocks {}",
+                    segment.params,
+                    offsets[end] - offsets[start]
+                ));
+            }
+            let own = segment.own.clone();
             let len = own.len();
             shards.insert(start, SegmentShard { end, own, state });
             state += len;
         }
-        Sharding {
-            zero,
-            rank,
-            members,
+        Ok(Sharding {
+            zero: training.zero,
+            rank: training.replica,
+            members: training.replicas,
             segments: shards,
-        }
+        })
     }
 
     /// The range of the segment starting at `start` (of `len` parameters) this actor's
     /// optimizer updates: its shard under ZeRO ≥ 1, the whole segment otherwise.
     pub(super) fn optimizer_range(&self, start: usize, len: usize) -> Result<Range<usize>, String> {
-        if self.zero >= 1 {
+        if self.zero.shards_optimizer() {
             Ok(self.segment(start)?.own.clone())
         } else {
             Ok(0..len)
@@ -165,7 +166,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 grad = fault.on_update(name, grad);
             }
             let range = self.offsets[blocks.start]..self.offsets[blocks.end];
-            if self.sharding.zero == 0 {
+            if !self.sharding.zero.shards_optimizer() {
                 self.optimizer
                     .update(range.start, &mut self.master[range.clone()], &grad.data);
                 self.reload(blocks.clone())?;
@@ -178,7 +179,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 let grads = bucket_or_shard(name, &grad.data, range.len(), &shard)?;
                 let shifted = self.fault.as_ref().and_then(|f| f.shard_gradient(grads));
                 let grads = shifted.as_deref().unwrap_or(grads);
-                if self.sharding.zero >= 3 {
+                if self.sharding.zero.shards_parameters() {
                     // The master copy is the shard itself; it stays sharded until the next gather.
                     let at = state..state + shard.len();
                     self.optimizer.update(state, &mut self.shard_master[at], grads);
@@ -275,7 +276,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 range.len()
             ));
         }
-        if self.sharding.zero >= 3 {
+        if self.sharding.zero.shards_parameters() {
             self.materialize(blocks, &params.data)?;
         } else {
             self.master[range].copy_from_slice(&params.data);

@@ -15,12 +15,12 @@
 //! any global norm could be known, so [`StepNorms`] that need a reduction are refused with it at
 //! compile time (deferring the offloaded update is left to issue 17).
 
-use crate::PlanError;
 use crate::graph::Graph;
 use crate::instruction::{CollectiveKind, ComputeOp};
 use crate::passes::data_parallel::{Bucket, grad_name};
 use crate::passes::pipeline::Layout;
 use crate::program::Program;
+use crate::{PlanError, ZeroStage};
 
 /// The tensor holding the squared global gradient norm (one value), read by the update.
 pub const GRAD_SQUARES: &str = "gradsq";
@@ -90,7 +90,7 @@ pub fn check(program: &Program) -> Result<(), PlanError> {
 /// `GradNorm` before the one all-reduce over every actor, so no actor updates before the norm is
 /// known), then per pipeline device `TrustNorms` and its dp all-reduce, the update, and under
 /// ZeRO-1/2 the all-gather and load of the updated parameters.
-pub fn append_updates(graph: &mut Graph, layout: &Layout, zero: u8, offload: bool, norms: StepNorms) {
+pub fn append_updates(graph: &mut Graph, layout: &Layout, zero: ZeroStage, offload: bool, norms: StepNorms) {
     let pp = layout.shape.pp;
     let dp = layout.mesh.axis_size("dp");
     let held = |s: usize| -> Vec<&Bucket> {
@@ -150,7 +150,7 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, zero: u8, offload: boo
             inputs.push(GRAD_SQUARES);
         }
         // ZeRO-1/2 gather the updated parameters after the step; ZeRO-3 keeps them sharded.
-        let sharded = (1..=2).contains(&zero) && dp > 1;
+        let sharded = zero.shards_optimizer() && !zero.shards_parameters();
         let params: Vec<String> = buckets.iter().map(|b| param_name(b.id)).collect();
         let outputs: Vec<&str> = if sharded {
             params.iter().map(String::as_str).collect()

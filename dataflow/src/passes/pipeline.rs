@@ -12,7 +12,6 @@
 
 use std::collections::HashMap;
 
-use crate::ActorId;
 use crate::graph::Graph;
 use crate::instruction::{CollectiveKind, ComputeOp};
 use crate::mesh::Mesh;
@@ -22,6 +21,7 @@ use crate::passes::optimizer::StepNorms;
 pub use crate::passes::optimizer::param_name;
 use crate::passes::partition::Chunk;
 use crate::passes::schedule::{Pass, PipelineShape, Slot};
+use crate::{ActorId, ZeroStage};
 
 /// Where every block and segment lives.
 #[derive(Debug, Clone, PartialEq)]
@@ -151,7 +151,7 @@ pub fn microbatch_of(tensor: &str) -> Option<usize> {
 
 /// Builds the graph of one training step with the given per-device pass orders.
 ///
-/// ZeRO (`zero` ≥ 1, Rajbhandari et al., SC 2020) over each stage's `dp` group: stage 1 keeps the
+/// ZeRO (`zero` in force, Rajbhandari et al., SC 2020) over each stage's `dp` group: stage 1 keeps the
 /// all-reduce and has each replica update only its shard of every bucket, then all-gathers the
 /// updated parameters (`param.K`) and loads them; stage 2 reduce-scatters the gradients instead,
 /// so each replica keeps only its gradient shard. Stage 3 keeps the parameters as shards too: each
@@ -170,7 +170,7 @@ pub fn build_step(
     layout: &Layout,
     batch: usize,
     orders: &[Vec<Slot>],
-    zero: u8,
+    zero: ZeroStage,
     offload: bool,
     norms: StepNorms,
 ) -> Graph {
@@ -218,7 +218,7 @@ pub fn build_step(
             let mb = slot.mb;
             // ZeRO-3: a segment's parameters exist only between its all-gather and its drop; the
             // next segment's all-gather is started before this one computes (prefetch).
-            let gathers = zero >= 3 && dp > 1 && slot.pass != Pass::W;
+            let gathers = zero.shards_parameters() && slot.pass != Pass::W;
             let group = layout.mesh.group(layout.actor(0, s), "dp");
             let gather_name = |b: &Bucket| format!("wparam.{}.{:?}{mb}", b.id, slot.pass);
             let gather = |graph: &mut Graph, b: &Bucket| {
@@ -273,7 +273,7 @@ pub fn build_step(
                     }
                 }
                 if finishes_grads && dp > 1 {
-                    let (kind, members) = if zero >= 2 {
+                    let (kind, members) = if zero.shards_gradients() {
                         (CollectiveKind::ReduceScatterSum, group.clone())
                     } else {
                         layout.all_reduce(&group)

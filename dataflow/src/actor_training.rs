@@ -1,0 +1,203 @@
+//! What one actor's plan says about its training state, decided once by the compiler: its
+//! segments (gradient buckets) with the shard of each it owns, its data-parallel group, the ZeRO
+//! stage in force (an enum: a one-member group shards nothing), the offload tier, activation
+//! checkpointing (implied by ZeRO-3) and where the state lives. The trainer is built from this
+//! and re-derives none of it (ZeRO: Rajbhandari et al., SC 2020).
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::passes::data_parallel::Bucket;
+use crate::{ModelDesc, Offload, Program, StatePlacement};
+
+/// The ZeRO stage in force on an actor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum ZeroStage {
+    /// Every replica holds everything (stage 0, or any stage with one replica).
+    Replicated,
+    /// Stage 1: the optimizer state is sharded over the dp group.
+    ShardedOptimizer,
+    /// Stage 2: also the gradients (a reduce-scatter, not an all-reduce).
+    ShardedGradients,
+    /// Stage 3: also the parameters, gathered per segment when needed.
+    ShardedParameters,
+}
+
+impl ZeroStage {
+    /// The stage in force for `--zero requested` over a dp group of `replicas`.
+    ///
+    /// # Panics
+    /// When `requested` is above 3 (the plan refuses it first).
+    pub fn in_force(requested: u8, replicas: usize) -> ZeroStage {
+        if replicas < 2 {
+            return ZeroStage::Replicated;
+        }
+        match requested {
+            0 => ZeroStage::Replicated,
+            1 => ZeroStage::ShardedOptimizer,
+            2 => ZeroStage::ShardedGradients,
+            3 => ZeroStage::ShardedParameters,
+            n => panic!("ZeRO stage {n} does not exist (0..=3)"),
+        }
+    }
+
+    /// The stage's number (0..=3).
+    pub fn level(self) -> u8 {
+        self as u8
+    }
+
+    /// Each replica updates only its shard of the optimizer state (stages 1–3).
+    pub fn shards_optimizer(self) -> bool {
+        self >= ZeroStage::ShardedOptimizer
+    }
+
+    /// Each replica keeps only its shard of the gradients (stages 2–3).
+    pub fn shards_gradients(self) -> bool {
+        self >= ZeroStage::ShardedGradients
+    }
+
+    /// Each replica keeps only its shard of the parameters (stage 3).
+    pub fn shards_parameters(self) -> bool {
+        self >= ZeroStage::ShardedParameters
+    }
+}
+
+/// Shard `s` of `n` of `len` elements: contiguous, sizes differing by at most one. Collectives
+/// (reduce-scatter, all-gather) and ZeRO's shards use this one function.
+pub fn shard_range(len: usize, n: usize, s: usize) -> Range<usize> {
+    s * len / n..(s + 1) * len / n
+}
+
+/// One segment of an actor: a gradient bucket and the blocks it covers, with the shard of it
+/// this replica owns.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentPlan {
+    /// First block.
+    pub start: usize,
+    /// One past the last block.
+    pub end: usize,
+    /// Parameters (f32 elements) of its blocks.
+    pub params: usize,
+    /// This replica's shard of the segment, relative to its first parameter: what its
+    /// optimizer updates under ZeRO ≥ 1, and the part it answers for in norms summed over the
+    /// group (clipping, LAMB) at every stage.
+    pub own: Range<usize>,
+}
+
+/// The training side of one actor's plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActorTraining {
+    /// Its segments (gradient buckets), in model order.
+    pub segments: Vec<SegmentPlan>,
+    /// Its position in its data-parallel group.
+    pub replica: usize,
+    /// Members of that group.
+    pub replicas: usize,
+    /// The ZeRO stage in force.
+    pub zero: ZeroStage,
+    /// Where the master shard and optimizer state are offloaded to, if anywhere.
+    pub offload: Offload,
+    /// ZeRO-3 with offload: the parameter shards live in the offload tier too.
+    pub offload_params: bool,
+    /// Keep only segment inputs in forward, recompute in backward (implied by ZeRO-3).
+    pub checkpoint_activations: bool,
+    /// Where the state lives when not offloaded.
+    pub state: StatePlacement,
+}
+
+impl ActorTraining {
+    /// The training plan of the actor at `replica` holding `buckets` of `program`'s model (the
+    /// program as compiled: ZeRO-3's implied activation checkpointing already set).
+    pub fn of(program: &Program, buckets: &[&Bucket], replica: usize) -> ActorTraining {
+        let plan = &program.plan;
+        let replicas = plan.dp;
+        let zero = ZeroStage::in_force(plan.zero, replicas);
+        let segments = buckets
+            .iter()
+            .map(|b| {
+                let params = block_params(&program.model, b.start..b.end);
+                let own = shard_range(params, replicas, replica);
+                SegmentPlan {
+                    start: b.start,
+                    end: b.end,
+                    params,
+                    own,
+                }
+            })
+            .collect();
+        ActorTraining {
+            segments,
+            replica,
+            replicas,
+            zero,
+            offload: plan.offload.clone(),
+            offload_params: plan.offload_params && zero.shards_parameters(),
+            checkpoint_activations: plan.checkpoint_activations,
+            state: plan.state,
+        }
+    }
+
+    /// The elements of the segment starting at block `start` this replica's optimizer updates:
+    /// its shard under ZeRO ≥ 1, the whole segment otherwise.
+    pub fn optimizer_range(&self, segment: &SegmentPlan) -> Range<usize> {
+        if self.zero.shards_optimizer() {
+            segment.own.clone()
+        } else {
+            0..segment.params
+        }
+    }
+
+    /// The segments as half-open block ranges.
+    pub fn block_ranges(&self) -> Vec<(usize, usize)> {
+        self.segments.iter().map(|s| (s.start, s.end)).collect()
+    }
+}
+
+fn block_params(model: &ModelDesc, blocks: Range<usize>) -> usize {
+    model.blocks[blocks].iter().map(|b| b.params as usize).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ModelSpec, ParallelPlan, compile};
+
+    #[test]
+    fn a_one_member_group_shards_nothing_and_the_stages_nest() {
+        assert_eq!(ZeroStage::in_force(3, 1), ZeroStage::Replicated);
+        assert_eq!(ZeroStage::in_force(2, 4).level(), 2);
+        let three = ZeroStage::in_force(3, 2);
+        assert!(three.shards_optimizer() && three.shards_gradients() && three.shards_parameters());
+        let one = ZeroStage::in_force(1, 2);
+        assert!(one.shards_optimizer() && !one.shards_gradients());
+        assert!(!ZeroStage::Replicated.shards_optimizer());
+    }
+
+    #[test]
+    fn shards_cover_each_segment_once_and_the_plan_carries_them() {
+        let model = ModelSpec::parse("mlp:in=24,hidden=48,layers=6,out=5").unwrap();
+        for (dp, zero) in [(1, 3), (2, 0), (3, 1), (2, 3)] {
+            let program = Program::new(model.clone()).with_plan(ParallelPlan {
+                dp,
+                batch: 12,
+                zero,
+                bucket_bytes: 4096,
+                ..ParallelPlan::default()
+            });
+            let plan = compile(&program).unwrap();
+            let first = &plan.actors[0].training;
+            assert!(first.segments.len() > 1, "small buckets make several segments");
+            assert_eq!(first.zero, ZeroStage::in_force(zero, dp));
+            assert_eq!(first.checkpoint_activations, dp > 1 && zero == 3);
+            for (k, segment) in first.segments.iter().enumerate() {
+                let mut owned = vec![0; segment.params];
+                for actor in &plan.actors {
+                    let own = actor.training.segments[k].own.clone();
+                    owned[own].iter_mut().for_each(|n| *n += 1);
+                }
+                assert!(owned.iter().all(|&n| n == 1), "dp={dp} zero={zero} segment {k}");
+            }
+        }
+    }
+}
