@@ -156,7 +156,7 @@ pub struct JobArgs {
     /// Where the master parameters, gradient buckets and optimizer state live when not
     /// offloaded: `host` (flat vectors, every step reads the gradients off the device and writes
     /// the parameters back) or `device` (tensors on the device, updated there; ZeRO-0 without
-    /// clipping or LAMB for now). Each step's host ⇄ device bytes are in the report.
+    /// offload or LAMB for now). Each step's host ⇄ device bytes are in the report.
     #[arg(long, default_value = "host")]
     pub state: String,
     /// Devices to place the actors on, in mesh order: e.g. `cuda:0,cuda:1` (a `cuda` build) or

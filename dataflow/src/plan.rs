@@ -483,8 +483,8 @@ fn island_indices(names: &[String], actors: usize) -> Result<Vec<usize>, PlanErr
 #[path = "plan_tests.rs"]
 mod tests;
 
-/// `--state device` covers the replicated update for now: no ZeRO, no offload, no clipping and
-/// no LAMB (their norms are reduced from host copies of the state).
+/// `--state device` covers the replicated update for now: no ZeRO, no offload and no LAMB (its
+/// norms are reduced from host copies of the state).
 fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     let plan = &program.plan;
     if plan.state != crate::StatePlacement::Device {
@@ -493,7 +493,6 @@ fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     let unsupported = [
         (plan.zero > 0 && plan.dp > 1, format!("--zero {}", plan.zero)),
         (plan.offload.is_some(), format!("--offload {}", plan.offload)),
-        (program.clip_grad_norm.is_some(), "--clip-grad-norm".to_string()),
         (
             program.optimizer.needs_param_norms(),
             "--optimizer lamb".to_string(),
@@ -501,8 +500,8 @@ fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     ];
     match unsupported.iter().find(|(bad, _)| *bad) {
         Some((_, what)) => Err(PlanError::Conflict(format!(
-            "--state device keeps the replicated state on the device (ZeRO-0, no offload, no clipping, \
-             no LAMB yet); {what} needs --state host (the default)"
+            "--state device keeps the replicated state on the device (ZeRO-0, no offload, no LAMB \
+             yet); {what} needs --state host (the default)"
         ))),
         None => Ok(()),
     }

@@ -70,7 +70,9 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
         let spec = ModelSpec::parse(model).unwrap();
         let batch = if model == GPT { 8 } else { 24 };
         for optimizer in stateful_rules() {
-            for (dp, pp) in [(1, 1), (2, 1), (1, 2)] {
+            // With clipping (a bound every step's norm exceeds) on one device: the bucket's sum
+            // of squares is taken on the device.
+            for (dp, pp, clip) in [(1, 1, None), (2, 1, None), (1, 2, None), (1, 1, Some(0.05))] {
                 let train = |state, tensor_ops| {
                     let plan = ParallelPlan {
                         batch,
@@ -80,6 +82,7 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
                     let program = Program::new(spec.clone())
                         .with_seed(7)
                         .with_optimizer(optimizer)
+                        .with_clip_grad_norm(clip)
                         .with_plan(plan);
                     let options = TrainOptions {
                         steps: 4,
@@ -94,9 +97,16 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
                 };
                 let host = train(StatePlacement::Host, false);
                 let device = train(StatePlacement::Device, true);
-                let what = format!("{model} {optimizer:?} dp={dp} pp={pp} tensor-op update");
+                let what = format!("{model} {optimizer:?} dp={dp} pp={pp} clip={clip:?} tensor-op update");
                 assert_params_moved(model, &host);
                 assert_equivalent(&host, &device, 1e-6, &what);
+                if let Some(bound) = clip {
+                    let engaged = device
+                        .steps
+                        .iter()
+                        .all(|s| s.grad_norm.is_some_and(|n| n > bound));
+                    assert!(engaged, "{what}: clipping did not engage every step");
+                }
                 let optimizer_bytes: u64 = device.steps.iter().map(|s| s.transfers.optimizer_path()).sum();
                 // dp = 2: each replica's buckets leave for the all-reduce and come back, 4 steps.
                 let expected = if dp > 1 {

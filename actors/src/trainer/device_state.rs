@@ -11,7 +11,8 @@
 //! written as tensor ops with the same operations in the same order (on the CPU backend they
 //! matched the flat loops bit for bit); the parameter groups (no weight decay for biases and
 //! LayerNorm) are then a 0/1 mask per segment, made once. Covered for now: the replicated update
-//! (ZeRO-0, no offload, no clipping, no LAMB; the plan refuses the rest).
+//! (ZeRO-0, no offload, no LAMB; the plan refuses the rest), with clipping by the global norm
+//! (each bucket's sum of squares taken on the device: one value read back per bucket).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -22,7 +23,7 @@ use burn::tensor::{Float, Tensor, TensorData};
 use archipelago_dataflow::OptimizerSpec;
 
 use super::cpu_buffers::{from_cpu, into_cpu, is_cpu, values_mut};
-use crate::optim::{ParamLayout, StepContext, update_range};
+use crate::optim::{ParamLayout, StepContext, sum_of_squares, update_range};
 use crate::transfer::{TransferKind, download, upload};
 
 /// One segment's state on the device.
@@ -142,6 +143,28 @@ impl<B: Backend> DeviceState<B> {
             }
             (None, None) => Err(format!("gradient `{name}` missing")),
         }
+    }
+
+    /// Σx² over `own` (a range of the bucket) of bucket `name` of this step, in f64; `None`
+    /// when the bucket is not on the device (a collective took it). The tensor-op path sums on
+    /// the device and reads back one value.
+    pub(super) fn squares(&self, name: &str, own: Range<usize>) -> Option<Result<f64, String>> {
+        let bucket = self.buckets.get(name)?;
+        if self.in_place {
+            let cpu = into_cpu(bucket.clone())?;
+            return Some(match cpu.as_slice::<f32>() {
+                Some(values) => Ok(sum_of_squares(&values[own])),
+                None => Err(format!("gradient bucket `{name}` is not one contiguous buffer")),
+            });
+        }
+        let part = bucket.clone().slice([own]);
+        let sum = download((part.clone() * part).sum(), TransferKind::Scalar);
+        Some(
+            sum.convert::<f32>()
+                .as_slice::<f32>()
+                .map(|s| f64::from(s[0]))
+                .map_err(|e| format!("the sum of squares of `{name}`: {e:?}")),
+        )
     }
 
     /// Bytes held on the device: parameters, optimizer state, masks and buckets in flight.

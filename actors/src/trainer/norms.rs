@@ -123,6 +123,17 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let mut sum = 0.0f64;
         for name in inputs {
+            if let Some(state) = &self.device_state {
+                let blocks = self
+                    .grad_ranges
+                    .get(name)
+                    .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+                let own = self.sharding.segment(blocks.start)?.own.clone();
+                if let Some(squares) = state.squares(name, own) {
+                    sum += squares?;
+                    continue;
+                }
+            }
             let grad = table
                 .get(name)
                 .ok_or_else(|| format!("gradient `{name}` missing"))?;

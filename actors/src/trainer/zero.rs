@@ -328,7 +328,8 @@ impl<B: AutodiffBackend> Trainer<B> {
     fn optimizer_step_on_device(&mut self, inputs: &[String], table: &mut TensorTable) -> Result<(), String> {
         let ctx = self.optimizer.context();
         let state = self.device_state.as_mut().ok_or("no device state")?;
-        for name in inputs {
+        // The norms were read by begin_update.
+        for name in inputs.iter().filter(|n| *n != GRAD_SQUARES && *n != TRUST_SQUARES) {
             let blocks = self
                 .grad_ranges
                 .remove(name)

@@ -78,12 +78,21 @@ fn sgd_with_the_state_on_the_device_matches_one_device_and_moves_no_optimizer_by
 
 #[test]
 fn stateful_rules_on_the_device_match_the_host_loops() {
+    // Clipping to a bound below every step's norm, so that it engages each step.
+    const CLIP: f32 = 0.05;
     for optimizer in stateful_rules() {
-        for (dp, pp) in [(1, 1), (2, 1), (1, 2)] {
+        for (dp, pp, clip) in [
+            (1, 1, None),
+            (2, 1, None),
+            (1, 2, None),
+            (1, 1, Some(CLIP)),
+            (2, 2, Some(CLIP)),
+        ] {
             let program = |state| {
                 Program::new(ModelSpec::parse(super::MLP).expect("model spec"))
                     .with_seed(7)
                     .with_optimizer(optimizer)
+                    .with_clip_grad_norm(clip)
                     .with_plan(ParallelPlan {
                         state,
                         ..small_plan(dp, pp, 0)
@@ -92,8 +101,17 @@ fn stateful_rules_on_the_device_match_the_host_loops() {
             let host = run_program(program(StatePlacement::Host));
             let device = run_program(program(StatePlacement::Device));
             let (excess, abs) = param_difference(&host, &device);
-            eprintln!("{optimizer:?} dp={dp} pp={pp}: device vs host max |Δparam| {abs:e}");
+            eprintln!("{optimizer:?} dp={dp} pp={pp} clip={clip:?}: device vs host max |Δparam| {abs:e}");
             assert!(excess <= 1.0, "{optimizer:?} dp={dp} pp={pp}: {abs:e} apart");
+            if clip.is_some() {
+                let norms: Vec<Option<f32>> = device.report.steps.iter().map(|s| s.grad_norm).collect();
+                assert!(
+                    norms.iter().all(|n| n.is_some_and(|n| n > CLIP)),
+                    "clipping did not engage every step: {norms:?}"
+                );
+                let host_norms: Vec<Option<f32>> = host.report.steps.iter().map(|s| s.grad_norm).collect();
+                assert_eq!(norms, host_norms, "the global norms");
+            }
             let losses = |r: &Run| r.report.steps.iter().map(|s| s.loss).collect::<Vec<_>>();
             assert_eq!(
                 losses(&host),
