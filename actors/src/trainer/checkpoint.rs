@@ -42,7 +42,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     fn param_spans(&self, block: usize, in_block: &Range<usize>) -> Vec<ParamSpan> {
         let mut spans = Vec::new();
         let mut at = 0;
-        for (param, p) in self.param_descs[block].iter().enumerate() {
+        for (param, p) in self.stage.param_descs[block].iter().enumerate() {
             let span = at..at + p.len();
             let (from, to) = (span.start.max(in_block.start), span.end.min(in_block.end));
             if from < to {
@@ -70,7 +70,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.param_spans(block, in_block)
             .into_iter()
             .map(|s| {
-                let p = &self.param_descs[block][s.param];
+                let p = &self.stage.param_descs[block][s.param];
                 Piece {
                     block,
                     block_offset: s.block_offset,
@@ -99,7 +99,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut values = vec![0.0f32; in_block.len()];
         let mut tensors = vec![vec![0.0f32; in_block.len()]; state.len()];
         for s in self.param_spans(block, in_block) {
-            let p = &self.param_descs[block][s.param];
+            let p = &self.stage.param_descs[block][s.param];
             let (v, st) = checkpoint.read_param(&p.name, &p.shape, s.in_param, state)?;
             values[s.in_range.clone()].copy_from_slice(&v);
             for (into, from) in tensors.iter_mut().zip(st) {
@@ -112,14 +112,14 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// The part of block `index` this actor owns in a checkpoint: (range in the block, where its
     /// optimizer state lives); `None` when another actor owns it all.
     fn checkpoint_part(&self, index: usize) -> Option<(Range<usize>, Range<usize>)> {
-        if !self.held_blocks[index] {
+        if !self.stage.held_blocks[index] {
             return None;
         }
-        if self.sharding.zero.shards_optimizer() {
-            self.sharding.owned_part(index, &self.offsets)
-        } else if self.sharding.rank == 0 {
-            let len = self.offsets[index + 1] - self.offsets[index];
-            Some((0..len, self.offsets[index]..self.offsets[index + 1]))
+        if self.state.sharding.zero.shards_optimizer() {
+            self.state.sharding.owned_part(index, &self.stage.offsets)
+        } else if self.state.sharding.rank == 0 {
+            let len = self.stage.offsets[index + 1] - self.stage.offsets[index];
+            Some((0..len, self.stage.offsets[index]..self.stage.offsets[index + 1]))
         } else {
             None
         }
@@ -129,20 +129,24 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// parts of its blocks in the region (the region covers the segment's optimizer range: the
     /// shard under ZeRO ≥ 1, the whole segment otherwise).
     fn offload_regions(&self) -> Result<Vec<(usize, usize, Vec<RegionPart>)>, String> {
-        let mut starts: Vec<usize> = self.sharding.segments.keys().copied().collect();
+        let mut starts: Vec<usize> = self.state.sharding.segments.keys().copied().collect();
         starts.sort_unstable();
         let mut out = Vec::new();
         for start in starts {
-            let end = self.sharding.segment(start)?.end;
-            let base = self.offsets[start];
-            let range = self.sharding.optimizer_range(start, self.offsets[end] - base)?;
+            let end = self.state.sharding.segment(start)?.end;
+            let base = self.stage.offsets[start];
+            let range = self
+                .state
+                .sharding
+                .optimizer_range(start, self.stage.offsets[end] - base)?;
             let parts = (start..end)
                 .filter_map(|block| {
-                    let from = (self.offsets[block] - base).max(range.start);
-                    let to = (self.offsets[block + 1] - base).min(range.end);
+                    let from = (self.stage.offsets[block] - base).max(range.start);
+                    let to = (self.stage.offsets[block + 1] - base).min(range.end);
                     (from < to).then(|| RegionPart {
                         block,
-                        in_block: from + base - self.offsets[block]..to + base - self.offsets[block],
+                        in_block: from + base - self.stage.offsets[block]
+                            ..to + base - self.stage.offsets[block],
                         in_region: from - range.start..to - range.start,
                     })
                 })
@@ -154,12 +158,12 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// This actor's pieces of the model and optimizer state.
     pub(super) fn checkpoint_state(&self) -> Result<Option<ShardState>, String> {
-        let pieces = match &self.offload {
+        let pieces = match &self.state.offload {
             Some(offload) => {
-                if !self.sharding.zero.shards_optimizer() && self.sharding.rank != 0 {
+                if !self.state.sharding.zero.shards_optimizer() && self.state.sharding.rank != 0 {
                     return Ok(None);
                 }
-                let names = self.optimizer.spec().state_names();
+                let names = self.state.optimizer.spec().state_names();
                 let mut pieces = Vec::new();
                 for (start, len, parts) in self.offload_regions()? {
                     if len == 0 {
@@ -171,7 +175,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     if kept != names.len() {
                         return Err(format!(
                             "the offload actor keeps {kept} state tensors per parameter, {} keeps {names:?}",
-                            self.optimizer.spec().name()
+                            self.state.optimizer.spec().name()
                         ));
                     }
                     for p in parts {
@@ -189,14 +193,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             return Ok(None);
         }
         // The offload actor counts the steps it took; the device optimizer its own.
-        let steps = if self.offload.is_some() {
-            self.steps_done
+        let steps = if self.state.offload.is_some() {
+            self.state.steps_done
         } else {
-            self.optimizer.steps()
+            self.state.optimizer.steps()
         };
         Ok(Some(ShardState {
             steps,
-            schedule_step: self.optimizer.schedule_step(),
+            schedule_step: self.state.optimizer.schedule_step(),
             pieces,
         }))
     }
@@ -204,18 +208,19 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// The owned pieces of state held by this actor itself (no offload).
     fn resident_pieces(&self) -> Vec<Piece> {
         let mut pieces = Vec::new();
-        for index in 0..self.blocks.len() {
+        for index in 0..self.stage.blocks.len() {
             let Some((in_block, at)) = self.checkpoint_part(index) else {
                 continue;
             };
-            let params = if self.sharding.zero.shards_parameters() {
-                self.shard_master[at.clone()].to_vec()
+            let params = if self.state.sharding.zero.shards_parameters() {
+                self.state.shard_master[at.clone()].to_vec()
             } else {
-                let base = self.offsets[index];
-                self.master[base + in_block.start..base + in_block.end].to_vec()
+                let base = self.stage.offsets[index];
+                self.state.master[base + in_block.start..base + in_block.end].to_vec()
             };
-            let (m, v) = self.optimizer.state(at);
+            let (m, v) = self.state.optimizer.state(at);
             let state: Vec<(&str, &[f32])> = self
+                .state
                 .optimizer
                 .spec()
                 .state_names()
@@ -231,37 +236,38 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Loads the held blocks' parameters, this actor's optimizer state, the optimizer's step
     /// count and the schedule's position from `checkpoint`, whatever layout wrote it.
     pub fn restore(&mut self, checkpoint: &CheckpointReader) -> Result<(), String> {
-        let names = self.optimizer.spec().state_names();
+        let names = self.state.optimizer.spec().state_names();
         // Offloaded state is restored below, into the offload actor's regions.
-        let resident: &[&str] = if self.offload.is_some() { &[] } else { names };
-        for index in 0..self.blocks.len() {
-            if !self.held_blocks[index] {
+        let resident: &[&str] = if self.state.offload.is_some() { &[] } else { names };
+        for index in 0..self.stage.blocks.len() {
+            if !self.stage.held_blocks[index] {
                 continue;
             }
-            let len = self.offsets[index + 1] - self.offsets[index];
-            if !self.sharding.zero.shards_parameters() {
+            let len = self.stage.offsets[index + 1] - self.stage.offsets[index];
+            if !self.state.sharding.zero.shards_parameters() {
                 let (params, _) = self.read_range(checkpoint, index, &(0..len), &[])?;
-                self.master[self.offsets[index]..self.offsets[index + 1]].copy_from_slice(&params);
+                self.state.master[self.stage.offsets[index]..self.stage.offsets[index + 1]]
+                    .copy_from_slice(&params);
             }
-            let part = if self.sharding.zero.shards_optimizer() {
-                self.sharding.owned_part(index, &self.offsets)
+            let part = if self.state.sharding.zero.shards_optimizer() {
+                self.state.sharding.owned_part(index, &self.stage.offsets)
             } else {
-                Some((0..len, self.offsets[index]..self.offsets[index + 1]))
+                Some((0..len, self.stage.offsets[index]..self.stage.offsets[index + 1]))
             };
             if let Some((in_block, at)) = part {
                 let (params, state) = self.read_range(checkpoint, index, &in_block, resident)?;
-                if self.sharding.zero.shards_parameters() && !self.offload_params {
-                    self.shard_master[at.clone()].copy_from_slice(&params);
+                if self.state.sharding.zero.shards_parameters() && !self.state.offload_params {
+                    self.state.shard_master[at.clone()].copy_from_slice(&params);
                 }
                 let empty = Vec::new();
                 let (m, v) = (state.first().unwrap_or(&empty), state.get(1).unwrap_or(&empty));
-                self.optimizer.set_state(at.start, m, v);
+                self.state.optimizer.set_state(at.start, m, v);
             }
-            if !self.sharding.zero.shards_parameters() {
+            if !self.state.sharding.zero.shards_parameters() {
                 self.reload(index..index + 1)?;
             }
         }
-        if let Some(offload) = &self.offload {
+        if let Some(offload) = &self.state.offload {
             let tensors = 1 + names.len();
             for (start, len, parts) in self.offload_regions()? {
                 let mut region = vec![0.0f32; tensors * len];
@@ -274,10 +280,10 @@ impl<B: AutodiffBackend> Trainer<B> {
                 offload.write_state(start, region)?;
             }
         }
-        self.optimizer.set_steps(checkpoint.steps());
-        self.optimizer.set_schedule_step(checkpoint.schedule_step());
-        self.steps_done = checkpoint.steps();
-        if self.device_state.is_some() {
+        self.state.optimizer.set_steps(checkpoint.steps());
+        self.state.optimizer.set_schedule_step(checkpoint.schedule_step());
+        self.state.steps_done = checkpoint.steps();
+        if self.state.device_state.is_some() {
             self.upload_state();
         }
         Ok(())

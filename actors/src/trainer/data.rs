@@ -35,7 +35,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub(super) fn load_batch(&mut self, step: u64, rows: Range<usize>, name: &str) {
         let n = rows.len();
         // Tokens per sequence (a gpt; 1 for dense rows, which do not use it).
-        let ctx = self.desc.input.tokens_per_sample();
+        let ctx = self.stage.desc.input.tokens_per_sample();
         let rows = match &self.samples {
             Samples::Clusters(pool) => Rows::Dense(pool.batch(step, self.global_batch, rows)),
             Samples::Tokens(stream) => Rows::Tokens(stream.batch(step, self.global_batch, ctx, rows)),
@@ -52,13 +52,17 @@ impl<B: AutodiffBackend> Trainer<B> {
                 let features = b.x.len() / n.max(1);
                 let x = upload::<B, 2, Float>(
                     TensorData::new(b.x, [n, features]),
-                    &self.device,
+                    &self.stage.device,
                     TransferKind::Batch,
                 );
                 let labels: Vec<i32> = b.labels.iter().map(|&l| l as i32).collect();
                 Batch {
                     input: Activation::Rows(x),
-                    targets: upload(TensorData::new(labels, [n]), &self.device, TransferKind::Batch),
+                    targets: upload(
+                        TensorData::new(labels, [n]),
+                        &self.stage.device,
+                        TransferKind::Batch,
+                    ),
                 }
             }
             Rows::Tokens(b) => {
@@ -67,18 +71,18 @@ impl<B: AutodiffBackend> Trainer<B> {
                 Batch {
                     input: Activation::Tokens(upload(
                         TensorData::new(ids, [n, ctx]),
-                        &self.device,
+                        &self.stage.device,
                         TransferKind::Batch,
                     )),
                     targets: upload(
                         TensorData::new(targets, [n * ctx]),
-                        &self.device,
+                        &self.stage.device,
                         TransferKind::Batch,
                     ),
                 }
             }
         };
-        self.batches.insert(name.to_string(), batch);
+        self.step.batches.insert(name.to_string(), batch);
     }
 }
 

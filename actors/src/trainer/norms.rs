@@ -95,20 +95,20 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Starts this step's update once: the step counter, the schedule's rate and, when
     /// clipping, the factor from the reduced squared global norm.
     pub(super) fn begin_update(&mut self, table: &mut TensorTable) -> Result<(), String> {
-        if self.update.begun {
+        if self.state.update.begun {
             return Ok(());
         }
-        self.update.begun = true;
-        self.optimizer.begin_step();
-        if let Some(max) = self.update.clip {
+        self.state.update.begun = true;
+        self.state.optimizer.begin_step();
+        if let Some(max) = self.state.update.clip {
             let squares = table
                 .remove(GRAD_SQUARES)
                 .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
             let [total] = squares.data[..] else {
                 return Err(format!("`{GRAD_SQUARES}` holds {} values, not 1", squares.len()));
             };
-            self.optimizer.clip(total as f64, max);
-            self.update.grad_norm = Some(total.max(0.0).sqrt());
+            self.state.optimizer.clip(total as f64, max);
+            self.state.update.grad_norm = Some(total.max(0.0).sqrt());
         }
         Ok(())
     }
@@ -123,12 +123,13 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let mut sum = 0.0f64;
         for name in inputs {
-            if let Some(state) = &self.device_state {
+            if let Some(state) = &self.state.device_state {
                 let blocks = self
+                    .step
                     .grad_ranges
                     .get(name)
                     .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-                let own = self.sharding.segment(blocks.start)?.own.clone();
+                let own = self.state.sharding.segment(blocks.start)?.own.clone();
                 if let Some(squares) = state.squares(name, own) {
                     sum += squares?;
                     continue;
@@ -138,11 +139,12 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .get(name)
                 .ok_or_else(|| format!("gradient `{name}` missing"))?;
             let blocks = self
+                .step
                 .grad_ranges
                 .get(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-            let len = self.offsets[blocks.end] - self.offsets[blocks.start];
-            let own = &self.sharding.segment(blocks.start)?.own;
+            let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
+            let own = &self.state.sharding.segment(blocks.start)?.own;
             sum += sum_of_squares(bucket_or_shard(name, &grad.data, len, own)?);
         }
         let out = outputs.first().ok_or("GradNorm names no output")?;
@@ -160,18 +162,19 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         self.begin_update(table)?;
-        let mut sums = vec![0.0f64; self.optimizer.norms_len()];
+        let mut sums = vec![0.0f64; self.state.optimizer.norms_len()];
         for name in inputs.iter().filter(|n| *n != GRAD_SQUARES) {
             let grad = table
                 .get(name)
                 .ok_or_else(|| format!("gradient `{name}` missing"))?;
             let blocks = self
+                .step
                 .grad_ranges
                 .get(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-            let range = self.offsets[blocks.start]..self.offsets[blocks.end];
-            let SegmentShard { own, state, .. } = self.sharding.segment(blocks.start)?.clone();
-            if !self.sharding.zero.shards_optimizer() {
+            let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
+            let SegmentShard { own, state, .. } = self.state.sharding.segment(blocks.start)?.clone();
+            if !self.state.sharding.zero.shards_optimizer() {
                 let len = range.len();
                 if grad.len() != len {
                     return Err(format!("gradient `{name}` has {} values, not {len}", grad.len()));
@@ -182,18 +185,23 @@ impl<B: AutodiffBackend> Trainer<B> {
                     }
                     let at = range.start + piece.start..range.start + piece.end;
                     let sink = if counted { Some(&mut sums[..]) } else { None };
-                    self.optimizer
-                        .accumulate_norms(at.start, &self.master[at], &grad.data[piece], sink);
+                    self.state.optimizer.accumulate_norms(
+                        at.start,
+                        &self.state.master[at],
+                        &grad.data[piece],
+                        sink,
+                    );
                 }
                 continue;
             }
             let grads = bucket_or_shard(name, &grad.data, range.len(), &own)?;
-            let params = if self.sharding.zero.shards_parameters() {
-                &self.shard_master[state..state + own.len()]
+            let params = if self.state.sharding.zero.shards_parameters() {
+                &self.state.shard_master[state..state + own.len()]
             } else {
-                &self.master[range.start + own.start..range.start + own.end]
+                &self.state.master[range.start + own.start..range.start + own.end]
             };
-            self.optimizer
+            self.state
+                .optimizer
                 .accumulate_norms(state, params, grads, Some(&mut sums[..]));
         }
         let out = outputs.first().ok_or("TrustNorms names no output")?;
@@ -206,21 +214,21 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// LAMB: takes the reduced per-parameter norms for this step's trust ratios.
     pub(super) fn take_trust_norms(&mut self, table: &mut TensorTable) -> Result<(), String> {
-        if !self.optimizer.spec().needs_param_norms() {
+        if !self.state.optimizer.spec().needs_param_norms() {
             return Ok(());
         }
         let sums = table
             .remove(TRUST_SQUARES)
             .ok_or("LAMB's update needs the reduced parameter norms, and they are missing")?;
-        if sums.len() != self.optimizer.norms_len() {
+        if sums.len() != self.state.optimizer.norms_len() {
             return Err(format!(
                 "`{TRUST_SQUARES}` holds {} values; this stage's {} parameters need {}",
                 sums.len(),
-                self.optimizer.norms_len() / 2,
-                self.optimizer.norms_len()
+                self.state.optimizer.norms_len() / 2,
+                self.state.optimizer.norms_len()
             ));
         }
-        self.optimizer.set_norms(&sums.data);
+        self.state.optimizer.set_norms(&sums.data);
         Ok(())
     }
 }

@@ -19,7 +19,8 @@ const SPARE_BUFFERS: usize = 2;
 
 impl<B: AutodiffBackend> Trainer<B> {
     fn offload_actor(&self) -> Result<&OffloadActor, String> {
-        self.offload
+        self.state
+            .offload
             .as_ref()
             .ok_or_else(|| "this actor has no offload actor (the plan has no --offload)".to_string())
     }
@@ -27,28 +28,28 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Hands the reduced bucket `name` (or this replica's shard of it) to the offload actor.
     pub(super) fn offload_grads(&mut self, name: &str, table: &mut TensorTable) -> Result<(), String> {
         let (grad, blocks) = self.take_bucket(name, table)?;
-        let len = self.offsets[blocks.end] - self.offsets[blocks.start];
-        let range = self.sharding.optimizer_range(blocks.start, len)?;
+        let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
+        let range = self.state.sharding.optimizer_range(blocks.start, len)?;
         let part = bucket_or_shard(name, &grad.data, len, &range)?;
         let grads = if part.len() == grad.len() {
             grad.into_vec() // already the shard (or the whole bucket is the range): no copy
         } else {
             let shard = part.to_vec();
-            if self.spare_buffers.len() < SPARE_BUFFERS {
-                self.spare_buffers.push(grad.into_vec());
+            if self.step.spare_buffers.len() < SPARE_BUFFERS {
+                self.step.spare_buffers.push(grad.into_vec());
             }
             shard
         };
-        let return_params = !self.offload_params;
-        let t = self.steps_done + 1;
+        let return_params = !self.state.offload_params;
+        let t = self.state.steps_done + 1;
         let step = crate::optim::StepContext {
             t,
-            lr: self.optimizer.next_lr(),
+            lr: self.state.optimizer.next_lr(),
             grad_scale: 1.0, // clipping is refused with offload (the plan's check)
         };
         self.offload_actor()?
             .update(step, blocks.start, grads, return_params)?;
-        self.handed_off.push(blocks.start);
+        self.state.handed_off.push(blocks.start);
         Ok(())
     }
 
@@ -58,22 +59,22 @@ impl<B: AutodiffBackend> Trainer<B> {
         outputs: &[String],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let mut starts: Vec<usize> = self.sharding.segments.keys().copied().collect();
+        let mut starts: Vec<usize> = self.state.sharding.segments.keys().copied().collect();
         starts.sort_unstable();
-        if self.handed_off.len() != starts.len() {
+        if self.state.handed_off.len() != starts.len() {
             return Err(format!(
                 "the optimizer step found {} of this actor's {} gradient buckets handed to the offload actor",
-                self.handed_off.len(),
+                self.state.handed_off.len(),
                 starts.len()
             ));
         }
-        for _ in 0..std::mem::take(&mut self.handed_off).len() {
+        for _ in 0..std::mem::take(&mut self.state.handed_off).len() {
             let (start, params) = self.offload_actor()?.next_updated()?;
-            let SegmentShard { end, own, state } = self.sharding.segment(start)?.clone();
-            let range = self.offsets[start]..self.offsets[end];
-            match self.sharding.zero {
+            let SegmentShard { end, own, state } = self.state.sharding.segment(start)?.clone();
+            let range = self.stage.offsets[start]..self.stage.offsets[end];
+            match self.state.sharding.zero {
                 ZeroStage::Replicated => {
-                    self.master[range].copy_from_slice(&params);
+                    self.state.master[range].copy_from_slice(&params);
                     self.reload(start..end)?;
                 }
                 ZeroStage::ShardedOptimizer | ZeroStage::ShardedGradients => {
@@ -88,14 +89,15 @@ impl<B: AutodiffBackend> Trainer<B> {
                     })?;
                     table.insert(out.clone(), HostTensor::flat(gathered));
                 }
-                _ if self.offload_params => {}
-                _ => self.shard_master[state..state + own.len()].copy_from_slice(&params),
+                _ if self.state.offload_params => {}
+                _ => self.state.shard_master[state..state + own.len()].copy_from_slice(&params),
             }
         }
-        self.steps_done += 1;
+        self.state.steps_done += 1;
         // The update ran on the offload actor; the schedule's position is kept here.
-        self.optimizer
-            .set_schedule_step(self.optimizer.schedule_step() + 1);
+        self.state
+            .optimizer
+            .set_schedule_step(self.state.optimizer.schedule_step() + 1);
         Ok(())
     }
 }

@@ -21,8 +21,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             .remove(name)
             .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
         match t.shape.len() {
-            2 => Ok(Activation::Rows(into_burn::<B, 2>(t, &self.device))),
-            3 => Ok(Activation::Seq(into_burn::<B, 3>(t, &self.device))),
+            2 => Ok(Activation::Rows(into_burn::<B, 2>(t, &self.stage.device))),
+            3 => Ok(Activation::Seq(into_burn::<B, 3>(t, &self.stage.device))),
             r => Err(format!("`{name}` has rank {r}; activations have rank 2 or 3")),
         }
     }
@@ -52,10 +52,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         output: &str,
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let x = if let Some(batch) = self.batches.get(input) {
+        let x = if let Some(batch) = self.step.batches.get(input) {
             batch.input.clone()
-        } else if let Some(key) = self.by_name.get(input) {
-            self.segments[key].output.leaf()
+        } else if let Some(key) = self.step.by_name.get(input) {
+            self.step.segments[key].output.leaf()
         } else {
             self.import(input, table)?.leaf()
         };
@@ -66,7 +66,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             (y, copies)
         };
         let key = (blocks.start, mb);
-        self.segments.insert(
+        self.step.segments.insert(
             key,
             Segment {
                 input: x,
@@ -76,10 +76,10 @@ impl<B: AutodiffBackend> Trainer<B> {
                 batch: None,
             },
         );
-        self.by_name.insert(output.to_string(), key);
+        self.step.by_name.insert(output.to_string(), key);
         let chunk = (self.chunk_of(blocks.start), mb);
-        *self.live.entry(chunk).or_default() += 1;
-        self.peak_live = self.peak_live.max(self.live.len());
+        *self.step.live.entry(chunk).or_default() += 1;
+        self.step.peak_live = self.step.peak_live.max(self.step.live.len());
         Ok(())
     }
 
@@ -93,30 +93,32 @@ impl<B: AutodiffBackend> Trainer<B> {
             Activation::Tokens(_) => return Err("the model's last block must output logits".into()),
         };
         let targets = self
+            .step
             .batches
             .get(batch)
             .ok_or_else(|| format!("batch `{batch}` is not loaded"))?
             .targets
             .clone();
         let [n, _] = logits.dims();
-        let per_global_sample = 1.0 / (self.global_batch * self.desc.input.tokens_per_sample()) as f32;
+        let per_global_sample = 1.0 / (self.global_batch * self.stage.desc.input.tokens_per_sample()) as f32;
         let picked = log_softmax(logits, 1).gather(1, targets.reshape([n, 1]));
         Ok(picked.sum().neg().mul_scalar(per_global_sample))
     }
 
     pub(super) fn compute_loss(&mut self, logits: &str, batch: &str, loss: &str) -> Result<(), String> {
         let key = *self
+            .step
             .by_name
             .get(logits)
             .ok_or_else(|| format!("no segment produced `{logits}`"))?;
-        let value = self.loss_of(&self.segments[&key].output, batch)?;
+        let value = self.loss_of(&self.step.segments[&key].output, batch)?;
         let scalar = download(value, TransferKind::Scalar)
             .convert::<f32>()
             .as_slice::<f32>()
             .map_err(|e| format!("the loss: {e:?}"))?[0];
-        *self.loss_sum.get_or_insert(0.0) += scalar;
-        self.segments.get_mut(&key).expect("segment").batch = Some(batch.to_string());
-        self.losses.insert(loss.to_string(), key);
+        *self.step.loss_sum.get_or_insert(0.0) += scalar;
+        self.step.segments.get_mut(&key).expect("segment").batch = Some(batch.to_string());
+        self.step.losses.insert(loss.to_string(), key);
         Ok(())
     }
 
@@ -130,20 +132,21 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(B::Gradients, Segment<B>), String> {
         let mut segment = self
+            .step
             .segments
             .remove(&(blocks.start, mb))
             .ok_or("backward of a segment that did not run forward")?;
         if segment.checkpointed {
             (segment.output, segment.copies) = self.run_blocks(blocks.clone(), segment.input.clone())?;
         }
-        let grads = if let Some(key) = self.losses.remove(upstream) {
+        let grads = if let Some(key) = self.step.losses.remove(upstream) {
             if key != (blocks.start, mb) {
                 return Err(format!("`{upstream}` is not the loss of this segment"));
             }
             let batch = segment.batch.clone().ok_or("no loss computed for this segment")?;
             self.loss_of(&segment.output, &batch)?.backward()
         } else {
-            let g = match self.upstream.remove(upstream) {
+            let g = match self.step.upstream.remove(upstream) {
                 Some(g) => g,
                 None => self.import(upstream, table)?,
             };
@@ -162,19 +165,24 @@ impl<B: AutodiffBackend> Trainer<B> {
         grad_name: &str,
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let range = self.offsets[blocks.start]..self.offsets[blocks.end];
-        let first = self.grads_started.insert(grad_name.to_string());
-        if let Some(state) = &mut self.device_state {
+        let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
+        let first = self.step.grads_started.insert(grad_name.to_string());
+        if let Some(state) = &mut self.state.device_state {
             // The bucket stays on the device (summed there over micro-batches).
             let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
             state.add_grads(grad_name, parts, first);
-            self.grad_ranges.insert(grad_name.to_string(), blocks);
-            self.peak_grad_bytes = self.peak_grad_bytes.max(4 * range.len() as u64);
+            self.step.grad_ranges.insert(grad_name.to_string(), blocks);
+            self.step.peak_grad_bytes = self.step.peak_grad_bytes.max(4 * range.len() as u64);
             return Ok(());
         }
         let mut flat = if first {
-            match self.spare_buffers.iter().position(|b| b.len() == range.len()) {
-                Some(i) => self.spare_buffers.swap_remove(i),
+            match self
+                .step
+                .spare_buffers
+                .iter()
+                .position(|b| b.len() == range.len())
+            {
+                Some(i) => self.step.spare_buffers.swap_remove(i),
                 None => vec![0.0f32; range.len()],
             }
         } else {
@@ -190,23 +198,24 @@ impl<B: AutodiffBackend> Trainer<B> {
             fault.on_bucket(grad_name, &mut flat);
         }
         table.insert(grad_name.to_string(), HostTensor::flat(flat));
-        self.grad_ranges.insert(grad_name.to_string(), blocks);
+        self.step.grad_ranges.insert(grad_name.to_string(), blocks);
         let held: u64 = self
+            .step
             .grad_ranges
             .keys()
             .filter_map(|n| table.get(n).map(HostTensor::bytes))
             .sum();
-        let spare: u64 = self.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
-        self.peak_grad_bytes = self.peak_grad_bytes.max(held + spare);
+        let spare: u64 = self.step.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
+        self.step.peak_grad_bytes = self.step.peak_grad_bytes.max(held + spare);
         Ok(())
     }
 
     pub(super) fn release(&mut self, start: usize, mb: usize) {
         let key = (self.chunk_of(start), mb);
-        if let Some(n) = self.live.get_mut(&key) {
+        if let Some(n) = self.step.live.get_mut(&key) {
             *n -= 1;
             if *n == 0 {
-                self.live.remove(&key);
+                self.step.live.remove(&key);
             }
         }
     }
@@ -240,7 +249,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .input
                 .take_grad(grads)
                 .ok_or("the segment input has no gradient")?;
-            self.upstream.insert(name.clone(), g);
+            self.step.upstream.insert(name.clone(), g);
         }
         Ok(())
     }
@@ -255,7 +264,8 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
         self.keep_input_grad(&segment, &mut grads, outputs.first())?;
-        self.pending_weights
+        self.step
+            .pending_weights
             .insert((blocks.start, mb), (grads, segment.copies));
         Ok(())
     }
@@ -268,6 +278,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let (mut grads, copies) = self
+            .step
             .pending_weights
             .remove(&(blocks.start, mb))
             .ok_or("BackwardWeight before its BackwardInput")?;

@@ -140,6 +140,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             .remove(name)
             .ok_or_else(|| format!("gradient `{name}` missing"))?;
         let blocks = self
+            .step
             .grad_ranges
             .remove(name)
             .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
@@ -153,7 +154,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         self.begin_update(table)?;
-        if self.device_state.is_some() {
+        if self.state.device_state.is_some() {
             return self.optimizer_step_on_device(inputs, table);
         }
         self.take_trust_norms(table)?;
@@ -165,39 +166,44 @@ impl<B: AutodiffBackend> Trainer<B> {
             if let Some(fault) = &mut self.fault {
                 grad = fault.on_update(name, grad);
             }
-            let range = self.offsets[blocks.start]..self.offsets[blocks.end];
-            if !self.sharding.zero.shards_optimizer() {
-                self.optimizer
-                    .update(range.start, &mut self.master[range.clone()], &grad.data);
+            let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
+            if !self.state.sharding.zero.shards_optimizer() {
+                self.state
+                    .optimizer
+                    .update(range.start, &mut self.state.master[range.clone()], &grad.data);
                 self.reload(blocks.clone())?;
             } else {
                 // ZeRO: update only this replica's shard; the all-gather brings the others.
                 let SegmentShard {
                     own: shard, state, ..
-                } = self.sharding.segment(blocks.start)?.clone();
+                } = self.state.sharding.segment(blocks.start)?.clone();
                 let own = range.start + shard.start..range.start + shard.end;
                 let grads = bucket_or_shard(name, &grad.data, range.len(), &shard)?;
                 let shifted = self.fault.as_ref().and_then(|f| f.shard_gradient(grads));
                 let grads = shifted.as_deref().unwrap_or(grads);
-                if self.sharding.zero.shards_parameters() {
+                if self.state.sharding.zero.shards_parameters() {
                     // The master copy is the shard itself; it stays sharded until the next gather.
                     let at = state..state + shard.len();
-                    self.optimizer.update(state, &mut self.shard_master[at], grads);
-                    self.optimizer_grad_bytes += grad.bytes();
+                    self.state
+                        .optimizer
+                        .update(state, &mut self.state.shard_master[at], grads);
+                    self.step.optimizer_grad_bytes += grad.bytes();
                     continue;
                 }
-                self.optimizer.update(state, &mut self.master[own.clone()], grads);
+                self.state
+                    .optimizer
+                    .update(state, &mut self.state.master[own.clone()], grads);
                 let mut gathered = self.gather_buffer(range.len());
-                gathered[shard].copy_from_slice(&self.master[own]);
+                gathered[shard].copy_from_slice(&self.state.master[own]);
                 let out = outputs
                     .get(k)
                     .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
                 table.insert(out.clone(), HostTensor::flat(gathered));
             }
-            self.optimizer_grad_bytes += grad.bytes();
+            self.step.optimizer_grad_bytes += grad.bytes();
             if grad.len() == range.len() {
                 // Whole buckets are reused by the next backward; ZeRO-2 shards are not.
-                self.spare_buffers.push(grad.into_vec());
+                self.step.spare_buffers.push(grad.into_vec());
             }
         }
         Ok(())
@@ -210,17 +216,18 @@ impl<B: AutodiffBackend> Trainer<B> {
         output: &str,
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let len = self.offsets[blocks.end] - self.offsets[blocks.start];
-        let SegmentShard { own, state, .. } = self.sharding.segment(blocks.start)?.clone();
+        let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
+        let SegmentShard { own, state, .. } = self.state.sharding.segment(blocks.start)?.clone();
         let mut full = self.gather_buffer(len);
-        if self.offload_params {
+        if self.state.offload_params {
             let offload = self
+                .state
                 .offload
                 .as_ref()
                 .ok_or("parameters offloaded without an offload actor")?;
             full = offload.read_params(blocks.start, full, own)?;
         } else {
-            full[own.clone()].copy_from_slice(&self.shard_master[state..state + own.len()]);
+            full[own.clone()].copy_from_slice(&self.state.shard_master[state..state + own.len()]);
         }
         table.insert(output.to_string(), HostTensor::flat(full));
         Ok(())
@@ -230,27 +237,27 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// every shard but the own one, so a reused buffer needs no clearing (fresh buffers of this
     /// size page-fault on every use).
     pub(super) fn gather_buffer(&mut self, len: usize) -> Vec<f32> {
-        match self.gather_pool.iter().position(|b| b.len() == len) {
-            Some(i) => self.gather_pool.swap_remove(i),
+        match self.state.gather_pool.iter().position(|b| b.len() == len) {
+            Some(i) => self.state.gather_pool.swap_remove(i),
             None => vec![0.0f32; len],
         }
     }
 
     /// ZeRO-3: builds the modules of `blocks` from their gathered parameters.
     pub(super) fn materialize(&mut self, blocks: Range<usize>, params: &[f32]) -> Result<(), String> {
-        let base = self.offsets[blocks.start];
+        let base = self.stage.offsets[blocks.start];
         for index in blocks {
-            if !self.held_blocks[index] {
+            if !self.stage.held_blocks[index] {
                 return Err(format!("block {index} is not held by this actor"));
             }
             let ctx = BuildContext {
-                seed: self.seed,
-                actor: self.actor,
+                seed: self.stage.seed,
+                actor: self.stage.actor,
                 block: index,
             };
-            let block = self.builder.build_block(&ctx, &self.device);
-            let at = self.offsets[index] - base..self.offsets[index + 1] - base;
-            self.blocks[index] = Some(block.load_params(&params[at], self.batched_transfers));
+            let block = self.stage.builder.build_block(&ctx, &self.stage.device);
+            let at = self.stage.offsets[index] - base..self.stage.offsets[index + 1] - base;
+            self.stage.blocks[index] = Some(block.load_params(&params[at], self.batched_transfers));
         }
         Ok(())
     }
@@ -266,7 +273,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let params = table
             .remove(name)
             .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
-        let range = self.offsets[blocks.start]..self.offsets[blocks.end];
+        let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
         if params.len() != range.len() {
             return Err(format!(
                 "`{name}` has {} values, blocks {}..{} have {}",
@@ -276,14 +283,14 @@ impl<B: AutodiffBackend> Trainer<B> {
                 range.len()
             ));
         }
-        if self.sharding.zero.shards_parameters() {
+        if self.state.sharding.zero.shards_parameters() {
             self.materialize(blocks, &params.data)?;
         } else {
-            self.master[range].copy_from_slice(&params.data);
+            self.state.master[range].copy_from_slice(&params.data);
             self.reload(blocks)?;
         }
-        if self.gather_pool.len() < 2 {
-            self.gather_pool.push(params.into_vec());
+        if self.state.gather_pool.len() < 2 {
+            self.state.gather_pool.push(params.into_vec());
         }
         Ok(())
     }
@@ -291,20 +298,20 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// ZeRO-3: the sums of squares of this replica's shard of each segment, by block.
     pub(super) fn shard_squares(&self) -> Vec<(usize, f64)> {
         let fetched;
-        let shards = match &self.offload {
-            Some(offload) if self.offload_params => {
+        let shards = match &self.state.offload {
+            Some(offload) if self.state.offload_params => {
                 fetched = self.fetch_shards(offload).unwrap_or_else(|e| {
-                    tracing::error!(actor = self.actor, "offloaded parameters unreadable: {e}");
-                    vec![f32::NAN; self.sharding.state_len()]
+                    tracing::error!(actor = self.stage.actor, "offloaded parameters unreadable: {e}");
+                    vec![f32::NAN; self.state.sharding.state_len()]
                 });
                 &fetched[..]
             }
-            _ => &self.shard_master[..],
+            _ => &self.state.shard_master[..],
         };
-        (0..self.blocks.len())
-            .filter(|&i| self.held_blocks[i])
+        (0..self.stage.blocks.len())
+            .filter(|&i| self.stage.held_blocks[i])
             .filter_map(|i| {
-                let (_, at) = self.sharding.owned_part(i, &self.offsets)?;
+                let (_, at) = self.state.sharding.owned_part(i, &self.stage.offsets)?;
                 Some((i, shards[at].iter().map(|&x| (x as f64) * (x as f64)).sum()))
             })
             .collect()
@@ -313,8 +320,8 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// `--offload-params`: this replica's shards of every segment, read back from the offload
     /// actor and concatenated as the shard master would hold them.
     fn fetch_shards(&self, offload: &crate::offload::OffloadActor) -> Result<Vec<f32>, String> {
-        let mut shards = vec![0.0f32; self.sharding.state_len()];
-        for (&start, shard) in &self.sharding.segments {
+        let mut shards = vec![0.0f32; self.state.sharding.state_len()];
+        for (&start, shard) in &self.state.sharding.segments {
             let len = shard.own.len();
             let params = offload.read_params(start, vec![0.0; len], 0..len)?;
             shards[shard.state..shard.state + len].copy_from_slice(&params);
@@ -326,25 +333,29 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// collective and moved back onto it) updates its segment there, and the segment's modules
     /// take their parameters as slices of the new master tensor.
     fn optimizer_step_on_device(&mut self, inputs: &[String], table: &mut TensorTable) -> Result<(), String> {
-        let ctx = self.optimizer.context();
-        let state = self.device_state.as_mut().ok_or("no device state")?;
+        let ctx = self.state.optimizer.context();
+        let state = self.state.device_state.as_mut().ok_or("no device state")?;
         // The norms were read by begin_update.
-        for name in inputs.iter().filter(|n| *n != GRAD_SQUARES && *n != TRUST_SQUARES) {
+        for name in inputs
+            .iter()
+            .filter(|n| *n != GRAD_SQUARES && *n != TRUST_SQUARES)
+        {
             let blocks = self
+                .step
                 .grad_ranges
                 .remove(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let reduced = table.remove(name).map(HostTensor::into_vec);
-            let grad = state.bucket(name, reduced, &self.device)?;
-            self.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
+            let grad = state.bucket(name, reduced, &self.stage.device)?;
+            self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
             let master = state.update(blocks.start, grad, &ctx)?;
-            let base = self.offsets[blocks.start];
+            let base = self.stage.offsets[blocks.start];
             for index in blocks {
-                let block = self.blocks[index]
+                let block = self.stage.blocks[index]
                     .take()
                     .ok_or_else(|| format!("block {index} is not held by this actor"))?;
-                let at = self.offsets[index] - base..self.offsets[index + 1] - base;
-                self.blocks[index] = Some(block.load_params_from(master.clone().slice([at])));
+                let at = self.stage.offsets[index] - base..self.stage.offsets[index + 1] - base;
+                self.stage.blocks[index] = Some(block.load_params_from(master.clone().slice([at])));
             }
         }
         Ok(())
@@ -353,11 +364,11 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Loads the master parameters of `blocks` into their modules.
     pub(super) fn reload(&mut self, blocks: Range<usize>) -> Result<(), String> {
         for index in blocks {
-            let block = self.blocks[index]
+            let block = self.stage.blocks[index]
                 .take()
                 .ok_or_else(|| format!("block {index} is not held by this actor"))?;
-            let params = &self.master[self.offsets[index]..self.offsets[index + 1]];
-            self.blocks[index] = Some(block.load_params(params, self.batched_transfers));
+            let params = &self.state.master[self.stage.offsets[index]..self.stage.offsets[index + 1]];
+            self.stage.blocks[index] = Some(block.load_params(params, self.batched_transfers));
         }
         Ok(())
     }

@@ -1,0 +1,132 @@
+//! The parts of a trainer, one job each: the blocks an actor holds ([`HeldStage`]), the tensors
+//! of the step in flight ([`InFlight`], emptied at the end of every step) and the training state
+//! that outlives steps ([`TrainingState`]: master parameters, optimizer, ZeRO shards, offload,
+//! the state on the device).
+
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+use std::sync::Arc;
+
+use burn::tensor::backend::AutodiffBackend;
+
+use archipelago_dataflow::{ActorId, ModelDesc, ParamDesc};
+
+use super::data::Batch;
+use super::device_state::DeviceState;
+use super::norms::UpdateState;
+use super::{BlockCopies, Segment, Sharding};
+use crate::block::{Activation, Block};
+use crate::offload::OffloadActor;
+use crate::optim::FlatOptimizer;
+use crate::zoo::ModelBuilder;
+
+/// The blocks an actor holds, on its device, and how to build them again (ZeRO-3).
+pub(super) struct HeldStage<B: AutodiffBackend> {
+    pub(super) device: B::Device,
+    pub(super) desc: ModelDesc,
+    /// The modules of the held blocks (`None` for other blocks, and under ZeRO-3 between a
+    /// segment's drop and its next gather).
+    pub(super) blocks: Vec<Option<Box<dyn Block<B>>>>,
+    /// `offsets[i]..offsets[i + 1]`: block `i` in the local master vector (empty when not held).
+    pub(super) offsets: Vec<usize>,
+    /// First block of each chunk held, for counting micro-batches in flight per chunk.
+    pub(super) chunk_starts: Vec<usize>,
+    /// Which blocks this actor holds (under ZeRO-3 their modules come and go).
+    pub(super) held_blocks: Vec<bool>,
+    /// Each held block's parameters, described one by one (the model's descriptions, or ones
+    /// made from the built module for a model that gives only counts); empty for other blocks.
+    pub(super) param_descs: Vec<Vec<ParamDesc>>,
+    pub(super) builder: Arc<dyn ModelBuilder<B>>,
+    pub(super) seed: u64,
+    pub(super) actor: ActorId,
+}
+
+/// The tensors of the step in flight: batches, segment forwards kept for their backward, losses,
+/// upstream gradients, gradient buckets being filled, and the step's memory figures.
+pub(super) struct InFlight<B: AutodiffBackend> {
+    pub(super) batches: HashMap<String, Batch<B>>,
+    pub(super) segments: HashMap<(usize, usize), Segment<B>>,
+    pub(super) by_name: HashMap<String, (usize, usize)>,
+    pub(super) losses: HashMap<String, (usize, usize)>,
+    pub(super) loss_sum: Option<f32>,
+    pub(super) upstream: HashMap<String, Activation<B>>,
+    /// ZB-H1: weight gradients computed by `BackwardInput` (with the block copies they belong
+    /// to), waiting for `BackwardWeight`.
+    pub(super) pending_weights: HashMap<(usize, usize), (B::Gradients, BlockCopies<B>)>,
+    pub(super) grad_ranges: HashMap<String, Range<usize>>,
+    pub(super) grads_started: HashSet<String>,
+    pub(super) peak_grad_bytes: u64,
+    pub(super) optimizer_grad_bytes: u64,
+    pub(super) live: HashMap<(usize, usize), usize>,
+    pub(super) peak_live: usize,
+    /// Gradient bucket buffers kept from the last step (no fresh allocation per step).
+    pub(super) spare_buffers: Vec<Vec<f32>>,
+}
+
+impl<B: AutodiffBackend> Default for InFlight<B> {
+    fn default() -> Self {
+        InFlight {
+            batches: HashMap::new(),
+            segments: HashMap::new(),
+            by_name: HashMap::new(),
+            losses: HashMap::new(),
+            loss_sum: None,
+            upstream: HashMap::new(),
+            pending_weights: HashMap::new(),
+            grad_ranges: HashMap::new(),
+            grads_started: HashSet::new(),
+            peak_grad_bytes: 0,
+            optimizer_grad_bytes: 0,
+            live: HashMap::new(),
+            peak_live: 0,
+            spare_buffers: Vec::new(),
+        }
+    }
+}
+
+impl<B: AutodiffBackend> InFlight<B> {
+    /// Drops what the step held (the spare buffers and the figures stay for the report).
+    pub(super) fn clear(&mut self) {
+        self.batches.clear();
+        self.segments.clear();
+        self.by_name.clear();
+        self.losses.clear();
+        self.upstream.clear();
+        self.pending_weights.clear();
+        self.grads_started.clear();
+        self.live.clear();
+    }
+}
+
+/// What outlives a step: the master parameters and optimizer, the ZeRO shards, the offload
+/// actor, and the state on the device (`--state device`).
+pub(super) struct TrainingState<B: AutodiffBackend> {
+    /// f32 master parameters of the held blocks, flat in block order (host copies when the
+    /// state lives on the device).
+    pub(super) master: Vec<f32>,
+    pub(super) optimizer: FlatOptimizer,
+    /// Clipping, and the optimizer step in flight.
+    pub(super) update: UpdateState,
+    /// ZeRO sharding over the dp group (the plan's).
+    pub(super) sharding: Sharding,
+    /// ZeRO-3: this replica's shards of the segments' parameters, concatenated (the master copy).
+    pub(super) shard_master: Vec<f32>,
+    /// ZeRO-3: full-segment buffers kept for the next gathers.
+    pub(super) gather_pool: Vec<Vec<f32>>,
+    /// The offload actor holding the master shard and optimizer state (with `--offload`).
+    pub(super) offload: Option<OffloadActor>,
+    /// ZeRO-3 with `--offload-params`: the parameter shards live with the offload actor too.
+    pub(super) offload_params: bool,
+    /// Segments (by first block) handed to the offload actor this step, in order.
+    pub(super) handed_off: Vec<usize>,
+    /// Optimizer steps taken (the offload actor's Adam step counter is this + 1).
+    pub(super) steps_done: i32,
+    /// `--state device`: the master parameters, optimizer state and gradient buckets on the
+    /// device (authoritative; `master` and the optimizer's moments are then host copies brought
+    /// up to date by `Computation::sync_host`).
+    pub(super) device_state: Option<DeviceState<B::InnerBackend>>,
+    /// This actor's segments (first block, one past the last).
+    pub(super) segment_ranges: Vec<(usize, usize)>,
+    /// Update the device state with tensor ops even where its buffers are host memory (CPU).
+    pub(super) tensor_op_update: bool,
+}
