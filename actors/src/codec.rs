@@ -4,8 +4,10 @@
 //!
 //! Input from the network is hostile: [`decode`] refuses a payload over [`MAX_MESSAGE_BYTES`]
 //! before looking at it, and bincode's own limit bounds what a length prefix inside it may make
-//! it allocate. Tensor payloads never pass through here (they travel as raw bytes behind a
-//! header on the fabric).
+//! it allocate: that limit follows the input's size (16 times its size tier, up to the frame
+//! limit), so a short message announcing a long string is refused before the string is
+//! reserved. Tensor payloads never pass through here (they travel as raw
+//! bytes behind a header on the fabric).
 //!
 //! ```
 //! use archipelago_actors::codec;
@@ -126,9 +128,63 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
 }
 
 fn decode_unchecked<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+    // bincode counts against its limit the in-memory size of every value it decodes (a u64 is
+    // 8 bytes, be its varint 1 byte long; a string its length), so a well-formed input claims at
+    // most 16 times its own size (a u128). A limit of 16 times the input's size tier costs valid
+    // input nothing and refuses a length prefix that announces more before allocating it: a
+    // 2 KB message cannot make the decoder reserve 60 MiB.
+    use bincode::config::standard;
+    match bytes.len() {
+        0..=4096 => decode_with(bytes, standard().with_limit::<65536>()),
+        4097..=65536 => decode_with(bytes, standard().with_limit::<1048576>()),
+        65537..=1048576 => decode_with(bytes, standard().with_limit::<16777216>()),
+        _ => decode_with(bytes, config()),
+    }
+}
+
+fn decode_with<T: DeserializeOwned>(
+    bytes: &[u8],
+    config: impl bincode::config::Config,
+) -> Result<T, CodecError> {
+    let ty = std::any::type_name::<T>();
+    let (value, used) = bincode::serde::decode_from_slice(bytes, config).map_err(|e| CodecError::Decode {
+        ty,
+        bytes: bytes.len(),
+        reason: e.to_string(),
+    })?;
+    if used != bytes.len() {
+        return Err(CodecError::Trailing {
+            ty,
+            bytes: bytes.len(),
+            left: bytes.len() - used,
+        });
+    }
+    Ok(value)
+}
+
+/// Decodes a frame body that must fill `bytes` exactly, borrowing its strings and byte
+/// buffers from `bytes` instead of allocating them (the actor port's calls and replies).
+pub fn decode_frame_borrowed<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
+    if bytes.len() > MAX_FRAME_BYTES {
+        return Err(CodecError::TooLarge { bytes: bytes.len() });
+    }
+    // What it may allocate (an error's strings) is bounded as in `decode_unchecked`.
+    use bincode::config::standard;
+    match bytes.len() {
+        0..=4096 => decode_borrowed_with(bytes, standard().with_limit::<65536>()),
+        4097..=65536 => decode_borrowed_with(bytes, standard().with_limit::<1048576>()),
+        65537..=1048576 => decode_borrowed_with(bytes, standard().with_limit::<16777216>()),
+        _ => decode_borrowed_with(bytes, config()),
+    }
+}
+
+fn decode_borrowed_with<'a, T: serde::Deserialize<'a>>(
+    bytes: &'a [u8],
+    config: impl bincode::config::Config,
+) -> Result<T, CodecError> {
     let ty = std::any::type_name::<T>();
     let (value, used) =
-        bincode::serde::decode_from_slice(bytes, config()).map_err(|e| CodecError::Decode {
+        bincode::serde::borrow_decode_from_slice(bytes, config).map_err(|e| CodecError::Decode {
             ty,
             bytes: bytes.len(),
             reason: e.to_string(),
@@ -173,6 +229,18 @@ mod tests {
         hostile.push(0xff); // u64 varint marker
         hostile.extend_from_slice(&(1u64 << 60).to_le_bytes());
         assert!(matches!(decode::<Msg>(&hostile), Err(CodecError::Decode { .. })));
+        // A byte buffer announcing more than the input holds is refused (before allocating),
+        // at every size tier; one that fits decodes.
+        for len in [10usize, 5000, 70_000, 2 << 20, 20 << 20] {
+            let fits = encode(&vec![1u8; len]).unwrap();
+            assert_eq!(decode::<Vec<u8>>(&fits).unwrap().len(), len);
+            let mut short = fits.clone();
+            short.truncate(fits.len() - 1);
+            assert!(matches!(
+                decode::<Vec<u8>>(&short),
+                Err(CodecError::Decode { .. })
+            ));
+        }
         let too_big = vec![0u8; MAX_MESSAGE_BYTES + 1];
         assert!(matches!(
             decode::<Msg>(&too_big),
@@ -182,5 +250,43 @@ mod tests {
         trailing.push(0);
         let err = decode::<Msg>(&trailing).unwrap_err();
         assert!(err.to_string().contains("different message types"), "{err}");
+    }
+
+    /// Compiled plans (enums far larger in memory than on the wire: a `Vec<Instruction>`) of
+    /// every size tier decode: the size-tied limit must not refuse what the controller sends.
+    #[test]
+    fn compiled_plans_of_every_size_tier_round_trip() {
+        use archipelago_dataflow::passes::schedule::Schedule;
+        use archipelago_dataflow::{ModelSpec, ParallelPlan, Program, compile};
+        let mut sizes = Vec::new();
+        for (dp, pp, m) in [
+            (1, 1, 1),
+            (2, 2, 4),
+            (4, 4, 16),
+            (8, 4, 32),
+            (16, 8, 64),
+            (32, 8, 64),
+        ] {
+            let program = Program::new(ModelSpec::parse("mlp:in=8,hidden=8,layers=16,out=2").unwrap())
+                .with_plan(ParallelPlan {
+                    dp,
+                    pp,
+                    microbatches: m,
+                    batch: dp * m,
+                    schedule: Schedule::OneFOneB,
+                    bucket_bytes: 64,
+                    ..ParallelPlan::default()
+                });
+            let plan = compile(&program).unwrap();
+            let bytes = encode(&plan).unwrap();
+            sizes.push(bytes.len());
+            let back: archipelago_dataflow::Plan =
+                decode(&bytes).unwrap_or_else(|e| panic!("{} bytes: {e}", bytes.len()));
+            assert_eq!(back, plan);
+        }
+        assert!(
+            sizes.iter().any(|&n| n > 65536) && sizes.iter().any(|&n| n > 1 << 20),
+            "{sizes:?}"
+        );
     }
 }

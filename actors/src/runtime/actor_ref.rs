@@ -10,9 +10,9 @@ use tokio::sync::oneshot;
 
 use super::actor::{Actor, Handler, Message};
 use super::call::{Call, Canceller, Pending};
-use super::envelope::{Letter, Mail, ReplySink, ReplyTo};
+use super::envelope::{EncodeFn, EncodedReply, Letter, Mail, ReplyTo};
 use super::remote::HostConnection;
-use super::remote::registry::{MessageCodec, Registry};
+use super::remote::registry::{MessageCodec, Registry, RemoteReply};
 use super::supervision::{ActorEnd, ActorInfo, ActorShared, CallError};
 
 tokio::task_local! {
@@ -163,11 +163,12 @@ impl<A: Actor> ActorRef<A> {
                     Ok(encoded) => encoded,
                     Err(error) => return Call::failed(error, self.driver.clone()),
                 };
-                let (actor, decode) = (self.shared.label(), codec.decode_reply);
-                let deliver = Box::new(move |result: Result<Vec<u8>, CallError>| {
+                // The actor is named only when the reply cannot be read (not on every call).
+                let (actor, decode) = (self.shared.clone(), codec.decode_reply);
+                let deliver = Box::new(move |result: Result<&[u8], CallError>| {
                     let reply = result.and_then(|bytes| {
-                        let decoded = decode(&bytes).map_err(|e| CallError::NotRemote {
-                            actor,
+                        let decoded = decode(bytes).map_err(|e| CallError::NotRemote {
+                            actor: actor.label(),
                             message: message_type.to_string(),
                             reason: format!("its reply: {e}"),
                         })?;
@@ -191,19 +192,16 @@ impl<A: Actor> ActorRef<A> {
         Call::waiting(rx, cancel, self.shared.clone(), message_type, self.driver.clone())
     }
 
-    /// Sends `message` to this process's actor with its reply going to `sink` (called on the
-    /// actor's thread): how a host answers callers of other processes without a task per call.
-    pub(crate) fn call_into<M: Message>(
-        &self,
-        message: M,
-        sink: Box<dyn FnOnce(Result<M::Reply, CallError>) + Send>,
-        cancel: Option<Arc<AtomicBool>>,
-    ) where
+    /// Sends `message` to this process's actor with its reply encoded by `encode` and sent to
+    /// `reply` on the actor's thread: how a host answers callers of other processes without a
+    /// task (or a boxed closure) per call.
+    pub(crate) fn call_into<M: Message>(&self, message: M, reply: RemoteReply, encode: EncodeFn<M::Reply>)
+    where
         A: Handler<M>,
     {
         let message_type = super::system::short_name(std::any::type_name::<M>());
         let Port::Local(port) = &self.port else {
-            sink(Err(CallError::NotRemote {
+            reply.send(Err(CallError::NotRemote {
                 actor: self.shared.label(),
                 message: message_type.to_string(),
                 reason: "a host forwards only to actors of its own process".into(),
@@ -212,15 +210,16 @@ impl<A: Actor> ActorRef<A> {
         };
         let letter = Letter {
             message: Some(message),
-            reply: Some(ReplyTo::Sink(ReplySink::new(
-                sink,
+            reply: Some(ReplyTo::Remote(EncodedReply::new(
+                reply,
+                encode,
                 self.shared.clone(),
                 message_type,
             ))),
-            cancel,
+            cancel: None,
             seq: self.shared.sequence(),
         };
-        // A letter the mailbox refuses is dropped here, and its sink answers with the end.
+        // A letter the mailbox refuses is dropped here, and its reply answers with the end.
         let _ = port.send_message(Box::new(letter) as Mail<A>);
     }
 

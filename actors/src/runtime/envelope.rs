@@ -10,7 +10,9 @@ use tokio::sync::oneshot;
 
 use super::actor::{Handler, Message};
 use super::context::Context;
+use super::remote::registry::RemoteReply;
 use super::supervision::{ActorShared, CallError};
+use crate::codec::CodecError;
 
 /// One message in an actor's mailbox, its type erased.
 pub(crate) trait Envelope<A>: Send {
@@ -34,14 +36,14 @@ pub(crate) type Mail<A> = Box<dyn Envelope<A>>;
 /// Where a call's reply goes.
 pub(crate) type ReplyTx<R> = oneshot::Sender<Result<R, CallError>>;
 
-/// Where a call's reply goes: a waiting [`Call`](super::Call), or a sink that takes it on the
-/// actor's own thread (a host encoding the reply for a caller in another process).
+/// Where a call's reply goes: a waiting [`Call`](super::Call), or a caller in another process
+/// (the reply is encoded and queued on its connection on the actor's own thread).
 pub(crate) enum ReplyTo<R> {
     /// A local caller's future (a dropped sender tells it the actor ended).
     Channel(ReplyTx<R>),
-    /// Called with the reply — or, when the letter is dropped unanswered (the actor ended with
-    /// it queued), with the actor's end.
-    Sink(ReplySink<R>),
+    /// A remote caller — or, when the letter is dropped unanswered (the actor ended with it
+    /// queued), told the actor's end.
+    Remote(EncodedReply<R>),
 }
 
 impl<R> ReplyTo<R> {
@@ -51,39 +53,60 @@ impl<R> ReplyTo<R> {
             ReplyTo::Channel(tx) => {
                 let _ = tx.send(result);
             }
-            ReplyTo::Sink(mut sink) => {
-                if let Some(f) = sink.sink.take() {
-                    f(result);
-                }
-            }
+            ReplyTo::Remote(mut reply) => reply.send(result),
         }
+    }
+
+    /// Whether a remote caller gave up on the call.
+    fn cancelled(&self) -> bool {
+        matches!(self, ReplyTo::Remote(EncodedReply { to: Some(to), .. }) if to.cancelled())
     }
 }
 
-/// A function that takes a call's reply.
-pub(crate) type SinkFn<R> = Box<dyn FnOnce(Result<R, CallError>) + Send>;
+/// Encodes a reply.
+pub(crate) type EncodeFn<R> = fn(&R) -> Result<Vec<u8>, CodecError>;
 
-/// A reply sink that always answers: dropped without a reply, it reports the actor's end.
-pub(crate) struct ReplySink<R> {
-    sink: Option<SinkFn<R>>,
+/// A remote call's reply, encoded when it is sent; it always answers: dropped without a
+/// reply, it reports the actor's end.
+pub(crate) struct EncodedReply<R> {
+    to: Option<RemoteReply>,
+    encode: EncodeFn<R>,
     actor: Arc<ActorShared>,
     message: &'static str,
 }
 
-impl<R> ReplySink<R> {
-    pub(crate) fn new(sink: SinkFn<R>, actor: Arc<ActorShared>, message: &'static str) -> ReplySink<R> {
-        ReplySink {
-            sink: Some(sink),
+impl<R> EncodedReply<R> {
+    pub(crate) fn new(
+        to: RemoteReply,
+        encode: EncodeFn<R>,
+        actor: Arc<ActorShared>,
+        message: &'static str,
+    ) -> EncodedReply<R> {
+        EncodedReply {
+            to: Some(to),
+            encode,
             actor,
             message,
         }
     }
+
+    fn send(&mut self, result: Result<R, CallError>) {
+        let Some(to) = self.to.take() else { return };
+        let encoded = result.and_then(|reply| {
+            (self.encode)(&reply).map_err(|e| CallError::NotRemote {
+                actor: self.actor.label(),
+                message: self.message.to_string(),
+                reason: format!("its reply: {e}"),
+            })
+        });
+        to.send(encoded);
+    }
 }
 
-impl<R> Drop for ReplySink<R> {
+impl<R> Drop for EncodedReply<R> {
     fn drop(&mut self) {
-        if let Some(f) = self.sink.take() {
-            f(Err(self.actor.ended_error(self.message)));
+        if let Some(to) = self.to.take() {
+            to.send(Err(self.actor.ended_error(self.message)));
         }
     }
 }
@@ -111,6 +134,7 @@ where
 
     fn cancelled(&self) -> bool {
         self.cancel.as_ref().is_some_and(|c| c.load(Ordering::Acquire))
+            || self.reply.as_ref().is_some_and(ReplyTo::cancelled)
     }
 
     fn run<'a>(&'a mut self, actor: &'a mut A, ctx: &'a Context<A>) -> BoxFuture<'a, ()> {

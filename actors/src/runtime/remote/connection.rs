@@ -16,7 +16,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::oneshot;
 
 use super::links::unreachable;
-use super::wire::{Frame, Outgoing, read_frame_with};
+use super::wire::{Frame, FrameView, Outgoing, read_frame_bytes, view_frame};
 use crate::error::ActorFailure;
 use crate::runtime::TensorError;
 use crate::runtime::supervision::{ActorEnd, ActorShared, CallError};
@@ -48,8 +48,9 @@ impl Default for Liveness {
     }
 }
 
-/// What to do with a call's reply bytes (decode them into the caller's typed channel).
-pub(crate) type Deliver = Box<dyn FnOnce(Result<Vec<u8>, CallError>) + Send>;
+/// What to do with a call's reply bytes (decode them into the caller's typed channel; the
+/// bytes are borrowed from the connection's read buffer).
+pub(crate) type Deliver = Box<dyn FnOnce(Result<&[u8], CallError>) + Send>;
 
 struct PendingCall {
     deliver: Deliver,
@@ -162,17 +163,24 @@ impl HostConnection {
             let mut input = tokio::io::BufReader::with_capacity(READ_BUFFER, input);
             let mut scratch = Vec::new();
             let reason = loop {
-                match read_frame_with(&mut input, &mut scratch).await {
-                    Ok(Some(Frame::Refused { reason })) => break reason,
-                    Ok(Some(Frame::Tensor { request, result })) => {
+                match read_frame_bytes(&mut input, &mut scratch).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        break "its actor port closed the connection (the host process ended?)".to_string();
+                    }
+                    Err(e) => break format!("its actor port failed: {e}"),
+                }
+                match view_frame(&scratch) {
+                    Ok(FrameView::Reply { call, result }) => reader.replied(call, result),
+                    Ok(FrameView::Other(Frame::Refused { reason })) => break reason,
+                    Ok(FrameView::Other(Frame::Tensor { request, result })) => {
                         if let Err(reason) = reader.tensor_arrived(&mut input, request, result).await {
                             break reason;
                         }
                     }
-                    Ok(Some(frame)) => reader.received(frame),
-                    Ok(None) => {
-                        break "its actor port closed the connection (the host process ended?)".to_string();
-                    }
+                    Ok(FrameView::Other(frame)) => reader.received(frame),
+                    // A host sends no messages to its callers (ignored, as unknown frames are).
+                    Ok(FrameView::Deliver { .. }) => {}
                     Err(e) => break format!("its actor port failed: {e}"),
                 }
             };
@@ -209,14 +217,25 @@ impl HostConnection {
         &self.addr
     }
 
+    /// A call's reply arrived (its bytes borrowed from the read buffer).
+    fn replied(&self, call: u64, result: Result<&[u8], CallError>) {
+        let mut state = self.state.lock().expect("connection");
+        state.last_heard = Some(Instant::now());
+        if let Some(pending) = state.calls.remove(&call) {
+            drop(state);
+            (pending.deliver)(result);
+        }
+    }
+
     fn received(&self, frame: Frame) {
         let mut state = self.state.lock().expect("connection");
         state.last_heard = Some(Instant::now());
         match frame {
             Frame::Reply { call, result } => {
-                if let Some(pending) = state.calls.remove(&call) {
-                    drop(state);
-                    (pending.deliver)(result);
+                drop(state);
+                match result {
+                    Ok(bytes) => self.replied(call, Ok(&bytes)),
+                    Err(error) => self.replied(call, Err(error)),
                 }
             }
             Frame::Spawned { request, result } => {
@@ -488,12 +507,12 @@ impl HostConnection {
             },
         );
         drop(state);
-        self.send(Frame::Deliver {
-            call: Some(call),
-            actor: actor.info.id,
-            message_type: message_type.to_string(),
+        let _ = self.out.send(Outgoing::deliver(
+            Some(call),
+            actor.info.id,
+            message_type,
             payload,
-        });
+        ));
         call
     }
 
@@ -519,12 +538,9 @@ impl HostConnection {
                 &lost,
             )));
         }
-        self.send(Frame::Deliver {
-            call: None,
-            actor: actor.info.id,
-            message_type: message_type.to_string(),
-            payload,
-        });
+        let _ = self
+            .out
+            .send(Outgoing::deliver(None, actor.info.id, message_type, payload));
         Ok(())
     }
 

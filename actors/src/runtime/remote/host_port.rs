@@ -8,13 +8,13 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use archipelago_dataflow::ActorId;
-use tokio::io::{AsyncWriteExt, BufWriter};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
-use super::registry::{CancelFlag, ErasedActor, Registry, ReplySink};
-use super::wire::{Frame, Outgoing, read_frame_with, read_frame_within, write_frame, write_frame_with};
+use super::registry::{Cancels, ErasedActor, Registry, RemoteReply};
+use super::wire::{Frame, FrameView, Outgoing, read_frame_bytes, read_frame_within, view_frame, write_frame};
 
 /// The largest first frame (the token) read before the caller is known.
 const HELLO_LIMIT: usize = 4 << 10;
@@ -99,6 +99,9 @@ pub(crate) fn spawn_frame_writer(
     tx
 }
 
+/// Bytes of queued frames gathered before they are written.
+const WRITE_BATCH: usize = 64 << 10;
+
 /// Writes the frames of `rx` on `half` until the senders are gone or `closed` changes.
 pub(crate) async fn write_frames(
     half: tokio::net::tcp::OwnedWriteHalf,
@@ -108,7 +111,7 @@ pub(crate) async fn write_frames(
     let mut closed = closed;
     let mut scratch = Vec::new();
     {
-        let mut out = BufWriter::new(half);
+        let mut out = half;
         loop {
             let close = async {
                 match closed.as_mut() {
@@ -123,21 +126,35 @@ pub(crate) async fn write_frames(
                 _ = close => None,
             };
             let Some(first) = frame else { return };
+            // Every frame queued now is encoded into one buffer and written at once (one
+            // syscall per batch, not per frame); a tensor's bytes go straight after theirs.
             let mut next = Some(first);
+            scratch.clear();
             while let Some(outgoing) = next.take() {
-                if let Err(e) = write_frame_with(&mut out, &outgoing.frame, &mut scratch).await {
+                if let Err(e) = outgoing.encode_into(&mut scratch) {
                     tracing::warn!("an actor-port connection stopped writing: {e}");
                     return;
                 }
-                if let Some(payload) = &outgoing.payload
-                    && out.write_all(payload.bytes()).await.is_err()
-                {
-                    return;
+                if let Some(payload) = &outgoing.payload {
+                    if out.write_all(&scratch).await.is_err() || out.write_all(payload.bytes()).await.is_err()
+                    {
+                        return;
+                    }
+                    scratch.clear();
+                }
+                if scratch.len() >= WRITE_BATCH {
+                    if out.write_all(&scratch).await.is_err() {
+                        return;
+                    }
+                    scratch.clear();
                 }
                 next = rx.try_recv().ok();
             }
-            if out.flush().await.is_err() {
+            if out.write_all(&scratch).await.is_err() || out.flush().await.is_err() {
                 return;
+            }
+            if scratch.capacity() > 4 * WRITE_BATCH {
+                scratch = Vec::new();
             }
         }
     }
@@ -178,11 +195,47 @@ async fn serve_connection(
     let owned = Owned::default();
     // The compiled programs this caller installed: stopped when its connection ends.
     let mut programs = Programs::default();
-    let cancels: Arc<Mutex<HashMap<u64, CancelFlag>>> = Arc::default();
+    let cancels: Arc<Cancels> = Arc::default();
     loop {
-        let frame = match read_frame_with(&mut input, &mut scratch).await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => return Ok(()),
+        match read_frame_bytes(&mut input, &mut scratch).await {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(e) => return Err(e.to_string()),
+        }
+        let frame = match view_frame(&scratch) {
+            Ok(FrameView::Other(frame)) => frame,
+            Ok(FrameView::Deliver {
+                call,
+                actor,
+                message_type,
+                payload,
+            }) => {
+                let target = reachable.lock().expect("reachable actors").get(&actor).cloned();
+                // A call's reply is encoded and queued on the actor's own thread.
+                let reply = call.map(|call| RemoteReply::new(call, out.clone(), cancels.clone()));
+                let outcome = match target {
+                    Some(target) => Registry::deliver(target.as_ref(), message_type, payload, reply),
+                    None => {
+                        let error = CallError::Stopped {
+                            actor: format!("actor {actor} of host {}", runtime.host()),
+                            message: message_type.to_string(),
+                            reason: "no live actor has that id on this host".into(),
+                        };
+                        match reply {
+                            Some(reply) => {
+                                reply.send(Err(error));
+                                Ok(())
+                            }
+                            None => Err(error),
+                        }
+                    }
+                };
+                if let Err(error) = outcome {
+                    tracing::warn!("a cast was dropped: {error}");
+                }
+                continue;
+            }
+            Ok(FrameView::Reply { .. }) => return Err("a caller sent a reply".into()),
             Err(e) => return Err(e.to_string()),
         };
         match frame {
@@ -220,46 +273,6 @@ async fn serve_connection(
                         },
                     );
                 });
-            }
-            Frame::Deliver {
-                call,
-                actor,
-                message_type,
-                payload,
-            } => {
-                let target = reachable.lock().expect("reachable actors").get(&actor).cloned();
-                // A call's reply is encoded and queued on the actor's own thread.
-                // The call's cancel flag stays findable until its reply leaves.
-                let reply: Option<(ReplySink, CancelFlag)> = call.map(|call| {
-                    let (out, cancels) = (out.clone(), cancels.clone());
-                    let flag = CancelFlag::default();
-                    cancels.lock().expect("cancel flags").insert(call, flag.clone());
-                    let sink = Box::new(move |result| {
-                        cancels.lock().expect("cancel flags").remove(&call);
-                        send(&out, Frame::Reply { call, result });
-                    }) as ReplySink;
-                    (sink, flag)
-                });
-                let outcome = match target {
-                    Some(target) => Registry::deliver(target.as_ref(), &message_type, &payload, reply),
-                    None => {
-                        let error = CallError::Stopped {
-                            actor: format!("actor {actor} of host {}", runtime.host()),
-                            message: message_type.clone(),
-                            reason: "no live actor has that id on this host".into(),
-                        };
-                        match reply {
-                            Some((sink, _)) => {
-                                sink(Err(error));
-                                Ok(())
-                            }
-                            None => Err(error),
-                        }
-                    }
-                };
-                if let Err(error) = outcome {
-                    tracing::warn!("a cast was dropped: {error}");
-                }
             }
             Frame::Program {
                 program,
@@ -310,11 +323,7 @@ async fn serve_connection(
                 }
             }
             Frame::Ping => send(&out, Frame::Pong),
-            Frame::Cancel { call } => {
-                if let Some(flag) = cancels.lock().expect("cancel flags").get(&call) {
-                    flag.store(true, std::sync::atomic::Ordering::Release);
-                }
-            }
+            Frame::Cancel { call } => cancels.cancel(call),
             Frame::Stats { request } => {
                 let stats = runtime.local_actor_stats();
                 send(&out, Frame::StatsReply { request, stats });
@@ -329,7 +338,7 @@ async fn serve_connection(
                     Err(e) => (Err(e), None),
                 };
                 let frame = Frame::Tensor { request, result };
-                let _ = out.send(Outgoing { frame, payload });
+                let _ = out.send(Outgoing::with_payload(frame, payload));
             }
             other => return Err(format!("unexpected frame from a caller: {other:?}")),
         }

@@ -22,12 +22,16 @@
 //! ```
 
 use std::any::{Any, TypeId, type_name};
-use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, RwLock};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
 
 use archipelago_dataflow::DeviceSpec;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::wire::{Frame, Outgoing};
 
 use crate::codec::{self, CodecError};
 use crate::runtime::{
@@ -70,11 +74,82 @@ impl<A: Actor> ErasedActor for ActorRef<A> {
 type SpawnFn = fn(&RuntimeHandle, DeviceSpec, &[u8], SpawnOptions) -> Result<SpawnedErased, SpawnError>;
 /// A spawn in progress on a host.
 pub type SpawnedErased = Pending<Result<Arc<dyn ErasedActor>, SpawnError>>;
-/// Where a remote call's encoded reply (or its error) goes; called on the actor's thread.
-pub type ReplySink = Box<dyn FnOnce(Result<Vec<u8>, CallError>) + Send>;
-type HandleFn = fn(&dyn ErasedActor, &[u8], Option<(ReplySink, CancelFlag)>) -> Result<(), CallError>;
-/// The flag a caller's `Cancel` sets, checked before the message starts.
-pub type CancelFlag = Arc<std::sync::atomic::AtomicBool>;
+type HandleFn = fn(&dyn ErasedActor, &[u8], Option<RemoteReply>) -> Result<(), CallError>;
+
+/// Cancelled calls kept at most per connection: a `Cancel` that crossed its call's reply on
+/// the wire names a call that is already done and stays; past this bound the oldest are
+/// forgotten (a caller with more cancelled calls still queued than this would see the oldest
+/// run, their replies discarded: its futures still resolve as cancelled).
+const MAX_CANCELS: usize = 1 << 16;
+
+/// The calls of one caller's connection that the caller gave up on (its `Cancel` frames). A
+/// message looks here before it starts, and only while some cancel is pending: calls carry no
+/// state of their own for it.
+#[derive(Debug, Default)]
+pub struct Cancels {
+    pending: AtomicUsize,
+    ids: Mutex<BTreeSet<u64>>,
+}
+
+impl Cancels {
+    /// The caller gave up on call `call`.
+    pub(crate) fn cancel(&self, call: u64) {
+        let mut ids = self.ids.lock().expect("cancelled calls");
+        ids.insert(call);
+        while ids.len() > MAX_CANCELS {
+            ids.pop_first();
+        }
+        self.pending.store(ids.len(), Ordering::Release);
+    }
+
+    /// Whether the caller gave up on call `call`.
+    fn is_cancelled(&self, call: u64) -> bool {
+        self.pending.load(Ordering::Acquire) > 0 && self.ids.lock().expect("cancelled calls").contains(&call)
+    }
+
+    /// Call `call` is answered (or skipped): forget its cancel, if any.
+    fn done(&self, call: u64) {
+        if self.pending.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut ids = self.ids.lock().expect("cancelled calls");
+        if ids.remove(&call) {
+            self.pending.store(ids.len(), Ordering::Release);
+        }
+    }
+}
+
+/// Where a remote call's encoded reply (or its error) goes: back on the caller's connection
+/// as [`Frame::Reply`] to call `call`; sent from the actor's thread.
+pub struct RemoteReply {
+    call: u64,
+    out: UnboundedSender<Outgoing>,
+    cancels: Arc<Cancels>,
+}
+
+impl RemoteReply {
+    /// The reply to call `call`, queued on `out`; `cancels` are its connection's.
+    pub fn new(call: u64, out: UnboundedSender<Outgoing>, cancels: Arc<Cancels>) -> RemoteReply {
+        RemoteReply { call, out, cancels }
+    }
+
+    /// Whether the caller gave up on the call.
+    pub(crate) fn cancelled(&self) -> bool {
+        self.cancels.is_cancelled(self.call)
+    }
+
+    /// Answers the call (a closed connection drops the answer).
+    pub fn send(self, result: Result<Vec<u8>, CallError>) {
+        self.cancels.done(self.call);
+        let _ = self.out.send(
+            Frame::Reply {
+                call: self.call,
+                result,
+            }
+            .into(),
+        );
+    }
+}
 type EncodeFn = fn(&dyn Any) -> Result<Vec<u8>, CodecError>;
 type DecodeReplyFn = fn(&[u8]) -> Result<Box<dyn Any + Send>, CodecError>;
 
@@ -188,7 +263,7 @@ impl Registry {
         actor: &dyn ErasedActor,
         message_type: &str,
         payload: &[u8],
-        reply: Option<(ReplySink, CancelFlag)>,
+        reply: Option<RemoteReply>,
     ) -> Result<(), CallError> {
         let found = GLOBAL
             .read()
@@ -210,8 +285,8 @@ impl Registry {
                 ),
             };
             return match reply {
-                Some((sink, _)) => {
-                    sink(Err(error));
+                Some(reply) => {
+                    reply.send(Err(error));
                     Ok(())
                 }
                 None => Err(error),
@@ -272,7 +347,7 @@ where
 fn handle_erased<A, M>(
     actor: &dyn ErasedActor,
     payload: &[u8],
-    reply: Option<(ReplySink, CancelFlag)>,
+    reply: Option<RemoteReply>,
 ) -> Result<(), CallError>
 where
     A: Handler<M>,
@@ -298,20 +373,12 @@ where
     match (decoded, reply) {
         (Ok((typed, message)), None) => typed.cast(message),
         (Err(error), None) => Err(error),
-        (Err(error), Some((sink, _))) => {
-            sink(Err(error));
+        (Err(error), Some(reply)) => {
+            reply.send(Err(error));
             Ok(())
         }
-        (Ok((typed, message)), Some((sink, cancel))) => {
-            let target = typed.clone();
-            let encode = move |value: M::Reply| {
-                codec::encode(&value).map_err(|e| not_remote(target.info(), format!("its reply: {e}")))
-            };
-            typed.call_into(
-                message,
-                Box::new(move |result| sink(result.and_then(encode))),
-                Some(cancel),
-            );
+        (Ok((typed, message)), Some(reply)) => {
+            typed.call_into(message, reply, codec::encode::<M::Reply>);
             Ok(())
         }
     }
@@ -330,4 +397,27 @@ where
     M::Reply: DeserializeOwned,
 {
     Ok(Box::new(codec::decode::<M::Reply>(bytes)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cancel is seen by its call only, forgotten when the call is done, and cancels that
+    /// crossed their replies are kept to a bound.
+    #[test]
+    fn cancels_name_their_calls_and_stay_bounded() {
+        let cancels = Cancels::default();
+        assert!(!cancels.is_cancelled(1));
+        cancels.cancel(1);
+        assert!(cancels.is_cancelled(1) && !cancels.is_cancelled(2));
+        cancels.done(1);
+        assert!(!cancels.is_cancelled(1));
+        assert_eq!(cancels.pending.load(Ordering::Relaxed), 0);
+        for call in 0..(MAX_CANCELS as u64 + 10) {
+            cancels.cancel(call);
+        }
+        assert_eq!(cancels.pending.load(Ordering::Relaxed), MAX_CANCELS);
+        assert!(!cancels.is_cancelled(0) && cancels.is_cancelled(MAX_CANCELS as u64 + 9));
+    }
 }

@@ -14,16 +14,135 @@ use crate::typed_tensor::{DType, TypedTensor};
 
 /// A frame to write, with the raw payload that follows it (a fetched tensor's bytes).
 pub struct Outgoing {
-    /// The frame.
-    pub frame: Frame,
+    body: Body,
     /// Bytes written right after it.
     pub payload: Option<TypedTensor>,
 }
 
+/// What an [`Outgoing`] encodes.
+enum Body {
+    /// Any frame.
+    Frame(Frame),
+    /// A [`Frame::Deliver`] whose message type is a `&'static str` (no `String` per call).
+    Deliver {
+        call: Option<u64>,
+        actor: ActorId,
+        message_type: &'static str,
+        payload: Vec<u8>,
+    },
+}
+
 impl From<Frame> for Outgoing {
     fn from(frame: Frame) -> Outgoing {
-        Outgoing { frame, payload: None }
+        Outgoing {
+            body: Body::Frame(frame),
+            payload: None,
+        }
     }
+}
+
+impl Outgoing {
+    /// `frame` followed on the stream by `payload`'s raw bytes.
+    pub fn with_payload(frame: Frame, payload: Option<TypedTensor>) -> Outgoing {
+        Outgoing {
+            body: Body::Frame(frame),
+            payload,
+        }
+    }
+
+    /// A [`Frame::Deliver`], encoded on the wire exactly as that frame.
+    pub fn deliver(
+        call: Option<u64>,
+        actor: ActorId,
+        message_type: &'static str,
+        payload: Vec<u8>,
+    ) -> Outgoing {
+        Outgoing {
+            body: Body::Deliver {
+                call,
+                actor,
+                message_type,
+                payload,
+            },
+            payload: None,
+        }
+    }
+
+    /// Appends its length-prefixed frame to `out` (a writer's reused buffer).
+    pub(crate) fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), WireError> {
+        let start = out.len();
+        out.extend_from_slice(&[0; 4]);
+        let encoded = match &self.body {
+            Body::Frame(frame) => codec::encode_frame_into(frame, out),
+            Body::Deliver {
+                call,
+                actor,
+                message_type,
+                payload,
+            } => {
+                out.push(DELIVER);
+                codec::encode_frame_into(&(call, actor, message_type, &payload[..]), out)
+            }
+        };
+        if let Err(e) = encoded {
+            out.truncate(start);
+            return Err(e.into());
+        }
+        let len = (out.len() - start - 4) as u32;
+        out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+        Ok(())
+    }
+}
+
+/// The variant indices of [`Frame::Deliver`] and [`Frame::Reply`]: bincode writes an enum's
+/// variant index as a varint, one byte below 251, so a frame's first byte names these.
+const DELIVER: u8 = 3;
+const REPLY: u8 = 5;
+
+/// A frame read from a reader's buffer: calls and replies (most frames) borrow their message
+/// type and bytes from it; every other frame is decoded whole.
+#[derive(Debug, PartialEq)]
+pub enum FrameView<'a> {
+    /// A [`Frame::Deliver`].
+    Deliver {
+        /// Call number for the reply; `None` for a cast.
+        call: Option<u64>,
+        /// The actor, by its id on the host.
+        actor: ActorId,
+        /// The message's full Rust type name.
+        message_type: &'a str,
+        /// The message, encoded.
+        payload: &'a [u8],
+    },
+    /// A [`Frame::Reply`].
+    Reply {
+        /// The call answered.
+        call: u64,
+        /// The reply, encoded, or its error.
+        result: Result<&'a [u8], CallError>,
+    },
+    /// Any other frame.
+    Other(Frame),
+}
+
+/// Decodes the frame in `bytes` (a length prefix's worth), borrowing where it can.
+pub fn view_frame(bytes: &[u8]) -> Result<FrameView<'_>, WireError> {
+    Ok(match bytes.first() {
+        Some(&DELIVER) => {
+            let (call, actor, message_type, payload) = codec::decode_frame_borrowed(&bytes[1..])?;
+            FrameView::Deliver {
+                call,
+                actor,
+                message_type,
+                payload,
+            }
+        }
+        Some(&REPLY) => {
+            let (call, result) = codec::decode_frame_borrowed(&bytes[1..])?;
+            FrameView::Reply { call, result }
+        }
+        _ => FrameView::Other(codec::decode_frame(bytes)?),
+    })
 }
 
 /// Where a participant of a compiled program runs, as seen from the host given the stream.
@@ -254,10 +373,25 @@ pub async fn read_frame_with<R: AsyncReadExt + Unpin>(
     input: &mut R,
     scratch: &mut Vec<u8>,
 ) -> Result<Option<Frame>, WireError> {
+    if !read_frame_bytes(input, scratch).await? {
+        return Ok(None);
+    }
+    let frame = codec::decode_frame(scratch)?;
+    keep_small(scratch);
+    Ok(Some(frame))
+}
+
+/// Reads one frame's bytes into `scratch` (a reader's buffer, reused frame after frame; read
+/// them with [`view_frame`]); `Ok(false)` at a clean end of the stream.
+pub async fn read_frame_bytes<R: AsyncReadExt + Unpin>(
+    input: &mut R,
+    scratch: &mut Vec<u8>,
+) -> Result<bool, WireError> {
+    keep_small(scratch);
     let mut len = [0u8; 4];
     match input.read_exact(&mut len).await {
         Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
         Err(e) => return Err(e.into()),
     }
     let len = u32::from_le_bytes(len) as usize;
@@ -267,9 +401,7 @@ pub async fn read_frame_with<R: AsyncReadExt + Unpin>(
     scratch.clear();
     scratch.resize(len, 0);
     input.read_exact(scratch).await?;
-    let frame = codec::decode_frame(scratch)?;
-    keep_small(scratch);
-    Ok(Some(frame))
+    Ok(true)
 }
 
 /// Reads one frame of at most `limit` bytes (a connection's first frame, before its token is
@@ -322,6 +454,80 @@ mod tests {
             read_frame(&mut &garbage[..]).await,
             Err(WireError::Codec(_))
         ));
+    }
+
+    /// The borrowed forms of the hot frames are the same bytes as the owned frames.
+    #[test]
+    fn calls_and_replies_read_and_write_as_their_frames() {
+        let encode = |outgoing: Outgoing| {
+            let mut bytes = Vec::new();
+            outgoing.encode_into(&mut bytes).unwrap();
+            bytes
+        };
+        for call in [Some(7), None] {
+            let frame = Frame::Deliver {
+                call,
+                actor: 300,
+                message_type: "crate::Add".into(),
+                payload: vec![9; 300],
+            };
+            let owned = encode(Outgoing::from(frame.clone()));
+            assert_eq!(
+                encode(Outgoing::deliver(call, 300, "crate::Add", vec![9; 300])),
+                owned
+            );
+            assert_eq!(
+                view_frame(&owned[4..]).unwrap(),
+                FrameView::Deliver {
+                    call,
+                    actor: 300,
+                    message_type: "crate::Add",
+                    payload: &[9; 300]
+                }
+            );
+        }
+        let error = CallError::Cancelled {
+            actor: "a".into(),
+            message: "m".into(),
+        };
+        for result in [Ok(vec![1, 2, 3]), Err(error)] {
+            let owned = encode(Outgoing::from(Frame::Reply {
+                call: 1 << 40,
+                result: result.clone(),
+            }));
+            let view = view_frame(&owned[4..]).unwrap();
+            assert_eq!(
+                view,
+                FrameView::Reply {
+                    call: 1 << 40,
+                    result: result.as_ref().map(|b| &b[..]).map_err(Clone::clone)
+                }
+            );
+        }
+        let other = encode(Outgoing::from(Frame::Cancel { call: 3 }));
+        assert_eq!(
+            view_frame(&other[4..]).unwrap(),
+            FrameView::Other(Frame::Cancel { call: 3 })
+        );
+    }
+
+    /// Negative control: a body laid out in another field order is not read as the frame.
+    #[test]
+    fn a_call_in_another_layout_is_not_read_as_the_frame() {
+        let mut bytes = vec![DELIVER];
+        codec::encode_frame_into(&(300usize, Some(7u64), "crate::Add", &[9u8; 3][..]), &mut bytes).unwrap();
+        let read = view_frame(&bytes);
+        assert!(
+            !matches!(
+                read,
+                Ok(FrameView::Deliver {
+                    call: Some(7),
+                    actor: 300,
+                    ..
+                })
+            ),
+            "{read:?}"
+        );
     }
 
     proptest::proptest! {
