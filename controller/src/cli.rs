@@ -307,13 +307,16 @@ pub struct TrainArgs {
     #[arg(long, default_value = "shared")]
     pub collectives: archipelago_actors::collectives::Collectives,
     /// Serve the live dashboard (job, loss curve, timeline per actor, failures) on this address,
-    /// e.g. `127.0.0.1:8080` (port 0 picks one; the address is printed).
+    /// e.g. `127.0.0.1:8080` or just `8080` (= `127.0.0.1:8080`; port 0 picks one; the address
+    /// is printed). Any address other than loopback (`0.0.0.0:8080`, an interface's address)
+    /// needs --token-file: every request must then carry that token.
     #[arg(long)]
     pub dashboard: Option<String>,
     /// Keep serving the dashboard this many seconds after the job ends.
     #[arg(long, default_value_t = 0.0)]
     pub dashboard_linger_s: f64,
-    /// File holding the cluster token (with --controller).
+    /// File holding the cluster token (with --controller; and for a --dashboard on an address
+    /// other than loopback, whose requests must carry it).
     #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 }
@@ -420,8 +423,16 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
                 "with --controller the dashboard is the controller's: start it with `archipelago controller --dashboard ADDR`"
             );
         }
+        // Nothing listens openly: refused here, before the job, when the address needs a token.
+        crate::dashboard::access::check_bind(addr, args.token_file.is_some())?;
         let dashboard = crate::dashboard::Dashboard::new();
-        let bound = controller.serve_dashboard(addr, dashboard.clone())?;
+        if let Some(token_file) = &args.token_file {
+            dashboard.require_token(&crate::cluster::read_token(token_file)?);
+        }
+        let addr = crate::dashboard::access::bind_address(addr);
+        let bound = controller
+            .serve_dashboard(&addr, dashboard.clone())
+            .map_err(|e| anyhow::anyhow!("cannot serve the dashboard on {addr}: {e}"))?;
         dashboard.set_cluster(vec![crate::dashboard::HostView {
             name: "local".into(),
             island: "local".into(),

@@ -2,7 +2,8 @@
 //! Chromium (Debian's `chromium`, which `scripts/test.sh` — the README's test command — installs
 //! when missing; the test prints its version and never skips) loads it while the job runs and
 //! after it ends, and the DOM has one timeline lane per actor and a drawn loss curve;
-//! the server-sent events and the JSON endpoints carry the same state.
+//! the server-sent events and the JSON endpoints carry the same state. `access` (in
+//! `dashboard/access.rs`): nothing listens openly (loopback open, other addresses need the token).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -10,6 +11,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_archipelago");
+
+#[path = "dashboard/access.rs"]
+mod access;
 
 struct Proc(Child);
 

@@ -29,7 +29,9 @@ pub struct ControllerArgs {
     /// Seconds a job waits for enough devices to register.
     #[arg(long, default_value_t = 60.0)]
     pub wait_for_hosts_s: f64,
-    /// Serve the live dashboard (cluster, running job, timeline, failures) on this address.
+    /// Serve the live dashboard (cluster, running job, timeline, failures) on this address (a
+    /// bare port means 127.0.0.1:PORT); on any address but loopback every request must carry
+    /// the cluster token.
     #[arg(long)]
     pub dashboard: Option<String>,
 }
@@ -74,6 +76,10 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
     let token = read_token(&args.token_file)?;
     let dashboard = args.dashboard.as_ref().map(|_| Dashboard::new());
+    if let Some(d) = &dashboard {
+        // Bound to anything but loopback, the dashboard needs the cluster token (see dashboard::access).
+        d.require_token(&token);
+    }
     let config = ClusterConfig {
         host_timeout: Duration::from_secs_f64(args.host_timeout_s),
         wait_for_hosts: Duration::from_secs_f64(args.wait_for_hosts_s),
@@ -81,7 +87,8 @@ pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
     };
     runtime()?.block_on(async {
         if let (Some(addr), Some(dashboard)) = (&args.dashboard, dashboard) {
-            let listener = tokio::net::TcpListener::bind(addr)
+            let addr = crate::dashboard::access::bind_address(addr);
+            let listener = tokio::net::TcpListener::bind(&addr)
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot serve the dashboard on {addr}: {e}"))?;
             println!(

@@ -7,7 +7,12 @@
 //! then every server-sent event (`/events`), each carrying the whole state. JSON endpoints serve the same data:
 //! `/api/state`, `/api/cluster`, `/api/job`, `/api/timeline`, `/api/failures`, `/api/actors`
 //! (the actors of a program on the runtime API, with their message rates and failures).
+//!
+//! Nothing listens openly (see [`access`]): on a loopback address the page is open to this
+//! machine; on any other address every request must carry the cluster token
+//! ([`Dashboard::require_token`]), and serving there without one is refused.
 
+pub mod access;
 pub mod history;
 
 use std::convert::Infallible;
@@ -189,6 +194,8 @@ pub struct Dashboard {
     /// Raw step reports of the last steps, for the timeline.
     recent: Mutex<Vec<(u64, Vec<StepReport>)>>,
     events: broadcast::Sender<String>,
+    /// The cluster token a request must carry when the page is served on a non-loopback address.
+    token: Mutex<Option<String>>,
 }
 
 fn unix_now() -> f64 {
@@ -205,7 +212,14 @@ impl Dashboard {
             view: Mutex::default(),
             recent: Mutex::default(),
             events,
+            token: Mutex::default(),
         })
+    }
+
+    /// Every request must carry `token` (the cluster token) when this dashboard is served on an
+    /// address other than loopback; without one, [`serve`] refuses such an address.
+    pub fn require_token(&self, token: &str) {
+        *self.token.lock().unwrap_or_else(|p| p.into_inner()) = Some(token.to_string());
     }
 
     /// Shows these actors (a program on the runtime API).
@@ -392,8 +406,14 @@ async fn events(
 }
 
 /// Serves `dashboard` on `listener` (on the current tokio runtime); returns its address.
+///
+/// On a loopback address the page is open; on any other it answers only requests with the
+/// token given to [`Dashboard::require_token`] (401 and a log line otherwise), and without such
+/// a token this returns a `PermissionDenied` error that says what to change.
 pub fn serve(listener: tokio::net::TcpListener, dashboard: Arc<Dashboard>) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
+    let token = dashboard.token.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let token = access::token_for(addr, token.as_deref())?;
     let app = Router::new()
         .route("/", get(page))
         .route("/api/state", get(state))
@@ -404,8 +424,13 @@ pub fn serve(listener: tokio::net::TcpListener, dashboard: Arc<Dashboard>) -> st
         .route("/api/actors", get(actors))
         .route("/events", get(events))
         .with_state(dashboard);
+    let app = match token {
+        Some(token) => app.layer(axum::middleware::from_fn_with_state(token, access::guard)),
+        None => app,
+    };
+    let service = app.into_make_service_with_connect_info::<SocketAddr>();
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        if let Err(e) = axum::serve(listener, service).await {
             tracing::error!("the dashboard on {addr} stopped: {e}");
         }
     });

@@ -15,9 +15,15 @@ use crate::dashboard::{ActorView, Dashboard};
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 
 /// Serves the dashboard of `runtime`'s actors on `addr` (e.g. `127.0.0.1:0`); returns the
-/// address. It runs until the runtime is dropped.
+/// address. It runs until the runtime is dropped. On an address other than loopback every
+/// request must carry the cluster token of the file `ARCHIPELAGO_TOKEN_FILE` names (without
+/// it, such an address is refused).
 pub fn serve_dashboard(runtime: &Runtime, addr: &str) -> anyhow::Result<(SocketAddr, Arc<Dashboard>)> {
     let dashboard = Dashboard::new();
+    let needs_token = crate::dashboard::access::check_bind(addr, false).is_err();
+    if let Some(path) = std::env::var_os(super::TOKEN_FILE_ENV).filter(|_| needs_token) {
+        dashboard.require_token(&crate::cluster::read_token(std::path::Path::new(&path))?);
+    }
     let handle = runtime.handle().clone();
     let served = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(addr).await?;
