@@ -1,7 +1,8 @@
 //! The parameter-server library (Li et al., OSDI 2014; `archipelago_actors::ps`, driven by
 //! `archipelago_controller::ps_job`) on this process: sequential consistency on a dense model is
-//! the library's data-parallel SGD element by element (with negative controls), the bounded delay
-//! holds in the servers' clock logs (an eventual run is rejected by the same check), sparse
+//! the library's data-parallel SGD element by element (with negative controls), and with every
+//! range chain-replicated on two servers the same model value for value on exactly two copies,
+//! the bounded delay holds in the servers' clock logs (an eventual run is rejected by the same check), sparse
 //! logistic regression with L1 converges toward the known weights, a stopped and resumed job ends
 //! where an unstopped one does (a damaged checkpoint does not), and `archipelago ps` refuses bad
 //! input with the fix and writes a report of train's shape.
@@ -119,6 +120,42 @@ fn sequential_consistency_on_a_gpt_is_data_parallel_sgd_element_by_element_and_f
         println!("{fault:?}: params differ by {d:.2e}");
         assert!(d > 100.0 * 1e-5, "{fault:?} went unnoticed: max |diff| {d}");
     }
+}
+
+#[test]
+fn chain_replication_keeps_two_identical_copies_and_changes_no_value_and_faults_are_caught() {
+    // Sequential consistency on three servers: with every range on two of them, each push
+    // walks its chain; the model is the one-copy model value for value, on exactly two servers.
+    let one = PsJob {
+        servers: 3,
+        ..dense_job(GPT, OptimizerSpec::sgd(0.5), 2, 4, 4)
+    };
+    let two = PsJob {
+        replicas: 2,
+        ..one.clone()
+    };
+    let (a, b) = (run_local(&one), run_local(&two));
+    let d = max_diff(a.dense_params(), b.dense_params()).max(max_diff(&a.losses, &b.losses));
+    let copies = b.replication.expect("counted with two replicas");
+    println!("R=2 vs R=1 at K=0: max |diff| {d:.2e}; {copies:?}");
+    assert_eq!(d, 0.0);
+    assert_eq!(
+        (copies.min_copies, copies.max_copies, copies.max_diff),
+        (2, 2, 0.0)
+    );
+    assert!(b.servers.iter().all(|s| s.figures.chained > 0));
+    assert_eq!(
+        a.servers.iter().map(|s| s.figures.pushes).sum::<u64>(),
+        b.servers.iter().map(|s| s.figures.pushes).sum::<u64>(),
+        "pushes count once, at the chain's head"
+    );
+    // Negative control: a replicated run that drops worker 1's pushes does not compare equal.
+    let faulty = run_local(&PsJob {
+        fault: ServerFault::DropPushOf(1),
+        ..two
+    });
+    let d = max_diff(faulty.dense_params(), a.dense_params());
+    assert!(d > 1e-4, "a dropped worker went unnoticed: {d}");
 }
 
 fn sparse_spec(features: u64) -> CtrSpec {
@@ -353,10 +390,8 @@ fn the_cli_refuses_bad_input_with_the_fix_and_writes_a_report_of_trains_shape() 
             &["--replicas", "3", "--servers", "2"],
             "cannot have more replicas than there are servers",
         ),
-        (
-            &["--replicas", "2", "--servers", "2"],
-            "chain replication is not built yet",
-        ),
+        (&["--replicas", "0"], "--replicas 0"),
+        (&["--replicas", "2", "--servers", "1"], "use --replicas 1"),
         (&["--servers", "0"], "--servers 0"),
         (&["--workers", "0"], "--workers 0"),
         (&["--dp", "2"], "--dp (use --workers)"),

@@ -14,7 +14,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::server::ServerParams;
 use super::store::KeyStore;
+use super::update::ServerUpdate;
 
 const MAGIC: &[u8; 8] = b"ARCPS001";
 const HEADER: usize = 8 + 5 * 8;
@@ -185,6 +187,49 @@ pub fn parse_server_file(bytes: &[u8], state_len: usize) -> Result<ServerFile, S
         at += 4 * per;
     }
     Ok(file)
+}
+
+/// Loads into `store` the keys `params.ring` gives this server, from every server file of the
+/// checkpoint in `dir` (any number of servers may have written it).
+pub(super) fn restore<U: ServerUpdate>(
+    store: &mut KeyStore,
+    params: &ServerParams<U>,
+    dir: &std::path::Path,
+) -> Result<(), String> {
+    let manifest = read_manifest(dir)?;
+    if manifest.workers != params.workers
+        || manifest.width != params.width
+        || manifest.clock != params.first_clock
+    {
+        return Err(format!(
+            "the checkpoint in {} has {} workers, width {} at clock {}; this job has {} workers, width {} from clock {}",
+            dir.display(),
+            manifest.workers,
+            manifest.width,
+            manifest.clock,
+            params.workers,
+            params.width,
+            params.first_clock
+        ));
+    }
+    for server in 0..manifest.servers {
+        let file: ServerFile = read_server_file(dir, server, store.state_len())?;
+        if file.applied != manifest.clock || file.width != params.width {
+            return Err(format!(
+                "server file {server} in {} is at clock {} (width {}), the manifest at {}",
+                dir.display(),
+                file.applied,
+                file.width,
+                manifest.clock
+            ));
+        }
+        for (key, values, state) in file.entries() {
+            if params.ring.chain(key, params.replicas).contains(&params.index) {
+                store.assign(key, values, Some(state), &params.update);
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

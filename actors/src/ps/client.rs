@@ -2,16 +2,27 @@
 //! [`PsClient`] splits a key list by the [`Ring`] into one list per server, pulls every server
 //! at every clock (an empty list where the worker needs none of its keys, so that every server
 //! can hold the worker to the bound), asks again after a back-off while a server answers "not
-//! yet", and puts the values back in the order asked. Pushes go to every server at every clock
-//! the same way. The client runs inside the worker's own actor: on a cluster values and
-//! gradients go worker host ↔ server host, never through the program that started the job.
+//! yet", and puts the values back in the order asked. The client runs inside the worker's own
+//! actor: on a cluster values and gradients go worker host ↔ server host, never through the
+//! program that started the job.
+//!
+//! With `R` replicas a key is held by the `R` servers of its chain ([`Ring::chain`]). Pulls go to
+//! the chain's head. A push walks the chains: part 0 (every key at its head) to every server,
+//! then, once all took it, part 1 (every key at its second) and so on, so a push is acknowledged
+//! only when every chain's tail has it. When a call fails because a server's host was lost, or a
+//! server answers "moved" (a failover is under way), the client asks the live servers for the
+//! new ring ([`GetRing`]) and does the pull or the whole push again on it; servers apply a
+//! retried push once per key. With [`PsClient::logging_acked`] it keeps the sum of every
+//! acknowledged push per key (what a test checks the final model against).
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::ring::Ring;
-use super::server::{Assign, PsServer, Pull, Pulled, Push};
+use super::failover::GetRing;
+use super::ring::{Ring, ServerId};
+use super::server::{Assign, PsServer, Pull, Pulled, Push, Pushed};
 use super::update::ServerUpdate;
 use crate::runtime::ActorRef;
 
@@ -19,6 +30,8 @@ use crate::runtime::ActorRef;
 const MIN_BACKOFF: Duration = Duration::from_micros(50);
 /// The longest back-off.
 const MAX_BACKOFF: Duration = Duration::from_millis(2);
+/// How long a worker waits for a new ring after a server's loss before giving up.
+const RING_PATIENCE: Duration = Duration::from_secs(60);
 
 /// What a pull returned.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,6 +55,8 @@ pub struct ClientFigures {
     pub bytes_out: u64,
     /// Payload bytes received (values).
     pub bytes_in: u64,
+    /// Rings adopted after a failover.
+    pub failovers: u64,
 }
 
 /// One worker's handle on the servers of a job.
@@ -50,18 +65,27 @@ pub struct PsClient<U: ServerUpdate> {
     worker: usize,
     width: usize,
     ring: Ring,
+    replicas: usize,
+    epoch: u64,
     servers: Vec<ActorRef<PsServer<U>>>,
     figures: ClientFigures,
+    acked: Option<HashMap<u64, Vec<f32>>>,
 }
 
-/// `keys` split by server: per server, the keys and their positions in `keys`.
-struct Split {
-    keys: Vec<Vec<u64>>,
-    at: Vec<Vec<usize>>,
+/// `keys` split by server for one chain position: per live server, the keys and their
+/// positions in `keys`.
+type Split = Vec<(ServerId, Vec<u64>, Vec<usize>)>;
+
+/// What to do after a round of calls.
+enum Next {
+    Done,
+    Again,
+    NewRing(Option<ServerId>, String),
 }
 
 impl<U: ServerUpdate> PsClient<U> {
-    /// Worker `worker`'s client of `servers` (by ring index), keys of `width` values.
+    /// Worker `worker`'s client of `servers` (by ring index), keys of `width` values, one copy
+    /// of every range (see [`PsClient::replicated`]).
     pub fn new(
         worker: usize,
         width: usize,
@@ -78,9 +102,42 @@ impl<U: ServerUpdate> PsClient<U> {
             worker,
             width,
             ring,
+            replicas: 1,
+            epoch: 0,
             servers,
             figures: ClientFigures::default(),
+            acked: None,
         })
+    }
+
+    /// The same client for ranges held by `replicas` servers each.
+    pub fn replicated(mut self, replicas: usize) -> Result<Self, String> {
+        let n = self.ring.servers().len();
+        if replicas == 0 || replicas > n {
+            return Err(format!(
+                "{replicas} replicas on a ring of {n} servers: give 1 to {n}"
+            ));
+        }
+        self.replicas = replicas;
+        Ok(self)
+    }
+
+    /// The same client, keeping (when `on`) the sum of every acknowledged push per key.
+    pub fn logging_acked(mut self, on: bool) -> Self {
+        self.acked = on.then(HashMap::new);
+        self
+    }
+
+    /// The sum of every acknowledged push per key, ascending by key (empty unless logged).
+    pub fn acked(&self) -> Vec<(u64, Vec<f32>)> {
+        let mut acked: Vec<_> = self
+            .acked
+            .iter()
+            .flatten()
+            .map(|(k, v)| (*k, v.clone()))
+            .collect();
+        acked.sort_unstable_by_key(|(k, _)| *k);
+        acked
     }
 
     /// The traffic so far.
@@ -88,78 +145,145 @@ impl<U: ServerUpdate> PsClient<U> {
         self.figures
     }
 
-    fn split(&self, keys: &[u64]) -> Split {
-        let n = self.servers.len();
-        let mut split = Split {
-            keys: vec![Vec::new(); n],
-            at: vec![Vec::new(); n],
-        };
+    /// The ring the client splits keys by now.
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    /// `keys` by the live server at chain position `position` (`None`: every member).
+    fn split(&self, keys: &[u64], position: Option<usize>) -> Split {
+        let live = self.ring.servers();
+        let mut split: Split = live.iter().map(|&s| (s, Vec::new(), Vec::new())).collect();
         for (i, &key) in keys.iter().enumerate() {
-            let s = self.ring.owner(key);
-            split.keys[s].push(key);
-            split.at[s].push(i);
+            let chain = self.ring.chain(key, self.replicas);
+            let members = match position {
+                Some(p) => chain.get(p..p + 1).unwrap_or(&[]),
+                None => &chain[..],
+            };
+            for s in members {
+                let at = live.binary_search(s).expect("a chain member is on the ring");
+                split[at].1.push(key);
+                split[at].2.push(i);
+            }
         }
         split
     }
 
-    /// The values of `keys` for starting `clock`, once every server grants it.
-    pub async fn pull(&mut self, clock: u64, keys: &[u64]) -> Result<PulledValues, String> {
-        let Split { keys: by_server, at } = self.split(keys);
-        let mut granted: Vec<Option<Vec<f32>>> = vec![None; self.servers.len()];
-        let (mut applied, mut refused, mut backoff) = (u64::MAX, 0u32, MIN_BACKOFF);
+    /// Waits for a ring newer than the client's from the live servers and adopts it.
+    async fn new_ring(&mut self, failed: Option<ServerId>, why: String) -> Result<(), String> {
+        let began = Instant::now();
+        let mut backoff = Duration::from_millis(5);
         loop {
-            let asks: Vec<_> = (0..self.servers.len())
-                .filter(|&s| granted[s].is_none())
-                .map(|s| {
-                    self.figures.pulls += 1;
-                    self.figures.bytes_out += 8 * by_server[s].len() as u64;
-                    let pull = Pull {
-                        worker: self.worker,
-                        clock,
-                        keys: by_server[s].clone(),
-                    };
-                    (s, self.servers[s].call(pull))
-                })
-                .collect();
-            for (s, ask) in asks {
-                let answer = ask.await.map_err(|e| format!("pull from server {s}: {e}"))??;
-                if let Pulled::Granted { applied: a, values } = answer {
-                    if values.len() != by_server[s].len() * self.width {
-                        return Err(format!(
-                            "server {s} answered {} values for {} keys of width {}",
-                            values.len(),
-                            by_server[s].len(),
-                            self.width
-                        ));
+            let mut reached = false;
+            for s in self.ring.servers().into_iter().filter(|&s| Some(s) != failed) {
+                if let Ok(version) = self.servers[s].call(GetRing).await {
+                    reached = true;
+                    if version.epoch > self.epoch && !version.frozen {
+                        self.ring = version.ring;
+                        self.epoch = version.epoch;
+                        self.figures.failovers += 1;
+                        return Ok(());
                     }
-                    self.figures.bytes_in += 4 * values.len() as u64;
-                    applied = applied.min(a);
-                    granted[s] = Some(values);
                 }
             }
-            if granted.iter().all(Option::is_some) {
-                break;
+            if !reached {
+                return Err(format!("{why}; and no other server of the job answers"));
             }
-            refused += 1;
+            if began.elapsed() > RING_PATIENCE {
+                return Err(format!(
+                    "{why}; the servers named no new ring within {RING_PATIENCE:?}"
+                ));
+            }
             tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(MAX_BACKOFF);
+            backoff = (backoff * 2).min(Duration::from_millis(100));
         }
-        let w = self.width;
-        let mut values = vec![0.0f32; keys.len() * w];
-        for (s, got) in granted.into_iter().enumerate() {
-            let got = got.expect("every server granted");
-            for (j, &i) in at[s].iter().enumerate() {
-                values[i * w..(i + 1) * w].copy_from_slice(&got[j * w..(j + 1) * w]);
-            }
-        }
-        Ok(PulledValues {
-            values,
-            applied,
-            refused,
-        })
     }
 
-    /// Pushes the gradients of `keys` (`width` each) computed at `clock` to every server.
+    /// The values of `keys` for starting `clock`, once every server grants it.
+    pub async fn pull(&mut self, clock: u64, keys: &[u64]) -> Result<PulledValues, String> {
+        let mut refused = 0u32;
+        'ring: loop {
+            let split = self.split(keys, Some(0));
+            let mut granted: Vec<Option<Vec<f32>>> = vec![None; split.len()];
+            let (mut applied, mut backoff) = (u64::MAX, MIN_BACKOFF);
+            loop {
+                let asks: Vec<_> = (0..split.len())
+                    .filter(|&i| granted[i].is_none())
+                    .map(|i| {
+                        let (s, keys, _) = &split[i];
+                        self.figures.pulls += 1;
+                        self.figures.bytes_out += 8 * keys.len() as u64;
+                        let pull = Pull {
+                            worker: self.worker,
+                            clock,
+                            keys: keys.clone(),
+                            epoch: self.epoch,
+                        };
+                        (i, self.servers[*s].call(pull))
+                    })
+                    .collect();
+                let mut next = Next::Done;
+                for (i, ask) in asks {
+                    let s = split[i].0;
+                    let answer = match ask.await {
+                        Ok(answer) => answer?,
+                        Err(e) => {
+                            next = Next::NewRing(Some(s), format!("pull from server {s}: {e}"));
+                            break;
+                        }
+                    };
+                    match answer {
+                        Pulled::Granted { applied: a, values } => {
+                            if values.len() != split[i].1.len() * self.width {
+                                return Err(format!(
+                                    "server {s} answered {} values for {} keys of width {}",
+                                    values.len(),
+                                    split[i].1.len(),
+                                    self.width
+                                ));
+                            }
+                            self.figures.bytes_in += 4 * values.len() as u64;
+                            applied = applied.min(a);
+                            granted[i] = Some(values);
+                        }
+                        Pulled::Wait { .. } => next = Next::Again,
+                        Pulled::Moved { .. } => {
+                            next = Next::NewRing(None, format!("server {s} moved its keys"))
+                        }
+                    }
+                }
+                match next {
+                    Next::Done => {
+                        let w = self.width;
+                        let mut values = vec![0.0f32; keys.len() * w];
+                        for ((_, _, at), got) in split.iter().zip(granted) {
+                            let got = got.expect("every server granted");
+                            for (j, &i) in at.iter().enumerate() {
+                                values[i * w..(i + 1) * w].copy_from_slice(&got[j * w..(j + 1) * w]);
+                            }
+                        }
+                        return Ok(PulledValues {
+                            values,
+                            applied,
+                            refused,
+                        });
+                    }
+                    Next::Again => {
+                        refused += 1;
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                    }
+                    Next::NewRing(failed, why) => {
+                        self.new_ring(failed, why).await?;
+                        continue 'ring;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Pushes the gradients of `keys` (`width` each) computed at `clock` down every key's chain;
+    /// returns once every chain's tail has them (the push is then acknowledged).
     pub async fn push(&mut self, clock: u64, keys: &[u64], grads: &[f32]) -> Result<(), String> {
         if grads.len() != keys.len() * self.width {
             return Err(format!(
@@ -169,43 +293,76 @@ impl<U: ServerUpdate> PsClient<U> {
                 self.width
             ));
         }
-        let Split { keys: by_server, at } = self.split(keys);
         let w = self.width;
-        let calls: Vec<_> = by_server
-            .into_iter()
-            .zip(at)
-            .enumerate()
-            .map(|(s, (keys, at))| {
-                let mut part = Vec::with_capacity(at.len() * w);
-                at.iter()
-                    .for_each(|&i| part.extend_from_slice(&grads[i * w..(i + 1) * w]));
-                self.figures.pushes += 1;
-                self.figures.bytes_out += 8 * keys.len() as u64 + 4 * part.len() as u64;
-                let push = Push {
-                    worker: self.worker,
-                    clock,
-                    keys,
-                    grads: part,
-                };
-                (s, self.servers[s].call(push))
-            })
-            .collect();
-        for (s, call) in calls {
-            call.await.map_err(|e| format!("push to server {s}: {e}"))??;
+        'ring: loop {
+            for part in 0..self.replicas {
+                let split = self.split(keys, Some(part));
+                {
+                    let calls: Vec<_> = (0..split.len())
+                        .map(|i| {
+                            let (s, keys, at) = &split[i];
+                            let mut part_grads = Vec::with_capacity(at.len() * w);
+                            at.iter()
+                                .for_each(|&i| part_grads.extend_from_slice(&grads[i * w..(i + 1) * w]));
+                            self.figures.pushes += 1;
+                            self.figures.bytes_out += 8 * keys.len() as u64 + 4 * part_grads.len() as u64;
+                            let push = Push {
+                                worker: self.worker,
+                                clock,
+                                keys: keys.clone(),
+                                grads: part_grads,
+                                part,
+                                epoch: self.epoch,
+                            };
+                            (i, self.servers[*s].call(push))
+                        })
+                        .collect();
+                    let mut next = Next::Done;
+                    for (i, call) in calls {
+                        let s = split[i].0;
+                        match call.await {
+                            Ok(answer) => match answer? {
+                                Pushed::Done => {}
+                                Pushed::Moved { .. } => {
+                                    next = Next::NewRing(None, format!("server {s} moved its keys"))
+                                }
+                            },
+                            Err(e) => {
+                                next = Next::NewRing(Some(s), format!("push to server {s}: {e}"));
+                                break;
+                            }
+                        }
+                    }
+                    match next {
+                        Next::Done => {}
+                        Next::Again => unreachable!("pushes are never deferred"),
+                        Next::NewRing(failed, why) => {
+                            self.new_ring(failed, why).await?;
+                            continue 'ring;
+                        }
+                    }
+                }
+            }
+            break;
+        }
+        if let Some(acked) = &mut self.acked {
+            for (key, grad) in keys.iter().zip(grads.chunks_exact(w)) {
+                let sum = acked.entry(*key).or_insert_with(|| vec![0.0; w]);
+                sum.iter_mut().zip(grad).for_each(|(s, g)| *s += g);
+            }
         }
         Ok(())
     }
 
-    /// Sets the values of `keys` on their servers (a dense model's initial values).
+    /// Sets the values of `keys` on every server of their chains (a dense model's initial
+    /// values).
     pub async fn assign(&mut self, keys: &[u64], values: &[f32]) -> Result<(), String> {
-        let Split { keys: by_server, at } = self.split(keys);
         let w = self.width;
-        let calls: Vec<_> = by_server
+        let calls: Vec<_> = self
+            .split(keys, None)
             .into_iter()
-            .zip(at)
-            .enumerate()
-            .filter(|(_, (keys, _))| !keys.is_empty())
-            .map(|(s, (keys, at))| {
+            .filter(|(_, keys, _)| !keys.is_empty())
+            .map(|(s, keys, at)| {
                 let mut part = Vec::with_capacity(at.len() * w);
                 at.iter()
                     .for_each(|&i| part.extend_from_slice(&values[i * w..(i + 1) * w]));

@@ -241,7 +241,8 @@ impl<U: ServerUpdate> Handler<SeedModel<U>> for DenseWorker<U> {
             self.layout.width,
             seed.ring,
             seed.servers,
-        )?;
+        )?
+        .replicated(seed.replicas)?;
         let padded = self.layout.pad(&self.initial);
         client.assign(&self.layout.key_list(), &padded).await
     }
@@ -250,7 +251,9 @@ impl<U: ServerUpdate> Handler<SeedModel<U>> for DenseWorker<U> {
 impl<U: ServerUpdate> Handler<Train<U>> for DenseWorker<U> {
     async fn handle(&mut self, train: Train<U>, _ctx: &Context<Self>) -> Result<WorkerRun, String> {
         let settings = self.params.settings.clone();
-        let mut client = PsClient::new(settings.rank, self.layout.width, train.ring, train.servers)?;
+        let mut client = PsClient::new(settings.rank, self.layout.width, train.ring, train.servers)?
+            .replicated(train.replicas)?
+            .logging_acked(settings.log_acked);
         let keys = self.layout.key_list();
         let mut steps = Vec::new();
         for clock in train.first_clock..train.first_clock + train.clocks {
@@ -270,6 +273,7 @@ impl<U: ServerUpdate> Handler<Train<U>> for DenseWorker<U> {
         Ok(WorkerRun {
             steps,
             figures: client.figures(),
+            acked: client.acked(),
         })
     }
 }

@@ -36,20 +36,31 @@
 //! handler cannot wait for other messages of its own actor). Servers count pushes, pulls,
 //! refusals, payload bytes and the most clocks a granted pull was ahead of the slowest worker.
 //!
-//! # How the next slice fits (not built here)
-//! - **Chain replication with `R` replicas**: [`Ring::chain`] already names, for every key, its
-//!   owner and the next `R − 1` distinct servers clockwise. A server forwards an applied clock's
-//!   sums down its chain (a `Replicate` message carrying the same `(key, sum)` pairs the owner
-//!   applied) and acknowledges a push only when the tail has it; a replica is the same
-//!   [`PsServer`] with a `KeyStore` per range it replicates.
-//! - **Failover after a SIGKILLed host**: the driver watches [`ActorRef::ended`](crate::runtime::ActorRef::ended);
-//!   on loss it removes the server from the ring ([`Ring::remove`] moves exactly the lost arcs to
-//!   the next point's server, which is the chain's second), sends the new ring to every worker
-//!   and server, and the new tails copy ranges to restore `R`.
+//! # Chain replication and failover
+//! With `R` replicas ([`ServerParams::replicas`]) every key is held by the `R` servers of
+//! [`Ring::chain`]: its owner (the head, which answers pulls), then the next distinct servers
+//! clockwise. A worker's push walks the chains ([`Push::part`]): part 0 to every server (the keys
+//! it heads), then part 1 once all took part 0, …, so that a push is acknowledged only once every
+//! chain's tail has it. Every replica applies the same pushes; under the aggregating models
+//! (`K` finite) each applies the same clock sums.
+//!
+//! When a server's host is lost (SIGKILL), the driver ([`failover`]; the controller's
+//! `ps_job::failover`) removes it from the ring ([`Ring::remove`] hands each of its arcs to the
+//! next point's server, the chain's second), freezes the live servers, has the first surviving
+//! member of every changed chain copy its keys (values, update state, and per worker the clocks
+//! each key has applied) to the new members, and commits the ring under a new version. Workers
+//! whose call failed, or who were answered "moved", fetch the new ring from the servers and do
+//! their pull or whole push again; a replica applies a push once per key, worker and clock, so a
+//! retried push is counted once. A range whose `R` replicas are all lost is named and the job
+//! stops. Failover is built for eventual consistency (`K = ∞`), where a push is applied on
+//! arrival; under a finite `K` the servers keep pushes of unfinished clocks that a failover does
+//! not move yet, and the driver stops the job naming that.
+//!
+//! # How the next slices fit (not built here)
 //! - **Vector clocks per key range**: every range is named by its end point ([`KeyRange::end`]),
-//!   stable under adds and removes; a server keeps a version vector per range (today it keeps
-//!   one [`WorkerClocks`] for all), so a pull can ask for "at least version v" of a range and a
-//!   recovering replica knows what it holds.
+//!   stable under adds and removes; a server keeps, per key, the next clock of every worker not
+//!   yet applied (what a failover copies); folding that per range gives the paper's range
+//!   version vectors, so a pull could ask for "at least version v" of a range.
 //! - **Significantly-modified filter and key caching**: both live in [`PsClient`] (the filter
 //!   keeps the last values sent per key and drops pushes below the threshold; the key cache
 //!   sends a hash of a key list the server has seen) and in the server's [`Pull`]/[`Push`]
@@ -59,6 +70,7 @@ pub mod checkpoint;
 pub mod client;
 pub mod clock;
 pub mod dense_worker;
+pub mod failover;
 pub mod ring;
 pub mod server;
 #[cfg(test)]
@@ -71,9 +83,10 @@ pub mod worker;
 pub use client::{ClientFigures, PsClient, PulledValues};
 pub use clock::{ClockEvent, Consistency, WorkerClocks};
 pub use dense_worker::{DenseLayout, DenseWorker, DenseWorkerParams};
+pub use failover::{Commit, Entries, Freeze, GetRing, Handover, Install, RingVersion};
 pub use ring::{KeyRange, Ring, RingError, ServerId};
 pub use server::{
-    Assign, Dump, Dumped, PsServer, Pull, Pulled, Push, SaveCheckpoint, ServerFigures, ServerParams,
+    Assign, Dump, Dumped, PsServer, Pull, Pulled, Push, Pushed, SaveCheckpoint, ServerFigures, ServerParams,
     ServerReport, Stats, register_server,
 };
 pub use sparse_lr::{CtrSpec, SparseLrParams, SparseLrWorker};

@@ -170,7 +170,17 @@ impl Ring {
     /// The first `r` distinct servers clockwise from `key`'s range, its owner first: the chain
     /// a range is replicated on (fewer when the ring has fewer servers).
     pub fn chain(&self, key: u64, r: usize) -> Vec<ServerId> {
-        let start = self.point_index(key);
+        self.chain_from(self.point_index(key), r)
+    }
+
+    /// The chain of `range` (a range of this ring, by its end point): its owner, then the next
+    /// `r − 1` distinct servers clockwise.
+    pub fn range_chain(&self, range: &KeyRange, r: usize) -> Vec<ServerId> {
+        let at = self.points.partition_point(|p| p.0 < range.end);
+        self.chain_from(if at == self.points.len() { 0 } else { at }, r)
+    }
+
+    fn chain_from(&self, start: usize, r: usize) -> Vec<ServerId> {
         let mut chain = Vec::with_capacity(r);
         for k in 0..self.points.len() {
             let server = self.points[(start + k) % self.points.len()].1;

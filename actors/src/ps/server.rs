@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::checkpoint::{self, ServerFile};
+use super::checkpoint;
 use super::clock::{ClockEvent, Consistency, WorkerClocks};
 use super::ring::{Ring, ServerId};
 use super::store::KeyStore;
@@ -49,6 +49,9 @@ pub struct ServerParams<U> {
     pub update: U,
     /// The ring: which keys are this server's.
     pub ring: Ring,
+    /// Copies of every key range (chain replication): a key is held by the first `replicas`
+    /// distinct servers of [`Ring::chain`], its owner (the chain's head) first.
+    pub replicas: usize,
     /// The clock every worker starts at (0, or the checkpoint's on resume).
     pub first_clock: u64,
     /// Resume the keys this ring gives the server from the checkpoint in this directory.
@@ -62,11 +65,21 @@ pub struct ServerParams<U> {
 
 /// One server of a parameter-server job.
 pub struct PsServer<U: ServerUpdate> {
-    params: ServerParams<U>,
-    store: KeyStore,
+    pub(super) params: ServerParams<U>,
+    pub(super) store: KeyStore,
     clocks: WorkerClocks,
-    /// Pushes of clocks not yet applied (aggregating models): per clock, per worker.
+    /// Pushes of clocks not yet applied (aggregating models): per clock, per worker (the parts
+    /// of one worker's push, one per chain position, merged).
     pending: BTreeMap<u64, Vec<Option<Push>>>,
+    /// Parts of its current clock's push each worker has sent (aggregating models).
+    parts_in: Vec<usize>,
+    /// Per key, per worker: the next clock of that worker not yet applied to the key (eventual
+    /// consistency with replicas, so that a push retried after a failover is applied once).
+    pub(super) seen: HashMap<u64, Vec<u64>>,
+    /// The ring's version: bumped by every failover; pushes and pulls of another are refused.
+    pub(super) epoch: u64,
+    /// Between a failover's freeze and its commit: pushes and pulls wait.
+    pub(super) frozen: bool,
     applied: u64,
     figures: ServerFigures,
     log: Vec<ClockEvent>,
@@ -77,8 +90,11 @@ pub struct PsServer<U: ServerUpdate> {
 pub struct ServerFigures {
     /// The server.
     pub index: ServerId,
-    /// Pushes taken.
+    /// Pushes taken as the head of their keys' chains (part 0; retries included).
     pub pushes: u64,
+    /// Pushes taken further down the chains (parts 1 .. R; replication traffic).
+    #[serde(default)]
+    pub chained: u64,
     /// Pulls granted.
     pub pulls: u64,
     /// Pulls answered "not yet".
@@ -101,12 +117,15 @@ impl<U: ServerUpdate> Actor for PsServer<U> {
     type Params = ServerParams<U>;
 
     async fn new(params: ServerParams<U>, _ctx: &Context<Self>) -> Result<Self, String> {
-        if params.width == 0 || params.workers == 0 {
-            return Err("a server needs keys of at least one value and at least one worker".into());
+        if params.width == 0 || params.workers == 0 || params.replicas == 0 {
+            return Err(
+                "a server needs keys of at least one value, at least one worker and at least one replica"
+                    .into(),
+            );
         }
         let mut store = KeyStore::new(params.width, params.update.state_len(params.width));
         if let Some(dir) = &params.resume {
-            restore(&mut store, &params, dir)?;
+            checkpoint::restore(&mut store, &params, dir)?;
         }
         Ok(PsServer {
             clocks: WorkerClocks::new(params.workers, params.first_clock),
@@ -118,65 +137,42 @@ impl<U: ServerUpdate> Actor for PsServer<U> {
             },
             store,
             pending: BTreeMap::new(),
+            parts_in: vec![0; params.workers],
+            seen: HashMap::new(),
+            epoch: 0,
+            frozen: false,
             log: Vec::new(),
             params,
         })
     }
 }
 
-/// Loads into `store` the keys `params.ring` gives this server, from every server file of the
-/// checkpoint in `dir` (any number of servers may have written it).
-fn restore<U: ServerUpdate>(
-    store: &mut KeyStore,
-    params: &ServerParams<U>,
-    dir: &std::path::Path,
-) -> Result<(), String> {
-    let manifest = checkpoint::read_manifest(dir)?;
-    if manifest.workers != params.workers
-        || manifest.width != params.width
-        || manifest.clock != params.first_clock
-    {
-        return Err(format!(
-            "the checkpoint in {} has {} workers, width {} at clock {}; this job has {} workers, width {} from clock {}",
-            dir.display(),
-            manifest.workers,
-            manifest.width,
-            manifest.clock,
-            params.workers,
-            params.width,
-            params.first_clock
-        ));
-    }
-    for server in 0..manifest.servers {
-        let file: ServerFile = checkpoint::read_server_file(dir, server, store.state_len())?;
-        if file.applied != manifest.clock || file.width != params.width {
-            return Err(format!(
-                "server file {server} in {} is at clock {} (width {}), the manifest at {}",
-                dir.display(),
-                file.applied,
-                file.width,
-                manifest.clock
-            ));
-        }
-        for (key, values, state) in file.entries() {
-            if params.ring.owner(key) == params.index {
-                store.assign(key, values, Some(state), &params.update);
-            }
-        }
-    }
-    Ok(())
-}
-
 impl<U: ServerUpdate> PsServer<U> {
-    fn check_keys(&self, keys: &[u64], values: usize, what: &str) -> Result<(), String> {
-        if let Some(&key) = keys
-            .iter()
-            .find(|&&k| self.params.ring.owner(k) != self.params.index)
-        {
+    /// Checks that this server is at chain position `position` of every key (`None`: at any
+    /// position) and that `values` fits the keys.
+    fn check_keys(
+        &self,
+        keys: &[u64],
+        values: usize,
+        what: &str,
+        position: Option<usize>,
+    ) -> Result<(), String> {
+        let (ring, r, me) = (&self.params.ring, self.params.replicas, self.params.index);
+        let wrong = |k: &u64| {
+            let chain = ring.chain(*k, r);
+            match position {
+                Some(p) => chain.get(p) != Some(&me),
+                None => !chain.contains(&me),
+            }
+        };
+        if let Some(&key) = keys.iter().find(|&&k| wrong(&k)) {
+            let chain = ring.chain(key, r);
             return Err(format!(
-                "a {what} for key {key}, which the ring gives server {}, not server {}",
-                self.params.ring.owner(key),
-                self.params.index
+                "a {what} for key {key}, which the ring gives server {} (chain {chain:?}), not server {me}{}",
+                ring.owner(key),
+                position
+                    .map(|p| format!(" at chain position {p}"))
+                    .unwrap_or_default()
             ));
         }
         if values != keys.len() * self.params.width {
@@ -243,8 +239,10 @@ pub struct Pull {
     pub worker: usize,
     /// The clock it wants to start.
     pub clock: u64,
-    /// The keys it needs from this server.
+    /// The keys it needs from this server (whose chains this server heads).
     pub keys: Vec<u64>,
+    /// The ring's version the worker split its keys by.
+    pub epoch: u64,
 }
 
 /// A server's answer to a [`Pull`].
@@ -262,6 +260,12 @@ pub enum Pulled {
         /// The slowest worker's clock.
         slowest: u64,
     },
+    /// The ring changed (a failover) or is changing: ask the servers for the ring of `epoch`
+    /// or later and split the keys again.
+    Moved {
+        /// The server's ring version.
+        epoch: u64,
+    },
 }
 
 impl Message for Pull {
@@ -271,7 +275,10 @@ impl Message for Pull {
 impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
     async fn handle(&mut self, pull: Pull, _ctx: &Context<Self>) -> Result<Pulled, String> {
         self.clocks.check(pull.worker, pull.clock, "pull")?;
-        self.check_keys(&pull.keys, pull.keys.len() * self.params.width, "pull")?;
+        if pull.epoch != self.epoch || self.frozen {
+            return Ok(Pulled::Moved { epoch: self.epoch });
+        }
+        self.check_keys(&pull.keys, pull.keys.len() * self.params.width, "pull", Some(0))?;
         self.figures.bytes_in += 8 * pull.keys.len() as u64;
         if !self.clocks.may_start(pull.clock, self.params.consistency) {
             self.figures.refused += 1;
@@ -301,8 +308,11 @@ impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
     }
 }
 
-/// A worker's gradients of `keys` (this server's) at `clock`; every worker pushes every server
-/// at every clock, with no keys where it touched none of the server's.
+/// A worker's gradients of `keys` at `clock`, the part for chain position `part`: a worker
+/// sends part 0 (the keys whose chain this server heads) to every server, then part 1 once every
+/// server has part 0, and so on down the chains, so that a push reaches a chain's tail last and
+/// is acknowledged only then. Every worker pushes every part to every server at every clock,
+/// with no keys where it touched none.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Push {
     /// The worker.
@@ -313,47 +323,117 @@ pub struct Push {
     pub keys: Vec<u64>,
     /// Their gradients, `width` each.
     pub grads: Vec<f32>,
+    /// The chain position these keys have this server at (0 = head).
+    pub part: usize,
+    /// The ring's version the worker split its keys by.
+    pub epoch: u64,
+}
+
+/// A server's answer to a [`Push`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Pushed {
+    /// Taken.
+    Done,
+    /// The ring changed (a failover) or is changing: nothing was taken; ask the servers for the
+    /// ring of `epoch` or later and push again.
+    Moved {
+        /// The server's ring version.
+        epoch: u64,
+    },
 }
 
 impl Message for Push {
-    type Reply = Result<(), String>;
+    type Reply = Result<Pushed, String>;
 }
 
 impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
-    async fn handle(&mut self, push: Push, _ctx: &Context<Self>) -> Result<(), String> {
-        self.clocks.check(push.worker, push.clock, "push")?;
-        self.check_keys(&push.keys, push.grads.len(), "push")?;
-        if !self.clocks.may_start(push.clock, self.params.consistency) {
-            // A worker that pushes without a granted pull: refused, so that the pushes kept
-            // for clocks not yet applied stay within the bound.
+    async fn handle(&mut self, push: Push, _ctx: &Context<Self>) -> Result<Pushed, String> {
+        if push.epoch != self.epoch || self.frozen {
+            return Ok(Pushed::Moved { epoch: self.epoch });
+        }
+        let Some(&at) = self.clocks.clocks().get(push.worker) else {
             return Err(format!(
-                "worker {} pushed clock {} while the slowest worker is at {}: pull before pushing",
-                push.worker,
-                push.clock,
-                self.clocks.slowest()
+                "a push from worker {}, but the job has {} workers",
+                push.worker, self.params.workers
+            ));
+        };
+        if push.part >= self.params.replicas {
+            return Err(format!(
+                "a push of part {} from worker {}, but ranges have {} replicas",
+                push.part, push.worker, self.params.replicas
             ));
         }
-        self.figures.pushes += 1;
+        self.check_keys(&push.keys, push.grads.len(), "push", Some(push.part))?;
+        let last = push.part + 1 == self.params.replicas;
+        if self.params.consistency.aggregates() {
+            self.clocks.check(push.worker, push.clock, "push")?;
+            if !self.clocks.may_start(push.clock, self.params.consistency) {
+                // A worker that pushes without a granted pull: refused, so that the pushes kept
+                // for clocks not yet applied stay within the bound.
+                return Err(format!(
+                    "worker {} pushed clock {} while the slowest worker is at {}: pull before pushing",
+                    push.worker,
+                    push.clock,
+                    self.clocks.slowest()
+                ));
+            }
+            if push.part != self.parts_in[push.worker] {
+                return Err(format!(
+                    "part {} of worker {}'s clock {} before part {}",
+                    push.part, push.worker, push.clock, self.parts_in[push.worker]
+                ));
+            }
+        } else if push.clock > at {
+            return Err(format!(
+                "a push of clock {} from worker {}, which is at clock {at}",
+                push.clock, push.worker
+            ));
+        }
+        match push.part {
+            0 => self.figures.pushes += 1,
+            _ => self.figures.chained += 1,
+        }
         self.figures.bytes_in += 8 * push.keys.len() as u64 + 4 * push.grads.len() as u64;
         let worker = push.worker;
         if self.params.consistency.aggregates() {
             let workers = self.params.workers;
-            let slots = self
+            let slot = &mut self
                 .pending
                 .entry(push.clock)
-                .or_insert_with(|| vec![None; workers]);
-            slots[worker] = Some(push);
-            self.clocks.advance(worker);
-            self.apply_complete();
+                .or_insert_with(|| vec![None; workers])[worker];
+            match slot {
+                Some(merged) => {
+                    merged.keys.extend_from_slice(&push.keys);
+                    merged.grads.extend_from_slice(&push.grads);
+                }
+                None => *slot = Some(push),
+            }
+            self.parts_in[worker] += 1;
+            if last {
+                self.parts_in[worker] = 0;
+                self.clocks.advance(worker);
+                self.apply_complete();
+            }
         } else {
-            // Eventual: applied alone, on arrival.
+            // Eventual: applied alone, on arrival (once per key, worker and clock when
+            // replicated: a push retried after a failover may reach a replica that has it).
             if self.params.fault != ServerFault::DropPushOf(worker) {
                 let width = self.params.width;
+                let (workers, dedup) = (self.params.workers, self.params.replicas > 1);
                 for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
+                    if dedup {
+                        let next = &mut self.seen.entry(*key).or_insert_with(|| vec![0; workers])[worker];
+                        if push.clock < *next {
+                            continue;
+                        }
+                        *next = push.clock + 1;
+                    }
                     self.store.update(*key, grad, &self.params.update);
                 }
             }
-            self.clocks.advance(worker);
+            if last && push.clock == at {
+                self.clocks.advance(worker);
+            }
             let before = self.applied;
             self.applied = self.clocks.slowest();
             if self.params.log_clocks && self.applied > before {
@@ -364,7 +444,7 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
                 });
             }
         }
-        Ok(())
+        Ok(Pushed::Done)
     }
 }
 
@@ -383,7 +463,7 @@ impl Message for Assign {
 
 impl<U: ServerUpdate> Handler<Assign> for PsServer<U> {
     async fn handle(&mut self, assign: Assign, _ctx: &Context<Self>) -> Result<(), String> {
-        self.check_keys(&assign.keys, assign.values.len(), "seed")?;
+        self.check_keys(&assign.keys, assign.values.len(), "seed", None)?;
         let width = self.params.width;
         for (key, values) in assign.keys.iter().zip(assign.values.chunks_exact(width)) {
             self.store.assign(*key, values, None, &self.params.update);
@@ -421,9 +501,13 @@ impl<U: ServerUpdate> Handler<Stats> for PsServer<U> {
     }
 }
 
-/// Asks a server for every key it holds and their values (ascending by key).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Dump;
+/// Asks a server for the keys whose chains it heads and their values (ascending by key); with
+/// `replicas: true`, for every key it holds, replicas included.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Dump {
+    /// Every key held, not only those it heads.
+    pub replicas: bool,
+}
 
 /// A server's keys and values.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -439,9 +523,13 @@ impl Message for Dump {
 }
 
 impl<U: ServerUpdate> Handler<Dump> for PsServer<U> {
-    async fn handle(&mut self, _: Dump, _ctx: &Context<Self>) -> Dumped {
+    async fn handle(&mut self, dump: Dump, _ctx: &Context<Self>) -> Dumped {
         let mut dumped = Dumped::default();
+        let ring = &self.params.ring;
         for (key, values, _) in self.store.entries() {
+            if !dump.replicas && ring.owner(key) != self.params.index {
+                continue;
+            }
             dumped.keys.push(key);
             dumped.values.extend_from_slice(values);
         }
@@ -489,4 +577,8 @@ where
         .handles::<PsServer<U>, Stats>()
         .handles::<PsServer<U>, Dump>()
         .handles::<PsServer<U>, SaveCheckpoint>()
+        .handles::<PsServer<U>, super::failover::Freeze>()
+        .handles::<PsServer<U>, super::failover::Install>()
+        .handles::<PsServer<U>, super::failover::Commit>()
+        .handles::<PsServer<U>, super::failover::GetRing>()
 }

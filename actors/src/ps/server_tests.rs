@@ -18,6 +18,7 @@ fn server(runtime: &Runtime, ring: &Ring, consistency: Consistency) -> ActorRef<
         consistency,
         update: Sgd { lr: 1.0 },
         ring: ring.clone(),
+        replicas: 1,
         first_clock: 0,
         resume: None,
         log_clocks: true,
@@ -36,16 +37,28 @@ fn a_server_refuses_what_a_correct_client_never_sends_and_sums_a_clock_once_comp
     let mine: Vec<u64> = (0..100).filter(|&k| ring.owner(k) == 0).take(2).collect();
     let theirs = (0..100).find(|&k| ring.owner(k) == 1).unwrap();
     let s = server(&runtime, &ring, Consistency::Sequential);
-    let pull = |worker, clock, keys: Vec<u64>| s.call(Pull { worker, clock, keys }).get().unwrap();
+    let pull = |worker, clock, keys: Vec<u64>| {
+        s.call(Pull {
+            worker,
+            clock,
+            keys,
+            epoch: 0,
+        })
+        .get()
+        .unwrap()
+    };
     let push = |worker, clock, keys: Vec<u64>, grads: Vec<f32>| {
         s.call(Push {
             worker,
             clock,
             keys,
             grads,
+            part: 0,
+            epoch: 0,
         })
         .get()
         .unwrap()
+        .map(|_| ())
     };
     let e = pull(0, 0, vec![theirs]).unwrap_err();
     assert!(e.contains("the ring gives server 1"), "{e}");
@@ -78,7 +91,7 @@ fn a_server_refuses_what_a_correct_client_never_sends_and_sums_a_clock_once_comp
     };
     assert_eq!(applied, 1);
     assert_eq!(values, vec![-11.0, -22.0, -33.0, -44.0]);
-    let dumped = s.call(Dump).get().unwrap();
+    let dumped = s.call(Dump::default()).get().unwrap();
     let mut sorted = mine.clone();
     sorted.sort_unstable();
     assert_eq!(dumped.keys, sorted);
@@ -105,6 +118,7 @@ fn under_eventual_consistency_pulls_never_wait_and_pushes_apply_on_arrival() {
                 worker: 0,
                 clock,
                 keys: vec![5],
+                epoch: 0,
             })
             .get()
             .unwrap()
@@ -118,6 +132,8 @@ fn under_eventual_consistency_pulls_never_wait_and_pushes_apply_on_arrival() {
             clock,
             keys: vec![5],
             grads: vec![1.0, 0.0],
+            part: 0,
+            epoch: 0,
         };
         s.call(push).get().unwrap().unwrap();
     }

@@ -242,7 +242,9 @@ impl<U: ServerUpdate> SparseLrWorker<U> {
 impl<U: ServerUpdate> Handler<Train<U>> for SparseLrWorker<U> {
     async fn handle(&mut self, train: Train<U>, _ctx: &Context<Self>) -> Result<WorkerRun, String> {
         let settings = self.params.settings.clone();
-        let mut client = PsClient::new(settings.rank, 1, train.ring, train.servers)?;
+        let mut client = PsClient::new(settings.rank, 1, train.ring, train.servers)?
+            .replicated(train.replicas)?
+            .logging_acked(settings.log_acked);
         let mut steps = Vec::new();
         for clock in train.first_clock..train.first_clock + train.clocks {
             let began = std::time::Instant::now();
@@ -262,6 +264,7 @@ impl<U: ServerUpdate> Handler<Train<U>> for SparseLrWorker<U> {
         Ok(WorkerRun {
             steps,
             figures: client.figures(),
+            acked: client.acked(),
         })
     }
 }

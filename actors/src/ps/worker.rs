@@ -25,6 +25,8 @@ pub struct Train<U: ServerUpdate> {
     pub first_clock: u64,
     /// Clocks to run.
     pub clocks: u64,
+    /// Copies of every key range (the chain each push walks).
+    pub replicas: usize,
 }
 
 impl<U: ServerUpdate> Message for Train<U> {
@@ -39,6 +41,8 @@ pub struct SeedModel<U: ServerUpdate> {
     pub servers: Vec<ActorRef<PsServer<U>>>,
     /// The ring over them.
     pub ring: Ring,
+    /// Copies of every key range (every chain member gets the values).
+    pub replicas: usize,
 }
 
 impl<U: ServerUpdate> Message for SeedModel<U> {
@@ -67,6 +71,10 @@ pub struct WorkerRun {
     pub steps: Vec<WorkerStep>,
     /// Its traffic.
     pub figures: ClientFigures,
+    /// Per key, the sum of its acknowledged pushes, ascending by key (empty unless
+    /// [`LoopSettings::log_acked`]).
+    #[serde(default)]
+    pub acked: Vec<(u64, Vec<f32>)>,
 }
 
 /// How a worker's loop runs, beside its model.
@@ -80,6 +88,9 @@ pub struct LoopSettings {
     pub local_batch: usize,
     /// Milliseconds it sleeps per clock (to make a slow worker).
     pub delay_ms: u64,
+    /// Keep the sum of every acknowledged push per key ([`WorkerRun::acked`]).
+    #[serde(default)]
+    pub log_acked: bool,
     /// A planted failure at this clock (tests only).
     #[doc(hidden)]
     pub fail_at: Option<u64>,

@@ -1,6 +1,6 @@
 //! `archipelago ps`: a parameter-server job (Li et al., OSDI 2014) from the command line — train's
 //! flags for the model, data, batch, seed, optimizer and learning rate, plus the servers, workers,
-//! consistency (`--staleness`), replicas and the sparse workload's sizes. It runs on this process
+//! consistency (`--staleness`), replicas (chain replication, `--replicas`, default 2) and the sparse workload's sizes. It runs on this process
 //! (one CPU device per server and per worker), or with `--controller ADDR` on the hosts of a
 //! cluster — processes of `archipelago ps` started with `ARCHIPELAGO_ROLE=host` (and
 //! `ARCHIPELAGO_CONTROLLER`, `ARCHIPELAGO_TOKEN_FILE`, `ARCHIPELAGO_DEVICES`), the runtime API's
@@ -36,8 +36,10 @@ pub struct PsArgs {
     /// Consistency: 0 (sequential), K > 0 (bounded delay K) or inf (eventual).
     #[arg(long, default_value = "0", allow_hyphen_values = true)]
     pub staleness: String,
-    /// Copies of each key range (chain replication is not built yet: only 1).
-    #[arg(long, default_value_t = 1)]
+    /// Copies of each key range: a push walks the range's chain of this many servers and is
+    /// acknowledged once the tail has it; a lost server's ranges fail over to the next copy
+    /// (at most --servers; 1 = no copy, a lost server loses its ranges).
+    #[arg(long, default_value_t = 2)]
     pub replicas: usize,
     /// Virtual nodes per server on the consistent-hash ring.
     #[arg(long, default_value_t = 64)]
@@ -242,9 +244,10 @@ pub fn ps(args: &PsArgs) -> anyhow::Result<PsReport> {
     };
     let ring = archipelago_actors::ps::Ring::new(0..job.servers, job.vnodes)?;
     println!(
-        "parameter server: {} on {} servers, {} workers, {}, {}, global batch {}, {} clocks",
+        "parameter server: {} on {} servers ({} replicas per range), {} workers, {}, {}, global batch {}, {} clocks",
         args.job.model,
         job.servers,
+        job.replicas,
         job.workers,
         job.consistency,
         job.update.describe(),
@@ -302,6 +305,18 @@ pub fn ps(args: &PsArgs) -> anyhow::Result<PsReport> {
             s.refused,
             s.bytes_in as f64 / 1e6,
             s.bytes_out as f64 / 1e6
+        );
+    }
+    for f in &report.failovers {
+        println!(
+            "failover: server {} (host {}) lost; its ranges back on {} servers {:.3} s after the loss was seen, {} keys copied",
+            f.server, f.host, job.replicas, f.restore_s, f.keys_copied
+        );
+    }
+    if let Some(r) = &report.replication {
+        println!(
+            "replication: {} keys on {}..{} live servers each, copies differ by at most {:.2e}",
+            r.keys, r.min_copies, r.max_copies, r.max_diff
         );
     }
     println!(

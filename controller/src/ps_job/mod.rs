@@ -5,17 +5,22 @@
 //! figures and final values, checkpointing them when asked. Values and gradients move worker ↔
 //! server only; the driver reads the final model once, at the end, for the report.
 //!
+//! With `replicas > 1` every key range is chain-replicated; [`failover`] watches the servers and,
+//! when one's host is lost, moves its ranges to the next replicas and back onto `R` servers (or
+//! names the range lost with all its replicas and stops the job).
+//!
 //! `archipelago ps` ([`cli`]) builds a [`PsJob`] from train's flags; [`report`] is its JSON.
 
 pub mod cli;
+pub mod failover;
 pub mod report;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 use archipelago_actors::ps::checkpoint::{Manifest, read_manifest, write_manifest};
 use archipelago_actors::ps::server::ServerFault;
@@ -25,8 +30,11 @@ use archipelago_actors::ps::{
     WorkerRun,
 };
 use archipelago_actors::runtime::{Actor, ActorRef, Handler, Pending, Runtime, SpawnError, SpawnOptions};
+
 use archipelago_dataflow::ModelSpec;
 use archipelago_dataflow::data::DataSpec;
+pub use failover::FailoverEvent;
+use failover::Watch;
 
 /// The model a job trains.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,7 +75,7 @@ pub struct PsJob<U> {
     pub servers: usize,
     /// Worker actors.
     pub workers: usize,
-    /// Replicas per key range (only 1 until chain replication exists).
+    /// Copies of every key range (chain replication; at most `servers`).
     pub replicas: usize,
     /// Virtual nodes per server on the ring.
     pub vnodes: usize,
@@ -122,12 +130,6 @@ impl<U> PsJob<U> {
                 self.replicas, self.servers, self.servers
             ));
         }
-        if self.replicas > 1 {
-            return Err(format!(
-                "--replicas {}: chain replication is not built yet, every range has one copy; use --replicas 1",
-                self.replicas
-            ));
-        }
         if self.local_batch == 0 {
             return Err("--batch must give every worker at least one row".into());
         }
@@ -170,6 +172,25 @@ pub struct PsOutcome {
     pub wall_s: f64,
     /// Where each server, then each worker, ran: `(host, device)`.
     pub placement: Vec<(String, String)>,
+    /// Copies of every key range.
+    pub replicas: usize,
+    /// Every failover (a server lost, its ranges back on `R` servers).
+    pub failovers: Vec<FailoverEvent>,
+    /// How many live servers hold each key at the end (with `replicas > 1`).
+    pub replication: Option<Replication>,
+}
+
+/// The copies of every key over the live servers at the end of a replicated job.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Replication {
+    /// Keys held.
+    pub keys: u64,
+    /// The fewest servers holding one key.
+    pub min_copies: usize,
+    /// The most servers holding one key.
+    pub max_copies: usize,
+    /// The largest difference between two copies of one value.
+    pub max_diff: f32,
 }
 
 impl PsOutcome {
@@ -227,6 +248,7 @@ where
                 consistency: job.consistency,
                 update: job.update.clone(),
                 ring: ring.clone(),
+                replicas: job.replicas,
                 first_clock,
                 resume: job.resume.clone(),
                 log_clocks: job.log_clocks,
@@ -236,9 +258,15 @@ where
         })
         .collect();
     let servers = all_or_none(spawn_servers)?;
-    let result = with_servers(runtime, job, &servers, ring, first_clock);
+    let watch = Watch::start(&servers, ring.clone(), job.replicas, job.consistency);
+    let result = with_servers(runtime, job, &servers, ring, first_clock, &watch);
+    watch.finish();
     servers.iter().for_each(|s| s.stop("the job is over"));
-    result
+    match (result, watch.lost()) {
+        // The workers' loops ended because the servers were stopped: the lost range is the cause.
+        (_, Some(lost)) => Err(anyhow::anyhow!("{lost}")),
+        (result, None) => result,
+    }
 }
 
 /// The job once its servers run: spawns and drives the workers, reads the servers' figures and
@@ -249,6 +277,7 @@ fn with_servers<U>(
     servers: &[ActorRef<PsServer<U>>],
     ring: Ring,
     first_clock: u64,
+    watch: &Watch,
 ) -> anyhow::Result<PsOutcome>
 where
     U: ServerUpdate + Serialize + DeserializeOwned,
@@ -259,6 +288,7 @@ where
         workers: job.workers,
         local_batch: job.local_batch,
         delay_ms: job.delay_ms.get(rank).copied().unwrap_or(0),
+        log_acked: job.log_clocks,
         fail_at: job.fail_at.filter(|(r, _)| *r == rank).map(|(_, c)| c),
     };
     let train = Train {
@@ -266,6 +296,7 @@ where
         ring: ring.clone(),
         first_clock,
         clocks: job.clocks,
+        replicas: job.replicas,
     };
     let (placement_workers, runs, wall_s) = match &job.model {
         PsModel::Dense {
@@ -286,6 +317,7 @@ where
                 let seed = SeedModel {
                     servers: servers.to_vec(),
                     ring: ring.clone(),
+                    replicas: job.replicas,
                 };
                 let seeded = workers[0].call(seed).get();
                 if let Err(e) = seeded
@@ -307,11 +339,13 @@ where
             drive(runtime, servers, workers, train)?
         }
     };
-    let reports: Vec<ServerReport> = servers
+    let live: Vec<ActorRef<PsServer<U>>> = watch.live().into_iter().map(|s| servers[s].clone()).collect();
+    let reports: Vec<ServerReport> = live
         .iter()
         .map(|s| s.call(Stats).get())
         .collect::<Result<_, _>>()?;
-    for (s, report) in reports.iter().enumerate() {
+    for report in &reports {
+        let s = report.figures.index;
         anyhow::ensure!(
             report.figures.applied == first_clock + job.clocks,
             "server {s} applied {} of {} clocks after every worker finished",
@@ -319,8 +353,19 @@ where
             first_clock + job.clocks
         );
     }
-    let model = final_model(servers, &job.model)?;
+    let model = final_model(&live, &job.model)?;
+    let replication = if job.replicas > 1 {
+        Some(replication(&live, width)?)
+    } else {
+        None
+    };
+    let failovers = watch.events();
     if let Some(dir) = &job.checkpoint_dir {
+        anyhow::ensure!(
+            failovers.is_empty(),
+            "a checkpoint after a failover is not built yet (server files are written by server index); \
+             run again from the last checkpoint"
+        );
         // The directory stops being a checkpoint until the new manifest is in.
         match std::fs::remove_file(dir.join("manifest.json")) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -355,9 +400,43 @@ where
         workers: runs,
         servers: reports,
         model,
-        ring,
+        ring: watch.ring(),
         wall_s,
         placement,
+        replicas: job.replicas,
+        failovers,
+        replication,
+    })
+}
+
+/// Counts the live servers holding each key and compares the copies.
+fn replication<U: ServerUpdate>(live: &[ActorRef<PsServer<U>>], width: usize) -> anyhow::Result<Replication> {
+    let mut copies: HashMap<u64, (usize, Vec<f32>)> = HashMap::new();
+    let mut max_diff = 0.0f32;
+    for server in live {
+        let dump = server.call(Dump { replicas: true }).get()?;
+        for (key, values) in dump.keys.iter().zip(dump.values.chunks_exact(width)) {
+            match copies.get_mut(key) {
+                Some((n, first)) => {
+                    *n += 1;
+                    let d = first
+                        .iter()
+                        .zip(values)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
+                    max_diff = max_diff.max(d);
+                }
+                None => {
+                    copies.insert(*key, (1, values.to_vec()));
+                }
+            }
+        }
+    }
+    Ok(Replication {
+        keys: copies.len() as u64,
+        min_copies: copies.values().map(|c| c.0).min().unwrap_or(0),
+        max_copies: copies.values().map(|c| c.0).max().unwrap_or(0),
+        max_diff,
     })
 }
 
@@ -462,7 +541,7 @@ fn final_model<U: ServerUpdate>(
     servers: &[ActorRef<PsServer<U>>],
     model: &PsModel,
 ) -> anyhow::Result<FinalModel> {
-    let dumps: Vec<_> = servers.iter().map(|s| s.call(Dump)).collect();
+    let dumps: Vec<_> = servers.iter().map(|s| s.call(Dump::default())).collect();
     let mut entries: Vec<(u64, Vec<f32>)> = Vec::new();
     let width = model.width();
     for dump in dumps {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use archipelago_actors::ps::sparse_lr::{Recovery, objective, recovery};
 use archipelago_actors::ps::{ClientFigures, CtrSpec, ServerFigures};
 
-use super::{FinalModel, PsOutcome};
+use super::{FailoverEvent, FinalModel, PsOutcome, Replication};
 use crate::report::StepRecord;
 
 /// One server's place on the ring.
@@ -100,6 +100,15 @@ pub struct PsReport {
     /// Sparse logistic regression's objective and support.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sparse: Option<SparseSummary>,
+    /// Copies of every range (chain replication).
+    #[serde(default)]
+    pub replicas: usize,
+    /// Every failover: a server lost, its ranges back on `replicas` servers.
+    #[serde(default)]
+    pub failovers: Vec<FailoverEvent>,
+    /// Copies of every key over the live servers at the end (with more than one replica).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<Replication>,
 }
 
 impl PsReport {
@@ -155,7 +164,7 @@ impl PsReport {
             .map(|(server, share)| RingShare {
                 server,
                 share,
-                keys: servers.get(server).map_or(0, |s| s.keys),
+                keys: servers.iter().find(|s| s.index == server).map_or(0, |s| s.keys),
             })
             .collect();
         PsReport {
@@ -176,6 +185,9 @@ impl PsReport {
             wall_s: outcome.wall_s,
             samples_per_s: (outcome.losses.len() * global_batch) as f64 / outcome.wall_s.max(1e-9),
             sparse: None,
+            replicas: outcome.replicas,
+            failovers: outcome.failovers.clone(),
+            replication: outcome.replication,
         }
     }
 }

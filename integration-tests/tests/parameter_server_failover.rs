@@ -1,0 +1,300 @@
+//! Chain replication and failover of the parameter server (`archipelago_actors::ps`, driven by
+//! `archipelago_controller::ps_job`) across real processes: a controller and one host per
+//! server and per worker, each a process of this test binary (started again with
+//! `PS_FAILOVER_ROLE`), talking TCP on 127.0.0.1. A server's host is SIGKILLed mid-run:
+//!
+//! - with 2 replicas the job goes on, every range is back on 2 servers (the seconds from the kill
+//!   are printed as JSON), and with a plain SGD server update the final weights are exactly the
+//!   initial ones (0) minus lr × the sum of the pushes the workers saw acknowledged; the same
+//!   comparison against one worker's acknowledged pushes only fails (negative control);
+//! - with 1 replica the same kill loses a range, and the job stops with an error naming it.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use archipelago_actors::ps::server::ServerFault;
+use archipelago_actors::ps::{BuiltinUpdate, Consistency, CtrSpec, Initializer};
+use archipelago_controller::ps_job::{FinalModel, PsJob, PsModel, PsOutcome, run};
+use archipelago_controller::runtime::{
+    CONTROLLER_ENV, DEVICES_ENV, HOST_NAME_ENV, ISLAND_ENV, ROLE_ENV, TOKEN_FILE_ENV, connect,
+};
+use archipelago_dataflow::OptimizerSpec;
+
+/// What a process of this binary started by the tests is: `controller` or `host`.
+const HELPER_ENV: &str = "PS_FAILOVER_ROLE";
+const TOKEN: &str = "ps-failover-token";
+const LR: f32 = 0.5;
+const SERVERS: usize = 3;
+const WORKERS: usize = 2;
+
+/// Not a test of its own: the entry point of the controller and host processes the tests start
+/// (returns at once when run as a test).
+#[test]
+fn helper_process() {
+    match std::env::var(HELPER_ENV).as_deref() {
+        Ok("controller") => {
+            let args = archipelago_controller::cluster::commands::ControllerArgs {
+                listen: "127.0.0.1:0".into(),
+                token_file: std::env::var(TOKEN_FILE_ENV).unwrap().into(),
+                host_timeout_s: 2.0,
+                wait_for_hosts_s: 20.0,
+                dashboard: None,
+            };
+            archipelago_controller::cluster::commands::controller(&args).unwrap();
+        }
+        Ok("host") => {
+            let registry = archipelago_controller::ps_job::cli::registry();
+            archipelago_controller::runtime::init(registry, Vec::new()).unwrap();
+        }
+        _ => {}
+    }
+}
+
+/// A child process killed when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A controller and one single-device host per name, all processes of this binary.
+struct Cluster {
+    dir: tempfile::TempDir,
+    addr: String,
+    hosts: Vec<(String, Proc)>,
+    _controller: Proc,
+}
+
+fn helper(role: &str, dir: &std::path::Path, log: &str) -> Command {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["helper_process", "--exact", "--nocapture", "--test-threads", "1"])
+        .env(HELPER_ENV, role)
+        .env(TOKEN_FILE_ENV, dir.join("token"))
+        .stderr(std::fs::File::create(dir.join(log)).unwrap());
+    command
+}
+
+impl Cluster {
+    fn start(hosts: &[&str]) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+        let mut controller = helper("controller", dir.path(), "controller.log")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(controller.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines.next().expect("the controller printed its address").unwrap();
+            // libtest's "test helper_process ... " may come first on the line.
+            if let Some((_, addr)) = line.split_once("controller listening on ") {
+                break addr.trim().to_string();
+            }
+        };
+        std::thread::spawn(move || lines.for_each(drop));
+        let hosts = hosts
+            .iter()
+            .map(|name| {
+                let child = helper("host", dir.path(), &format!("{name}.log"))
+                    .env(ROLE_ENV, "host")
+                    .env(CONTROLLER_ENV, &addr)
+                    .env(DEVICES_ENV, "cpu:0")
+                    .env(HOST_NAME_ENV, name)
+                    .env(ISLAND_ENV, "island-a")
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .unwrap();
+                (name.to_string(), Proc(child))
+            })
+            .collect();
+        Cluster {
+            dir,
+            addr,
+            hosts,
+            _controller: Proc(controller),
+        }
+    }
+
+    fn log(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("{name}.log"))
+    }
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+fn job(replicas: usize, clocks: u64) -> PsJob<BuiltinUpdate> {
+    PsJob {
+        model: PsModel::SparseLr(CtrSpec {
+            seed: 5,
+            features: 20_000,
+            draws: 20,
+            support: 50,
+        }),
+        update: BuiltinUpdate::from_spec(OptimizerSpec::sgd(LR), 0.0, Initializer::Zeros).unwrap(),
+        servers: SERVERS,
+        workers: WORKERS,
+        replicas,
+        vnodes: 16,
+        consistency: Consistency::Eventual,
+        local_batch: 32,
+        clocks,
+        delay_ms: vec![4; WORKERS],
+        checkpoint_dir: None,
+        resume: None,
+        // Also makes every worker log the sum of its acknowledged pushes.
+        log_clocks: true,
+        fault: ServerFault::None,
+        fail_at: None,
+    }
+}
+
+/// Runs `job` on the cluster's hosts (servers on the first three slots, workers on the next),
+/// SIGKILLs the host of server 1 while it runs; returns the outcome, the killed host and when.
+fn run_and_kill(
+    cluster: &mut Cluster,
+    job: &PsJob<BuiltinUpdate>,
+) -> (anyhow::Result<PsOutcome>, String, f64) {
+    archipelago_controller::ps_job::cli::registry().install();
+    let runtime = connect(&cluster.addr, TOKEN, job.devices()).unwrap();
+    let slots = runtime.slots();
+    let victim = slots[1].host.clone();
+    assert!(
+        slots.iter().filter(|s| s.host == victim).count() == 1,
+        "server 1's host runs nothing else: {slots:?}"
+    );
+    let at = cluster.hosts.iter().position(|(n, _)| *n == victim).unwrap();
+    let mut host = cluster.hosts.remove(at).1;
+    let done = Arc::new(AtomicBool::new(false));
+    let killer = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            // Mid-run: the job is hundreds of clocks of at least 4 ms each.
+            std::thread::sleep(Duration::from_millis(1500));
+            if done.load(Ordering::SeqCst) {
+                return None;
+            }
+            host.0.kill().unwrap();
+            let killed_at = unix_now();
+            drop(host);
+            Some(killed_at)
+        })
+    };
+    let outcome = run(&runtime, job);
+    done.store(true, Ordering::SeqCst);
+    let Some(killed_at) = killer.join().unwrap() else {
+        let summary = outcome.map(|ps| ps.losses.len());
+        panic!("the job ended before the kill ({summary:?}): give it more clocks");
+    };
+    (outcome, victim, killed_at)
+}
+
+/// Compares the final weights with 0 − lr × Σ `acked`; the largest difference, or what is off.
+fn check_sgd(weights: &HashMap<u64, f32>, acked: &[&[(u64, Vec<f32>)]]) -> Result<f32, String> {
+    let mut expected: HashMap<u64, f32> = HashMap::new();
+    for run in acked {
+        for (key, sum) in run.iter() {
+            *expected.entry(*key).or_default() -= LR * sum[0];
+        }
+    }
+    let mut worst = 0.0f32;
+    for key in weights.keys().chain(expected.keys()) {
+        let (got, want) = (
+            weights.get(key).copied().unwrap_or(0.0),
+            expected.get(key).copied().unwrap_or(0.0),
+        );
+        let d = (got - want).abs();
+        if d > 1e-4 * (1.0 + want.abs()) {
+            return Err(format!(
+                "key {key}: {got} on the servers, {want} from the acknowledged pushes"
+            ));
+        }
+        worst = worst.max(d);
+    }
+    Ok(worst)
+}
+
+#[test]
+fn a_server_host_sigkilled_mid_run_fails_over_and_loses_no_acknowledged_push() {
+    let names = ["s0", "s1", "s2", "w0", "w1"];
+    let mut cluster = Cluster::start(&names);
+    let job = job(2, 600);
+    let (outcome, victim, killed_at) = run_and_kill(&mut cluster, &job);
+    let ps = outcome.unwrap_or_else(|e| {
+        let log = std::fs::read_to_string(cluster.log(&victim)).unwrap_or_default();
+        panic!("the job did not survive the kill: {e:#}\n{victim}'s log: {log}")
+    });
+    assert_eq!(ps.losses.len(), 600, "the job went on to its last clock");
+    assert_eq!(ps.failovers.len(), 1, "{:?}", ps.failovers);
+    let failover = &ps.failovers[0];
+    assert_eq!((failover.server, failover.host.as_str()), (1, victim.as_str()));
+    assert!(
+        ps.ring.servers() == [0, 2],
+        "server 1 left the ring: {:?}",
+        ps.ring.servers()
+    );
+    let replication = ps.replication.unwrap();
+    assert_eq!(
+        (replication.min_copies, replication.max_copies),
+        (2, 2),
+        "{replication:?}"
+    );
+    // The same pushes, perhaps in another order between workers: equal up to f32 rounding.
+    assert!(
+        replication.max_diff <= 1e-4,
+        "replicas hold the same values: {replication:?}"
+    );
+    assert!(
+        ps.workers.iter().any(|w| w.figures.failovers >= 1),
+        "a worker adopted the new ring"
+    );
+    let FinalModel::Sparse(weights) = &ps.model else {
+        panic!("a sparse model")
+    };
+    let acked: Vec<&[(u64, Vec<f32>)]> = ps.workers.iter().map(|w| w.acked.as_slice()).collect();
+    let worst = check_sgd(weights, &acked).unwrap();
+    // Negative control: one worker's acknowledged pushes alone do not explain the weights.
+    let control = check_sgd(weights, &acked[..1]);
+    assert!(
+        control.is_err(),
+        "the comparison missed worker 1's pushes: {control:?}"
+    );
+    println!(
+        "{}",
+        serde_json::json!({
+            "figure": "parameter-server failover",
+            "replicas": 2,
+            "kill_to_r_copies_s": failover.restored_unix_s - killed_at,
+            "loss_seen_to_r_copies_s": failover.restore_s,
+            "keys_copied": failover.keys_copied,
+            "keys_on_2_servers": replication.keys,
+            "max_abs_diff_vs_acked_sgd": worst,
+            "negative_control": control.unwrap_err(),
+        })
+    );
+}
+
+#[test]
+fn with_one_replica_the_same_kill_loses_a_range_and_the_job_stops_naming_it() {
+    let names = ["s0", "s1", "s2", "w0", "w1"];
+    let mut cluster = Cluster::start(&names);
+    let (outcome, victim, _) = run_and_kill(&mut cluster, &job(1, 600));
+    let error = format!("{:#}", outcome.expect_err("a range with no replica left"));
+    println!("with --replicas 1, after SIGKILL of {victim}: {error}");
+    assert!(
+        error.contains("key range (0x") && error.contains("is lost") && error.contains("--replicas 2"),
+        "{error}"
+    );
+}
