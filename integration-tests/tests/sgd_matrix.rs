@@ -259,5 +259,8 @@ fn sgd_gpt_layouts_match_one_device() {
     broken.test_fault = Some(TestFault::DropReplicaGrad);
     let (excess, abs) = param_difference(&reference, &run_program(broken));
     eprintln!("control gpt DropReplicaGrad: max |Δparam| {abs:e} (allclose excess {excess:.1})");
-    assert!(excess > MARGIN, "a dropped replica gradient moved the gpt by only {abs:e}");
+    assert!(
+        excess > MARGIN,
+        "a dropped replica gradient moved the gpt by only {abs:e}"
+    );
 }

@@ -92,7 +92,7 @@ pub use server::{
 pub use sparse_lr::{CtrSpec, SparseLrParams, SparseLrWorker};
 pub use store::KeyStore;
 pub use update::{Adam, BuiltinUpdate, Initializer, ProximalL1, Rule, ServerUpdate, Sgd};
-pub use worker::{LoopSettings, SeedModel, Train, WorkerRun, WorkerStep};
+pub use worker::{LoopSettings, SeedModel, SlowWindow, Train, WorkerRun, WorkerStep};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;

@@ -91,9 +91,31 @@ pub struct LoopSettings {
     /// Keep the sum of every acknowledged push per key ([`WorkerRun::acked`]).
     #[serde(default)]
     pub log_acked: bool,
+    /// A window of clocks in which the worker sleeps longer (to make a worker slow for a while).
+    #[serde(default)]
+    pub slow: Option<SlowWindow>,
     /// A planted failure at this clock (tests only).
     #[doc(hidden)]
     pub fail_at: Option<u64>,
+}
+
+/// A window of clocks in which a worker sleeps `extra_ms` more per clock, beside
+/// [`LoopSettings::delay_ms`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlowWindow {
+    /// The first slowed clock.
+    pub first_clock: u64,
+    /// Slowed clocks from `first_clock` on.
+    pub clocks: u64,
+    /// Extra milliseconds of sleep per slowed clock.
+    pub extra_ms: u64,
+}
+
+impl SlowWindow {
+    /// Whether `clock` is in the window.
+    pub fn contains(&self, clock: u64) -> bool {
+        clock >= self.first_clock && clock - self.first_clock < self.clocks
+    }
 }
 
 impl LoopSettings {
@@ -102,14 +124,49 @@ impl LoopSettings {
         self.workers * self.local_batch
     }
 
+    /// Milliseconds the worker sleeps at `clock`: the delay, plus the slow window's extra
+    /// where `clock` is in it.
+    pub fn delay_at(&self, clock: u64) -> u64 {
+        let extra = self.slow.filter(|w| w.contains(clock)).map_or(0, |w| w.extra_ms);
+        self.delay_ms + extra
+    }
+
     /// Sleeps the configured delay and fails where a failure is planted.
     pub async fn before_compute(&self, clock: u64) -> Result<(), String> {
         if self.fail_at == Some(clock) {
             return Err(format!("a planted failure at clock {clock}"));
         }
-        if self.delay_ms > 0 {
-            tokio::time::sleep(std::time::Duration::from_millis(self.delay_ms)).await;
+        let delay = self.delay_at(clock);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_slow_window_adds_its_delay_only_inside_it() {
+        let settings = LoopSettings {
+            delay_ms: 3,
+            slow: Some(SlowWindow {
+                first_clock: 5,
+                clocks: 3,
+                extra_ms: 40,
+            }),
+            ..LoopSettings::default()
+        };
+        let delays: Vec<u64> = (3..10).map(|c| settings.delay_at(c)).collect();
+        assert_eq!(delays, vec![3, 3, 43, 43, 43, 3, 3]);
+        // Negative control: without the window every clock gets the plain delay.
+        let plain = LoopSettings {
+            slow: None,
+            ..settings.clone()
+        };
+        assert!((3..10).all(|c| plain.delay_at(c) == 3));
+        assert_ne!(plain.delay_at(5), settings.delay_at(5));
     }
 }

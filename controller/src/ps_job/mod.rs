@@ -26,8 +26,8 @@ use archipelago_actors::ps::checkpoint::{Manifest, read_manifest, write_manifest
 use archipelago_actors::ps::server::ServerFault;
 use archipelago_actors::ps::{
     Consistency, CtrSpec, DenseWorker, DenseWorkerParams, Dump, LoopSettings, PsServer, Ring, SaveCheckpoint,
-    SeedModel, ServerParams, ServerReport, ServerUpdate, SparseLrParams, SparseLrWorker, Stats, Train,
-    WorkerRun,
+    SeedModel, ServerParams, ServerReport, ServerUpdate, SlowWindow, SparseLrParams, SparseLrWorker, Stats,
+    Train, WorkerRun,
 };
 use archipelago_actors::runtime::{Actor, ActorRef, Handler, Pending, Runtime, SpawnError, SpawnOptions};
 
@@ -213,6 +213,26 @@ pub fn run<U>(runtime: &Runtime, job: &PsJob<U>) -> anyhow::Result<PsOutcome>
 where
     U: ServerUpdate + Serialize + DeserializeOwned,
 {
+    run_slowed(runtime, job, None)
+}
+
+/// [`run`], with worker `slow.0` sleeping longer over the clocks of `slow.1` (the slowed-worker
+/// figure of `archipelago bench --ps-only`).
+pub fn run_slowed<U>(
+    runtime: &Runtime,
+    job: &PsJob<U>,
+    slow: Option<(usize, SlowWindow)>,
+) -> anyhow::Result<PsOutcome>
+where
+    U: ServerUpdate + Serialize + DeserializeOwned,
+{
+    if let Some((rank, _)) = slow {
+        anyhow::ensure!(
+            rank < job.workers,
+            "the slowed worker {rank} is not one of the {} workers",
+            job.workers
+        );
+    }
     job.check().map_err(anyhow::Error::msg)?;
     let slots = runtime.slots().len();
     anyhow::ensure!(
@@ -259,7 +279,7 @@ where
         .collect();
     let servers = all_or_none(spawn_servers)?;
     let watch = Watch::start(&servers, ring.clone(), job.replicas, job.consistency);
-    let result = with_servers(runtime, job, &servers, ring, first_clock, &watch);
+    let result = with_servers(runtime, job, &servers, (ring, slow), first_clock, &watch);
     watch.finish();
     servers.iter().for_each(|s| s.stop("the job is over"));
     match (result, watch.lost()) {
@@ -275,7 +295,7 @@ fn with_servers<U>(
     runtime: &Runtime,
     job: &PsJob<U>,
     servers: &[ActorRef<PsServer<U>>],
-    ring: Ring,
+    (ring, slow): (Ring, Option<(usize, SlowWindow)>),
     first_clock: u64,
     watch: &Watch,
 ) -> anyhow::Result<PsOutcome>
@@ -289,6 +309,7 @@ where
         local_batch: job.local_batch,
         delay_ms: job.delay_ms.get(rank).copied().unwrap_or(0),
         log_acked: job.log_clocks,
+        slow: slow.filter(|(r, _)| *r == rank).map(|(_, w)| w),
         fail_at: job.fail_at.filter(|(r, _)| *r == rank).map(|(_, c)| c),
     };
     let train = Train {
