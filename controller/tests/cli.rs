@@ -410,6 +410,24 @@ fn plan_flags_that_cannot_work_are_refused_naming_the_fix() {
             &[command, "--model", "mlp-8x1024", "--dp", "0"],
             &["--dp must be at least 1"],
         );
+        refused(
+            &[
+                command,
+                "--model",
+                "mlp-8x1024",
+                "--dp",
+                "2",
+                "--zero",
+                "1",
+                "--state",
+                "device",
+            ],
+            &["--state device", "--zero 1", "--state host"],
+        );
+        refused(
+            &[command, "--model", "mlp-8x1024", "--state", "gpu"],
+            &["--state `gpu`", "use `host` or `device`"],
+        );
     }
 }
 
