@@ -127,7 +127,7 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
     decode_unchecked(bytes)
 }
 
-fn decode_unchecked<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> {
+fn decode_unchecked<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
     // bincode counts against its limit the in-memory size of every value it decodes (a u64 is
     // 8 bytes, be its varint 1 byte long; a string its length), so a well-formed input claims at
     // most 16 times its own size (a u128). A limit of 16 times the input's size tier costs valid
@@ -142,43 +142,9 @@ fn decode_unchecked<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, CodecError> 
     }
 }
 
-fn decode_with<T: DeserializeOwned>(
-    bytes: &[u8],
-    config: impl bincode::config::Config,
-) -> Result<T, CodecError> {
-    let ty = std::any::type_name::<T>();
-    let (value, used) = bincode::serde::decode_from_slice(bytes, config).map_err(|e| CodecError::Decode {
-        ty,
-        bytes: bytes.len(),
-        reason: e.to_string(),
-    })?;
-    if used != bytes.len() {
-        return Err(CodecError::Trailing {
-            ty,
-            bytes: bytes.len(),
-            left: bytes.len() - used,
-        });
-    }
-    Ok(value)
-}
-
-/// Decodes a frame body that must fill `bytes` exactly, borrowing its strings and byte
-/// buffers from `bytes` instead of allocating them (the actor port's calls and replies).
-pub fn decode_frame_borrowed<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
-    if bytes.len() > MAX_FRAME_BYTES {
-        return Err(CodecError::TooLarge { bytes: bytes.len() });
-    }
-    // What it may allocate (an error's strings) is bounded as in `decode_unchecked`.
-    use bincode::config::standard;
-    match bytes.len() {
-        0..=4096 => decode_borrowed_with(bytes, standard().with_limit::<65536>()),
-        4097..=65536 => decode_borrowed_with(bytes, standard().with_limit::<1048576>()),
-        65537..=1048576 => decode_borrowed_with(bytes, standard().with_limit::<16777216>()),
-        _ => decode_borrowed_with(bytes, config()),
-    }
-}
-
-fn decode_borrowed_with<'a, T: serde::Deserialize<'a>>(
+/// Decodes `bytes` whole under `config`, borrowing strings and byte buffers from `bytes` where
+/// `T` can (owned types allocate as usual).
+fn decode_with<'a, T: serde::Deserialize<'a>>(
     bytes: &'a [u8],
     config: impl bincode::config::Config,
 ) -> Result<T, CodecError> {
@@ -197,6 +163,16 @@ fn decode_borrowed_with<'a, T: serde::Deserialize<'a>>(
         });
     }
     Ok(value)
+}
+
+/// Decodes a frame body that must fill `bytes` exactly, borrowing its strings and byte
+/// buffers from `bytes` instead of allocating them (the actor port's calls and replies), with
+/// the same bounds as [`decode`].
+pub fn decode_frame_borrowed<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, CodecError> {
+    if bytes.len() > MAX_FRAME_BYTES {
+        return Err(CodecError::TooLarge { bytes: bytes.len() });
+    }
+    decode_unchecked(bytes)
 }
 
 #[cfg(test)]

@@ -137,21 +137,6 @@ impl ActorTraining {
             state: plan.state,
         }
     }
-
-    /// The elements of the segment starting at block `start` this replica's optimizer updates:
-    /// its shard under ZeRO ≥ 1, the whole segment otherwise.
-    pub fn optimizer_range(&self, segment: &SegmentPlan) -> Range<usize> {
-        if self.zero.shards_optimizer() {
-            segment.own.clone()
-        } else {
-            0..segment.params
-        }
-    }
-
-    /// The segments as half-open block ranges.
-    pub fn block_ranges(&self) -> Vec<(usize, usize)> {
-        self.segments.iter().map(|s| (s.start, s.end)).collect()
-    }
 }
 
 fn block_params(model: &ModelDesc, blocks: Range<usize>) -> usize {

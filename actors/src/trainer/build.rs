@@ -11,6 +11,7 @@ use burn::tensor::backend::AutodiffBackend;
 
 use archipelago_dataflow::{ActorId, DType, Program, SegmentPlan, StatePlacement, ZeroStage};
 
+use super::cpu_buffers::is_cpu;
 use super::data::samples;
 use super::device_state::DeviceState;
 use super::fault::FaultHook;
@@ -197,7 +198,6 @@ impl<B: AutodiffBackend> Trainer<B> {
                 handed_off: Vec::new(),
                 steps_done: 0,
                 device_state: None,
-                segment_ranges: training.block_ranges(),
                 tensor_op_update: false,
             },
             samples,
@@ -220,11 +220,13 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// (Re)builds the device state from the host copies (at start, and after a restore).
     pub(super) fn upload_state(&mut self) {
+        let offsets = &self.stage.offsets;
         let segments: Vec<(usize, Range<usize>)> = self
             .state
-            .segment_ranges
+            .sharding
+            .segments
             .iter()
-            .map(|&(start, end)| (start, self.stage.offsets[start]..self.stage.offsets[end]))
+            .map(|(&start, shard)| (start, offsets[start]..offsets[shard.end]))
             .collect();
         let optimizer = &self.state.optimizer;
         let device = self.stage.device.clone();
@@ -253,8 +255,11 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// With the state on the device, updates it with tensor ops even on the CPU backend (whose
     /// buffers the optimizer's flat loops otherwise update in place): the GPU path, for tests.
     pub fn with_tensor_op_update(mut self, on: bool) -> Trainer<B> {
+        // Only the CPU backend has two ways to update: elsewhere the state already uploaded is
+        // the one the flag asks for, and is not moved again.
+        let changes = on != self.state.tensor_op_update && is_cpu::<B::InnerBackend>();
         self.state.tensor_op_update = on;
-        if self.state.device_state.is_some() {
+        if changes && self.state.device_state.is_some() {
             self.upload_state();
         }
         self

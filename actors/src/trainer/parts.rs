@@ -125,8 +125,6 @@ pub(super) struct TrainingState<B: AutodiffBackend> {
     /// device (authoritative; `master` and the optimizer's moments are then host copies brought
     /// up to date by `Computation::sync_host`).
     pub(super) device_state: Option<DeviceState<B::InnerBackend>>,
-    /// This actor's segments (first block, one past the last).
-    pub(super) segment_ranges: Vec<(usize, usize)>,
     /// Update the device state with tensor ops even where its buffers are host memory (CPU).
     pub(super) tensor_op_update: bool,
 }
