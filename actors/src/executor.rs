@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use archipelago_dataflow::{ActorId, ComputeOp, DeviceSpec, Instruction};
+use archipelago_dataflow::{ActorId, ComputeOp, DeviceSpec, Instruction, TensorId};
 
 use crate::collectives::{CollectiveWorker, DEFAULT_CHUNK_ELEMS, PendingCollective};
 use crate::error::{ActorFailure, panic_message};
@@ -22,24 +22,24 @@ use crate::fabric::{Fabric, FabricError, Tag};
 use crate::host_tensor::HostTensor;
 use crate::progress::Waiting;
 
-/// An actor's named host tensors (gradient buckets, received tensors, activations).
+/// An actor's host tensors by id (gradient buckets, received tensors, activations).
 #[derive(Default)]
 pub struct TensorTable {
-    tensors: HashMap<String, HostTensor>,
+    tensors: HashMap<TensorId, HostTensor>,
 }
 
 impl TensorTable {
-    /// Stores `tensor` under `name`.
-    pub fn insert(&mut self, name: String, tensor: HostTensor) {
-        self.tensors.insert(name, tensor);
+    /// Stores `tensor` under `id`.
+    pub fn insert(&mut self, id: TensorId, tensor: HostTensor) {
+        self.tensors.insert(id, tensor);
     }
     /// Takes the tensor out.
-    pub fn remove(&mut self, name: &str) -> Option<HostTensor> {
-        self.tensors.remove(name)
+    pub fn remove(&mut self, id: &TensorId) -> Option<HostTensor> {
+        self.tensors.remove(id)
     }
     /// Looks at a tensor.
-    pub fn get(&self, name: &str) -> Option<&HostTensor> {
-        self.tensors.get(name)
+    pub fn get(&self, id: &TensorId) -> Option<&HostTensor> {
+        self.tensors.get(id)
     }
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
@@ -80,14 +80,14 @@ pub trait Computation: Send {
         &mut self,
         step: u64,
         op: &ComputeOp,
-        inputs: &[String],
-        outputs: &[String],
+        inputs: &[TensorId],
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String>;
     /// A tensor the computation holds outside the table (an activation or its gradient about to
     /// cross to another actor), moved into host memory; `None` when it has no such tensor.
-    fn export(&mut self, name: &str) -> Option<Result<HostTensor, String>> {
-        let _ = name;
+    fn export(&mut self, id: &TensorId) -> Option<Result<HostTensor, String>> {
+        let _ = id;
         None
     }
     /// Called after the last instruction of a step.
@@ -288,7 +288,7 @@ impl Executor {
 
     /// A tensor the computation holds outside the table (on its device), moved into host memory
     /// for a send or a collective.
-    fn exported(computation: &mut dyn Computation, tensor: &str) -> Result<HostTensor, (String, bool)> {
+    fn exported(computation: &mut dyn Computation, tensor: &TensorId) -> Result<HostTensor, (String, bool)> {
         match catch_unwind(AssertUnwindSafe(|| computation.export(tensor))) {
             Ok(Some(result)) => result.map_err(|m| (m, false)),
             Ok(None) => Err((format!("`{tensor}` is not here"), false)),

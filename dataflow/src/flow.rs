@@ -22,6 +22,7 @@ use std::collections::BTreeMap;
 use crate::graph::Graph;
 use crate::instruction::{CollectiveKind, ComputeOp, Instruction};
 use crate::passes::lower::lower;
+use crate::tensor_id::TensorId;
 use crate::verify::verify;
 use crate::{ActorId, PlanError};
 
@@ -56,15 +57,17 @@ impl FlowGraph {
     /// elsewhere), producing the tensor `output` on `actor`.
     pub fn compute(&mut self, actor: ActorId, func: &str, inputs: &[&Value], output: &str) -> Value {
         self.check_actor(actor);
-        let local: Vec<String> = inputs.iter().map(|v| self.bring(v, actor)).collect();
-        let local: Vec<&str> = local.iter().map(String::as_str).collect();
+        let local: Vec<TensorId> = inputs
+            .iter()
+            .map(|v| TensorId::named(self.bring(v, actor)))
+            .collect();
         self.graph.compute(
             actor,
             ComputeOp::User {
                 name: func.to_string(),
             },
             &local,
-            &[output],
+            &[TensorId::named(output)],
         );
         Value {
             actor,
@@ -86,14 +89,15 @@ impl FlowGraph {
         }
         let group: Vec<ActorId> = values.iter().map(|v| v.actor).collect();
         self.graph
-            .collective(CollectiveKind::AllReduceSum, group, &first.name);
+            .collective(CollectiveKind::AllReduceSum, group, &TensorId::named(&first.name));
         values.to_vec()
     }
 
     /// Hands `value` to the caller under `key` after each run.
     pub fn output(&mut self, value: &Value, key: &str) {
         let op = ComputeOp::Output { key: key.to_string() };
-        self.graph.compute(value.actor, op, &[&value.name], &[]);
+        self.graph
+            .compute(value.actor, op, &[TensorId::named(&value.name)], &[]);
     }
 
     /// Lowers and verifies the graph: one stream per actor.
@@ -119,7 +123,12 @@ impl FlowGraph {
             return name.clone();
         }
         let name = format!("{}@{}", value.name, value.actor);
-        self.graph.transfer(value.actor, &value.name, to, &name);
+        self.graph.transfer(
+            value.actor,
+            &TensorId::named(&value.name),
+            to,
+            &TensorId::named(&name),
+        );
         self.moved.insert((value.clone(), to), name.clone());
         name
     }

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ActorId;
 use crate::instruction::{CollectiveKind, ComputeOp};
+use crate::tensor_id::TensorId;
 
 /// What a node does.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -21,9 +22,9 @@ pub enum NodeOp {
         /// What it runs.
         op: ComputeOp,
         /// Tensors read.
-        inputs: Vec<String>,
+        inputs: Vec<TensorId>,
         /// Tensors written.
-        outputs: Vec<String>,
+        outputs: Vec<TensorId>,
     },
     /// A point-to-point edge: `tensor` on `from` arrives as `as_name` on `to`.
     Transfer {
@@ -32,9 +33,9 @@ pub enum NodeOp {
         /// Receiver.
         to: ActorId,
         /// The sender's tensor.
-        tensor: String,
+        tensor: TensorId,
         /// The receiver's name for it.
-        as_name: String,
+        as_name: TensorId,
     },
     /// A collective edge over `group`: every member's `tensor` is replaced by the result.
     Collective {
@@ -43,7 +44,7 @@ pub enum NodeOp {
         /// Members, in ring order.
         group: Vec<ActorId>,
         /// The tensor (same name on every member).
-        tensor: String,
+        tensor: TensorId,
     },
 }
 
@@ -55,7 +56,7 @@ pub struct Graph {
     /// Nodes in schedule order.
     pub nodes: Vec<NodeOp>,
     /// Size in bytes of tensors whose size is known, by name (for memory and bandwidth estimates).
-    pub tensor_bytes: BTreeMap<String, u64>,
+    pub tensor_bytes: BTreeMap<TensorId, u64>,
 }
 
 impl Graph {
@@ -68,31 +69,31 @@ impl Graph {
     }
 
     /// Appends a compute node.
-    pub fn compute(&mut self, actor: ActorId, op: ComputeOp, inputs: &[&str], outputs: &[&str]) {
+    pub fn compute(&mut self, actor: ActorId, op: ComputeOp, inputs: &[TensorId], outputs: &[TensorId]) {
         self.nodes.push(NodeOp::Compute {
             actor,
             op,
-            inputs: inputs.iter().map(|s| s.to_string()).collect(),
-            outputs: outputs.iter().map(|s| s.to_string()).collect(),
+            inputs: inputs.to_vec(),
+            outputs: outputs.to_vec(),
         });
     }
 
     /// Appends a transfer edge.
-    pub fn transfer(&mut self, from: ActorId, tensor: &str, to: ActorId, as_name: &str) {
+    pub fn transfer(&mut self, from: ActorId, tensor: &TensorId, to: ActorId, as_name: &TensorId) {
         self.nodes.push(NodeOp::Transfer {
             from,
             to,
-            tensor: tensor.to_string(),
-            as_name: as_name.to_string(),
+            tensor: tensor.clone(),
+            as_name: as_name.clone(),
         });
     }
 
     /// Appends a collective edge.
-    pub fn collective(&mut self, kind: CollectiveKind, group: Vec<ActorId>, tensor: &str) {
+    pub fn collective(&mut self, kind: CollectiveKind, group: Vec<ActorId>, tensor: &TensorId) {
         self.nodes.push(NodeOp::Collective {
             kind,
             group,
-            tensor: tensor.to_string(),
+            tensor: tensor.clone(),
         });
     }
 }

@@ -1,12 +1,14 @@
 //! Instructions: the entries of an actor's stream, the unit the runtime executes and reports.
 //!
-//! Tensors are named per actor (`act.0`, `grad.1`, `batch`); an instruction reads and writes names,
-//! so a stream is plain data that can be printed, diffed and simulated.
+//! Tensors are named per actor by typed ids ([`TensorId`]: `act.0.1`, `grad.1`, `batch.0` when
+//! printed); an instruction reads and writes ids, so a stream is plain data that can be printed,
+//! diffed and simulated.
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::tensor_id::TensorId;
 use crate::{ActorId, DeviceSpec};
 
 /// Local compute on one actor.
@@ -166,14 +168,14 @@ pub enum Instruction {
         /// What to run.
         op: ComputeOp,
         /// Tensors read.
-        inputs: Vec<String>,
+        inputs: Vec<TensorId>,
         /// Tensors written.
-        outputs: Vec<String>,
+        outputs: Vec<TensorId>,
     },
     /// Send a local tensor to a peer (does not wait for the peer).
     Send {
         /// Local tensor.
-        tensor: String,
+        tensor: TensorId,
         /// Receiving actor.
         to: ActorId,
         /// Matches the peer's `Recv`.
@@ -182,7 +184,7 @@ pub enum Instruction {
     /// Receive a tensor from a peer into a local name (waits for it).
     Recv {
         /// Local name of the received tensor.
-        tensor: String,
+        tensor: TensorId,
         /// Sending actor.
         from: ActorId,
         /// Matches the peer's `Send`.
@@ -193,7 +195,7 @@ pub enum Instruction {
         /// Which collective.
         kind: CollectiveKind,
         /// The local tensor, replaced by the result.
-        tensor: String,
+        tensor: TensorId,
         /// Members in ring order.
         group: Vec<ActorId>,
         /// Identifies the collective across members.
@@ -202,7 +204,7 @@ pub enum Instruction {
     /// Wait until a started collective has finished on this actor.
     WaitCollective {
         /// The tensor the collective replaces.
-        tensor: String,
+        tensor: TensorId,
         /// The collective's tag.
         tag: u64,
     },
@@ -210,9 +212,9 @@ pub enum Instruction {
 
 impl Instruction {
     /// Tensors this instruction needs to exist locally before it runs.
-    pub fn reads(&self) -> Vec<&str> {
+    pub fn reads(&self) -> Vec<&TensorId> {
         match self {
-            Instruction::Compute { inputs, .. } => inputs.iter().map(String::as_str).collect(),
+            Instruction::Compute { inputs, .. } => inputs.iter().collect(),
             Instruction::Send { tensor, .. } | Instruction::StartCollective { tensor, .. } => {
                 vec![tensor]
             }
@@ -231,9 +233,7 @@ impl Instruction {
                 | ComputeOp::Loss { mb } => Some(*mb),
                 _ => None,
             },
-            Instruction::Send { tensor, .. } | Instruction::Recv { tensor, .. } => {
-                crate::passes::pipeline::microbatch_of(tensor)
-            }
+            Instruction::Send { tensor, .. } | Instruction::Recv { tensor, .. } => tensor.microbatch(),
             Instruction::StartCollective { .. } | Instruction::WaitCollective { .. } => None,
         }
     }

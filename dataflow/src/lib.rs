@@ -8,9 +8,11 @@
 //! The pipeline of [`compile`]:
 //! 1. [`passes::partition`] cuts the blocks into `pp × V` chunks; [`passes::schedule`] orders
 //!    each pipeline device's forward and backward passes (GPipe, 1F1B, interleaved, ZB-H1);
-//!    [`passes::pipeline`] builds the dataflow [`graph::Graph`] of one training step on the
-//!    `dp × pp` [`Mesh`]: segments (the [`passes::data_parallel`] gradient buckets) per
-//!    micro-batch, send/recv edges between stages, all-reduce edges between replicas.
+//!    [`passes::step`] builds the dataflow [`graph::Graph`] of one training step on the
+//!    `dp × pp` [`Mesh`] by passes, each in its own file: [`passes::pipeline`] (segments per
+//!    micro-batch, send/recv edges between stages), [`passes::data_parallel`] (gradient
+//!    all-reduce edges between replicas), [`passes::optimizer`], [`passes::offload`],
+//!    [`passes::zero`] and [`passes::islands`]. Tensors are typed ids ([`TensorId`]).
 //! 2. [`passes::lower`] splits that graph into one [`ActorStream`] per actor.
 //! 3. [`verify::verify`] simulates the streams: every send has its receive, every group enters its
 //!    collectives in the same order, every tensor is defined before it is used; a deadlock is
@@ -48,6 +50,7 @@ pub mod plan;
 pub mod program;
 pub mod rng;
 pub mod simulate;
+pub mod tensor_id;
 pub mod verify;
 
 pub use actor_training::{ActorTraining, SegmentPlan, ZeroStage, shard_range};
@@ -60,6 +63,7 @@ pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
 pub use param_desc::{DType, ParamDesc, ParamInit, Split};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
 pub use program::{Offload, ParallelPlan, Program, StatePlacement, TestFault};
+pub use tensor_id::{GatherFor, TensorId};
 
 /// Index of an actor in a plan: its rank in the mesh.
 pub type ActorId = usize;

@@ -7,7 +7,7 @@ use crate::memory::{self, ActorShare, MemoryEstimate};
 use crate::mesh::Mesh;
 use crate::passes::optimizer::StepNorms;
 use crate::passes::partition::{self, Chunk};
-use crate::passes::pipeline::{self, Layout};
+use crate::passes::pipeline::Layout;
 use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
 use crate::program::{Offload, Program};
 use crate::simulate::{CostModel, Prediction, simulate};
@@ -323,7 +323,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     );
     layout.islands = island_indices(&program.islands, mesh.size())?;
     let norms = StepNorms::of(program);
-    let graph = pipeline::build_step(
+    let graph = crate::passes::step::build_step(
         &layout,
         plan.batch,
         &orders,

@@ -10,20 +10,21 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 
 use crate::instruction::Instruction;
+use crate::tensor_id::TensorId;
 use crate::{ActorId, PlanError};
 
 struct ActorSim<'a> {
     stream: &'a [Instruction],
     pc: usize,
-    defined: HashSet<&'a str>,
-    in_collective: HashSet<&'a str>,
+    defined: HashSet<&'a TensorId>,
+    in_collective: HashSet<&'a TensorId>,
     comm_queue: VecDeque<u64>,
     completed: HashSet<u64>,
 }
 
 struct CollectiveFacts<'a> {
     group: &'a [ActorId],
-    tensor: &'a str,
+    tensor: &'a TensorId,
 }
 
 /// Checks that `streams` (indexed by actor) run to completion without deadlock.
@@ -99,7 +100,7 @@ fn advance<'a>(
     }
     match instruction {
         Instruction::Compute { outputs, .. } => {
-            sim.defined.extend(outputs.iter().map(String::as_str));
+            sim.defined.extend(outputs.iter());
         }
         Instruction::Send { to, tag, .. } => {
             if *to >= n {
@@ -138,7 +139,7 @@ fn advance<'a>(
             if !sim.completed.contains(tag) {
                 return Ok(false);
             }
-            sim.in_collective.remove(tensor.as_str());
+            sim.in_collective.remove(tensor);
         }
     }
     sim.pc += 1;

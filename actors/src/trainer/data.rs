@@ -1,5 +1,6 @@
 //! The trainer's data: the sample source of the job and the batches it loads per micro-batch.
 
+use archipelago_dataflow::TensorId;
 use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
@@ -32,7 +33,7 @@ pub(super) struct Batch<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
-    pub(super) fn load_batch(&mut self, step: u64, rows: Range<usize>, name: &str) {
+    pub(super) fn load_batch(&mut self, step: u64, rows: Range<usize>, name: &TensorId) {
         let n = rows.len();
         // Tokens per sequence (a gpt; 1 for dense rows, which do not use it).
         let ctx = self.stage.desc.input.tokens_per_sample();
@@ -82,7 +83,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
             }
         };
-        self.step.batches.insert(name.to_string(), batch);
+        self.step.batches.insert(name.clone(), batch);
     }
 }
 

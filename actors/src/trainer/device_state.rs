@@ -14,6 +14,7 @@
 //! (ZeRO-0, no offload, no LAMB; the plan refuses the rest), with clipping by the global norm
 //! (each bucket's sum of squares taken on the device: one value read back per bucket).
 
+use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -51,7 +52,7 @@ pub(super) struct DeviceState<B: Backend> {
     /// The parameters of the state (weight-decay groups), in flat master coordinates.
     layout: ParamLayout,
     segments: HashMap<usize, SegmentState<B>>,
-    buckets: HashMap<String, Tensor<B, 1>>,
+    buckets: HashMap<TensorId, Tensor<B, 1>>,
 }
 
 impl<B: Backend> DeviceState<B> {
@@ -103,17 +104,17 @@ impl<B: Backend> DeviceState<B> {
 
     /// Adds a micro-batch's gradients of one segment (flat tensors in order) to bucket `name`,
     /// or starts it with them.
-    pub(super) fn add_grads(&mut self, name: &str, parts: Vec<Tensor<B, 1>>, first: bool) {
+    pub(super) fn add_grads(&mut self, name: &TensorId, parts: Vec<Tensor<B, 1>>, first: bool) {
         let grads = Tensor::cat(parts, 0);
         let sum = match self.buckets.remove(name) {
             Some(acc) if !first => acc + grads,
             _ => grads,
         };
-        self.buckets.insert(name.to_string(), sum);
+        self.buckets.insert(name.clone(), sum);
     }
 
     /// Takes bucket `name` off the device into host memory (for a collective).
-    pub(super) fn export_bucket(&mut self, name: &str) -> Option<Vec<f32>> {
+    pub(super) fn export_bucket(&mut self, name: &TensorId) -> Option<Vec<f32>> {
         let bucket = self.buckets.remove(name)?;
         Some(
             download(bucket, TransferKind::Gradient)
@@ -127,7 +128,7 @@ impl<B: Backend> DeviceState<B> {
     /// host memory) moved onto it.
     pub(super) fn bucket(
         &mut self,
-        name: &str,
+        name: &TensorId,
         reduced: Option<Vec<f32>>,
         device: &B::Device,
     ) -> Result<Tensor<B, 1>, String> {
@@ -148,7 +149,7 @@ impl<B: Backend> DeviceState<B> {
     /// Σx² over `own` (a range of the bucket) of bucket `name` of this step, in f64; `None`
     /// when the bucket is not on the device (a collective took it). The tensor-op path sums on
     /// the device and reads back one value.
-    pub(super) fn squares(&self, name: &str, own: Range<usize>) -> Option<Result<f64, String>> {
+    pub(super) fn squares(&self, name: &TensorId, own: Range<usize>) -> Option<Result<f64, String>> {
         let bucket = self.buckets.get(name)?;
         if self.in_place {
             let cpu = into_cpu(bucket.clone())?;

@@ -2,6 +2,7 @@
 //! catches them (`Program::test_fault`; see `integration-tests/tests/sgd_matrix.rs`). Built only
 //! when a program names a fault: the normal path holds `None` and never calls in here.
 
+use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
 
 use archipelago_dataflow::TestFault;
@@ -16,7 +17,7 @@ pub(super) struct FaultHook {
     /// Micro-batches per step.
     microbatches: usize,
     /// `SkipAllReduce`: each bucket as this actor computed it, before the all-reduce.
-    local: HashMap<String, Vec<f32>>,
+    local: HashMap<TensorId, Vec<f32>>,
     /// `SkipAllReduce`: the one all-reduce has been skipped.
     skipped: bool,
 }
@@ -33,18 +34,18 @@ impl FaultHook {
     }
 
     /// A bucket as the backward left it, before any collective reads it.
-    pub(super) fn on_bucket(&mut self, name: &str, flat: &mut [f32]) {
+    pub(super) fn on_bucket(&mut self, name: &TensorId, flat: &mut [f32]) {
         match self.fault {
             TestFault::DropReplicaGrad if self.replica == 1 => flat.fill(0.0),
             TestFault::SkipAllReduce if !self.skipped => {
-                self.local.insert(name.to_string(), flat.to_vec());
+                self.local.insert(name.clone(), flat.to_vec());
             }
             _ => {}
         }
     }
 
     /// The gradient the optimizer step is about to apply for bucket `name`.
-    pub(super) fn on_update(&mut self, name: &str, grad: HostTensor) -> HostTensor {
+    pub(super) fn on_update(&mut self, name: &TensorId, grad: HostTensor) -> HostTensor {
         match self.fault {
             // The first bucket updated in the first step, only: one all-reduce skipped.
             TestFault::SkipAllReduce if !self.skipped => match self.local.remove(name) {

@@ -22,6 +22,7 @@
 //! to the offload actor and taking its updated parameters back), `fault.rs` (a test hook: the
 //! faults of the equivalence suite's negative controls).
 
+use archipelago_dataflow::TensorId;
 use burn::tensor::backend::AutodiffBackend;
 
 use archipelago_dataflow::{ActorPlan, ActorTraining, ComputeOp};
@@ -61,7 +62,7 @@ pub(super) struct Segment<B: AutodiffBackend> {
     /// from these); empty when checkpointed (the recompute makes new ones).
     copies: BlockCopies<B>,
     /// The batch whose targets the loss uses (last segment only).
-    batch: Option<String>,
+    batch: Option<TensorId>,
 }
 
 /// What an actor's plan gives its trainer: the chunks of blocks it holds and its training plan
@@ -140,11 +141,11 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         &mut self,
         step: u64,
         op: &ComputeOp,
-        inputs: &[String],
-        outputs: &[String],
+        inputs: &[TensorId],
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let nth = |names: &[String], i: usize| {
+        let nth = |names: &[TensorId], i: usize| {
             names
                 .get(i)
                 .cloned()
@@ -190,7 +191,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         }
     }
 
-    fn export(&mut self, name: &str) -> Option<Result<HostTensor, String>> {
+    fn export(&mut self, name: &TensorId) -> Option<Result<HostTensor, String>> {
         if let Some(bucket) = self
             .state
             .device_state

@@ -6,6 +6,7 @@
 //! elements belong to which parameter of the stage and whether they take weight decay (from the
 //! blocks' parameter shapes; no decay for biases and LayerNorm under the default groups).
 
+use archipelago_dataflow::TensorId;
 use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
@@ -102,7 +103,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.state.optimizer.begin_step();
         if let Some(max) = self.state.update.clip {
             let squares = table
-                .remove(GRAD_SQUARES)
+                .remove(&GRAD_SQUARES)
                 .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
             let [total] = squares.data[..] else {
                 return Err(format!("`{GRAD_SQUARES}` holds {} values, not 1", squares.len()));
@@ -117,8 +118,8 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// shard of each, so that replicas holding the same values count them once).
     pub(super) fn grad_norm(
         &mut self,
-        inputs: &[String],
-        outputs: &[String],
+        inputs: &[TensorId],
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let mut sum = 0.0f64;
@@ -157,13 +158,13 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// owns (the replicas of an unsharded stage update everything but count only their shard).
     pub(super) fn trust_norms(
         &mut self,
-        inputs: &[String],
-        outputs: &[String],
+        inputs: &[TensorId],
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         self.begin_update(table)?;
         let mut sums = vec![0.0f64; self.state.optimizer.norms_len()];
-        for name in inputs.iter().filter(|n| *n != GRAD_SQUARES) {
+        for name in inputs.iter().filter(|n| **n != GRAD_SQUARES) {
             let grad = table
                 .get(name)
                 .ok_or_else(|| format!("gradient `{name}` missing"))?;
@@ -218,7 +219,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             return Ok(());
         }
         let sums = table
-            .remove(TRUST_SQUARES)
+            .remove(&TRUST_SQUARES)
             .ok_or("LAMB's update needs the reduced parameter norms, and they are missing")?;
         if sums.len() != self.state.optimizer.norms_len() {
             return Err(format!(

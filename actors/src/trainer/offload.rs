@@ -4,6 +4,7 @@
 //! where the ZeRO stage keeps them (the master copy and modules, a gathered buffer for the
 //! all-gather, or the ZeRO-3 shard master — nowhere under `--offload-params`).
 
+use archipelago_dataflow::TensorId;
 use archipelago_dataflow::ZeroStage;
 use burn::tensor::backend::AutodiffBackend;
 
@@ -26,7 +27,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 
     /// Hands the reduced bucket `name` (or this replica's shard of it) to the offload actor.
-    pub(super) fn offload_grads(&mut self, name: &str, table: &mut TensorTable) -> Result<(), String> {
+    pub(super) fn offload_grads(&mut self, name: &TensorId, table: &mut TensorTable) -> Result<(), String> {
         let (grad, blocks) = self.take_bucket(name, table)?;
         let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
         let range = self.state.sharding.optimizer_range(blocks.start, len)?;
@@ -56,7 +57,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Takes every handed-off segment's updated parameters back from the offload actor.
     pub(super) fn collect_offloaded(
         &mut self,
-        outputs: &[String],
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let mut starts: Vec<usize> = self.state.sharding.segments.keys().copied().collect();

@@ -3,6 +3,7 @@
 //! that outlives steps ([`TrainingState`]: master parameters, optimizer, ZeRO shards, offload,
 //! the state on the device).
 
+use archipelago_dataflow::TensorId;
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
@@ -44,17 +45,17 @@ pub(super) struct HeldStage<B: AutodiffBackend> {
 /// The tensors of the step in flight: batches, segment forwards kept for their backward, losses,
 /// upstream gradients, gradient buckets being filled, and the step's memory figures.
 pub(super) struct InFlight<B: AutodiffBackend> {
-    pub(super) batches: HashMap<String, Batch<B>>,
+    pub(super) batches: HashMap<TensorId, Batch<B>>,
     pub(super) segments: HashMap<(usize, usize), Segment<B>>,
-    pub(super) by_name: HashMap<String, (usize, usize)>,
-    pub(super) losses: HashMap<String, (usize, usize)>,
+    pub(super) by_name: HashMap<TensorId, (usize, usize)>,
+    pub(super) losses: HashMap<TensorId, (usize, usize)>,
     pub(super) loss_sum: Option<f32>,
-    pub(super) upstream: HashMap<String, Activation<B>>,
+    pub(super) upstream: HashMap<TensorId, Activation<B>>,
     /// ZB-H1: weight gradients computed by `BackwardInput` (with the block copies they belong
     /// to), waiting for `BackwardWeight`.
     pub(super) pending_weights: HashMap<(usize, usize), (B::Gradients, BlockCopies<B>)>,
-    pub(super) grad_ranges: HashMap<String, Range<usize>>,
-    pub(super) grads_started: HashSet<String>,
+    pub(super) grad_ranges: HashMap<TensorId, Range<usize>>,
+    pub(super) grads_started: HashSet<TensorId>,
     pub(super) peak_grad_bytes: u64,
     pub(super) optimizer_grad_bytes: u64,
     pub(super) live: HashMap<(usize, usize), usize>,

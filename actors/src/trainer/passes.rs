@@ -2,6 +2,7 @@
 //! backward from the loss or an upstream gradient, ZB-H1's split backward, and the gradient
 //! buckets that add up the micro-batches.
 
+use archipelago_dataflow::TensorId;
 use std::ops::Range;
 
 use burn::tensor::Tensor;
@@ -16,7 +17,7 @@ use crate::transfer::{TransferKind, download};
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// A received tensor from the table as an activation.
-    pub(super) fn import(&self, name: &str, table: &mut TensorTable) -> Result<Activation<B>, String> {
+    pub(super) fn import(&self, name: &TensorId, table: &mut TensorTable) -> Result<Activation<B>, String> {
         let t = table
             .remove(name)
             .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
@@ -48,8 +49,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        input: &str,
-        output: &str,
+        input: &TensorId,
+        output: &TensorId,
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let x = if let Some(batch) = self.step.batches.get(input) {
@@ -76,14 +77,14 @@ impl<B: AutodiffBackend> Trainer<B> {
                 batch: None,
             },
         );
-        self.step.by_name.insert(output.to_string(), key);
+        self.step.by_name.insert(output.clone(), key);
         let chunk = (self.chunk_of(blocks.start), mb);
         *self.step.live.entry(chunk).or_default() += 1;
         self.step.peak_live = self.step.peak_live.max(self.step.live.len());
         Ok(())
     }
 
-    pub(super) fn loss_of(&self, output: &Activation<B>, batch: &str) -> Result<Tensor<B, 1>, String> {
+    pub(super) fn loss_of(&self, output: &Activation<B>, batch: &TensorId) -> Result<Tensor<B, 1>, String> {
         let logits = match output {
             Activation::Rows(l) => l.clone(),
             Activation::Seq(l) => {
@@ -105,7 +106,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(picked.sum().neg().mul_scalar(per_global_sample))
     }
 
-    pub(super) fn compute_loss(&mut self, logits: &str, batch: &str, loss: &str) -> Result<(), String> {
+    pub(super) fn compute_loss(
+        &mut self,
+        logits: &TensorId,
+        batch: &TensorId,
+        loss: &TensorId,
+    ) -> Result<(), String> {
         let key = *self
             .step
             .by_name
@@ -117,8 +123,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             .as_slice::<f32>()
             .map_err(|e| format!("the loss: {e:?}"))?[0];
         *self.step.loss_sum.get_or_insert(0.0) += scalar;
-        self.step.segments.get_mut(&key).expect("segment").batch = Some(batch.to_string());
-        self.step.losses.insert(loss.to_string(), key);
+        self.step.segments.get_mut(&key).expect("segment").batch = Some(batch.clone());
+        self.step.losses.insert(loss.clone(), key);
         Ok(())
     }
 
@@ -128,7 +134,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        upstream: &str,
+        upstream: &TensorId,
         table: &mut TensorTable,
     ) -> Result<(B::Gradients, Segment<B>), String> {
         let mut segment = self
@@ -162,16 +168,16 @@ impl<B: AutodiffBackend> Trainer<B> {
         blocks: Range<usize>,
         copies: &[Box<dyn Block<B>>],
         grads: &mut B::Gradients,
-        grad_name: &str,
+        grad_name: &TensorId,
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
-        let first = self.step.grads_started.insert(grad_name.to_string());
+        let first = self.step.grads_started.insert(grad_name.clone());
         if let Some(state) = &mut self.state.device_state {
             // The bucket stays on the device (summed there over micro-batches).
             let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
             state.add_grads(grad_name, parts, first);
-            self.step.grad_ranges.insert(grad_name.to_string(), blocks);
+            self.step.grad_ranges.insert(grad_name.clone(), blocks);
             self.step.peak_grad_bytes = self.step.peak_grad_bytes.max(4 * range.len() as u64);
             return Ok(());
         }
@@ -197,8 +203,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         if let Some(fault) = &mut self.fault {
             fault.on_bucket(grad_name, &mut flat);
         }
-        table.insert(grad_name.to_string(), HostTensor::flat(flat));
-        self.step.grad_ranges.insert(grad_name.to_string(), blocks);
+        table.insert(grad_name.clone(), HostTensor::flat(flat));
+        self.step.grad_ranges.insert(grad_name.clone(), blocks);
         let held: u64 = self
             .step
             .grad_ranges
@@ -224,8 +230,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        upstream: &str,
-        outputs: &[String],
+        upstream: &TensorId,
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
@@ -242,7 +248,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         segment: &Segment<B>,
         grads: &mut B::Gradients,
-        name: Option<&String>,
+        name: Option<&TensorId>,
     ) -> Result<(), String> {
         if let Some(name) = name {
             let g = segment
@@ -258,8 +264,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        upstream: &str,
-        outputs: &[String],
+        upstream: &TensorId,
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
@@ -274,7 +280,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        outputs: &[String],
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let (mut grads, copies) = self

@@ -2,6 +2,7 @@
 //! gradient bucket this replica updates, the gathered parameters it loads, and under ZeRO-3 the
 //! shards it keeps as its master copy and the modules it builds and drops around each segment.
 
+use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -111,7 +112,7 @@ impl Sharding {
 /// The values of gradient `name` this replica updates: `range` of the whole bucket (`len`
 /// values), or all of it when it is already this replica's shard (ZeRO-2's reduce-scatter).
 pub(super) fn bucket_or_shard<'g>(
-    name: &str,
+    name: &TensorId,
     grad: &'g [f32],
     len: usize,
     range: &Range<usize>,
@@ -133,7 +134,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Takes the reduced gradient bucket `name` out of the table, with its block range.
     pub(super) fn take_bucket(
         &mut self,
-        name: &str,
+        name: &TensorId,
         table: &mut TensorTable,
     ) -> Result<(HostTensor, Range<usize>), String> {
         let grad = table
@@ -149,8 +150,8 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     pub(super) fn optimizer_step(
         &mut self,
-        inputs: &[String],
-        outputs: &[String],
+        inputs: &[TensorId],
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         self.begin_update(table)?;
@@ -159,7 +160,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         self.take_trust_norms(table)?;
         for (k, name) in inputs.iter().enumerate() {
-            if name == GRAD_SQUARES || name == TRUST_SQUARES {
+            if *name == GRAD_SQUARES || *name == TRUST_SQUARES {
                 continue; // read by begin_update and take_trust_norms
             }
             let (mut grad, blocks) = self.take_bucket(name, table)?;
@@ -213,7 +214,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub(super) fn shard_params(
         &mut self,
         blocks: Range<usize>,
-        output: &str,
+        output: &TensorId,
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
@@ -229,7 +230,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         } else {
             full[own.clone()].copy_from_slice(&self.state.shard_master[state..state + own.len()]);
         }
-        table.insert(output.to_string(), HostTensor::flat(full));
+        table.insert(output.clone(), HostTensor::flat(full));
         Ok(())
     }
 
@@ -267,7 +268,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub(super) fn load_params(
         &mut self,
         blocks: Range<usize>,
-        name: &str,
+        name: &TensorId,
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let params = table
@@ -332,13 +333,17 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// The update with the state on the device: each bucket (on the device, or reduced by a
     /// collective and moved back onto it) updates its segment there, and the segment's modules
     /// take their parameters as slices of the new master tensor.
-    fn optimizer_step_on_device(&mut self, inputs: &[String], table: &mut TensorTable) -> Result<(), String> {
+    fn optimizer_step_on_device(
+        &mut self,
+        inputs: &[TensorId],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
         let ctx = self.state.optimizer.context();
         let state = self.state.device_state.as_mut().ok_or("no device state")?;
         // The norms were read by begin_update.
         for name in inputs
             .iter()
-            .filter(|n| *n != GRAD_SQUARES && *n != TRUST_SQUARES)
+            .filter(|n| **n != GRAD_SQUARES && **n != TRUST_SQUARES)
         {
             let blocks = self
                 .step

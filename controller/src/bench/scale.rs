@@ -81,8 +81,8 @@ impl Computation for NoOp {
         &mut self,
         _: u64,
         _: &ComputeOp,
-        _: &[String],
-        _: &[String],
+        _: &[archipelago_dataflow::TensorId],
+        _: &[archipelago_dataflow::TensorId],
         _: &mut TensorTable,
     ) -> Result<(), String> {
         Ok(())

@@ -1,19 +1,27 @@
-//! Data parallelism (DDP): gradient buckets, the segments of forward and backward whose
-//! all-reduce edges join the replicas along the `dp` axis (inserted by [`super::pipeline`], which
-//! builds the whole step: a pure data-parallel step is a one-stage pipeline).
+//! Data parallelism (DDP): gradient buckets, and the pass that joins the replicas along the `dp`
+//! axis with one all-reduce per bucket, started right after the bucket's last writer (a pure
+//! data-parallel step is a one-stage pipeline of [`super::pipeline`] with this pass over it).
 //!
 //! Follows PyTorch DDP (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
 //! Training", VLDB 2020): buckets are filled in reverse block order, so the all-reduce of the last
 //! bucket starts while the backward of the earlier blocks still runs.
 
-use serde::{Deserialize, Serialize};
-
+use std::collections::BTreeMap;
 use std::ops::Range;
 
+use serde::{Deserialize, Serialize};
+
+use crate::graph::{Graph, NodeOp};
+use crate::instruction::CollectiveKind;
 use crate::model_spec::ModelDesc;
+use crate::passes::layout::Layout;
+use crate::passes::runs::{insert_before, segment_runs};
+use crate::tensor_id::TensorId;
 
 /// A gradient bucket: a contiguous range of blocks whose gradients are all-reduced together.
-/// Buckets are also the segments of forward and backward.
+/// The plan cuts the compute segments of forward and backward on the same boundaries (one
+/// segment per bucket), but they are two notions: a segment is what one compute instruction
+/// runs, a bucket what one collective moves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Bucket {
     /// Bucket index, in forward order.
@@ -59,9 +67,29 @@ pub fn buckets_in(model: &ModelDesc, range: Range<usize>, bucket_bytes: u64, fir
         .collect()
 }
 
-/// Name of bucket `k`'s gradient tensor.
-pub fn grad_name(k: usize) -> String {
-    format!("grad.{k}")
+/// Inserts, for every gradient bucket, its all-reduce over the dp group of the bucket's pipeline
+/// device right after the last run that writes it (so it overlaps the rest of the backward).
+/// Nothing on one replica.
+pub fn reduce_gradients(graph: &mut Graph, layout: &Layout) {
+    if layout.mesh.axis_size("dp") == 1 {
+        return;
+    }
+    let mut last_writer = BTreeMap::new();
+    for run in segment_runs(graph, layout).into_iter().filter(|r| r.writes_grads) {
+        last_writer.insert(run.segment, run);
+    }
+    let inserts = last_writer
+        .values()
+        .map(|run| {
+            let reduce = NodeOp::Collective {
+                kind: CollectiveKind::AllReduceSum,
+                group: layout.dp_group(run.device),
+                tensor: TensorId::GradBucket { segment: run.segment },
+            };
+            (run.last + 1, reduce)
+        })
+        .collect();
+    insert_before(graph, inserts);
 }
 
 #[cfg(test)]
@@ -80,5 +108,49 @@ mod tests {
         assert_eq!(b.len(), 2, "33.6 MB in 25 MiB buckets: {b:?}");
         assert_eq!(buckets(&model, u64::MAX).len(), 1);
         assert_eq!(buckets(&model, 1).len(), model.blocks.len());
+    }
+
+    fn reductions(graph: &Graph) -> Vec<(usize, &TensorId, &Vec<usize>)> {
+        graph
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| match n {
+                NodeOp::Collective { tensor, group, kind } => {
+                    assert_eq!(*kind, CollectiveKind::AllReduceSum);
+                    Some((i, tensor, group))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// dp = 2 × pp = 2: one all-reduce per bucket over its stage's dp group, right after the last
+    /// node of the run that finishes the bucket, and after every write of it; none at dp = 1.
+    #[test]
+    fn each_bucket_is_reduced_once_after_its_last_writer() {
+        let (layout, orders) = crate::passes::runs::tests::layout(2, 2, 3);
+        let mut graph = crate::passes::pipeline::build(&layout, 12, &orders);
+        reduce_gradients(&mut graph, &layout);
+        let reduced = reductions(&graph);
+        assert_eq!(reduced.len(), layout.segments.len());
+        for (at, tensor, group) in reduced {
+            let TensorId::GradBucket { segment } = *tensor else {
+                panic!("{tensor}")
+            };
+            assert_eq!(*group, layout.dp_group(layout.device_of_segment(segment)));
+            let writes =
+                |n: &NodeOp| matches!(n, NodeOp::Compute { outputs, .. } if outputs.contains(tensor));
+            assert!(writes(&graph.nodes[at - 1]) || !matches!(graph.nodes[at - 1], NodeOp::Compute { .. }));
+            assert!(
+                !graph.nodes[at..].iter().any(writes),
+                "bucket {segment} written after its reduction"
+            );
+        }
+        let (single, orders) = crate::passes::runs::tests::layout(1, 2, 3);
+        let mut graph = crate::passes::pipeline::build(&single, 12, &orders);
+        let before = graph.clone();
+        reduce_gradients(&mut graph, &single);
+        assert_eq!(graph, before);
     }
 }

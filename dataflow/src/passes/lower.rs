@@ -11,13 +11,14 @@ use std::collections::{BTreeMap, VecDeque};
 
 use crate::graph::{Graph, NodeOp};
 use crate::instruction::Instruction;
+use crate::tensor_id::TensorId;
 
 /// Lowers `graph` to one instruction list per actor. Tags are node indices, unique in the graph.
 pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
     let mut streams: Vec<Vec<Instruction>> = vec![Vec::new(); graph.actors];
     // Per actor: receives not yet placed (known up front, so a receive may be placed before its
     // send's node comes in graph order), and started collectives not yet waited for.
-    let mut recvs: Vec<BTreeMap<String, VecDeque<Instruction>>> = vec![BTreeMap::new(); graph.actors];
+    let mut recvs: Vec<BTreeMap<TensorId, VecDeque<Instruction>>> = vec![BTreeMap::new(); graph.actors];
     for (index, node) in graph.nodes.iter().enumerate() {
         if let NodeOp::Transfer {
             from, to, as_name, ..
@@ -33,9 +34,9 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                 });
         }
     }
-    let mut pending: Vec<BTreeMap<String, Instruction>> = vec![BTreeMap::new(); graph.actors];
+    let mut pending: Vec<BTreeMap<TensorId, Instruction>> = vec![BTreeMap::new(); graph.actors];
     let mut emit =
-        |actor: usize, instruction: Instruction, pending: &mut Vec<BTreeMap<String, Instruction>>| {
+        |actor: usize, instruction: Instruction, pending: &mut Vec<BTreeMap<TensorId, Instruction>>| {
             for read in instruction.reads() {
                 if let Some(recv) = recvs[actor].get_mut(read).and_then(VecDeque::pop_front) {
                     streams[actor].push(recv);
@@ -115,14 +116,14 @@ mod tests {
         let mut g = Graph::new(2);
         let user = |name: &str| ComputeOp::User { name: name.into() };
         for a in 0..2 {
-            g.compute(a, user("make"), &[], &["x"]);
+            g.compute(a, user("make"), &[], &["x".into()]);
         }
-        g.collective(CollectiveKind::AllReduceSum, vec![0, 1], "x");
+        g.collective(CollectiveKind::AllReduceSum, vec![0, 1], &"x".into());
         for a in 0..2 {
-            g.compute(a, user("other"), &[], &["y"]);
-            g.compute(a, user("use"), &["x"], &[]);
+            g.compute(a, user("other"), &[], &["y".into()]);
+            g.compute(a, user("use"), &["x".into()], &[]);
         }
-        g.transfer(0, "y", 1, "y0");
+        g.transfer(0, &"y".into(), 1, &"y0".into());
         let s = lower(&g);
         assert!(matches!(s[0][1], Instruction::StartCollective { .. }));
         assert!(matches!(s[0][2], Instruction::Compute { .. }));

@@ -15,18 +15,19 @@
 //! any global norm could be known, so [`StepNorms`] that need a reduction are refused with it at
 //! compile time (deferring the offloaded update is left to issue 17).
 
+use crate::PlanError;
 use crate::graph::Graph;
 use crate::instruction::{CollectiveKind, ComputeOp};
-use crate::passes::data_parallel::{Bucket, grad_name};
+use crate::passes::data_parallel::Bucket;
 use crate::passes::pipeline::Layout;
 use crate::program::Program;
-use crate::{PlanError, ZeroStage};
+use crate::tensor_id::TensorId;
 
 /// The tensor holding the squared global gradient norm (one value), read by the update.
-pub const GRAD_SQUARES: &str = "gradsq";
+pub const GRAD_SQUARES: TensorId = TensorId::GradSquares;
 /// The tensor holding LAMB's per-parameter sums of squares (`‖p‖², ‖u‖²` per parameter of the
 /// stage, in the stage's parameter order), read by the update.
-pub const TRUST_SQUARES: &str = "trustsq";
+pub const TRUST_SQUARES: TensorId = TensorId::TrustSquares;
 
 /// The reductions a step needs before its update.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -88,9 +89,10 @@ pub fn check(program: &Program) -> Result<(), PlanError> {
 
 /// Appends every actor's optimizer step to `graph`: the norms and their reductions (all actors'
 /// `GradNorm` before the one all-reduce over every actor, so no actor updates before the norm is
-/// known), then per pipeline device `TrustNorms` and its dp all-reduce, the update, and under
-/// ZeRO-1/2 the all-gather and load of the updated parameters.
-pub fn append_updates(graph: &mut Graph, layout: &Layout, zero: ZeroStage, offload: bool, norms: StepNorms) {
+/// known), then per pipeline device `TrustNorms` and its dp all-reduce, and the update reading
+/// the device's gradient buckets. What ZeRO and offload change about the update is theirs
+/// ([`super::zero`], [`super::offload`]).
+pub fn append_updates(graph: &mut Graph, layout: &Layout, norms: StepNorms) {
     let pp = layout.shape.pp;
     let dp = layout.mesh.axis_size("dp");
     let held = |s: usize| -> Vec<&Bucket> {
@@ -106,33 +108,30 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, zero: ZeroStage, offlo
             buckets.last().map_or(0, |b| b.end),
         )
     };
+    let grads = |buckets: &[&Bucket]| -> Vec<TensorId> {
+        buckets
+            .iter()
+            .map(|b| TensorId::GradBucket { segment: b.id })
+            .collect()
+    };
     if norms.clip {
         for s in 0..pp {
             let buckets = held(s);
-            let grads: Vec<String> = buckets.iter().map(|b| grad_name(b.id)).collect();
-            let grads: Vec<&str> = grads.iter().map(String::as_str).collect();
             let (start, end) = span(&buckets);
             for r in 0..dp {
                 let op = ComputeOp::GradNorm { start, end };
-                graph.compute(layout.actor(r, s), op, &grads, &[GRAD_SQUARES]);
+                graph.compute(layout.actor(r, s), op, &grads(&buckets), &[GRAD_SQUARES]);
             }
         }
         if layout.mesh.size() > 1 {
             let everyone = (0..layout.mesh.size()).collect();
-            graph.collective(CollectiveKind::AllReduceSum, everyone, GRAD_SQUARES);
+            graph.collective(CollectiveKind::AllReduceSum, everyone, &GRAD_SQUARES);
         }
     }
     for s in 0..pp {
         let buckets = held(s);
         let (start, end) = span(&buckets);
-        let group = layout.mesh.group(layout.actor(0, s), "dp");
-        let names: Vec<String> = buckets.iter().map(|b| grad_name(b.id)).collect();
-        // With offload the gradients have left already; the step collects the host's results.
-        let mut inputs: Vec<&str> = if offload {
-            Vec::new()
-        } else {
-            names.iter().map(String::as_str).collect()
-        };
+        let mut inputs = grads(&buckets);
         if norms.trust {
             let mut trust_inputs = inputs.clone();
             if norms.clip {
@@ -143,44 +142,17 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, zero: ZeroStage, offlo
                 graph.compute(layout.actor(r, s), op, &trust_inputs, &[TRUST_SQUARES]);
             }
             if dp > 1 {
-                graph.collective(CollectiveKind::AllReduceSum, group.clone(), TRUST_SQUARES);
+                graph.collective(CollectiveKind::AllReduceSum, layout.dp_group(s), &TRUST_SQUARES);
             }
             inputs.push(TRUST_SQUARES);
         } else if norms.clip {
             inputs.push(GRAD_SQUARES);
         }
-        // ZeRO-1/2 gather the updated parameters after the step; ZeRO-3 keeps them sharded.
-        let sharded = zero.shards_optimizer() && !zero.shards_parameters();
-        let params: Vec<String> = buckets.iter().map(|b| param_name(b.id)).collect();
-        let outputs: Vec<&str> = if sharded {
-            params.iter().map(String::as_str).collect()
-        } else {
-            Vec::new()
-        };
         let op = ComputeOp::OptimizerStep { start, end };
         for r in 0..dp {
-            graph.compute(layout.actor(r, s), op.clone(), &inputs, &outputs);
-        }
-        if sharded {
-            for b in &buckets {
-                graph.collective(CollectiveKind::AllGather, group.clone(), &param_name(b.id));
-            }
-            for b in &buckets {
-                let load = ComputeOp::LoadParams {
-                    start: b.start,
-                    end: b.end,
-                };
-                for r in 0..dp {
-                    graph.compute(layout.actor(r, s), load.clone(), &[&param_name(b.id)], &[]);
-                }
-            }
+            graph.compute(layout.actor(r, s), op.clone(), &inputs, &[]);
         }
     }
-}
-
-/// Name of segment `k`'s gathered parameters (ZeRO).
-pub fn param_name(k: usize) -> String {
-    format!("param.{k}")
 }
 
 #[cfg(test)]
@@ -228,12 +200,12 @@ mod tests {
             let norm = position(&stream, &is_compute("GradNorm")).expect("GradNorm");
             let reduce = position(&stream, &|i| {
                 matches!(i, Instruction::StartCollective { tensor, group, .. }
-                    if tensor == GRAD_SQUARES && group == &vec![0, 1, 2, 3])
+                    if *tensor == GRAD_SQUARES && group == &vec![0, 1, 2, 3])
             })
             .expect("the all-actor all-reduce");
             let wait = position(
                 &stream,
-                &|i| matches!(i, Instruction::WaitCollective { tensor, .. } if tensor == GRAD_SQUARES),
+                &|i| matches!(i, Instruction::WaitCollective { tensor, .. } if *tensor == GRAD_SQUARES),
             )
             .expect("its wait");
             let update = position(&stream, &is_compute("OptimizerStep")).expect("OptimizerStep");
@@ -241,7 +213,7 @@ mod tests {
             let Instruction::Compute { inputs, .. } = &stream[update] else {
                 unreachable!()
             };
-            assert_eq!(inputs.last().map(String::as_str), Some(GRAD_SQUARES));
+            assert_eq!(inputs.last(), Some(&GRAD_SQUARES));
             assert!(position(&stream, &is_compute("TrustNorms")).is_none());
         }
     }
@@ -261,13 +233,13 @@ mod tests {
         for stream in streams(plan, true, true) {
             let clip = position(
                 &stream,
-                &|i| matches!(i, Instruction::WaitCollective { tensor, .. } if tensor == GRAD_SQUARES),
+                &|i| matches!(i, Instruction::WaitCollective { tensor, .. } if *tensor == GRAD_SQUARES),
             )
             .unwrap();
             let trust = position(&stream, &is_compute("TrustNorms")).unwrap();
             let reduce = position(&stream, &|i| {
                 matches!(i, Instruction::StartCollective { tensor, group, .. }
-                    if tensor == TRUST_SQUARES && group.len() == 2)
+                    if *tensor == TRUST_SQUARES && group.len() == 2)
             })
             .unwrap();
             let update = position(&stream, &is_compute("OptimizerStep")).unwrap();
@@ -296,11 +268,9 @@ mod tests {
         };
         for stream in streams(plan, false, false) {
             assert!(position(&stream, &is_compute("GradNorm")).is_none());
-            assert!(
-                !stream.iter().any(
-                    |i| matches!(i, Instruction::StartCollective { tensor, .. } if tensor == GRAD_SQUARES)
-                )
-            );
+            assert!(!stream.iter().any(
+                |i| matches!(i, Instruction::StartCollective { tensor, .. } if *tensor == GRAD_SQUARES)
+            ));
         }
     }
 

@@ -5,6 +5,7 @@
 //! failed call travels down the stream as an error value, so an iteration always ends, with the
 //! error naming the actor.
 
+use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
 
 use archipelago_dataflow::{ComputeOp, Instruction};
@@ -44,7 +45,7 @@ pub(crate) async fn interpret(
     invokers: HashMap<usize, Invoke>,
 ) {
     loop {
-        let mut table: HashMap<&str, Result<Shared, CallError>> = HashMap::new();
+        let mut table: HashMap<&TensorId, Result<Shared, CallError>> = HashMap::new();
         for instruction in &stream {
             match instruction {
                 Instruction::Recv { tensor, from, tag } => {
@@ -64,7 +65,7 @@ pub(crate) async fn interpret(
                     else {
                         continue;
                     };
-                    let value = match (table.get(input.as_str()).cloned(), invokers.get(&node)) {
+                    let value = match (table.get(input).cloned(), invokers.get(&node)) {
                         (Some(Ok(value)), Some(invoke)) => invoke_caught(invoke, value, node).await,
                         (Some(Err(error)), _) => Err(error),
                         (Some(Ok(_)), None) => Err(CallError::Program {
@@ -75,7 +76,7 @@ pub(crate) async fn interpret(
                     table.insert(output, value);
                 }
                 Instruction::Send { tensor, to, tag } => {
-                    let Some(value) = table.get(tensor.as_str()).cloned() else {
+                    let Some(value) = table.get(tensor).cloned() else {
                         continue;
                     };
                     if outbox.send(tensor, *to, *tag, value).is_err() {

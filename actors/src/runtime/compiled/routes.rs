@@ -5,6 +5,7 @@
 //! and put into the inbox on arrival. Inboxes are made by whichever comes first — the value or
 //! the interpreter — since a peer host may send before this host has installed its stream.
 
+use archipelago_dataflow::TensorId;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, LazyLock, Mutex};
 
@@ -95,7 +96,7 @@ impl Outbox {
     /// once that peer's inbox is gone (the program was dropped) or its host was lost.
     pub(crate) fn send(
         &self,
-        tensor: &str,
+        tensor: &TensorId,
         to: usize,
         tag: u64,
         value: Result<Shared, CallError>,
@@ -147,8 +148,13 @@ impl Outbox {
 }
 
 /// A value's name in the recording (`input`, `v3`), without the lowering's `@actor` suffix.
-pub(crate) fn value_name(tensor: &str) -> &str {
-    tensor.split('@').next().unwrap_or(tensor)
+/// Programs name every value ([`TensorId::Named`]); a training step's typed ids are no program
+/// value and have the empty name (no codec is registered under it).
+pub(crate) fn value_name(tensor: &TensorId) -> &str {
+    match tensor {
+        TensorId::Named(name) => name.split('@').next().unwrap_or(name),
+        _ => "",
+    }
 }
 
 #[derive(Default)]

@@ -3,6 +3,7 @@
 //! [`Frame::Program`], answered once the host has resolved the registered calls and codecs) —
 //! and runs it: the program's own stream (the last) sends the input and waits for the output.
 
+use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -231,8 +232,9 @@ where
             if let Some(error) = inbox.broken() {
                 return Err(error.clone());
             }
-            let mut table: HashMap<&str, Result<Shared, CallError>> = HashMap::new();
-            table.insert("input", Ok(Arc::new(input) as Shared));
+            let input_id = TensorId::named("input");
+            let mut table: HashMap<&TensorId, Result<Shared, CallError>> = HashMap::new();
+            table.insert(&input_id, Ok(Arc::new(input) as Shared));
             let stopped = || {
                 CallError::Program {
                 reason: "its interpreters have stopped (the runtime shut down); compile it again on a live runtime"
@@ -242,10 +244,7 @@ where
             for instruction in &stream {
                 match instruction {
                     Instruction::Send { tensor, to, tag } => {
-                        let value = table
-                            .get(tensor.as_str())
-                            .cloned()
-                            .unwrap_or_else(|| Err(stopped()));
+                        let value = table.get(tensor).cloned().unwrap_or_else(|| Err(stopped()));
                         outbox.send(tensor, *to, *tag, value)?;
                     }
                     Instruction::Recv { tensor, from, tag } => {
@@ -266,7 +265,7 @@ where
                     } if name == "return" => {
                         let value = inputs
                             .first()
-                            .and_then(|i| table.remove(i.as_str()))
+                            .and_then(|i| table.remove(i))
                             .unwrap_or_else(|| Err(stopped()))?;
                         let typed = value.downcast_ref::<R>().expect("the recorded output type");
                         return Ok(typed.clone());

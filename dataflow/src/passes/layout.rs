@@ -1,0 +1,108 @@
+//! Where every block and segment of a training step lives on the `dp × pp` mesh: the chunks of
+//! the pipeline partition, the segments (gradient buckets) cut from them, and the islands of
+//! the actors. Every pass of the step ([`super::step`]) reads it; none changes it.
+
+use crate::ActorId;
+use crate::mesh::Mesh;
+use crate::model_spec::ModelDesc;
+use crate::passes::data_parallel::{Bucket, buckets_in};
+use crate::passes::partition::Chunk;
+use crate::passes::schedule::PipelineShape;
+
+/// Where every block and segment lives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    /// The mesh (`dp`, and `pp` when there is more than one stage).
+    pub mesh: Mesh,
+    /// Pipeline shape.
+    pub shape: PipelineShape,
+    /// Chunks in model order.
+    pub chunks: Vec<Chunk>,
+    /// Segments (gradient buckets) in model order, numbered globally.
+    pub segments: Vec<Bucket>,
+    /// The chunk of each segment.
+    pub segment_chunk: Vec<usize>,
+    /// The island of each actor (empty: one island).
+    pub islands: Vec<usize>,
+}
+
+impl Layout {
+    /// Cuts every chunk into buckets of about `bucket_bytes`.
+    pub fn new(
+        model: &ModelDesc,
+        mesh: Mesh,
+        shape: PipelineShape,
+        chunks: Vec<Chunk>,
+        bucket_bytes: u64,
+    ) -> Layout {
+        let mut segments = Vec::new();
+        let mut segment_chunk = Vec::new();
+        for (c, &(start, end)) in chunks.iter().enumerate() {
+            let b = buckets_in(model, start..end, bucket_bytes, segments.len());
+            segment_chunk.extend(std::iter::repeat_n(c, b.len()));
+            segments.extend(b);
+        }
+        Layout {
+            mesh,
+            shape,
+            chunks,
+            segments,
+            segment_chunk,
+            islands: Vec::new(),
+        }
+    }
+
+    /// The pipeline device (coordinate on `pp`) holding chunk `c`.
+    pub fn device_of_chunk(&self, c: usize) -> usize {
+        c % self.shape.pp
+    }
+
+    /// The pipeline device holding segment `k`.
+    pub fn device_of_segment(&self, k: usize) -> usize {
+        self.device_of_chunk(self.segment_chunk[k])
+    }
+
+    /// The actor of replica `r`, pipeline device `s`.
+    pub fn actor(&self, r: usize, s: usize) -> usize {
+        if self.shape.pp == 1 {
+            self.mesh.rank(&[r])
+        } else {
+            self.mesh.rank(&[r, s])
+        }
+    }
+
+    /// The chunks on pipeline device `s`, in model order.
+    pub fn chunks_on(&self, s: usize) -> Vec<Chunk> {
+        (0..self.chunks.len())
+            .filter(|&c| self.device_of_chunk(c) == s)
+            .map(|c| self.chunks[c])
+            .collect()
+    }
+
+    /// Segments of chunk `c`, in model order.
+    pub fn segments_of(&self, c: usize) -> Vec<&Bucket> {
+        self.segments
+            .iter()
+            .zip(&self.segment_chunk)
+            .filter(|(_, sc)| **sc == c)
+            .map(|(b, _)| b)
+            .collect()
+    }
+
+    /// The (replica, pipeline device) coordinates of `actor`.
+    pub fn coords_of(&self, actor: ActorId) -> (usize, usize) {
+        (self.mesh.coord(actor, "dp"), self.mesh.coord(actor, "pp"))
+    }
+
+    /// The dp group of pipeline device `s` (every replica's actor), in replica order.
+    pub fn dp_group(&self, s: usize) -> Vec<ActorId> {
+        self.mesh.group(self.actor(0, s), "dp")
+    }
+
+    /// The segment whose blocks are exactly `start..end`.
+    pub fn segment_of_blocks(&self, start: usize, end: usize) -> Option<usize> {
+        self.segments
+            .iter()
+            .position(|b| b.start == start && b.end == end)
+    }
+}
