@@ -226,4 +226,58 @@ mod tests {
         let cpu_only = Builders::cpu(Arc::new(ZooModel(ModelSpec::parse("mlp-8x1024").unwrap())));
         assert!(cpu_only.check(&[DeviceSpec::Cuda(0)]).is_err());
     }
+
+    /// The trainer follows the instruction's update scope and checks it against the actor's
+    /// plan: a ZeRO-1 actor told to update whole buckets refuses, naming both (a stream not
+    /// compiled from its plan never updates the wrong range silently).
+    #[test]
+    fn an_update_the_plan_does_not_call_for_is_refused() {
+        use archipelago_dataflow::{ComputeOp, ParallelPlan, Program, UpdateScope, compile};
+        let spec = ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=2").unwrap();
+        let program = Program::new(spec.clone()).with_plan(ParallelPlan {
+            dp: 2,
+            zero: 1,
+            batch: 4,
+            ..ParallelPlan::default()
+        });
+        let plan = compile(&program).unwrap();
+        let actor = &plan.actors[0];
+        let compiled = actor
+            .stream
+            .instructions
+            .iter()
+            .find_map(|i| match i {
+                archipelago_dataflow::Instruction::Compute {
+                    op: op @ ComputeOp::OptimizerStep { .. },
+                    ..
+                } => Some(op.clone()),
+                _ => None,
+            })
+            .expect("an update");
+        assert!(matches!(
+            compiled,
+            ComputeOp::OptimizerStep {
+                scope: UpdateScope::ShardThenGather,
+                ..
+            }
+        ));
+        let ComputeOp::OptimizerStep { start, end, .. } = compiled else {
+            unreachable!()
+        };
+        let mut trainer = Builders::zoo(spec)
+            .trainer(&program, 0, DeviceSpec::Cpu(0), &Placement::of(actor), None)
+            .unwrap();
+        let wrong = ComputeOp::OptimizerStep {
+            start,
+            end,
+            scope: UpdateScope::Whole,
+        };
+        let err = trainer
+            .compute(0, &wrong, &[], &[], &mut crate::executor::TensorTable::default())
+            .unwrap_err();
+        assert!(
+            err.contains("updates `whole`") && err.contains("plan says `shard, then gather`"),
+            "{err}"
+        );
+    }
 }

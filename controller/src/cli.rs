@@ -447,7 +447,11 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
             "--resume DIR writes its checkpoints into DIR; drop --checkpoint-dir or make it the same"
         );
     }
-    let result = controller.train(&program, &options);
+    // A local run trains the plan compiled above (compiled once); a controller compiles its own.
+    let result = match args.controller {
+        Some(_) => controller.train(&program, &options),
+        None => controller.train_compiled(plan, &options),
+    };
     if let Some(bar) = bar {
         bar.finish();
     }
@@ -467,7 +471,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
             .unwrap_or_default(),
         report.peak_rss_bytes as f64 / (1u64 << 20) as f64
     );
-    if plan.program.plan.pp > 1 || plan.program.plan.microbatches > 1 {
+    if program.plan.pp > 1 || program.plan.microbatches > 1 {
         for a in report.actors.iter().filter(|a| a.replica == 0) {
             println!(
                 "stage {}: bubble {:.3} measured, {:.3} predicted by the cost model, {:.3} replayed with the measured \

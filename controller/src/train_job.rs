@@ -147,6 +147,28 @@ impl Controller {
             ));
         }
         let plan = self.plan(program)?;
+        self.run_plan(plan, builders, options)
+    }
+
+    /// Trains a zoo model from a plan already compiled by [`Controller::plan`] (nothing is
+    /// compiled again) and reports.
+    pub fn train_compiled(&self, plan: Plan, options: &TrainOptions) -> Result<TrainReport, JobError> {
+        if self.remote.is_some() {
+            return Err(JobError::Runtime(
+                "a remote controller compiles the jobs it runs: submit the program with Controller::train"
+                    .into(),
+            ));
+        }
+        let spec = ModelSpec::parse(&plan.program.model.name)?;
+        self.run_plan(plan, Builders::zoo(spec), options)
+    }
+
+    fn run_plan(
+        &self,
+        plan: Plan,
+        builders: Builders,
+        options: &TrainOptions,
+    ) -> Result<TrainReport, JobError> {
         let result = self.runtime.block_on(run(plan, builders, options));
         if let Some(d) = &options.dashboard {
             d.job_ended(result.as_ref().err().map(|e| e.to_string()).as_deref());

@@ -95,14 +95,16 @@ pub enum ComputeOp {
         /// One past the last block.
         end: usize,
     },
-    /// Optimizer step on the flat parameters of blocks `start..end` (with offload: collect the
-    /// offload actor's updated parameters). Besides the gradient buckets it may read the reduced
-    /// global gradient norm (clipping) or LAMB's reduced per-parameter norms, named after them.
+    /// Optimizer step on the flat parameters of blocks `start..end`, over what `scope` says and
+    /// followed by what it says. Besides the gradient buckets it may read the reduced global
+    /// gradient norm (clipping) or LAMB's reduced per-parameter norms.
     OptimizerStep {
         /// First block.
         start: usize,
         /// One past the last block.
         end: usize,
+        /// What it updates and what follows.
+        scope: UpdateScope,
     },
     /// Load the gathered parameters of blocks `start..end` (ZeRO: after the all-gather of the
     /// shards each replica updated) into the master copy and the compute modules.
@@ -138,6 +140,33 @@ pub enum ComputeOp {
         /// The key the caller reads it under.
         key: String,
     },
+}
+
+/// What an optimizer step updates, and what becomes of the result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UpdateScope {
+    /// Every bucket whole (replicated state); the compute modules reload the updated blocks.
+    Whole,
+    /// This replica's shard of every bucket (ZeRO-1/2); the updated shard is written, in a
+    /// buffer of the bucket's length, to the step's output for the all-gather that follows.
+    ShardThenGather,
+    /// This replica's shard of every bucket (ZeRO-3), kept as the only copy until the next
+    /// forward gathers it.
+    ShardKept,
+    /// The buckets went to the offload actor during the backward; collect its updated parameters
+    /// (ZeRO-Offload).
+    CollectOffloaded,
+}
+
+impl fmt::Display for UpdateScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            UpdateScope::Whole => "whole",
+            UpdateScope::ShardThenGather => "shard, then gather",
+            UpdateScope::ShardKept => "shard, kept",
+            UpdateScope::CollectOffloaded => "collect offloaded",
+        })
+    }
 }
 
 /// A collective operation over a group of actors.
@@ -255,7 +284,9 @@ impl fmt::Display for ComputeOp {
             ComputeOp::OffloadGrads { start, end } => write!(f, "OffloadGrads(blocks {start}..{end})"),
             ComputeOp::GradNorm { start, end } => write!(f, "GradNorm(blocks {start}..{end})"),
             ComputeOp::TrustNorms { start, end } => write!(f, "TrustNorms(blocks {start}..{end})"),
-            ComputeOp::OptimizerStep { start, end } => write!(f, "OptimizerStep(blocks {start}..{end})"),
+            ComputeOp::OptimizerStep { start, end, scope } => {
+                write!(f, "OptimizerStep(blocks {start}..{end}, {scope})")
+            }
             ComputeOp::LoadParams { start, end } => write!(f, "LoadParams(blocks {start}..{end})"),
             ComputeOp::ShardParams { start, end } => write!(f, "ShardParams(blocks {start}..{end})"),
             ComputeOp::DropParams { start, end } => write!(f, "DropParams(blocks {start}..{end})"),

@@ -56,7 +56,7 @@ pub mod verify;
 pub use actor_training::{ActorTraining, SegmentPlan, ZeroStage, shard_range};
 pub use device::DeviceSpec;
 pub use error::PlanError;
-pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction};
+pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction, UpdateScope};
 pub use mesh::Mesh;
 pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
 pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};

@@ -23,6 +23,7 @@
 //! faults of the equivalence suite's negative controls).
 
 use archipelago_dataflow::TensorId;
+use archipelago_dataflow::UpdateScope;
 use burn::tensor::backend::AutodiffBackend;
 
 use archipelago_dataflow::{ActorPlan, ActorTraining, ComputeOp};
@@ -174,10 +175,19 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             ComputeOp::OffloadGrads { .. } => self.offload_grads(&nth(inputs, 0)?, table),
             ComputeOp::GradNorm { .. } => self.grad_norm(inputs, outputs, table),
             ComputeOp::TrustNorms { .. } => self.trust_norms(inputs, outputs, table),
-            ComputeOp::OptimizerStep { .. } if self.state.offload.is_some() => {
-                self.collect_offloaded(outputs, table)
+            ComputeOp::OptimizerStep { scope, .. } => {
+                let planned = self.state.update_scope();
+                if *scope != planned {
+                    return Err(format!(
+                        "the instruction updates `{scope}` but this actor's plan says `{planned}`: the stream \
+                         was not compiled from this actor's plan"
+                    ));
+                }
+                match scope {
+                    UpdateScope::CollectOffloaded => self.collect_offloaded(outputs, table),
+                    _ => self.optimizer_step(*scope, inputs, outputs, table),
+                }
             }
-            ComputeOp::OptimizerStep { .. } => self.optimizer_step(inputs, outputs, table),
             ComputeOp::LoadParams { start, end } => self.load_params(*start..*end, &nth(inputs, 0)?, table),
             ComputeOp::ShardParams { start, end } => {
                 self.shard_params(*start..*end, &nth(outputs, 0)?, table)

@@ -4,6 +4,7 @@
 //! the state on the device).
 
 use archipelago_dataflow::TensorId;
+use archipelago_dataflow::UpdateScope;
 use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
@@ -128,4 +129,19 @@ pub(super) struct TrainingState<B: AutodiffBackend> {
     pub(super) device_state: Option<DeviceState<B::InnerBackend>>,
     /// Update the device state with tensor ops even where its buffers are host memory (CPU).
     pub(super) tensor_op_update: bool,
+}
+
+impl<B: AutodiffBackend> TrainingState<B> {
+    /// The optimizer step this actor's plan calls for (what the compiled stream must say).
+    pub(super) fn update_scope(&self) -> UpdateScope {
+        if self.offload.is_some() {
+            UpdateScope::CollectOffloaded
+        } else if self.sharding.zero.shards_parameters() {
+            UpdateScope::ShardKept
+        } else if self.sharding.zero.shards_optimizer() {
+            UpdateScope::ShardThenGather
+        } else {
+            UpdateScope::Whole
+        }
+    }
 }

@@ -3,6 +3,7 @@
 //! shards it keeps as its master copy and the modules it builds and drops around each segment.
 
 use archipelago_dataflow::TensorId;
+use archipelago_dataflow::UpdateScope;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -150,6 +151,7 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     pub(super) fn optimizer_step(
         &mut self,
+        scope: UpdateScope,
         inputs: &[TensorId],
         outputs: &[TensorId],
         table: &mut TensorTable,
@@ -168,7 +170,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 grad = fault.on_update(name, grad);
             }
             let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
-            if !self.state.sharding.zero.shards_optimizer() {
+            if scope == UpdateScope::Whole {
                 self.state
                     .optimizer
                     .update(range.start, &mut self.state.master[range.clone()], &grad.data);
@@ -182,7 +184,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 let grads = bucket_or_shard(name, &grad.data, range.len(), &shard)?;
                 let shifted = self.fault.as_ref().and_then(|f| f.shard_gradient(grads));
                 let grads = shifted.as_deref().unwrap_or(grads);
-                if self.state.sharding.zero.shards_parameters() {
+                if scope == UpdateScope::ShardKept {
                     // The master copy is the shard itself; it stays sharded until the next gather.
                     let at = state..state + shard.len();
                     self.state

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 
 use crate::graph::{Graph, NodeOp};
-use crate::instruction::ComputeOp;
+use crate::instruction::{ComputeOp, UpdateScope};
 use crate::passes::layout::Layout;
 use crate::passes::runs::{insert_before, segment_runs};
 use crate::tensor_id::TensorId;
@@ -54,13 +54,13 @@ pub fn apply(graph: &mut Graph, layout: &Layout) {
     }
     insert_before(graph, inserts);
     for node in &mut graph.nodes {
-        if let NodeOp::Compute {
-            op: ComputeOp::OptimizerStep { .. } | ComputeOp::TrustNorms { .. },
-            inputs,
-            ..
-        } = node
+        if let NodeOp::Compute { op, inputs, .. } = node
+            && matches!(op, ComputeOp::OptimizerStep { .. } | ComputeOp::TrustNorms { .. })
         {
             inputs.retain(|t| !matches!(t, TensorId::GradBucket { .. }));
+            if let ComputeOp::OptimizerStep { scope, .. } = op {
+                *scope = UpdateScope::CollectOffloaded;
+            }
         }
     }
 }

@@ -17,7 +17,7 @@
 
 use crate::PlanError;
 use crate::graph::Graph;
-use crate::instruction::{CollectiveKind, ComputeOp};
+use crate::instruction::{CollectiveKind, ComputeOp, UpdateScope};
 use crate::passes::data_parallel::Bucket;
 use crate::passes::pipeline::Layout;
 use crate::program::Program;
@@ -148,7 +148,11 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, norms: StepNorms) {
         } else if norms.clip {
             inputs.push(GRAD_SQUARES);
         }
-        let op = ComputeOp::OptimizerStep { start, end };
+        let op = ComputeOp::OptimizerStep {
+            start,
+            end,
+            scope: UpdateScope::Whole,
+        };
         for r in 0..dp {
             graph.compute(layout.actor(r, s), op.clone(), &inputs, &[]);
         }

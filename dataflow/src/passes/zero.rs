@@ -13,7 +13,7 @@
 
 use crate::ZeroStage;
 use crate::graph::{Graph, NodeOp};
-use crate::instruction::{CollectiveKind, ComputeOp};
+use crate::instruction::{CollectiveKind, ComputeOp, UpdateScope};
 use crate::passes::layout::Layout;
 use crate::passes::runs::{Run, insert_before, segment_runs};
 use crate::passes::schedule::Pass;
@@ -25,9 +25,26 @@ pub fn apply(graph: &mut Graph, layout: &Layout, zero: ZeroStage) {
         reduce_scatter_gradients(graph);
     }
     if zero.shards_parameters() {
+        set_scope(graph, UpdateScope::ShardKept);
         gather_around_runs(graph, layout);
     } else if zero.shards_optimizer() {
+        set_scope(graph, UpdateScope::ShardThenGather);
         gather_after_update(graph, layout);
+    }
+}
+
+/// Every update that works on whole buckets now works on this replica's shard (an offloaded
+/// update keeps its scope: the offload actor holds the shard).
+fn set_scope(graph: &mut Graph, to: UpdateScope) {
+    for node in &mut graph.nodes {
+        if let NodeOp::Compute {
+            op: ComputeOp::OptimizerStep { scope, .. },
+            ..
+        } = node
+            && *scope == UpdateScope::Whole
+        {
+            *scope = to;
+        }
     }
 }
 
@@ -219,6 +236,25 @@ mod tests {
         assert_eq!(count(&one, CollectiveKind::AllGather), n);
         assert_eq!(count(&two, CollectiveKind::AllReduceSum), 0);
         assert_eq!(count(&two, CollectiveKind::ReduceScatterSum), n);
+        let scopes = |g: &Graph| -> Vec<UpdateScope> {
+            g.nodes
+                .iter()
+                .filter_map(|n| match n {
+                    NodeOp::Compute {
+                        op: ComputeOp::OptimizerStep { scope, .. },
+                        ..
+                    } => Some(*scope),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert_eq!(scopes(&off), [UpdateScope::Whole; 4]);
+        assert_eq!(scopes(&one), [UpdateScope::ShardThenGather; 4]);
+        assert_eq!(scopes(&two), [UpdateScope::ShardThenGather; 4]);
+        assert_eq!(
+            scopes(&step(ZeroStage::ShardedParameters).1),
+            [UpdateScope::ShardKept; 4]
+        );
         for g in [&one, &two] {
             for (i, node) in g.nodes.iter().enumerate() {
                 let NodeOp::Collective {
