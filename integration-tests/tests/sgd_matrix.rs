@@ -9,8 +9,11 @@
 //! assert that the same element-wise comparison catches it by a wide margin: an all-reduce
 //! skipped, one replica's gradient dropped, micro-batch gradients averaged instead of summed, a
 //! ZeRO shard updated at the wrong offset. `state_on_device` runs the matrix with the training
-//! state on the device and checks the host ⇄ device bytes each step reports.
+//! state on the device and checks the host ⇄ device bytes each step reports; `offload_clipping`
+//! checks the deferred offloaded update under clipping.
 
+#[path = "sgd_matrix/offload_clipping.rs"]
+mod offload_clipping;
 #[path = "sgd_matrix/state_on_device.rs"]
 mod state_on_device;
 

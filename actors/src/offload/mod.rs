@@ -5,6 +5,13 @@
 //! the update runs while the device goes on with its backward, and the step's optimizer
 //! instruction only collects the updated parameters.
 //!
+//! When the step clips its gradients by the global norm, no bucket can be updated before every
+//! bucket has been reduced and the norm summed: the device then *stages* each bucket with the
+//! offload actor as it is reduced (the copy to the host still overlaps the backward) and, once the
+//! norm is known, the step's optimizer instruction has the staged updates applied with the
+//! clipping factor (the deferred update; what it loses against the early update is the overlap of
+//! the host's optimizer with the backward).
+//!
 //! The actor learns the order in which segments arrive (the same every step) and reads the next
 //! one's state ahead while it updates the current one; after the last segment of a step it reads
 //! the first one of the next.
@@ -42,6 +49,10 @@ enum Request {
         grads: Vec<f32>,
         return_params: bool,
     },
+    /// Keeps a segment's gradients for the deferred update.
+    Stage { segment: usize, grads: Vec<f32> },
+    /// Applies every staged update, in the order staged, with this step's context.
+    ApplyStaged { step: StepContext, return_params: bool },
     ReadParams {
         segment: usize,
         full: Vec<f32>,
@@ -172,6 +183,19 @@ impl OffloadActor {
         })
     }
 
+    /// Keeps `segment`'s gradients for the deferred update of this step (clipping: the factor is
+    /// not known yet); [`OffloadActor::apply_staged`] applies them.
+    pub fn stage(&self, segment: usize, grads: Vec<f32>) -> Result<(), String> {
+        self.send(Request::Stage { segment, grads })
+    }
+
+    /// Applies every staged update with `step` (its clipping factor included), in the order
+    /// staged; [`OffloadActor::next_updated`] returns each result, as for
+    /// [`OffloadActor::update`].
+    pub fn apply_staged(&self, step: StepContext, return_params: bool) -> Result<(), String> {
+        self.send(Request::ApplyStaged { step, return_params })
+    }
+
     /// The next finished update: the segment and its updated parameters (empty unless asked).
     pub fn next_updated(&self) -> Result<(usize, Vec<f32>), String> {
         self.updated
@@ -236,11 +260,16 @@ fn run(
     results: Sender<Result<(usize, Vec<f32>), String>>,
     stats: Arc<Mutex<OffloadStats>>,
 ) {
-    let mut last_order: Vec<usize> = Vec::new();
-    let mut order: Vec<usize> = Vec::new();
-    let mut step = 0;
-    let mut optimizer_s = 0.0;
-    let mut failed: Option<String> = None;
+    let mut updater = Updater {
+        spec,
+        layouts,
+        last_order: Vec::new(),
+        order: Vec::new(),
+        step: 0,
+        optimizer_s: 0.0,
+        failed: None,
+    };
+    let mut staged: Vec<(usize, Vec<f32>)> = Vec::new();
     for request in inbox {
         match request {
             Request::Update {
@@ -249,35 +278,18 @@ fn run(
                 grads,
                 return_params,
             } => {
-                let t = ctx.t;
-                if t != step {
-                    if !order.is_empty() {
-                        last_order = std::mem::take(&mut order);
-                    }
-                    step = t;
-                }
-                order.push(segment);
-                let result = match &failed {
-                    Some(e) => Err(e.clone()),
-                    None => {
-                        let began = Instant::now();
-                        let task = Task {
-                            spec,
-                            step: ctx,
-                            layout: layouts.get(&segment),
-                            segment,
-                            grads: &grads,
-                            return_params,
-                        };
-                        let r = update(&mut *store, task, &last_order);
-                        optimizer_s += began.elapsed().as_secs_f64();
-                        r
-                    }
-                };
-                if let Err(e) = &result {
-                    failed = Some(e.clone());
-                }
+                let result = updater.run(&mut *store, ctx, segment, &grads, return_params);
                 let _ = results.send(result.map(|p| (segment, p)));
+            }
+            Request::Stage { segment, grads } => staged.push((segment, grads)),
+            Request::ApplyStaged {
+                step: ctx,
+                return_params,
+            } => {
+                for (segment, grads) in std::mem::take(&mut staged) {
+                    let result = updater.run(&mut *store, ctx, segment, &grads, return_params);
+                    let _ = results.send(result.map(|p| (segment, p)));
+                }
             }
             Request::ReadParams {
                 segment,
@@ -325,8 +337,58 @@ fn run(
         }
         *stats.lock().expect("offload stats") = OffloadStats {
             tier: store.stats(),
-            optimizer_s,
+            optimizer_s: updater.optimizer_s,
         };
+    }
+}
+
+/// The offload actor's update state: the order segments arrived in this step and the last (for
+/// reading ahead), time spent, and the first failure (every later update reports it).
+struct Updater<'a> {
+    spec: OptimizerSpec,
+    layouts: &'a HashMap<usize, ParamLayout>,
+    last_order: Vec<usize>,
+    order: Vec<usize>,
+    step: i32,
+    optimizer_s: f64,
+    failed: Option<String>,
+}
+
+impl Updater<'_> {
+    /// Updates `segment` with `grads` under `ctx`.
+    fn run(
+        &mut self,
+        store: &mut dyn StateStore,
+        ctx: StepContext,
+        segment: usize,
+        grads: &[f32],
+        return_params: bool,
+    ) -> Result<Vec<f32>, String> {
+        if ctx.t != self.step {
+            if !self.order.is_empty() {
+                self.last_order = std::mem::take(&mut self.order);
+            }
+            self.step = ctx.t;
+        }
+        self.order.push(segment);
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let began = Instant::now();
+        let task = Task {
+            spec: self.spec,
+            step: ctx,
+            layout: self.layouts.get(&segment),
+            segment,
+            grads,
+            return_params,
+        };
+        let result = update(store, task, &self.last_order);
+        self.optimizer_s += began.elapsed().as_secs_f64();
+        if let Err(e) = &result {
+            self.failed = Some(e.clone());
+        }
+        result
     }
 }
 

@@ -90,6 +90,9 @@ pub(super) struct UpdateState {
     pub(super) begun: bool,
     /// This step's global gradient norm (when clipping).
     pub(super) grad_norm: Option<f32>,
+    /// With offload and clipping: the sum of squares of this actor's share of the buckets
+    /// already staged with the offload actor (they left before `GradNorm` runs).
+    pub(super) staged_squares: f64,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -115,14 +118,15 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 
     /// `GradNorm`: the sum of squares of this actor's share of its reduced gradient buckets (its
-    /// shard of each, so that replicas holding the same values count them once).
+    /// shard of each, so that replicas holding the same values count them once), including the
+    /// buckets already staged with the offload actor.
     pub(super) fn grad_norm(
         &mut self,
         inputs: &[TensorId],
         outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let mut sum = 0.0f64;
+        let mut sum = std::mem::take(&mut self.state.update.staged_squares);
         for name in inputs {
             if let Some(state) = &self.state.device_state {
                 let blocks = self

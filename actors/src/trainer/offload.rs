@@ -3,6 +3,10 @@
 //! `OffloadGrads`; the step's `OptimizerStep` takes the updated parameters back and puts them
 //! where the ZeRO stage keeps them (the master copy and modules, a gathered buffer for the
 //! all-gather, or the ZeRO-3 shard master — nowhere under `--offload-params`).
+//!
+//! With clipping the update is deferred: each bucket is staged with the offload actor (its sum
+//! of squares kept for `GradNorm`), and the `OptimizerStep`, which reads the reduced global norm,
+//! has the staged updates applied with the clipping factor before collecting them.
 
 use archipelago_dataflow::TensorId;
 use archipelago_dataflow::ZeroStage;
@@ -13,6 +17,8 @@ use super::zero::{SegmentShard, bucket_or_shard};
 use crate::executor::TensorTable;
 use crate::host_tensor::HostTensor;
 use crate::offload::OffloadActor;
+use crate::optim::{StepContext, clip_factor, sum_of_squares};
+use archipelago_dataflow::passes::optimizer::GRAD_SQUARES;
 
 /// Whole gradient buffers kept for the next step under offload (the rest are freed: the point
 /// of offloading is the device memory).
@@ -32,6 +38,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
         let range = self.state.sharding.optimizer_range(blocks.start, len)?;
         let part = bucket_or_shard(name, &grad.data, len, &range)?;
+        let deferred = self.state.update.clip.is_some();
+        if deferred {
+            // GradNorm counts this actor's share (its count shard of a replicated bucket).
+            let own = &self.state.sharding.segment(blocks.start)?.own;
+            self.state.update.staged_squares += sum_of_squares(bucket_or_shard(name, &grad.data, len, own)?);
+        }
         let grads = if part.len() == grad.len() {
             grad.into_vec() // already the shard (or the whole bucket is the range): no copy
         } else {
@@ -41,17 +53,40 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
             shard
         };
-        let return_params = !self.state.offload_params;
-        let t = self.state.steps_done + 1;
-        let step = crate::optim::StepContext {
-            t,
-            lr: self.state.optimizer.next_lr(),
-            grad_scale: 1.0, // clipping is refused with offload (the plan's check)
-        };
-        self.offload_actor()?
-            .update(step, blocks.start, grads, return_params)?;
+        if deferred {
+            self.offload_actor()?.stage(blocks.start, grads)?;
+        } else {
+            let step = self.offloaded_step(1.0);
+            let return_params = !self.state.offload_params;
+            self.offload_actor()?
+                .update(step, blocks.start, grads, return_params)?;
+        }
         self.state.handed_off.push(blocks.start);
         Ok(())
+    }
+
+    /// The context of this step's offloaded update, with clipping factor `grad_scale`.
+    fn offloaded_step(&self, grad_scale: f32) -> StepContext {
+        StepContext {
+            t: self.state.steps_done + 1,
+            lr: self.state.optimizer.next_lr(),
+            grad_scale,
+        }
+    }
+
+    /// Clipping with offload: the factor from the reduced global norm, and the staged updates
+    /// applied with it.
+    fn apply_deferred(&mut self, max: f32, table: &mut TensorTable) -> Result<(), String> {
+        let squares = table
+            .remove(&GRAD_SQUARES)
+            .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
+        let [total] = squares.data[..] else {
+            return Err(format!("`{GRAD_SQUARES}` holds {} values, not 1", squares.len()));
+        };
+        self.state.update.grad_norm = Some(total.max(0.0).sqrt());
+        let step = self.offloaded_step(clip_factor(total as f64, max));
+        self.offload_actor()?
+            .apply_staged(step, !self.state.offload_params)
     }
 
     /// Takes every handed-off segment's updated parameters back from the offload actor.
@@ -60,6 +95,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
+        if let Some(max) = self.state.update.clip {
+            self.apply_deferred(max, table)?;
+        }
         let mut starts: Vec<usize> = self.state.sharding.segments.keys().copied().collect();
         starts.sort_unstable();
         if self.state.handed_off.len() != starts.len() {

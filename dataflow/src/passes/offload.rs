@@ -6,8 +6,9 @@
 //! so placing it after the next bucket's reduction keeps that reduction overlapping the
 //! backward; the slot's last bucket is handed off at the end of its slot. The step's
 //! `OptimizerStep` no longer reads the buckets: it only collects the updated parameters.
-//! (Clipping and LAMB, whose norms need every bucket before any update, are refused with
-//! offload by [`super::optimizer::check`].)
+//! With clipping, `GradNorm` reads no bucket either: the runtime summed each bucket's squares
+//! when it staged it, and the offloaded update waits for the reduced norm (deferred). LAMB is
+//! refused with offload ([`super::optimizer::check`]).
 
 use std::collections::BTreeMap;
 
@@ -55,7 +56,10 @@ pub fn apply(graph: &mut Graph, layout: &Layout) {
     insert_before(graph, inserts);
     for node in &mut graph.nodes {
         if let NodeOp::Compute { op, inputs, .. } = node
-            && matches!(op, ComputeOp::OptimizerStep { .. } | ComputeOp::TrustNorms { .. })
+            && matches!(
+                op,
+                ComputeOp::OptimizerStep { .. } | ComputeOp::TrustNorms { .. } | ComputeOp::GradNorm { .. }
+            )
         {
             inputs.retain(|t| !matches!(t, TensorId::GradBucket { .. }));
             if let ComputeOp::OptimizerStep { scope, .. } = op {

@@ -12,8 +12,9 @@
 //! reduction exists (the identity) and the tensors go straight to `OptimizerStep`.
 //!
 //! Offload (ZeRO-Offload) hands buckets to the offload actor as soon as they are reduced, before
-//! any global norm could be known, so [`StepNorms`] that need a reduction are refused with it at
-//! compile time (deferring the offloaded update is left to issue 17).
+//! any global norm could be known: with clipping the runtime stages them there and the update
+//! waits for the norm (the deferred update, [`super::offload`]); LAMB, whose trust ratios need
+//! per-parameter norms over every shard in the middle of the update, is refused with offload.
 
 use crate::PlanError;
 use crate::graph::Graph;
@@ -53,8 +54,8 @@ impl StepNorms {
     }
 }
 
-/// Refuses an optimizer PyTorch would refuse, a schedule without an end, and clipping or LAMB
-/// together with offload (whose early update cannot wait for a global norm).
+/// Refuses an optimizer PyTorch would refuse, a schedule without an end, a clipping bound that is
+/// no bound, and LAMB together with offload (its offloaded update runs segment by segment).
 pub fn check(program: &Program) -> Result<(), PlanError> {
     program.optimizer.check().map_err(PlanError::Conflict)?;
     program.lr_schedule.check().map_err(PlanError::Conflict)?;
@@ -65,23 +66,11 @@ pub fn check(program: &Program) -> Result<(), PlanError> {
             "--clip-grad-norm {max}: the bound must be a finite number > 0"
         )));
     }
-    let norms = StepNorms::of(program);
-    if program.plan.offload.is_some() && !norms.none() {
-        let what = if norms.clip {
-            "--clip-grad-norm"
-        } else {
-            "--optimizer lamb"
-        };
+    if program.plan.offload.is_some() && program.optimizer.needs_param_norms() {
         return Err(PlanError::Conflict(format!(
-            "{what} needs a norm over whole gradients (clipping) or whole parameters (LAMB) before any \
-             update, but --offload {} updates each bucket on the host as soon as it is reduced; deferring \
-             that update until the norm is known is not built yet (issue 17): drop --offload, or {}",
-            program.plan.offload,
-            if norms.clip {
-                "drop --clip-grad-norm"
-            } else {
-                "use --optimizer adamw"
-            }
+            "--optimizer lamb needs each parameter's norm over all its shards before its trust ratio, but \
+             --offload {} updates each segment alone on the host; use --optimizer adamw, or drop --offload",
+            program.plan.offload
         )));
     }
     Ok(())
@@ -278,30 +267,61 @@ mod tests {
         }
     }
 
-    /// Offload updates each bucket on the host as soon as it is reduced, before a global norm
-    /// exists: clipping and LAMB are refused with it, naming the flags; without offload they
-    /// compile.
+    /// With offload, clipping compiles (the deferred update waits for the norm: every GradNorm
+    /// reads no bucket, the update reads the reduced norm); LAMB is refused naming the flags.
     #[test]
-    fn clipping_and_lamb_are_refused_with_offload() {
+    fn clipping_defers_the_offloaded_update_and_lamb_is_refused_with_offload() {
         let model = ModelSpec::parse("mlp:in=8,hidden=16,layers=4,out=3").unwrap();
         let offloaded = ParallelPlan {
             offload: crate::Offload::Cpu,
+            dp: 2,
             batch: 8,
             ..ParallelPlan::default()
         };
         let clip = Program::new(model.clone())
             .with_plan(offloaded.clone())
             .with_clip_grad_norm(Some(1.0));
-        let err = compile(&clip).unwrap_err().to_string();
-        assert!(
-            err.contains("--clip-grad-norm needs") && err.contains("drop --offload"),
-            "{err}"
-        );
+        for stream in compile(&clip)
+            .unwrap()
+            .actors
+            .into_iter()
+            .map(|a| a.stream.instructions)
+        {
+            let norm = position(&stream, &is_compute("GradNorm")).expect("GradNorm");
+            let last_hand_off = stream
+                .iter()
+                .rposition(|i| {
+                    matches!(
+                        i,
+                        Instruction::Compute {
+                            op: ComputeOp::OffloadGrads { .. },
+                            ..
+                        }
+                    )
+                })
+                .expect("hand-offs");
+            assert!(
+                last_hand_off < norm,
+                "every bucket is staged before the norm is summed"
+            );
+            let Instruction::Compute { inputs, .. } = &stream[norm] else {
+                unreachable!()
+            };
+            assert!(inputs.is_empty(), "{inputs:?}");
+            let update = position(&stream, &is_compute("OptimizerStep")).unwrap();
+            let Instruction::Compute { inputs, .. } = &stream[update] else {
+                unreachable!()
+            };
+            assert_eq!(inputs, &[GRAD_SQUARES]);
+        }
         let lamb = Program::new(model.clone())
             .with_plan(offloaded)
             .with_optimizer(crate::OptimizerSpec::lamb(1e-3));
         let err = compile(&lamb).unwrap_err().to_string();
-        assert!(err.contains("--optimizer lamb needs"), "{err}");
+        assert!(
+            err.contains("--optimizer lamb needs") && err.contains("drop --offload"),
+            "{err}"
+        );
         let bad = Program::new(model).with_clip_grad_norm(Some(0.0));
         assert!(
             compile(&bad)
