@@ -414,11 +414,11 @@ fn plan_flags_that_cannot_work_are_refused_naming_the_fix() {
                 "--dp",
                 "2",
                 "--zero",
-                "1",
+                "3",
                 "--state",
                 "device",
             ],
-            &["--state device", "--zero 1", "--state host"],
+            &["--state device", "--zero 3", "--state host"],
         );
         refused(
             &[command, "--model", "mlp-8x1024", "--state", "gpu"],

@@ -483,15 +483,15 @@ fn island_indices(names: &[String], actors: usize) -> Result<Vec<usize>, PlanErr
 #[path = "plan_tests.rs"]
 mod tests;
 
-/// `--state device` covers the replicated update for now: no ZeRO, no offload and no LAMB (its
-/// norms are reduced from host copies of the state).
+/// `--state device` covers the replicated update and ZeRO-1/2 for now: no ZeRO-3, no offload and
+/// no LAMB (its norms are reduced from host copies of the state).
 fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     let plan = &program.plan;
     if plan.state != crate::StatePlacement::Device {
         return Ok(());
     }
     let unsupported = [
-        (plan.zero > 0 && plan.dp > 1, format!("--zero {}", plan.zero)),
+        (plan.zero > 2 && plan.dp > 1, format!("--zero {}", plan.zero)),
         (plan.offload.is_some(), format!("--offload {}", plan.offload)),
         (
             program.optimizer.needs_param_norms(),
@@ -500,7 +500,7 @@ fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     ];
     match unsupported.iter().find(|(bad, _)| *bad) {
         Some((_, what)) => Err(PlanError::Conflict(format!(
-            "--state device keeps the replicated state on the device (ZeRO-0, no offload, no LAMB \
+            "--state device keeps the state on the device for ZeRO 0-2 (no ZeRO-3, offload or LAMB \
              yet); {what} needs --state host (the default)"
         ))),
         None => Ok(()),

@@ -72,12 +72,20 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
         for optimizer in stateful_rules() {
             // With clipping (a bound every step's norm exceeds) on one device: the bucket's sum
             // of squares is taken on the device.
-            for (dp, pp, clip) in [(1, 1, None), (2, 1, None), (1, 2, None), (1, 1, Some(0.05))] {
+            let cases = [
+                (1, 1, 0, None),
+                (2, 1, 0, None),
+                (1, 2, 0, None),
+                (1, 1, 0, Some(0.05)),
+                (2, 1, 1, None),
+                (2, 1, 2, Some(0.05)),
+            ];
+            for (dp, pp, zero, clip) in cases {
                 let train = |state, tensor_ops| {
                     let plan = ParallelPlan {
                         batch,
                         state,
-                        ..small_plan(dp, pp, 0)
+                        ..small_plan(dp, pp, zero)
                     };
                     let program = Program::new(spec.clone())
                         .with_seed(7)
@@ -97,7 +105,9 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
                 };
                 let host = train(StatePlacement::Host, false);
                 let device = train(StatePlacement::Device, true);
-                let what = format!("{model} {optimizer:?} dp={dp} pp={pp} clip={clip:?} tensor-op update");
+                let what = format!(
+                    "{model} {optimizer:?} dp={dp} pp={pp} zero={zero} clip={clip:?} tensor-op update"
+                );
                 assert_params_moved(model, &host);
                 assert_equivalent(&host, &device, 1e-6, &what);
                 if let Some(bound) = clip {
@@ -108,12 +118,17 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
                     assert!(engaged, "{what}: clipping did not engage every step");
                 }
                 let optimizer_bytes: u64 = device.steps.iter().map(|s| s.transfers.optimizer_path()).sum();
-                // dp = 2: each replica's buckets leave for the all-reduce and come back, 4 steps.
-                let expected = if dp > 1 {
-                    4 * dp as u64 * 2 * 4 * device.params
-                } else {
-                    0
+                // dp = 2: each replica's buckets leave for the all-reduce and come back, 4 steps;
+                // ZeRO-1/2 add the updated shards down and the gathered model up, and ZeRO-2's
+                // reduced gradient comes back as a shard.
+                let model_bytes = 4 * device.params;
+                let per_step = match (dp, zero) {
+                    (1, _) => 0,
+                    (_, 0) => 2 * dp as u64 * model_bytes,
+                    (_, 1) => 2 * dp as u64 * model_bytes + model_bytes + dp as u64 * model_bytes,
+                    _ => dp as u64 * model_bytes + model_bytes + model_bytes + dp as u64 * model_bytes,
                 };
+                let expected = 4 * per_step;
                 assert_eq!(
                     optimizer_bytes, expected,
                     "{what}: optimizer-path bytes over 4 steps"

@@ -205,14 +205,15 @@ fn momentum_adamw_and_lamb_resume_with_their_state_and_schedule() {
         ..plan(dp, 1, zero)
     };
     // The training state on the device: written from it, and restored onto it.
-    let device = |dp: usize, pp: usize| ParallelPlan {
+    let device = |dp: usize, pp: usize, zero: u8| ParallelPlan {
         state: archipelago_dataflow::StatePlacement::Device,
-        ..plan(dp, pp, 0)
+        ..plan(dp, pp, zero)
     };
     for (optimizer, writer, reader, rtol) in [
         (momentum, cpu(2, 3), plan(1, 2, 0), 1e-5),
-        (momentum, device(2, 1), plan(1, 2, 0), 1e-5),
-        (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), device(1, 2), 1e-4),
+        (momentum, device(2, 1, 0), plan(1, 2, 0), 1e-5),
+        (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), device(1, 2, 0), 1e-4),
+        (OptimizerSpec::adamw(1e-2), device(2, 1, 1), device(2, 1, 2), 1e-4),
         (momentum, plan(2, 1, 3), cpu(2, 1), 1e-5),
         (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), plan(2, 2, 1), 1e-4),
         (OptimizerSpec::lamb(1e-2), plan(1, 2, 0), plan(2, 1, 3), 1e-4),

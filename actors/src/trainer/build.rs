@@ -13,7 +13,7 @@ use archipelago_dataflow::{ActorId, DType, Program, SegmentPlan, StatePlacement,
 
 use super::cpu_buffers::is_cpu;
 use super::data::samples;
-use super::device_state::DeviceState;
+use super::device_state::{DeviceState, SegmentPlace};
 use super::fault::FaultHook;
 use super::norms::{StageParams, UpdateState};
 use super::parts::{HeldStage, InFlight, TrainingState};
@@ -221,12 +221,24 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// (Re)builds the device state from the host copies (at start, and after a restore).
     pub(super) fn upload_state(&mut self) {
         let offsets = &self.stage.offsets;
-        let segments: Vec<(usize, Range<usize>)> = self
-            .state
-            .sharding
+        let sharding = &self.state.sharding;
+        let segments: Vec<SegmentPlace> = sharding
             .segments
             .iter()
-            .map(|(&start, shard)| (start, offsets[start]..offsets[shard.end]))
+            .map(|(&start, shard)| {
+                let range = offsets[start]..offsets[shard.end];
+                let (update, state_at) = if sharding.zero.shards_optimizer() {
+                    (shard.own.clone(), shard.state)
+                } else {
+                    (0..range.len(), range.start)
+                };
+                SegmentPlace {
+                    start,
+                    range,
+                    update,
+                    state_at,
+                }
+            })
             .collect();
         let optimizer = &self.state.optimizer;
         let device = self.stage.device.clone();

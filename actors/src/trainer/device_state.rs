@@ -10,9 +10,12 @@
 //! `optim::{adam, sgd}`'s formulas (PyTorch's `Adam`, `AdamW`, `SGD` with momentum and Nesterov)
 //! written as tensor ops with the same operations in the same order (on the CPU backend they
 //! matched the flat loops bit for bit); the parameter groups (no weight decay for biases and
-//! LayerNorm) are then a 0/1 mask per segment, made once. Covered for now: the replicated update
-//! (ZeRO-0, no offload, no LAMB; the plan refuses the rest), with clipping by the global norm
-//! (each bucket's sum of squares taken on the device: one value read back per bucket).
+//! LayerNorm) are then a 0/1 mask per segment, made once. Covered: the replicated update (ZeRO-0)
+//! and ZeRO-1/2, where each replica keeps every parameter but the optimizer state of its shard
+//! only, updates that shard on the device and hands it to the all-gather (in host memory until
+//! collectives run on the device: the shard's bytes down, the segment's bytes back up), with
+//! clipping by the global norm (each bucket's sum of squares taken on the device: one value read
+//! back per bucket). The plan refuses ZeRO-3, offload and LAMB with it.
 
 use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
@@ -27,19 +30,55 @@ use super::cpu_buffers::{from_cpu, into_cpu, is_cpu, values_mut};
 use crate::optim::{ParamLayout, StepContext, sum_of_squares, update_range};
 use crate::transfer::{TransferKind, download, upload};
 
+/// Where one segment's state lies: in the flat master, and what of it this replica updates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SegmentPlace {
+    /// The segment's first block (its key).
+    pub(super) start: usize,
+    /// The segment's elements in the actor's flat master coordinates.
+    pub(super) range: Range<usize>,
+    /// The elements this replica updates, relative to the segment: all of it, or its ZeRO shard.
+    pub(super) update: Range<usize>,
+    /// Where the optimizer state of `update` starts in the optimizer's coordinates (those of its
+    /// layout: the flat master without ZeRO, the concatenated shards with).
+    pub(super) state_at: usize,
+}
+
 /// One segment's state on the device.
 struct SegmentState<B: Backend> {
-    /// The segment's elements in the actor's flat master coordinates.
-    range: Range<usize>,
-    /// Master parameters, flat in block order.
+    place: SegmentPlace,
+    /// Master parameters of the whole segment, flat in block order.
     master: Tensor<B, 1>,
-    /// First moments (Adam, AdamW) or SGD's momentum buffer.
+    /// First moments (Adam, AdamW) or SGD's momentum buffer, of `place.update`.
     m: Option<Tensor<B, 1>>,
-    /// Second moments (Adam, AdamW).
+    /// Second moments (Adam, AdamW), of `place.update`.
     v: Option<Tensor<B, 1>>,
-    /// 1 where an element takes weight decay, 0 where its parameter group has none (the
-    /// tensor-op update only; the flat loops read the groups from the layout).
+    /// 1 where an element of `place.update` takes weight decay, 0 where its parameter group has
+    /// none (the tensor-op update only; the flat loops read the groups from the layout).
     decay: Option<Tensor<B, 1>>,
+}
+
+impl<B: Backend> SegmentState<B> {
+    /// The optimizer-state range of what this replica updates.
+    fn state_range(&self) -> Range<usize> {
+        self.place.state_at..self.place.state_at + self.place.update.len()
+    }
+
+    /// Whether this replica updates the whole segment.
+    fn updates_all(&self) -> bool {
+        self.place.update.len() == self.place.range.len()
+    }
+
+    /// Puts the updated parameters of `place.update` into the master.
+    fn put_updated(&mut self, updated: Tensor<B, 1>) {
+        self.master = if self.updates_all() {
+            updated
+        } else {
+            self.master
+                .clone()
+                .slice_assign([self.place.update.clone()], updated)
+        };
+    }
 }
 
 /// An actor's training state on its device, by segment (first block), and the gradient buckets
@@ -49,19 +88,19 @@ pub(super) struct DeviceState<B: Backend> {
     /// Update with the optimizer's flat loops on the buffers in place (CPU backend), not with
     /// tensor ops.
     in_place: bool,
-    /// The parameters of the state (weight-decay groups), in flat master coordinates.
+    /// The parameters of the state (weight-decay groups), in the optimizer's coordinates.
     layout: ParamLayout,
     segments: HashMap<usize, SegmentState<B>>,
     buckets: HashMap<TensorId, Tensor<B, 1>>,
 }
 
 impl<B: Backend> DeviceState<B> {
-    /// Moves the state of `segments` (first block, range in the flat master) onto `device`:
-    /// parameters from `master`, the optimizer's moments from `state` (`(m, v)` of a master
-    /// range; empty slices for what the rule keeps none of), the decay mask from `layout`.
+    /// Moves the state of `segments` onto `device`: parameters from `master`, the optimizer's
+    /// moments from `state` (`(m, v)` of a range of the optimizer's coordinates; empty for what
+    /// the rule keeps none of), the decay mask from `layout`.
     pub(super) fn upload(
         spec: OptimizerSpec,
-        segments: &[(usize, Range<usize>)],
+        segments: &[SegmentPlace],
         master: &[f32],
         state: impl Fn(Range<usize>) -> (Vec<f32>, Vec<f32>),
         layout: &ParamLayout,
@@ -74,24 +113,25 @@ impl<B: Backend> DeviceState<B> {
             upload::<B, 1, Float>(TensorData::new(values, [n]), device, TransferKind::Parameter)
         };
         let mut by_start = HashMap::new();
-        for (start, range) in segments {
+        for place in segments {
+            let states = place.state_at..place.state_at + place.update.len();
             let mask = (!in_place).then(|| {
-                let mut mask = vec![0.0f32; range.len()];
-                for (piece, part) in layout.pieces(range.clone()) {
-                    let at = piece.start - range.start..piece.end - range.start;
+                let mut mask = vec![0.0f32; states.len()];
+                for (piece, part) in layout.pieces(states.clone()) {
+                    let at = piece.start - states.start..piece.end - states.start;
                     mask[at].fill(if part.decay { 1.0 } else { 0.0 });
                 }
                 put(mask)
             });
-            let (m, v) = state(range.clone());
+            let (m, v) = state(states);
             let segment = SegmentState {
-                range: range.clone(),
-                master: put(master[range.clone()].to_vec()),
+                place: place.clone(),
+                master: put(master[place.range.clone()].to_vec()),
                 m: (!m.is_empty()).then(|| put(m)),
                 v: (!v.is_empty()).then(|| put(v)),
                 decay: mask,
             };
-            by_start.insert(*start, segment);
+            by_start.insert(place.start, segment);
         }
         DeviceState {
             spec,
@@ -197,16 +237,26 @@ impl<B: Backend> DeviceState<B> {
             .segments
             .get_mut(&start)
             .ok_or_else(|| format!("no segment of this actor's device state starts at block {start}"))?;
-        if grad.shape().num_elements() != s.range.len() {
-            return Err(format!(
-                "gradient of the segment at block {start} has {} values, its parameters {}",
-                grad.shape().num_elements(),
-                s.range.len()
-            ));
-        }
+        let (len, updated) = (s.place.range.len(), s.place.update.clone());
+        let whole_grad = match grad.shape().num_elements() {
+            n if n == updated.len() => false,
+            n if n == len => true,
+            n => {
+                return Err(format!(
+                    "gradient of the segment at block {start} has {n} values: neither its {len} parameters \
+                     nor this replica's shard of {}",
+                    updated.len()
+                ));
+            }
+        };
         if self.in_place {
-            return update_in_place(spec, &self.layout, s, grad, ctx);
+            return update_in_place(spec, &self.layout, s, grad, whole_grad, ctx);
         }
+        let grad = if whole_grad && !s.updates_all() {
+            grad.slice([updated.clone()])
+        } else {
+            grad
+        };
         let g = if ctx.grad_scale == 1.0 {
             grad
         } else {
@@ -219,7 +269,11 @@ impl<B: Backend> DeviceState<B> {
             .ok_or("the device state has no weight-decay mask")?;
         // `wd·p` where the group decays, 0 elsewhere (the flat loops' per-group `wd`).
         let decayed = |p: &Tensor<B, 1>, decay: &Tensor<B, 1>| p.clone() * decay.clone().mul_scalar(wd);
-        let p = s.master.clone();
+        let p = if s.updates_all() {
+            s.master.clone()
+        } else {
+            s.master.clone().slice([updated.clone()])
+        };
         match spec {
             OptimizerSpec::Adam {
                 beta1, beta2, eps, ..
@@ -247,7 +301,7 @@ impl<B: Backend> DeviceState<B> {
                 let m = m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1);
                 let v = v.mul_scalar(beta2) + g.clone().mul_scalar(1.0 - beta2) * g;
                 let denominator = v.clone().sqrt().div_scalar(c2_sqrt).add_scalar(eps);
-                s.master = p - m.clone().mul_scalar(ctx.lr / c1) / denominator;
+                s.put_updated(p - m.clone().mul_scalar(ctx.lr / c1) / denominator);
                 s.m = Some(m);
                 s.v = Some(v);
             }
@@ -271,7 +325,7 @@ impl<B: Backend> DeviceState<B> {
                     s.m = Some(b.clone());
                     if nesterov { d + b.mul_scalar(momentum) } else { b }
                 };
-                s.master = p - d.mul_scalar(ctx.lr);
+                s.put_updated(p - d.mul_scalar(ctx.lr));
             }
             OptimizerSpec::Lamb { .. } => {
                 return Err("LAMB runs with --state host (its norms are reduced from host copies)".into());
@@ -280,9 +334,49 @@ impl<B: Backend> DeviceState<B> {
         Ok(s.master.clone())
     }
 
-    /// Copies the state back into host memory: calls `put(range, params, m, v)` per segment
-    /// (empty `m`, `v` where the rule keeps none).
-    pub(super) fn download_into(&self, mut put: impl FnMut(Range<usize>, Vec<f32>, Vec<f32>, Vec<f32>)) {
+    /// ZeRO-1/2: this replica's updated shard of the segment at block `start`, in host memory
+    /// (for the all-gather that follows the update).
+    pub(super) fn updated_shard(&self, start: usize) -> Result<(Range<usize>, Vec<f32>), String> {
+        let s = self
+            .segments
+            .get(&start)
+            .ok_or_else(|| format!("no segment of this actor's device state starts at block {start}"))?;
+        let shard = s.master.clone().slice([s.place.update.clone()]);
+        let values = download(shard, TransferKind::Parameter)
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .map_err(|e| format!("the updated shard at block {start}: {e:?}"))?;
+        Ok((s.place.update.clone(), values))
+    }
+
+    /// ZeRO-1/2: the gathered parameters of the segment at block `start` (every replica's
+    /// updated shard) become its master; returns it (for the modules).
+    pub(super) fn load_gathered(
+        &mut self,
+        start: usize,
+        values: Vec<f32>,
+        device: &B::Device,
+    ) -> Result<Tensor<B, 1>, String> {
+        let s = self
+            .segments
+            .get_mut(&start)
+            .ok_or_else(|| format!("no segment of this actor's device state starts at block {start}"))?;
+        if values.len() != s.place.range.len() {
+            return Err(format!(
+                "gathered parameters of {} values for the segment at block {start} of {}",
+                values.len(),
+                s.place.range.len()
+            ));
+        }
+        let n = values.len();
+        s.master = upload(TensorData::new(values, [n]), device, TransferKind::Parameter);
+        Ok(s.master.clone())
+    }
+
+    /// Copies the state back into host memory: calls `put(place, params, m, v)` per segment
+    /// (the whole segment's parameters; `m`, `v` of what this replica updates, empty where the
+    /// rule keeps none).
+    pub(super) fn download_into(&self, mut put: impl FnMut(&SegmentPlace, Vec<f32>, Vec<f32>, Vec<f32>)) {
         let read = |t: &Tensor<B, 1>| {
             download(t.clone(), TransferKind::Parameter)
                 .convert::<f32>()
@@ -292,17 +386,19 @@ impl<B: Backend> DeviceState<B> {
         for s in self.segments.values() {
             let m = s.m.as_ref().map(read).unwrap_or_default();
             let v = s.v.as_ref().map(read).unwrap_or_default();
-            put(s.range.clone(), read(&s.master), m, v);
+            put(&s.place, read(&s.master), m, v);
         }
     }
 }
 
-/// The CPU backend's update: the optimizer's flat loop over the segment's own buffers, in place.
+/// The CPU backend's update: the optimizer's flat loop over the segment's own buffers, in place
+/// (`grad` covers the whole segment when `whole_grad`, else what this replica updates).
 fn update_in_place<B: Backend>(
     spec: OptimizerSpec,
     layout: &ParamLayout,
     s: &mut SegmentState<B>,
     grad: Tensor<B, 1>,
+    whole_grad: bool,
     ctx: &StepContext,
 ) -> Result<Tensor<B, 1>, String> {
     let cpu =
@@ -326,7 +422,14 @@ fn update_in_place<B: Backend>(
             None => &mut none_v[..],
         };
         let grads = values_mut(&mut grad)?;
-        update_range(spec, ctx, layout, s.range.clone(), params, m, v, grads);
+        let grads = if whole_grad {
+            &grads[s.place.update.clone()]
+        } else {
+            &grads[..]
+        };
+        let states = s.state_range();
+        let params = &mut params[s.place.update.clone()];
+        update_range(spec, ctx, layout, states, params, m, v, grads);
     }
     s.master = from_cpu(master);
     s.m = m.map(from_cpu);

@@ -270,9 +270,9 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             return;
         };
         let (master, optimizer) = (&mut self.state.master, &mut self.state.optimizer);
-        state.download_into(|range, params, m, v| {
-            master[range.clone()].copy_from_slice(&params);
-            optimizer.set_state(range.start, &m, &v);
+        state.download_into(|place, params, m, v| {
+            master[place.range.clone()].copy_from_slice(&params);
+            optimizer.set_state(place.state_at, &m, &v);
         });
     }
 

@@ -158,7 +158,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         self.begin_update(table)?;
         if self.state.device_state.is_some() {
-            return self.optimizer_step_on_device(inputs, table);
+            return self.optimizer_step_on_device(scope, inputs, outputs, table);
         }
         self.take_trust_norms(table)?;
         for (k, name) in inputs.iter().enumerate() {
@@ -288,6 +288,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         if self.state.sharding.zero.shards_parameters() {
             self.materialize(blocks, &params.data)?;
+        } else if let Some(state) = &mut self.state.device_state {
+            // ZeRO-1/2 with the state on the device: the gathered segment is its new master.
+            let master = state.load_gathered(blocks.start, params.into_vec(), &self.stage.device)?;
+            return self.load_modules_from(blocks, master);
         } else {
             self.state.master[range].copy_from_slice(&params.data);
             self.reload(blocks)?;
@@ -333,37 +337,65 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 
     /// The update with the state on the device: each bucket (on the device, or reduced by a
-    /// collective and moved back onto it) updates its segment there, and the segment's modules
-    /// take their parameters as slices of the new master tensor.
+    /// collective and moved back onto it) updates its segment there (this replica's shard of it
+    /// under ZeRO-1/2), and the segment's modules take their parameters as slices of the new
+    /// master tensor — under ZeRO-1/2 after the all-gather, for which the updated shard is
+    /// written to the step's output.
     fn optimizer_step_on_device(
         &mut self,
+        scope: UpdateScope,
         inputs: &[TensorId],
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let ctx = self.state.optimizer.context();
-        let state = self.state.device_state.as_mut().ok_or("no device state")?;
         // The norms were read by begin_update.
-        for name in inputs
+        let buckets = inputs
             .iter()
-            .filter(|n| **n != GRAD_SQUARES && **n != TRUST_SQUARES)
-        {
+            .filter(|n| **n != GRAD_SQUARES && **n != TRUST_SQUARES);
+        for (k, name) in buckets.enumerate() {
             let blocks = self
                 .step
                 .grad_ranges
                 .remove(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let reduced = table.remove(name).map(HostTensor::into_vec);
+            let state = self.state.device_state.as_mut().ok_or("no device state")?;
             let grad = state.bucket(name, reduced, &self.stage.device)?;
             self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
             let master = state.update(blocks.start, grad, &ctx)?;
-            let base = self.stage.offsets[blocks.start];
-            for index in blocks {
-                let block = self.stage.blocks[index]
-                    .take()
-                    .ok_or_else(|| format!("block {index} is not held by this actor"))?;
-                let at = self.stage.offsets[index] - base..self.stage.offsets[index + 1] - base;
-                self.stage.blocks[index] = Some(block.load_params_from(master.clone().slice([at])));
+            match scope {
+                UpdateScope::Whole => self.load_modules_from(blocks, master)?,
+                UpdateScope::ShardThenGather => {
+                    let (own, shard) = state.updated_shard(blocks.start)?;
+                    let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
+                    let mut gathered = self.gather_buffer(len);
+                    gathered[own].copy_from_slice(&shard);
+                    let out = outputs
+                        .get(k)
+                        .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
+                    table.insert(out.clone(), HostTensor::flat(gathered));
+                }
+                other => return Err(format!("the device state has no `{other}` update")),
             }
+        }
+        Ok(())
+    }
+
+    /// The modules of `blocks` take their parameters as slices of `master` (the segment's
+    /// master tensor on the device).
+    fn load_modules_from(
+        &mut self,
+        blocks: Range<usize>,
+        master: burn::tensor::Tensor<B::InnerBackend, 1>,
+    ) -> Result<(), String> {
+        let base = self.stage.offsets[blocks.start];
+        for index in blocks {
+            let block = self.stage.blocks[index]
+                .take()
+                .ok_or_else(|| format!("block {index} is not held by this actor"))?;
+            let at = self.stage.offsets[index] - base..self.stage.offsets[index + 1] - base;
+            self.stage.blocks[index] = Some(block.load_params_from(master.clone().slice([at])));
         }
         Ok(())
     }

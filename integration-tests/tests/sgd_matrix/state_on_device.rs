@@ -5,7 +5,9 @@
 //! optimizer path (gradients, parameters) with the state on the device; with the state in host
 //! memory (today's round trip: the negative control) exactly the model's bytes each way per
 //! step; at dp = 2 on the device, exactly each replica's gradient bucket each way (the
-//! all-reduce runs in host memory until collectives run on the device).
+//! all-reduce runs in host memory until collectives run on the device); under ZeRO-1/2 on the
+//! device, the reduced gradient (ZeRO-2: the shard), the updated shard down and the gathered
+//! parameters up.
 
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{ModelSpec, ParallelPlan, Program, StatePlacement};
@@ -74,6 +76,22 @@ fn sgd_with_the_state_on_the_device_matches_one_device_and_moves_no_optimizer_by
             assert_eq!(path, expected, "device state dp={dp}, step {}", step + 1);
         }
     }
+    // ZeRO-1/2 on the device: each replica updates its shard there. Until collectives run on
+    // the device, ZeRO-1's bucket leaves whole for the all-reduce and comes back whole; ZeRO-2's
+    // comes back as the replica's shard; the updated shards leave for the all-gather (the
+    // model's bytes over the group) and every replica takes the whole gathered model back.
+    for zero in [1u8, 2] {
+        let run = check(&reference, on_device(small_plan(2, 1, zero)));
+        let back = if zero == 1 { 2 * bytes } else { bytes };
+        for (step, path) in optimizer_path(&run).into_iter().enumerate() {
+            assert_eq!(
+                path,
+                ([2 * bytes, back], [bytes, 2 * bytes]),
+                "device state zero={zero}, step {}",
+                step + 1
+            );
+        }
+    }
 }
 
 #[test]
@@ -81,12 +99,14 @@ fn stateful_rules_on_the_device_match_the_host_loops() {
     // Clipping to a bound below every step's norm, so that it engages each step.
     const CLIP: f32 = 0.05;
     for optimizer in stateful_rules() {
-        for (dp, pp, clip) in [
-            (1, 1, None),
-            (2, 1, None),
-            (1, 2, None),
-            (1, 1, Some(CLIP)),
-            (2, 2, Some(CLIP)),
+        for (dp, pp, zero, clip) in [
+            (1, 1, 0, None),
+            (2, 1, 0, None),
+            (1, 2, 0, None),
+            (1, 1, 0, Some(CLIP)),
+            (2, 2, 0, Some(CLIP)),
+            (2, 1, 1, None),
+            (2, 1, 2, Some(CLIP)),
         ] {
             let program = |state| {
                 Program::new(ModelSpec::parse(super::MLP).expect("model spec"))
@@ -95,14 +115,19 @@ fn stateful_rules_on_the_device_match_the_host_loops() {
                     .with_clip_grad_norm(clip)
                     .with_plan(ParallelPlan {
                         state,
-                        ..small_plan(dp, pp, 0)
+                        ..small_plan(dp, pp, zero)
                     })
             };
             let host = run_program(program(StatePlacement::Host));
             let device = run_program(program(StatePlacement::Device));
             let (excess, abs) = param_difference(&host, &device);
-            eprintln!("{optimizer:?} dp={dp} pp={pp} clip={clip:?}: device vs host max |Δparam| {abs:e}");
-            assert!(excess <= 1.0, "{optimizer:?} dp={dp} pp={pp}: {abs:e} apart");
+            eprintln!(
+                "{optimizer:?} dp={dp} pp={pp} zero={zero} clip={clip:?}: device vs host max |Δparam| {abs:e}"
+            );
+            assert!(
+                excess <= 1.0,
+                "{optimizer:?} dp={dp} pp={pp} zero={zero}: {abs:e} apart"
+            );
             if clip.is_some() {
                 let norms: Vec<Option<f32>> = device.report.steps.iter().map(|s| s.grad_norm).collect();
                 assert!(
