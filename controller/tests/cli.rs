@@ -413,12 +413,12 @@ fn plan_flags_that_cannot_work_are_refused_naming_the_fix() {
                 "mlp-8x1024",
                 "--dp",
                 "2",
-                "--zero",
-                "3",
+                "--offload",
+                "cpu",
                 "--state",
                 "device",
             ],
-            &["--state device", "--zero 3", "--state host"],
+            &["--state device", "--offload cpu", "--state host"],
         );
         refused(
             &[command, "--model", "mlp-8x1024", "--state", "gpu"],

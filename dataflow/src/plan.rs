@@ -483,15 +483,14 @@ fn island_indices(names: &[String], actors: usize) -> Result<Vec<usize>, PlanErr
 #[path = "plan_tests.rs"]
 mod tests;
 
-/// `--state device` covers the replicated update and ZeRO-1/2 for now: no ZeRO-3, no offload and
-/// no LAMB (its norms are reduced from host copies of the state).
+/// `--state device` covers the replicated update and ZeRO 1-3 for now: no offload (the state is
+/// then the offload actor's) and no LAMB (its norms are reduced from host copies of the state).
 fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     let plan = &program.plan;
     if plan.state != crate::StatePlacement::Device {
         return Ok(());
     }
     let unsupported = [
-        (plan.zero > 2 && plan.dp > 1, format!("--zero {}", plan.zero)),
         (plan.offload.is_some(), format!("--offload {}", plan.offload)),
         (
             program.optimizer.needs_param_norms(),
@@ -500,8 +499,8 @@ fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     ];
     match unsupported.iter().find(|(bad, _)| *bad) {
         Some((_, what)) => Err(PlanError::Conflict(format!(
-            "--state device keeps the state on the device for ZeRO 0-2 (no ZeRO-3, offload or LAMB \
-             yet); {what} needs --state host (the default)"
+            "--state device keeps the state on the device for ZeRO 0-3 (no offload or LAMB yet); \
+             {what} needs --state host (the default)"
         ))),
         None => Ok(()),
     }

@@ -79,6 +79,7 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
                 (1, 1, 0, Some(0.05)),
                 (2, 1, 1, None),
                 (2, 1, 2, Some(0.05)),
+                (2, 1, 3, None),
             ];
             for (dp, pp, zero, clip) in cases {
                 let train = |state, tensor_ops| {
@@ -120,13 +121,17 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
                 let optimizer_bytes: u64 = device.steps.iter().map(|s| s.transfers.optimizer_path()).sum();
                 // dp = 2: each replica's buckets leave for the all-reduce and come back, 4 steps;
                 // ZeRO-1/2 add the updated shards down and the gathered model up, and ZeRO-2's
-                // reduced gradient comes back as a shard.
+                // reduced gradient comes back as a shard (until collectives run on the device).
                 let model_bytes = 4 * device.params;
                 let per_step = match (dp, zero) {
                     (1, _) => 0,
                     (_, 0) => 2 * dp as u64 * model_bytes,
                     (_, 1) => 2 * dp as u64 * model_bytes + model_bytes + dp as u64 * model_bytes,
-                    _ => dp as u64 * model_bytes + model_bytes + model_bytes + dp as u64 * model_bytes,
+                    (_, 2) => dp as u64 * model_bytes + model_bytes + model_bytes + dp as u64 * model_bytes,
+                    // ZeRO-3: the bucket down and its shard back; for the forward and the
+                    // backward, each shard down for the all-gather and the gathered model up
+                    // into every replica's modules.
+                    _ => dp as u64 * model_bytes + model_bytes + 2 * (model_bytes + dp as u64 * model_bytes),
                 };
                 let expected = 4 * per_step;
                 assert_eq!(

@@ -214,6 +214,7 @@ fn momentum_adamw_and_lamb_resume_with_their_state_and_schedule() {
         (momentum, device(2, 1, 0), plan(1, 2, 0), 1e-5),
         (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), device(1, 2, 0), 1e-4),
         (OptimizerSpec::adamw(1e-2), device(2, 1, 1), device(2, 1, 2), 1e-4),
+        (momentum, device(2, 1, 3), device(1, 2, 0), 1e-5),
         (momentum, plan(2, 1, 3), cpu(2, 1), 1e-5),
         (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), plan(2, 2, 1), 1e-4),
         (OptimizerSpec::lamb(1e-2), plan(1, 2, 0), plan(2, 1, 3), 1e-4),

@@ -232,10 +232,16 @@ impl<B: AutodiffBackend> Trainer<B> {
                 } else {
                     (0..range.len(), range.start)
                 };
+                let held = if sharding.zero.shards_parameters() {
+                    shard.own.clone()
+                } else {
+                    0..range.len()
+                };
                 SegmentPlace {
                     start,
                     range,
                     update,
+                    held,
                     state_at,
                 }
             })
@@ -245,7 +251,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.state.device_state = Some(DeviceState::upload(
             optimizer.spec(),
             &segments,
-            &self.state.master,
+            |place| self.held_params(place),
             |range| {
                 let (m, v) = optimizer.state(range);
                 (m.to_vec(), v.to_vec())
@@ -254,6 +260,18 @@ impl<B: AutodiffBackend> Trainer<B> {
             &device,
             self.state.tensor_op_update,
         ));
+    }
+
+    /// The host copy of the parameters `place` keeps on the device: its range of the master, or
+    /// under ZeRO-3 its shard of the shard master.
+    pub(super) fn held_params(&self, place: &SegmentPlace) -> Vec<f32> {
+        if self.state.sharding.zero.shards_parameters() {
+            let at = place.state_at;
+            self.state.shard_master[at..at + place.held.len()].to_vec()
+        } else {
+            let at = place.range.start + place.held.start;
+            self.state.master[at..at + place.held.len()].to_vec()
+        }
     }
 
     /// Reads each gradient bucket off the device in one transfer (concatenated on the device

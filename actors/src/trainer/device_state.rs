@@ -15,7 +15,9 @@
 //! only, updates that shard on the device and hands it to the all-gather (in host memory until
 //! collectives run on the device: the shard's bytes down, the segment's bytes back up), with
 //! clipping by the global norm (each bucket's sum of squares taken on the device: one value read
-//! back per bucket). The plan refuses ZeRO-3, offload and LAMB with it.
+//! back per bucket). Under ZeRO-3 the device holds only the shard (parameters and state): it is
+//! read down for each all-gather and the gathered segment goes up into the modules. The plan
+//! refuses offload and LAMB with it.
 
 use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
@@ -39,6 +41,9 @@ pub(super) struct SegmentPlace {
     pub(super) range: Range<usize>,
     /// The elements this replica updates, relative to the segment: all of it, or its ZeRO shard.
     pub(super) update: Range<usize>,
+    /// The parameters the device keeps between steps, relative to the segment: all of it, or
+    /// (ZeRO-3) the shard it updates.
+    pub(super) held: Range<usize>,
     /// Where the optimizer state of `update` starts in the optimizer's coordinates (those of its
     /// layout: the flat master without ZeRO, the concatenated shards with).
     pub(super) state_at: usize,
@@ -47,7 +52,7 @@ pub(super) struct SegmentPlace {
 /// One segment's state on the device.
 struct SegmentState<B: Backend> {
     place: SegmentPlace,
-    /// Master parameters of the whole segment, flat in block order.
+    /// Master parameters of `place.held`, flat in block order.
     master: Tensor<B, 1>,
     /// First moments (Adam, AdamW) or SGD's momentum buffer, of `place.update`.
     m: Option<Tensor<B, 1>>,
@@ -64,9 +69,15 @@ impl<B: Backend> SegmentState<B> {
         self.place.state_at..self.place.state_at + self.place.update.len()
     }
 
-    /// Whether this replica updates the whole segment.
+    /// Whether this replica updates all it holds.
     fn updates_all(&self) -> bool {
-        self.place.update.len() == self.place.range.len()
+        self.place.update == self.place.held
+    }
+
+    /// Where `place.update` lies in the master.
+    fn update_in_master(&self) -> Range<usize> {
+        let at = self.place.held.start;
+        self.place.update.start - at..self.place.update.end - at
     }
 
     /// Puts the updated parameters of `place.update` into the master.
@@ -76,7 +87,7 @@ impl<B: Backend> SegmentState<B> {
         } else {
             self.master
                 .clone()
-                .slice_assign([self.place.update.clone()], updated)
+                .slice_assign([self.update_in_master()], updated)
         };
     }
 }
@@ -95,13 +106,13 @@ pub(super) struct DeviceState<B: Backend> {
 }
 
 impl<B: Backend> DeviceState<B> {
-    /// Moves the state of `segments` onto `device`: parameters from `master`, the optimizer's
-    /// moments from `state` (`(m, v)` of a range of the optimizer's coordinates; empty for what
-    /// the rule keeps none of), the decay mask from `layout`.
+    /// Moves the state of `segments` onto `device`: the parameters each holds from `params`, the
+    /// optimizer's moments from `state` (`(m, v)` of a range of the optimizer's coordinates;
+    /// empty for what the rule keeps none of), the decay mask from `layout`.
     pub(super) fn upload(
         spec: OptimizerSpec,
         segments: &[SegmentPlace],
-        master: &[f32],
+        params: impl Fn(&SegmentPlace) -> Vec<f32>,
         state: impl Fn(Range<usize>) -> (Vec<f32>, Vec<f32>),
         layout: &ParamLayout,
         device: &B::Device,
@@ -126,7 +137,7 @@ impl<B: Backend> DeviceState<B> {
             let (m, v) = state(states);
             let segment = SegmentState {
                 place: place.clone(),
-                master: put(master[place.range.clone()].to_vec()),
+                master: put(params(place)),
                 m: (!m.is_empty()).then(|| put(m)),
                 v: (!v.is_empty()).then(|| put(v)),
                 decay: mask,
@@ -272,7 +283,7 @@ impl<B: Backend> DeviceState<B> {
         let p = if s.updates_all() {
             s.master.clone()
         } else {
-            s.master.clone().slice([updated.clone()])
+            s.master.clone().slice([s.update_in_master()])
         };
         match spec {
             OptimizerSpec::Adam {
@@ -334,14 +345,18 @@ impl<B: Backend> DeviceState<B> {
         Ok(s.master.clone())
     }
 
-    /// ZeRO-1/2: this replica's updated shard of the segment at block `start`, in host memory
-    /// (for the all-gather that follows the update).
+    /// This replica's (updated) shard of the segment at block `start`, in host memory: for the
+    /// all-gather after a ZeRO-1/2 update, or before a ZeRO-3 forward or backward.
     pub(super) fn updated_shard(&self, start: usize) -> Result<(Range<usize>, Vec<f32>), String> {
         let s = self
             .segments
             .get(&start)
             .ok_or_else(|| format!("no segment of this actor's device state starts at block {start}"))?;
-        let shard = s.master.clone().slice([s.place.update.clone()]);
+        let shard = if s.updates_all() {
+            s.master.clone()
+        } else {
+            s.master.clone().slice([s.update_in_master()])
+        };
         let values = download(shard, TransferKind::Parameter)
             .convert::<f32>()
             .into_vec::<f32>()
@@ -374,8 +389,8 @@ impl<B: Backend> DeviceState<B> {
     }
 
     /// Copies the state back into host memory: calls `put(place, params, m, v)` per segment
-    /// (the whole segment's parameters; `m`, `v` of what this replica updates, empty where the
-    /// rule keeps none).
+    /// (the parameters it holds; `m`, `v` of what this replica updates, empty where the rule
+    /// keeps none).
     pub(super) fn download_into(&self, mut put: impl FnMut(&SegmentPlace, Vec<f32>, Vec<f32>, Vec<f32>)) {
         let read = |t: &Tensor<B, 1>| {
             download(t.clone(), TransferKind::Parameter)
@@ -428,7 +443,7 @@ fn update_in_place<B: Backend>(
             &grads[..]
         };
         let states = s.state_range();
-        let params = &mut params[s.place.update.clone()];
+        let params = &mut params[s.update_in_master()];
         update_range(spec, ctx, layout, states, params, m, v, grads);
     }
     s.master = from_cpu(master);

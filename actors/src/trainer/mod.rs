@@ -269,9 +269,17 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         let Some(state) = &self.state.device_state else {
             return;
         };
-        let (master, optimizer) = (&mut self.state.master, &mut self.state.optimizer);
+        let zero3 = self.state.sharding.zero.shards_parameters();
+        let (master, shard_master) = (&mut self.state.master, &mut self.state.shard_master);
+        let optimizer = &mut self.state.optimizer;
         state.download_into(|place, params, m, v| {
-            master[place.range.clone()].copy_from_slice(&params);
+            let to = if zero3 {
+                &mut shard_master[place.state_at..place.state_at + params.len()]
+            } else {
+                let at = place.range.start + place.held.start;
+                &mut master[at..at + params.len()]
+            };
+            to.copy_from_slice(&params);
             optimizer.set_state(place.state_at, &m, &v);
         });
     }

@@ -229,6 +229,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .as_ref()
                 .ok_or("parameters offloaded without an offload actor")?;
             full = offload.read_params(blocks.start, full, own)?;
+        } else if let Some(device) = &self.state.device_state {
+            let (at, values) = device.updated_shard(blocks.start)?;
+            full[at].copy_from_slice(&values);
         } else {
             full[own.clone()].copy_from_slice(&self.state.shard_master[state..state + own.len()]);
         }
@@ -376,6 +379,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                         .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
                     table.insert(out.clone(), HostTensor::flat(gathered));
                 }
+                // ZeRO-3: the shard stays on the device until the next forward gathers it.
+                UpdateScope::ShardKept => {}
                 other => return Err(format!("the device state has no `{other}` update")),
             }
         }

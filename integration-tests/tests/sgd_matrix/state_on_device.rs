@@ -7,7 +7,7 @@
 //! step; at dp = 2 on the device, exactly each replica's gradient bucket each way (the
 //! all-reduce runs in host memory until collectives run on the device); under ZeRO-1/2 on the
 //! device, the reduced gradient (ZeRO-2: the shard), the updated shard down and the gathered
-//! parameters up.
+//! parameters up; under ZeRO-3, the shards down and the gathered model up for each pass.
 
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{ModelSpec, ParallelPlan, Program, StatePlacement};
@@ -92,6 +92,18 @@ fn sgd_with_the_state_on_the_device_matches_one_device_and_moves_no_optimizer_by
             );
         }
     }
+    // ZeRO-3 on the device: the device keeps only its shard; for the forward and the backward
+    // each shard goes down for the all-gather and every replica's modules take the gathered
+    // model up; the reduce-scattered gradient comes back as the shard.
+    let run = check(&reference, on_device(small_plan(2, 1, 3)));
+    for (step, path) in optimizer_path(&run).into_iter().enumerate() {
+        assert_eq!(
+            path,
+            ([2 * bytes, bytes], [2 * bytes, 4 * bytes]),
+            "device state zero=3, step {}",
+            step + 1
+        );
+    }
 }
 
 #[test]
@@ -107,6 +119,7 @@ fn stateful_rules_on_the_device_match_the_host_loops() {
             (2, 2, 0, Some(CLIP)),
             (2, 1, 1, None),
             (2, 1, 2, Some(CLIP)),
+            (2, 1, 3, Some(CLIP)),
         ] {
             let program = |state| {
                 Program::new(ModelSpec::parse(super::MLP).expect("model spec"))
