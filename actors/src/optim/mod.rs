@@ -313,6 +313,26 @@ impl FlatOptimizer {
         }
     }
 
+    /// Frees the per-parameter state buffers: the state lives elsewhere (on the device) and
+    /// this optimizer keeps only the step counters, schedule and layout. [`FlatOptimizer::state`]
+    /// then reads empty slices; [`FlatOptimizer::ensure_state`] makes the buffers again.
+    pub fn release_state(&mut self) {
+        self.m = Vec::new();
+        self.v = Vec::new();
+    }
+
+    /// Makes the per-parameter state buffers again (zeros) after
+    /// [`FlatOptimizer::release_state`], so that [`FlatOptimizer::set_state`] can fill them.
+    pub fn ensure_state(&mut self) {
+        let (floats, len) = (self.spec.state_floats_per_param(), self.layout.len());
+        if floats >= 1 && self.m.is_empty() {
+            self.m = vec![0.0; len];
+        }
+        if floats >= 2 && self.v.is_empty() {
+            self.v = vec![0.0; len];
+        }
+    }
+
     /// Whether the optimizer keeps per-parameter state.
     pub fn has_state(&self) -> bool {
         !self.m.is_empty()

@@ -550,3 +550,22 @@ fn updating_in_ranges_equals_updating_whole() {
         assert_eq!(a, b, "{}", spec.name());
     }
 }
+
+/// With the state on the device the host optimizer keeps no moments: released, it holds no
+/// state bytes and reads empty slices; made again (for a checkpoint), it takes state back.
+#[test]
+fn released_state_holds_nothing_until_made_again() {
+    let mut opt = FlatOptimizer::new(OptimizerSpec::adamw(0.01), 5);
+    assert_eq!(opt.state_bytes(), 40);
+    opt.release_state();
+    assert_eq!(opt.state_bytes(), 0);
+    assert_eq!(opt.state(0..5), (&[][..], &[][..]));
+    opt.ensure_state();
+    assert_eq!(opt.state_bytes(), 40);
+    opt.set_state(1, &[1.0, 2.0], &[3.0, 4.0]);
+    assert_eq!(opt.state(1..3), (&[1.0, 2.0][..], &[3.0, 4.0][..]));
+    let mut sgd = FlatOptimizer::new(OptimizerSpec::sgd(0.1), 5);
+    sgd.release_state();
+    sgd.ensure_state();
+    assert_eq!(sgd.state_bytes(), 0, "plain SGD keeps no state to make");
+}

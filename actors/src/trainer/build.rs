@@ -19,6 +19,7 @@ use super::norms::{StageParams, UpdateState};
 use super::parts::{HeldStage, InFlight, TrainingState};
 use super::{Placement, Sharding, Trainer};
 use crate::block::{check_described, describe_shapes, init_range};
+use crate::executor::Computation;
 use crate::offload::OffloadActor;
 use crate::optim::FlatOptimizer;
 use crate::weights_file::InitWeights;
@@ -260,6 +261,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             &device,
             self.state.tensor_op_update,
         ));
+        // The device's state is the state: no host mirror of the moments is kept (one is made
+        // by `sync_host` for a checkpoint, and freed again at the next step's end).
+        self.state.optimizer.release_state();
     }
 
     /// The host copy of the parameters `place` keeps on the device: its range of the master, or
@@ -290,6 +294,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let changes = on != self.state.tensor_op_update && is_cpu::<B::InnerBackend>();
         self.state.tensor_op_update = on;
         if changes && self.state.device_state.is_some() {
+            self.sync_host();
             self.upload_state();
         }
         self

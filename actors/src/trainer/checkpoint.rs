@@ -236,6 +236,8 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Loads the held blocks' parameters, this actor's optimizer state, the optimizer's step
     /// count and the schedule's position from `checkpoint`, whatever layout wrote it.
     pub fn restore(&mut self, checkpoint: &CheckpointReader) -> Result<(), String> {
+        // Host buffers to restore into (the device state is rebuilt from them below).
+        self.state.optimizer.ensure_state();
         let names = self.state.optimizer.spec().state_names();
         // Offloaded state is restored below, into the offload actor's regions.
         let resident: &[&str] = if self.state.offload.is_some() { &[] } else { names };

@@ -218,6 +218,10 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
 
     fn finish_step(&mut self) -> StepMetrics {
         self.step.clear();
+        if self.state.device_state.is_some() {
+            // A host mirror made for a checkpoint lives until here.
+            self.state.optimizer.release_state();
+        }
         let params = 4 * (self.state.master.len() + self.state.shard_master.len()) as u64;
         let state = match &self.state.device_state {
             Some(device) => device.bytes(),
@@ -269,6 +273,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         let Some(state) = &self.state.device_state else {
             return;
         };
+        self.state.optimizer.ensure_state();
         let zero3 = self.state.sharding.zero.shards_parameters();
         let (master, shard_master) = (&mut self.state.master, &mut self.state.shard_master);
         let optimizer = &mut self.state.optimizer;
