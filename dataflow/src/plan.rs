@@ -483,25 +483,19 @@ fn island_indices(names: &[String], actors: usize) -> Result<Vec<usize>, PlanErr
 #[path = "plan_tests.rs"]
 mod tests;
 
-/// `--state device` covers the replicated update and ZeRO 1-3 for now: no offload (the state is
-/// then the offload actor's) and no LAMB (its norms are reduced from host copies of the state).
+/// `--state device` covers every update rule and ZeRO 0-3; not offload (the state is then the
+/// offload actor's, in host memory by design).
 fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     let plan = &program.plan;
     if plan.state != crate::StatePlacement::Device {
         return Ok(());
     }
-    let unsupported = [
-        (plan.offload.is_some(), format!("--offload {}", plan.offload)),
-        (
-            program.optimizer.needs_param_norms(),
-            "--optimizer lamb".to_string(),
-        ),
-    ];
-    match unsupported.iter().find(|(bad, _)| *bad) {
-        Some((_, what)) => Err(PlanError::Conflict(format!(
-            "--state device keeps the state on the device for ZeRO 0-3 (no offload or LAMB yet); \
-             {what} needs --state host (the default)"
-        ))),
-        None => Ok(()),
+    if plan.offload.is_some() {
+        return Err(PlanError::Conflict(format!(
+            "--state device keeps the state on the device; --offload {} keeps it in host memory (the \
+             offload actor's): use --state host (the default), or drop --offload",
+            plan.offload
+        )));
     }
+    Ok(())
 }

@@ -218,6 +218,7 @@ fn momentum_adamw_and_lamb_resume_with_their_state_and_schedule() {
         (momentum, plan(2, 1, 3), cpu(2, 1), 1e-5),
         (OptimizerSpec::adamw(1e-2), plan(2, 1, 3), plan(2, 2, 1), 1e-4),
         (OptimizerSpec::lamb(1e-2), plan(1, 2, 0), plan(2, 1, 3), 1e-4),
+        (OptimizerSpec::lamb(1e-2), device(2, 1, 3), device(1, 2, 0), 1e-4),
     ] {
         let name = optimizer.name();
         let program = |layout| {

@@ -13,6 +13,78 @@
 //! Phase 2 recomputes `u` from the moments and the unchanged `p` with the same operations, so
 //! no buffer of `u` is kept; the optimizer state is `m` and `v`, as Adam's.
 
+use std::ops::Range;
+
+use archipelago_dataflow::OptimizerSpec;
+
+use super::{ParamLayout, StepContext, lamb_step};
+
+/// LAMB's phase 1 over the state elements `range` of `layout`, given that range's slices:
+/// updates the moments and adds, per parameter, `Σp²` and `Σu²` at `sums[2k]`, `sums[2k + 1]`
+/// (when `sums` is given: pass `None` for ranges another shard answers for).
+///
+/// # Panics
+/// When the slices are not the range's, or `spec` is not LAMB.
+#[allow(clippy::too_many_arguments)]
+pub fn moments_range(
+    spec: OptimizerSpec,
+    ctx: &StepContext,
+    layout: &ParamLayout,
+    range: Range<usize>,
+    params: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grads: &[f32],
+    mut sums: Option<&mut [f64]>,
+) {
+    let offset = range.start;
+    for (piece, part) in layout.pieces(range) {
+        let at = piece.start - offset..piece.end - offset;
+        let step = lamb_step(spec, ctx, part.decay);
+        let (pp, uu) = moments(
+            &step,
+            &params[at.clone()],
+            &mut m[at.clone()],
+            &mut v[at.clone()],
+            &grads[at],
+        );
+        if let Some(sums) = sums.as_deref_mut() {
+            sums[2 * part.param] += pp;
+            sums[2 * part.param + 1] += uu;
+        }
+    }
+}
+
+/// LAMB's phase 2 over the state elements `range` of `layout`: `p -= lr · trust[k] · u` with
+/// parameter `k`'s trust ratio.
+///
+/// # Panics
+/// When the slices are not the range's, `trust` misses a parameter, or `spec` is not LAMB.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_range(
+    spec: OptimizerSpec,
+    ctx: &StepContext,
+    layout: &ParamLayout,
+    range: Range<usize>,
+    trust: &[f32],
+    params: &mut [f32],
+    m: &[f32],
+    v: &[f32],
+) {
+    let offset = range.start;
+    for (piece, part) in layout.pieces(range) {
+        let at = piece.start - offset..piece.end - offset;
+        let step = lamb_step(spec, ctx, part.decay);
+        apply(
+            &step,
+            trust[part.param],
+            &mut params[at.clone()],
+            &m[at.clone()],
+            &v[at],
+        );
+    }
+}
+
 /// One LAMB step over one range of one parameter group.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct LambStep {

@@ -30,6 +30,7 @@ use archipelago_dataflow::{LrSchedule, OptimizerSpec};
 
 pub use clip::{clip_factor, sum_of_squares};
 pub use groups::{ParamLayout, ParamPart};
+pub use lamb::{apply_range as lamb_apply_range, moments_range as lamb_moments_range};
 
 /// What one step of an update rule needs besides the slices.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -167,12 +168,7 @@ impl FlatOptimizer {
                 layout.params(),
                 "LAMB's update needs this step's reduced norms (accumulate_norms, set_norms) first"
             );
-            for (piece, part) in layout.pieces(range) {
-                let at = piece.start - offset..piece.end - offset;
-                let step = lamb_step(*spec, &ctx, part.decay);
-                let ratio = trust[part.param];
-                lamb::apply(&step, ratio, &mut params[at.clone()], &m[at.clone()], &v[at]);
-            }
+            lamb::apply_range(*spec, &ctx, layout, range, trust, params, m, v);
             return;
         }
         update_range(*spec, &ctx, layout, range, params, m, v, grads);
@@ -190,7 +186,7 @@ impl FlatOptimizer {
         offset: usize,
         params: &[f32],
         grads: &[f32],
-        mut sums: Option<&mut [f64]>,
+        sums: Option<&mut [f64]>,
     ) {
         if !self.spec.needs_param_norms() {
             return;
@@ -201,21 +197,7 @@ impl FlatOptimizer {
             spec, layout, m, v, ..
         } = self;
         let (m, v) = (state_slice(m, range.clone()), state_slice(v, range.clone()));
-        for (piece, part) in layout.pieces(range) {
-            let at = piece.start - offset..piece.end - offset;
-            let step = lamb_step(*spec, &ctx, part.decay);
-            let (pp, uu) = lamb::moments(
-                &step,
-                &params[at.clone()],
-                &mut m[at.clone()],
-                &mut v[at.clone()],
-                &grads[at],
-            );
-            if let Some(sums) = sums.as_deref_mut() {
-                sums[2 * part.param] += pp;
-                sums[2 * part.param + 1] += uu;
-            }
-        }
+        lamb::moments_range(*spec, &ctx, layout, range, params, m, v, grads, sums);
     }
 
     /// Length of LAMB's per-parameter norm vector (`Σp²`, `Σu²` per parameter); 0 for rules
@@ -243,6 +225,11 @@ impl FlatOptimizer {
             .chunks_exact(2)
             .map(|s| lamb::trust_ratio(s[0] as f64, s[1] as f64))
             .collect();
+    }
+
+    /// LAMB: this step's trust ratio per parameter (after [`FlatOptimizer::set_norms`]).
+    pub fn trust(&self) -> &[f32] {
+        &self.trust
     }
 
     /// The update rule.

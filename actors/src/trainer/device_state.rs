@@ -50,38 +50,38 @@ pub(super) struct SegmentPlace {
 }
 
 /// One segment's state on the device.
-struct SegmentState<B: Backend> {
-    place: SegmentPlace,
+pub(super) struct SegmentState<B: Backend> {
+    pub(super) place: SegmentPlace,
     /// Master parameters of `place.held`, flat in block order.
-    master: Tensor<B, 1>,
+    pub(super) master: Tensor<B, 1>,
     /// First moments (Adam, AdamW) or SGD's momentum buffer, of `place.update`.
-    m: Option<Tensor<B, 1>>,
+    pub(super) m: Option<Tensor<B, 1>>,
     /// Second moments (Adam, AdamW), of `place.update`.
-    v: Option<Tensor<B, 1>>,
+    pub(super) v: Option<Tensor<B, 1>>,
     /// 1 where an element of `place.update` takes weight decay, 0 where its parameter group has
     /// none (the tensor-op update only; the flat loops read the groups from the layout).
-    decay: Option<Tensor<B, 1>>,
+    pub(super) decay: Option<Tensor<B, 1>>,
 }
 
 impl<B: Backend> SegmentState<B> {
     /// The optimizer-state range of what this replica updates.
-    fn state_range(&self) -> Range<usize> {
+    pub(super) fn state_range(&self) -> Range<usize> {
         self.place.state_at..self.place.state_at + self.place.update.len()
     }
 
     /// Whether this replica updates all it holds.
-    fn updates_all(&self) -> bool {
+    pub(super) fn updates_all(&self) -> bool {
         self.place.update == self.place.held
     }
 
     /// Where `place.update` lies in the master.
-    fn update_in_master(&self) -> Range<usize> {
+    pub(super) fn update_in_master(&self) -> Range<usize> {
         let at = self.place.held.start;
         self.place.update.start - at..self.place.update.end - at
     }
 
     /// Puts the updated parameters of `place.update` into the master.
-    fn put_updated(&mut self, updated: Tensor<B, 1>) {
+    pub(super) fn put_updated(&mut self, updated: Tensor<B, 1>) {
         self.master = if self.updates_all() {
             updated
         } else {
@@ -95,14 +95,14 @@ impl<B: Backend> SegmentState<B> {
 /// An actor's training state on its device, by segment (first block), and the gradient buckets
 /// of the step in flight.
 pub(super) struct DeviceState<B: Backend> {
-    spec: OptimizerSpec,
+    pub(super) spec: OptimizerSpec,
     /// Update with the optimizer's flat loops on the buffers in place (CPU backend), not with
     /// tensor ops.
-    in_place: bool,
+    pub(super) in_place: bool,
     /// The parameters of the state (weight-decay groups), in the optimizer's coordinates.
-    layout: ParamLayout,
-    segments: HashMap<usize, SegmentState<B>>,
-    buckets: HashMap<TensorId, Tensor<B, 1>>,
+    pub(super) layout: ParamLayout,
+    pub(super) segments: HashMap<usize, SegmentState<B>>,
+    pub(super) buckets: HashMap<TensorId, Tensor<B, 1>>,
 }
 
 impl<B: Backend> DeviceState<B> {

@@ -42,6 +42,7 @@ mod build;
 mod checkpoint;
 mod cpu_buffers;
 mod data;
+mod device_lamb;
 mod device_state;
 mod fault;
 mod norms;

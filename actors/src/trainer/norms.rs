@@ -168,7 +168,13 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         self.begin_update(table)?;
         let mut sums = vec![0.0f64; self.state.optimizer.norms_len()];
-        for name in inputs.iter().filter(|n| **n != GRAD_SQUARES) {
+        if self.state.device_state.is_some() {
+            self.trust_norms_on_device(inputs, &mut sums, table)?;
+        }
+        for name in inputs
+            .iter()
+            .filter(|n| **n != GRAD_SQUARES && self.state.device_state.is_none())
+        {
             let grad = table
                 .get(name)
                 .ok_or_else(|| format!("gradient `{name}` missing"))?;
@@ -214,6 +220,33 @@ impl<B: AutodiffBackend> Trainer<B> {
             out.clone(),
             HostTensor::flat(sums.iter().map(|&s| s as f32).collect()),
         );
+        Ok(())
+    }
+
+    /// `TrustNorms` with the state on the device: each bucket (on the device, or reduced in host
+    /// memory and moved onto it) updates its segment's moments there and adds the partial sums
+    /// of the elements this replica answers for.
+    fn trust_norms_on_device(
+        &mut self,
+        inputs: &[TensorId],
+        sums: &mut [f64],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let ctx = self.state.optimizer.context();
+        for name in inputs.iter().filter(|n| **n != GRAD_SQUARES) {
+            let blocks = self
+                .step
+                .grad_ranges
+                .get(name)
+                .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?
+                .clone();
+            let counted = self.state.sharding.segment(blocks.start)?.own.clone();
+            let reduced = table.remove(name).map(HostTensor::into_vec);
+            let state = self.state.device_state.as_mut().ok_or("no device state")?;
+            let grad = state.bucket(name, reduced, &self.stage.device)?;
+            self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
+            state.lamb_moments(blocks.start, grad, counted, &ctx, sums)?;
+        }
         Ok(())
     }
 

@@ -352,7 +352,13 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let ctx = self.state.optimizer.context();
-        // The norms were read by begin_update.
+        // LAMB's moments were updated by TrustNorms; its phase 2 needs the reduced norms.
+        let lamb = self.state.optimizer.spec().needs_param_norms();
+        if lamb {
+            self.take_trust_norms(table)?;
+        }
+        let trust = self.state.optimizer.trust().to_vec();
+        // The clipping norm was read by begin_update.
         let buckets = inputs
             .iter()
             .filter(|n| **n != GRAD_SQUARES && **n != TRUST_SQUARES);
@@ -362,11 +368,15 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .grad_ranges
                 .remove(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-            let reduced = table.remove(name).map(HostTensor::into_vec);
             let state = self.state.device_state.as_mut().ok_or("no device state")?;
-            let grad = state.bucket(name, reduced, &self.stage.device)?;
-            self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
-            let master = state.update(blocks.start, grad, &ctx)?;
+            let master = if lamb {
+                state.lamb_apply(blocks.start, &trust, &ctx)?
+            } else {
+                let reduced = table.remove(name).map(HostTensor::into_vec);
+                let grad = state.bucket(name, reduced, &self.stage.device)?;
+                self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
+                state.update(blocks.start, grad, &ctx)?
+            };
             match scope {
                 UpdateScope::Whole => self.load_modules_from(blocks, master)?,
                 UpdateScope::ShardThenGather => {

@@ -1,7 +1,7 @@
 //! Training state on the device (`--state device`, `ParallelPlan::state`): the same element-wise
 //! equivalence with one device as the rest of the matrix, under plain SGD and under the
 //! scale-insensitive and stateful rules (AdamW with parameter groups, SGD with momentum,
-//! Nesterov and weight decay), and the host ⇄ device bytes each step reports: zero on the
+//! Nesterov and weight decay, LAMB), and the host ⇄ device bytes each step reports: zero on the
 //! optimizer path (gradients, parameters) with the state on the device; with the state in host
 //! memory (today's round trip: the negative control) exactly the model's bytes each way per
 //! step; at dp = 2 on the device, exactly each replica's gradient bucket each way (the
@@ -10,7 +10,7 @@
 //! parameters up; under ZeRO-3, the shards down and the gathered model up for each pass.
 
 use archipelago_dataflow::passes::schedule::Schedule;
-use archipelago_dataflow::{ModelSpec, ParallelPlan, Program, StatePlacement};
+use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Program, StatePlacement};
 
 use super::{Run, check, param_difference, reference, run_program};
 use archipelago_integration_tests::{small_plan, stateful_rules};
@@ -110,7 +110,10 @@ fn sgd_with_the_state_on_the_device_matches_one_device_and_moves_no_optimizer_by
 fn stateful_rules_on_the_device_match_the_host_loops() {
     // Clipping to a bound below every step's norm, so that it engages each step.
     const CLIP: f32 = 0.05;
-    for optimizer in stateful_rules() {
+    // LAMB too: its per-parameter norms are summed on the device over each replica's share and
+    // all-reduced (ZeRO-3 × dp = 2: a parameter's norm spans shards).
+    let lamb = OptimizerSpec::lamb(1e-2).with_weight_decay(0.01);
+    for optimizer in stateful_rules().into_iter().chain([lamb]) {
         for (dp, pp, zero, clip) in [
             (1, 1, 0, None),
             (2, 1, 0, None),
