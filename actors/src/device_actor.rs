@@ -71,8 +71,35 @@ pub struct DeviceActorArgs {
     pub events: UnboundedSender<ActorEvent>,
     /// Where the executor records the instruction it runs.
     pub progress: Arc<crate::progress::ActorProgress>,
+    /// The executor thread's queue (made by [`work_queue`]; the gang keeps a [`WorkQueue`] to
+    /// dispatch steps straight to the thread).
+    pub inbox: WorkInbox,
+    /// The sending end of `inbox`, for the actor's own messages.
+    pub queue: WorkQueue,
 }
 
+/// Sends work to a device actor's executor thread directly (a step costs one channel send and
+/// one thread wake-up, no actor-mailbox hop).
+#[derive(Clone)]
+pub struct WorkQueue(mpsc::Sender<Work>);
+
+impl WorkQueue {
+    /// Asks for step `n`; false when the executor thread has ended (after a failure it reported).
+    pub fn step(&self, n: u64) -> bool {
+        self.0.send(Work::Step(n)).is_ok()
+    }
+}
+
+/// The executor thread's end of its [`WorkQueue`].
+pub struct WorkInbox(mpsc::Receiver<Work>);
+
+/// A queue to one device actor's executor thread.
+pub fn work_queue() -> (WorkQueue, WorkInbox) {
+    let (send, receive) = mpsc::channel();
+    (WorkQueue(send), WorkInbox(receive))
+}
+
+/// What a device actor's executor thread is asked to do.
 enum Work {
     Step(u64),
     Squares(RpcReplyPort<Vec<(usize, f64)>>),
@@ -82,7 +109,7 @@ enum Work {
 
 /// The actor's state: the channel to its executor thread.
 pub struct DeviceState {
-    work: Option<mpsc::Sender<Work>>,
+    work: Option<WorkQueue>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -99,11 +126,11 @@ impl Actor for DeviceActor {
         _myself: ActorRef<DeviceMsg>,
         args: DeviceActorArgs,
     ) -> Result<DeviceState, ActorProcessingErr> {
-        let (work, queue) = mpsc::channel::<Work>();
+        let work = args.queue.clone();
         let name = format!("actor-{}-{}", args.actor, args.device);
         let thread = std::thread::Builder::new()
             .name(name)
-            .spawn(move || executor_thread(args, queue))?;
+            .spawn(move || executor_thread(args))?;
         Ok(DeviceState {
             work: Some(work),
             thread: Some(thread),
@@ -124,7 +151,7 @@ impl Actor for DeviceActor {
         };
         if let Some(queue) = &state.work {
             // A closed queue means the executor thread ended after a failure it already reported.
-            let _ = queue.send(work);
+            let _ = queue.0.send(work);
         }
         Ok(())
     }
@@ -142,7 +169,7 @@ impl Actor for DeviceActor {
     }
 }
 
-fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
+fn executor_thread(args: DeviceActorArgs) {
     let DeviceActorArgs {
         job,
         actor,
@@ -152,7 +179,11 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
         fabric,
         events,
         progress,
+        inbox,
+        queue,
     } = args;
+    // Only the actor and the gang send; the thread ends when both have let go.
+    drop(queue);
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(computation))
         .unwrap_or_else(|p| Err(crate::error::panic_message(p.as_ref())));
     let computation = match built {
@@ -178,7 +209,7 @@ fn executor_thread(args: DeviceActorArgs, queue: mpsc::Receiver<Work>) {
     let mut executor =
         Executor::new(&job, actor, device, stream, computation, fabric).with_progress(progress);
     let _ = events.send(ActorEvent::Ready { actor });
-    for work in queue {
+    for work in inbox.0 {
         match work {
             Work::Step(n) => match executor.run_step(n) {
                 Ok(report) => {

@@ -1,7 +1,8 @@
 //! A gang of device actors started together for one job: all or nothing.
 //!
-//! Starting spawns every actor and waits until each has built its computation; a step sends
-//! `Step{n}` to all at once and collects one `StepDone` from each. The first failure stops the
+//! Starting spawns every actor and waits until each has built its computation; a step is put
+//! straight into every executor thread's queue (no actor-mailbox hop) and one `StepDone` is
+//! collected from each. The first failure stops the
 //! gang and is reported with its root cause (an actor that failed on its own, not one that only
 //! stopped because a peer did); silence past the watchdog names the actors that did not report.
 
@@ -16,7 +17,7 @@ use tokio::task::JoinHandle;
 use archipelago_actors::ActorFailure;
 use archipelago_actors::checkpoint::ShardFile;
 use archipelago_actors::device_actor::{
-    ActorEvent, ComputationFactory, DeviceActor, DeviceActorArgs, DeviceMsg,
+    ActorEvent, ComputationFactory, DeviceActor, DeviceActorArgs, DeviceMsg, WorkQueue, work_queue,
 };
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::Fabric;
@@ -43,6 +44,8 @@ pub struct ActorGang {
     watchdog: Duration,
     /// The streams launched (to name the instruction an actor blocks on).
     streams: Vec<ActorStream>,
+    /// Each actor's executor queue: steps go straight to the threads.
+    queues: Vec<WorkQueue>,
 }
 
 impl ActorGang {
@@ -65,11 +68,16 @@ impl ActorGang {
             fabric,
             watchdog,
             streams: streams.clone(),
+            queues: Vec::new(),
         };
         for (stream, computation) in streams.into_iter().zip(factories) {
             let progress = Arc::new(ActorProgress::default());
             gang.ids.push((stream.actor, stream.device, progress.clone()));
+            let (queue, inbox) = work_queue();
+            gang.queues.push(queue.clone());
             let args = DeviceActorArgs {
+                inbox,
+                queue,
                 job: job.to_string(),
                 actor: stream.actor,
                 device: stream.device,
@@ -122,10 +130,10 @@ impl ActorGang {
 
     /// Runs step `n` on every actor; the reports come back in actor order.
     pub async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
-        for actor in &self.actors {
-            actor
-                .cast(DeviceMsg::Step(n))
-                .map_err(|e| JobError::Runtime(format!("cannot reach an actor: {e}")))?;
+        // Straight to the executor threads; one whose thread ended reported why already, and
+        // collect names it.
+        for queue in &self.queues {
+            queue.step(n);
         }
         let mut reports = self
             .collect(n, |event| match event {
@@ -158,6 +166,8 @@ impl ActorGang {
 
     /// Stops every actor and waits for them.
     pub async fn stop(&mut self) {
+        // The executor threads end once every sender of their queue is gone: ours first.
+        self.queues.clear();
         for actor in &self.actors {
             actor.stop(None);
         }

@@ -56,6 +56,10 @@ pub struct BenchArgs {
     /// the end, with the dashboard attached, and stop.
     #[arg(long)]
     pub soak_only: bool,
+    /// Run only the controller-at-scale figures (compiling a 4096-device plan; one step
+    /// dispatched to 1024 no-op actors; starting 4096 of them) and stop.
+    #[arg(long)]
+    pub scale_only: bool,
 }
 
 /// Runs the suite and prints its JSON.
@@ -80,6 +84,16 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let soak_steps = if args.quick { 2_000 } else { 10_000 };
     if args.soak_only {
         let out = json!({ "suite": "soak", "soak": soak::soak(soak_steps)?, "wall_s": started.elapsed().as_secs_f64() });
+        return write_out(&out, args);
+    }
+    if args.scale_only {
+        let steps = if args.quick { 20 } else { 100 };
+        let scale = json!({
+            "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,
+            "dispatch": scale::noop_step(1024, steps)?,
+            "dispatch_4096": scale::noop_step(4096, steps / 4)?,
+        });
+        let out = json!({ "suite": "scale", "scale": scale, "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
     }
     let reps = if args.quick { 5 } else { 15 };
