@@ -87,11 +87,14 @@ pub fn apply_range(
 
 /// One LAMB step over one range of one parameter group.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct LambStep {
+pub struct LambStep {
     /// This step's learning rate.
     pub lr: f32,
+    /// First-moment decay.
     pub beta1: f32,
+    /// Second-moment decay.
     pub beta2: f32,
+    /// Added to the denominator.
     pub eps: f32,
     /// The weight decay of this range's group.
     pub weight_decay: f32,
@@ -102,7 +105,8 @@ pub(super) struct LambStep {
 }
 
 impl LambStep {
-    fn corrections(&self) -> (f32, f32) {
+    /// The bias corrections `(1 − β1ᵗ, 1 − β2ᵗ)`.
+    pub fn corrections(&self) -> (f32, f32) {
         (1.0 - self.beta1.powi(self.t), 1.0 - self.beta2.powi(self.t))
     }
 }

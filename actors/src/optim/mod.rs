@@ -30,7 +30,7 @@ use archipelago_dataflow::{LrSchedule, OptimizerSpec};
 
 pub use clip::{clip_factor, sum_of_squares};
 pub use groups::{ParamLayout, ParamPart};
-pub use lamb::{apply_range as lamb_apply_range, moments_range as lamb_moments_range};
+pub use lamb::{LambStep, apply_range as lamb_apply_range, moments_range as lamb_moments_range};
 
 /// What one step of an update rule needs besides the slices.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -340,7 +340,11 @@ fn state_slice(state: &mut [f32], range: Range<usize>) -> &mut [f32] {
     }
 }
 
-fn lamb_step(spec: OptimizerSpec, ctx: &StepContext, decay: bool) -> lamb::LambStep {
+/// LAMB's step for a range whose parameter group decays (`decay`) or not.
+///
+/// # Panics
+/// When `spec` is not LAMB.
+pub fn lamb_step(spec: OptimizerSpec, ctx: &StepContext, decay: bool) -> lamb::LambStep {
     let OptimizerSpec::Lamb {
         beta1,
         beta2,

@@ -14,7 +14,7 @@ use archipelago_dataflow::OptimizerSpec;
 
 use super::cpu_buffers::{from_cpu, into_cpu, values_mut};
 use super::device_state::{DeviceState, SegmentState};
-use crate::optim::{StepContext, lamb_apply_range, lamb_moments_range};
+use crate::optim::{StepContext, lamb_apply_range, lamb_moments_range, lamb_step};
 use crate::transfer::{TransferKind, download};
 
 /// LAMB's constants and this step's bias corrections.
@@ -29,23 +29,19 @@ struct Lamb {
 
 impl Lamb {
     fn of(spec: OptimizerSpec, ctx: &StepContext) -> Result<Lamb, String> {
-        let OptimizerSpec::Lamb {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            ..
-        } = spec
-        else {
+        if !matches!(spec, OptimizerSpec::Lamb { .. }) {
             return Err(format!("a LAMB phase of the {} rule", spec.name()));
-        };
+        }
+        // The decaying group's step: `wd` is masked per element by the decay mask.
+        let step = lamb_step(spec, ctx, true);
+        let (c1, c2) = step.corrections();
         Ok(Lamb {
-            beta1,
-            beta2,
-            eps,
-            wd: weight_decay,
-            c1: 1.0 - beta1.powi(ctx.t),
-            c2: 1.0 - beta2.powi(ctx.t),
+            beta1: step.beta1,
+            beta2: step.beta2,
+            eps: step.eps,
+            wd: step.weight_decay,
+            c1,
+            c2,
         })
     }
 

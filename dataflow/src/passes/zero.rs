@@ -321,10 +321,11 @@ mod tests {
         );
         // Prefetch: in a slot of several runs, the second run's gather starts before the first
         // run's compute.
-        let first_gather = three
+        let gathers: Vec<usize> = three
             .nodes
             .iter()
-            .position(|n| {
+            .enumerate()
+            .filter(|(_, n)| {
                 matches!(
                     n,
                     NodeOp::Collective {
@@ -333,21 +334,9 @@ mod tests {
                     }
                 )
             })
-            .unwrap();
-        let second_gather = first_gather
-            + 1
-            + three.nodes[first_gather + 1..]
-                .iter()
-                .position(|n| {
-                    matches!(
-                        n,
-                        NodeOp::Collective {
-                            kind: CollectiveKind::AllGather,
-                            ..
-                        }
-                    )
-                })
-                .unwrap();
+            .map(|(i, _)| i)
+            .collect();
+        let second_gather = gathers[1];
         let first_compute = three
             .nodes
             .iter()
