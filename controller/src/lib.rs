@@ -41,5 +41,5 @@ pub mod train_job;
 
 pub use error::JobError;
 pub use local::Controller;
-pub use report::{StepRecord, TrainReport};
+pub use report::{RestartRecord, StepRecord, TrainReport};
 pub use train_job::{StepProgress, TrainOptions};

@@ -140,6 +140,23 @@ pub struct TrainReport {
     pub replayed_step_s: f64,
     /// Load average (1, 5, 15 min) at the end.
     pub load_avg: [f64; 3],
+    /// Each restart after a lost host (cluster jobs with `--restart on-failure`), in order.
+    #[serde(default)]
+    pub restarts: Vec<RestartRecord>,
+}
+
+/// A restart of a cluster job after a host was lost: what ended the attempt, where it had got,
+/// and where and how the next attempt went on.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RestartRecord {
+    /// The error that ended the attempt (names the lost host).
+    pub lost: String,
+    /// The last step the attempt finished.
+    pub failed_after_step: u64,
+    /// The step the next attempt started at (1 without a checkpoint).
+    pub resumed_at_step: u64,
+    /// The mesh the job was placed on again (e.g. `dp=1`, a smaller one on fewer devices).
+    pub mesh: String,
 }
 
 /// The median of `values` (0 for none).

@@ -459,6 +459,7 @@ pub(crate) async fn drive<G: Gang>(
         plan: options.flags.clone(),
         params: program.model.params(),
         final_loss: steps.last().map_or(f32::NAN, |s| s.loss),
+        restarts: Vec::new(),
         steps: steps.clone(),
         param_l2: squares.iter().sum::<f64>().sqrt(),
         block_l2: squares.iter().map(|s| s.sqrt()).collect(),

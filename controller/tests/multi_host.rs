@@ -2,8 +2,9 @@
 //! driven through `Controller::connect`. A job across two hosts (two islands) equals the same job
 //! in one process, also with the hierarchical all-reduce across the islands; a wrong token is refused (and the refusal logged); a host killed with SIGKILL or
 //! stopped with SIGSTOP is detected and named with its actors; with restart on failure the job
-//! re-plans on the host left, resumes from the last checkpoint and ends with the parameters of an
-//! uninterrupted run.
+//! re-plans on the host left (or on a replacement host that registers in time, with the same
+//! layout), resumes from the last checkpoint — the report says when, from where and on what —
+//! and ends with the parameters of an uninterrupted run, every step's loss present once.
 
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -210,10 +211,11 @@ fn with_restart_on_failure_a_killed_host_costs_no_sample_and_no_parameter() {
     let checkpoints = cluster.dir.path().join("checkpoints");
     let on_step = Arc::new(move |p: &StepProgress| {
         if p.step == 5 {
-            Command::new("kill")
+            let killed = Command::new("kill")
                 .args(["-KILL", &pid.to_string()])
                 .status()
                 .unwrap();
+            assert!(killed.success(), "the kill of h2 failed");
         }
     });
     let options = TrainOptions {
@@ -232,6 +234,76 @@ fn with_restart_on_failure_a_killed_host_costs_no_sample_and_no_parameter() {
     // The job went on as dp=1 on h1 from the checkpoint after step 3 (or 6), same global batch.
     assert_same(&reference, &run, 1e-5, "restarted on h1");
     assert!(checkpoints.join("step-00000012/manifest.json").exists());
+    assert_restarted_once(&run, "dp=1", 12);
+}
+
+/// The report says the job restarted once — after the kill at step 5, from the checkpoint of
+/// step 3 or 6, on `mesh` — and has every step's loss exactly once, none skipped or repeated.
+fn assert_restarted_once(run: &TrainReport, mesh: &str, steps: u64) {
+    assert_eq!(run.restarts.len(), 1, "{:?}", run.restarts);
+    let restart = &run.restarts[0];
+    assert!(restart.lost.contains("host `h2`"), "{restart:?}");
+    assert!(
+        restart.failed_after_step >= 5,
+        "the kill came after step 5: {restart:?}"
+    );
+    assert!(
+        [4, 7].contains(&restart.resumed_at_step),
+        "resumed after the checkpoint of step 3 or 6: {restart:?}"
+    );
+    assert_eq!(restart.mesh, mesh, "{restart:?}");
+    let numbers: Vec<u64> = run.steps.iter().map(|s| s.step).collect();
+    assert_eq!(numbers, (1..=steps).collect::<Vec<_>>(), "every step once");
+}
+
+/// A replacement host that registers while the controller waits for devices
+/// (`--wait-for-hosts-s`) is used: the job goes on with the layout it had (dp=2, on h1 and the new
+/// h3) from the last checkpoint, and ends with the parameters of an uninterrupted run.
+#[test]
+fn a_replacement_host_that_registers_in_time_keeps_the_layout() {
+    let reference = local(plan(2, 1, 0), 12);
+    let mut cluster = Cluster::start(5.0, 60.0);
+    cluster.add_host("h1", "cpu:0");
+    let pid = cluster.add_host("h2", "cpu:0");
+    let checkpoints = cluster.dir.path().join("checkpoints");
+    let mut h3 = cluster.host_command("h3", "cpu:0", cluster.dir.path().join("token"));
+    h3.stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(cluster.dir.path().join("h3.log")).unwrap());
+    let replacement: Arc<Mutex<(Option<Command>, Option<std::process::Child>)>> =
+        Arc::new(Mutex::new((Some(h3), None)));
+    let started = replacement.clone();
+    let on_step = Arc::new(move |p: &StepProgress| {
+        if p.step == 5 {
+            let killed = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status()
+                .unwrap();
+            assert!(killed.success(), "the kill of h2 failed");
+            let mut slot = started.lock().unwrap();
+            if let Some(mut command) = slot.0.take() {
+                slot.1 = Some(command.spawn().expect("start h3"));
+            }
+        }
+    });
+    let options = TrainOptions {
+        steps: 12,
+        job: "replacement".into(),
+        on_step: Some(on_step),
+        checkpoint_dir: Some(checkpoints),
+        checkpoint_every: 3,
+        restart_on_failure: true,
+        ..TrainOptions::default()
+    };
+    let run = cluster.controller().train(&program(plan(2, 1, 0)), &options);
+    if let Some(mut h3) = replacement.lock().unwrap().1.take() {
+        let _ = h3.kill();
+        let _ = h3.wait();
+    }
+    let run = run.unwrap();
+    assert_same(&reference, &run, 1e-5, "restarted on h1 and h3");
+    assert_restarted_once(&run, "dp=2", 12);
+    let log = cluster.controller_log();
+    assert!(log.contains("h3"), "the controller placed the job on h3: {log}");
 }
 
 /// A pipeline across two host processes whose stage 1 never sends its last gradient: the

@@ -19,7 +19,7 @@ use super::registry::{HostInfo, Registry};
 use super::remote_gang::{LaunchSpec, RemoteGang};
 use super::service::ClusterConfig;
 use crate::JobError;
-use crate::report::TrainReport;
+use crate::report::{RestartRecord, TrainReport};
 use crate::train_job::{StepProgress, TrainOptions, check_data, check_options, drive, resume_point};
 
 /// How many times a job is restarted after host losses before it gives up.
@@ -153,6 +153,7 @@ async fn run_attempts(
     }));
     let mut history = Vec::new();
     let mut restarts = 0;
+    let mut restart_log: Vec<RestartRecord> = Vec::new();
     loop {
         let needed = program.plan.dp * program.plan.pp;
         let hosts = registry
@@ -172,6 +173,10 @@ async fn run_attempts(
         check_options(train)?;
         check_data(&plan.program)?;
         let (restore, first_step) = resume_point(&plan.program, train)?;
+        if let Some(last) = restart_log.last_mut() {
+            last.resumed_at_step = first_step;
+            last.mesh = plan.mesh.to_string();
+        }
         let grace = config.host_timeout + Duration::from_secs(1);
         // Each launch has its own name, so that nothing of an earlier one is taken for it.
         let launch = if restarts == 0 {
@@ -195,6 +200,11 @@ async fn run_attempts(
                     return Err(lost);
                 };
                 restarts += 1;
+                restart_log.push(RestartRecord {
+                    lost: lost.to_string(),
+                    failed_after_step: history.last().map_or(0, |s| s.step),
+                    ..RestartRecord::default()
+                });
                 train.resume = checkpoint::latest_complete(root).0.is_some();
                 let line = format!(
                     "{lost}; restart {restarts}/{MAX_RESTARTS} from {}",
@@ -209,6 +219,10 @@ async fn run_attempts(
                     d.failure(&line);
                 }
                 tell(job_event::Kind::Info(line));
+            }
+            Ok(mut report) => {
+                report.restarts = restart_log;
+                return Ok(report);
             }
             other => return other,
         }
