@@ -4,7 +4,9 @@
 //! stopped with SIGSTOP is detected and named with its actors; with restart on failure the job
 //! re-plans on the host left (or on a replacement host that registers in time, with the same
 //! layout), resumes from the last checkpoint — the report says when, from where and on what —
-//! and ends with the parameters of an uninterrupted run, every step's loss present once.
+//! and ends with the parameters of an uninterrupted run, every step's loss present once; a dp=4 ×
+//! pp=2 job that loses one of four 2-device hosts goes on at dp=3 × pp=2 and equals a fresh dp=3 ×
+//! pp=2 run resumed from the same checkpoint (the broken-resume controls are checkpoint_resume's).
 
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -336,4 +338,94 @@ fn a_hang_across_hosts_is_reported_with_the_chain_from_the_heartbeats() {
         "{text}"
     );
     assert!(text.contains("ends at an idle actor"), "{text}");
+}
+
+/// Re-planning a dp=4 × pp=2 ZeRO-1 job on four 2-device hosts when one is killed: it goes on at
+/// dp=3 × pp=2 on the three hosts left, from the last checkpoint (written by dp=4, read by dp=3:
+/// the checkpoint reshards), and every step from there equals a fresh dp=3 × pp=2 run resumed
+/// from a copy of that same checkpoint, element for element of the losses and block norms.
+#[test]
+fn a_dp4_pp2_job_replans_to_dp3_on_the_hosts_left() {
+    let mut cluster = Cluster::start(5.0, 1.0);
+    for name in ["h1", "h2", "h3"] {
+        cluster.add_host(name, "cpu:0,cpu:1");
+    }
+    let pid = cluster.add_host("h4", "cpu:0,cpu:1");
+    let checkpoints = cluster.dir.path().join("checkpoints");
+    let on_step = Arc::new(move |p: &StepProgress| {
+        if p.step == 5 {
+            let killed = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status()
+                .unwrap();
+            assert!(killed.success(), "the kill of h4 failed");
+        }
+    });
+    let options = TrainOptions {
+        steps: 12,
+        job: "replan".into(),
+        on_step: Some(on_step),
+        checkpoint_dir: Some(checkpoints.clone()),
+        checkpoint_every: 3,
+        restart_on_failure: true,
+        ..TrainOptions::default()
+    };
+    let run = cluster
+        .controller()
+        .train(&program(plan(4, 2, 1)), &options)
+        .unwrap();
+    assert_eq!(run.restarts.len(), 1, "{:?}", run.restarts);
+    let restart = &run.restarts[0];
+    assert!(restart.lost.contains("host `h4`"), "{restart:?}");
+    assert_eq!(restart.mesh, "dp=3 × pp=2", "{restart:?}");
+    let resumed = restart.resumed_at_step;
+    assert!([4, 7].contains(&resumed), "{restart:?}");
+    let numbers: Vec<u64> = run.steps.iter().map(|s| s.step).collect();
+    assert_eq!(numbers, (1..=12).collect::<Vec<_>>(), "every step once");
+    // The same checkpoint, resumed by a fresh dp=3 × pp=2 run in one process.
+    let copy = tempfile::tempdir().unwrap();
+    let (written, copied) = (
+        archipelago_actors::checkpoint::step_dir(&checkpoints, resumed - 1),
+        archipelago_actors::checkpoint::step_dir(copy.path(), resumed - 1),
+    );
+    copy_dir(&written, &copied);
+    let fresh = Controller::local(archipelago_dataflow::DeviceSpec::cpus(6))
+        .train(
+            &program(plan(3, 2, 1)),
+            &TrainOptions {
+                steps: 12,
+                checkpoint_dir: Some(copy.path().to_path_buf()),
+                resume: true,
+                ..TrainOptions::default()
+            },
+        )
+        .unwrap();
+    let after: Vec<_> = run.steps.iter().filter(|s| s.step >= resumed).collect();
+    assert_eq!(after.len(), fresh.steps.len(), "steps after the restart");
+    for (a, b) in after.iter().zip(&fresh.steps) {
+        assert_eq!(a.step, b.step);
+        assert!(
+            ((a.loss - b.loss) / a.loss).abs() < 1e-5,
+            "step {}: loss {} after the re-plan, {} fresh",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    for (a, b) in run.block_l2.iter().zip(&fresh.block_l2) {
+        assert!((a - b).abs() / a < 1e-5, "block norm {a} vs {b}");
+    }
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
 }
