@@ -14,6 +14,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_archipelago");
 
 #[path = "dashboard/access.rs"]
 mod access;
+mod common;
+
+use common::{chromium, dump_dom};
 
 struct Proc(Child);
 
@@ -22,23 +25,6 @@ impl Drop for Proc {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn chromium() -> String {
-    for candidate in ["chromium", "chromium-browser", "/usr/bin/chromium"] {
-        if let Ok(out) = Command::new(candidate).arg("--version").output()
-            && out.status.success()
-        {
-            eprintln!(
-                "dashboard test browser: {}",
-                String::from_utf8_lossy(&out.stdout).trim()
-            );
-            return candidate.to_string();
-        }
-    }
-    panic!(
-        "this test needs Debian's `chromium` (run the tests with `bash scripts/test.sh`, which installs it, or apt-get install chromium)"
-    );
 }
 
 /// The body of `GET path` from `addr`.
@@ -64,16 +50,6 @@ fn first_event(addr: &str) -> serde_json::Value {
         }
     }
     panic!("the event stream ended without an event");
-}
-
-fn dump_dom(browser: &str, url: &str) -> String {
-    let out = Command::new(browser)
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", url])
-        .stderr(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "chromium failed: {:?}", out.status);
-    String::from_utf8(out.stdout).unwrap()
 }
 
 fn job_state(addr: &str) -> serde_json::Value {

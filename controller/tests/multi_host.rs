@@ -429,3 +429,48 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         }
     }
 }
+
+/// The dashboard's failure view (in Chromium) shows the lost host and the restart after a host
+/// is killed mid-run, while the job goes on.
+#[test]
+fn the_dashboard_shows_the_lost_host_and_the_restart() {
+    let browser = common::chromium();
+    let (mut cluster, dashboard) = Cluster::start_with_dashboard(5.0, 1.0);
+    cluster.add_host("h1", "cpu:0");
+    let pid = cluster.add_host("h2", "cpu:0");
+    let on_step = Arc::new(move |p: &StepProgress| {
+        if p.step == 3 {
+            let killed = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status()
+                .unwrap();
+            assert!(killed.success(), "the kill of h2 failed");
+        }
+    });
+    let options = TrainOptions {
+        steps: 6,
+        job: "dashboard-failure".into(),
+        on_step: Some(on_step),
+        checkpoint_dir: Some(cluster.dir.path().join("checkpoints")),
+        checkpoint_every: 2,
+        restart_on_failure: true,
+        ..TrainOptions::default()
+    };
+    let run = cluster
+        .controller()
+        .train(&program(plan(2, 1, 0)), &options)
+        .unwrap();
+    assert_eq!(run.restarts.len(), 1, "{:?}", run.restarts);
+    let dom = common::dump_dom(&browser, &format!("http://{dashboard}/"));
+    let failures = dom
+        .split("id=\"failures\"")
+        .nth(1)
+        .and_then(|rest| rest.split("</ul>").next())
+        .unwrap_or_default();
+    assert!(
+        failures.contains("class=\"failure\"")
+            && failures.contains("host `h2`")
+            && failures.contains("restart 1/"),
+        "the failure view does not show the lost host and the restart: {failures}"
+    );
+}

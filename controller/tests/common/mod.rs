@@ -111,6 +111,51 @@ impl Cluster {
         Controller::connect(&self.addr, &self.token)
     }
 
+    /// [`Cluster::start`] with the controller serving its dashboard on a free loopback port;
+    /// returns the dashboard's address too.
+    pub fn start_with_dashboard(host_timeout_s: f64, wait_for_hosts_s: f64) -> (Cluster, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let token = "test-token-4711".to_string();
+        std::fs::write(dir.path().join("token"), &token).unwrap();
+        let log = std::fs::File::create(dir.path().join("controller.log")).unwrap();
+        let mut child = Command::new(BIN)
+            .args(["controller", "--listen", "127.0.0.1:0", "--token-file"])
+            .arg(dir.path().join("token"))
+            .args(["--host-timeout-s", &host_timeout_s.to_string()])
+            .args(["--wait-for-hosts-s", &wait_for_hosts_s.to_string()])
+            .args(["--dashboard", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        // The dashboard's line comes first, then the controller's.
+        let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+        let mut dashboard = None;
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("the controller ended before listening")
+                .expect("stdout line");
+            if let Some(url) = line.split("dashboard at http://").nth(1) {
+                dashboard = Some(url.trim_end_matches('/').to_string());
+            }
+            if line.contains("controller listening on") {
+                break line.rsplit(' ').next().unwrap().to_string();
+            }
+        };
+        std::thread::spawn(move || lines.for_each(drop));
+        let dashboard = dashboard.expect("the controller printed no dashboard address");
+        let cluster = Cluster {
+            dir,
+            addr,
+            token,
+            hosts: Vec::new(),
+            _controller: Proc(child),
+            env: Vec::new(),
+        };
+        (cluster, dashboard)
+    }
+
     pub fn controller_log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("controller.log")).unwrap()
     }
@@ -146,4 +191,34 @@ pub fn local(plan: ParallelPlan, steps: u64) -> TrainReport {
             },
         )
         .unwrap()
+}
+
+/// Debian's `chromium` (the README's test command installs it); prints its version. Never
+/// skips: a missing browser fails the test, naming the fix.
+pub fn chromium() -> String {
+    for candidate in ["chromium", "chromium-browser", "/usr/bin/chromium"] {
+        if let Ok(out) = Command::new(candidate).arg("--version").output()
+            && out.status.success()
+        {
+            eprintln!(
+                "dashboard test browser: {}",
+                String::from_utf8_lossy(&out.stdout).trim()
+            );
+            return candidate.to_string();
+        }
+    }
+    panic!(
+        "this test needs Debian's `chromium` (run the tests with `bash scripts/test.sh`, which installs it, or apt-get install chromium)"
+    );
+}
+
+/// The DOM of `url` after Chromium ran its scripts (headless).
+pub fn dump_dom(browser: &str, url: &str) -> String {
+    let out = Command::new(browser)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", url])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "chromium failed: {:?}", out.status);
+    String::from_utf8(out.stdout).unwrap()
 }
