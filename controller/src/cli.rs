@@ -510,3 +510,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+#[path = "cli_tests.rs"]
+mod tests;

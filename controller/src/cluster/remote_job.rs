@@ -298,3 +298,7 @@ fn describe(hosts: &[HostInfo]) -> String {
         seen.into_iter().map(|(_, s)| s).collect::<Vec<_>>().join(", ")
     }
 }
+
+#[cfg(test)]
+#[path = "placement_tests.rs"]
+mod placement_tests;

@@ -1,0 +1,73 @@
+//! Unit tests of the command line's argument validation: what clap refuses while parsing and
+//! what `JobArgs::program` and the compiler refuse before anything starts, each naming the flag
+//! to change (the same refusals run end to end in `tests/cli.rs`).
+
+use clap::Parser;
+
+use super::{Cli, Command};
+
+/// Parses `archipelago train <args>` and builds its program.
+fn program(args: &[&str]) -> Result<archipelago_dataflow::Program, String> {
+    let argv = [
+        "archipelago",
+        "train",
+        "--model",
+        "mlp:in=8,hidden=16,layers=4,out=3",
+    ]
+    .iter()
+    .chain(args)
+    .copied();
+    let cli = Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+    let Command::Train(train) = cli.command else {
+        panic!("not a train command")
+    };
+    train.job.program().map_err(|e| e.to_string())
+}
+
+/// The program, compiled (the plan's refusals).
+fn compiled(args: &[&str]) -> Result<(), String> {
+    archipelago_dataflow::compile(&program(args)?)
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn values_clap_cannot_read_are_refused_while_parsing() {
+    for (args, needle) in [
+        (&["--state", "gpu"][..], "gpu"),
+        (&["--dp", "two"][..], "two"),
+        (&["--optimizer", "adagrad"][..], "adagrad"),
+    ] {
+        let err = program(args).unwrap_err();
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn plans_that_cannot_work_are_refused_naming_the_flag() {
+    for (args, needles) in [
+        (&["--dp", "0"][..], &["--dp"][..]),
+        (&["--dp", "2", "--zero", "4"][..], &["--zero"][..]),
+        (
+            &["--dp", "2", "--offload-params"][..],
+            &["--offload-params", "--zero 3"][..],
+        ),
+        (&["--dp", "2", "--batch", "7"][..], &["7"][..]),
+        (
+            &["--optimizer", "lamb", "--offload", "cpu"][..],
+            &["--optimizer lamb", "--offload"][..],
+        ),
+    ] {
+        let err = compiled(args).unwrap_err();
+        assert!(needles.iter().all(|n| err.contains(n)), "{args:?}: {err}");
+    }
+    // The control: the same flags with workable values compile.
+    for args in [
+        &["--dp", "2"][..],
+        &["--dp", "2", "--zero", "3", "--offload", "cpu", "--offload-params"][..],
+        &["--dp", "2", "--batch", "8"][..],
+        &["--optimizer", "lamb", "--state", "device"][..],
+    ] {
+        compiled(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    }
+}
