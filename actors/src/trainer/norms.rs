@@ -168,13 +168,13 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         self.begin_update(table)?;
         let mut sums = vec![0.0f64; self.state.optimizer.norms_len()];
-        if self.state.device_state.is_some() {
+        // With the state on the device the buckets are read there; otherwise from the table.
+        let on_device = self.state.device_state.is_some();
+        if on_device {
             self.trust_norms_on_device(inputs, &mut sums, table)?;
         }
-        for name in inputs
-            .iter()
-            .filter(|n| **n != GRAD_SQUARES && self.state.device_state.is_none())
-        {
+        let host_buckets = inputs.iter().filter(|n| !on_device && **n != GRAD_SQUARES);
+        for name in host_buckets {
             let grad = table
                 .get(name)
                 .ok_or_else(|| format!("gradient `{name}` missing"))?;
