@@ -15,11 +15,12 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::DeviceSpec;
 use crate::ZeroStage;
 use crate::model_spec::{InputKind, ModelDesc};
 use crate::passes::data_parallel::Bucket;
 use crate::passes::partition::Chunk;
-use crate::program::{Offload, Program};
+use crate::program::{Offload, Program, StatePlacement};
 
 /// Bytes one actor is expected to hold at its peak.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -36,8 +37,10 @@ pub struct MemoryEstimate {
     pub activations: u64,
     /// Communication buffers in flight.
     pub buffers: u64,
-    /// Host memory of the actor's offload actor (master shard and optimizer state under
-    /// `--offload cpu`; read-ahead and write-behind buffers under `--offload nvme`).
+    /// Host memory of the training state kept off the device: the offload actor's (master shard
+    /// and optimizer state under `--offload cpu`; read-ahead and write-behind buffers under
+    /// `--offload nvme`), or with `--state host` on a GPU the master copy, gradient buckets and
+    /// optimizer state (on CPU devices host memory is device memory: counted there).
     #[serde(default)]
     pub host: u64,
     /// Bytes of the offload files on disk (`--offload nvme`).
@@ -68,7 +71,7 @@ impl MemoryEstimate {
         );
         if self.host > 0 || self.disk > 0 {
             out.push_str(&format!(
-                "; offloaded: host {}, disk {}",
+                "; off the device: host {}, disk {}",
                 mib(self.host),
                 mib(self.disk)
             ));
@@ -173,6 +176,15 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     };
     if program.plan.offload.is_some() {
         offload(&mut estimate, program, share, largest_bucket, zero);
+    } else if program.plan.state == StatePlacement::Host
+        && matches!(program.devices.get(share.actor), Some(DeviceSpec::Cuda(_)))
+    {
+        // `--state host` on a GPU: the master copy, the gradient buckets and the optimizer state
+        // are host vectors; the device keeps the modules' weights and one segment's gradients
+        // until they are read off.
+        estimate.host = estimate.params + estimate.grads + estimate.optimizer;
+        estimate.grads = estimate.grads.min(largest_bucket);
+        estimate.optimizer = 0;
     }
     estimate
 }
@@ -297,5 +309,55 @@ mod tests {
             4 * (n - 64),
             "a frozen parameter has no gradient to reduce"
         );
+    }
+
+    /// On a GPU, `--state host` keeps the master copy, the gradient buckets and the optimizer
+    /// state in host memory (the device: weights and one segment's gradients); `--state device`
+    /// keeps all of it on the device. On CPU devices both count on the device (host memory is
+    /// device memory).
+    #[test]
+    fn the_state_counts_where_it_lives() {
+        let spec = ModelSpec::parse("mlp:in=4,hidden=8,layers=4,out=3").unwrap();
+        let model = spec.desc();
+        let n = model.params();
+        let all = buckets(&model, 64);
+        let refs: Vec<&Bucket> = all.iter().collect();
+        let largest = all.iter().map(|b| b.bytes).max().unwrap();
+        assert!(largest < 4 * n, "several buckets");
+        let on = |device: DeviceSpec, state: StatePlacement| {
+            let mut program = Program::new(spec.clone()).with_optimizer(OptimizerSpec::adam(1e-3));
+            program.devices = vec![device];
+            program.plan.state = state;
+            estimate(
+                &program,
+                &model,
+                ActorShare {
+                    actor: 0,
+                    chunks: &[(0, model.blocks.len())],
+                    buckets: &refs,
+                    microbatch_rows: 1,
+                    peak_in_flight: 1,
+                },
+            )
+        };
+        let gpu_host = on(DeviceSpec::Cuda(0), StatePlacement::Host);
+        assert_eq!(
+            (gpu_host.params, gpu_host.grads, gpu_host.optimizer),
+            (4 * n, largest, 0)
+        );
+        assert_eq!(gpu_host.host, 4 * n + 4 * n + 8 * n);
+        let gpu_device = on(DeviceSpec::Cuda(0), StatePlacement::Device);
+        assert_eq!(
+            (
+                gpu_device.params,
+                gpu_device.grads,
+                gpu_device.optimizer,
+                gpu_device.host
+            ),
+            (4 * n, 4 * n, 8 * n, 0)
+        );
+        for state in [StatePlacement::Host, StatePlacement::Device] {
+            assert_eq!(on(DeviceSpec::Cpu(0), state), gpu_device, "CPU, {state}");
+        }
     }
 }
