@@ -19,6 +19,45 @@ mod common;
 
 use common::{Cluster, local, plan, program};
 
+/// An `on_step` that SIGKILLs process `pid` after step `at` (asserting the kill succeeded) and
+/// then runs `after`.
+fn kill_after_step(
+    at: u64,
+    pid: u32,
+    after: impl Fn() + Send + Sync + 'static,
+) -> Arc<dyn Fn(&StepProgress) + Send + Sync> {
+    Arc::new(move |p: &StepProgress| {
+        if p.step == at {
+            let killed = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status()
+                .unwrap();
+            assert!(killed.success(), "the kill of pid {pid} failed");
+            after();
+        }
+    })
+}
+
+/// Options of a job of `steps` that checkpoints every `every` steps into `dir` and restarts
+/// on a lost host, with `on_step`.
+fn restarting(
+    job: &str,
+    steps: u64,
+    dir: std::path::PathBuf,
+    every: u64,
+    on_step: Arc<dyn Fn(&StepProgress) + Send + Sync>,
+) -> TrainOptions {
+    TrainOptions {
+        steps,
+        job: job.into(),
+        on_step: Some(on_step),
+        checkpoint_dir: Some(dir),
+        checkpoint_every: every,
+        restart_on_failure: true,
+        ..TrainOptions::default()
+    }
+}
+
 fn assert_same(reference: &TrainReport, run: &TrainReport, tolerance: f64, what: &str) {
     assert_eq!(reference.steps.len(), run.steps.len(), "{what}: steps");
     for (a, b) in reference.block_l2.iter().zip(&run.block_l2) {
@@ -211,24 +250,13 @@ fn with_restart_on_failure_a_killed_host_costs_no_sample_and_no_parameter() {
     cluster.add_host("h1", "cpu:0");
     let pid = cluster.add_host("h2", "cpu:0");
     let checkpoints = cluster.dir.path().join("checkpoints");
-    let on_step = Arc::new(move |p: &StepProgress| {
-        if p.step == 5 {
-            let killed = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status()
-                .unwrap();
-            assert!(killed.success(), "the kill of h2 failed");
-        }
-    });
-    let options = TrainOptions {
-        steps: 12,
-        job: "restart".into(),
-        on_step: Some(on_step),
-        checkpoint_dir: Some(checkpoints.clone()),
-        checkpoint_every: 3,
-        restart_on_failure: true,
-        ..TrainOptions::default()
-    };
+    let options = restarting(
+        "restart",
+        12,
+        checkpoints.clone(),
+        3,
+        kill_after_step(5, pid, || {}),
+    );
     let run = cluster
         .controller()
         .train(&program(plan(2, 1, 0)), &options)
@@ -274,28 +302,13 @@ fn a_replacement_host_that_registers_in_time_keeps_the_layout() {
     let replacement: Arc<Mutex<(Option<Command>, Option<std::process::Child>)>> =
         Arc::new(Mutex::new((Some(h3), None)));
     let started = replacement.clone();
-    let on_step = Arc::new(move |p: &StepProgress| {
-        if p.step == 5 {
-            let killed = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status()
-                .unwrap();
-            assert!(killed.success(), "the kill of h2 failed");
-            let mut slot = started.lock().unwrap();
-            if let Some(mut command) = slot.0.take() {
-                slot.1 = Some(command.spawn().expect("start h3"));
-            }
+    let on_step = kill_after_step(5, pid, move || {
+        let mut slot = started.lock().unwrap();
+        if let Some(mut command) = slot.0.take() {
+            slot.1 = Some(command.spawn().expect("start h3"));
         }
     });
-    let options = TrainOptions {
-        steps: 12,
-        job: "replacement".into(),
-        on_step: Some(on_step),
-        checkpoint_dir: Some(checkpoints),
-        checkpoint_every: 3,
-        restart_on_failure: true,
-        ..TrainOptions::default()
-    };
+    let options = restarting("replacement", 12, checkpoints, 3, on_step);
     let run = cluster.controller().train(&program(plan(2, 1, 0)), &options);
     if let Some(mut h3) = replacement.lock().unwrap().1.take() {
         let _ = h3.kill();
@@ -352,24 +365,13 @@ fn a_dp4_pp2_job_replans_to_dp3_on_the_hosts_left() {
     }
     let pid = cluster.add_host("h4", "cpu:0,cpu:1");
     let checkpoints = cluster.dir.path().join("checkpoints");
-    let on_step = Arc::new(move |p: &StepProgress| {
-        if p.step == 5 {
-            let killed = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status()
-                .unwrap();
-            assert!(killed.success(), "the kill of h4 failed");
-        }
-    });
-    let options = TrainOptions {
-        steps: 12,
-        job: "replan".into(),
-        on_step: Some(on_step),
-        checkpoint_dir: Some(checkpoints.clone()),
-        checkpoint_every: 3,
-        restart_on_failure: true,
-        ..TrainOptions::default()
-    };
+    let options = restarting(
+        "replan",
+        12,
+        checkpoints.clone(),
+        3,
+        kill_after_step(5, pid, || {}),
+    );
     let run = cluster
         .controller()
         .train(&program(plan(4, 2, 1)), &options)
@@ -438,24 +440,14 @@ fn the_dashboard_shows_the_lost_host_and_the_restart() {
     let (mut cluster, dashboard) = Cluster::start_with_dashboard(5.0, 1.0);
     cluster.add_host("h1", "cpu:0");
     let pid = cluster.add_host("h2", "cpu:0");
-    let on_step = Arc::new(move |p: &StepProgress| {
-        if p.step == 3 {
-            let killed = Command::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status()
-                .unwrap();
-            assert!(killed.success(), "the kill of h2 failed");
-        }
-    });
-    let options = TrainOptions {
-        steps: 6,
-        job: "dashboard-failure".into(),
-        on_step: Some(on_step),
-        checkpoint_dir: Some(cluster.dir.path().join("checkpoints")),
-        checkpoint_every: 2,
-        restart_on_failure: true,
-        ..TrainOptions::default()
-    };
+    let checkpoints = cluster.dir.path().join("checkpoints");
+    let options = restarting(
+        "dashboard-failure",
+        6,
+        checkpoints,
+        2,
+        kill_after_step(3, pid, || {}),
+    );
     let run = cluster
         .controller()
         .train(&program(plan(2, 1, 0)), &options)

@@ -55,6 +55,32 @@ impl Cluster {
 
     /// [`Cluster::start`] with `env` set for the controller and every host.
     pub fn start_with(host_timeout_s: f64, wait_for_hosts_s: f64, env: &[(&str, &str)]) -> Cluster {
+        Cluster::launch(host_timeout_s, wait_for_hosts_s, env, &[]).0
+    }
+
+    /// [`Cluster::start`] with the controller serving its dashboard on a free loopback port;
+    /// returns the dashboard's address too.
+    pub fn start_with_dashboard(host_timeout_s: f64, wait_for_hosts_s: f64) -> (Cluster, String) {
+        let (cluster, dashboard) = Cluster::launch(
+            host_timeout_s,
+            wait_for_hosts_s,
+            &[],
+            &["--dashboard", "127.0.0.1:0"],
+        );
+        (
+            cluster,
+            dashboard.expect("the controller printed no dashboard address"),
+        )
+    }
+
+    /// Starts the controller with `env` and the extra `args`; returns the cluster and the
+    /// dashboard address it printed, if it serves one (its line comes before the controller's).
+    fn launch(
+        host_timeout_s: f64,
+        wait_for_hosts_s: f64,
+        env: &[(&str, &str)],
+        args: &[&str],
+    ) -> (Cluster, Option<String>) {
         let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         let dir = tempfile::tempdir().unwrap();
         let token = "test-token-4711".to_string();
@@ -65,21 +91,37 @@ impl Cluster {
             .arg(dir.path().join("token"))
             .args(["--host-timeout-s", &host_timeout_s.to_string()])
             .args(["--wait-for-hosts-s", &wait_for_hosts_s.to_string()])
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(log)
             .envs(env.clone())
             .spawn()
             .unwrap();
-        let line = wait_for_line(&mut child, "controller listening on");
-        let addr = line.rsplit(' ').next().unwrap().to_string();
-        Cluster {
+        let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+        let mut dashboard = None;
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("the controller ended before listening")
+                .expect("stdout line");
+            if let Some(url) = line.split("dashboard at http://").nth(1) {
+                dashboard = Some(url.trim_end_matches('/').to_string());
+            }
+            if line.contains("controller listening on") {
+                break line.rsplit(' ').next().unwrap().to_string();
+            }
+        };
+        // Keep draining in the background so the child never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        let cluster = Cluster {
             dir,
             addr,
             token,
             hosts: Vec::new(),
             _controller: Proc(child),
             env,
-        }
+        };
+        (cluster, dashboard)
     }
 
     pub fn host_command(&self, name: &str, devices: &str, token_file: PathBuf) -> Command {
@@ -109,51 +151,6 @@ impl Cluster {
 
     pub fn controller(&self) -> Controller {
         Controller::connect(&self.addr, &self.token)
-    }
-
-    /// [`Cluster::start`] with the controller serving its dashboard on a free loopback port;
-    /// returns the dashboard's address too.
-    pub fn start_with_dashboard(host_timeout_s: f64, wait_for_hosts_s: f64) -> (Cluster, String) {
-        let dir = tempfile::tempdir().unwrap();
-        let token = "test-token-4711".to_string();
-        std::fs::write(dir.path().join("token"), &token).unwrap();
-        let log = std::fs::File::create(dir.path().join("controller.log")).unwrap();
-        let mut child = Command::new(BIN)
-            .args(["controller", "--listen", "127.0.0.1:0", "--token-file"])
-            .arg(dir.path().join("token"))
-            .args(["--host-timeout-s", &host_timeout_s.to_string()])
-            .args(["--wait-for-hosts-s", &wait_for_hosts_s.to_string()])
-            .args(["--dashboard", "127.0.0.1:0"])
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        // The dashboard's line comes first, then the controller's.
-        let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
-        let mut dashboard = None;
-        let addr = loop {
-            let line = lines
-                .next()
-                .expect("the controller ended before listening")
-                .expect("stdout line");
-            if let Some(url) = line.split("dashboard at http://").nth(1) {
-                dashboard = Some(url.trim_end_matches('/').to_string());
-            }
-            if line.contains("controller listening on") {
-                break line.rsplit(' ').next().unwrap().to_string();
-            }
-        };
-        std::thread::spawn(move || lines.for_each(drop));
-        let dashboard = dashboard.expect("the controller printed no dashboard address");
-        let cluster = Cluster {
-            dir,
-            addr,
-            token,
-            hosts: Vec::new(),
-            _controller: Proc(child),
-            env: Vec::new(),
-        };
-        (cluster, dashboard)
     }
 
     pub fn controller_log(&self) -> String {
