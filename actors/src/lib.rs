@@ -10,6 +10,7 @@
 //!   task, dense and sparse workers, checkpoints;
 //! - [`weights_file`], [`batch_file`] and [`tensor_file`]: weights and batches as safetensors
 //!   files with PyTorch's names and layouts (`--init`, `archipelago export`, `--data`);
+//! - [`trust`]: the cluster token and mutual TLS on every connection between processes;
 //! - [`codec`]: the one bincode codec for control data that crosses processes;
 //! - [`typed_tensor`]: tensors of every dtype as raw bytes;
 //! - [`fabric`]: how tensors move between actors, with the in-process implementation;
@@ -42,6 +43,7 @@ pub mod runtime;
 pub mod tensor_file;
 pub mod trainer;
 pub mod transfer;
+pub mod trust;
 pub mod typed_tensor;
 pub mod weights_file;
 pub mod zoo;

@@ -49,6 +49,9 @@ pub enum Command {
     /// Write the full model of a checkpoint (any layout) as one safetensors file with PyTorch's
     /// names and layouts.
     Export(crate::export::ExportArgs),
+    /// Make a cluster CA and per-process certificates for mutual TLS (`--tls-cert`, `--tls-key`,
+    /// `--tls-ca` of controller, host and train).
+    Certs(crate::cluster::security::CertsArgs),
     /// The other end of the cross-process benchmark (started by `bench`).
     #[command(hide = true)]
     BenchPeer(crate::bench::cross_process::PeerArgs),
@@ -319,6 +322,9 @@ pub struct TrainArgs {
     /// other than loopback, whose requests must carry it).
     #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// With --controller: mutual TLS with it (the cluster's CA and this client's certificate).
+    #[command(flatten)]
+    pub tls: crate::cluster::security::TlsArgs,
 }
 
 /// Flags of `plan`.
@@ -353,7 +359,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
             let Some(token_file) = &args.token_file else {
                 anyhow::bail!("--controller needs --token-file (the cluster's token)");
             };
-            crate::Controller::connect(addr, &crate::cluster::read_token(token_file)?)
+            crate::Controller::connect(addr, args.tls.credentials(token_file)?)
         }
         None => local,
     };

@@ -32,12 +32,14 @@ impl Controller {
     }
 
     /// A handle on the controller service at `addr` (`archipelago controller`), whose hosts run
-    /// the jobs; `token` is the cluster's token. Jobs are compiled and placed by that controller.
-    pub fn connect(addr: &str, token: &str) -> Controller {
+    /// the jobs; `credentials` are the cluster's token (a `&str` will do) or
+    /// [`Credentials`](archipelago_actors::trust::Credentials) with mutual TLS. Jobs are compiled
+    /// and placed by that controller.
+    pub fn connect(addr: &str, credentials: impl Into<archipelago_actors::trust::Credentials>) -> Controller {
         let mut controller = Controller::local(Vec::new());
         controller.remote = Some(crate::cluster::client::RemoteTarget {
             addr: addr.to_string(),
-            token: token.to_string(),
+            credentials: credentials.into(),
         });
         controller
     }

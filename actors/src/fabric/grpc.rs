@@ -5,6 +5,7 @@
 //! [`assembly`](super::assembly)) and drops it into the receiver's mailbox. Collectives and the executor see the same [`Fabric`] trait either way.
 //!
 //! Every call carries the job token (`authorization: Bearer …`); a peer without it is refused.
+//! With TLS in the [`Credentials`], the streams run over mutual TLS under the cluster CA.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -14,8 +15,7 @@ use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::metadata::MetadataValue;
-use tonic::transport::server::TcpIncoming;
-use tonic::transport::{Channel, Endpoint, Server};
+use tonic::transport::{Channel, Server};
 use tonic::{Request, Response, Status, Streaming};
 
 use archipelago_dataflow::ActorId;
@@ -25,6 +25,7 @@ use crate::host_tensor::HostTensor;
 use crate::proto::fabric_client::FabricClient;
 use crate::proto::fabric_server::{Fabric as FabricService, FabricServer};
 use crate::proto::{PushReply, TensorChunk};
+use crate::trust::{Credentials, grpc_endpoint, serve_grpc};
 
 /// Largest payload of one chunk (DESIGN.md: ≥ 1 MiB chunks).
 pub const CHUNK_BYTES: usize = 4 << 20;
@@ -143,21 +144,22 @@ impl FabricService for PushService {
 pub fn serve_fabric(
     listener: tokio::net::TcpListener,
     inbox: Inbox,
-    token: &str,
+    credentials: &Credentials,
 ) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
-    let check = TokenCheck::new(token);
+    let check = TokenCheck::new(credentials.token());
+    let credentials = credentials.clone();
     let service = FabricServer::new(PushService { inbox })
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES);
     let service = tonic::service::interceptor::InterceptedService::new(service, move |r| check.check(r));
     tokio::spawn(async move {
-        // No Nagle: a ring step waits on each message; large windows for bulk streams.
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-        let mut server = Server::builder()
+        // Large windows for bulk streams.
+        let router = Server::builder()
             .initial_stream_window_size(WINDOW_BYTES)
-            .initial_connection_window_size(WINDOW_BYTES);
-        if let Err(e) = server.add_service(service).serve_with_incoming(incoming).await {
+            .initial_connection_window_size(WINDOW_BYTES)
+            .add_service(service);
+        if let Err(e) = serve_grpc(router, listener, &credentials, "the fabric").await {
             tracing::error!("the fabric server on {addr} stopped: {e}");
         }
     });
@@ -179,13 +181,13 @@ impl GrpcFabric {
         addrs: &[String],
         here: &str,
         local: Arc<InProcessFabric>,
-        token: &str,
+        credentials: &Credentials,
     ) -> Result<GrpcFabric, String> {
+        let token = credentials.token();
         let mut links = HashMap::new();
         for addr in HostRoutes::<GrpcLink>::peers(addrs, here) {
-            let channel: Channel = Endpoint::from_shared(format!("http://{addr}"))
-                .map_err(|e| format!("bad fabric address {addr}: {e}"))?
-                .tcp_nodelay(true)
+            let channel: Channel = grpc_endpoint(addr, credentials)
+                .map_err(|e| format!("the fabric of host {addr}: {e}"))?
                 .initial_stream_window_size(WINDOW_BYTES)
                 .initial_connection_window_size(WINDOW_BYTES)
                 .connect()
@@ -243,17 +245,17 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// Two hosts on 127.0.0.1 with two actors each: a ring all-reduce over all four (chunks
-    /// larger and smaller than a gRPC chunk) sums correctly; a peer with a wrong token is refused.
-    #[test]
-    fn ring_all_reduce_across_two_hosts_and_token_refusal() {
+    /// Two hosts on 127.0.0.1 serving the gRPC fabric under `credentials`, two actors each: a
+    /// ring all-reduce over all four (messages spanning several gRPC chunks) sums correctly.
+    /// Returns the first host's address and the runtime the servers run on.
+    fn ring_across_two_hosts(credentials: &Credentials) -> (String, tokio::runtime::Runtime) {
         let runtime = tokio::runtime::Runtime::new().unwrap();
         let (hosts, fabrics) = runtime.block_on(async {
             let mut hosts = Vec::new();
             for _ in 0..2 {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 let inbox = Inbox::default();
-                let addr = serve_fabric(listener, inbox.clone(), "secret").unwrap();
+                let addr = serve_fabric(listener, inbox.clone(), credentials).unwrap();
                 hosts.push((addr.to_string(), inbox));
             }
             let actor_addrs: Vec<String> = (0..4).map(|a| hosts[a / 2].0.clone()).collect();
@@ -261,7 +263,7 @@ mod tests {
             for (addr, inbox) in &hosts {
                 let local = Arc::new(InProcessFabric::new(4, Duration::from_secs(20)));
                 inbox.install(Some(local.clone()));
-                let fabric = GrpcFabric::connect(&actor_addrs, addr, local, "secret")
+                let fabric = GrpcFabric::connect(&actor_addrs, addr, local, credentials)
                     .await
                     .unwrap();
                 fabrics.push(Arc::new(fabric));
@@ -271,16 +273,54 @@ mod tests {
         let len = 3 * (CHUNK_BYTES / 4) + 17; // each ring message spans several gRPC chunks
         let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
         crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], len, len / 2);
-        let refused = runtime.block_on(async {
-            let channel = Endpoint::from_shared(format!("http://{}", hosts[0].0))
-                .unwrap()
+        (hosts[0].0.clone(), runtime)
+    }
+
+    /// What the fabric at `addr` answers a push from a peer with `credentials`.
+    fn push_from(
+        runtime: &tokio::runtime::Runtime,
+        addr: &str,
+        credentials: &Credentials,
+    ) -> Result<(), String> {
+        runtime.block_on(async {
+            let channel = grpc_endpoint(addr, credentials)?
                 .connect()
                 .await
-                .unwrap();
-            let mut client = FabricClient::new(channel);
-            let request = with_token("wrong", tokio_stream::iter(Vec::<TensorChunk>::new())).unwrap();
-            client.push(request).await.unwrap_err()
-        });
-        assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+                .map_err(|e| format!("connect: {e}"))?;
+            let request = with_token(credentials.token(), tokio_stream::iter(Vec::<TensorChunk>::new()))
+                .map_err(|e| e.to_string())?;
+            let reply = FabricClient::new(channel).push(request).await;
+            reply
+                .map(|_| ())
+                .map_err(|e| format!("{:?}: {}", e.code(), e.message()))
+        })
+    }
+
+    #[test]
+    fn ring_all_reduce_across_two_hosts_and_token_refusal() {
+        let (addr, runtime) = ring_across_two_hosts(&"secret".into());
+        let refused = push_from(&runtime, &addr, &"wrong".into()).unwrap_err();
+        assert!(refused.starts_with("Unauthenticated"), "{refused}");
+        push_from(&runtime, &addr, &"secret".into()).unwrap();
+    }
+
+    /// Over mutual TLS the ring sums the same; a client in clear, one with a certificate the
+    /// cluster CA did not sign, one that does not trust the cluster CA and a member with a
+    /// wrong token are all refused; a member with the token is served.
+    #[test]
+    fn over_mutual_tls_the_ring_sums_and_strangers_are_refused() {
+        let certs = crate::trust::testing::TestCerts::new();
+        let (addr, runtime) = ring_across_two_hosts(&certs.member("secret"));
+        for (who, intruder) in [
+            ("in clear", Credentials::new("secret")),
+            ("with a foreign certificate", certs.foreign_certificate("secret")),
+            ("trusting another CA", certs.foreign_trust("secret")),
+        ] {
+            let refused = push_from(&runtime, &addr, &intruder);
+            assert!(refused.is_err(), "a client {who} was served");
+        }
+        let refused = push_from(&runtime, &addr, &certs.member("wrong")).unwrap_err();
+        assert!(refused.starts_with("Unauthenticated"), "{refused}");
+        push_from(&runtime, &addr, &certs.member("secret")).unwrap();
     }
 }

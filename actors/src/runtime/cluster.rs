@@ -42,25 +42,31 @@ pub(crate) struct Cluster {
 impl Runtime {
     /// A runtime that places its actors on the cluster's `slots` (hosts running this program's
     /// binary, with the same [`Registry`](super::Registry) installed) and reaches them over
-    /// their actor ports with the cluster `token`. Actors go to `slots` in order: a mesh's
+    /// their actor ports with the cluster's `credentials` (its token, a `&str`, or
+    /// [`Credentials`](crate::trust::Credentials) with mutual TLS). Actors go to `slots` in order: a mesh's
     /// member `r` to `slots[r]`.
     pub fn on_cluster(
         job: &str,
         slots: Vec<Slot>,
-        token: &str,
+        credentials: impl Into<crate::trust::Credentials>,
         liveness: Liveness,
     ) -> Result<Runtime, String> {
+        let credentials = credentials.into();
         let driver = Runtime::driver_executor().map_err(|e| e.to_string())?;
         super::remote::links::know_hosts(
             slots.iter().map(|s| s.addr.as_str()),
-            token,
+            &credentials,
             driver.handle().clone(),
         );
         let mut connections = HashMap::new();
         for slot in &slots {
             if !connections.contains_key(&slot.addr) {
-                let connection =
-                    driver.block_on(HostConnection::connect(&slot.host, &slot.addr, token, liveness))?;
+                let connection = driver.block_on(HostConnection::connect(
+                    &slot.host,
+                    &slot.addr,
+                    &credentials,
+                    liveness,
+                ))?;
                 connections.insert(slot.addr.clone(), connection);
             }
         }

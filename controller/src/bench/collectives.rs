@@ -70,7 +70,7 @@ fn fabrics(transport: Transport, members: usize) -> (Vec<Arc<dyn Fabric>>, Optio
                 for _ in 0..members {
                     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
                     let inbox = Inbox::default();
-                    let addr = serve_fabric(listener, inbox.clone(), "bench").expect("fabric server");
+                    let addr = serve_fabric(listener, inbox.clone(), &"bench".into()).expect("fabric server");
                     hosts.push((addr.to_string(), inbox));
                 }
                 let addrs: Vec<String> = hosts.iter().map(|h| h.0.clone()).collect();
@@ -78,7 +78,7 @@ fn fabrics(transport: Transport, members: usize) -> (Vec<Arc<dyn Fabric>>, Optio
                 for (addr, inbox) in &hosts {
                     let local = Arc::new(InProcessFabric::new(members, patience));
                     inbox.install(Some(local.clone()));
-                    let fabric = GrpcFabric::connect(&addrs, addr, local, "bench")
+                    let fabric = GrpcFabric::connect(&addrs, addr, local, &"bench".into())
                         .await
                         .expect("connect");
                     fabrics.push(Arc::new(fabric));

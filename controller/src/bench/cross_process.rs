@@ -21,6 +21,7 @@ use archipelago_actors::fabric::Tag;
 use archipelago_actors::fabric::{
     DataPath, Fabric, GrpcFabric, InProcessFabric, Inbox, TcpFabric, serve_fabric, serve_tcp_fabric,
 };
+use archipelago_actors::trust::{Credentials, Tls, TlsFiles};
 use archipelago_dataflow::ActorId;
 
 use super::collectives::Ring;
@@ -57,6 +58,36 @@ pub struct PeerArgs {
     /// `grpc` or `tcp`.
     #[arg(long, default_value = "grpc")]
     pub data_path: DataPath,
+    /// Mutual TLS with the certificates in this directory (`ca.pem`; `a.*` for this process,
+    /// `b.*` for the peer), as `archipelago certs --name a --name b` makes them.
+    #[arg(long)]
+    pub tls_dir: Option<std::path::PathBuf>,
+}
+
+impl PeerArgs {
+    /// The credentials of side `name` (`a` or `b`): the bench token, with TLS when asked.
+    fn credentials(&self, name: &str) -> Credentials {
+        let credentials = Credentials::new(TOKEN);
+        match &self.tls_dir {
+            None => credentials,
+            Some(dir) => {
+                let files = TlsFiles {
+                    cert: dir.join(format!("{name}.pem")),
+                    key: dir.join(format!("{name}.key")),
+                    ca: dir.join("ca.pem"),
+                };
+                credentials.with_tls(Arc::new(Tls::load(&files).expect("the bench's TLS files")))
+            }
+        }
+    }
+
+    /// The transport's name in the figures (`tcp`, `tcp_tls`, …).
+    fn transport(&self) -> String {
+        match self.tls_dir {
+            None => self.data_path.to_string(),
+            Some(_) => format!("{}_tls", self.data_path),
+        }
+    }
 }
 
 /// What one side of the script measured.
@@ -209,7 +240,10 @@ fn script(fabric: &dyn Fabric, me: ActorId, args: &PeerArgs) -> Figures {
 
 /// A fabric endpoint on `path`; returns the runtime serving it (gRPC), the inbox and its
 /// address (the fabric is connected once the peer's address is known).
-fn endpoint(path: DataPath) -> (tokio::runtime::Runtime, Arc<InProcessFabric>, String) {
+fn endpoint(
+    path: DataPath,
+    credentials: &Credentials,
+) -> (tokio::runtime::Runtime, Arc<InProcessFabric>, String) {
     let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
     let inbox = Inbox::default();
     // The mailboxes are in place before the address is given out: nothing arrives before them.
@@ -218,11 +252,11 @@ fn endpoint(path: DataPath) -> (tokio::runtime::Runtime, Arc<InProcessFabric>, S
     let addr = match path {
         DataPath::Grpc => runtime.block_on(async {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-            serve_fabric(listener, inbox.clone(), TOKEN).expect("fabric server")
+            serve_fabric(listener, inbox.clone(), credentials).expect("fabric server")
         }),
         DataPath::Tcp => {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-            serve_tcp_fabric(listener, inbox.clone(), TOKEN).expect("tcp fabric server")
+            serve_tcp_fabric(listener, inbox.clone(), credentials).expect("tcp fabric server")
         }
     };
     (runtime, local, addr.to_string())
@@ -234,28 +268,32 @@ fn connect(
     local: Arc<InProcessFabric>,
     addrs: &[String],
     here: &str,
+    credentials: &Credentials,
 ) -> Arc<dyn Fabric> {
     match path {
         DataPath::Grpc => Arc::new(
             runtime
-                .block_on(GrpcFabric::connect(addrs, here, local, TOKEN))
+                .block_on(GrpcFabric::connect(addrs, here, local, credentials))
                 .expect("connect the fabric"),
         ),
-        DataPath::Tcp => Arc::new(TcpFabric::connect(addrs, here, local, TOKEN).expect("connect the fabric")),
+        DataPath::Tcp => {
+            Arc::new(TcpFabric::connect(addrs, here, local, credentials).expect("connect the fabric"))
+        }
     }
 }
 
 /// `archipelago bench-peer`: prints its fabric address, reads the other side's from stdin, runs
 /// the script as actor 1.
 pub fn peer_main(args: &PeerArgs) -> anyhow::Result<()> {
-    let (runtime, local, here) = endpoint(args.data_path);
+    let credentials = args.credentials("b");
+    let (runtime, local, here) = endpoint(args.data_path, &credentials);
     println!("peer fabric {here}");
     std::io::stdout().flush()?;
     let mut line = String::new();
     std::io::stdin().read_line(&mut line)?;
     let mut addrs = vec![line.trim().to_string()];
     addrs.extend(std::iter::repeat_n(here.clone(), FAN_OUT));
-    let fabric = connect(args.data_path, &runtime, local, &addrs, &here);
+    let fabric = connect(args.data_path, &runtime, local, &addrs, &here, &credentials);
     let callees = spawn_callees(&fabric, args.batches);
     script(fabric.as_ref(), 1, args);
     for c in callees {
@@ -341,28 +379,31 @@ pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
     let round_trips = args.round_trips.to_string();
     let batches = args.batches.to_string();
     let data_path = args.data_path.to_string();
-    let (mut child, mut stdout, peer) = start_peer(
-        &[
-            "bench-peer",
-            "--reps",
-            &reps,
-            "--bytes",
-            &bytes,
-            "--round-trips",
-            &round_trips,
-            "--batches",
-            &batches,
-            "--data-path",
-            &data_path,
-        ],
-        "peer fabric ",
-    )?;
-    let (runtime, local, here) = endpoint(args.data_path);
+    let mut peer_args = vec![
+        "bench-peer",
+        "--reps",
+        &reps,
+        "--bytes",
+        &bytes,
+        "--round-trips",
+        &round_trips,
+        "--batches",
+        &batches,
+        "--data-path",
+        &data_path,
+    ];
+    let tls_dir = args.tls_dir.as_ref().map(|d| d.to_string_lossy().into_owned());
+    if let Some(dir) = &tls_dir {
+        peer_args.extend(["--tls-dir", dir]);
+    }
+    let (mut child, mut stdout, peer) = start_peer(&peer_args, "peer fabric ")?;
+    let credentials = args.credentials("a");
+    let (runtime, local, here) = endpoint(args.data_path, &credentials);
     let mut stdin = child.stdin.take().expect("piped");
     writeln!(stdin, "{here}")?;
     let mut addrs = vec![here.clone()];
     addrs.extend(std::iter::repeat_n(peer, FAN_OUT));
-    let fabric = connect(args.data_path, &runtime, local, &addrs, &here);
+    let fabric = connect(args.data_path, &runtime, local, &addrs, &here, &credentials);
     let figures = script(fabric.as_ref(), 0, args);
     // Close this side's streams while the peer still listens (no stream breaks mid-flight),
     // then let the peer go.
@@ -376,11 +417,37 @@ pub fn between_processes(args: &PeerArgs) -> anyhow::Result<Value> {
         anyhow::bail!("the bench peer failed: {status}");
     }
     let peer_rss = peer_peak_rss(&rest);
-    let transport = format!("{}_2_processes", args.data_path);
+    let transport = format!("{}_2_processes", args.transport());
     let mut out = figures_json(&transport, figures, args);
     out["peak_rss_bytes"] =
         json!({ "this_process_so_far": crate::process_stats::peak_rss_bytes(), "peer": peer_rss });
     Ok(out)
+}
+
+/// [`between_processes`] twice in one window on the same path: in clear, then under mutual TLS
+/// (certificates made for the run with `archipelago certs`' code, removed after); with the TLS
+/// cost as the ratio of all-reduce bandwidths.
+pub fn plain_vs_tls(args: &PeerArgs) -> anyhow::Result<Value> {
+    let dir = std::env::temp_dir().join(format!("archipelago-bench-certs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    archipelago_actors::trust::certs::make_certs(&dir, &["a".into(), "b".into()], &[])
+        .map_err(anyhow::Error::msg)?;
+    let plain = between_processes(&PeerArgs {
+        tls_dir: None,
+        ..args.clone()
+    });
+    let tls = between_processes(&PeerArgs {
+        tls_dir: Some(dir.clone()),
+        ..args.clone()
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    let (plain, tls) = (plain?, tls?);
+    let all_reduce = |v: &Value| v["collectives"][0]["algbw_gb_per_s"].as_f64().unwrap_or(f64::NAN);
+    Ok(json!({
+        "plain": plain,
+        "tls": tls,
+        "all_reduce_tls_over_plain": all_reduce(&tls) / all_reduce(&plain),
+    }))
 }
 
 /// The same script between two threads over the in-process fabric.

@@ -60,6 +60,10 @@ pub struct BenchArgs {
     /// dispatched to 1024 no-op actors; starting 4096 of them) and stop.
     #[arg(long)]
     pub scale_only: bool,
+    /// Run only the raw-TCP data path between two processes in clear and under mutual TLS
+    /// (64 MiB ring collectives, round trips), with the all-reduce bandwidth ratio, and stop.
+    #[arg(long)]
+    pub tls_only: bool,
 }
 
 /// Runs the suite and prints its JSON.
@@ -97,6 +101,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         return write_out(&out, args);
     }
     let reps = if args.quick { 5 } else { 15 };
+    if args.tls_only {
+        let tcp = cross_process::PeerArgs {
+            reps,
+            bytes: 64 << 20,
+            round_trips: if args.quick { 2000 } else { 10_000 },
+            batches: if args.quick { 5 } else { 20 },
+            data_path: DataPath::Tcp,
+            tls_dir: None,
+        };
+        let out = json!({ "suite": "tls", "tcp_2_processes": cross_process::plain_vs_tls(&tcp)?, "wall_s": started.elapsed().as_secs_f64() });
+        return write_out(&out, args);
+    }
     if args.actor_api_only {
         let peer = cross_process::PeerArgs {
             reps: 1,
@@ -104,6 +120,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             round_trips: if args.quick { 2000 } else { 10_000 },
             batches: if args.quick { 5 } else { 20 },
             data_path: DataPath::Grpc,
+            tls_dir: None,
         };
         let fabric = cross_process::in_process(&peer);
         let tcp = cross_process::between_processes(&cross_process::PeerArgs {
@@ -143,15 +160,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         round_trips: if args.quick { 2000 } else { 10_000 },
         batches: if args.quick { 5 } else { 20 },
         data_path: DataPath::Grpc,
+        tls_dir: None,
     };
     let tcp = cross_process::PeerArgs {
         data_path: DataPath::Tcp,
         ..peer.clone()
     };
+    let tcp_tls = cross_process::plain_vs_tls(&tcp)?;
     let processes = json!({
         "in_process": cross_process::in_process(&peer),
         "grpc_2_processes": cross_process::between_processes(&peer)?,
-        "tcp_2_processes": cross_process::between_processes(&tcp)?,
+        "tcp_2_processes": tcp_tls["plain"],
+        "tcp_tls_2_processes": tcp_tls["tls"],
+        "tcp_all_reduce_tls_over_plain": tcp_tls["all_reduce_tls_over_plain"],
     });
     eprintln!("cross_process: {processes}");
     let api = json!({

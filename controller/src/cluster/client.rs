@@ -2,11 +2,10 @@
 //! `archipelago train --controller ADDR`. The program and options go to the controller in one
 //! `Submit`; progress comes back as the steps finish, then the report.
 
-use tonic::transport::Endpoint;
-
 use archipelago_actors::fabric::grpc::{MAX_MESSAGE_BYTES, with_token};
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::proto::{JobRequest, job_event};
+use archipelago_actors::trust::{Credentials, grpc_endpoint};
 use archipelago_dataflow::Program;
 
 use super::remote_job::RemoteOptions;
@@ -14,13 +13,13 @@ use crate::JobError;
 use crate::report::TrainReport;
 use crate::train_job::{StepProgress, TrainOptions};
 
-/// Where a remote controller listens and the token it expects.
+/// Where a remote controller listens and what it expects: the token, and TLS when it runs with it.
 #[derive(Debug, Clone)]
 pub struct RemoteTarget {
     /// `host:port`.
     pub addr: String,
-    /// The cluster token.
-    pub token: String,
+    /// The cluster token (and TLS).
+    pub credentials: Credentials,
 }
 
 /// Submits `program` to the controller and follows it to its end.
@@ -30,9 +29,8 @@ pub async fn submit(
     options: &TrainOptions,
 ) -> Result<TrainReport, JobError> {
     let runtime = |e: String| JobError::Runtime(e);
-    let channel = Endpoint::from_shared(format!("http://{}", target.addr))
-        .map_err(|e| runtime(format!("bad controller address {}: {e}", target.addr)))?
-        .tcp_nodelay(true)
+    let channel = grpc_endpoint(&target.addr, &target.credentials)
+        .map_err(|e| runtime(format!("the controller: {e}")))?
         .connect()
         .await
         .map_err(|e| runtime(format!("cannot reach the controller at {}: {e}", target.addr)))?;
@@ -45,7 +43,8 @@ pub async fn submit(
             .map_err(|e| runtime(e.to_string()))?
             .into(),
     };
-    let request = with_token(&target.token, request).map_err(|e| runtime(e.message().to_string()))?;
+    let request =
+        with_token(target.credentials.token(), request).map_err(|e| runtime(e.message().to_string()))?;
     let mut events = client
         .submit(request)
         .await

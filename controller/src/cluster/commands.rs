@@ -10,7 +10,7 @@ use clap::Args;
 use archipelago_dataflow::DeviceSpec;
 
 use super::host_agent::{HostOptions, run_host};
-use super::read_token;
+use super::security::TlsArgs;
 use super::service::{ClusterConfig, serve_controller};
 use crate::dashboard::Dashboard;
 
@@ -34,6 +34,9 @@ pub struct ControllerArgs {
     /// the cluster token.
     #[arg(long)]
     pub dashboard: Option<String>,
+    /// Mutual TLS for hosts and clients.
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 /// Flags of `archipelago host`.
@@ -63,6 +66,9 @@ pub struct HostArgs {
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 1000)]
     pub heartbeat_ms: u64,
+    /// Mutual TLS with the controller and the other hosts.
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -74,7 +80,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// Runs `archipelago controller` until it is killed.
 pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
-    let token = read_token(&args.token_file)?;
+    let credentials = args.tls.credentials(&args.token_file)?;
+    let token = credentials.token().to_string();
     let dashboard = args.dashboard.as_ref().map(|_| Dashboard::new());
     if let Some(d) = &dashboard {
         // Bound to anything but loopback, the dashboard needs the cluster token (see dashboard::access).
@@ -99,7 +106,7 @@ pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&args.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
-        let (addr, _registry) = serve_controller(listener, &token, config)?;
+        let (addr, _registry) = serve_controller(listener, &credentials, config)?;
         println!("controller listening on {addr}");
         std::future::pending::<()>().await;
         Ok(())
@@ -121,7 +128,7 @@ pub fn host(args: &HostArgs) -> anyhow::Result<()> {
         .or_else(|| archipelago_actors::gpus::smallest_memory(&devices));
     let options = HostOptions {
         controller: args.controller.clone(),
-        token: read_token(&args.token_file)?,
+        credentials: args.tls.credentials(&args.token_file)?,
         name: args
             .name
             .clone()

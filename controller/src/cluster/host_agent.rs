@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio_stream::wrappers::UnboundedReceiverStream;
-use tonic::transport::Endpoint;
 
 use archipelago_actors::checkpoint::CheckpointReader;
 use archipelago_actors::fabric::grpc::{GrpcFabric, Inbox, serve_fabric, with_token};
@@ -20,6 +19,7 @@ use archipelago_actors::proto::{
     Answer, Ask, ControllerMessage, Failure, Heartbeat, HostMessage, Launch, Ready, Register, StepDone,
     controller_message, host_message,
 };
+use archipelago_actors::trust::{Credentials, grpc_endpoint};
 use archipelago_dataflow::{ActorId, DeviceSpec, ModelSpec, Plan};
 
 use crate::JobError;
@@ -32,8 +32,8 @@ use crate::train_job::trainer_factories;
 pub struct HostOptions {
     /// The controller's address (`host:port`).
     pub controller: String,
-    /// The cluster token.
-    pub token: String,
+    /// The cluster token, and TLS when the cluster runs with it.
+    pub credentials: Credentials,
     /// This host's name.
     pub name: String,
     /// Its island.
@@ -73,13 +73,13 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen for the fabric on {}", options.fabric_listen))?;
     let inbox = Inbox::default();
-    let fabric_addr = serve_fabric(listener, inbox.clone(), &options.token)?.to_string();
+    let fabric_addr = serve_fabric(listener, inbox.clone(), &options.credentials)?.to_string();
     // The raw-TCP tensor port: on the same interface, any free port.
     let tcp_listen = tcp_listen_addr(&options.fabric_listen);
     let tcp_listener = std::net::TcpListener::bind(&tcp_listen)
         .with_context(|| format!("cannot listen for tensors on {tcp_listen}"))?;
-    let tcp_addr = serve_tcp_fabric(tcp_listener, inbox.clone(), &options.token)?.to_string();
-    let channel = connect(&options.controller, options.connect_timeout).await?;
+    let tcp_addr = serve_tcp_fabric(tcp_listener, inbox.clone(), &options.credentials)?.to_string();
+    let channel = connect(&options.controller, &options.credentials, options.connect_timeout).await?;
     let mut client = ControllerClient::new(channel);
     let (to_controller, outgoing) = unbounded_channel::<HostMessage>();
     let send = |tx: &UnboundedSender<HostMessage>, kind: host_message::Kind| {
@@ -98,7 +98,10 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
             actor_addr: String::new(),
         }),
     );
-    let request = with_token(&options.token, UnboundedReceiverStream::new(outgoing))?;
+    let request = with_token(
+        options.credentials.token(),
+        UnboundedReceiverStream::new(outgoing),
+    )?;
     let mut incoming = match client.session(request).await {
         Ok(response) => response.into_inner(),
         Err(status) if status.code() == tonic::Code::Unauthenticated => {
@@ -159,7 +162,7 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
                 } else {
                     &tcp_addr
                 };
-                match start_job(launch, &inbox, here, &options.token).await {
+                match start_job(launch, &inbox, here, &options.credentials).await {
                     Ok((gang, fabric)) => {
                         *progress.lock().expect("progress") =
                             gang.progress().iter().map(|(a, _, p)| (*a, p.clone())).collect();
@@ -240,10 +243,12 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
 }
 
 /// Connects to the controller, retrying until `timeout` (hosts may start before it).
-pub(crate) async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<tonic::transport::Channel> {
-    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-        .with_context(|| format!("bad controller address {addr}"))?
-        .tcp_nodelay(true);
+pub(crate) async fn connect(
+    addr: &str,
+    credentials: &Credentials,
+    timeout: Duration,
+) -> anyhow::Result<tonic::transport::Channel> {
+    let endpoint = grpc_endpoint(addr, credentials).map_err(|e| anyhow::anyhow!("the controller: {e}"))?;
     let deadline = Instant::now() + timeout;
     loop {
         match endpoint.connect().await {
@@ -287,7 +292,7 @@ async fn start_job(
     launch: Launch,
     inbox: &Inbox,
     here: &str,
-    token: &str,
+    credentials: &Credentials,
 ) -> Result<(ActorGang, Arc<dyn Fabric>), JobError> {
     let plan: Plan = archipelago_actors::codec::decode(&launch.plan)
         .map_err(|e| JobError::Runtime(format!("unreadable plan: {e}")))?;
@@ -296,14 +301,14 @@ async fn start_job(
     inbox.install(Some(local.clone()));
     let fabric: Arc<dyn Fabric> = match launch.data_path.parse::<DataPath>().map_err(JobError::Runtime)? {
         DataPath::Grpc => Arc::new(
-            GrpcFabric::connect(&launch.actor_addrs, here, local, token)
+            GrpcFabric::connect(&launch.actor_addrs, here, local, credentials)
                 .await
                 .map_err(JobError::Runtime)?,
         ),
         DataPath::Tcp => {
             let addrs = launch.actor_addrs.clone();
-            let (here, token) = (here.to_string(), token.to_string());
-            let connect = move || TcpFabric::connect(&addrs, &here, local, &token);
+            let (here, credentials) = (here.to_string(), credentials.clone());
+            let connect = move || TcpFabric::connect(&addrs, &here, local, &credentials);
             let fabric = tokio::task::spawn_blocking(connect)
                 .await
                 .map_err(|e| JobError::Runtime(e.to_string()))?

@@ -3,7 +3,8 @@
 //! - [`service`]: `archipelago controller` — the registry of hosts and the job runner;
 //! - [`host_agent`]: `archipelago host` — one per machine, runs its part of each job;
 //! - [`client`]: `Controller::connect` / `archipelago train --controller`;
-//! - [`remote_gang`], [`remote_job`]: placement, dispatch, loss detection and restarts.
+//! - [`remote_gang`], [`remote_job`]: placement, dispatch, loss detection and restarts;
+//! - [`security`]: the TLS flags every process takes, and `archipelago certs`.
 
 pub mod client;
 pub mod commands;
@@ -11,6 +12,7 @@ pub mod host_agent;
 pub mod registry;
 pub mod remote_gang;
 pub mod remote_job;
+pub mod security;
 pub mod service;
 
 /// Reads the cluster token from `path` (surrounding whitespace trimmed; must not be empty).

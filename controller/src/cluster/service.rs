@@ -1,6 +1,7 @@
 //! The controller's gRPC service (`archipelago controller`): hosts open a `Session` and register
 //! their devices; clients `Submit` jobs, which run one at a time on the registered hosts. Every
-//! call must carry the cluster's token; a refusal is logged with the peer's address.
+//! call must carry the cluster's token; a refusal is logged with the peer's address. With TLS in
+//! the credentials, hosts and clients must also show a certificate signed by the cluster CA.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,7 +10,6 @@ use std::time::Duration;
 use tokio::sync::mpsc::unbounded_channel;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
 use tonic::{Request, Response, Status, Streaming};
 
 use archipelago_actors::fabric::grpc::TokenCheck;
@@ -18,6 +18,7 @@ use archipelago_actors::proto::{
     Accepted, ActorSlot, ClusterReply, ClusterRequest, ControllerMessage, HostMessage, JobEvent, JobRequest,
     controller_message, host_message, job_event,
 };
+use archipelago_actors::trust::{Credentials, serve_grpc};
 use archipelago_dataflow::{DeviceSpec, Program};
 
 use super::registry::{HostInfo, Registry};
@@ -170,11 +171,11 @@ impl ControllerRpc for ControllerService {
     }
 }
 
-/// Serves the controller on `listener` (on the current tokio runtime) with the cluster token
-/// `token`; returns its address and registry. A monitor declares silent hosts lost.
+/// Serves the controller on `listener` (on the current tokio runtime) under the cluster's
+/// `credentials`; returns its address and registry. A monitor declares silent hosts lost.
 pub fn serve_controller(
     listener: tokio::net::TcpListener,
-    token: &str,
+    credentials: &Credentials,
     config: ClusterConfig,
 ) -> std::io::Result<(SocketAddr, Arc<Registry>)> {
     let addr = listener.local_addr()?;
@@ -185,18 +186,15 @@ pub fn serve_controller(
         config,
         running: Arc::default(),
     };
-    let check = TokenCheck::new(token);
+    let check = TokenCheck::new(credentials.token());
+    let credentials = credentials.clone();
     let service =
         tonic::service::interceptor::InterceptedService::new(ControllerServer::new(service), move |r| {
             check.check(r)
         });
     tokio::spawn(async move {
-        let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-        if let Err(e) = Server::builder()
-            .add_service(service)
-            .serve_with_incoming(incoming)
-            .await
-        {
+        let router = Server::builder().add_service(service);
+        if let Err(e) = serve_grpc(router, listener, &credentials, "the controller").await {
             tracing::error!("the controller service on {addr} stopped: {e}");
         }
     });

@@ -84,6 +84,9 @@ pub struct PsArgs {
     /// File holding the cluster token (with --controller).
     #[arg(long)]
     pub token_file: Option<PathBuf>,
+    /// With --controller: mutual TLS with it and its hosts.
+    #[command(flatten)]
+    pub tls: crate::cluster::security::TlsArgs,
 }
 
 /// The actor and message types a parameter-server job sends across processes.
@@ -236,9 +239,9 @@ pub fn ps(args: &PsArgs) -> anyhow::Result<PsReport> {
             let Some(token_file) = &args.token_file else {
                 anyhow::bail!("--controller needs --token-file (the cluster's token)");
             };
-            let token = crate::cluster::read_token(token_file)?;
+            let credentials = args.tls.credentials(token_file)?;
             registry().install();
-            crate::runtime::connect(addr, &token, job.devices())?
+            crate::runtime::connect(addr, credentials, job.devices())?
         }
         None => Runtime::local(DeviceSpec::cpus(job.devices())),
     };

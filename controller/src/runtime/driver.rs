@@ -1,33 +1,43 @@
 //! The driver's side of a cluster: ask the controller where actors may go (it places them by
 //! island and waits for enough hosts), then connect to those hosts' actor ports.
 
-use tonic::transport::Endpoint;
-
 use archipelago_actors::fabric::grpc::with_token;
 use archipelago_actors::proto::ClusterRequest;
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::runtime::remote::Liveness;
 use archipelago_actors::runtime::{Runtime, Slot};
+use archipelago_actors::trust::{Credentials, grpc_endpoint};
 
 /// A runtime on the cluster of the controller at `addr`, with at least `min_devices` devices
 /// (the controller waits for them up to its `--wait-for-hosts-s`).
-pub fn connect(addr: &str, token: &str, min_devices: usize) -> anyhow::Result<Runtime> {
+/// `credentials`: the cluster's token (a `&str` will do), with mutual TLS when they carry it.
+pub fn connect(
+    addr: &str,
+    credentials: impl Into<Credentials>,
+    min_devices: usize,
+) -> anyhow::Result<Runtime> {
+    let credentials = credentials.into();
     let rpc = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let slots = rpc.block_on(ask_for_slots(addr, token, min_devices))?;
+    let slots = rpc.block_on(ask_for_slots(addr, &credentials, min_devices))?;
     drop(rpc);
-    Runtime::on_cluster(&super::job_name(), slots, token, Liveness::default()).map_err(anyhow::Error::msg)
+    Runtime::on_cluster(&super::job_name(), slots, credentials, Liveness::default())
+        .map_err(anyhow::Error::msg)
 }
 
-async fn ask_for_slots(addr: &str, token: &str, min_devices: usize) -> anyhow::Result<Vec<Slot>> {
-    let channel = Endpoint::from_shared(format!("http://{addr}"))?
-        .tcp_nodelay(true)
+async fn ask_for_slots(
+    addr: &str,
+    credentials: &Credentials,
+    min_devices: usize,
+) -> anyhow::Result<Vec<Slot>> {
+    let channel = grpc_endpoint(addr, credentials)
+        .map_err(anyhow::Error::msg)?
         .connect()
         .await
         .map_err(|e| anyhow::anyhow!("cannot reach the controller at {addr}: {e}"))?;
     let request = with_token(
-        token,
+        credentials.token(),
         ClusterRequest {
             min_devices: min_devices as u32,
         },

@@ -13,9 +13,10 @@ use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::proto::{HostMessage, Register, controller_message, host_message};
 use archipelago_actors::runtime::Runtime;
 use archipelago_actors::runtime::remote::serve_actor_port;
+use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::DeviceSpec;
 
-use super::{CONTROLLER_ENV, DEVICES_ENV, HOST_NAME_ENV, ISLAND_ENV, LISTEN_ENV, read_token};
+use super::{CONTROLLER_ENV, DEVICES_ENV, HOST_NAME_ENV, ISLAND_ENV, LISTEN_ENV, read_credentials};
 use crate::cluster::host_agent::{connect, spawn_heartbeats};
 
 /// How a program's process serves as a host.
@@ -23,8 +24,8 @@ use crate::cluster::host_agent::{connect, spawn_heartbeats};
 pub struct HostSettings {
     /// The controller's address.
     pub controller: String,
-    /// The cluster token.
-    pub token: String,
+    /// The cluster token, and TLS when the cluster runs with it.
+    pub credentials: Credentials,
     /// The devices offered.
     pub devices: Vec<DeviceSpec>,
     /// The host's name.
@@ -37,7 +38,7 @@ pub struct HostSettings {
 
 impl HostSettings {
     /// Settings from the environment (`ARCHIPELAGO_CONTROLLER`, `ARCHIPELAGO_TOKEN_FILE`,
-    /// `ARCHIPELAGO_DEVICES`, `ARCHIPELAGO_HOST_NAME`, `ARCHIPELAGO_ISLAND`,
+    /// `ARCHIPELAGO_TLS_CERT`/`_KEY`/`_CA`, `ARCHIPELAGO_DEVICES`, `ARCHIPELAGO_HOST_NAME`, `ARCHIPELAGO_ISLAND`,
     /// `ARCHIPELAGO_LISTEN`).
     pub fn from_env() -> anyhow::Result<HostSettings> {
         let var = |name: &str, default: String| std::env::var(name).unwrap_or(default);
@@ -46,7 +47,7 @@ impl HostSettings {
         let devices = var(DEVICES_ENV, "cpu:0".into());
         Ok(HostSettings {
             controller,
-            token: read_token()?,
+            credentials: read_credentials()?,
             devices: DeviceSpec::parse_list(&devices).with_context(|| format!("{DEVICES_ENV}={devices}"))?,
             name: var(HOST_NAME_ENV, format!("host-{}", std::process::id())),
             island: var(ISLAND_ENV, "default".into()),
@@ -65,8 +66,13 @@ pub fn serve_as_host(settings: &HostSettings) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&settings.listen)
             .await
             .with_context(|| format!("cannot listen for actors on {}", settings.listen))?;
-        let port = serve_actor_port(listener, handle, &settings.token)?;
-        let channel = connect(&settings.controller, Duration::from_secs(10)).await?;
+        let port = serve_actor_port(listener, handle, settings.credentials.clone())?;
+        let channel = connect(
+            &settings.controller,
+            &settings.credentials,
+            Duration::from_secs(10),
+        )
+        .await?;
         let (to_controller, outgoing) = unbounded_channel::<HostMessage>();
         let register = Register {
             name: settings.name.clone(),
@@ -81,7 +87,10 @@ pub fn serve_as_host(settings: &HostSettings) -> anyhow::Result<()> {
         let _ = to_controller.send(HostMessage {
             kind: Some(host_message::Kind::Register(register)),
         });
-        let request = with_token(&settings.token, UnboundedReceiverStream::new(outgoing))?;
+        let request = with_token(
+            settings.credentials.token(),
+            UnboundedReceiverStream::new(outgoing),
+        )?;
         let mut incoming = ControllerClient::new(channel)
             .session(request)
             .await

@@ -4,7 +4,9 @@
 //! the environment decides what the process becomes:
 //!
 //! - nothing set: the **embedded default**, a runtime on this process's own devices;
-//! - `ARCHIPELAGO_CONTROLLER` (and `ARCHIPELAGO_TOKEN_FILE`): the **driver** of a cluster — the
+//! - `ARCHIPELAGO_CONTROLLER` (and `ARCHIPELAGO_TOKEN_FILE`; with `ARCHIPELAGO_TLS_CERT`,
+//!   `ARCHIPELAGO_TLS_KEY` and `ARCHIPELAGO_TLS_CA`, mutual TLS on every connection): the
+//!   **driver** of a cluster — the
 //!   controller places the program's actors on the hosts running its binary (waiting for as
 //!   many devices as the program asked for, then refusing with both sizes);
 //! - `ARCHIPELAGO_ROLE=host` as well: a **host** — the process registers its devices
@@ -41,6 +43,7 @@ pub use driver::connect;
 pub use host::{HostSettings, serve_as_host};
 
 use archipelago_actors::runtime::{Registry, Runtime};
+use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::DeviceSpec;
 
 /// `host` turns a process of the program into a host.
@@ -92,24 +95,27 @@ pub fn init(registry: Registry, devices: Vec<DeviceSpec>) -> anyhow::Result<Runt
         );
     }
     let runtime = match std::env::var(CONTROLLER_ENV) {
-        Ok(addr) => {
-            let token = read_token()?;
-            connect(&addr, &token, devices.len())?
-        }
+        Ok(addr) => connect(&addr, read_credentials()?, devices.len())?,
         Err(_) => Runtime::new(&job_name(), "local", devices),
     };
     crate::telemetry::export_actor_metrics(&runtime);
     Ok(runtime)
 }
 
-/// The cluster token from the file `ARCHIPELAGO_TOKEN_FILE` names.
-fn read_token() -> anyhow::Result<String> {
-    let path = std::env::var(TOKEN_FILE_ENV).map_err(|_| {
+/// The cluster token from the file `ARCHIPELAGO_TOKEN_FILE` names, with mutual TLS when
+/// `ARCHIPELAGO_TLS_CERT`, `ARCHIPELAGO_TLS_KEY` and `ARCHIPELAGO_TLS_CA` are set.
+fn read_credentials() -> anyhow::Result<Credentials> {
+    let path = std::env::var_os(TOKEN_FILE_ENV).ok_or_else(|| {
         anyhow::anyhow!(
             "{CONTROLLER_ENV} is set but {TOKEN_FILE_ENV} is not: point it at the cluster's token file"
         )
     })?;
-    let token = std::fs::read_to_string(&path)
-        .map_err(|e| anyhow::anyhow!("cannot read the token file {path} ({TOKEN_FILE_ENV}): {e}"))?;
-    Ok(token.trim().to_string())
+    let file = |name: &str| std::env::var_os(name).map(std::path::PathBuf::from);
+    let tls = crate::cluster::security::TlsArgs {
+        tls_cert: file("ARCHIPELAGO_TLS_CERT"),
+        tls_key: file("ARCHIPELAGO_TLS_KEY"),
+        tls_ca: file("ARCHIPELAGO_TLS_CA"),
+    };
+    tls.credentials(std::path::Path::new(&path))
+        .map_err(|e| anyhow::anyhow!("{e:#} ({TOKEN_FILE_ENV}, ARCHIPELAGO_TLS_*)"))
 }

@@ -51,7 +51,7 @@ impl TestCluster {
         let (addr, _registry) = controller
             .block_on(async {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-                serve_controller(listener, TOKEN, config)
+                serve_controller(listener, &TOKEN.into(), config)
             })
             .unwrap();
         let hosts = hosts

@@ -22,7 +22,13 @@ use crate::runtime::TensorError;
 use crate::runtime::supervision::{ActorEnd, ActorShared, CallError};
 use crate::runtime::tensor_store::Meta;
 use crate::runtime::{ActorInfo, ActorStats, SpawnError};
+use crate::trust::Credentials;
 use crate::typed_tensor::{DType, TypedTensor};
+
+/// A connection's byte stream: plain TCP or TLS over it.
+pub(crate) trait AsyncStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> AsyncStream for S {}
 
 /// A fetched tensor's bytes are read in pieces of this size, each counting as a sign of life.
 const PAYLOAD_CHUNK: usize = 4 << 20;
@@ -88,16 +94,21 @@ pub struct HostConnection {
 }
 
 impl HostConnection {
-    /// Connects to the actor port of `host` at `addr` with the cluster `token`; fails when
-    /// the port cannot be reached.
+    /// Connects to the actor port of `host` at `addr` with the cluster's `credentials`; fails
+    /// when the port cannot be reached.
     pub async fn connect(
         host: &str,
         addr: &str,
-        token: &str,
+        credentials: &Credentials,
         liveness: Liveness,
     ) -> Result<Arc<HostConnection>, String> {
-        let (connection, connected) =
-            HostConnection::start(host, addr, token, liveness, &tokio::runtime::Handle::current());
+        let (connection, connected) = HostConnection::start(
+            host,
+            addr,
+            credentials,
+            liveness,
+            &tokio::runtime::Handle::current(),
+        );
         connected
             .await
             .unwrap_or_else(|_| Err("the connection task ended".into()))?;
@@ -110,24 +121,25 @@ impl HostConnection {
     pub(crate) fn lazy(
         host: &str,
         addr: &str,
-        token: &str,
+        credentials: &Credentials,
         liveness: Liveness,
         executor: &tokio::runtime::Handle,
     ) -> Arc<HostConnection> {
-        HostConnection::start(host, addr, token, liveness, executor).0
+        HostConnection::start(host, addr, credentials, liveness, executor).0
     }
 
     fn start(
         host: &str,
         addr: &str,
-        token: &str,
+        credentials: &Credentials,
         liveness: Liveness,
         executor: &tokio::runtime::Handle,
     ) -> (Arc<HostConnection>, oneshot::Receiver<Result<(), String>>) {
         let (out, outgoing) = tokio::sync::mpsc::unbounded_channel::<Outgoing>();
         let _ = out.send(Outgoing::from(Frame::Hello {
-            token: token.to_string(),
+            token: credentials.token().to_string(),
         }));
+        let tls = credentials.tls().cloned();
         let (close, closed) = tokio::sync::watch::channel(false);
         let connection = Arc::new(HostConnection {
             host: host.to_string(),
@@ -156,7 +168,22 @@ impl HostConnection {
                 }
             };
             let _ = stream.set_nodelay(true);
-            let (input, output) = stream.into_split();
+            let stream: Box<dyn AsyncStream> = match &tls {
+                None => Box::new(stream),
+                Some(tls) => match tls.connect(&reader.addr, stream).await {
+                    Ok(stream) => Box::new(stream),
+                    Err(e) => {
+                        let why = format!(
+                            "the TLS handshake with the actor port of host {} at {} failed: {e}",
+                            reader.host, reader.addr
+                        );
+                        reader.lose(&why);
+                        let _ = ready.send(Err(why));
+                        return;
+                    }
+                },
+            };
+            let (input, output) = tokio::io::split(stream);
             tokio::spawn(super::host_port::write_frames(output, outgoing, Some(closed)));
             let _ = ready.send(Ok(()));
             // Frames are small and many: read them through a buffer, not a syscall each.
@@ -292,7 +319,7 @@ impl HostConnection {
     /// Reads a fetched tensor's bytes straight into its buffer and hands it to the fetch.
     async fn tensor_arrived(
         &self,
-        input: &mut tokio::io::BufReader<tokio::net::tcp::OwnedReadHalf>,
+        input: &mut (impl tokio::io::AsyncRead + Unpin),
         request: u64,
         result: Result<(DType, Vec<usize>, u64), TensorError>,
     ) -> Result<(), String> {

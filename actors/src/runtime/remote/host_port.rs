@@ -1,18 +1,20 @@
 //! A host's actor port: the TCP service through which other processes spawn, call, cast to and
 //! stop the actors of this host's runtime. The first frame of a connection must carry the
 //! cluster token (a refusal is logged with the peer's address); every later frame is handled in
-//! arrival order, so each caller's messages reach each actor in the order sent.
+//! arrival order, so each caller's messages reach each actor in the order sent. With TLS in the
+//! credentials, a caller must first pass mutual TLS under the cluster CA.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use archipelago_dataflow::ActorId;
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
+use super::connection::AsyncStream;
 use super::registry::{Cancels, ErasedActor, Registry, RemoteReply};
 use super::wire::{Frame, FrameView, Outgoing, read_frame_bytes, read_frame_within, view_frame, write_frame};
 
@@ -21,6 +23,7 @@ const HELLO_LIMIT: usize = 4 << 10;
 use crate::fabric::OTHER_PROCESS;
 use crate::runtime::compiled;
 use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
+use crate::trust::Credentials;
 
 /// The actors of this host that remote callers can reach, by id.
 type Reachable = Arc<Mutex<HashMap<ActorId, Arc<dyn ErasedActor>>>>;
@@ -41,21 +44,21 @@ impl ActorPort {
 }
 
 /// Serves `runtime`'s actors on `listener` (on the current tokio runtime) to callers holding
-/// `token`.
+/// the cluster's `credentials` (its token, a `&str`, or [`Credentials`] with mutual TLS).
 pub fn serve_actor_port(
     listener: TcpListener,
     runtime: RuntimeHandle,
-    token: &str,
+    credentials: impl Into<Credentials>,
 ) -> std::io::Result<ActorPort> {
     let addr = listener.local_addr()?;
-    let token = token.to_string();
+    let credentials: Credentials = credentials.into();
     let reachable: Reachable = Arc::default();
     let (close, closed) = watch::channel(false);
     super::links::serve_home(
         runtime.host(),
         &addr.to_string(),
         &runtime.inner,
-        &token,
+        &credentials,
         tokio::runtime::Handle::current(),
     );
     let mut accepting = closed.clone();
@@ -71,11 +74,23 @@ pub fn serve_actor_port(
                 },
                 _ = accepting.changed() => return,
             };
-            let (runtime, token, reachable) = (runtime.clone(), token.clone(), reachable.clone());
+            let (runtime, credentials, reachable) = (runtime.clone(), credentials.clone(), reachable.clone());
             let mut closed = closed.clone();
             tokio::spawn(async move {
+                let _ = stream.set_nodelay(true);
+                let stream: Box<dyn AsyncStream> = match credentials.tls() {
+                    None => Box::new(stream),
+                    Some(tls) => match tls.accept(stream).await {
+                        Ok(stream) => Box::new(stream),
+                        Err(e) => {
+                            tracing::warn!(%peer, "the actor port refused a connection at the TLS handshake: {e}");
+                            return;
+                        }
+                    },
+                };
+                let token = credentials.token();
                 tokio::select! {
-                    outcome = serve_connection(stream, runtime, &token, reachable, closed.clone()) => {
+                    outcome = serve_connection(stream, peer, runtime, token, reachable, closed.clone()) => {
                         if let Err(reason) = outcome {
                             tracing::warn!(%peer, "actor port connection ended: {reason}");
                         }
@@ -91,7 +106,7 @@ pub fn serve_actor_port(
 /// Writes the frames queued on the returned sender, flushing when the queue runs dry, until
 /// the senders are gone or `closed` (when given) changes (then the write half is dropped).
 pub(crate) fn spawn_frame_writer(
-    half: tokio::net::tcp::OwnedWriteHalf,
+    half: impl AsyncWrite + Send + Unpin + 'static,
     closed: Option<watch::Receiver<bool>>,
 ) -> UnboundedSender<Outgoing> {
     let (tx, rx) = unbounded_channel::<Outgoing>();
@@ -104,7 +119,7 @@ const WRITE_BATCH: usize = 64 << 10;
 
 /// Writes the frames of `rx` on `half` until the senders are gone or `closed` changes.
 pub(crate) async fn write_frames(
-    half: tokio::net::tcp::OwnedWriteHalf,
+    half: impl AsyncWrite + Unpin,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Outgoing>,
     closed: Option<watch::Receiver<bool>>,
 ) {
@@ -161,15 +176,14 @@ pub(crate) async fn write_frames(
 }
 
 async fn serve_connection(
-    stream: TcpStream,
+    stream: Box<dyn AsyncStream>,
+    peer: std::net::SocketAddr,
     runtime: RuntimeHandle,
     token: &str,
     reachable: Reachable,
     closed: watch::Receiver<bool>,
 ) -> Result<(), String> {
-    let peer = stream.peer_addr().map_err(|e| e.to_string())?;
-    stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    let (input, output) = stream.into_split();
+    let (input, output) = tokio::io::split(stream);
     let mut input = tokio::io::BufReader::with_capacity(super::connection::READ_BUFFER, input);
     match read_frame_within(&mut input, HELLO_LIMIT).await {
         Ok(Some(Frame::Hello { token: given })) if given == token => {}

@@ -35,14 +35,15 @@ pub(crate) fn next_in_flight() -> BorrowKey {
         NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
     )
 }
+use crate::trust::Credentials;
 use crate::typed_tensor::TypedTensor;
 
 #[derive(Default)]
 struct Table {
-    /// The cluster token to use towards each actor-port address.
-    tokens: HashMap<String, String>,
-    /// The token of this process's cluster, for addresses not seen yet.
-    default_token: Option<String>,
+    /// The cluster credentials (token, TLS) to use towards each actor-port address.
+    credentials: HashMap<String, Credentials>,
+    /// The credentials of this process's cluster, for addresses not seen yet.
+    default_credentials: Option<Credentials>,
     /// Where the links' connections run.
     executor: Option<Handle>,
     /// This process's runtimes serving an actor port, by address.
@@ -56,31 +57,55 @@ struct Table {
     actor_ports: HashMap<String, Arc<HostConnection>>,
 }
 
+impl Table {
+    /// The credentials to show the actor port at `addr`.
+    fn credentials_for(&self, addr: &str) -> Option<Credentials> {
+        self.credentials
+            .get(addr)
+            .or(self.default_credentials.as_ref())
+            .cloned()
+    }
+}
+
 static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(Mutex::default);
 
 fn table() -> std::sync::MutexGuard<'static, Table> {
     TABLE.lock().expect("tensor links")
 }
 
-/// Records that `stores` (host `host`) serve tensors on the actor port `addr` with `token`.
-pub(crate) fn serve_home(host: &str, addr: &str, runtime: &Arc<RuntimeInner>, token: &str, executor: Handle) {
+/// Records that `stores` (host `host`) serve tensors on the actor port `addr` under `credentials`.
+pub(crate) fn serve_home(
+    host: &str,
+    addr: &str,
+    runtime: &Arc<RuntimeInner>,
+    credentials: &Credentials,
+    executor: Handle,
+) {
     let stores = &runtime.tensors.inner;
     let _ = stores.home.set((host.to_string(), addr.to_string()));
     let mut table = table();
     table.homes.insert(addr.to_string(), Arc::downgrade(stores));
     table.runtimes.insert(addr.to_string(), Arc::downgrade(runtime));
-    table.tokens.insert(addr.to_string(), token.to_string());
-    table.default_token.get_or_insert_with(|| token.to_string());
+    table.credentials.insert(addr.to_string(), credentials.clone());
+    table
+        .default_credentials
+        .get_or_insert_with(|| credentials.clone());
     table.executor.get_or_insert(executor);
 }
 
-/// Records the hosts a driver talks to, and their token.
-pub(crate) fn know_hosts<'a>(addrs: impl IntoIterator<Item = &'a str>, token: &str, executor: Handle) {
+/// Records the hosts a driver talks to, and the credentials it shows them.
+pub(crate) fn know_hosts<'a>(
+    addrs: impl IntoIterator<Item = &'a str>,
+    credentials: &Credentials,
+    executor: Handle,
+) {
     let mut table = table();
     for addr in addrs {
-        table.tokens.insert(addr.to_string(), token.to_string());
+        table.credentials.insert(addr.to_string(), credentials.clone());
     }
-    table.default_token.get_or_insert_with(|| token.to_string());
+    table
+        .default_credentials
+        .get_or_insert_with(|| credentials.clone());
     table.executor.get_or_insert(executor);
 }
 
@@ -114,13 +139,13 @@ pub(crate) fn actor_port_on(
     {
         return Ok((connection.clone(), executor));
     }
-    let token = table.tokens.get(addr).or(table.default_token.as_ref()).cloned();
-    let (Some(token), Some(executor)) = (token, executor) else {
+    let credentials = table.credentials_for(addr);
+    let (Some(credentials), Some(executor)) = (credentials, executor) else {
         return Err(format!(
             "a reference to an actor of host {host} arrived in a process that is not part of a cluster"
         ));
     };
-    let connection = HostConnection::lazy(host, addr, &token, Liveness::default(), &executor);
+    let connection = HostConnection::lazy(host, addr, &credentials, Liveness::default(), &executor);
     table.actor_ports.insert(addr.to_string(), connection.clone());
     Ok((connection, executor))
 }
@@ -131,13 +156,13 @@ pub(crate) fn owner_link(host: &str, addr: &str) -> Result<Arc<OwnerLink>, Strin
     if let Some(link) = table.owners.get(addr) {
         return Ok(link.clone());
     }
-    let token = table.tokens.get(addr).or(table.default_token.as_ref()).cloned();
-    let (Some(token), Some(executor)) = (token, table.executor.clone()) else {
+    let credentials = table.credentials_for(addr);
+    let (Some(credentials), Some(executor)) = (credentials, table.executor.clone()) else {
         return Err(format!(
             "a reference to a tensor of host {host} arrived in a process that is not part of a cluster"
         ));
     };
-    let link = Arc::new(OwnerLink::start(host, addr, token, &executor));
+    let link = Arc::new(OwnerLink::start(host, addr, credentials, &executor));
     table.owners.insert(addr.to_string(), link.clone());
     Ok(link)
 }
@@ -155,11 +180,12 @@ pub(crate) struct OwnerLink {
 }
 
 impl OwnerLink {
-    fn start(host: &str, addr: &str, token: String, executor: &Handle) -> OwnerLink {
+    fn start(host: &str, addr: &str, credentials: Credentials, executor: &Handle) -> OwnerLink {
         let (ops, mut queue) = unbounded_channel::<LinkOp>();
         let (host_name, address) = (host.to_string(), addr.to_string());
         executor.spawn(async move {
-            let connection = HostConnection::connect(&host_name, &address, &token, Liveness::default()).await;
+            let connection =
+                HostConnection::connect(&host_name, &address, &credentials, Liveness::default()).await;
             while let Some(op) = queue.recv().await {
                 match (&connection, op) {
                     (Ok(c), LinkOp::Send(frame)) => c.send(frame),
