@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need on a fresh Debian machine (Debian's
-# headless `chromium`, which the dashboard test drives), then runs every test of the workspace.
+# headless `chromium`, which the dashboard test drives, and `openssl` for the TLS tests), then
+# runs every test of the workspace.
 # `.ci/run` calls this same script after fmt, clippy and doc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,13 @@ if ! command -v chromium > /dev/null; then
     sudo=$([ "$(id -u)" = 0 ] || echo sudo)
     $sudo apt-get install -y -q chromium > /dev/null 2>&1 \
         || { $sudo apt-get update -q > /dev/null && $sudo apt-get install -y -q chromium > /dev/null; }
+fi
+if ! command -v openssl > /dev/null; then
+    # The TLS tests check that certificates made by openssl work like `archipelago certs`' own.
+    echo "scripts/test.sh: installing Debian's openssl for the TLS tests" >&2
+    sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+    $sudo apt-get install -y -q openssl > /dev/null 2>&1 \
+        || { $sudo apt-get update -q > /dev/null && $sudo apt-get install -y -q openssl > /dev/null; }
 fi
 chromium --version
 cargo test --workspace "$@"

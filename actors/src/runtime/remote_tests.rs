@@ -88,13 +88,18 @@ fn registry() -> Registry {
 }
 
 /// A host runtime serving its actor port on 127.0.0.1; returns it, the port and its slots.
-pub(super) fn host(name: &str, devices: usize, token: &str) -> (Runtime, ActorPort, Vec<Slot>) {
+pub(super) fn host(
+    name: &str,
+    devices: usize,
+    credentials: impl Into<crate::trust::Credentials>,
+) -> (Runtime, ActorPort, Vec<Slot>) {
+    let credentials = credentials.into();
     let runtime = Runtime::new("remote-test", name, DeviceSpec::cpus(devices));
     let handle = runtime.handle().clone();
     let port = runtime
         .block_on(async {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            serve_actor_port(listener, handle, token)
+            serve_actor_port(listener, handle, credentials)
         })
         .unwrap();
     let slots = DeviceSpec::cpus(devices)
@@ -438,4 +443,46 @@ fn an_actor_reference_travels_in_a_message_and_is_called_by_the_receiver() {
     keeper.ended().get();
     let error = relay.call(PushVia(keeper.clone(), 9)).get().unwrap_err();
     assert!(error.to_string().contains("ended"), "{error}");
+}
+
+/// Over mutual TLS the actor port takes calls as in clear; a driver in clear, one with a
+/// certificate another CA signed and one that does not trust the cluster's CA are refused.
+#[test]
+fn an_actor_port_over_mutual_tls_serves_members_and_refuses_strangers() {
+    registry().install();
+    let certs = crate::trust::testing::TestCerts::new();
+    let (_host, _port, slots) = host("host-tls", 1, certs.member("tls-token"));
+    for (who, stranger) in [
+        ("in clear", crate::trust::Credentials::new("tls-token")),
+        (
+            "with a foreign certificate",
+            certs.foreign_certificate("tls-token"),
+        ),
+        ("trusting another CA", certs.foreign_trust("tls-token")),
+    ] {
+        let refused = Runtime::on_cluster("remote-test", slots.clone(), stranger, Liveness::default())
+            .and_then(|driver| {
+                driver
+                    .spawn_at::<Keeper>(0, vec![], SpawnOptions::default())
+                    .get()
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            });
+        assert!(refused.is_err(), "a driver {who} spawned an actor over TLS");
+    }
+    // The negative control: a member spawns and calls.
+    let driver = Runtime::on_cluster(
+        "remote-test",
+        slots,
+        certs.member("tls-token"),
+        Liveness::default(),
+    )
+    .unwrap();
+    let keeper = driver
+        .spawn_at::<Keeper>(0, vec![7], SpawnOptions::default())
+        .get()
+        .unwrap();
+    keeper.cast(Push(8)).unwrap();
+    let (values, host, _) = keeper.call(Dump).get().unwrap();
+    assert_eq!((values, host.as_str()), (vec![7, 8], "host-tls"));
 }

@@ -112,9 +112,14 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
             )
         }
         Err(status) => bail!(
-            "the controller at {} refused the session: {}",
+            "the controller at {} refused the session: {}{}",
             options.controller,
-            status.message()
+            status.message(),
+            if options.credentials.tls().is_some() {
+                " (a TLS connection dropped after the handshake: is --tls-cert signed by the cluster's CA?)"
+            } else {
+                ""
+            }
         ),
     };
     match incoming.message().await? {
@@ -242,7 +247,9 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
     result
 }
 
-/// Connects to the controller, retrying until `timeout` (hosts may start before it).
+/// Connects to the controller, retrying until `timeout` while nothing listens at `addr` yet
+/// (hosts may start before it); any other failure — a refused TLS handshake, a peer that is
+/// not a controller — ends the attempt at once with its causes.
 pub(crate) async fn connect(
     addr: &str,
     credentials: &Credentials,
@@ -253,12 +260,38 @@ pub(crate) async fn connect(
     loop {
         match endpoint.connect().await {
             Ok(channel) => return Ok(channel),
+            Err(e) if !nothing_listens(&e) => {
+                bail!(
+                    "the controller at {addr} could not be reached: {:#}",
+                    anyhow::Error::from(e)
+                )
+            }
             Err(e) if Instant::now() >= deadline => {
-                bail!("cannot reach the controller at {addr} after {timeout:?}: {e}")
+                bail!(
+                    "cannot reach the controller at {addr} after {timeout:?}: {:#}",
+                    anyhow::Error::from(e)
+                )
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
+}
+
+/// Whether a connection failed because nothing listens there (yet): worth retrying.
+fn nothing_listens(error: &tonic::transport::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::NotFound
+                    | std::io::ErrorKind::TimedOut
+            );
+        }
+        cause = e.source();
+    }
+    false
 }
 
 pub(crate) fn spawn_heartbeats(

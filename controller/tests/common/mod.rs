@@ -31,6 +31,22 @@ pub struct Cluster {
     pub _controller: Proc,
     /// Environment of every process started (e.g. the OTLP endpoint).
     pub env: Vec<(String, String)>,
+    /// With mutual TLS: the directory of the cluster's PEM files (`ca.pem`, `NAME.pem`,
+    /// `NAME.key` per process; the client is `client`).
+    pub tls: Option<PathBuf>,
+}
+
+/// The TLS flags of process `name` whose PEM files are in `dir`.
+pub fn tls_flags(dir: &std::path::Path, name: &str) -> Vec<String> {
+    let file = |f: String| dir.join(f).to_string_lossy().into_owned();
+    vec![
+        "--tls-cert".into(),
+        file(format!("{name}.pem")),
+        "--tls-key".into(),
+        file(format!("{name}.key")),
+        "--tls-ca".into(),
+        file("ca.pem".into()),
+    ]
 }
 
 /// Reads lines of `child`'s stdout until one contains `what`; returns that line.
@@ -56,6 +72,16 @@ impl Cluster {
     /// [`Cluster::start`] with `env` set for the controller and every host.
     pub fn start_with(host_timeout_s: f64, wait_for_hosts_s: f64, env: &[(&str, &str)]) -> Cluster {
         Cluster::launch(host_timeout_s, wait_for_hosts_s, env, &[]).0
+    }
+
+    /// [`Cluster::start`] under mutual TLS with the PEM files in `certs` (the controller is
+    /// `controller`, each host its name, the client `client`).
+    pub fn start_tls(host_timeout_s: f64, wait_for_hosts_s: f64, certs: &std::path::Path) -> Cluster {
+        let flags = tls_flags(certs, "controller");
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let mut cluster = Cluster::launch(host_timeout_s, wait_for_hosts_s, &[], &flags).0;
+        cluster.tls = Some(certs.to_path_buf());
+        cluster
     }
 
     /// [`Cluster::start`] with the controller serving its dashboard on a free loopback port;
@@ -120,6 +146,7 @@ impl Cluster {
             hosts: Vec::new(),
             _controller: Proc(child),
             env,
+            tls: None,
         };
         (cluster, dashboard)
     }
@@ -132,6 +159,9 @@ impl Cluster {
             .args(["--devices", devices, "--name", name, "--heartbeat-ms", "200"])
             .args(["--island", &format!("island-{name}")])
             .envs(self.env.clone());
+        if let Some(certs) = &self.tls {
+            command.args(tls_flags(certs, name));
+        }
         command
     }
 
@@ -150,7 +180,20 @@ impl Cluster {
     }
 
     pub fn controller(&self) -> Controller {
-        Controller::connect(&self.addr, &self.token)
+        match &self.tls {
+            None => Controller::connect(&self.addr, &self.token),
+            Some(certs) => {
+                let files = archipelago_actors::trust::TlsFiles {
+                    cert: certs.join("client.pem"),
+                    key: certs.join("client.key"),
+                    ca: certs.join("ca.pem"),
+                };
+                let tls = archipelago_actors::trust::Tls::load(&files).unwrap();
+                let credentials =
+                    archipelago_actors::trust::Credentials::new(&self.token).with_tls(tls.into());
+                Controller::connect(&self.addr, credentials)
+            }
+        }
     }
 
     pub fn controller_log(&self) -> String {
