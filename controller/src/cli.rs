@@ -297,7 +297,8 @@ pub struct TrainArgs {
     /// the last complete checkpoint; `never` stops the job.
     #[arg(long, default_value = "never")]
     pub restart: String,
-    /// Submit the job to this controller (`archipelago controller`) instead of running it here.
+    /// Submit the job to this controller (`archipelago controller`) instead of running it here;
+    /// `auto` in a Slurm job: the job's first node at the job's port.
     #[arg(long, env = "ARCHIPELAGO_CONTROLLER")]
     pub controller: Option<String>,
     /// With --controller: how tensors travel between hosts, `tcp` (raw TCP, the faster) or
@@ -359,7 +360,8 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
             let Some(token_file) = &args.token_file else {
                 anyhow::bail!("--controller needs --token-file (the cluster's token)");
             };
-            crate::Controller::connect(addr, args.tls.credentials(token_file)?)
+            let addr = crate::cluster::commands::controller_addr(addr)?;
+            crate::Controller::connect(&addr, args.tls.credentials(token_file)?)
         }
         None => local,
     };

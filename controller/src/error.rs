@@ -46,6 +46,17 @@ pub enum JobError {
     /// The runtime itself failed (spawning an actor, a closed channel).
     #[error("runtime: {0}")]
     Runtime(String),
+    /// Asked to stop before a time limit (SIGUSR1 to the controller): the job stopped after
+    /// `step`, with a checkpoint of it when it had a checkpoint directory.
+    #[error("job {job}: stopped after step {step} as asked (SIGUSR1, before a time limit); {checkpoint}")]
+    Preempted {
+        /// The job.
+        job: String,
+        /// The last step done.
+        step: u64,
+        /// Where its checkpoint is, or that there is none.
+        checkpoint: String,
+    },
 }
 
 /// A lost host, as reported: which, how, and what its actors were running.

@@ -29,6 +29,7 @@ pub mod gang;
 pub mod hang;
 pub mod host_devices;
 pub mod local;
+pub mod preemption;
 pub mod prelude;
 pub mod process_stats;
 pub mod ps_job;

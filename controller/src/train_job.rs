@@ -419,11 +419,27 @@ pub(crate) async fn drive<G: Gang>(
             });
         }
         last = reports;
+        let preempted = crate::preemption::requested() && step < options.steps;
         if let Some(root) = &options.checkpoint_dir {
             let every = options.checkpoint_every;
-            if (every > 0 && step.is_multiple_of(every)) || step == options.steps {
+            if (every > 0 && step.is_multiple_of(every)) || step == options.steps || preempted {
                 save_checkpoint(gang, plan, options, root, step).await?;
             }
+        }
+        if preempted {
+            let checkpoint = match &options.checkpoint_dir {
+                Some(root) => format!(
+                    "resume with --resume {} (checkpoint {})",
+                    root.display(),
+                    archipelago_actors::checkpoint::step_dir(root, step).display()
+                ),
+                None => "no checkpoint (no --checkpoint-dir)".into(),
+            };
+            return Err(JobError::Preempted {
+                job: options.job.clone(),
+                step,
+                checkpoint,
+            });
         }
     }
     let instruction_medians: Vec<Vec<f64>> = per_instruction

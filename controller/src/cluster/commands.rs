@@ -12,12 +12,14 @@ use archipelago_dataflow::DeviceSpec;
 use super::host_agent::{HostOptions, run_host};
 use super::security::TlsArgs;
 use super::service::{ClusterConfig, serve_controller};
+use super::slurm;
 use crate::dashboard::Dashboard;
 
 /// Flags of `archipelago controller`.
 #[derive(Debug, Args)]
 pub struct ControllerArgs {
-    /// Address to listen on (hosts and clients connect here).
+    /// Address to listen on (hosts and clients connect here); `auto` in a Slurm job: this
+    /// node's address at the job's port, where `--controller auto` looks.
     #[arg(long, default_value = "127.0.0.1:7070")]
     pub listen: String,
     /// File holding the cluster token every host and client must present.
@@ -42,25 +44,28 @@ pub struct ControllerArgs {
 /// Flags of `archipelago host`.
 #[derive(Debug, Args)]
 pub struct HostArgs {
-    /// The controller's address.
+    /// The controller's address; `auto` in a Slurm job: the job's first node at the job's port.
     #[arg(long, env = "ARCHIPELAGO_CONTROLLER")]
     pub controller: String,
     /// File holding the cluster token.
     #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
     pub token_file: PathBuf,
-    /// Devices this host offers, e.g. `cpu:0,cpu:1`.
+    /// Devices this host offers, e.g. `cpu:0,cpu:1`; `auto` in a Slurm job: the GPUs Slurm bound
+    /// to the task (a `cuda` build), else one CPU device per CPU of the task.
     #[arg(long, default_value = "cpu:0")]
     pub devices: String,
-    /// The island this host belongs to (devices with a fast interconnect among them).
-    #[arg(long, default_value = "default")]
-    pub island: String,
+    /// The island this host belongs to (devices with a fast interconnect among them; default:
+    /// the node's name in a Slurm job, else `default`).
+    #[arg(long)]
+    pub island: Option<String>,
     /// Memory per device in bytes (plans that do not fit are refused before launch).
     #[arg(long)]
     pub memory: Option<u64>,
-    /// This host's name (default: `host-<pid>`).
+    /// This host's name (default: `NODE-LOCALID` in a Slurm job, else `host-<pid>`).
     #[arg(long)]
     pub name: Option<String>,
-    /// Where this host's fabric listens for tensors from other hosts.
+    /// Where this host's fabric listens for tensors from other hosts; `auto`: this node's
+    /// address (its name resolved), any port.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub fabric_listen: String,
     /// Milliseconds between heartbeats.
@@ -93,6 +98,8 @@ pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
         dashboard: dashboard.clone(),
     };
     runtime()?.block_on(async {
+        // Slurm's warning before the time limit: checkpoint after the step running, then stop.
+        crate::preemption::on_sigusr1()?;
         if let (Some(addr), Some(dashboard)) = (&args.dashboard, dashboard) {
             let addr = crate::dashboard::access::bind_address(addr);
             let listener = tokio::net::TcpListener::bind(&addr)
@@ -103,9 +110,13 @@ pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
                 crate::dashboard::serve(listener, dashboard)?
             );
         }
-        let listener = tokio::net::TcpListener::bind(&args.listen)
+        let listen = match args.listen.as_str() {
+            slurm::AUTO => slurm::controller_listen(&slurm::ProcessEnv)?,
+            addr => addr.to_string(),
+        };
+        let listener = tokio::net::TcpListener::bind(&listen)
             .await
-            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", args.listen))?;
+            .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
         let (addr, _registry) = serve_controller(listener, &credentials, config)?;
         println!("controller listening on {addr}");
         std::future::pending::<()>().await;
@@ -113,10 +124,22 @@ pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
     })
 }
 
+/// The controller's address as given, or for `auto` the one the Slurm job implies.
+pub fn controller_addr(given: &str) -> anyhow::Result<String> {
+    match given {
+        slurm::AUTO => slurm::controller_addr(&slurm::ProcessEnv),
+        addr => Ok(addr.to_string()),
+    }
+}
+
 /// Runs `archipelago host` until the controller ends its session.
 pub fn host(args: &HostArgs) -> anyhow::Result<()> {
-    let devices = args
-        .devices
+    let env = slurm::ProcessEnv;
+    let devices = match args.devices.as_str() {
+        slurm::AUTO => slurm::devices(&env, cfg!(feature = "cuda"))?,
+        given => given.to_string(),
+    };
+    let devices = devices
         .split(',')
         .map(|d| d.trim().parse::<DeviceSpec>())
         .collect::<Result<Vec<_>, _>>()?;
@@ -126,17 +149,26 @@ pub fn host(args: &HostArgs) -> anyhow::Result<()> {
     let memory = args
         .memory
         .or_else(|| archipelago_actors::gpus::smallest_memory(&devices));
+    let in_slurm = slurm::host_identity(&env);
     let options = HostOptions {
-        controller: args.controller.clone(),
+        controller: controller_addr(&args.controller)?,
         credentials: args.tls.credentials(&args.token_file)?,
         name: args
             .name
             .clone()
+            .or_else(|| in_slurm.as_ref().map(|(name, _)| name.clone()))
             .unwrap_or_else(|| format!("host-{}", std::process::id())),
-        island: args.island.clone(),
+        island: args
+            .island
+            .clone()
+            .or_else(|| in_slurm.map(|(_, node)| node))
+            .unwrap_or_else(|| "default".into()),
         devices,
         memory,
-        fabric_listen: args.fabric_listen.clone(),
+        fabric_listen: match args.fabric_listen.as_str() {
+            slurm::AUTO => slurm::fabric_listen(&env)?,
+            given => given.to_string(),
+        },
         heartbeat: Duration::from_millis(args.heartbeat_ms),
         connect_timeout: Duration::from_secs(30),
     };

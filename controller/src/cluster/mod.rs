@@ -4,7 +4,8 @@
 //! - [`host_agent`]: `archipelago host` — one per machine, runs its part of each job;
 //! - [`client`]: `Controller::connect` / `archipelago train --controller`;
 //! - [`remote_gang`], [`remote_job`]: placement, dispatch, loss detection and restarts;
-//! - [`security`]: the TLS flags every process takes, and `archipelago certs`.
+//! - [`security`]: the TLS flags every process takes, and `archipelago certs`;
+//! - [`slurm`]: addresses, names and devices from a Slurm job's environment (`auto`).
 
 pub mod client;
 pub mod commands;
@@ -14,6 +15,7 @@ pub mod remote_gang;
 pub mod remote_job;
 pub mod security;
 pub mod service;
+pub mod slurm;
 
 /// Reads the cluster token from `path` (surrounding whitespace trimmed; must not be empty).
 pub fn read_token(path: &std::path::Path) -> anyhow::Result<String> {

@@ -241,7 +241,8 @@ pub fn ps(args: &PsArgs) -> anyhow::Result<PsReport> {
             };
             let credentials = args.tls.credentials(token_file)?;
             registry().install();
-            crate::runtime::connect(addr, credentials, job.devices())?
+            let addr = crate::cluster::commands::controller_addr(addr)?;
+            crate::runtime::connect(&addr, credentials, job.devices())?
         }
         None => Runtime::local(DeviceSpec::cpus(job.devices())),
     };
