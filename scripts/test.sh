@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need on a fresh Debian machine (Debian's
-# headless `chromium`, which the dashboard test drives, and `openssl` for the TLS tests), then
-# runs every test of the workspace.
+# headless `chromium`, which the dashboard test drives, `openssl` for the TLS tests, `slurm-wlm`
+# and `munge` for the Slurm tests), then runs every test of the workspace.
 # `.ci/run` calls this same script after fmt, clippy and doc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,14 @@ if ! command -v openssl > /dev/null; then
     sudo=$([ "$(id -u)" = 0 ] || echo sudo)
     $sudo apt-get install -y -q openssl > /dev/null 2>&1 \
         || { $sudo apt-get update -q > /dev/null && $sudo apt-get install -y -q openssl > /dev/null; }
+fi
+if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then
+    # The Slurm tests bring up a single-node Slurm (controller/tests/slurm.rs); under CI they
+    # must run, so the packages are installed here, never assumed.
+    echo "scripts/test.sh: installing Debian's slurm-wlm and munge for the Slurm tests" >&2
+    sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+    $sudo apt-get install -y -q slurm-wlm munge > /dev/null 2>&1 \
+        || { $sudo apt-get update -q > /dev/null && $sudo apt-get install -y -q slurm-wlm munge > /dev/null; }
 fi
 chromium --version
 cargo test --workspace "$@"

@@ -187,7 +187,7 @@ fn host_pids(job_dir: &Path) -> Vec<u32> {
         let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
         let mine = environ
             .split(|&b| b == 0)
-            .any(|v| v == format!("SLURM_JOB_ID={job}").as_bytes());
+            .any(|v| v == format!("ARCHIPELAGO_JOB_DIR={}", job_dir.display()).as_bytes());
         let host = cmdline.split(|&b| b == 0).nth(1) == Some(b"host");
         if mine && host {
             pids.push(pid);
