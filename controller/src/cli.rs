@@ -52,6 +52,8 @@ pub enum Command {
     /// Make a cluster CA and per-process certificates for mutual TLS (`--tls-cert`, `--tls-key`,
     /// `--tls-ca` of controller, host and train).
     Certs(crate::cluster::security::CertsArgs),
+    /// Ask a controller's health endpoint (`--health`); exits 0 on 200 (for `exec` probes).
+    Health(crate::cluster::health::HealthArgs),
     /// The other end of the cross-process benchmark (started by `bench`).
     #[command(hide = true)]
     BenchPeer(crate::bench::cross_process::PeerArgs),

@@ -26,6 +26,7 @@ fn main() {
         Command::Devices(args) => archipelago_controller::host_devices::devices(args),
         Command::Export(args) => archipelago_controller::export::run(args),
         Command::Certs(args) => archipelago_controller::cluster::security::certs(args),
+        Command::Health(args) => archipelago_controller::cluster::health::health(args),
         Command::BenchPeer(args) => archipelago_controller::bench::cross_process::peer_main(args),
         Command::BenchActorHost(args) => archipelago_controller::bench::actor_api::host_main(args),
     };

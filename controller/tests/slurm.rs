@@ -256,6 +256,29 @@ fn warned_before_the_time_limit_the_job_checkpoints_requeues_and_resumes() {
         .unwrap();
     assert!(signalled.success());
     wait_for_text(&out, "requeueing job", Duration::from_secs(60));
+    // Slurm makes a requeued job eligible only ~120 s later; an administrator's `StartTime=now`
+    // lets it go at once (the test's only shortcut: what runs next is the job's own script).
+    let started = Instant::now();
+    let mut pending = false;
+    loop {
+        match slurm.state(&job).as_str() {
+            "PENDING" => {
+                pending = true;
+                let _ = slurm
+                    .command("scontrol")
+                    .args(["update", &format!("JobId={job}"), "StartTime=now"])
+                    .status();
+            }
+            "RUNNING" if pending => break,
+            "COMPLETED" | "FAILED" | "CANCELLED" => break,
+            _ => {}
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(100),
+            "job {job} was not requeued and started again"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
     let state = slurm.wait_done(&job, Duration::from_secs(300));
     let said = std::fs::read_to_string(&out).unwrap();
     assert_eq!(state, "COMPLETED", "job output:\n{said}");

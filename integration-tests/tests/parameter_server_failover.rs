@@ -44,6 +44,7 @@ fn helper_process() {
                 host_timeout_s: 2.0,
                 wait_for_hosts_s: 20.0,
                 dashboard: None,
+                health: None,
                 tls: Default::default(),
             };
             archipelago_controller::cluster::commands::controller(&args).unwrap();

@@ -5,13 +5,16 @@
 use archipelago_actors::fabric::grpc::{MAX_MESSAGE_BYTES, with_token};
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::proto::{JobRequest, job_event};
-use archipelago_actors::trust::{Credentials, grpc_endpoint};
+use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::Program;
 
 use super::remote_job::RemoteOptions;
 use crate::JobError;
 use crate::report::TrainReport;
 use crate::train_job::{StepProgress, TrainOptions};
+
+/// How long a client waits for a controller that does not listen yet.
+const CONNECT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Where a remote controller listens and what it expects: the token, and TLS when it runs with it.
 #[derive(Debug, Clone)]
@@ -29,11 +32,10 @@ pub async fn submit(
     options: &TrainOptions,
 ) -> Result<TrainReport, JobError> {
     let runtime = |e: String| JobError::Runtime(e);
-    let channel = grpc_endpoint(&target.addr, &target.credentials)
-        .map_err(|e| runtime(format!("the controller: {e}")))?
-        .connect()
+    // A controller started beside the client (a Slurm batch script) may not listen yet.
+    let channel = super::host_agent::connect(&target.addr, &target.credentials, CONNECT_PATIENCE)
         .await
-        .map_err(|e| runtime(format!("cannot reach the controller at {}: {e}", target.addr)))?;
+        .map_err(|e| runtime(format!("{e:#}")))?;
     let mut client = ControllerClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let request = JobRequest {
         program: serde_json::to_vec(program)

@@ -36,6 +36,11 @@ pub struct ControllerArgs {
     /// the cluster token.
     #[arg(long)]
     pub dashboard: Option<String>,
+    /// Serve `/healthz` and `/readyz` over HTTP on this address (a bare port means
+    /// 127.0.0.1:PORT; on any other address requests must carry the token), for supervisors and
+    /// Kubernetes probes (`archipelago health http://127.0.0.1:PORT/readyz`).
+    #[arg(long)]
+    pub health: Option<String>,
     /// Mutual TLS for hosts and clients.
     #[command(flatten)]
     pub tls: TlsArgs,
@@ -117,7 +122,15 @@ pub fn controller(args: &ControllerArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {listen}: {e}"))?;
-        let (addr, _registry) = serve_controller(listener, &credentials, config)?;
+        let (addr, registry) = serve_controller(listener, &credentials, config)?;
+        if let Some(health) = &args.health {
+            let bind = crate::dashboard::access::bind_address(health);
+            let listener = tokio::net::TcpListener::bind(&bind)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot serve the health endpoint on {bind}: {e}"))?;
+            let at = super::health::serve(listener, registry, credentials.token())?;
+            println!("health at http://{at}/healthz and /readyz");
+        }
         println!("controller listening on {addr}");
         std::future::pending::<()>().await;
         Ok(())

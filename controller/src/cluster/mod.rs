@@ -5,10 +5,12 @@
 //! - [`client`]: `Controller::connect` / `archipelago train --controller`;
 //! - [`remote_gang`], [`remote_job`]: placement, dispatch, loss detection and restarts;
 //! - [`security`]: the TLS flags every process takes, and `archipelago certs`;
+//! - [`health`]: `/healthz` and `/readyz` for supervisors and probes, and `archipelago health`;
 //! - [`slurm`]: addresses, names and devices from a Slurm job's environment (`auto`).
 
 pub mod client;
 pub mod commands;
+pub mod health;
 pub mod host_agent;
 pub mod registry;
 pub mod remote_gang;
