@@ -111,7 +111,18 @@ fn job_env(job_dir: &Path) -> Vec<(&'static str, PathBuf)> {
 }
 
 fn submit(slurm: &slurm_support::LocalSlurm, job_dir: &Path, out: &Path, args: &[String]) -> String {
-    let env = job_env(job_dir);
+    submit_with(slurm, job_dir, out, args, &[])
+}
+
+fn submit_with(
+    slurm: &slurm_support::LocalSlurm,
+    job_dir: &Path,
+    out: &Path,
+    args: &[String],
+    extra_env: &[(&'static str, PathBuf)],
+) -> String {
+    let mut env = job_env(job_dir);
+    env.extend(extra_env.iter().cloned());
     let env: Vec<(&str, &Path)> = env.iter().map(|(k, v)| (*k, v.as_path())).collect();
     let output = format!("--output={}", out.display());
     slurm.submit(
@@ -292,4 +303,124 @@ fn warned_before_the_time_limit_the_job_checkpoints_requeues_and_resumes() {
     );
     assert_eq!(run_steps.last().unwrap()["step"].as_u64(), Some(steps));
     assert_equal(&local_report(dir.path(), steps, "mlp-8x1024"), &run, "requeued");
+}
+
+/// A program written on the runtime API (here `archipelago ps`, a parameter-server job whose
+/// own binary serves as its hosts) runs under the same script with ARCHIPELAGO_PROGRAM, and
+/// trains as the same job in one process.
+#[test]
+fn a_runtime_api_program_runs_on_slurm_tasks_as_it_runs_here() {
+    let Some(slurm) = slurm_support::start("a_runtime_api_program_runs_on_slurm_tasks") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (job_dir, out, report_path) = (
+        dir.path().join("job"),
+        dir.path().join("out.txt"),
+        dir.path().join("ps.json"),
+    );
+    let flags = |report: &Path| -> Vec<String> {
+        let mut flags: Vec<String> = [
+            "--model",
+            MLP,
+            "--servers",
+            "1",
+            "--replicas",
+            "1",
+            "--workers",
+            "1",
+            "--staleness",
+            "0",
+            "--steps",
+            "6",
+            "--report",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        flags.push(report.to_string_lossy().into_owned());
+        flags
+    };
+    let program = PathBuf::from(format!("{BIN} ps"));
+    let job = submit_with(
+        &slurm,
+        &job_dir,
+        &out,
+        &flags(&report_path),
+        &[("ARCHIPELAGO_PROGRAM", program)],
+    );
+    let state = slurm.wait_done(&job, Duration::from_secs(120));
+    let said = std::fs::read_to_string(&out).unwrap_or_default();
+    assert_eq!(state, "COMPLETED", "job output:\n{said}");
+    let hosts = std::fs::read_to_string(job_dir.join("hosts.log")).unwrap();
+    assert!(
+        hosts.contains(&format!("host `{}-0`", slurm.node)),
+        "hosts log: {hosts}"
+    );
+    let local_path = dir.path().join("local.json");
+    let local = Command::new(BIN)
+        .arg("ps")
+        .args(flags(&local_path))
+        .output()
+        .unwrap();
+    assert!(
+        local.status.success(),
+        "{}",
+        String::from_utf8_lossy(&local.stderr)
+    );
+    assert_equal(&report(&local_path), &report(&report_path), "ps on slurm");
+}
+
+/// Bad input, no Slurm needed: the script outside a Slurm job, `auto` without Slurm's
+/// variables, a node list whose first node does not resolve — each stops naming the variable
+/// and the fix.
+#[test]
+fn outside_slurm_or_with_a_node_list_that_does_not_resolve_auto_names_the_variable() {
+    let clean = |command: &mut Command| {
+        for var in [
+            "SLURM_JOB_ID",
+            "SLURM_JOB_NODELIST",
+            "SLURMD_NODENAME",
+            "ARCHIPELAGO_CONTROLLER",
+        ] {
+            command.env_remove(var);
+        }
+    };
+    let mut script_run = Command::new("bash");
+    script_run.arg(script()).args(["--model", MLP]);
+    clean(&mut script_run);
+    let out = script_run.output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("SLURM_JOB_ID") && said.contains("sbatch"), "{said}");
+
+    let token = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(token.path(), "t").unwrap();
+    let mut host = Command::new(BIN);
+    host.args(["host", "--controller", "auto", "--token-file"])
+        .arg(token.path());
+    clean(&mut host);
+    let out = host.output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("SLURM_JOB_ID") && said.contains("sbatch"),
+        "{said}"
+    );
+
+    let mut controller = Command::new(BIN);
+    controller
+        .args(["controller", "--listen", "auto", "--token-file"])
+        .arg(token.path());
+    clean(&mut controller);
+    controller
+        .env("SLURM_JOB_ID", "12")
+        .env("SLURM_JOB_NODELIST", "no-such-node-[1-2].invalid");
+    let out = controller.output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && said.contains("no-such-node-1.invalid")
+            && said.contains("SLURM_JOB_NODELIST"),
+        "{said}"
+    );
 }

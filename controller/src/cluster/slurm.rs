@@ -77,7 +77,13 @@ fn port(env: &(impl Env + ?Sized), job: &str) -> anyhow::Result<u16> {
 pub fn controller_listen(env: &(impl Env + ?Sized)) -> anyhow::Result<String> {
     let addr = controller_addr(env)?;
     let (node, port) = addr.rsplit_once(':').expect("host:port");
-    Ok(format!("{}:{port}", node_ip(node)?))
+    let ip = node_ip(node).map_err(|e| {
+        anyhow::anyhow!(
+            "{e}: the controller runs on the first node of SLURM_JOB_NODELIST, which must resolve \
+             (run `archipelago controller --listen auto` in the batch script, or give --listen host:port)"
+        )
+    })?;
+    Ok(format!("{ip}:{port}"))
 }
 
 /// Where a host's fabric listens for `--fabric-listen auto`: this node's address, any port.

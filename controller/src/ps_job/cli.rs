@@ -78,11 +78,12 @@ pub struct PsArgs {
     #[arg(long)]
     pub report: Option<PathBuf>,
     /// Run the servers and workers on the hosts of this controller (`archipelago controller`),
-    /// which are `archipelago ps` processes started with `ARCHIPELAGO_ROLE=host`.
-    #[arg(long)]
+    /// which are `archipelago ps` processes started with `ARCHIPELAGO_ROLE=host`; `auto` in a
+    /// Slurm job (examples/slurm/train.sbatch with ARCHIPELAGO_PROGRAM).
+    #[arg(long, env = "ARCHIPELAGO_CONTROLLER")]
     pub controller: Option<String>,
     /// File holding the cluster token (with --controller).
-    #[arg(long)]
+    #[arg(long, env = "ARCHIPELAGO_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
     /// With --controller: mutual TLS with it and its hosts.
     #[command(flatten)]

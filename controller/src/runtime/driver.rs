@@ -6,7 +6,7 @@ use archipelago_actors::proto::ClusterRequest;
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::runtime::remote::Liveness;
 use archipelago_actors::runtime::{Runtime, Slot};
-use archipelago_actors::trust::{Credentials, grpc_endpoint};
+use archipelago_actors::trust::Credentials;
 
 /// A runtime on the cluster of the controller at `addr`, with at least `min_devices` devices
 /// (the controller waits for them up to its `--wait-for-hosts-s`).
@@ -31,11 +31,9 @@ async fn ask_for_slots(
     credentials: &Credentials,
     min_devices: usize,
 ) -> anyhow::Result<Vec<Slot>> {
-    let channel = grpc_endpoint(addr, credentials)
-        .map_err(anyhow::Error::msg)?
-        .connect()
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot reach the controller at {addr}: {e}"))?;
+    // A controller started beside the driver (a Slurm batch script) may not listen yet.
+    let channel =
+        crate::cluster::host_agent::connect(addr, credentials, std::time::Duration::from_secs(30)).await?;
     let request = with_token(
         credentials.token(),
         ClusterRequest {

@@ -37,21 +37,37 @@ pub struct HostSettings {
 }
 
 impl HostSettings {
-    /// Settings from the environment (`ARCHIPELAGO_CONTROLLER`, `ARCHIPELAGO_TOKEN_FILE`,
+    /// Settings from the environment (`ARCHIPELAGO_CONTROLLER`, `auto` in a Slurm job;
+    /// `ARCHIPELAGO_TOKEN_FILE`,
     /// `ARCHIPELAGO_TLS_CERT`/`_KEY`/`_CA`, `ARCHIPELAGO_DEVICES`, `ARCHIPELAGO_HOST_NAME`, `ARCHIPELAGO_ISLAND`,
     /// `ARCHIPELAGO_LISTEN`).
     pub fn from_env() -> anyhow::Result<HostSettings> {
-        let var = |name: &str, default: String| std::env::var(name).unwrap_or(default);
-        let controller = std::env::var(CONTROLLER_ENV)
-            .map_err(|_| anyhow::anyhow!("a host needs {CONTROLLER_ENV}: the controller's host:port"))?;
-        let devices = var(DEVICES_ENV, "cpu:0".into());
+        use crate::cluster::slurm;
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let controller = var(CONTROLLER_ENV)
+            .ok_or_else(|| anyhow::anyhow!("a host needs {CONTROLLER_ENV}: the controller's host:port"))?;
+        let env = slurm::ProcessEnv;
+        let devices = match var(DEVICES_ENV).as_deref() {
+            None => "cpu:0".to_string(),
+            Some(slurm::AUTO) => slurm::devices(&env, cfg!(feature = "cuda"))?,
+            Some(given) => given.to_string(),
+        };
+        let in_slurm = slurm::host_identity(&env);
         Ok(HostSettings {
-            controller,
+            controller: crate::cluster::commands::controller_addr(&controller)?,
             credentials: read_credentials()?,
             devices: DeviceSpec::parse_list(&devices).with_context(|| format!("{DEVICES_ENV}={devices}"))?,
-            name: var(HOST_NAME_ENV, format!("host-{}", std::process::id())),
-            island: var(ISLAND_ENV, "default".into()),
-            listen: var(LISTEN_ENV, "127.0.0.1:0".into()),
+            name: var(HOST_NAME_ENV)
+                .or_else(|| in_slurm.as_ref().map(|(name, _)| name.clone()))
+                .unwrap_or_else(|| format!("host-{}", std::process::id())),
+            island: var(ISLAND_ENV)
+                .or_else(|| in_slurm.map(|(_, node)| node))
+                .unwrap_or_else(|| "default".into()),
+            listen: match var(LISTEN_ENV).as_deref() {
+                None => "127.0.0.1:0".into(),
+                Some(slurm::AUTO) => slurm::fabric_listen(&env)?,
+                Some(given) => given.to_string(),
+            },
         })
     }
 }
