@@ -112,6 +112,10 @@ impl LocalSlurm {
                 .expect("munged"),
         );
         wait_for(|| socket.exists(), "munge's socket", d);
+        // Job ids (hence the controllers' ports, 20000 + id mod 10000) distinct across the
+        // Slurms of one test run, as two jobs sharing a node have distinct ids.
+        static INSTANCES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let first_job = 1000 * (1 + INSTANCES.fetch_add(1, std::sync::atomic::Ordering::SeqCst) % 9);
         let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
         let conf = d.join("slurm.conf");
         let p = |f: &str| d.join(f).to_string_lossy().into_owned();
@@ -119,6 +123,7 @@ impl LocalSlurm {
             &conf,
             format!(
                 "ClusterName=archtest\nSlurmctldHost={node}\nSlurmUser=root\nSlurmdUser=root\n\
+                 FirstJobId={first_job}\n\
                  SlurmctldPort={}\nSlurmdPort={}\nAuthType=auth/munge\nCredType=cred/munge\n\
                  AuthInfo=socket={}\nStateSaveLocation={}\nSlurmdSpoolDir={}\n\
                  SlurmctldPidFile={}\nSlurmdPidFile={}\nProctrackType=proctrack/linuxproc\n\
