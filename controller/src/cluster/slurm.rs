@@ -88,7 +88,7 @@ pub fn controller_listen(env: &(impl Env + ?Sized)) -> anyhow::Result<String> {
 
 /// Where a host's fabric listens for `--fabric-listen auto`: this node's address, any port.
 pub fn fabric_listen(env: &(impl Env + ?Sized)) -> anyhow::Result<String> {
-    let node = env.var("SLURMD_NODENAME").or_else(|| hostname()).ok_or_else(|| {
+    let node = env.var("SLURMD_NODENAME").or_else(hostname).ok_or_else(|| {
         anyhow::anyhow!("--fabric-listen auto: neither SLURMD_NODENAME nor the host name is known")
     })?;
     Ok(format!("{}:0", node_ip(&node)?))
