@@ -147,8 +147,7 @@ fn check(docs: &[Yaml]) -> Result<(), String> {
     let selects = |selector: &BTreeMap<String, String>, c: &Container| {
         selector.iter().all(|(k, v)| c.labels.get(k) == Some(v))
     };
-    // The controller's --listen port, for the Services that reach it.
-    let mut controller_ports = Vec::new();
+    let mut parsed = Vec::new();
     for c in &all {
         let argv: Vec<String> = c
             .argv
@@ -157,6 +156,12 @@ fn check(docs: &[Yaml]) -> Result<(), String> {
             .collect::<Result<_, _>>()?;
         let cli = Cli::try_parse_from(&argv)
             .map_err(|e| format!("{}: {argv:?} does not parse: {e}", c.workload))?;
+        parsed.push((c, cli));
+    }
+    // The controller's --listen port, for the Services that reach it.
+    let mut controller_ports = Vec::new();
+    for (c, cli) in &parsed {
+        let c: &Container = c;
         let (listening, token_file, health): (Vec<i64>, Option<&Path>, Option<i64>) = match &cli.command {
             Command::Controller(a) => {
                 let port =
@@ -228,13 +233,7 @@ fn check(docs: &[Yaml]) -> Result<(), String> {
         }
     }
     // Hosts and clients dial `SERVICE:PORT` of a Service that reaches the controller's --listen.
-    for c in &all {
-        let argv: Vec<String> = c
-            .argv
-            .iter()
-            .map(|a| expand(a, &c.env))
-            .collect::<Result<_, _>>()?;
-        let cli = Cli::try_parse_from(&argv).map_err(|e| e.to_string())?;
+    for (c, cli) in &parsed {
         let dialled = match &cli.command {
             Command::Host(a) => Some(a.controller.clone()),
             Command::Train(a) => a.controller.clone(),

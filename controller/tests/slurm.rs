@@ -103,6 +103,14 @@ fn assert_equal(reference: &Value, run: &Value, what: &str) {
     }
 }
 
+/// A test's directory and in it: the job directory, the job's output, the report `NAME.json`.
+fn job_paths(report: &str) -> (tempfile::TempDir, PathBuf, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let (job_dir, out) = (dir.path().join("job"), dir.path().join("out.txt"));
+    let report = dir.path().join(format!("{report}.json"));
+    (dir, job_dir, out, report)
+}
+
 fn job_env(job_dir: &Path) -> Vec<(&'static str, PathBuf)> {
     vec![
         ("ARCHIPELAGO", PathBuf::from(BIN)),
@@ -151,12 +159,7 @@ fn a_dp2_job_on_two_slurm_tasks_trains_as_the_same_job_here() {
     let Some(slurm) = slurm_support::start("a_dp2_job_on_two_slurm_tasks") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (job_dir, out, report_path) = (
-        dir.path().join("job"),
-        dir.path().join("out.txt"),
-        dir.path().join("slurm.json"),
-    );
+    let (dir, job_dir, out, report_path) = job_paths("slurm");
     let job = submit(&slurm, &job_dir, &out, &job_flags(6, MLP, &report_path));
     let state = slurm.wait_done(&job, Duration::from_secs(120));
     let said = std::fs::read_to_string(&out).unwrap_or_default();
@@ -212,12 +215,7 @@ fn a_killed_task_ends_the_job_naming_the_lost_host() {
     let Some(slurm) = slurm_support::start("a_killed_task_ends_the_job") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (job_dir, out, report_path) = (
-        dir.path().join("job"),
-        dir.path().join("out.txt"),
-        dir.path().join("slurm.json"),
-    );
+    let (_dir, job_dir, out, report_path) = job_paths("slurm");
     let job = submit(&slurm, &job_dir, &out, &job_flags(100_000, MLP, &report_path));
     wait_for_text(&out, "step     1/", Duration::from_secs(60));
     let pids = host_pids(&job_dir);
@@ -244,12 +242,7 @@ fn warned_before_the_time_limit_the_job_checkpoints_requeues_and_resumes() {
     let Some(slurm) = slurm_support::start("warned_before_the_time_limit") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (job_dir, out, report_path) = (
-        dir.path().join("job"),
-        dir.path().join("out.txt"),
-        dir.path().join("slurm.json"),
-    );
+    let (dir, job_dir, out, report_path) = job_paths("slurm");
     // mlp-8x1024: a step takes long enough (tens of ms) for the warning to land mid-run.
     let steps = 120;
     let job = submit(
@@ -313,12 +306,7 @@ fn a_runtime_api_program_runs_on_slurm_tasks_as_it_runs_here() {
     let Some(slurm) = slurm_support::start("a_runtime_api_program_runs_on_slurm_tasks") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (job_dir, out, report_path) = (
-        dir.path().join("job"),
-        dir.path().join("out.txt"),
-        dir.path().join("ps.json"),
-    );
+    let (dir, job_dir, out, report_path) = job_paths("ps");
     let flags = |report: &Path| -> Vec<String> {
         let mut flags: Vec<String> = [
             "--model",
