@@ -119,7 +119,7 @@ fn job_env(job_dir: &Path) -> Vec<(&'static str, PathBuf)> {
 }
 
 fn submit(slurm: &slurm_support::LocalSlurm, job_dir: &Path, out: &Path, args: &[String]) -> String {
-    submit_with(slurm, job_dir, out, args, &[])
+    submit_with(slurm, job_dir, out, args, &[], false)
 }
 
 fn submit_with(
@@ -128,17 +128,17 @@ fn submit_with(
     out: &Path,
     args: &[String],
     extra_env: &[(&'static str, PathBuf)],
+    wait: bool,
 ) -> String {
     let mut env = job_env(job_dir);
     env.extend(extra_env.iter().cloned());
     let env: Vec<(&str, &Path)> = env.iter().map(|(k, v)| (*k, v.as_path())).collect();
     let output = format!("--output={}", out.display());
-    slurm.submit(
-        &["--ntasks=2", "--ntasks-per-node=2", &output],
-        &script(),
-        args,
-        &env,
-    )
+    let mut flags = vec!["--ntasks=2", "--ntasks-per-node=2", &output];
+    if wait {
+        flags.push("--wait");
+    }
+    slurm.submit(&flags, &script(), args, &env)
 }
 
 fn wait_for_text(path: &Path, text: &str, within: Duration) {
@@ -160,7 +160,15 @@ fn a_dp2_job_on_two_slurm_tasks_trains_as_the_same_job_here() {
         return;
     };
     let (dir, job_dir, out, report_path) = job_paths("slurm");
-    let job = submit(&slurm, &job_dir, &out, &job_flags(6, MLP, &report_path));
+    // `sbatch --wait`, as a user scripting a run would.
+    let job = submit_with(
+        &slurm,
+        &job_dir,
+        &out,
+        &job_flags(6, MLP, &report_path),
+        &[],
+        true,
+    );
     let state = slurm.wait_done(&job, Duration::from_secs(120));
     let said = std::fs::read_to_string(&out).unwrap_or_default();
     assert_eq!(
@@ -336,6 +344,7 @@ fn a_runtime_api_program_runs_on_slurm_tasks_as_it_runs_here() {
         &out,
         &flags(&report_path),
         &[("ARCHIPELAGO_PROGRAM", program)],
+        true,
     );
     let state = slurm.wait_done(&job, Duration::from_secs(120));
     let said = std::fs::read_to_string(&out).unwrap_or_default();

@@ -126,16 +126,29 @@ pub fn host_identity(env: &(impl Env + ?Sized)) -> Option<(String, String)> {
     Some((format!("{node}-{local}"), node))
 }
 
-/// `--devices auto` under Slurm: the GPUs bound to this task (`CUDA_VISIBLE_DEVICES`, renumbered
-/// from 0 as the task sees them) in a build that runs them, else one CPU device per CPU of the
-/// task (`SLURM_CPUS_PER_TASK`, default 1).
+/// `--devices auto` under Slurm: the GPUs of this task in a build that runs them — all it sees
+/// when Slurm bound GPUs per task (`--gpus-per-task`: `CUDA_VISIBLE_DEVICES` lists only its own),
+/// else its share of the node's by `SLURM_LOCALID` (every task of the node sees them all: task
+/// `l` of `t` takes the `l`-th of `t` equal slices, as torchrun's local rank does) — else one CPU
+/// device per CPU of the task (`SLURM_CPUS_PER_TASK`, default 1).
 pub fn devices(env: &(impl Env + ?Sized), cuda_build: bool) -> anyhow::Result<String> {
     if cuda_build && let Some(visible) = env.var("CUDA_VISIBLE_DEVICES") {
         let count = visible.split(',').filter(|g| !g.trim().is_empty()).count();
-        return Ok((0..count)
-            .map(|i| format!("cuda:{i}"))
-            .collect::<Vec<_>>()
-            .join(","));
+        let tasks = tasks_on_this_node(env)?;
+        let local: usize = env.var("SLURM_LOCALID").and_then(|l| l.parse().ok()).unwrap_or(0);
+        let (first, share) = if env.var("SLURM_GPUS_PER_TASK").is_none() && tasks > 1 {
+            if count < tasks {
+                anyhow::bail!(
+                    "{tasks} tasks on this node share {count} GPU(s) (CUDA_VISIBLE_DEVICES={visible}): \
+                     ask for --gpus-per-task or at most one task per GPU"
+                );
+            }
+            (local * (count / tasks), count / tasks)
+        } else {
+            (0, count)
+        };
+        let gpus: Vec<String> = (first..first + share).map(|i| format!("cuda:{i}")).collect();
+        return Ok(gpus.join(","));
     }
     let cpus = match env.var("SLURM_CPUS_PER_TASK") {
         None => 1,
@@ -149,6 +162,35 @@ pub fn devices(env: &(impl Env + ?Sized), cuda_build: bool) -> anyhow::Result<St
         .map(|i| format!("cpu:{i}"))
         .collect::<Vec<_>>()
         .join(","))
+}
+
+/// Tasks of this step on this node: `SLURM_STEP_TASKS_PER_NODE` (or the job's
+/// `SLURM_TASKS_PER_NODE`), Slurm's `2(x3),1` form, at index `SLURM_NODEID`; 1 when unset.
+fn tasks_on_this_node(env: &(impl Env + ?Sized)) -> anyhow::Result<usize> {
+    let Some(spec) = env
+        .var("SLURM_STEP_TASKS_PER_NODE")
+        .or_else(|| env.var("SLURM_TASKS_PER_NODE"))
+    else {
+        return Ok(1);
+    };
+    let node: usize = env.var("SLURM_NODEID").and_then(|n| n.parse().ok()).unwrap_or(0);
+    let mut per_node = Vec::new();
+    for group in spec.split(',') {
+        let (tasks, repeat) = match group.split_once("(x") {
+            Some((tasks, rest)) => (tasks, rest.trim_end_matches(')')),
+            None => (group, "1"),
+        };
+        let bad = || anyhow::anyhow!("SLURM_TASKS_PER_NODE={spec}: `{group}` is not Slurm's N or N(xM)");
+        let (tasks, repeat): (usize, usize) = (
+            tasks.parse().map_err(|_| bad())?,
+            repeat.parse().map_err(|_| bad())?,
+        );
+        per_node.extend(std::iter::repeat_n(tasks, repeat.min(100_000)));
+    }
+    per_node
+        .get(node)
+        .copied()
+        .ok_or_else(|| anyhow::anyhow!("SLURM_TASKS_PER_NODE={spec} has no entry for SLURM_NODEID={node}"))
 }
 
 /// Expands a Slurm host list: `a,b[1-3,07],c[01-02]x` → `a, b1, b2, b3, b07, c01x, c02x`
@@ -258,6 +300,29 @@ mod tests {
         assert_eq!(devices(env, false).unwrap(), "cpu:0,cpu:1");
         assert_eq!(devices(env, true).unwrap(), "cuda:0,cuda:1");
         assert_eq!(devices(&[][..], false).unwrap(), "cpu:0");
+        // Four tasks on a node that all see its 8 GPUs: task 2 takes GPUs 4 and 5.
+        let shared: &[(&str, &str)] = &[
+            ("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "2,4(x2)"),
+        ];
+        assert_eq!(devices(shared, true).unwrap(), "cuda:4,cuda:5");
+        // Bound per task by Slurm: all it sees is its own.
+        let bound: &[(&str, &str)] = &[
+            ("CUDA_VISIBLE_DEVICES", "5"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_GPUS_PER_TASK", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "4"),
+        ];
+        assert_eq!(devices(bound, true).unwrap(), "cuda:0");
+        let crowded: &[(&str, &str)] = &[("CUDA_VISIBLE_DEVICES", "0"), ("SLURM_STEP_TASKS_PER_NODE", "2")];
+        assert!(
+            devices(crowded, true)
+                .unwrap_err()
+                .to_string()
+                .contains("--gpus-per-task")
+        );
         let env: &[(&str, &str)] = &[("SLURM_CPUS_PER_TASK", "none")];
         assert!(devices(env, false).is_err());
     }

@@ -186,7 +186,8 @@ impl LocalSlurm {
         command
     }
 
-    /// `sbatch --parsable` of `script` with `args`; returns the job id.
+    /// `sbatch --parsable` of `script` with `args`; returns the job id. With `--wait` among
+    /// `sbatch_flags` it returns when the job ended (its state tells how).
     pub fn submit(
         &self,
         sbatch_flags: &[&str],
@@ -203,12 +204,15 @@ impl LocalSlurm {
             .envs(env.iter().map(|(k, v)| (*k, *v)))
             .output()
             .unwrap();
+        let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        // `--wait` exits with the job's status; the caller reads the state. Otherwise sbatch
+        // itself must have succeeded.
         assert!(
-            out.status.success(),
+            !id.is_empty() && (out.status.success() || sbatch_flags.contains(&"--wait")),
             "sbatch: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        id
     }
 
     /// The job's state as `scontrol show job` says it (`RUNNING`, `COMPLETED`, `FAILED`, …).
