@@ -4,7 +4,7 @@
 //! `archipelago health` call the parser accepts, on the port of the container's `--health` and a
 //! path the endpoint serves; every Service port reaches a container port of the pods it
 //! selects; hosts and clients dial a Service port that reaches the controller's `--listen`; the
-//! token file lies in the mounted Secret. A broken copy of the manifests must fail the check.
+//! token file and the TLS files lie in mounted Secrets. A broken copy of the manifests must fail the check.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -21,6 +21,7 @@ fn sample(var: &str) -> &'static str {
         "POD_NAME" => "archipelago-host-0",
         "POD_IP" => "10.1.2.3",
         "NODE_NAME" => "node-a",
+        "POD_NAMESPACE" => "default",
         _ => "",
     }
 }
@@ -162,6 +163,25 @@ fn check(docs: &[Yaml]) -> Result<(), String> {
     let mut controller_ports = Vec::new();
     for (c, cli) in &parsed {
         let c: &Container = c;
+        let tls = match &cli.command {
+            Command::Controller(a) => Some(&a.tls),
+            Command::Host(a) => Some(&a.tls),
+            Command::Train(a) => Some(&a.tls),
+            _ => None,
+        };
+        for file in tls
+            .iter()
+            .flat_map(|t| [&t.tls_cert, &t.tls_key, &t.tls_ca])
+            .flatten()
+        {
+            if !c.mounts.iter().any(|m| file.starts_with(m)) {
+                return Err(format!(
+                    "{}: the TLS file {} is in no mounted volume",
+                    c.workload,
+                    file.display()
+                ));
+            }
+        }
         let (listening, token_file, health): (Vec<i64>, Option<&Path>, Option<i64>) = match &cli.command {
             Command::Controller(a) => {
                 let port =
@@ -315,7 +335,12 @@ fn a_drifted_manifest_fails_the_check() {
             "the controller's Service",
         ),
         ("containerPort: 7072", "containerPort: 7073", "a container port"),
-        ("- $(POD_IP):7072", "- $(MY_IP):7072", "an unset variable"),
+        (".$(POD_NAMESPACE)", ".$(MY_NAMESPACE)", "an unset variable"),
+        (
+            "- /etc/archipelago/tls/ca.pem",
+            "- /etc/other/ca.pem",
+            "a TLS file outside the Secret",
+        ),
     ] {
         assert!(text.contains(from), "{what}: `{from}` not in the manifests");
         let broken = YamlLoader::load_from_str(&text.replacen(from, to, 1)).unwrap();

@@ -254,3 +254,35 @@ fn certificates_made_by_openssl_work_the_same() {
         );
     }
 }
+
+/// Hosts that advertise a DNS name (`--advertise localhost`, which every certificate of
+/// `archipelago certs` names) are dialled by it, and TLS checks the name: the job trains as in
+/// one process, and the controller shows the advertised addresses.
+#[test]
+fn hosts_advertising_a_name_are_dialled_and_verified_by_it() {
+    let certs_dir = tempfile::tempdir().unwrap();
+    certs(certs_dir.path(), &["controller", "h1", "h2", "client"]);
+    let mut cluster = Cluster::start_tls(5.0, 30.0, certs_dir.path());
+    for name in ["h1", "h2"] {
+        let mut host = cluster
+            .host_command(name, "cpu:0", cluster.dir.path().join("token"))
+            .args(["--advertise", "localhost"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let line = common::wait_for_line(&mut host, "registered with the controller");
+        assert!(line.contains("(fabric localhost:"), "{line}");
+        cluster.hosts.push((name.to_string(), common::Proc(host)));
+    }
+    let run = train(&cluster, plan(2, 1, 0), DataPath::Tcp);
+    let reference = local(plan(2, 1, 0), 4);
+    for (a, b) in reference.steps.iter().zip(&run.steps) {
+        assert!(
+            ((a.loss - b.loss) / a.loss).abs() < 1e-6,
+            "step {} {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+}

@@ -187,6 +187,56 @@ mod tests {
         }
     }
 
+    /// Whether a client dialling `name` accepts the server certificate `cert` (both members of
+    /// the CA in `dir`).
+    fn accepts(dir: &std::path::Path, server: &str, client: &str, name: &str) -> bool {
+        let load = |who: &str| {
+            Tls::load(&TlsFiles {
+                cert: dir.join(format!("{who}.pem")),
+                key: dir.join(format!("{who}.key")),
+                ca: dir.join("ca.pem"),
+            })
+            .unwrap()
+        };
+        let (server, client) = (load(server), load(client));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepting = std::thread::spawn(move || {
+            let (tcp, _) = listener.accept().unwrap();
+            let _ = server.accept_blocking(tcp);
+        });
+        let tcp = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let accepted = client.connect_blocking(&format!("{name}:{port}"), tcp).is_ok();
+        accepting.join().unwrap();
+        accepted
+    }
+
+    /// The Kubernetes manifests' certificate: one wildcard name for every host pod
+    /// (`*.archipelago-hosts.default`) and the controller's Service name.
+    #[test]
+    fn a_wildcard_certificate_covers_the_names_it_should_and_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = [
+            "archipelago-controller".to_string(),
+            "*.archipelago-hosts.default".to_string(),
+        ];
+        certs::make_certs(dir.path(), &["cluster".into(), "client".into()], &names).unwrap();
+        for name in [
+            "archipelago-host-3.archipelago-hosts.default",
+            "archipelago-controller",
+            "localhost",
+        ] {
+            assert!(accepts(dir.path(), "cluster", "client", name), "{name} refused");
+        }
+        for name in [
+            "archipelago-host-3.archipelago-hosts.other",
+            "evil.example",
+            "a.b.archipelago-hosts.default",
+        ] {
+            assert!(!accepts(dir.path(), "cluster", "client", name), "{name} accepted");
+        }
+    }
+
     #[test]
     fn unusable_files_are_named_with_the_fix() {
         let dir = tempfile::tempdir().unwrap();

@@ -73,6 +73,11 @@ pub struct HostArgs {
     /// address (its name resolved), any port.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub fabric_listen: String,
+    /// The name other hosts reach this host's fabric at (its ports stay those bound), when it
+    /// is not the --fabric-listen address: a DNS name its TLS certificate names (in Kubernetes
+    /// `$(POD_NAME).SERVICE.NAMESPACE`), an address behind NAT.
+    #[arg(long)]
+    pub advertise: Option<String>,
     /// Milliseconds between heartbeats.
     #[arg(long, default_value_t = 1000)]
     pub heartbeat_ms: u64,
@@ -182,6 +187,7 @@ pub fn host(args: &HostArgs) -> anyhow::Result<()> {
             slurm::AUTO => slurm::fabric_listen(&env)?,
             given => given.to_string(),
         },
+        advertise: args.advertise.clone(),
         heartbeat: Duration::from_millis(args.heartbeat_ms),
         connect_timeout: Duration::from_secs(30),
     };

@@ -44,6 +44,9 @@ pub struct HostOptions {
     pub memory: Option<u64>,
     /// Where its fabric listens (`127.0.0.1:0` picks a free port).
     pub fabric_listen: String,
+    /// The name other hosts dial this host's fabric ports at, when not the bound address (a
+    /// DNS name its TLS certificate carries, an address behind NAT).
+    pub advertise: Option<String>,
     /// Heartbeat interval.
     pub heartbeat: Duration,
     /// How long to keep trying to reach the controller.
@@ -73,12 +76,20 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen for the fabric on {}", options.fabric_listen))?;
     let inbox = Inbox::default();
-    let fabric_addr = serve_fabric(listener, inbox.clone(), &options.credentials)?.to_string();
+    let published = |bound: std::net::SocketAddr| match &options.advertise {
+        Some(name) => format!("{name}:{}", bound.port()),
+        None => bound.to_string(),
+    };
+    let fabric_addr = published(serve_fabric(listener, inbox.clone(), &options.credentials)?);
     // The raw-TCP tensor port: on the same interface, any free port.
     let tcp_listen = tcp_listen_addr(&options.fabric_listen);
     let tcp_listener = std::net::TcpListener::bind(&tcp_listen)
         .with_context(|| format!("cannot listen for tensors on {tcp_listen}"))?;
-    let tcp_addr = serve_tcp_fabric(tcp_listener, inbox.clone(), &options.credentials)?.to_string();
+    let tcp_addr = published(serve_tcp_fabric(
+        tcp_listener,
+        inbox.clone(),
+        &options.credentials,
+    )?);
     let channel = connect(&options.controller, &options.credentials, options.connect_timeout).await?;
     let mut client = ControllerClient::new(channel);
     let (to_controller, outgoing) = unbounded_channel::<HostMessage>();
