@@ -99,6 +99,7 @@ impl PsConfig {
             checkpoint_dir: None,
             resume: None,
             log_clocks: true,
+            key_caching: true,
             fault: match self.fault {
                 Fault::DropPushOf(w) => ServerFault::DropPushOf(w),
                 Fault::AveragePushes => ServerFault::AveragePushes,

@@ -51,6 +51,7 @@ fn dense_job(
         checkpoint_dir: None,
         resume: None,
         log_clocks: true,
+        key_caching: true,
         fault: ServerFault::None,
         fail_at: None,
     }
@@ -188,6 +189,7 @@ fn sparse_job(
         checkpoint_dir: None,
         resume: None,
         log_clocks: true,
+        key_caching: true,
         fault: ServerFault::None,
         fail_at: None,
     }
@@ -271,6 +273,7 @@ fn sparse_logistic_regression_with_l1_converges_toward_the_known_weights() {
     let job = PsJob {
         local_batch: 256,
         log_clocks: false,
+        key_caching: true,
         ..sparse_job(
             Consistency::BoundedDelay(1),
             spec,
@@ -316,6 +319,60 @@ fn sparse_logistic_regression_with_l1_converges_toward_the_known_weights() {
     assert!(r.true_found * 10 >= r.support * 6, "{r:?}");
     assert!(r.sign_agree * 10 >= r.true_found * 9, "{r:?}");
     assert!(r.nonzero <= 4 * r.support, "L1 keeps the model sparse: {r:?}");
+}
+
+/// Key caching (Li et al. §3.5) changes the bytes, never the model: a sparse job with it, without
+/// it, and with servers that keep no list (every hashed list answered "unknown", sent again
+/// whole) end on the same weights and losses, bit for bit; with it the workers send markedly
+/// fewer bytes (the push goes by the hash of the list its pull sent).
+#[test]
+fn key_caching_cuts_the_bytes_and_changes_no_value() {
+    let spec = sparse_spec(10_000);
+    let job = |key_caching: bool, fault: ServerFault| PsJob {
+        key_caching,
+        fault,
+        log_clocks: false,
+        ..sparse_job(Consistency::Sequential, spec, OptimizerSpec::sgd(1.0), 0.0, 8)
+    };
+    let runs: Vec<(&str, PsOutcome)> = [
+        ("without caching", job(false, ServerFault::None)),
+        ("with caching", job(true, ServerFault::None)),
+        ("servers forget", job(true, ServerFault::ForgetKeyLists)),
+    ]
+    .into_iter()
+    .map(|(what, job)| (what, run_local(&job)))
+    .collect();
+    let sparse = |ps: &PsOutcome| -> Vec<(u64, u32)> {
+        let FinalModel::Sparse(weights) = &ps.model else {
+            panic!("a sparse model")
+        };
+        let mut w: Vec<(u64, u32)> = weights.iter().map(|(k, v)| (*k, v.to_bits())).collect();
+        w.sort_unstable();
+        w
+    };
+    let bytes_out = |ps: &PsOutcome| ps.workers.iter().map(|w| w.figures.bytes_out).sum::<u64>();
+    for (what, ps) in &runs {
+        println!(
+            "{what}: workers sent {} bytes, received {}",
+            bytes_out(ps),
+            ps.workers.iter().map(|w| w.figures.bytes_in).sum::<u64>()
+        );
+        assert_eq!(sparse(ps), sparse(&runs[0].1), "{what}: weights");
+        assert_eq!(ps.losses, runs[0].1.losses, "{what}: losses");
+    }
+    let (without, with, forgotten) = (
+        bytes_out(&runs[0].1),
+        bytes_out(&runs[1].1),
+        bytes_out(&runs[2].1),
+    );
+    assert!(
+        with * 10 < without * 8,
+        "caching saved too little: {with} vs {without} bytes"
+    );
+    assert!(
+        forgotten > with,
+        "servers that keep nothing cost the resends: {forgotten} vs {with}"
+    );
 }
 
 /// Replaces every key's update state in server `index`'s checkpoint file with zeros.

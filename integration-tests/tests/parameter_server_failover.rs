@@ -158,6 +158,7 @@ fn job(replicas: usize, clocks: u64) -> PsJob<BuiltinUpdate> {
         resume: None,
         // Also makes every worker log the sum of its acknowledged pushes.
         log_clocks: true,
+        key_caching: true,
         fault: ServerFault::None,
         fail_at: None,
     }

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::failover::GetRing;
+use super::key_cache::ClientKeyCache;
 use super::ring::{Ring, ServerId};
 use super::server::{Assign, PsServer, Pull, Pulled, Push, Pushed};
 use super::update::ServerUpdate;
@@ -70,6 +71,7 @@ pub struct PsClient<U: ServerUpdate> {
     servers: Vec<ActorRef<PsServer<U>>>,
     figures: ClientFigures,
     acked: Option<HashMap<u64, Vec<f32>>>,
+    key_lists: ClientKeyCache,
 }
 
 /// `keys` split by server for one chain position: per live server, the keys and their
@@ -80,6 +82,8 @@ type Split = Vec<(ServerId, Vec<u64>, Vec<usize>)>;
 enum Next {
     Done,
     Again,
+    /// A server held no list for a hash: ask it again with the keys whole, at once.
+    Resend,
     NewRing(Option<ServerId>, String),
 }
 
@@ -107,6 +111,7 @@ impl<U: ServerUpdate> PsClient<U> {
             servers,
             figures: ClientFigures::default(),
             acked: None,
+            key_lists: ClientKeyCache::default(),
         })
     }
 
@@ -120,6 +125,13 @@ impl<U: ServerUpdate> PsClient<U> {
         }
         self.replicas = replicas;
         Ok(self)
+    }
+
+    /// The same client, with (when `on`) key caching: a key list already sent to a server goes
+    /// as its hash ([`super::key_cache`]).
+    pub fn caching_keys(mut self, on: bool) -> Self {
+        self.key_lists.enabled = on;
+        self
     }
 
     /// The same client, keeping (when `on`) the sum of every acknowledged push per key.
@@ -179,6 +191,7 @@ impl<U: ServerUpdate> PsClient<U> {
                 if let Ok(version) = self.servers[s].call(GetRing).await {
                     reached = true;
                     if version.epoch > self.epoch && !version.frozen {
+                        self.key_lists.clear();
                         self.ring = version.ring;
                         self.epoch = version.epoch;
                         self.figures.failovers += 1;
@@ -211,12 +224,14 @@ impl<U: ServerUpdate> PsClient<U> {
                     .filter(|&i| granted[i].is_none())
                     .map(|i| {
                         let (s, keys, _) = &split[i];
+                        let (keys, list) = self.key_lists.encode(*s, keys);
                         self.figures.pulls += 1;
-                        self.figures.bytes_out += 8 * keys.len() as u64;
+                        self.figures.bytes_out += list.wire_bytes(&keys);
                         let pull = Pull {
                             worker: self.worker,
                             clock,
-                            keys: keys.clone(),
+                            keys,
+                            list,
                             epoch: self.epoch,
                         };
                         (i, self.servers[*s].call(pull))
@@ -250,6 +265,12 @@ impl<U: ServerUpdate> PsClient<U> {
                         Pulled::Moved { .. } => {
                             next = Next::NewRing(None, format!("server {s} moved its keys"))
                         }
+                        Pulled::UnknownKeys => {
+                            self.key_lists.forget(s, &split[i].1);
+                            if matches!(next, Next::Done) {
+                                next = Next::Resend;
+                            }
+                        }
                     }
                 }
                 match next {
@@ -273,6 +294,7 @@ impl<U: ServerUpdate> PsClient<U> {
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(MAX_BACKOFF);
                     }
+                    Next::Resend => {}
                     Next::NewRing(failed, why) => {
                         self.new_ring(failed, why).await?;
                         continue 'ring;
@@ -297,19 +319,24 @@ impl<U: ServerUpdate> PsClient<U> {
         'ring: loop {
             for part in 0..self.replicas {
                 let split = self.split(keys, Some(part));
-                {
-                    let calls: Vec<_> = (0..split.len())
-                        .map(|i| {
+                // Servers still to take this part: all, then those that held no list for a hash.
+                let mut to_send: Vec<usize> = (0..split.len()).collect();
+                while !to_send.is_empty() {
+                    let calls: Vec<_> = to_send
+                        .iter()
+                        .map(|&i| {
                             let (s, keys, at) = &split[i];
                             let mut part_grads = Vec::with_capacity(at.len() * w);
                             at.iter()
                                 .for_each(|&i| part_grads.extend_from_slice(&grads[i * w..(i + 1) * w]));
+                            let (keys, list) = self.key_lists.encode(*s, keys);
                             self.figures.pushes += 1;
-                            self.figures.bytes_out += 8 * keys.len() as u64 + 4 * part_grads.len() as u64;
+                            self.figures.bytes_out += list.wire_bytes(&keys) + 4 * part_grads.len() as u64;
                             let push = Push {
                                 worker: self.worker,
                                 clock,
-                                keys: keys.clone(),
+                                keys,
+                                list,
                                 grads: part_grads,
                                 part,
                                 epoch: self.epoch,
@@ -318,6 +345,7 @@ impl<U: ServerUpdate> PsClient<U> {
                         })
                         .collect();
                     let mut next = Next::Done;
+                    let mut again = Vec::new();
                     for (i, call) in calls {
                         let s = split[i].0;
                         match call.await {
@@ -325,6 +353,10 @@ impl<U: ServerUpdate> PsClient<U> {
                                 Pushed::Done => {}
                                 Pushed::Moved { .. } => {
                                     next = Next::NewRing(None, format!("server {s} moved its keys"))
+                                }
+                                Pushed::UnknownKeys => {
+                                    self.key_lists.forget(s, &split[i].1);
+                                    again.push(i);
                                 }
                             },
                             Err(e) => {
@@ -334,8 +366,8 @@ impl<U: ServerUpdate> PsClient<U> {
                         }
                     }
                     match next {
-                        Next::Done => {}
-                        Next::Again => unreachable!("pushes are never deferred"),
+                        Next::Done => to_send = again,
+                        Next::Again | Next::Resend => unreachable!("pushes are never deferred"),
                         Next::NewRing(failed, why) => {
                             self.new_ring(failed, why).await?;
                             continue 'ring;

@@ -15,10 +15,14 @@ use serde::{Deserialize, Serialize};
 
 use super::checkpoint;
 use super::clock::{ClockEvent, Consistency, WorkerClocks};
+use super::key_cache::{KeyList, ServerKeyCache};
 use super::ring::{Ring, ServerId};
 use super::store::KeyStore;
 use super::update::ServerUpdate;
 use crate::runtime::{Actor, Context, Handler, Message};
+
+mod queries;
+pub use queries::{Dump, Dumped, SaveCheckpoint, ServerReport, Stats};
 
 /// A fault planted on purpose so that a test can show its comparison catches it (never set by
 /// the library itself).
@@ -32,6 +36,8 @@ pub enum ServerFault {
     DropPushOf(usize),
     /// A clock's pushes are averaged instead of summed.
     AveragePushes,
+    /// Keeps no key list, so that every hashed list is answered "unknown" (the resend path).
+    ForgetKeyLists,
 }
 
 /// What a server is built from.
@@ -71,6 +77,8 @@ pub struct PsServer<U: ServerUpdate> {
     /// Pushes of clocks not yet applied (aggregating models): per clock, per worker (the parts
     /// of one worker's push, one per chain position, merged).
     pending: BTreeMap<u64, Vec<Option<Push>>>,
+    /// The key lists workers sent to be kept (key caching).
+    key_lists: ServerKeyCache,
     /// Parts of its current clock's push each worker has sent (aggregating models).
     parts_in: Vec<usize>,
     /// Per key, per worker: the next clock of that worker not yet applied to the key (eventual
@@ -137,6 +145,7 @@ impl<U: ServerUpdate> Actor for PsServer<U> {
             },
             store,
             pending: BTreeMap::new(),
+            key_lists: ServerKeyCache::default(),
             parts_in: vec![0; params.workers],
             seen: HashMap::new(),
             epoch: 0,
@@ -239,8 +248,11 @@ pub struct Pull {
     pub worker: usize,
     /// The clock it wants to start.
     pub clock: u64,
-    /// The keys it needs from this server (whose chains this server heads).
+    /// The keys it needs from this server (whose chains this server heads); empty when
+    /// `list` names a list the server kept.
     pub keys: Vec<u64>,
+    /// How `keys` travel (key caching).
+    pub list: KeyList,
     /// The ring's version the worker split its keys by.
     pub epoch: u64,
 }
@@ -266,6 +278,8 @@ pub enum Pulled {
         /// The server's ring version.
         epoch: u64,
     },
+    /// The key list's hash names no list this server keeps: send the keys whole.
+    UnknownKeys,
 }
 
 impl Message for Pull {
@@ -273,13 +287,19 @@ impl Message for Pull {
 }
 
 impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
-    async fn handle(&mut self, pull: Pull, _ctx: &Context<Self>) -> Result<Pulled, String> {
+    async fn handle(&mut self, mut pull: Pull, _ctx: &Context<Self>) -> Result<Pulled, String> {
         self.clocks.check(pull.worker, pull.clock, "pull")?;
         if pull.epoch != self.epoch || self.frozen {
             return Ok(Pulled::Moved { epoch: self.epoch });
         }
+        self.figures.bytes_in += pull.list.wire_bytes(&pull.keys);
+        if self.params.fault == ServerFault::ForgetKeyLists {
+            self.key_lists = ServerKeyCache::default();
+        }
+        if !self.key_lists.resolve(pull.worker, &mut pull.keys, pull.list) {
+            return Ok(Pulled::UnknownKeys);
+        }
         self.check_keys(&pull.keys, pull.keys.len() * self.params.width, "pull", Some(0))?;
-        self.figures.bytes_in += 8 * pull.keys.len() as u64;
         if !self.clocks.may_start(pull.clock, self.params.consistency) {
             self.figures.refused += 1;
             return Ok(Pulled::Wait {
@@ -319,8 +339,10 @@ pub struct Push {
     pub worker: usize,
     /// The clock it computed.
     pub clock: u64,
-    /// The keys.
+    /// The keys; empty when `list` names a list the server kept.
     pub keys: Vec<u64>,
+    /// How `keys` travel (key caching).
+    pub list: KeyList,
     /// Their gradients, `width` each.
     pub grads: Vec<f32>,
     /// The chain position these keys have this server at (0 = head).
@@ -340,6 +362,9 @@ pub enum Pushed {
         /// The server's ring version.
         epoch: u64,
     },
+    /// The key list's hash names no list this server keeps: nothing was taken; send the keys
+    /// whole.
+    UnknownKeys,
 }
 
 impl Message for Push {
@@ -347,9 +372,18 @@ impl Message for Push {
 }
 
 impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
-    async fn handle(&mut self, push: Push, _ctx: &Context<Self>) -> Result<Pushed, String> {
+    async fn handle(&mut self, mut push: Push, _ctx: &Context<Self>) -> Result<Pushed, String> {
         if push.epoch != self.epoch || self.frozen {
             return Ok(Pushed::Moved { epoch: self.epoch });
+        }
+        let key_bytes = push.list.wire_bytes(&push.keys);
+        if self.params.fault == ServerFault::ForgetKeyLists {
+            self.key_lists = ServerKeyCache::default();
+        }
+        if push.worker < self.params.workers
+            && !self.key_lists.resolve(push.worker, &mut push.keys, push.list)
+        {
+            return Ok(Pushed::UnknownKeys);
         }
         let Some(&at) = self.clocks.clocks().get(push.worker) else {
             return Err(format!(
@@ -393,7 +427,7 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
             0 => self.figures.pushes += 1,
             _ => self.figures.chained += 1,
         }
-        self.figures.bytes_in += 8 * push.keys.len() as u64 + 4 * push.grads.len() as u64;
+        self.figures.bytes_in += key_bytes + 4 * push.grads.len() as u64;
         let worker = push.worker;
         if self.params.consistency.aggregates() {
             let workers = self.params.workers;
@@ -469,97 +503,6 @@ impl<U: ServerUpdate> Handler<Assign> for PsServer<U> {
             self.store.assign(*key, values, None, &self.params.update);
         }
         Ok(())
-    }
-}
-
-/// Asks a server for its figures and, when kept, its clock log.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Stats;
-
-/// A server's figures and clock log.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ServerReport {
-    /// Traffic and holdings.
-    pub figures: ServerFigures,
-    /// Every worker's clock.
-    pub clocks: Vec<u64>,
-    /// The clock log (empty unless `log_clocks`).
-    pub log: Vec<ClockEvent>,
-}
-
-impl Message for Stats {
-    type Reply = ServerReport;
-}
-
-impl<U: ServerUpdate> Handler<Stats> for PsServer<U> {
-    async fn handle(&mut self, _: Stats, _ctx: &Context<Self>) -> ServerReport {
-        ServerReport {
-            figures: self.figures(),
-            clocks: self.clocks.clocks().to_vec(),
-            log: self.log.clone(),
-        }
-    }
-}
-
-/// Asks a server for the keys whose chains it heads and their values (ascending by key); with
-/// `replicas: true`, for every key it holds, replicas included.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct Dump {
-    /// Every key held, not only those it heads.
-    pub replicas: bool,
-}
-
-/// A server's keys and values.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct Dumped {
-    /// The keys, ascending.
-    pub keys: Vec<u64>,
-    /// Their values, `width` each.
-    pub values: Vec<f32>,
-}
-
-impl Message for Dump {
-    type Reply = Dumped;
-}
-
-impl<U: ServerUpdate> Handler<Dump> for PsServer<U> {
-    async fn handle(&mut self, dump: Dump, _ctx: &Context<Self>) -> Dumped {
-        let mut dumped = Dumped::default();
-        let ring = &self.params.ring;
-        for (key, values, _) in self.store.entries() {
-            if !dump.replicas && ring.owner(key) != self.params.index {
-                continue;
-            }
-            dumped.keys.push(key);
-            dumped.values.extend_from_slice(values);
-        }
-        dumped
-    }
-}
-
-/// Writes the server's keys, values, state and clock into `dir` (every worker must have
-/// finished the same clock, so that no push is pending).
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct SaveCheckpoint {
-    /// The checkpoint's directory.
-    pub dir: PathBuf,
-}
-
-impl Message for SaveCheckpoint {
-    type Reply = Result<u64, String>;
-}
-
-impl<U: ServerUpdate> Handler<SaveCheckpoint> for PsServer<U> {
-    async fn handle(&mut self, save: SaveCheckpoint, _ctx: &Context<Self>) -> Result<u64, String> {
-        if !self.pending.is_empty() || self.clocks.clocks().iter().any(|&c| c != self.applied) {
-            return Err(format!(
-                "server {} cannot checkpoint between clocks: workers at {:?}, {} applied",
-                self.params.index,
-                self.clocks.clocks(),
-                self.applied
-            ));
-        }
-        checkpoint::write_server_file(&save.dir, self.params.index, self.applied, &self.store)
     }
 }
 

@@ -42,6 +42,7 @@ fn a_server_refuses_what_a_correct_client_never_sends_and_sums_a_clock_once_comp
             worker,
             clock,
             keys,
+            list: Default::default(),
             epoch: 0,
         })
         .get()
@@ -52,6 +53,7 @@ fn a_server_refuses_what_a_correct_client_never_sends_and_sums_a_clock_once_comp
             worker,
             clock,
             keys,
+            list: Default::default(),
             grads,
             part: 0,
             epoch: 0,
@@ -118,6 +120,7 @@ fn under_eventual_consistency_pulls_never_wait_and_pushes_apply_on_arrival() {
                 worker: 0,
                 clock,
                 keys: vec![5],
+                list: Default::default(),
                 epoch: 0,
             })
             .get()
@@ -131,6 +134,7 @@ fn under_eventual_consistency_pulls_never_wait_and_pushes_apply_on_arrival() {
             worker: 0,
             clock,
             keys: vec![5],
+            list: Default::default(),
             grads: vec![1.0, 0.0],
             part: 0,
             epoch: 0,

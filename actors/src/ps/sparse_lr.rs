@@ -244,7 +244,8 @@ impl<U: ServerUpdate> Handler<Train<U>> for SparseLrWorker<U> {
         let settings = self.params.settings.clone();
         let mut client = PsClient::new(settings.rank, 1, train.ring, train.servers)?
             .replicated(train.replicas)?
-            .logging_acked(settings.log_acked);
+            .logging_acked(settings.log_acked)
+            .caching_keys(settings.key_caching);
         let mut steps = Vec::new();
         for clock in train.first_clock..train.first_clock + train.clocks {
             let began = std::time::Instant::now();

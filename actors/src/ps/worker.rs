@@ -91,6 +91,9 @@ pub struct LoopSettings {
     /// Keep the sum of every acknowledged push per key ([`WorkerRun::acked`]).
     #[serde(default)]
     pub log_acked: bool,
+    /// Key caching: a key list already sent to a server goes as its hash.
+    #[serde(default)]
+    pub key_caching: bool,
     /// A window of clocks in which the worker sleeps longer (to make a worker slow for a while).
     #[serde(default)]
     pub slow: Option<SlowWindow>,

@@ -83,6 +83,7 @@ fn sparse_job(
         checkpoint_dir: None,
         resume: None,
         log_clocks: false,
+        key_caching: true,
         fault: Default::default(),
         fail_at: None,
     })

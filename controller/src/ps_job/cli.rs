@@ -77,6 +77,10 @@ pub struct PsArgs {
     /// Write the JSON report here.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Key caching (Li et al. §3.5): a key list a worker already sent to a server goes as its
+    /// hash (`--key-caching false` sends every list whole).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub key_caching: bool,
     /// Run the servers and workers on the hosts of this controller (`archipelago controller`),
     /// which are `archipelago ps` processes started with `ARCHIPELAGO_ROLE=host`; `auto` in a
     /// Slurm job (examples/slurm/train.sbatch with ARCHIPELAGO_PROGRAM).
@@ -206,6 +210,7 @@ impl PsArgs {
             checkpoint_dir: self.checkpoint_dir.clone().or_else(|| self.resume.clone()),
             resume: self.resume.clone(),
             log_clocks: false,
+            key_caching: self.key_caching,
             fault: Default::default(),
             fail_at: None,
         };

@@ -93,6 +93,8 @@ pub struct PsJob<U> {
     pub resume: Option<PathBuf>,
     /// Keep the servers' clock logs (for tests of the bound).
     pub log_clocks: bool,
+    /// Key caching (Li et al. §3.5): key lists sent again go as their hash.
+    pub key_caching: bool,
     /// A planted server fault (tests only).
     #[doc(hidden)]
     pub fault: ServerFault,
@@ -309,6 +311,7 @@ where
         local_batch: job.local_batch,
         delay_ms: job.delay_ms.get(rank).copied().unwrap_or(0),
         log_acked: job.log_clocks,
+        key_caching: job.key_caching,
         slow: slow.filter(|(r, _)| *r == rank).map(|(_, w)| w),
         fail_at: job.fail_at.filter(|(r, _)| *r == rank).map(|(_, c)| c),
     };
