@@ -100,6 +100,7 @@ impl PsConfig {
             resume: None,
             log_clocks: true,
             key_caching: true,
+            filter: None,
             fault: match self.fault {
                 Fault::DropPushOf(w) => ServerFault::DropPushOf(w),
                 Fault::AveragePushes => ServerFault::AveragePushes,

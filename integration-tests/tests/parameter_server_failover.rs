@@ -159,6 +159,7 @@ fn job(replicas: usize, clocks: u64) -> PsJob<BuiltinUpdate> {
         // Also makes every worker log the sum of its acknowledged pushes.
         log_clocks: true,
         key_caching: true,
+        filter: None,
         fault: ServerFault::None,
         fail_at: None,
     }

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::failover::GetRing;
+use super::filter::SignificanceFilter;
 use super::key_cache::ClientKeyCache;
 use super::ring::{Ring, ServerId};
 use super::server::{Assign, PsServer, Pull, Pulled, Push, Pushed};
@@ -72,6 +73,7 @@ pub struct PsClient<U: ServerUpdate> {
     figures: ClientFigures,
     acked: Option<HashMap<u64, Vec<f32>>>,
     key_lists: ClientKeyCache,
+    filter: Option<SignificanceFilter>,
 }
 
 /// `keys` split by server for one chain position: per live server, the keys and their
@@ -112,6 +114,7 @@ impl<U: ServerUpdate> PsClient<U> {
             figures: ClientFigures::default(),
             acked: None,
             key_lists: ClientKeyCache::default(),
+            filter: None,
         })
     }
 
@@ -131,6 +134,13 @@ impl<U: ServerUpdate> PsClient<U> {
     /// as its hash ([`super::key_cache`]).
     pub fn caching_keys(mut self, on: bool) -> Self {
         self.key_lists.enabled = on;
+        self
+    }
+
+    /// The same client, holding back (with `Some(θ)`) a key's gradient until its accumulated
+    /// magnitude exceeds θ ([`super::filter`]).
+    pub fn filtering(mut self, threshold: Option<f32>) -> Self {
+        self.filter = threshold.map(SignificanceFilter::new);
         self
     }
 
@@ -316,6 +326,11 @@ impl<U: ServerUpdate> PsClient<U> {
             ));
         }
         let w = self.width;
+        let filtered = self.filter.as_mut().map(|f| f.apply(keys, grads, w));
+        let (keys, grads) = match &filtered {
+            Some((keys, grads)) => (&keys[..], &grads[..]),
+            None => (keys, grads),
+        };
         'ring: loop {
             for part in 0..self.replicas {
                 let split = self.split(keys, Some(part));

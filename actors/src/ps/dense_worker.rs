@@ -254,7 +254,8 @@ impl<U: ServerUpdate> Handler<Train<U>> for DenseWorker<U> {
         let mut client = PsClient::new(settings.rank, self.layout.width, train.ring, train.servers)?
             .replicated(train.replicas)?
             .logging_acked(settings.log_acked)
-            .caching_keys(settings.key_caching);
+            .caching_keys(settings.key_caching)
+            .filtering(settings.filter);
         let keys = self.layout.key_list();
         let mut steps = Vec::new();
         for clock in train.first_clock..train.first_clock + train.clocks {

@@ -61,10 +61,8 @@
 //!   stable under adds and removes; a server keeps, per key, the next clock of every worker not
 //!   yet applied (what a failover copies); folding that per range gives the paper's range
 //!   version vectors, so a pull could ask for "at least version v" of a range.
-//! - **Significantly-modified filter**: it would live in [`PsClient`] (keeping the last values
-//!   sent per key and holding back, with the remainder carried, pushes below the threshold).
-//!
-//! **Key caching** is built ([`key_cache`], §3.5): a key list a worker already sent to a server
+//! **The significantly-modified filter** ([`filter`], §3.4) holds back a key's gradient until its
+//! accumulated magnitude passes a threshold (`--filter θ`). **Key caching** is built ([`key_cache`], §3.5): a key list a worker already sent to a server
 //! goes as its hash (a push by the hash of the list its pull sent; a dense model's lists every
 //! clock); a server that does not keep the list answers "unknown" and gets it whole.
 
@@ -73,6 +71,7 @@ pub mod client;
 pub mod clock;
 pub mod dense_worker;
 pub mod failover;
+pub mod filter;
 pub mod key_cache;
 pub mod ring;
 pub mod server;

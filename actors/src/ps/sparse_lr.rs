@@ -245,7 +245,8 @@ impl<U: ServerUpdate> Handler<Train<U>> for SparseLrWorker<U> {
         let mut client = PsClient::new(settings.rank, 1, train.ring, train.servers)?
             .replicated(train.replicas)?
             .logging_acked(settings.log_acked)
-            .caching_keys(settings.key_caching);
+            .caching_keys(settings.key_caching)
+            .filtering(settings.filter);
         let mut steps = Vec::new();
         for clock in train.first_clock..train.first_clock + train.clocks {
             let began = std::time::Instant::now();

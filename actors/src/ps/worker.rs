@@ -94,6 +94,9 @@ pub struct LoopSettings {
     /// Key caching: a key list already sent to a server goes as its hash.
     #[serde(default)]
     pub key_caching: bool,
+    /// The significantly-modified filter's threshold (none: every gradient pushed at once).
+    #[serde(default)]
+    pub filter: Option<f32>,
     /// A window of clocks in which the worker sleeps longer (to make a worker slow for a while).
     #[serde(default)]
     pub slow: Option<SlowWindow>,

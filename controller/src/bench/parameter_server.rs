@@ -84,6 +84,7 @@ fn sparse_job(
         resume: None,
         log_clocks: false,
         key_caching: true,
+        filter: None,
         fault: Default::default(),
         fail_at: None,
     })

@@ -81,6 +81,10 @@ pub struct PsArgs {
     /// hash (`--key-caching false` sends every list whole).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub key_caching: bool,
+    /// The significantly-modified filter (Li et al. §3.4): a worker holds a key's gradient back,
+    /// adding it up, until its magnitude exceeds this threshold (default: off).
+    #[arg(long)]
+    pub filter: Option<f32>,
     /// Run the servers and workers on the hosts of this controller (`archipelago controller`),
     /// which are `archipelago ps` processes started with `ARCHIPELAGO_ROLE=host`; `auto` in a
     /// Slurm job (examples/slurm/train.sbatch with ARCHIPELAGO_PROGRAM).
@@ -211,6 +215,7 @@ impl PsArgs {
             resume: self.resume.clone(),
             log_clocks: false,
             key_caching: self.key_caching,
+            filter: self.filter,
             fault: Default::default(),
             fail_at: None,
         };

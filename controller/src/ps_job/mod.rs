@@ -95,6 +95,8 @@ pub struct PsJob<U> {
     pub log_clocks: bool,
     /// Key caching (Li et al. §3.5): key lists sent again go as their hash.
     pub key_caching: bool,
+    /// The significantly-modified filter's threshold (Li et al. §3.4; none: off).
+    pub filter: Option<f32>,
     /// A planted server fault (tests only).
     #[doc(hidden)]
     pub fault: ServerFault,
@@ -121,6 +123,13 @@ impl<U> PsJob<U> {
         }
         if self.workers == 0 {
             return Err("--workers 0: a parameter server needs at least one worker".into());
+        }
+        if let Some(threshold) = self.filter
+            && !(threshold.is_finite() && threshold >= 0.0)
+        {
+            return Err(format!(
+                "--filter {threshold}: the filter's threshold is a magnitude; give a number ≥ 0 (or leave it off)"
+            ));
         }
         if self.replicas == 0 {
             return Err("--replicas 0: every key range needs at least one copy (use --replicas 1)".into());
@@ -312,6 +321,7 @@ where
         delay_ms: job.delay_ms.get(rank).copied().unwrap_or(0),
         log_acked: job.log_clocks,
         key_caching: job.key_caching,
+        filter: job.filter,
         slow: slow.filter(|(r, _)| *r == rank).map(|(_, w)| w),
         fail_at: job.fail_at.filter(|(r, _)| *r == rank).map(|(_, c)| c),
     };
