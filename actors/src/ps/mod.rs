@@ -56,15 +56,18 @@
 //! arrival; under a finite `K` the servers keep pushes of unfinished clocks that a failover does
 //! not move yet, and the driver stops the job naming that.
 //!
-//! # How the next slices fit (not built here)
+//! # Filters and key caching
+//! **The significantly-modified filter** ([`filter`], §3.4) holds back a key's gradient until its
+//! accumulated magnitude passes a threshold (`--filter θ`). **Key caching** ([`key_cache`], §3.5):
+//! a key list a worker already sent to a server goes as its hash (a push by the hash of the list
+//! its pull sent; a dense model's lists every clock); a server that does not keep the list
+//! answers "unknown" and gets it whole.
+//!
+//! # How the next slice fits (not built here)
 //! - **Vector clocks per key range**: every range is named by its end point ([`KeyRange::end`]),
 //!   stable under adds and removes; a server keeps, per key, the next clock of every worker not
 //!   yet applied (what a failover copies); folding that per range gives the paper's range
 //!   version vectors, so a pull could ask for "at least version v" of a range.
-//! **The significantly-modified filter** ([`filter`], §3.4) holds back a key's gradient until its
-//! accumulated magnitude passes a threshold (`--filter θ`). **Key caching** is built ([`key_cache`], §3.5): a key list a worker already sent to a server
-//! goes as its hash (a push by the hash of the list its pull sent; a dense model's lists every
-//! clock); a server that does not keep the list answers "unknown" and gets it whole.
 
 pub mod checkpoint;
 pub mod client;
