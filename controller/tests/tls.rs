@@ -54,6 +54,16 @@ fn assert_identical(a: &TrainReport, b: &TrainReport, what: &str) {
     assert_eq!(a.block_l2, b.block_l2, "{what}: block norms");
 }
 
+/// Every step's loss equals the same job's in one process (the cluster tests' contract).
+fn assert_equals_one_process(run: &TrainReport, layout: archipelago_dataflow::ParallelPlan, what: &str) {
+    let reference = local(layout, 4);
+    assert_eq!(reference.steps.len(), run.steps.len(), "{what}: steps");
+    for (a, b) in reference.steps.iter().zip(&run.steps) {
+        let off = ((a.loss - b.loss) / a.loss).abs();
+        assert!(off < 1e-6, "{what}: step {} {} vs {}", a.step, a.loss, b.loss);
+    }
+}
+
 #[test]
 fn a_two_host_job_over_mutual_tls_trains_exactly_as_in_clear() {
     let certs_dir = tempfile::tempdir().unwrap();
@@ -73,16 +83,7 @@ fn a_two_host_job_over_mutual_tls_trains_exactly_as_in_clear() {
         let in_clear = train(&clear, layout.clone(), data_path);
         assert_identical(&over_tls, &in_clear, what);
         // And both equal the job in one process (the cluster tests' contract).
-        let reference = local(layout, 4);
-        for (a, b) in reference.steps.iter().zip(&over_tls.steps) {
-            assert!(
-                ((a.loss - b.loss) / a.loss).abs() < 1e-6,
-                "{what}: step {} {} vs {}",
-                a.step,
-                a.loss,
-                b.loss
-            );
-        }
+        assert_equals_one_process(&over_tls, layout, what);
     }
     // Nothing was refused along the way.
     let log = secure.controller_log();
@@ -243,16 +244,7 @@ fn certificates_made_by_openssl_work_the_same() {
     cluster.add_host("h1", "cpu:0");
     cluster.add_host("h2", "cpu:0");
     let run = train(&cluster, plan(2, 1, 0), DataPath::Tcp);
-    let reference = local(plan(2, 1, 0), 4);
-    for (a, b) in reference.steps.iter().zip(&run.steps) {
-        assert!(
-            ((a.loss - b.loss) / a.loss).abs() < 1e-6,
-            "step {} {} vs {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
-    }
+    assert_equals_one_process(&run, plan(2, 1, 0), "dp=2");
 }
 
 /// Hosts that advertise a DNS name (`--advertise localhost`, which every certificate of
@@ -275,14 +267,5 @@ fn hosts_advertising_a_name_are_dialled_and_verified_by_it() {
         cluster.hosts.push((name.to_string(), common::Proc(host)));
     }
     let run = train(&cluster, plan(2, 1, 0), DataPath::Tcp);
-    let reference = local(plan(2, 1, 0), 4);
-    for (a, b) in reference.steps.iter().zip(&run.steps) {
-        assert!(
-            ((a.loss - b.loss) / a.loss).abs() < 1e-6,
-            "step {} {} vs {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
-    }
+    assert_equals_one_process(&run, plan(2, 1, 0), "dp=2");
 }
