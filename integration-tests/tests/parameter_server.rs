@@ -408,19 +408,19 @@ fn the_significance_filter_cuts_pushed_bytes_and_keeps_the_objective() {
             o.objective_end, plain_objective.objective_end, plain_objective.objective_start
         );
     }
-    // A filtered push's key list is not its pull's, so it cannot go by the pull's hash: the
-    // filter pays once it holds back more than about two thirds of the keys (at 1e-3 it sends
-    // more bytes than no filter; see the figures printed above).
-    let filtered = run_local(&job(Some(3e-3)));
-    let o = objective(&filtered);
-    assert!(
-        bytes_out(&filtered) * 10 < plain_bytes * 9,
-        "the filter saved too little"
-    );
-    assert!(
-        (o.objective_end - plain_objective.objective_end).abs() < 0.01,
-        "filtered {o:?} vs {plain_objective:?}"
-    );
+    // A filtered push goes as its pull's key-list hash and a bit mask of the keys it keeps.
+    for threshold in [1e-3f32, 3e-3] {
+        let filtered = run_local(&job(Some(threshold)));
+        let o = objective(&filtered);
+        assert!(
+            bytes_out(&filtered) * 10 < plain_bytes * 9,
+            "θ {threshold}: the filter saved too little"
+        );
+        assert!(
+            (o.objective_end - plain_objective.objective_end).abs() < 0.01,
+            "θ {threshold}: filtered {o:?} vs {plain_objective:?}"
+        );
+    }
     let silent = objective(&run_local(&job(Some(1e9))));
     assert!(
         (silent.objective_end - plain_objective.objective_end).abs() > 0.01,

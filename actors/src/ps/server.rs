@@ -296,7 +296,10 @@ impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
         if self.params.fault == ServerFault::ForgetKeyLists {
             self.key_lists = ServerKeyCache::default();
         }
-        if !self.key_lists.resolve(pull.worker, &mut pull.keys, pull.list) {
+        if !self
+            .key_lists
+            .resolve(pull.worker, &mut pull.keys, std::mem::take(&mut pull.list))
+        {
             return Ok(Pulled::UnknownKeys);
         }
         self.check_keys(&pull.keys, pull.keys.len() * self.params.width, "pull", Some(0))?;
@@ -381,7 +384,9 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
             self.key_lists = ServerKeyCache::default();
         }
         if push.worker < self.params.workers
-            && !self.key_lists.resolve(push.worker, &mut push.keys, push.list)
+            && !self
+                .key_lists
+                .resolve(push.worker, &mut push.keys, std::mem::take(&mut push.list))
         {
             return Ok(Pushed::UnknownKeys);
         }
