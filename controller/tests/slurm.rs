@@ -307,7 +307,8 @@ fn warned_before_the_time_limit_the_job_checkpoints_requeues_and_resumes() {
 }
 
 /// A program written on the runtime API (here `archipelago ps`, a parameter-server job whose
-/// own binary serves as its hosts) runs under the same script with ARCHIPELAGO_PROGRAM, and
+/// own binary serves as its hosts) runs under the same script with ARCHIPELAGO_PROGRAM — here
+/// with `ARCHIPELAGO_TLS=1`, the script's per-job certificates, on every connection — and
 /// trains as the same job in one process.
 #[test]
 fn a_runtime_api_program_runs_on_slurm_tasks_as_it_runs_here() {
@@ -343,7 +344,10 @@ fn a_runtime_api_program_runs_on_slurm_tasks_as_it_runs_here() {
         &job_dir,
         &out,
         &flags(&report_path),
-        &[("ARCHIPELAGO_PROGRAM", program)],
+        &[
+            ("ARCHIPELAGO_PROGRAM", program),
+            ("ARCHIPELAGO_TLS", PathBuf::from("1")),
+        ],
         true,
     );
     let state = slurm.wait_done(&job, Duration::from_secs(120));
