@@ -200,6 +200,11 @@ fn a_dp2_job_on_two_slurm_tasks_trains_as_the_same_job_here() {
 /// The pids of the `archipelago host` processes of the job whose directory is `job_dir` (unique
 /// per test: job ids repeat across the tests' Slurms).
 fn host_pids(job_dir: &Path) -> Vec<u32> {
+    job_pids(job_dir, &["host"])
+}
+
+/// The pids of the job's `archipelago` processes whose subcommand is one of `roles`.
+fn job_pids(job_dir: &Path, roles: &[&str]) -> Vec<u32> {
     let mut pids = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
@@ -210,8 +215,8 @@ fn host_pids(job_dir: &Path) -> Vec<u32> {
         let mine = environ
             .split(|&b| b == 0)
             .any(|v| v == format!("ARCHIPELAGO_JOB_DIR={}", job_dir.display()).as_bytes());
-        let host = cmdline.split(|&b| b == 0).nth(1) == Some(b"host");
-        if mine && host {
+        let role = cmdline.split(|&b| b == 0).nth(1).unwrap_or_default();
+        if mine && roles.iter().any(|r| r.as_bytes() == role) {
             pids.push(pid);
         }
     }
@@ -424,4 +429,32 @@ fn outside_slurm_or_with_a_node_list_that_does_not_resolve_auto_names_the_variab
             && said.contains("SLURM_JOB_NODELIST"),
         "{said}"
     );
+}
+
+/// `scancel` ends every process of the job: controller, hosts and client.
+#[test]
+fn scancel_ends_every_process_of_the_job() {
+    let Some(slurm) = slurm_support::start("scancel_ends_every_process_of_the_job") else {
+        return;
+    };
+    let (_dir, job_dir, out, report_path) = job_paths("slurm");
+    let job = submit(&slurm, &job_dir, &out, &job_flags(100_000, MLP, &report_path));
+    wait_for_text(&out, "step     1/", Duration::from_secs(60));
+    let roles = ["controller", "host", "train"];
+    assert_eq!(
+        job_pids(&job_dir, &roles).len(),
+        4,
+        "controller, two hosts and the client"
+    );
+    assert!(slurm.command("scancel").arg(&job).status().unwrap().success());
+    assert_eq!(slurm.wait_done(&job, Duration::from_secs(60)), "CANCELLED");
+    let started = Instant::now();
+    while !job_pids(&job_dir, &roles).is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "still running after scancel: {:?}",
+            job_pids(&job_dir, &roles)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
