@@ -21,7 +21,7 @@ use archipelago_dataflow::ActorId;
 
 use super::{Fabric, FabricError, HostRoutes, InProcessFabric, Inbox, Link, Tag};
 use crate::host_tensor::HostTensor;
-use crate::trust::{BlockingStream, Credentials};
+use crate::trust::Credentials;
 
 const MAGIC: &[u8; 8] = b"ARCHTCP1";
 /// Largest tensor rank a frame may carry (a guard against garbage).
@@ -58,15 +58,12 @@ fn read_connection(stream: TcpStream, inbox: &Inbox, credentials: &Credentials) 
         .map(|a| a.to_string())
         .unwrap_or_else(|_| "?".into());
     let _ = stream.set_nodelay(true);
-    let stream = match credentials.tls() {
-        None => BlockingStream::Plain(stream),
-        Some(tls) => match tls.accept_blocking(stream) {
-            Ok(stream) => BlockingStream::Server(Box::new(stream)),
-            Err(e) => {
-                tracing::warn!(%peer, "refused a tensor connection at the TLS handshake: {e}");
-                return;
-            }
-        },
+    let stream = match credentials.accept_blocking(stream) {
+        Ok(stream) => stream,
+        Err(e) => {
+            tracing::warn!(%peer, "refused a tensor connection at the TLS handshake: {e}");
+            return;
+        }
     };
     let token = credentials.token().as_bytes();
     let mut reader = BufReader::with_capacity(1 << 16, stream);
@@ -198,14 +195,9 @@ impl TcpFabric {
             let stream = TcpStream::connect(addr)
                 .map_err(|e| format!("cannot reach the tensor port of host {addr}: {e}"))?;
             stream.set_nodelay(true).map_err(|e| e.to_string())?;
-            let stream = match credentials.tls() {
-                None => BlockingStream::Plain(stream),
-                Some(tls) => {
-                    BlockingStream::Client(Box::new(tls.connect_blocking(addr, stream).map_err(|e| {
-                        format!("the TLS handshake with the tensor port of host {addr} failed: {e}")
-                    })?))
-                }
-            };
+            let stream = credentials
+                .connect_blocking(addr, stream)
+                .map_err(|e| format!("the TLS handshake with the tensor port of host {addr} failed: {e}"))?;
             let mut writer = BufWriter::with_capacity(1 << 16, stream);
             writer.write_all(MAGIC).map_err(|e| e.to_string())?;
             writer

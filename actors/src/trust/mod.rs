@@ -11,10 +11,16 @@ pub mod certs;
 pub mod grpc;
 pub mod tls;
 
+use std::io;
 use std::sync::Arc;
 
 pub use grpc::{grpc_endpoint, serve_grpc};
 pub use tls::{BlockingStream, Tls, TlsError, TlsFiles};
+
+/// A connection's byte stream: plain TCP or TLS over it.
+pub trait AsyncStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> AsyncStream for S {}
 
 /// The cluster token and, optionally, this process's TLS identity and the cluster CA.
 #[derive(Clone)]
@@ -60,6 +66,40 @@ impl Credentials {
     /// The TLS identity, when the cluster runs with TLS.
     pub fn tls(&self) -> Option<&Arc<Tls>> {
         self.tls.as_ref()
+    }
+
+    /// The server side of an accepted connection: its TLS handshake when the credentials carry
+    /// TLS, the socket as it is otherwise.
+    pub async fn accept(&self, tcp: tokio::net::TcpStream) -> io::Result<Box<dyn AsyncStream>> {
+        Ok(match &self.tls {
+            None => Box::new(tcp),
+            Some(tls) => Box::new(tls.accept(tcp).await?),
+        })
+    }
+
+    /// The client side of a connection to the server dialled at `addr`: its TLS handshake
+    /// when the credentials carry TLS, the socket as it is otherwise.
+    pub async fn connect(&self, addr: &str, tcp: tokio::net::TcpStream) -> io::Result<Box<dyn AsyncStream>> {
+        Ok(match &self.tls {
+            None => Box::new(tcp),
+            Some(tls) => Box::new(tls.connect(addr, tcp).await?),
+        })
+    }
+
+    /// [`Credentials::accept`] on a blocking socket.
+    pub fn accept_blocking(&self, tcp: std::net::TcpStream) -> io::Result<BlockingStream> {
+        Ok(match &self.tls {
+            None => BlockingStream::Plain(tcp),
+            Some(tls) => BlockingStream::Server(Box::new(tls.accept_blocking(tcp)?)),
+        })
+    }
+
+    /// [`Credentials::connect`] on a blocking socket.
+    pub fn connect_blocking(&self, addr: &str, tcp: std::net::TcpStream) -> io::Result<BlockingStream> {
+        Ok(match &self.tls {
+            None => BlockingStream::Plain(tcp),
+            Some(tls) => BlockingStream::Client(Box::new(tls.connect_blocking(addr, tcp)?)),
+        })
     }
 }
 

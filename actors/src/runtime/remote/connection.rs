@@ -25,11 +25,6 @@ use crate::runtime::{ActorInfo, ActorStats, SpawnError};
 use crate::trust::Credentials;
 use crate::typed_tensor::{DType, TypedTensor};
 
-/// A connection's byte stream: plain TCP or TLS over it.
-pub(crate) trait AsyncStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
-
-impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> AsyncStream for S {}
-
 /// A fetched tensor's bytes are read in pieces of this size, each counting as a sign of life.
 const PAYLOAD_CHUNK: usize = 4 << 20;
 
@@ -139,7 +134,7 @@ impl HostConnection {
         let _ = out.send(Outgoing::from(Frame::Hello {
             token: credentials.token().to_string(),
         }));
-        let tls = credentials.tls().cloned();
+        let credentials = credentials.clone();
         let (close, closed) = tokio::sync::watch::channel(false);
         let connection = Arc::new(HostConnection {
             host: host.to_string(),
@@ -155,33 +150,22 @@ impl HostConnection {
         let (ready, connected) = oneshot::channel();
         let reader = connection.clone();
         executor.spawn(async move {
-            let stream = match TcpStream::connect(&reader.addr).await {
+            let opened = async {
+                let tcp = TcpStream::connect(&reader.addr).await?;
+                let _ = tcp.set_nodelay(true);
+                credentials.connect(&reader.addr, tcp).await
+            };
+            let stream = match opened.await {
                 Ok(stream) => stream,
                 Err(e) => {
                     let why = format!(
-                        "cannot reach the actor port of host {} at {}: {e}",
+                        "cannot reach the actor port of host {} at {} (connection or TLS handshake): {e}",
                         reader.host, reader.addr
                     );
                     reader.lose(&why);
                     let _ = ready.send(Err(why));
                     return;
                 }
-            };
-            let _ = stream.set_nodelay(true);
-            let stream: Box<dyn AsyncStream> = match &tls {
-                None => Box::new(stream),
-                Some(tls) => match tls.connect(&reader.addr, stream).await {
-                    Ok(stream) => Box::new(stream),
-                    Err(e) => {
-                        let why = format!(
-                            "the TLS handshake with the actor port of host {} at {} failed: {e}",
-                            reader.host, reader.addr
-                        );
-                        reader.lose(&why);
-                        let _ = ready.send(Err(why));
-                        return;
-                    }
-                },
             };
             let (input, output) = tokio::io::split(stream);
             tokio::spawn(super::host_port::write_frames(output, outgoing, Some(closed)));

@@ -14,7 +14,6 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
-use super::connection::AsyncStream;
 use super::registry::{Cancels, ErasedActor, Registry, RemoteReply};
 use super::wire::{Frame, FrameView, Outgoing, read_frame_bytes, read_frame_within, view_frame, write_frame};
 
@@ -23,7 +22,7 @@ const HELLO_LIMIT: usize = 4 << 10;
 use crate::fabric::OTHER_PROCESS;
 use crate::runtime::compiled;
 use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
-use crate::trust::Credentials;
+use crate::trust::{AsyncStream, Credentials};
 
 /// The actors of this host that remote callers can reach, by id.
 type Reachable = Arc<Mutex<HashMap<ActorId, Arc<dyn ErasedActor>>>>;
@@ -78,15 +77,12 @@ pub fn serve_actor_port(
             let mut closed = closed.clone();
             tokio::spawn(async move {
                 let _ = stream.set_nodelay(true);
-                let stream: Box<dyn AsyncStream> = match credentials.tls() {
-                    None => Box::new(stream),
-                    Some(tls) => match tls.accept(stream).await {
-                        Ok(stream) => Box::new(stream),
-                        Err(e) => {
-                            tracing::warn!(%peer, "the actor port refused a connection at the TLS handshake: {e}");
-                            return;
-                        }
-                    },
+                let stream = match credentials.accept(stream).await {
+                    Ok(stream) => stream,
+                    Err(e) => {
+                        tracing::warn!(%peer, "the actor port refused a connection at the TLS handshake: {e}");
+                        return;
+                    }
                 };
                 let token = credentials.token();
                 tokio::select! {
