@@ -152,12 +152,15 @@ pub fn controller_addr(given: &str) -> anyhow::Result<String> {
 
 /// Runs `archipelago host` until the controller ends its session.
 pub fn host(args: &HostArgs) -> anyhow::Result<()> {
-    let env = slurm::ProcessEnv;
-    let devices = match args.devices.as_str() {
-        slurm::AUTO => slurm::devices(&env, cfg!(feature = "cuda"))?,
-        given => given.to_string(),
-    };
-    let devices = devices
+    let place = slurm::HostPlace::resolve(
+        &slurm::ProcessEnv,
+        &args.devices,
+        &args.fabric_listen,
+        args.name.clone(),
+        args.island.clone(),
+    )?;
+    let devices = place
+        .devices
         .split(',')
         .map(|d| d.trim().parse::<DeviceSpec>())
         .collect::<Result<Vec<_>, _>>()?;
@@ -167,26 +170,14 @@ pub fn host(args: &HostArgs) -> anyhow::Result<()> {
     let memory = args
         .memory
         .or_else(|| archipelago_actors::gpus::smallest_memory(&devices));
-    let in_slurm = slurm::host_identity(&env);
     let options = HostOptions {
         controller: controller_addr(&args.controller)?,
         credentials: args.tls.credentials(&args.token_file)?,
-        name: args
-            .name
-            .clone()
-            .or_else(|| in_slurm.as_ref().map(|(name, _)| name.clone()))
-            .unwrap_or_else(|| format!("host-{}", std::process::id())),
-        island: args
-            .island
-            .clone()
-            .or_else(|| in_slurm.map(|(_, node)| node))
-            .unwrap_or_else(|| "default".into()),
+        name: place.name,
+        island: place.island,
         devices,
         memory,
-        fabric_listen: match args.fabric_listen.as_str() {
-            slurm::AUTO => slurm::fabric_listen(&env)?,
-            given => given.to_string(),
-        },
+        fabric_listen: place.listen,
         advertise: args.advertise.clone(),
         heartbeat: Duration::from_millis(args.heartbeat_ms),
         connect_timeout: Duration::from_secs(30),

@@ -120,10 +120,54 @@ fn hostname() -> Option<String> {
 }
 
 /// A host's defaults under Slurm: named `NODE-LOCALID`, on the island `NODE`.
-pub fn host_identity(env: &(impl Env + ?Sized)) -> Option<(String, String)> {
+fn host_identity(env: &(impl Env + ?Sized)) -> Option<(String, String)> {
     let node = env.var("SLURMD_NODENAME")?;
     let local = env.var("SLURM_LOCALID").unwrap_or_else(|| "0".into());
     Some((format!("{node}-{local}"), node))
+}
+
+/// Where and as what a host serves — `archipelago host` and a runtime-API program's host alike:
+/// the values given, `auto` ones resolved from the Slurm job, unset name and island taken from
+/// it (else `host-PID` on `default`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostPlace {
+    /// The devices offered, e.g. `cpu:0,cpu:1`.
+    pub devices: String,
+    /// Where its port listens.
+    pub listen: String,
+    /// The host's name.
+    pub name: String,
+    /// Its island.
+    pub island: String,
+}
+
+impl HostPlace {
+    /// Resolves the given values (`devices` and `listen` may be `auto`).
+    pub fn resolve(
+        env: &(impl Env + ?Sized),
+        devices: &str,
+        listen: &str,
+        name: Option<String>,
+        island: Option<String>,
+    ) -> anyhow::Result<HostPlace> {
+        let in_slurm = host_identity(env);
+        Ok(HostPlace {
+            devices: match devices {
+                AUTO => self::devices(env, cfg!(feature = "cuda"))?,
+                given => given.to_string(),
+            },
+            listen: match listen {
+                AUTO => fabric_listen(env)?,
+                given => given.to_string(),
+            },
+            name: name
+                .or_else(|| in_slurm.as_ref().map(|(name, _)| name.clone()))
+                .unwrap_or_else(|| format!("host-{}", std::process::id())),
+            island: island
+                .or_else(|| in_slurm.map(|(_, node)| node))
+                .unwrap_or_else(|| "default".into()),
+        })
+    }
 }
 
 /// `--devices auto` under Slurm: the GPUs of this task in a build that runs them — all it sees
@@ -296,7 +340,19 @@ mod tests {
             ("SLURM_CPUS_PER_TASK", "2"),
             ("CUDA_VISIBLE_DEVICES", "2,3"),
         ];
-        assert_eq!(host_identity(env), Some(("node07-1".into(), "node07".into())));
+        let place = HostPlace::resolve(env, "cpu:3", "127.0.0.1:0", None, None).unwrap();
+        assert_eq!(
+            (place.name.as_str(), place.island.as_str()),
+            ("node07-1", "node07")
+        );
+        let given =
+            HostPlace::resolve(env, "cpu:3", "127.0.0.1:0", Some("h".into()), Some("i".into())).unwrap();
+        assert_eq!(
+            (given.devices.as_str(), given.name.as_str(), given.island.as_str()),
+            ("cpu:3", "h", "i")
+        );
+        let outside = HostPlace::resolve(&[][..], "cpu:0", "127.0.0.1:0", None, None).unwrap();
+        assert_eq!(outside.island, "default");
         assert_eq!(devices(env, false).unwrap(), "cpu:0,cpu:1");
         assert_eq!(devices(env, true).unwrap(), "cuda:0,cuda:1");
         assert_eq!(devices(&[][..], false).unwrap(), "cpu:0");

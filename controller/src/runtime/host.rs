@@ -46,28 +46,23 @@ impl HostSettings {
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         let controller = var(CONTROLLER_ENV)
             .ok_or_else(|| anyhow::anyhow!("a host needs {CONTROLLER_ENV}: the controller's host:port"))?;
-        let env = slurm::ProcessEnv;
-        let devices = match var(DEVICES_ENV).as_deref() {
-            None => "cpu:0".to_string(),
-            Some(slurm::AUTO) => slurm::devices(&env, cfg!(feature = "cuda"))?,
-            Some(given) => given.to_string(),
-        };
-        let in_slurm = slurm::host_identity(&env);
+        let devices = var(DEVICES_ENV).unwrap_or_else(|| "cpu:0".into());
+        let listen = var(LISTEN_ENV).unwrap_or_else(|| "127.0.0.1:0".into());
+        let place = slurm::HostPlace::resolve(
+            &slurm::ProcessEnv,
+            &devices,
+            &listen,
+            var(HOST_NAME_ENV),
+            var(ISLAND_ENV),
+        )?;
         Ok(HostSettings {
             controller: crate::cluster::commands::controller_addr(&controller)?,
             credentials: read_credentials()?,
-            devices: DeviceSpec::parse_list(&devices).with_context(|| format!("{DEVICES_ENV}={devices}"))?,
-            name: var(HOST_NAME_ENV)
-                .or_else(|| in_slurm.as_ref().map(|(name, _)| name.clone()))
-                .unwrap_or_else(|| format!("host-{}", std::process::id())),
-            island: var(ISLAND_ENV)
-                .or_else(|| in_slurm.map(|(_, node)| node))
-                .unwrap_or_else(|| "default".into()),
-            listen: match var(LISTEN_ENV).as_deref() {
-                None => "127.0.0.1:0".into(),
-                Some(slurm::AUTO) => slurm::fabric_listen(&env)?,
-                Some(given) => given.to_string(),
-            },
+            devices: DeviceSpec::parse_list(&place.devices)
+                .with_context(|| format!("{DEVICES_ENV}={}", place.devices))?,
+            name: place.name,
+            island: place.island,
+            listen: place.listen,
         })
     }
 }
