@@ -75,9 +75,19 @@ pub fn hash_keys(keys: &[u64]) -> u64 {
 pub struct ServerKeyCache {
     lists: HashMap<(usize, u64), Vec<u64>>,
     order: HashMap<usize, VecDeque<u64>>,
+    forgetful: bool,
 }
 
 impl ServerKeyCache {
+    /// A cache that keeps nothing, so that every hashed list is unknown (a planted fault: the
+    /// resend path under test).
+    pub fn forgetful() -> ServerKeyCache {
+        ServerKeyCache {
+            forgetful: true,
+            ..ServerKeyCache::default()
+        }
+    }
+
     /// Fills `keys` from the kept list when they came [`KeyList::Hashed`] (or the marked part of
     /// it, [`KeyList::Subset`]), keeps them when
     /// [`KeyList::Keep`]; `false` for a hash not held (evicted, or this server is new to the
@@ -85,6 +95,7 @@ impl ServerKeyCache {
     pub fn resolve(&mut self, worker: usize, keys: &mut Vec<u64>, list: KeyList) -> bool {
         match list {
             KeyList::Plain => true,
+            KeyList::Keep if self.forgetful => true,
             KeyList::Keep => {
                 let hash = hash_keys(keys);
                 if self.lists.insert((worker, hash), keys.clone()).is_none() {

@@ -145,7 +145,10 @@ impl<U: ServerUpdate> Actor for PsServer<U> {
             },
             store,
             pending: BTreeMap::new(),
-            key_lists: ServerKeyCache::default(),
+            key_lists: match params.fault {
+                ServerFault::ForgetKeyLists => ServerKeyCache::forgetful(),
+                _ => ServerKeyCache::default(),
+            },
             parts_in: vec![0; params.workers],
             seen: HashMap::new(),
             epoch: 0,
@@ -293,9 +296,6 @@ impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
             return Ok(Pulled::Moved { epoch: self.epoch });
         }
         self.figures.bytes_in += pull.list.wire_bytes(&pull.keys);
-        if self.params.fault == ServerFault::ForgetKeyLists {
-            self.key_lists = ServerKeyCache::default();
-        }
         if !self
             .key_lists
             .resolve(pull.worker, &mut pull.keys, std::mem::take(&mut pull.list))
@@ -380,9 +380,6 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
             return Ok(Pushed::Moved { epoch: self.epoch });
         }
         let key_bytes = push.list.wire_bytes(&push.keys);
-        if self.params.fault == ServerFault::ForgetKeyLists {
-            self.key_lists = ServerKeyCache::default();
-        }
         if push.worker < self.params.workers
             && !self
                 .key_lists
