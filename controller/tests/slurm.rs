@@ -223,14 +223,21 @@ fn job_pids(job_dir: &Path, roles: &[&str]) -> Vec<u32> {
     pids
 }
 
+/// A job of many steps submitted and past its first step: the test's directory, the job
+/// directory, the job's output and its id.
+fn running_job(slurm: &slurm_support::LocalSlurm) -> (tempfile::TempDir, PathBuf, PathBuf, String) {
+    let (dir, job_dir, out, report_path) = job_paths("slurm");
+    let job = submit(slurm, &job_dir, &out, &job_flags(100_000, MLP, &report_path));
+    wait_for_text(&out, "step     1/", Duration::from_secs(60));
+    (dir, job_dir, out, job)
+}
+
 #[test]
 fn a_killed_task_ends_the_job_naming_the_lost_host() {
     let Some(slurm) = slurm_support::start("a_killed_task_ends_the_job") else {
         return;
     };
-    let (_dir, job_dir, out, report_path) = job_paths("slurm");
-    let job = submit(&slurm, &job_dir, &out, &job_flags(100_000, MLP, &report_path));
-    wait_for_text(&out, "step     1/", Duration::from_secs(60));
+    let (_dir, job_dir, out, job) = running_job(&slurm);
     let pids = host_pids(&job_dir);
     assert_eq!(pids.len(), 2, "host processes of job {job}: {pids:?}");
     let killed = Command::new("kill")
@@ -437,9 +444,7 @@ fn scancel_ends_every_process_of_the_job() {
     let Some(slurm) = slurm_support::start("scancel_ends_every_process_of_the_job") else {
         return;
     };
-    let (_dir, job_dir, out, report_path) = job_paths("slurm");
-    let job = submit(&slurm, &job_dir, &out, &job_flags(100_000, MLP, &report_path));
-    wait_for_text(&out, "step     1/", Duration::from_secs(60));
+    let (_dir, job_dir, _out, job) = running_job(&slurm);
     let roles = ["controller", "host", "train"];
     assert_eq!(
         job_pids(&job_dir, &roles).len(),
