@@ -1,27 +1,29 @@
 //! A gang of device actors started together for one job: all or nothing.
 //!
-//! Starting spawns every actor and waits until each has built its computation; a step is put
-//! straight into every executor thread's queue (no actor-mailbox hop) and one `StepDone` is
-//! collected from each. The first failure stops the
-//! gang and is reported with its root cause (an actor that failed on its own, not one that only
-//! stopped because a peer did); silence past the watchdog names the actors that did not report.
+//! The actors are actors of the runtime API ([`archipelago_actors::runtime`]): the gang starts a
+//! runtime with one device thread per actor (one device named twice gets two threads), spawns a
+//! [`DeviceActor`] on each, and a step is one [`RunStep`] call to every actor, the replies
+//! gathered as they come. The first failure stops the gang and is reported with its root cause
+//! (an actor that failed on its own, not one that only stopped because a peer did); silence past
+//! the watchdog names the actors that did not report, and two heartbeats without progress with
+//! an actor blocked for good name who waits for whom.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ractor::{Actor, ActorRef};
-use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
-use tokio::task::JoinHandle;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 
 use archipelago_actors::ActorFailure;
 use archipelago_actors::checkpoint::ShardFile;
 use archipelago_actors::device_actor::{
-    ActorEvent, ComputationFactory, DeviceActor, DeviceActorArgs, DeviceMsg, WorkQueue, work_queue,
+    BlockSquares, ComputationFactory, DeviceActor, DeviceActorParams, RunStep, SaveCheckpoint,
 };
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::Fabric;
 use archipelago_actors::progress::ActorProgress;
+use archipelago_actors::runtime::{ActorRef, CallError, Runtime, SpawnError, SpawnOptions};
 use archipelago_dataflow::{ActorId, ActorStream, DeviceSpec};
 
 use crate::JobError;
@@ -35,22 +37,23 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 /// Running device actors of one job.
 pub struct ActorGang {
     job: String,
-    actors: Vec<ActorRef<DeviceMsg>>,
+    /// The runtime the actors live on (one device thread each); dropped by [`ActorGang::stop`].
+    runtime: Option<Runtime>,
+    actors: Vec<ActorRef<DeviceActor>>,
     /// Actor id and device of each spawned actor, with what it is running.
     ids: Vec<(ActorId, DeviceSpec, Arc<ActorProgress>)>,
-    handles: Vec<JoinHandle<()>>,
-    events: UnboundedReceiver<ActorEvent>,
     fabric: Arc<dyn Fabric>,
     watchdog: Duration,
     /// The streams launched (to name the instruction an actor blocks on).
     streams: Vec<ActorStream>,
-    /// Each actor's executor queue: steps go straight to the threads.
-    queues: Vec<WorkQueue>,
 }
+
+/// A reply of actor `at` (its index in the gang).
+type Answer<T> = (usize, Result<T, CallError>);
 
 impl ActorGang {
     /// Spawns one actor per stream (with the matching computation factory) and waits until all
-    /// are ready.
+    /// are built.
     pub async fn start(
         job: &str,
         streams: Vec<ActorStream>,
@@ -58,55 +61,63 @@ impl ActorGang {
         fabric: Arc<dyn Fabric>,
         watchdog: Duration,
     ) -> Result<ActorGang, JobError> {
-        let (tx, events) = unbounded_channel();
-        let mut gang = ActorGang {
-            job: job.to_string(),
-            actors: Vec::new(),
-            ids: Vec::new(),
-            handles: Vec::new(),
-            events,
-            fabric,
-            watchdog,
-            streams: streams.clone(),
-            queues: Vec::new(),
-        };
-        for (stream, computation) in streams.into_iter().zip(factories) {
-            let progress = Arc::new(ActorProgress::default());
-            gang.ids.push((stream.actor, stream.device, progress.clone()));
-            let (queue, inbox) = work_queue();
-            gang.queues.push(queue.clone());
-            let args = DeviceActorArgs {
-                inbox,
-                queue,
+        let devices: Vec<DeviceSpec> = streams.iter().map(|s| s.device).collect();
+        let runtime = Runtime::new(job, "local", devices);
+        let params: Vec<DeviceActorParams> = (streams.iter().zip(factories))
+            .map(|(stream, factory)| DeviceActorParams {
                 job: job.to_string(),
                 actor: stream.actor,
                 device: stream.device,
-                stream: stream.instructions,
-                computation,
-                fabric: gang.fabric.clone(),
-                events: tx.clone(),
-                progress,
-            };
-            match Actor::spawn(None, DeviceActor, args).await {
-                Ok((actor, handle)) => {
-                    gang.actors.push(actor);
-                    gang.handles.push(handle);
+                stream: Arc::new(stream.instructions.clone()),
+                computation: Arc::new(Mutex::new(Some(factory))),
+                fabric: fabric.clone(),
+                progress: Arc::new(ActorProgress::default()),
+            })
+            .collect();
+        let mut gang = ActorGang {
+            job: job.to_string(),
+            runtime: None,
+            actors: Vec::new(),
+            ids: params
+                .iter()
+                .map(|p| (p.actor, p.device, p.progress.clone()))
+                .collect(),
+            fabric,
+            watchdog,
+            streams,
+        };
+        // Every actor builds at once, each on its own thread.
+        let spawns: Vec<_> = (params.iter().enumerate())
+            .map(|(slot, p)| runtime.spawn_at::<DeviceActor>(slot, p.clone(), SpawnOptions::default()))
+            .collect();
+        gang.runtime = Some(runtime);
+        let mut failed = None;
+        for (spawn, p) in spawns.into_iter().zip(&params) {
+            match tokio::time::timeout(watchdog, spawn).await {
+                Ok(Ok(actor)) => gang.actors.push(actor),
+                Ok(Err(SpawnError::Constructor { reason, .. })) => {
+                    failed = failed.or(Some(JobError::Actor(Box::new(p.start_failure(reason)))));
                 }
-                Err(e) => {
-                    gang.stop().await;
-                    return Err(JobError::Runtime(format!(
-                        "cannot spawn actor {}: {e}",
-                        stream.actor
-                    )));
+                Ok(Err(other)) => {
+                    failed = failed.or(Some(JobError::Runtime(format!(
+                        "cannot spawn actor {}: {other}",
+                        p.actor
+                    ))));
+                }
+                Err(_) => {
+                    failed = failed.or(Some(JobError::Hang {
+                        job: job.to_string(),
+                        step: 0,
+                        silent: vec![p.actor],
+                        waited_s: watchdog.as_secs_f64(),
+                    }));
                 }
             }
         }
-        if let Err(e) = gang
-            .collect(0, |event| matches!(event, ActorEvent::Ready { .. }).then_some(()))
-            .await
-        {
+        if let Some(error) = failed {
+            gang.fabric.abort("an actor of the gang failed to start");
             gang.stop().await;
-            return Err(e);
+            return Err(error);
         }
         Ok(gang)
     }
@@ -116,10 +127,10 @@ impl ActorGang {
         self.ids.iter().map(|(.., p)| p.snapshot().beats).collect()
     }
 
-    /// Every actor's progress, `None` for an actor whose thread has ended.
+    /// Every actor's progress, `None` for an actor that has ended.
     fn snapshots(&self) -> Vec<(ActorId, Option<archipelago_actors::progress::ProgressSnapshot>)> {
-        (self.ids.iter().zip(&self.handles))
-            .map(|((id, _, p), handle)| (*id, (!handle.is_finished()).then(|| p.snapshot())))
+        (self.ids.iter().zip(&self.actors))
+            .map(|((id, _, p), actor)| (*id, actor.end().is_none().then(|| p.snapshot())))
             .collect()
     }
 
@@ -130,76 +141,28 @@ impl ActorGang {
 
     /// Runs step `n` on every actor; the reports come back in actor order.
     pub async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
-        // Straight to the executor threads; one whose thread ended reported why already, and
-        // collect names it.
-        for queue in &self.queues {
-            queue.step(n);
-        }
-        let mut reports = self
-            .collect(n, |event| match event {
-                ActorEvent::StepDone(report) => Some(*report),
-                _ => None,
+        let mut calls: FuturesUnordered<_> = (self.actors.iter().enumerate())
+            .map(|(at, actor)| {
+                let call = actor.call(RunStep(n));
+                async move { (at, call.await) }
             })
-            .await?;
-        reports.sort_by_key(|r| r.actor);
-        Ok(reports)
-    }
-
-    /// Asks actor `actor` (by id) a question and waits for the answer.
-    pub async fn ask<T: Send + 'static>(
-        &self,
-        actor: ActorId,
-        message: impl FnOnce(ractor::RpcReplyPort<T>) -> DeviceMsg,
-    ) -> Result<T, JobError> {
-        let at = self
-            .ids
-            .iter()
-            .position(|(id, ..)| *id == actor)
-            .ok_or_else(|| JobError::Runtime(format!("actor {actor} is not in this gang")))?;
-        self.actors[at]
-            .call(message, Some(self.watchdog))
-            .await
-            .map_err(|e| JobError::Runtime(format!("actor {actor} did not answer: {e}")))?
-            .success_or(())
-            .map_err(|_| JobError::Runtime(format!("actor {actor} did not answer in time")))
-    }
-
-    /// Stops every actor and waits for them.
-    pub async fn stop(&mut self) {
-        // The executor threads end once every sender of their queue is gone: ours first.
-        self.queues.clear();
-        for actor in &self.actors {
-            actor.stop(None);
-        }
-        for handle in self.handles.drain(..) {
-            let _ = handle.await;
-        }
-        self.actors.clear();
-    }
-
-    /// Waits for one event per actor that `accept` turns into a value; fails on the first
-    /// failure (after looking briefly for its root cause) or on silence.
-    async fn collect<T>(
-        &mut self,
-        step: u64,
-        accept: impl Fn(ActorEvent) -> Option<T>,
-    ) -> Result<Vec<T>, JobError> {
-        let mut waiting: BTreeSet<usize> = self.ids.iter().map(|(id, ..)| *id).collect();
-        let mut out = Vec::with_capacity(self.actors.len());
+            .collect();
+        let mut waiting: BTreeSet<usize> = (0..self.actors.len()).collect();
+        let mut reports = Vec::with_capacity(self.actors.len());
         let mut last_event = Instant::now();
         let (mut beats, mut progressed) = (self.beats(), Instant::now());
         while !waiting.is_empty() {
             let left = self.watchdog.saturating_sub(last_event.elapsed());
-            let event = match tokio::time::timeout(HEARTBEAT.min(left), self.events.recv()).await {
-                Ok(Some(event)) => event,
+            let (at, answer) = match tokio::time::timeout(HEARTBEAT.min(left), calls.next()).await {
+                Ok(Some(answer)) => answer,
                 Ok(None) => return Err(JobError::Runtime("every actor is gone".into())),
                 Err(_) if last_event.elapsed() >= self.watchdog => {
                     self.fabric
                         .abort("the controller's watchdog stopped a silent step");
                     return Err(JobError::Hang {
                         job: self.job.clone(),
-                        step,
-                        silent: waiting.into_iter().collect(),
+                        step: n,
+                        silent: waiting.iter().map(|&at| self.ids[at].0).collect(),
                         waited_s: last_event.elapsed().as_secs_f64(),
                     });
                 }
@@ -224,34 +187,78 @@ impl ActorGang {
                 }
             };
             last_event = Instant::now();
-            match event {
-                ActorEvent::Failed(failure) => return Err(self.root_cause(*failure).await),
-                ActorEvent::Ready { actor } => {
-                    waiting.remove(&actor);
-                    if let Some(v) = accept(ActorEvent::Ready { actor }) {
-                        out.push(v);
-                    }
-                }
-                ActorEvent::StepDone(report) => {
-                    waiting.remove(&report.actor);
-                    if let Some(v) = accept(ActorEvent::StepDone(report)) {
-                        out.push(v);
-                    }
-                }
+            waiting.remove(&at);
+            match self.step_outcome(n, at, answer) {
+                Ok(report) => reports.push(report),
+                Err(failure) => return Err(self.root_cause(n, *failure, calls).await),
             }
         }
-        Ok(out)
+        reports.sort_by_key(|r| r.actor);
+        Ok(reports)
     }
 
-    async fn root_cause(&mut self, first: ActorFailure) -> JobError {
+    /// A step's reply as a report or the failure it names (a panic that escaped the executor
+    /// is named by the runtime and placed here).
+    fn step_outcome(
+        &self,
+        step: u64,
+        at: usize,
+        answer: Result<Result<StepReport, Box<ActorFailure>>, CallError>,
+    ) -> Result<StepReport, Box<ActorFailure>> {
+        answer.unwrap_or_else(|error| {
+            let (actor, device, progress) = &self.ids[at];
+            let index = progress.snapshot().index;
+            let instruction = (self.streams[at].instructions.get(index.unwrap_or(usize::MAX)))
+                .map_or_else(|| "between instructions".to_string(), |i| i.to_string());
+            Err(Box::new(ActorFailure {
+                job: self.job.clone(),
+                step,
+                actor: *actor,
+                device: *device,
+                index,
+                instruction,
+                message: error.to_string(),
+                secondary: false,
+                actor_type: String::new(),
+                host: String::new(),
+            }))
+        })
+    }
+
+    /// Stops every actor and waits for them (their runtime shuts down on a plain thread, each
+    /// actor finishing the message it handles).
+    pub async fn stop(&mut self) {
+        self.actors.clear();
+        if let Some(runtime) = self.runtime.take() {
+            let (done, finished) = tokio::sync::oneshot::channel();
+            std::thread::spawn(move || {
+                drop(runtime);
+                let _ = done.send(());
+            });
+            let _ = finished.await;
+        }
+    }
+
+    /// The failure to report once `first` came: the fabric is aborted so every actor's step
+    /// ends, and for a few seconds the other replies are read for a failure of its own (not
+    /// one that only followed a peer's).
+    async fn root_cause<F>(&self, step: u64, first: ActorFailure, mut rest: FuturesUnordered<F>) -> JobError
+    where
+        F: std::future::Future<Output = Answer<Result<StepReport, Box<ActorFailure>>>>,
+    {
         self.fabric.abort(&format!("actor {} failed", first.actor));
         let mut root = first;
         let deadline = Instant::now() + Duration::from_secs(5);
         while root.secondary {
             let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, self.events.recv()).await {
-                Ok(Some(ActorEvent::Failed(f))) if !f.secondary => root = *f,
-                Ok(Some(_)) => {}
+            match tokio::time::timeout(left, rest.next()).await {
+                Ok(Some((at, answer))) => {
+                    if let Err(failure) = self.step_outcome(step, at, answer)
+                        && !failure.secondary
+                    {
+                        root = *failure;
+                    }
+                }
                 _ => break,
             }
         }
@@ -266,35 +273,27 @@ impl Gang for ActorGang {
 
     async fn block_squares(&mut self) -> Result<Vec<(usize, f64)>, JobError> {
         let mut all = Vec::new();
-        let ids: Vec<ActorId> = self.ids.iter().map(|(id, ..)| *id).collect();
-        for id in ids {
-            all.extend(self.ask(id, DeviceMsg::BlockSquares).await?);
+        for (actor, (id, ..)) in self.actors.iter().zip(&self.ids) {
+            let squares = actor.call(BlockSquares).timeout(self.watchdog).await;
+            all.extend(squares.map_err(|e| JobError::Runtime(format!("actor {id} did not answer: {e}")))?);
         }
         Ok(all)
     }
 
     async fn checkpoint(&mut self, dir: &std::path::Path, step: u64) -> Result<Vec<ShardFile>, JobError> {
         // Every actor writes at once (each its own file); the answers come back in actor order.
-        let calls: Vec<_> = self
-            .actors
-            .iter()
+        let calls: Vec<_> = (self.actors.iter())
             .map(|actor| {
-                let (actor, dir, watchdog) = (actor.clone(), dir.to_path_buf(), self.watchdog);
-                tokio::spawn(async move {
-                    actor
-                        .call(|reply| DeviceMsg::Checkpoint(dir, reply), Some(watchdog))
-                        .await
-                })
+                actor
+                    .call(SaveCheckpoint(dir.to_path_buf()))
+                    .timeout(self.watchdog)
             })
             .collect();
         let mut files = Vec::new();
         for (call, (id, device, _)) in calls.into_iter().zip(&self.ids) {
             let answer = call
                 .await
-                .map_err(|e| JobError::Runtime(format!("actor {id}'s checkpoint task failed: {e}")))?
-                .map_err(|e| JobError::Runtime(format!("actor {id} did not answer: {e}")))?
-                .success_or(())
-                .map_err(|_| JobError::Runtime(format!("actor {id} did not write its checkpoint in time")))?;
+                .map_err(|e| JobError::Runtime(format!("actor {id} did not write its checkpoint: {e}")))?;
             match answer {
                 Ok(file) => files.extend(file),
                 Err(message) => {

@@ -129,18 +129,7 @@ impl RuntimeHandle {
     ) -> Pending<Result<ActorRef<A>, SpawnError>> {
         let driver = self.inner.driver.clone();
         let Some(cluster) = &self.inner.cluster else {
-            let devices = self.devices();
-            return match devices.get(slot) {
-                Some(device) => self.spawn_with(*device, params, options),
-                None => Pending::new(
-                    std::future::ready(Err(SpawnError::MeshTooLarge {
-                        mesh: format!("slot {slot}"),
-                        needed: slot + 1,
-                        available: devices.len(),
-                    })),
-                    driver,
-                ),
-            };
+            return self.spawn_on_thread(slot, params, options);
         };
         let Some(slot) = cluster.slots.get(slot).cloned() else {
             let error = SpawnError::MeshTooLarge {

@@ -415,18 +415,41 @@ impl RuntimeHandle {
             };
             return Pending::new(std::future::ready(Err(error)), driver);
         }
-        let Some(thread) = self.inner.devices.iter().find(|d| d.device == device) else {
-            let error = SpawnError::NoSuchDevice {
-                device,
-                devices: self
-                    .devices()
-                    .iter()
-                    .map(|d| d.to_string())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+        match self.inner.devices.iter().position(|d| d.device == device) {
+            Some(thread) => self.spawn_on_thread(thread, params, options),
+            None => {
+                let error = SpawnError::NoSuchDevice {
+                    device,
+                    devices: self
+                        .devices()
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                };
+                Pending::new(std::future::ready(Err(error)), driver)
+            }
+        }
+    }
+
+    /// Spawns an actor on this process's `index`-th device thread (a runtime started with one
+    /// device twice has a thread for each: placing by slot keeps their actors apart).
+    pub(crate) fn spawn_on_thread<A: Actor>(
+        &self,
+        index: usize,
+        params: A::Params,
+        options: SpawnOptions,
+    ) -> Pending<Result<ActorRef<A>, SpawnError>> {
+        let driver = self.inner.driver.clone();
+        let Some(thread) = self.inner.devices.get(index) else {
+            let error = SpawnError::MeshTooLarge {
+                mesh: format!("slot {index}"),
+                needed: index + 1,
+                available: self.inner.devices.len(),
             };
             return Pending::new(std::future::ready(Err(error)), driver);
         };
+        let device = thread.device;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
         let type_name = short_type_name::<A>();

@@ -125,7 +125,7 @@ pub fn noop_step(actors: usize, steps: u64) -> anyhow::Result<Value> {
     let s = median(&mut times);
     Ok(json!({
         "name": format!("step_dispatch_{actors}_noop_actors"),
-        "config": { "actors": actors, "steps": steps, "transport": "in-process (ractor + one executor thread per actor)" },
+        "config": { "actors": actors, "steps": steps, "transport": "in-process (runtime-API device actors, one device thread each)" },
         "gang_start_s": start_s,
         "median_step_s": s,
         "steps_per_s": 1.0 / s,
