@@ -255,6 +255,10 @@ fn a_server_host_sigkilled_mid_run_fails_over_and_loses_no_acknowledged_push() {
         (2, 2),
         "{replication:?}"
     );
+    assert_eq!(
+        replication.version_mismatches, 0,
+        "every copy of a range says it holds the same pushes: {replication:?}"
+    );
     // The same pushes, perhaps in another order between workers: equal up to f32 rounding.
     assert!(
         replication.max_diff <= 1e-4,

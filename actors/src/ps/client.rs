@@ -224,6 +224,19 @@ impl<U: ServerUpdate> PsClient<U> {
 
     /// The values of `keys` for starting `clock`, once every server grants it.
     pub async fn pull(&mut self, clock: u64, keys: &[u64]) -> Result<PulledValues, String> {
+        self.pull_at_least(clock, keys, None).await
+    }
+
+    /// [`pull`](Self::pull), granted only once the ranges of `keys` are at version `version` or
+    /// later on their servers (every worker's pushes of the clocks below it have reached them;
+    /// the paper's `pull(keys, t)`): a worker under eventual consistency that must see its own
+    /// and everyone's updates up to a clock asks for it here.
+    pub async fn pull_at_least(
+        &mut self,
+        clock: u64,
+        keys: &[u64],
+        version: Option<u64>,
+    ) -> Result<PulledValues, String> {
         let mut refused = 0u32;
         'ring: loop {
             let split = self.split(keys, Some(0));
@@ -243,6 +256,7 @@ impl<U: ServerUpdate> PsClient<U> {
                             keys,
                             list,
                             epoch: self.epoch,
+                            at_least: version,
                         };
                         (i, self.servers[*s].call(pull))
                     })

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use super::ring::{Ring, ServerId};
 use super::server::PsServer;
 use super::update::ServerUpdate;
+use super::versions::RangeVersion;
 use crate::runtime::{Context, Handler, Message};
 
 /// Stops pushes and pulls and asks for the copies the ring `ring` (of version `epoch`) needs
@@ -42,8 +43,8 @@ pub struct Entries {
     pub values: Vec<f32>,
     /// Their update state, the rule's state length each.
     pub state: Vec<f32>,
-    /// Per key, per worker, the next clock not yet applied (empty when not kept).
-    pub seen: Vec<Vec<u64>>,
+    /// The version vectors of the ranges handed over (what the copies hold).
+    pub versions: Vec<RangeVersion>,
 }
 
 /// What a frozen server hands over: copies per new chain member.
@@ -88,12 +89,17 @@ impl<U: ServerUpdate> Handler<Freeze> for PsServer<U> {
                 entries.keys.push(key);
                 entries.values.extend_from_slice(values);
                 entries.state.extend_from_slice(state);
-                if let Some(seen) = self.seen.get(&key) {
-                    entries.seen.push(seen.clone());
-                } else if r > 1 {
-                    entries.seen.push(vec![0; self.params.workers]);
-                }
             }
+        }
+        for (target, arc) in self.versions.handover(old, &freeze.ring, me, r) {
+            let at = match copies.iter().position(|(s, _)| *s == target) {
+                Some(at) => at,
+                None => {
+                    copies.push((target, Entries::default()));
+                    copies.len() - 1
+                }
+            };
+            copies[at].1.versions.push(arc);
         }
         Ok(Handover { copies })
     }
@@ -114,19 +120,18 @@ impl<U: ServerUpdate> Handler<Install> for PsServer<U> {
     async fn handle(&mut self, install: Install, _ctx: &Context<Self>) -> Result<u64, String> {
         let e = install.entries;
         let (w, s) = (self.params.width, self.store.state_len());
-        if e.values.len() != e.keys.len() * w
-            || e.state.len() != e.keys.len() * s
-            || !(e.seen.is_empty() || e.seen.len() == e.keys.len())
-        {
+        if e.values.len() != e.keys.len() * w || e.state.len() != e.keys.len() * s {
             return Err(format!(
-                "server {}: copies of {} keys with {} values, {} state and {} clock lists (width {w}, state {s})",
+                "server {}: copies of {} keys with {} values and {} state (width {w}, state {s})",
                 self.params.index,
                 e.keys.len(),
                 e.values.len(),
                 e.state.len(),
-                e.seen.len()
             ));
         }
+        self.versions
+            .install(e.versions)
+            .map_err(|reason| format!("server {}: {reason}", self.params.index))?;
         for (i, &key) in e.keys.iter().enumerate() {
             let state = &e.state[i * s..(i + 1) * s];
             self.store.assign(
@@ -135,9 +140,6 @@ impl<U: ServerUpdate> Handler<Install> for PsServer<U> {
                 Some(state),
                 &self.params.update,
             );
-            if let Some(seen) = e.seen.get(i) {
-                self.seen.insert(key, seen.clone());
-            }
         }
         Ok(e.keys.len() as u64)
     }

@@ -47,11 +47,11 @@
 //! When a server's host is lost (SIGKILL), the driver ([`failover`]; the controller's
 //! `ps_job::failover`) removes it from the ring ([`Ring::remove`] hands each of its arcs to the
 //! next point's server, the chain's second), freezes the live servers, has the first surviving
-//! member of every changed chain copy its keys (values, update state, and per worker the clocks
-//! each key has applied) to the new members, and commits the ring under a new version. Workers
+//! member of every changed chain copy its keys (values and update state) and the version vectors
+//! of their ranges to the new members, and commits the ring under a new version. Workers
 //! whose call failed, or who were answered "moved", fetch the new ring from the servers and do
-//! their pull or whole push again; a replica applies a push once per key, worker and clock, so a
-//! retried push is counted once. A range whose `R` replicas are all lost is named and the job
+//! their pull or whole push again; a push that already reached a range (its version vector says
+//! so) is not applied there again, so a retried push is counted once. A range whose `R` replicas are all lost is named and the job
 //! stops. Failover is built for eventual consistency (`K = ∞`), where a push is applied on
 //! arrival; under a finite `K` the servers keep pushes of unfinished clocks that a failover does
 //! not move yet, and the driver stops the job naming that.
@@ -63,11 +63,13 @@
 //! its pull sent; a dense model's lists every clock); a server that does not keep the list
 //! answers "unknown" and gets it whole.
 //!
-//! # How the next slice fits (not built here)
-//! - **Vector clocks per key range**: every range is named by its end point ([`KeyRange::end`]),
-//!   stable under adds and removes; a server keeps, per key, the next clock of every worker not
-//!   yet applied (what a failover copies); folding that per range gives the paper's range
-//!   version vectors, so a pull could ask for "at least version v" of a range.
+//! # Version vectors per key range
+//! [`versions`] (§4.1): per arc of the ring it holds, a server keeps the next clock of every
+//! worker whose push has not reached the arc — one vector per range, not per key, since every
+//! push covers whole ranges. They make a retried push count once, let a pull ask for "at least
+//! version `v`" ([`Pull::at_least`], [`client::PsClient::pull_at_least`]), travel with the keys
+//! in a failover, and are in every server's [`Stats`] and [`Dump`], so the driver compares what
+//! each replica of a range holds (`Replication::version_mismatches` in the controller's report).
 
 pub mod checkpoint;
 pub mod client;
@@ -83,6 +85,7 @@ mod server_tests;
 pub mod sparse_lr;
 pub mod store;
 pub mod update;
+pub mod versions;
 pub mod worker;
 
 pub use client::{ClientFigures, PsClient, PulledValues};

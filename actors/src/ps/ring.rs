@@ -146,9 +146,18 @@ impl Ring {
 
     /// The index in `points` of the point whose range holds `key`.
     fn point_index(&self, key: u64) -> usize {
-        let at = ring_position(key);
+        self.index_at(ring_position(key))
+    }
+
+    /// The index in `points` of the point whose range holds ring position `at`.
+    fn index_at(&self, at: u64) -> usize {
         let i = self.points.partition_point(|p| p.0 < at);
         if i == self.points.len() { 0 } else { i }
+    }
+
+    /// The chain of the range holding ring position `at` (see [`Ring::chain`]).
+    pub fn chain_at(&self, at: u64, r: usize) -> Vec<ServerId> {
+        self.chain_from(self.index_at(at), r)
     }
 
     /// The server that holds `key`.

@@ -19,6 +19,7 @@ use super::key_cache::{KeyList, ServerKeyCache};
 use super::ring::{Ring, ServerId};
 use super::store::KeyStore;
 use super::update::ServerUpdate;
+use super::versions::RangeVersions;
 use crate::runtime::{Actor, Context, Handler, Message};
 
 mod queries;
@@ -81,9 +82,10 @@ pub struct PsServer<U: ServerUpdate> {
     key_lists: ServerKeyCache,
     /// Parts of its current clock's push each worker has sent (aggregating models).
     parts_in: Vec<usize>,
-    /// Per key, per worker: the next clock of that worker not yet applied to the key (eventual
-    /// consistency with replicas, so that a push retried after a failover is applied once).
-    pub(super) seen: HashMap<u64, Vec<u64>>,
+    /// Per key range, per worker: the next clock whose push has not reached the range here
+    /// (so that a push retried after a failover is applied once, and a pull may ask for a
+    /// version).
+    pub(super) versions: RangeVersions,
     /// The ring's version: bumped by every failover; pushes and pulls of another are refused.
     pub(super) epoch: u64,
     /// Between a failover's freeze and its commit: pushes and pulls wait.
@@ -150,7 +152,13 @@ impl<U: ServerUpdate> Actor for PsServer<U> {
                 _ => ServerKeyCache::default(),
             },
             parts_in: vec![0; params.workers],
-            seen: HashMap::new(),
+            versions: RangeVersions::new(
+                &params.ring,
+                params.index,
+                params.replicas,
+                params.workers,
+                params.first_clock,
+            ),
             epoch: 0,
             frozen: false,
             log: Vec::new(),
@@ -258,6 +266,10 @@ pub struct Pull {
     pub list: KeyList,
     /// The ring's version the worker split its keys by.
     pub epoch: u64,
+    /// Grant only once every key's range is at this version or later (every worker's pushes
+    /// of the clocks below it have reached the range); `None`: the consistency model alone.
+    #[serde(default)]
+    pub at_least: Option<u64>,
 }
 
 /// A server's answer to a [`Pull`].
@@ -303,7 +315,10 @@ impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
             return Ok(Pulled::UnknownKeys);
         }
         self.check_keys(&pull.keys, pull.keys.len() * self.params.width, "pull", Some(0))?;
-        if !self.clocks.may_start(pull.clock, self.params.consistency) {
+        let behind = pull
+            .at_least
+            .is_some_and(|v| self.versions.version_of(&pull.keys).is_some_and(|at| at < v));
+        if behind || !self.clocks.may_start(pull.clock, self.params.consistency) {
             self.figures.refused += 1;
             return Ok(Pulled::Wait {
                 slowest: self.clocks.slowest(),
@@ -430,7 +445,7 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
             _ => self.figures.chained += 1,
         }
         self.figures.bytes_in += key_bytes + 4 * push.grads.len() as u64;
-        let worker = push.worker;
+        let (worker, part, clock) = (push.worker, push.part, push.clock);
         if self.params.consistency.aggregates() {
             let workers = self.params.workers;
             let slot = &mut self
@@ -445,6 +460,14 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
                 None => *slot = Some(push),
             }
             self.parts_in[worker] += 1;
+            self.versions.record(
+                &self.params.ring,
+                self.params.index,
+                self.params.replicas,
+                part,
+                worker,
+                clock,
+            );
             if last {
                 self.parts_in[worker] = 0;
                 self.clocks.advance(worker);
@@ -455,18 +478,20 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
             // replicated: a push retried after a failover may reach a replica that has it).
             if self.params.fault != ServerFault::DropPushOf(worker) {
                 let width = self.params.width;
-                let (workers, dedup) = (self.params.workers, self.params.replicas > 1);
                 for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
-                    if dedup {
-                        let next = &mut self.seen.entry(*key).or_insert_with(|| vec![0; workers])[worker];
-                        if push.clock < *next {
-                            continue;
-                        }
-                        *next = push.clock + 1;
+                    if !self.versions.has(*key, worker, push.clock) {
+                        self.store.update(*key, grad, &self.params.update);
                     }
-                    self.store.update(*key, grad, &self.params.update);
                 }
             }
+            self.versions.record(
+                &self.params.ring,
+                self.params.index,
+                self.params.replicas,
+                part,
+                worker,
+                clock,
+            );
             if last && push.clock == at {
                 self.clocks.advance(worker);
             }

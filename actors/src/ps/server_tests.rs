@@ -44,6 +44,7 @@ fn a_server_refuses_what_a_correct_client_never_sends_and_sums_a_clock_once_comp
             keys,
             list: Default::default(),
             epoch: 0,
+            at_least: None,
         })
         .get()
         .unwrap()
@@ -122,6 +123,7 @@ fn under_eventual_consistency_pulls_never_wait_and_pushes_apply_on_arrival() {
                 keys: vec![5],
                 list: Default::default(),
                 epoch: 0,
+                at_least: None,
             })
             .get()
             .unwrap()
@@ -143,4 +145,71 @@ fn under_eventual_consistency_pulls_never_wait_and_pushes_apply_on_arrival() {
     }
     let report = s.call(Stats).get().unwrap();
     assert_eq!((report.figures.max_lead, report.figures.applied), (2, 0));
+}
+
+/// The range version vectors: a pull that asks for version 1 waits until both workers' clock-0
+/// pushes reached the key's range; a push retried (as after a failover) is applied once, and
+/// without the versions (a push of a clock not seen yet) it would have counted twice.
+#[test]
+fn a_pull_at_least_version_v_waits_for_every_worker_and_a_retried_push_applies_once() {
+    let runtime = Runtime::local(DeviceSpec::cpus(1));
+    let ring = Ring::new(0..1, 4).unwrap();
+    let s = server(&runtime, &ring, Consistency::Eventual);
+    // Worker 1 pulls (at its own clock: 0 until it pushes).
+    let pull = |clock: u64, at_least: Option<u64>| {
+        s.call(Pull {
+            worker: 1,
+            clock,
+            keys: vec![5],
+            list: Default::default(),
+            epoch: 0,
+            at_least,
+        })
+        .get()
+        .unwrap()
+        .unwrap()
+    };
+    let push = |worker: usize, clock: u64| {
+        let push = Push {
+            worker,
+            clock,
+            keys: vec![5],
+            list: Default::default(),
+            grads: vec![1.0, 0.0],
+            part: 0,
+            epoch: 0,
+        };
+        s.call(push).get().unwrap().unwrap();
+    };
+    assert!(
+        matches!(pull(0, Some(1)), Pulled::Wait { .. }),
+        "nobody pushed clock 0"
+    );
+    push(0, 0);
+    assert!(
+        matches!(pull(0, Some(1)), Pulled::Wait { .. }),
+        "worker 1 has not pushed clock 0"
+    );
+    assert!(
+        matches!(pull(0, None), Pulled::Granted { .. }),
+        "eventual: never waits"
+    );
+    push(0, 0);
+    push(1, 0);
+    let Pulled::Granted { values, .. } = pull(1, Some(1)) else {
+        panic!("both workers' clock 0 reached the range")
+    };
+    assert_eq!(values, vec![-2.0, 0.0], "worker 0's retried push counted once");
+    let report = s.call(Stats).get().unwrap();
+    let versions = &report.versions;
+    assert!(
+        !versions.is_empty() && versions.iter().all(|v| v.next == vec![1, 1]),
+        "{versions:?}"
+    );
+    // Control: a push of a clock the range has not seen is applied.
+    push(0, 1);
+    let Pulled::Granted { values, .. } = pull(1, None) else {
+        panic!()
+    };
+    assert_eq!(values, vec![-3.0, 0.0]);
 }

@@ -330,8 +330,8 @@ pub fn ps(args: &PsArgs) -> anyhow::Result<PsReport> {
     }
     if let Some(r) = &report.replication {
         println!(
-            "replication: {} keys on {}..{} live servers each, copies differ by at most {:.2e}",
-            r.keys, r.min_copies, r.max_copies, r.max_diff
+            "replication: {} keys on {}..{} live servers each, copies differ by at most {:.2e}, {} keys whose copies' range versions differ",
+            r.keys, r.min_copies, r.max_copies, r.max_diff, r.version_mismatches
         );
     }
     println!(

@@ -24,6 +24,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use archipelago_actors::ps::checkpoint::{Manifest, read_manifest, write_manifest};
+use archipelago_actors::ps::versions::RangeVersions;
 use archipelago_actors::ps::{
     DenseWorker, DenseWorkerParams, Dump, LoopSettings, PsServer, Ring, SaveCheckpoint, SeedModel,
     ServerParams, ServerReport, ServerUpdate, SlowWindow, SparseLrParams, SparseLrWorker, Stats, Train,
@@ -82,6 +83,10 @@ pub struct Replication {
     pub max_copies: usize,
     /// The largest difference between two copies of one value.
     pub max_diff: f32,
+    /// Keys whose copies' range version vectors differ (or a copy has none): what recovery
+    /// knows each replica holds, compared.
+    #[serde(default)]
+    pub version_mismatches: u64,
 }
 
 impl PsOutcome {
@@ -326,10 +331,19 @@ where
 /// Counts the live servers holding each key and compares the copies.
 fn replication<U: ServerUpdate>(live: &[ActorRef<PsServer<U>>], width: usize) -> anyhow::Result<Replication> {
     let mut copies: HashMap<u64, (usize, Vec<f32>)> = HashMap::new();
-    let mut max_diff = 0.0f32;
+    let mut versions: HashMap<u64, Option<Vec<u64>>> = HashMap::new();
+    let (mut max_diff, mut version_mismatches) = (0.0f32, 0u64);
     for server in live {
         let dump = server.call(Dump { replicas: true }).get()?;
         for (key, values) in dump.keys.iter().zip(dump.values.chunks_exact(width)) {
+            let version = RangeVersions::find(&dump.versions, *key).map(|arc| arc.next.clone());
+            match versions.get(key) {
+                Some(first) if *first != version || version.is_none() => version_mismatches += 1,
+                Some(_) => {}
+                None => {
+                    versions.insert(*key, version);
+                }
+            }
             match copies.get_mut(key) {
                 Some((n, first)) => {
                     *n += 1;
@@ -351,6 +365,7 @@ fn replication<U: ServerUpdate>(live: &[ActorRef<PsServer<U>>], width: usize) ->
         min_copies: copies.values().map(|c| c.0).min().unwrap_or(0),
         max_copies: copies.values().map(|c| c.0).max().unwrap_or(0),
         max_diff,
+        version_mismatches,
     })
 }
 

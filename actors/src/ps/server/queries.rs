@@ -9,6 +9,7 @@ use super::{PsServer, ServerFigures};
 use crate::ps::checkpoint;
 use crate::ps::clock::ClockEvent;
 use crate::ps::update::ServerUpdate;
+use crate::ps::versions::RangeVersion;
 use crate::runtime::{Context, Handler, Message};
 
 /// Asks a server for its figures and, when kept, its clock log.
@@ -24,6 +25,9 @@ pub struct ServerReport {
     pub clocks: Vec<u64>,
     /// The clock log (empty unless `log_clocks`).
     pub log: Vec<ClockEvent>,
+    /// The version vector of every key range held.
+    #[serde(default)]
+    pub versions: Vec<RangeVersion>,
 }
 
 impl Message for Stats {
@@ -36,6 +40,7 @@ impl<U: ServerUpdate> Handler<Stats> for PsServer<U> {
             figures: self.figures(),
             clocks: self.clocks.clocks().to_vec(),
             log: self.log.clone(),
+            versions: self.versions.arcs(),
         }
     }
 }
@@ -55,6 +60,9 @@ pub struct Dumped {
     pub keys: Vec<u64>,
     /// Their values, `width` each.
     pub values: Vec<f32>,
+    /// The version vector of every key range held.
+    #[serde(default)]
+    pub versions: Vec<RangeVersion>,
 }
 
 impl Message for Dump {
@@ -72,6 +80,7 @@ impl<U: ServerUpdate> Handler<Dump> for PsServer<U> {
             dumped.keys.push(key);
             dumped.values.extend_from_slice(values);
         }
+        dumped.versions = self.versions.arcs();
         dumped
     }
 }
