@@ -138,6 +138,10 @@ fn unix_now() -> f64 {
 }
 
 fn job(replicas: usize, clocks: u64) -> PsJob<BuiltinUpdate> {
+    job_under(replicas, clocks, Consistency::Eventual)
+}
+
+fn job_under(replicas: usize, clocks: u64, consistency: Consistency) -> PsJob<BuiltinUpdate> {
     PsJob {
         model: PsModel::SparseLr(CtrSpec {
             seed: 5,
@@ -150,7 +154,7 @@ fn job(replicas: usize, clocks: u64) -> PsJob<BuiltinUpdate> {
         workers: WORKERS,
         replicas,
         vnodes: 16,
-        consistency: Consistency::Eventual,
+        consistency,
         local_batch: 32,
         clocks,
         delay_ms: vec![4; WORKERS],
@@ -232,15 +236,38 @@ fn check_sgd(weights: &HashMap<u64, f32>, acked: &[&[(u64, Vec<f32>)]]) -> Resul
 
 #[test]
 fn a_server_host_sigkilled_mid_run_fails_over_and_loses_no_acknowledged_push() {
+    fails_over_and_loses_no_acknowledged_push(Consistency::Eventual);
+}
+
+/// Under bounded delay the servers keep the pushes of clocks not yet applied: a failover hands
+/// them over with their ranges, and a range applies a clock once every worker's push reached it.
+#[test]
+fn under_bounded_delay_the_same_kill_loses_no_acknowledged_push_and_keeps_the_bound() {
+    fails_over_and_loses_no_acknowledged_push(Consistency::BoundedDelay(2));
+}
+
+#[test]
+fn under_sequential_consistency_the_same_kill_loses_no_acknowledged_push() {
+    fails_over_and_loses_no_acknowledged_push(Consistency::Sequential);
+}
+
+fn fails_over_and_loses_no_acknowledged_push(consistency: Consistency) {
     let names = ["s0", "s1", "s2", "w0", "w1"];
     let mut cluster = Cluster::start(&names);
-    let job = job(2, 600);
+    let job = job_under(2, 600, consistency);
     let (outcome, victim, killed_at) = run_and_kill(&mut cluster, &job);
     let ps = outcome.unwrap_or_else(|e| {
         let log = std::fs::read_to_string(cluster.log(&victim)).unwrap_or_default();
         panic!("the job did not survive the kill: {e:#}\n{victim}'s log: {log}")
     });
     assert_eq!(ps.losses.len(), 600, "the job went on to its last clock");
+    if let Some(k) = consistency.bound() {
+        assert!(
+            ps.max_lead() <= k,
+            "a worker ran {} clocks ahead under {consistency}",
+            ps.max_lead()
+        );
+    }
     assert_eq!(ps.failovers.len(), 1, "{:?}", ps.failovers);
     let failover = &ps.failovers[0];
     assert_eq!((failover.server, failover.host.as_str()), (1, victim.as_str()));
@@ -283,6 +310,7 @@ fn a_server_host_sigkilled_mid_run_fails_over_and_loses_no_acknowledged_push() {
         "{}",
         serde_json::json!({
             "figure": "parameter-server failover",
+            "consistency": consistency.to_string(),
             "replicas": 2,
             "kill_to_r_copies_s": failover.restored_unix_s - killed_at,
             "loss_seen_to_r_copies_s": failover.restore_s,

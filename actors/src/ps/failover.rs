@@ -19,7 +19,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::ring::{Ring, ServerId};
-use super::server::PsServer;
+use super::server::{PsServer, ServerFault};
 use super::update::ServerUpdate;
 use super::versions::RangeVersion;
 use crate::runtime::{Context, Handler, Message};
@@ -45,6 +45,23 @@ pub struct Entries {
     pub state: Vec<f32>,
     /// The version vectors of the ranges handed over (what the copies hold).
     pub versions: Vec<RangeVersion>,
+    /// The pushes kept for clocks not yet applied to those ranges (aggregating models), their
+    /// keys in the ranges handed over.
+    #[serde(default)]
+    pub pending: Vec<PendingPush>,
+}
+
+/// Part of a worker's push of a clock not yet applied, handed over with its ranges.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PendingPush {
+    /// The clock.
+    pub clock: u64,
+    /// The worker.
+    pub worker: usize,
+    /// The keys.
+    pub keys: Vec<u64>,
+    /// Their gradients, `width` each.
+    pub grads: Vec<f32>,
 }
 
 /// What a frozen server hands over: copies per new chain member.
@@ -99,6 +116,30 @@ impl<U: ServerUpdate> Handler<Freeze> for PsServer<U> {
                     copies.len() - 1
                 }
             };
+            let width = self.params.width;
+            let pending = match self.params.fault {
+                ServerFault::ForgetPendingOnHandover => &Default::default(),
+                _ => &self.pending,
+            };
+            for (&clock, pushes) in pending {
+                for (worker, push) in pushes.iter().enumerate() {
+                    let Some(push) = push else { continue };
+                    let mut part = PendingPush {
+                        clock,
+                        worker,
+                        ..PendingPush::default()
+                    };
+                    for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
+                        if arc.contains(super::ring::ring_position(*key)) {
+                            part.keys.push(*key);
+                            part.grads.extend_from_slice(grad);
+                        }
+                    }
+                    if !part.keys.is_empty() {
+                        copies[at].1.pending.push(part);
+                    }
+                }
+            }
             copies[at].1.versions.push(arc);
         }
         Ok(Handover { copies })
@@ -132,6 +173,19 @@ impl<U: ServerUpdate> Handler<Install> for PsServer<U> {
         self.versions
             .install(e.versions)
             .map_err(|reason| format!("server {}: {reason}", self.params.index))?;
+        for part in e.pending {
+            if part.worker >= self.params.workers || part.grads.len() != part.keys.len() * w {
+                return Err(format!(
+                    "server {}: a kept push of worker {} with {} keys and {} values (width {w}, {} workers)",
+                    self.params.index,
+                    part.worker,
+                    part.keys.len(),
+                    part.grads.len(),
+                    self.params.workers
+                ));
+            }
+            self.keep_handed_over(part);
+        }
         for (i, &key) in e.keys.iter().enumerate() {
             let state = &e.state[i * s..(i + 1) * s];
             self.store.assign(
@@ -163,6 +217,9 @@ impl<U: ServerUpdate> Handler<Commit> for PsServer<U> {
         self.params.ring = commit.ring;
         self.epoch = commit.epoch;
         self.frozen = false;
+        // Every worker whose push was under way when the ring changed does it again, whole,
+        // from part 0 (a push of the old ring is answered "moved").
+        self.parts_in.iter_mut().for_each(|p| *p = 0);
     }
 }
 

@@ -52,9 +52,10 @@
 //! whose call failed, or who were answered "moved", fetch the new ring from the servers and do
 //! their pull or whole push again; a push that already reached a range (its version vector says
 //! so) is not applied there again, so a retried push is counted once. A range whose `R` replicas are all lost is named and the job
-//! stops. Failover is built for eventual consistency (`K = ∞`), where a push is applied on
-//! arrival; under a finite `K` the servers keep pushes of unfinished clocks that a failover does
-//! not move yet, and the driver stops the job naming that.
+//! stops. Under a finite `K` the servers keep the pushes of clocks not yet applied: a clock is
+//! applied to a range once every worker's push of it reached the range (its version vector), a
+//! failover hands those kept pushes over with the range, and a worker's retried push completes
+//! the clock there — never applied in two pieces, never twice (`server/apply.rs`).
 //!
 //! # Filters and key caching
 //! **The significantly-modified filter** ([`filter`], §3.4) holds back a key's gradient until its
@@ -76,6 +77,8 @@ pub mod client;
 pub mod clock;
 pub mod dense_worker;
 pub mod failover;
+#[cfg(test)]
+mod failover_tests;
 pub mod filter;
 pub mod key_cache;
 pub mod ring;
@@ -91,7 +94,7 @@ pub mod worker;
 pub use client::{ClientFigures, PsClient, PulledValues};
 pub use clock::{ClockEvent, Consistency, WorkerClocks};
 pub use dense_worker::{DenseLayout, DenseWorker, DenseWorkerParams};
-pub use failover::{Commit, Entries, Freeze, GetRing, Handover, Install, RingVersion};
+pub use failover::{Commit, Entries, Freeze, GetRing, Handover, Install, PendingPush, RingVersion};
 pub use ring::{KeyRange, Ring, RingError, ServerId};
 pub use server::{
     Assign, Dump, Dumped, PsServer, Pull, Pulled, Push, Pushed, SaveCheckpoint, ServerFigures, ServerParams,

@@ -7,7 +7,7 @@
 //! a pull would never take the pushes that end the wait. The worker's client asks again after a
 //! back-off; the slowest worker's pull is always granted, so a run cannot deadlock.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde::de::DeserializeOwned;
@@ -22,6 +22,7 @@ use super::update::ServerUpdate;
 use super::versions::RangeVersions;
 use crate::runtime::{Actor, Context, Handler, Message};
 
+mod apply;
 mod queries;
 pub use queries::{Dump, Dumped, SaveCheckpoint, ServerReport, Stats};
 
@@ -39,6 +40,8 @@ pub enum ServerFault {
     AveragePushes,
     /// Keeps no key list, so that every hashed list is answered "unknown" (the resend path).
     ForgetKeyLists,
+    /// Hands over no kept push in a failover (the ranges' pushes of unfinished clocks lost).
+    ForgetPendingOnHandover,
 }
 
 /// What a server is built from.
@@ -77,11 +80,11 @@ pub struct PsServer<U: ServerUpdate> {
     clocks: WorkerClocks,
     /// Pushes of clocks not yet applied (aggregating models): per clock, per worker (the parts
     /// of one worker's push, one per chain position, merged).
-    pending: BTreeMap<u64, Vec<Option<Push>>>,
+    pub(super) pending: BTreeMap<u64, Vec<Option<Push>>>,
     /// The key lists workers sent to be kept (key caching).
     key_lists: ServerKeyCache,
     /// Parts of its current clock's push each worker has sent (aggregating models).
-    parts_in: Vec<usize>,
+    pub(super) parts_in: Vec<usize>,
     /// Per key range, per worker: the next clock whose push has not reached the range here
     /// (so that a push retried after a failover is applied once, and a pull may ask for a
     /// version).
@@ -205,43 +208,6 @@ impl<U: ServerUpdate> PsServer<U> {
         Ok(())
     }
 
-    /// Applies every clock all workers have pushed, in clock order, each as the sum of its pushes
-    /// in worker order.
-    fn apply_complete(&mut self) {
-        while self.applied < self.clocks.slowest() {
-            let clock = self.applied;
-            let pushes = self.pending.remove(&clock).unwrap_or_default();
-            let mut sums: HashMap<u64, Vec<f32>> = HashMap::new();
-            let width = self.params.width;
-            for (worker, push) in pushes.into_iter().enumerate() {
-                let Some(push) = push else { continue };
-                if self.params.fault == ServerFault::DropPushOf(worker) {
-                    continue;
-                }
-                for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
-                    match sums.get_mut(key) {
-                        Some(sum) => sum.iter_mut().zip(grad).for_each(|(s, g)| *s += g),
-                        None => {
-                            sums.insert(*key, grad.to_vec());
-                        }
-                    }
-                }
-            }
-            if self.params.fault == ServerFault::AveragePushes {
-                let w = self.params.workers as f32;
-                sums.values_mut().flatten().for_each(|s| *s /= w);
-            }
-            for (key, grad) in &sums {
-                self.store.update(*key, grad, &self.params.update);
-            }
-            self.applied += 1;
-            if self.params.log_clocks {
-                let pushed = self.clocks.clocks().to_vec();
-                self.log.push(ClockEvent::Applied { clock, pushed });
-            }
-        }
-    }
-
     fn figures(&self) -> ServerFigures {
         ServerFigures {
             keys: self.store.len() as u64,
@@ -318,6 +284,13 @@ impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
         let behind = pull
             .at_least
             .is_some_and(|v| self.versions.version_of(&pull.keys).is_some_and(|at| at < v));
+        // Aggregating: the keys' ranges must have every clock below `clock − K` applied (as
+        // they do once the slowest worker is there, but for a range a failover just handed over
+        // that waits for retried pushes).
+        let lagging = (self.params.consistency.bound()).is_some_and(|k| {
+            (self.versions.applied_of(&pull.keys)).is_some_and(|a| a < pull.clock.saturating_sub(k))
+        });
+        let behind = behind || (self.params.consistency.aggregates() && lagging);
         if behind || !self.clocks.may_start(pull.clock, self.params.consistency) {
             self.figures.refused += 1;
             return Ok(Pulled::Wait {
@@ -416,8 +389,15 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
         }
         self.check_keys(&push.keys, push.grads.len(), "push", Some(push.part))?;
         let last = push.part + 1 == self.params.replicas;
-        if self.params.consistency.aggregates() {
-            self.clocks.check(push.worker, push.clock, "push")?;
+        if push.clock > at {
+            return Err(format!(
+                "a push of clock {} from worker {}, which is at clock {at}",
+                push.clock, push.worker
+            ));
+        }
+        // A push of a clock the worker finished here is a retry after a failover (its keys
+        // that reached their ranges already are dropped).
+        if self.params.consistency.aggregates() && push.clock == at {
             if !self.clocks.may_start(push.clock, self.params.consistency) {
                 // A worker that pushes without a granted pull: refused, so that the pushes kept
                 // for clocks not yet applied stay within the bound.
@@ -434,11 +414,6 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
                     push.part, push.worker, push.clock, self.parts_in[push.worker]
                 ));
             }
-        } else if push.clock > at {
-            return Err(format!(
-                "a push of clock {} from worker {}, which is at clock {at}",
-                push.clock, push.worker
-            ));
         }
         match push.part {
             0 => self.figures.pushes += 1,
@@ -447,19 +422,7 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
         self.figures.bytes_in += key_bytes + 4 * push.grads.len() as u64;
         let (worker, part, clock) = (push.worker, push.part, push.clock);
         if self.params.consistency.aggregates() {
-            let workers = self.params.workers;
-            let slot = &mut self
-                .pending
-                .entry(push.clock)
-                .or_insert_with(|| vec![None; workers])[worker];
-            match slot {
-                Some(merged) => {
-                    merged.keys.extend_from_slice(&push.keys);
-                    merged.grads.extend_from_slice(&push.grads);
-                }
-                None => *slot = Some(push),
-            }
-            self.parts_in[worker] += 1;
+            self.keep_pending(push);
             self.versions.record(
                 &self.params.ring,
                 self.params.index,
@@ -468,11 +431,14 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
                 worker,
                 clock,
             );
-            if last {
-                self.parts_in[worker] = 0;
-                self.clocks.advance(worker);
-                self.apply_complete();
+            if clock == at {
+                self.parts_in[worker] += 1;
+                if last {
+                    self.parts_in[worker] = 0;
+                    self.clocks.advance(worker);
+                }
             }
+            self.apply_ready();
         } else {
             // Eventual: applied alone, on arrival (once per key, worker and clock when
             // replicated: a push retried after a failover may reach a replica that has it).

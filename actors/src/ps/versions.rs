@@ -29,6 +29,10 @@ pub struct RangeVersion {
     pub end: u64,
     /// Per worker, the next clock whose push has not reached the arc.
     pub next: Vec<u64>,
+    /// The next clock to apply to the arc (aggregating models: a clock is applied to an arc
+    /// once every worker's push of it reached the arc).
+    #[serde(default)]
+    pub applied: u64,
 }
 
 impl RangeVersion {
@@ -72,6 +76,7 @@ impl RangeVersions {
                     start: range.start,
                     end: range.end,
                     next: vec![first_clock; workers],
+                    applied: first_clock,
                 };
                 (range.end, arc)
             })
@@ -122,6 +127,42 @@ impl RangeVersions {
                 && let Some(next) = arc.next.get_mut(worker)
             {
                 *next = (*next).max(clock + 1);
+            }
+        }
+    }
+
+    /// The end of `key`'s arc, when this server holds it.
+    pub fn arc_end_of(&self, key: u64) -> Option<u64> {
+        self.of_key(key).map(|arc| arc.end)
+    }
+
+    /// The lowest applied clock of the arcs of `keys` (`None` when none is held here).
+    pub fn applied_of(&self, keys: &[u64]) -> Option<u64> {
+        keys.iter()
+            .filter_map(|&k| self.of_key(k).map(|a| a.applied))
+            .min()
+    }
+
+    /// The lowest applied clock over every arc held.
+    pub fn min_applied(&self) -> Option<u64> {
+        self.arcs.values().map(|a| a.applied).min()
+    }
+
+    /// The arcs every worker's push of their next clock to apply has reached, by that clock:
+    /// `(clock, arc ends)`, clocks ascending.
+    pub fn ready(&self) -> BTreeMap<u64, Vec<u64>> {
+        let mut ready: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+        for arc in self.arcs.values().filter(|a| a.version() > a.applied) {
+            ready.entry(arc.applied).or_default().push(arc.end);
+        }
+        ready
+    }
+
+    /// The arcs `ends` had `clock` applied.
+    pub fn mark_applied(&mut self, ends: &[u64], clock: u64) {
+        for end in ends {
+            if let Some(arc) = self.arcs.get_mut(end) {
+                arc.applied = arc.applied.max(clock + 1);
             }
         }
     }
@@ -301,7 +342,8 @@ mod tests {
                 .install(vec![RangeVersion {
                     start: 0,
                     end: 1,
-                    next: vec![0]
+                    next: vec![0],
+                    applied: 0,
                 }])
                 .is_err()
         );

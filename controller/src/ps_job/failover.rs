@@ -17,7 +17,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
-use archipelago_actors::ps::{Commit, Consistency, Freeze, Install, PsServer, Ring, ServerId, ServerUpdate};
+use archipelago_actors::ps::{Commit, Freeze, Install, PsServer, Ring, ServerId, ServerUpdate};
 use archipelago_actors::runtime::{ActorEnd, ActorRef};
 
 /// One failover: a server lost and its ranges back on `R` servers.
@@ -68,7 +68,6 @@ impl Watch {
         servers: &[ActorRef<PsServer<U>>],
         ring: Ring,
         replicas: usize,
-        consistency: Consistency,
     ) -> Watch {
         let state = Arc::new(Mutex::new(State {
             ring,
@@ -88,7 +87,7 @@ impl Watch {
                 }
                 if let ActorEnd::Failed(failure) = end {
                     let reason = failure.to_string();
-                    lose(&mut st, &servers, index, reason, replicas, consistency);
+                    lose(&mut st, &servers, index, reason, replicas);
                 }
             });
         }
@@ -128,7 +127,6 @@ fn lose<U: ServerUpdate>(
     index: ServerId,
     reason: String,
     replicas: usize,
-    consistency: Consistency,
 ) {
     let detected = Instant::now();
     let detected_unix_s = unix_now();
@@ -165,16 +163,6 @@ fn lose<U: ServerUpdate>(
             "server {index} was lost ({reason}); {live} servers are left for ranges of {replicas} replicas, \
              so no range can be back on {replicas} servers and the job stops. Run with more --servers than \
              --replicas so that the job outlives a server"
-        );
-        st.lost = Some(error.clone());
-        stop_all(&error);
-        return;
-    }
-    if consistency != Consistency::Eventual {
-        let error = format!(
-            "server {index} was lost ({reason}); failover is built for eventual consistency only \
-             (--staleness inf): under {consistency} the servers keep pushes of unfinished clocks that a \
-             failover does not move yet"
         );
         st.lost = Some(error.clone());
         stop_all(&error);

@@ -174,7 +174,7 @@ where
         })
         .collect();
     let servers = all_or_none(spawn_servers)?;
-    let watch = Watch::start(&servers, ring.clone(), job.replicas, job.consistency);
+    let watch = Watch::start(&servers, ring.clone(), job.replicas);
     let result = with_servers(runtime, job, &servers, (ring, slow), first_clock, &watch);
     watch.finish();
     servers.iter().for_each(|s| s.stop("the job is over"));

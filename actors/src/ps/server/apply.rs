@@ -1,0 +1,133 @@
+//! How a server applies the clocks of the aggregating models (`K` finite; Li et al., OSDI 2014,
+//! §3.3 and §4.1): the pushes of a clock are kept until every worker's push of it has reached a
+//! key range — the range's version vector says so — and then applied to that range's keys at
+//! once, as their sum in worker order. Ranges normally complete together (every worker pushes
+//! every part to every server every clock); after a failover a range handed to a new member
+//! comes with the pushes its sender kept and completes when the workers' retried pushes reach
+//! it, so no clock is ever applied in two pieces and no push twice.
+
+use std::collections::{HashMap, HashSet};
+
+use super::{ClockEvent, PsServer, Push, ServerFault};
+use crate::ps::update::ServerUpdate;
+
+impl<U: ServerUpdate> PsServer<U> {
+    /// Keeps the keys of `push` that have not reached their range yet (all of them, but for a
+    /// push retried after a failover) with the pending pushes of its clock.
+    pub(super) fn keep_pending(&mut self, mut push: Push) {
+        let (worker, clock, width) = (push.worker, push.clock, self.params.width);
+        if push.keys.iter().any(|&k| self.versions.has(k, worker, clock)) {
+            let (mut keys, mut grads) = (Vec::new(), Vec::new());
+            for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
+                if !self.versions.has(*key, worker, clock) {
+                    keys.push(*key);
+                    grads.extend_from_slice(grad);
+                }
+            }
+            (push.keys, push.grads) = (keys, grads);
+        }
+        let workers = self.params.workers;
+        let slot = &mut self.pending.entry(clock).or_insert_with(|| vec![None; workers])[worker];
+        match slot {
+            Some(merged) => {
+                merged.keys.extend_from_slice(&push.keys);
+                merged.grads.extend_from_slice(&push.grads);
+            }
+            None => *slot = Some(push),
+        }
+    }
+
+    /// Takes part of a push another server kept for a range handed over by a failover.
+    pub(crate) fn keep_handed_over(&mut self, part: crate::ps::failover::PendingPush) {
+        let workers = self.params.workers;
+        let slot = &mut self
+            .pending
+            .entry(part.clock)
+            .or_insert_with(|| vec![None; workers])[part.worker];
+        match slot {
+            Some(merged) => {
+                merged.keys.extend_from_slice(&part.keys);
+                merged.grads.extend_from_slice(&part.grads);
+            }
+            None => {
+                *slot = Some(Push {
+                    worker: part.worker,
+                    clock: part.clock,
+                    keys: part.keys,
+                    list: Default::default(),
+                    grads: part.grads,
+                    part: 0,
+                    epoch: 0,
+                })
+            }
+        }
+    }
+
+    /// Applies every clock every worker's push has reached, range by range, in clock order.
+    pub(super) fn apply_ready(&mut self) {
+        loop {
+            let ready = self.versions.ready();
+            if ready.is_empty() {
+                break;
+            }
+            for (clock, ends) in ready {
+                self.apply_to(clock, &ends);
+                self.versions.mark_applied(&ends, clock);
+            }
+        }
+        let applied = self.versions.min_applied().unwrap_or(self.applied);
+        while let Some((&clock, _)) = self.pending.first_key_value()
+            && clock < applied
+        {
+            self.pending.remove(&clock);
+        }
+        while self.applied < applied {
+            if self.params.log_clocks {
+                let pushed = self.clocks.clocks().to_vec();
+                self.log.push(ClockEvent::Applied {
+                    clock: self.applied,
+                    pushed,
+                });
+            }
+            self.applied += 1;
+        }
+    }
+
+    /// Applies `clock` to the keys of the arcs `ends`: the sum of the kept pushes of those keys,
+    /// taken out of the pending pushes.
+    fn apply_to(&mut self, clock: u64, ends: &[u64]) {
+        let Some(pushes) = self.pending.get_mut(&clock) else {
+            return;
+        };
+        let ends: HashSet<u64> = ends.iter().copied().collect();
+        let width = self.params.width;
+        let mut sums: HashMap<u64, Vec<f32>> = HashMap::new();
+        for (worker, slot) in pushes.iter_mut().enumerate() {
+            let Some(push) = slot else { continue };
+            let dropped = self.params.fault == ServerFault::DropPushOf(worker);
+            let (mut keys, mut grads) = (Vec::new(), Vec::new());
+            for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
+                let here = self.versions.arc_end_of(*key).is_some_and(|e| ends.contains(&e));
+                if !here {
+                    keys.push(*key);
+                    grads.extend_from_slice(grad);
+                } else if !dropped {
+                    match sums.get_mut(key) {
+                        Some(sum) => sum.iter_mut().zip(grad).for_each(|(s, g)| *s += g),
+                        None => {
+                            sums.insert(*key, grad.to_vec());
+                        }
+                    }
+                }
+            }
+            (push.keys, push.grads) = (keys, grads);
+        }
+        if self.params.fault == ServerFault::AveragePushes {
+            let w = self.params.workers as f32;
+            sums.values_mut().flatten().for_each(|s| *s /= w);
+        }
+        for (key, grad) in &sums {
+            self.store.update(*key, grad, &self.params.update);
+        }
+    }
+}
