@@ -122,8 +122,9 @@ impl<U: ServerUpdate> Handler<Freeze> for PsServer<U> {
                 _ => &self.pending,
             };
             for (&clock, pushes) in pending {
-                for (worker, push) in pushes.iter().enumerate() {
-                    let Some(push) = push else { continue };
+                for (worker, push) in
+                    (pushes.iter().enumerate()).flat_map(|(w, parts)| parts.iter().map(move |p| (w, p)))
+                {
                     let mut part = PendingPush {
                         clock,
                         worker,
@@ -216,6 +217,8 @@ impl<U: ServerUpdate> Handler<Commit> for PsServer<U> {
     async fn handle(&mut self, commit: Commit, _ctx: &Context<Self>) {
         self.params.ring = commit.ring;
         self.epoch = commit.epoch;
+        let (me, r) = (self.params.index, self.params.replicas);
+        self.versions.place(&self.params.ring, me, r);
         self.frozen = false;
         // Every worker whose push was under way when the ring changed does it again, whole,
         // from part 0 (a push of the old ring is answered "moved").

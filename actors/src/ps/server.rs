@@ -78,9 +78,10 @@ pub struct PsServer<U: ServerUpdate> {
     pub(super) params: ServerParams<U>,
     pub(super) store: KeyStore,
     clocks: WorkerClocks,
-    /// Pushes of clocks not yet applied (aggregating models): per clock, per worker (the parts
-    /// of one worker's push, one per chain position, merged).
-    pub(super) pending: BTreeMap<u64, Vec<Option<Push>>>,
+    /// Pushes of clocks not yet applied (aggregating models): per clock, per worker, the parts
+    /// in arrival order (each with the chain position and ring version it came for; parts
+    /// handed over by a failover have neither).
+    pub(super) pending: BTreeMap<u64, Vec<Vec<Push>>>,
     /// The key lists workers sent to be kept (key caching).
     key_lists: ServerKeyCache,
     /// Parts of its current clock's push each worker has sent (aggregating models).
@@ -281,14 +282,17 @@ impl<U: ServerUpdate> Handler<Pull> for PsServer<U> {
             return Ok(Pulled::UnknownKeys);
         }
         self.check_keys(&pull.keys, pull.keys.len() * self.params.width, "pull", Some(0))?;
-        let behind = pull
-            .at_least
-            .is_some_and(|v| self.versions.version_of(&pull.keys).is_some_and(|at| at < v));
+        // Keys are looked up only when some range held is behind what the pull needs.
+        let behind = pull.at_least.is_some_and(|v| {
+            self.versions.min_version() < v && self.versions.version_of(&pull.keys).is_some_and(|at| at < v)
+        });
         // Aggregating: the keys' ranges must have every clock below `clock − K` applied (as
         // they do once the slowest worker is there, but for a range a failover just handed over
         // that waits for retried pushes).
         let lagging = (self.params.consistency.bound()).is_some_and(|k| {
-            (self.versions.applied_of(&pull.keys)).is_some_and(|a| a < pull.clock.saturating_sub(k))
+            let needed = pull.clock.saturating_sub(k);
+            self.versions.min_applied().is_some_and(|a| a < needed)
+                && (self.versions.applied_of(&pull.keys)).is_some_and(|a| a < needed)
         });
         let behind = behind || (self.params.consistency.aggregates() && lagging);
         if behind || !self.clocks.may_start(pull.clock, self.params.consistency) {
@@ -423,14 +427,7 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
         let (worker, part, clock) = (push.worker, push.part, push.clock);
         if self.params.consistency.aggregates() {
             self.keep_pending(push);
-            self.versions.record(
-                &self.params.ring,
-                self.params.index,
-                self.params.replicas,
-                part,
-                worker,
-                clock,
-            );
+            self.versions.record(part, worker, clock);
             if clock == at {
                 self.parts_in[worker] += 1;
                 if last {
@@ -450,14 +447,7 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
                     }
                 }
             }
-            self.versions.record(
-                &self.params.ring,
-                self.params.index,
-                self.params.replicas,
-                part,
-                worker,
-                clock,
-            );
+            self.versions.record(part, worker, clock);
             if last && push.clock == at {
                 self.clocks.advance(worker);
             }

@@ -57,6 +57,9 @@ pub struct RangeVersions {
     workers: usize,
     /// By end position.
     arcs: BTreeMap<u64, RangeVersion>,
+    /// This server's chain position at each arc on the current ring, by end position (see
+    /// [`RangeVersions::place`]).
+    positions: BTreeMap<u64, Option<usize>>,
 }
 
 impl RangeVersions {
@@ -81,7 +84,42 @@ impl RangeVersions {
                 (range.end, arc)
             })
             .collect();
-        RangeVersions { workers, arcs }
+        let mut versions = RangeVersions {
+            workers,
+            arcs,
+            positions: BTreeMap::new(),
+        };
+        versions.place(ring, me, replicas);
+        versions
+    }
+
+    /// Learns this server's (`me`) chain position at every arc on `ring` (after a new ring or
+    /// new arcs).
+    pub fn place(&mut self, ring: &Ring, me: ServerId, replicas: usize) {
+        self.positions = (self.arcs.keys())
+            .map(|&end| (end, ring.chain_at(end, replicas).iter().position(|&s| s == me)))
+            .collect();
+    }
+
+    /// The arcs at chain position `part`, by end position.
+    fn at_position(&self, part: usize) -> impl Iterator<Item = u64> + '_ {
+        (self.positions.iter())
+            .filter(move |(_, p)| **p == Some(part))
+            .map(|(&end, _)| end)
+    }
+
+    /// Whether no key at chain position `part` has `worker`'s push of `clock` (the common case,
+    /// answered without looking keys up).
+    pub fn none_has(&self, part: usize, worker: usize, clock: u64) -> bool {
+        self.at_position(part)
+            .filter_map(|end| self.arcs.get(&end)?.next.get(worker))
+            .all(|&next| next <= clock)
+    }
+
+    /// Whether every arc at chain position `part` that has not had `clock` applied is in `ends`.
+    pub fn all_at_position_in(&self, part: usize, clock: u64, ends: &std::collections::HashSet<u64>) -> bool {
+        self.at_position(part)
+            .all(|end| ends.contains(&end) || self.arcs.get(&end).is_none_or(|a| a.applied > clock))
     }
 
     /// The arc holding ring position `at`, when this server holds it.
@@ -111,20 +149,12 @@ impl RangeVersions {
             .is_some_and(|&next| next > clock)
     }
 
-    /// Records that `worker`'s push of `clock` reached every arc at which this server (`me`) is
-    /// at chain position `part` of `ring`.
-    pub fn record(
-        &mut self,
-        ring: &Ring,
-        me: ServerId,
-        replicas: usize,
-        part: usize,
-        worker: usize,
-        clock: u64,
-    ) {
-        for arc in self.arcs.values_mut() {
-            if ring.chain_at(arc.end, replicas).get(part) == Some(&me)
-                && let Some(next) = arc.next.get_mut(worker)
+    /// Records that `worker`'s push of `clock` reached every arc at which this server is at
+    /// chain position `part` of the ring it was last [placed](RangeVersions::place) on.
+    pub fn record(&mut self, part: usize, worker: usize, clock: u64) {
+        for (end, position) in &self.positions {
+            if *position == Some(part)
+                && let Some(next) = self.arcs.get_mut(end).and_then(|a| a.next.get_mut(worker))
             {
                 *next = (*next).max(clock + 1);
             }
@@ -141,6 +171,11 @@ impl RangeVersions {
         keys.iter()
             .filter_map(|&k| self.of_key(k).map(|a| a.applied))
             .min()
+    }
+
+    /// The lowest version over every arc held.
+    pub fn min_version(&self) -> u64 {
+        self.arcs.values().map(RangeVersion::version).min().unwrap_or(0)
     }
 
     /// The lowest applied clock over every arc held.
@@ -256,7 +291,7 @@ mod tests {
     fn a_push_reaches_only_the_arcs_at_its_chain_position() {
         let ring = ring();
         let mut versions = RangeVersions::new(&ring, 1, 2, 2, 0);
-        versions.record(&ring, 1, 2, 0, 1, 0);
+        versions.record(0, 1, 0);
         for key in keys() {
             let chain = ring.chain(key, 2);
             match chain.iter().position(|&s| s == 1) {
@@ -268,9 +303,9 @@ mod tests {
                 None => assert!(!versions.has(key, 1, 0)),
             }
         }
-        versions.record(&ring, 1, 2, 1, 1, 0);
-        versions.record(&ring, 1, 2, 0, 0, 0);
-        versions.record(&ring, 1, 2, 1, 0, 0);
+        versions.record(1, 1, 0);
+        versions.record(0, 0, 0);
+        versions.record(1, 0, 0);
         let held: Vec<u64> = keys()
             .into_iter()
             .filter(|&k| ring.chain(k, 2).contains(&1))
@@ -296,9 +331,9 @@ mod tests {
         // Worker 0's clock 0 reached everything; worker 1's clock 0 reached the heads only.
         for (me, v) in servers.iter_mut().enumerate() {
             for part in 0..2 {
-                v.record(&old, me, 2, part, 0, 0);
+                v.record(part, 0, 0);
             }
-            v.record(&old, me, 2, 0, 1, 0);
+            v.record(0, 1, 0);
         }
         let handed: Vec<(ServerId, RangeVersion)> = [0, 2]
             .iter()
