@@ -329,7 +329,7 @@ mod tests {
         let mut servers: Vec<RangeVersions> =
             (0..3).map(|me| RangeVersions::new(&old, me, 2, 2, 0)).collect();
         // Worker 0's clock 0 reached everything; worker 1's clock 0 reached the heads only.
-        for (me, v) in servers.iter_mut().enumerate() {
+        for v in servers.iter_mut() {
             for part in 0..2 {
                 v.record(part, 0, 0);
             }
