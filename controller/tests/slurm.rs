@@ -280,19 +280,14 @@ fn warned_before_the_time_limit_the_job_checkpoints_requeues_and_resumes() {
         .unwrap();
     assert!(signalled.success());
     wait_for_text(&out, "requeueing job", Duration::from_secs(60));
-    // Slurm makes a requeued job eligible only ~120 s later; an administrator's `StartTime=now`
-    // lets it go at once (the test's only shortcut: what runs next is the job's own script).
+    // Slurm makes a requeued job eligible once the old run's credentials expire: the test's
+    // Slurm sets `cred_expire=5` (120 s by default). Forcing `StartTime=now` instead races the
+    // old run's teardown ("Job credential revoked": the requeued run is killed at once).
     let started = Instant::now();
     let mut pending = false;
     loop {
         match slurm.state(&job).as_str() {
-            "PENDING" => {
-                pending = true;
-                let _ = slurm
-                    .command("scontrol")
-                    .args(["update", &format!("JobId={job}"), "StartTime=now"])
-                    .status();
-            }
+            "PENDING" => pending = true,
             "RUNNING" if pending => break,
             "COMPLETED" | "FAILED" | "CANCELLED" => break,
             _ => {}

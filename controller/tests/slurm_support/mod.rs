@@ -125,7 +125,7 @@ impl LocalSlurm {
                 "ClusterName=archtest\nSlurmctldHost={node}\nSlurmUser=root\nSlurmdUser=root\n\
                  FirstJobId={first_job}\n\
                  SlurmctldPort={}\nSlurmdPort={}\nAuthType=auth/munge\nCredType=cred/munge\n\
-                 AuthInfo=socket={}\nStateSaveLocation={}\nSlurmdSpoolDir={}\n\
+                 AuthInfo=socket={},cred_expire=5\nStateSaveLocation={}\nSlurmdSpoolDir={}\n\
                  SlurmctldPidFile={}\nSlurmdPidFile={}\nProctrackType=proctrack/linuxproc\n\
                  TaskPlugin=task/none\nSelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n\
                  JobAcctGatherType=jobacct_gather/none\nAccountingStorageType=accounting_storage/none\n\
