@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use archipelago_actors::ps::checkpoint::{read_manifest, read_server_file};
 use archipelago_actors::ps::server::ServerFault;
 use archipelago_actors::ps::{BuiltinUpdate, Consistency, CtrSpec, Initializer};
 use archipelago_controller::ps_job::{FinalModel, PsJob, PsModel, PsOutcome, run};
@@ -254,7 +255,11 @@ fn under_sequential_consistency_the_same_kill_loses_no_acknowledged_push() {
 fn fails_over_and_loses_no_acknowledged_push(consistency: Consistency) {
     let names = ["s0", "s1", "s2", "w0", "w1"];
     let mut cluster = Cluster::start(&names);
-    let job = job_under(2, 600, consistency);
+    let checkpoint = tempfile::tempdir().unwrap();
+    let job = PsJob {
+        checkpoint_dir: Some(checkpoint.path().to_path_buf()),
+        ..job_under(2, 600, consistency)
+    };
     let (outcome, victim, killed_at) = run_and_kill(&mut cluster, &job);
     let ps = outcome.unwrap_or_else(|e| {
         let log = std::fs::read_to_string(cluster.log(&victim)).unwrap_or_default();
@@ -300,6 +305,7 @@ fn fails_over_and_loses_no_acknowledged_push(consistency: Consistency) {
     };
     let acked: Vec<&[(u64, Vec<f32>)]> = ps.workers.iter().map(|w| w.acked.as_slice()).collect();
     let worst = check_sgd(weights, &acked).unwrap();
+    resumes_from_the_checkpoint_after_the_failover(checkpoint.path(), &job, weights);
     // Negative control: one worker's acknowledged pushes alone do not explain the weights.
     let control = check_sgd(weights, &acked[..1]);
     assert!(
@@ -333,4 +339,47 @@ fn with_one_replica_the_same_kill_loses_a_range_and_the_job_stops_naming_it() {
         error.contains("key range (0x") && error.contains("is lost") && error.contains("--replicas 2"),
         "{error}"
     );
+}
+
+/// The checkpoint written after the failover: the live servers' files hold every key with its
+/// final value, the manifest names only them, and a job resumes from it here, on 2 servers.
+fn resumes_from_the_checkpoint_after_the_failover(
+    dir: &std::path::Path,
+    job: &PsJob<BuiltinUpdate>,
+    weights: &HashMap<u64, f32>,
+) {
+    let manifest = read_manifest(dir).unwrap();
+    assert_eq!(
+        (manifest.clock, &manifest.files[..]),
+        (600, &[0, 2][..]),
+        "{manifest:?}"
+    );
+    let mut saved: HashMap<u64, f32> = HashMap::new();
+    for s in &manifest.files {
+        let file = read_server_file(dir, *s, 0).unwrap();
+        for (key, values, _) in file.entries() {
+            saved.insert(key, values[0]);
+        }
+    }
+    assert_eq!(saved.len(), weights.len(), "every key is in the checkpoint");
+    // Replicas under eventual consistency apply the same pushes in their own order: equal up
+    // to f32 rounding, as the replication check allows.
+    let off = saved.iter().find(|(k, v)| {
+        weights
+            .get(k)
+            .is_none_or(|w| (*v - w).abs() > 1e-4 * (1.0 + w.abs()))
+    });
+    assert!(off.is_none(), "the checkpoint holds the final values: {off:?}");
+    let resumed = PsJob {
+        servers: 2,
+        clocks: 3,
+        checkpoint_dir: None,
+        resume: Some(dir.to_path_buf()),
+        delay_ms: vec![0; WORKERS],
+        ..job.clone()
+    };
+    let runtime =
+        archipelago_actors::runtime::Runtime::local(archipelago_dataflow::DeviceSpec::cpus(2 + WORKERS));
+    let outcome = run(&runtime, &resumed).unwrap();
+    assert_eq!((outcome.first_clock, outcome.losses.len()), (600, 3));
 }

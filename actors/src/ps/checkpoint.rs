@@ -28,8 +28,12 @@ const MAX_WIDTH: u64 = 1 << 24;
 pub struct Manifest {
     /// The clock every worker had finished.
     pub clock: u64,
-    /// Server files (`server-0.ps` …).
+    /// Servers of the job that wrote it (`server-0.ps` …, one per server unless `files` says).
     pub servers: usize,
+    /// The server files written, by server index, when not every server wrote one (after a
+    /// failover only the live servers do: their ranges hold every key); empty: `0..servers`.
+    #[serde(default)]
+    pub files: Vec<usize>,
     /// Workers of the job.
     pub workers: usize,
     /// Values per key.
@@ -212,7 +216,12 @@ pub(super) fn restore<U: ServerUpdate>(
             params.first_clock
         ));
     }
-    for server in 0..manifest.servers {
+    let files: Vec<usize> = if manifest.files.is_empty() {
+        (0..manifest.servers).collect()
+    } else {
+        manifest.files.clone()
+    };
+    for server in files {
         let file: ServerFile = read_server_file(dir, server, store.state_len())?;
         if file.applied != manifest.clock || file.width != params.width {
             return Err(format!(

@@ -285,7 +285,18 @@ impl<U: ServerUpdate> PsClient<U> {
                             applied = applied.min(a);
                             granted[i] = Some(values);
                         }
-                        Pulled::Wait { .. } => next = Next::Again,
+                        Pulled::Wait { .. } => {
+                            if !matches!(next, Next::NewRing(..)) {
+                                next = Next::Again
+                            }
+                        }
+                        // A server behind the ring this worker has (a failover's commit reaches
+                        // the servers one by one): ask it again, not for a newer ring.
+                        Pulled::Moved { epoch } if epoch < self.epoch => {
+                            if !matches!(next, Next::NewRing(..)) {
+                                next = Next::Again
+                            }
+                        }
                         Pulled::Moved { .. } => {
                             next = Next::NewRing(None, format!("server {s} moved its keys"))
                         }
@@ -375,11 +386,17 @@ impl<U: ServerUpdate> PsClient<U> {
                         .collect();
                     let mut next = Next::Done;
                     let mut again = Vec::new();
+                    let mut behind = false;
                     for (i, call) in calls {
                         let s = split[i].0;
                         match call.await {
                             Ok(answer) => match answer? {
                                 Pushed::Done => {}
+                                // A server behind the ring this worker has: push to it again.
+                                Pushed::Moved { epoch } if epoch < self.epoch => {
+                                    behind = true;
+                                    again.push(i);
+                                }
                                 Pushed::Moved { .. } => {
                                     next = Next::NewRing(None, format!("server {s} moved its keys"))
                                 }
@@ -393,6 +410,9 @@ impl<U: ServerUpdate> PsClient<U> {
                                 break;
                             }
                         }
+                    }
+                    if behind {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                     match next {
                         Next::Done => to_send = again,

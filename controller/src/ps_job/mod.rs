@@ -280,11 +280,6 @@ where
     };
     let failovers = watch.events();
     if let Some(dir) = &job.checkpoint_dir {
-        anyhow::ensure!(
-            failovers.is_empty(),
-            "a checkpoint after a failover is not built yet (server files are written by server index); \
-             run again from the last checkpoint"
-        );
         // The directory stops being a checkpoint until the new manifest is in.
         match std::fs::remove_file(dir.join("manifest.json")) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -292,13 +287,24 @@ where
             }
             _ => {}
         }
-        for (s, server) in servers.iter().enumerate() {
+        // After a failover the live servers' ranges hold every key: only they write.
+        let mut files = Vec::new();
+        for server in &live {
+            let s = server.info().name.clone();
             let saved = server.call(SaveCheckpoint { dir: dir.clone() }).get()?;
-            saved.map_err(|e| anyhow::anyhow!("server {s}'s checkpoint: {e}"))?;
+            saved.map_err(|e| anyhow::anyhow!("{s}'s checkpoint: {e}"))?;
+        }
+        if !failovers.is_empty() {
+            files = watch.live();
+            // A file of a lost server left from an earlier checkpoint is no longer part of it.
+            for lost in (0..servers.len()).filter(|s| !files.contains(s)) {
+                let _ = std::fs::remove_file(archipelago_actors::ps::checkpoint::server_path(dir, lost));
+            }
         }
         let manifest = Manifest {
             clock: first_clock + job.clocks,
             servers: job.servers,
+            files,
             workers: job.workers,
             width,
             update: job.update.describe(),
