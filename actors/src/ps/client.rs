@@ -59,6 +59,11 @@ pub struct ClientFigures {
     pub bytes_in: u64,
     /// Rings adopted after a failover.
     pub failovers: u64,
+    /// Bytes the worker's process wrote on actor-port connections while its loop ran (the
+    /// wire's count: every actor of the process is in it, so it is this worker's alone when the
+    /// worker has its process to itself, as with one host per worker; 0 in one process).
+    #[serde(default)]
+    pub wire_bytes_out: u64,
 }
 
 /// One worker's handle on the servers of a job.

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use archipelago_dataflow::data::{ClusterPool, DataSpec, TokenStream};
 use archipelago_dataflow::{InputKind, ModelSpec};
 
-use super::client::PsClient;
+use super::client::{ClientFigures, PsClient};
 use super::update::ServerUpdate;
 use super::worker::{LoopSettings, SeedModel, Train, WorkerRun, WorkerStep};
 use crate::CpuBackend;
@@ -258,6 +258,7 @@ impl<U: ServerUpdate> Handler<Train<U>> for DenseWorker<U> {
             .filtering(settings.filter);
         let keys = self.layout.key_list();
         let mut steps = Vec::new();
+        let wire_at_start = crate::runtime::remote::wire_bytes_out();
         for clock in train.first_clock..train.first_clock + train.clocks {
             let began = std::time::Instant::now();
             let pulled = client.pull(clock, &keys).await?;
@@ -274,7 +275,10 @@ impl<U: ServerUpdate> Handler<Train<U>> for DenseWorker<U> {
         }
         Ok(WorkerRun {
             steps,
-            figures: client.figures(),
+            figures: ClientFigures {
+                wire_bytes_out: crate::runtime::remote::wire_bytes_out() - wire_at_start,
+                ..client.figures()
+            },
             acked: client.acked(),
         })
     }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::client::PsClient;
+use super::client::{ClientFigures, PsClient};
 use super::ring::ring_position;
 use super::update::ServerUpdate;
 use super::worker::{LoopSettings, Train, WorkerRun, WorkerStep};
@@ -248,6 +248,7 @@ impl<U: ServerUpdate> Handler<Train<U>> for SparseLrWorker<U> {
             .caching_keys(settings.key_caching)
             .filtering(settings.filter);
         let mut steps = Vec::new();
+        let wire_at_start = crate::runtime::remote::wire_bytes_out();
         for clock in train.first_clock..train.first_clock + train.clocks {
             let began = std::time::Instant::now();
             let (examples, keys) = self.batch(clock);
@@ -265,7 +266,10 @@ impl<U: ServerUpdate> Handler<Train<U>> for SparseLrWorker<U> {
         }
         Ok(WorkerRun {
             steps,
-            figures: client.figures(),
+            figures: ClientFigures {
+                wire_bytes_out: crate::runtime::remote::wire_bytes_out() - wire_at_start,
+                ..client.figures()
+            },
             acked: client.acked(),
         })
     }

@@ -113,6 +113,22 @@ pub(crate) fn spawn_frame_writer(
 /// Bytes of queued frames gathered before they are written.
 const WRITE_BATCH: usize = 64 << 10;
 
+/// Bytes this process has written on actor-port connections (frames and tensor payloads).
+static WIRE_BYTES_OUT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bytes this process has written on actor-port connections, both ways of calling (to hosts
+/// and answering callers), since it started: the wire's own count, not a payload estimate.
+pub fn wire_bytes_out() -> u64 {
+    WIRE_BYTES_OUT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Writes `bytes` on `out`, counting them.
+async fn write_counted(out: &mut (impl AsyncWrite + Unpin), bytes: &[u8]) -> std::io::Result<()> {
+    out.write_all(bytes).await?;
+    WIRE_BYTES_OUT.fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
 /// Writes the frames of `rx` on `half` until the senders are gone or `closed` changes.
 pub(crate) async fn write_frames(
     half: impl AsyncWrite + Unpin,
@@ -147,21 +163,22 @@ pub(crate) async fn write_frames(
                     return;
                 }
                 if let Some(payload) = &outgoing.payload {
-                    if out.write_all(&scratch).await.is_err() || out.write_all(payload.bytes()).await.is_err()
+                    if write_counted(&mut out, &scratch).await.is_err()
+                        || write_counted(&mut out, payload.bytes()).await.is_err()
                     {
                         return;
                     }
                     scratch.clear();
                 }
                 if scratch.len() >= WRITE_BATCH {
-                    if out.write_all(&scratch).await.is_err() {
+                    if write_counted(&mut out, &scratch).await.is_err() {
                         return;
                     }
                     scratch.clear();
                 }
                 next = rx.try_recv().ok();
             }
-            if out.write_all(&scratch).await.is_err() || out.flush().await.is_err() {
+            if write_counted(&mut out, &scratch).await.is_err() || out.flush().await.is_err() {
                 return;
             }
             if scratch.capacity() > 4 * WRITE_BATCH {

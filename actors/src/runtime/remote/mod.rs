@@ -15,5 +15,5 @@ pub mod registry;
 pub mod wire;
 
 pub use connection::{HostConnection, Liveness};
-pub use host_port::{ActorPort, serve_actor_port};
+pub use host_port::{ActorPort, serve_actor_port, wire_bytes_out};
 pub use registry::{ErasedActor, Registry};
