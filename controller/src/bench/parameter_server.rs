@@ -49,8 +49,55 @@ pub fn sparse_scaling(
         "local_batch": local_batch,
         "scaling": rows,
         "slowed_worker": slowed_worker(3, 2, local_batch, clocks.max(12))?,
+        "convergence_at_millions": convergence(MILLIONS, 2, workers, local_batch, clocks.max(20) * 2)?,
     }))
 }
+
+/// Features of the convergence run: millions, most never touched (created on first touch).
+pub const MILLIONS: u64 = 4_000_000;
+
+/// Sparse logistic regression on `features` features to convergence's first stretch: the
+/// held-out objective at the start, the end and for the true weights, and how much of the true
+/// support the non-zero weights found.
+pub fn convergence(
+    features: u64,
+    servers: usize,
+    workers: usize,
+    local_batch: usize,
+    clocks: u64,
+) -> anyhow::Result<serde_json::Value> {
+    let spec = CtrSpec {
+        features,
+        ..ctr_spec()
+    };
+    let job = PsJob {
+        model: PsModel::SparseLr(spec.clone()),
+        ..sparse_job(
+            servers,
+            workers,
+            local_batch,
+            clocks,
+            Consistency::BoundedDelay(1),
+        )?
+    };
+    let outcome = run(&Runtime::local(DeviceSpec::cpus(job.devices())), &job)?;
+    let crate::ps_job::FinalModel::Sparse(weights) = &outcome.model else {
+        anyhow::bail!("sparse-lr ended without a sparse model")
+    };
+    let summary = crate::ps_job::report::SparseSummary::of(&spec, weights, L1, 2000);
+    Ok(json!({
+        "features": features,
+        "servers": servers,
+        "workers": workers,
+        "clocks": clocks,
+        "examples_per_s": (clocks as usize * workers * local_batch) as f64 / outcome.wall_s.max(1e-9),
+        "keys_held": outcome.servers.iter().map(|r| r.figures.keys).sum::<u64>(),
+        "summary": summary,
+    }))
+}
+
+/// The L1 weight of the bench's jobs.
+const L1: f32 = 1e-3;
 
 fn ctr_spec() -> CtrSpec {
     CtrSpec {
@@ -70,7 +117,7 @@ fn sparse_job(
 ) -> anyhow::Result<PsJob<BuiltinUpdate>> {
     Ok(PsJob {
         model: PsModel::SparseLr(ctr_spec()),
-        update: BuiltinUpdate::from_spec(OptimizerSpec::sgd(2.0), 1e-3, Initializer::Zeros)
+        update: BuiltinUpdate::from_spec(OptimizerSpec::sgd(2.0), L1, Initializer::Zeros)
             .map_err(anyhow::Error::msg)?,
         servers,
         workers,
