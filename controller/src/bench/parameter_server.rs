@@ -71,7 +71,7 @@ pub fn convergence(
         ..ctr_spec()
     };
     let job = PsJob {
-        model: PsModel::SparseLr(spec.clone()),
+        model: PsModel::SparseLr(spec),
         ..sparse_job(
             servers,
             workers,
