@@ -425,9 +425,12 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
         }
         self.figures.bytes_in += key_bytes + 4 * push.grads.len() as u64;
         let (worker, part, clock) = (push.worker, push.part, push.clock);
+        // A push retried after a failover is taken once per range: keys whose range it
+        // reached already are dropped, then the ranges it reaches are recorded.
+        self.drop_reached(&mut push);
+        self.versions.record(part, worker, clock);
         if self.params.consistency.aggregates() {
             self.keep_pending(push);
-            self.versions.record(part, worker, clock);
             if clock == at {
                 self.parts_in[worker] += 1;
                 if last {
@@ -437,17 +440,13 @@ impl<U: ServerUpdate> Handler<Push> for PsServer<U> {
             }
             self.apply_ready();
         } else {
-            // Eventual: applied alone, on arrival (once per key, worker and clock when
-            // replicated: a push retried after a failover may reach a replica that has it).
+            // Eventual: applied alone, on arrival.
             if self.params.fault != ServerFault::DropPushOf(worker) {
                 let width = self.params.width;
                 for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
-                    if !self.versions.has(*key, worker, push.clock) {
-                        self.store.update(*key, grad, &self.params.update);
-                    }
+                    self.store.update(*key, grad, &self.params.update);
                 }
             }
-            self.versions.record(part, worker, clock);
             if last && push.clock == at {
                 self.clocks.advance(worker);
             }

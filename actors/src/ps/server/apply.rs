@@ -17,20 +17,26 @@ use crate::ps::update::ServerUpdate;
 const HANDED_OVER: u64 = u64::MAX;
 
 impl<U: ServerUpdate> PsServer<U> {
-    /// Keeps the keys of `push` that have not reached their range yet (all of them, but for a
-    /// push retried after a failover) with the pending pushes of its clock.
-    pub(super) fn keep_pending(&mut self, mut push: Push) {
+    /// Drops the keys of `push` whose range it has reached already (none, but for a push
+    /// retried after a failover; answered from the arcs alone in that common case).
+    pub(super) fn drop_reached(&self, push: &mut Push) {
         let (worker, clock, width) = (push.worker, push.clock, self.params.width);
-        if !self.versions.none_has(push.part, worker, clock) {
-            let (mut keys, mut grads) = (Vec::new(), Vec::new());
-            for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
-                if !self.versions.has(*key, worker, clock) {
-                    keys.push(*key);
-                    grads.extend_from_slice(grad);
-                }
-            }
-            (push.keys, push.grads) = (keys, grads);
+        if self.versions.none_has(push.part, worker, clock) {
+            return;
         }
+        let (mut keys, mut grads) = (Vec::new(), Vec::new());
+        for (key, grad) in push.keys.iter().zip(push.grads.chunks_exact(width)) {
+            if !self.versions.has(*key, worker, clock) {
+                keys.push(*key);
+                grads.extend_from_slice(grad);
+            }
+        }
+        (push.keys, push.grads) = (keys, grads);
+    }
+
+    /// Keeps `push` (its keys not yet applied) with the pending pushes of its clock.
+    pub(super) fn keep_pending(&mut self, push: Push) {
+        let (clock, worker) = (push.clock, push.worker);
         self.pending_of(clock, worker).push(push);
     }
 
