@@ -303,9 +303,10 @@ pub struct TrainArgs {
     /// `auto` in a Slurm job: the job's first node at the job's port.
     #[arg(long, env = "ARCHIPELAGO_CONTROLLER")]
     pub controller: Option<String>,
-    /// With --controller: how tensors travel between hosts, `tcp` (raw TCP, the faster) or
-    /// `grpc` (gRPC streams).
-    #[arg(long, default_value = "tcp")]
+    /// With --controller: how tensors travel between hosts: `auto` (shared memory between host
+    /// processes of one machine, raw TCP to the others), `shm` (shared memory only: an error
+    /// where a host is on another machine), `tcp` (raw TCP) or `grpc` (gRPC streams).
+    #[arg(long, default_value = "auto")]
     pub data_path: archipelago_actors::fabric::DataPath,
     /// How the devices of this process reduce gradients: `shared` (through each other's
     /// buffers, no messages: the faster) or `ring` (the chunked message ring that groups across

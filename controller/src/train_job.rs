@@ -69,7 +69,8 @@ pub struct TrainOptions {
     /// Several hosts: when a host dies, re-plan on the hosts that remain, load the last complete
     /// checkpoint (resharded) and go on.
     pub restart_on_failure: bool,
-    /// Several hosts: how tensors travel between them (raw TCP unless gRPC is asked for).
+    /// Several hosts: how tensors travel between them (shared memory between processes of one
+    /// machine and raw TCP between machines, unless a path is pinned).
     pub data_path: archipelago_actors::fabric::DataPath,
     /// A dashboard to feed with the job's steps (see [`crate::dashboard`]).
     pub dashboard: Option<Arc<crate::dashboard::Dashboard>>,
@@ -92,7 +93,7 @@ impl Default for TrainOptions {
             checkpoint_every: 0,
             resume: false,
             restart_on_failure: false,
-            data_path: archipelago_actors::fabric::DataPath::Tcp,
+            data_path: archipelago_actors::fabric::DataPath::Auto,
             dashboard: None,
             collectives: archipelago_actors::collectives::Collectives::Shared,
         }

@@ -82,14 +82,17 @@ fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
     cluster.add_host("h2", "cpu:0,cpu:1");
     let remote = cluster.controller();
     // Each host is its own island: dp=4 all-reduces hierarchically (inside each host, then
-    // across); dp=2 × pp=2 keeps each stage's replicas on one host. Raw TCP carries the
-    // tensors unless gRPC is asked for.
+    // across); dp=2 × pp=2 keeps each stage's replicas on one host. Every data path is pinned
+    // in turn (the hosts are processes of this machine: `shm` and `auto` go through rings).
     for (layout, what, data_path) in [
         (plan(2, 2, 0), "dp=2 pp=2", DataPath::Tcp),
         (plan(4, 1, 3), "dp=4 zero 3", DataPath::Tcp),
         (plan(4, 1, 0), "dp=4", DataPath::Tcp),
         (plan(4, 1, 0), "dp=4", DataPath::Grpc),
         (plan(2, 2, 3), "dp=2 pp=2 zero 3", DataPath::Grpc),
+        (plan(4, 1, 0), "dp=4", DataPath::Shm),
+        (plan(2, 2, 3), "dp=2 pp=2 zero 3", DataPath::Shm),
+        (plan(2, 2, 0), "dp=2 pp=2", DataPath::Auto),
     ] {
         let reference = local(layout.clone(), 5);
         let trace = cluster

@@ -238,6 +238,10 @@ impl Link for GrpcLink {
             }
         }
     }
+
+    fn path(&self) -> super::DataPath {
+        super::DataPath::Grpc
+    }
 }
 
 #[cfg(test)]

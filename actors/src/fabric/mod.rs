@@ -8,6 +8,7 @@ pub mod assembly;
 pub mod grpc;
 mod in_process;
 mod link_bytes;
+pub mod shm;
 pub mod tcp;
 
 pub use grpc::{GrpcFabric, Inbox, serve_fabric};
@@ -104,6 +105,8 @@ pub trait Link: Send + Sync {
     /// Sends `tensor` from `from` (here) to `to` (on the link's host); never waits for the
     /// receiver.
     fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError>;
+    /// What carries the link's tensors (`Grpc`, `Tcp` or `Shm`).
+    fn path(&self) -> DataPath;
 }
 
 /// A job's fabric seen from one host: its own actors send and receive through in-process
@@ -135,6 +138,12 @@ impl<L: Link> HostRoutes<L> {
         let links: HashMap<String, Arc<L>> = links.into_iter().map(|(a, l)| (a, Arc::new(l))).collect();
         let routes = addrs.iter().map(|a| links.get(a).cloned()).collect();
         HostRoutes { local, routes }
+    }
+
+    /// What carries tensors to each actor: `None` for this host's own, else its link's path
+    /// (under `--data-path auto`, this says which hosts got shared memory).
+    pub fn paths(&self) -> Vec<Option<DataPath>> {
+        self.routes.iter().map(|r| r.as_ref().map(|l| l.path())).collect()
     }
 }
 
@@ -183,6 +192,18 @@ pub enum DataPath {
     Grpc,
     /// One raw TCP connection per pair of hosts, header + bytes per tensor.
     Tcp,
+    /// A shared-memory ring per pair of hosts, all of them processes of one machine (set up
+    /// over an authenticated raw-TCP connection; an error where a peer is on another machine).
+    Shm,
+    /// Shared memory to the hosts of this machine, raw TCP to the others.
+    Auto,
+}
+
+impl DataPath {
+    /// Whether the path runs over the raw-TCP tensor port (the ring's handshake does too).
+    pub fn uses_tcp_port(self) -> bool {
+        self != DataPath::Grpc
+    }
 }
 
 impl std::str::FromStr for DataPath {
@@ -191,7 +212,9 @@ impl std::str::FromStr for DataPath {
         match s {
             "grpc" => Ok(DataPath::Grpc),
             "tcp" => Ok(DataPath::Tcp),
-            other => Err(format!("the data path is `grpc` or `tcp`, not `{other}`")),
+            "shm" => Ok(DataPath::Shm),
+            "auto" => Ok(DataPath::Auto),
+            other => Err(format!("the data path is `auto`, `shm`, `tcp` or `grpc`, not `{other}`")),
         }
     }
 }
@@ -201,6 +224,8 @@ impl fmt::Display for DataPath {
         f.write_str(match self {
             DataPath::Grpc => "grpc",
             DataPath::Tcp => "tcp",
+            DataPath::Shm => "shm",
+            DataPath::Auto => "auto",
         })
     }
 }

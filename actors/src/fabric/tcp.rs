@@ -10,6 +10,10 @@
 //! TLS ([`Credentials`] carrying it) the greeting and every frame travel inside mutual TLS under
 //! the cluster CA; a peer whose certificate does not chain to it is refused at the handshake.
 //! Frame: from u32, to u32, edge u64, seq u64, rank u32, dims u64 × rank, then the values.
+//!
+//! Between processes of one machine the same frames can travel through shared memory instead
+//! (`--data-path shm|auto`, see [`super::shm`]): the connection then greets with `ARCHSHM1`, and
+//! after the token check it only sets up the ring.
 
 use std::collections::HashMap;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -19,9 +23,10 @@ use std::sync::mpsc::{Sender, channel};
 
 use archipelago_dataflow::ActorId;
 
-use super::{Fabric, FabricError, HostRoutes, InProcessFabric, Inbox, Link, Tag};
+use super::shm::{self, ShmListener};
+use super::{DataPath, Fabric, FabricError, HostRoutes, InProcessFabric, Inbox, Link, Tag};
 use crate::host_tensor::HostTensor;
-use crate::trust::Credentials;
+use crate::trust::{BlockingStream, Credentials};
 
 const MAGIC: &[u8; 8] = b"ARCHTCP1";
 /// Largest tensor rank a frame may carry (a guard against garbage).
@@ -30,7 +35,8 @@ const MAX_RANK: u32 = 8;
 const READ_CHUNK_ELEMENTS: usize = 1 << 20;
 
 /// Serves this host's raw-TCP fabric on `listener`, delivering into `inbox`; returns its address.
-/// Each connection gets its own reader thread.
+/// Each connection gets its own reader thread. Peers on this machine may ask for a
+/// shared-memory ring on their connection; its frames are delivered into `inbox` as well.
 pub fn serve_tcp_fabric(
     listener: TcpListener,
     inbox: Inbox,
@@ -38,21 +44,45 @@ pub fn serve_tcp_fabric(
 ) -> std::io::Result<SocketAddr> {
     let addr = listener.local_addr()?;
     let credentials = credentials.clone();
+    let rings = inbox.clone();
+    let shm = ShmListener::bind(move |ring, peer| {
+        deliver_frames(&mut BufReader::with_capacity(1 << 16, ring), &rings, &peer)
+    })
+    .inspect_err(|e| tracing::warn!("no shared-memory data path on this host: {e}"))
+    .ok();
     std::thread::Builder::new()
         .name(format!("tcp-fabric-{addr}"))
         .spawn(move || {
             for stream in listener.incoming() {
                 let Ok(stream) = stream else { continue };
-                let (inbox, credentials) = (inbox.clone(), credentials.clone());
+                let (inbox, credentials, shm) = (inbox.clone(), credentials.clone(), shm.clone());
                 let _ = std::thread::Builder::new()
                     .name("tcp-fabric-reader".into())
-                    .spawn(move || read_connection(stream, &inbox, &credentials));
+                    .spawn(move || read_connection(stream, &inbox, &credentials, shm.as_ref()));
             }
         })?;
     Ok(addr)
 }
 
-fn read_connection(stream: TcpStream, inbox: &Inbox, credentials: &Credentials) {
+/// A buffered reader that also writes (to the stream under it): the handshake's replies.
+struct Duplex<'a>(&'a mut BufReader<BlockingStream>);
+
+impl Read for Duplex<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl Write for Duplex<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.get_mut().write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.get_mut().flush()
+    }
+}
+
+fn read_connection(stream: TcpStream, inbox: &Inbox, credentials: &Credentials, shm: Option<&ShmListener>) {
     let peer = stream
         .peer_addr()
         .map(|a| a.to_string())
@@ -68,7 +98,8 @@ fn read_connection(stream: TcpStream, inbox: &Inbox, credentials: &Credentials) 
     let token = credentials.token().as_bytes();
     let mut reader = BufReader::with_capacity(1 << 16, stream);
     let mut hello = [0u8; 12];
-    let authorised = reader.read_exact(&mut hello).is_ok() && &hello[..8] == MAGIC && {
+    let greeted = reader.read_exact(&mut hello).is_ok() && (&hello[..8] == MAGIC || &hello[..8] == shm::SHM_MAGIC);
+    let authorised = greeted && {
         let len = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes")) as usize;
         let mut got = vec![0u8; len.min(4096)];
         reader.read_exact(&mut got).is_ok() && got == token
@@ -77,8 +108,24 @@ fn read_connection(stream: TcpStream, inbox: &Inbox, credentials: &Credentials) 
         tracing::warn!(%peer, "refused a tensor connection with a wrong or missing token");
         return;
     }
+    if &hello[..8] == shm::SHM_MAGIC {
+        match shm::answer_ring_request(&mut Duplex(&mut reader), shm) {
+            Ok(true) => return, // the ring arrives on the shared-memory listener
+            Ok(false) => {}     // declined: frames follow on this connection
+            Err(e) => {
+                tracing::warn!(%peer, "a shared-memory request broke off: {e}");
+                return;
+            }
+        }
+    }
+    deliver_frames(&mut reader, inbox, &peer);
+}
+
+/// Reads frames from `reader` into `inbox` until the stream ends; a broken stream aborts the
+/// job's mailboxes.
+fn deliver_frames(reader: &mut impl Read, inbox: &Inbox, peer: &str) {
     loop {
-        match read_frame(&mut reader) {
+        match read_frame(reader) {
             Ok(Some((from, to, tag, tensor))) => {
                 if let Err(e) = inbox.deliver(from, to, tag, tensor) {
                     tracing::error!(%peer, "a tensor from actor {from} to {to} was not delivered: {}", e.message());
@@ -177,61 +224,120 @@ pub struct Outgoing {
 /// one connection per peer host.
 pub type TcpFabric = HostRoutes<TcpLink>;
 
-/// The writer thread's queue of the connection towards one peer host.
-pub struct TcpLink(Sender<Outgoing>);
+/// The writer thread's queue of the connection towards one peer host, and what carries it
+/// (raw TCP or a shared-memory ring).
+pub struct TcpLink(Sender<Outgoing>, DataPath);
 
 impl TcpFabric {
     /// The fabric of a job whose actor `a` is served at `addrs[a]` (raw-TCP fabric addresses);
-    /// actors at `here` are local and receive through `local`.
+    /// actors at `here` are local and receive through `local`. `path` says whether tensors to a
+    /// host of this machine travel through shared memory: `shm` (required), `auto` (where
+    /// possible) or `tcp` (never).
     pub fn connect(
         addrs: &[String],
         here: &str,
         local: Arc<InProcessFabric>,
         credentials: &Credentials,
+        path: DataPath,
     ) -> Result<TcpFabric, String> {
-        let token = credentials.token();
         let mut links = HashMap::new();
         for addr in HostRoutes::<TcpLink>::peers(addrs, here) {
-            let stream = TcpStream::connect(addr)
-                .map_err(|e| format!("cannot reach the tensor port of host {addr}: {e}"))?;
-            stream.set_nodelay(true).map_err(|e| e.to_string())?;
-            let stream = credentials
-                .connect_blocking(addr, stream)
-                .map_err(|e| format!("the TLS handshake with the tensor port of host {addr} failed: {e}"))?;
-            let mut writer = BufWriter::with_capacity(1 << 16, stream);
-            writer.write_all(MAGIC).map_err(|e| e.to_string())?;
-            writer
-                .write_all(&(token.len() as u32).to_le_bytes())
-                .and_then(|()| writer.write_all(token.as_bytes()))
-                .and_then(|()| writer.flush())
-                .map_err(|e| format!("cannot greet host {addr}: {e}"))?;
-            let (tx, rx) = channel::<Outgoing>();
-            let (peer, mailboxes) = (addr.to_string(), local.clone());
-            std::thread::Builder::new()
-                .name(format!("tcp-fabric-to-{addr}"))
-                .spawn(move || {
-                    // Frames queued together leave in one flush (small messages in flight
-                    // share syscalls); a lone frame is flushed at once.
-                    while let Ok(first) = rx.recv() {
-                        let sent = std::iter::once(first)
-                            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
-                            .try_for_each(|m| write_frame(&mut writer, m.from, m.to, m.tag, &m.tensor))
-                            .and_then(|()| writer.flush());
-                        if let Err(e) = sent {
-                            let reason = format!("the tensor connection to host {peer} failed: {e}");
-                            tracing::error!("{reason}");
-                            mailboxes.abort(&reason);
-                            return;
-                        }
+            let link = match path {
+                DataPath::Tcp => tcp_link(addr, credentials, &local)?,
+                DataPath::Shm | DataPath::Auto => match ring_link(addr, credentials, &local) {
+                    Ok(link) => link,
+                    Err(reason) if path == DataPath::Auto => {
+                        tracing::info!("tensors to host {addr} travel over raw TCP: {reason}");
+                        tcp_link(addr, credentials, &local)?
                     }
-                    // The job's fabric is gone: end the stream cleanly.
-                    let _ = writer.flush().and_then(|()| writer.get_mut().close());
-                })
-                .map_err(|e| e.to_string())?;
-            links.insert(addr.to_string(), TcpLink(tx));
+                    Err(reason) => {
+                        return Err(format!(
+                            "--data-path shm: no shared-memory ring to host {addr}: {reason} (use `--data-path auto` to fall back to TCP)"
+                        ));
+                    }
+                },
+                DataPath::Grpc => return Err("the raw-TCP fabric does not carry the gRPC data path".into()),
+            };
+            links.insert(addr.to_string(), link);
         }
         Ok(HostRoutes::new(addrs, local, links))
     }
+}
+
+/// An authenticated connection to `addr`'s tensor port, greeted with `magic` and the token.
+fn greet(addr: &str, credentials: &Credentials, magic: &[u8; 8]) -> Result<BlockingStream, String> {
+    let stream =
+        TcpStream::connect(addr).map_err(|e| format!("cannot reach the tensor port of host {addr}: {e}"))?;
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut stream = credentials
+        .connect_blocking(addr, stream)
+        .map_err(|e| format!("the TLS handshake with the tensor port of host {addr} failed: {e}"))?;
+    let token = credentials.token();
+    let mut hello = Vec::with_capacity(12 + token.len());
+    hello.extend_from_slice(magic);
+    hello.extend_from_slice(&(token.len() as u32).to_le_bytes());
+    hello.extend_from_slice(token.as_bytes());
+    stream
+        .write_all(&hello)
+        .and_then(|()| stream.flush())
+        .map_err(|e| format!("cannot greet host {addr}: {e}"))?;
+    Ok(stream)
+}
+
+/// A raw-TCP link to `addr`.
+fn tcp_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>) -> Result<TcpLink, String> {
+    let stream = greet(addr, credentials, MAGIC)?;
+    let writer = BufWriter::with_capacity(1 << 16, stream);
+    spawn_writer(DataPath::Tcp, addr, writer, local, |mut w| {
+        let _ = w.flush().and_then(|()| w.get_mut().close());
+    })
+}
+
+/// A shared-memory link to `addr`, set up over an authenticated connection to it.
+fn ring_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>) -> Result<TcpLink, String> {
+    let mut stream = greet(addr, credentials, shm::SHM_MAGIC)?;
+    let (socket, nonce) = shm::ask_for_ring(&mut stream)
+        .map_err(|e| format!("the shared-memory handshake broke off: {e} (a wrong token is refused this way)"))??;
+    let ring = shm::open_ring(&socket, &nonce, shm::RING_BYTES).map_err(|e| e.to_string())?;
+    let _ = stream.close();
+    let writer = BufWriter::with_capacity(1 << 16, ring);
+    spawn_writer(DataPath::Shm, addr, writer, local, |mut w| {
+        let _ = w.flush();
+    })
+}
+
+/// The thread that writes a link's frames to `writer`, and the queue that feeds it; `close`
+/// ends the stream cleanly once the job's fabric is gone.
+fn spawn_writer<W: Write + Send + 'static>(
+    path: DataPath,
+    addr: &str,
+    mut writer: W,
+    local: &Arc<InProcessFabric>,
+    close: impl FnOnce(W) + Send + 'static,
+) -> Result<TcpLink, String> {
+    let (tx, rx) = channel::<Outgoing>();
+    let (peer, mailboxes) = (addr.to_string(), local.clone());
+    std::thread::Builder::new()
+        .name(format!("{path}-fabric-to-{addr}"))
+        .spawn(move || {
+            // Frames queued together leave in one flush (small messages in flight
+            // share syscalls); a lone frame is flushed at once.
+            while let Ok(first) = rx.recv() {
+                let sent = std::iter::once(first)
+                    .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+                    .try_for_each(|m| write_frame(&mut writer, m.from, m.to, m.tag, &m.tensor))
+                    .and_then(|()| writer.flush());
+                if let Err(e) = sent {
+                    let reason = format!("the tensor connection to host {peer} failed: {e}");
+                    tracing::error!("{reason}");
+                    mailboxes.abort(&reason);
+                    return;
+                }
+            }
+            close(writer);
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(TcpLink(tx, path))
 }
 
 impl Link for TcpLink {
@@ -247,10 +353,14 @@ impl Link for TcpLink {
                 FabricError::Aborted(format!("the tensor connection to actor {to}'s host is closed"))
             })
     }
+
+    fn path(&self) -> DataPath {
+        self.1
+    }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::time::Duration;
 
@@ -299,7 +409,7 @@ mod tests {
     }
 
     /// Two hosts serving the raw-TCP fabric under `credentials`, two actors each, connected.
-    fn two_hosts(credentials: &Credentials) -> (Vec<String>, Vec<Arc<TcpFabric>>) {
+    pub(crate) fn two_hosts(credentials: &Credentials, path: DataPath) -> (Vec<String>, Vec<Arc<TcpFabric>>) {
         let mut hosts = Vec::new();
         for _ in 0..2 {
             let inbox = Inbox::default();
@@ -313,16 +423,21 @@ mod tests {
             let local = Arc::new(InProcessFabric::new(4, Duration::from_secs(3)));
             inbox.install(Some(local.clone()));
             fabrics.push(Arc::new(
-                TcpFabric::connect(&addrs, addr, local, credentials).unwrap(),
+                TcpFabric::connect(&addrs, addr, local, credentials, path).unwrap(),
             ));
         }
         (addrs, fabrics)
     }
 
     /// Whether a tensor sent to actor 0 by a peer with `intruder`'s credentials arrives.
-    fn intruder_delivers(addrs: &[String], fabrics: &[Arc<TcpFabric>], intruder: &Credentials) -> bool {
+    pub(crate) fn intruder_delivers(
+        addrs: &[String],
+        fabrics: &[Arc<TcpFabric>],
+        intruder: &Credentials,
+        path: DataPath,
+    ) -> bool {
         let local = Arc::new(InProcessFabric::new(4, Duration::from_millis(300)));
-        let Ok(intruder) = TcpFabric::connect(addrs, "elsewhere", local, intruder) else {
+        let Ok(intruder) = TcpFabric::connect(addrs, "elsewhere", local, intruder, path) else {
             return false;
         };
         let tag = Tag { edge: 99, seq: 0 };
@@ -334,15 +449,15 @@ mod tests {
     /// correctly; a connection with a wrong token delivers nothing.
     #[test]
     fn ring_all_reduce_across_two_hosts_and_token_refusal() {
-        let (addrs, fabrics) = two_hosts(&"secret".into());
+        let (addrs, fabrics) = two_hosts(&"secret".into(), DataPath::Tcp);
         let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
         crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], 3_000_017, 1 << 18);
         assert!(
-            !intruder_delivers(&addrs, &fabrics, &"wrong".into()),
+            !intruder_delivers(&addrs, &fabrics, &"wrong".into(), DataPath::Tcp),
             "a tensor arrived over a connection with a wrong token"
         );
         // The negative control of the refusal check: the right token delivers.
-        assert!(intruder_delivers(&addrs, &fabrics, &"secret".into()));
+        assert!(intruder_delivers(&addrs, &fabrics, &"secret".into(), DataPath::Tcp));
     }
 
     /// The same ring over mutual TLS sums exactly; peers in clear, with a certificate the
@@ -351,7 +466,7 @@ mod tests {
     #[test]
     fn over_mutual_tls_the_ring_sums_and_strangers_are_refused() {
         let certs = crate::trust::testing::TestCerts::new();
-        let (addrs, fabrics) = two_hosts(&certs.member("secret"));
+        let (addrs, fabrics) = two_hosts(&certs.member("secret"), DataPath::Tcp);
         let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
         crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], 3_000_017, 1 << 18);
         for (who, intruder) in [
@@ -360,17 +475,17 @@ mod tests {
             ("with a wrong token", certs.member("wrong")),
         ] {
             assert!(
-                !intruder_delivers(&addrs, &fabrics, &intruder),
+                !intruder_delivers(&addrs, &fabrics, &intruder, DataPath::Tcp),
                 "a peer {who} delivered a tensor"
             );
         }
         let local = Arc::new(InProcessFabric::new(4, Duration::from_millis(300)));
-        let refused = TcpFabric::connect(&addrs, "elsewhere", local, &certs.foreign_trust("secret"));
+        let refused = TcpFabric::connect(&addrs, "elsewhere", local, &certs.foreign_trust("secret"), DataPath::Tcp);
         let error = refused
             .err()
             .expect("a peer that does not trust the cluster CA connected");
         assert!(error.contains("TLS handshake"), "{error}");
         // The negative control: a member delivers.
-        assert!(intruder_delivers(&addrs, &fabrics, &certs.member("secret")));
+        assert!(intruder_delivers(&addrs, &fabrics, &certs.member("secret"), DataPath::Tcp));
     }
 }

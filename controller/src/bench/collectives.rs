@@ -91,7 +91,7 @@ fn fabrics(transport: Transport, members: usize) -> (Vec<Arc<dyn Fabric>>, Optio
 }
 
 /// Appends the times of `reps` copies of `elems` f32 into a reused, already-touched buffer.
-fn memcpy_times(elems: usize, reps: usize, out: &mut Vec<f64>) {
+pub(super) fn memcpy_times(elems: usize, reps: usize, out: &mut Vec<f64>) {
     let src = vec![1.0f32; elems];
     let mut dst = vec![2.0f32; elems];
     for _ in 0..reps {

@@ -97,6 +97,32 @@ struct Figures {
     pipelined_s: f64,
     /// One caller → 8 actors, 1000 in flight (`args.batches` batches); the caller's side only.
     fan_out_s: f64,
+    /// One tensor of `args.bytes` moved from actor 0 to actor 1 (until 0 has 1's one-value
+    /// acknowledgement), per repetition; actor 0's side only.
+    move_s: Vec<f64>,
+}
+
+/// Actor 0 sends a tensor of `bytes` to actor 1, which acknowledges it with one value, `reps`
+/// times (the tensor is built once: the send shares its buffer, as a trainer's does).
+fn move_tensor(fabric: &dyn Fabric, me: ActorId, bytes: usize, reps: usize) -> Vec<f64> {
+    let tensor = HostTensor::flat(vec![1.5f32; bytes / 4]);
+    let mut times = Vec::with_capacity(reps);
+    for rep in 0..reps as u64 {
+        let edge = (13 << 40) | (rep << 8);
+        barrier(fabric, me, edge | 1);
+        let tag = Tag { edge, seq: 0 };
+        let t = Instant::now();
+        if me == 0 {
+            fabric.send(0, 1, tag, tensor.clone()).expect("tensor");
+            fabric.recv(0, 1, tag).expect("acknowledgement");
+            times.push(t.elapsed().as_secs_f64());
+        } else {
+            let got = fabric.recv(1, 0, tag).expect("tensor");
+            assert_eq!(got.len(), bytes / 4, "the moved tensor's length");
+            fabric.send(1, 0, tag, HostTensor::scalar(got.data[got.len() - 1])).expect("acknowledgement");
+        }
+    }
+    times
 }
 
 /// One caller → [`FAN_OUT`] actors pipelined: actor 0 sends `IN_FLIGHT` one-value calls spread
@@ -230,11 +256,13 @@ fn script(fabric: &dyn Fabric, me: ActorId, args: &PeerArgs) -> Figures {
     }
     let pipelined_s = median(&mut rounds);
     let fan_out_s = fan_out(fabric, me, args.batches);
+    let move_s = move_tensor(fabric, me, args.bytes, args.reps);
     Figures {
         collectives,
         sync_s,
         pipelined_s,
         fan_out_s,
+        move_s,
     }
 }
 
@@ -254,7 +282,7 @@ fn endpoint(
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
             serve_fabric(listener, inbox.clone(), credentials).expect("fabric server")
         }),
-        DataPath::Tcp => {
+        DataPath::Tcp | DataPath::Shm | DataPath::Auto => {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
             serve_tcp_fabric(listener, inbox.clone(), credentials).expect("tcp fabric server")
         }
@@ -276,9 +304,9 @@ fn connect(
                 .block_on(GrpcFabric::connect(addrs, here, local, credentials))
                 .expect("connect the fabric"),
         ),
-        DataPath::Tcp => {
-            Arc::new(TcpFabric::connect(addrs, here, local, credentials).expect("connect the fabric"))
-        }
+        path @ (DataPath::Tcp | DataPath::Shm | DataPath::Auto) => Arc::new(
+            TcpFabric::connect(addrs, here, local, credentials, path).expect("connect the fabric"),
+        ),
     }
 }
 
@@ -328,9 +356,21 @@ fn figures_json(transport: &str, figures: Figures, args: &PeerArgs) -> Value {
         })
         .collect();
     let pipelined = (args.batches * IN_FLIGHT) as f64;
+    // The bound of a move: one memcpy of the same bytes in this process, measured right after.
+    let mut memcpy_s = Vec::new();
+    super::collectives::memcpy_times(args.bytes / 4, args.reps.max(3), &mut memcpy_s);
+    let (mut move_s, memcpy_s) = (figures.move_s, median(&mut memcpy_s));
+    let move_s = median(&mut move_s);
     json!({
         "transport": transport,
         "collectives": collectives,
+        "tensor_move": {
+            "config": { "bytes": args.bytes, "reps": args.reps, "statistic": "median; until the receiver's one-value acknowledgement is back" },
+            "median_s": move_s,
+            "gb_per_s": gbs(move_s),
+            "memcpy_gb_per_s": gbs(memcpy_s),
+            "fraction_of_memcpy": memcpy_s / move_s,
+        },
         "round_trips": {
             "config": { "payload": "one f32", "sync_round_trips": args.round_trips, "in_flight": IN_FLIGHT, "pipelined_round_trips": pipelined, "pipelined_rounds": IN_FLIGHT_ROUNDS, "pipelined_statistic": "median round", "fan_out_callees": FAN_OUT },
             "sync_per_s": args.round_trips as f64 / figures.sync_s,
@@ -448,6 +488,28 @@ pub fn plain_vs_tls(args: &PeerArgs) -> anyhow::Result<Value> {
         "tls": tls,
         "all_reduce_tls_over_plain": all_reduce(&tls) / all_reduce(&plain),
     }))
+}
+
+/// [`between_processes`] over shared memory, raw TCP and gRPC one after the other (one window),
+/// with shared memory's all-reduce and tensor-move bandwidths as ratios to raw TCP's.
+pub fn data_paths(args: &PeerArgs) -> anyhow::Result<Value> {
+    let mut out = serde_json::Map::new();
+    for path in [DataPath::Shm, DataPath::Tcp, DataPath::Grpc] {
+        let figures = between_processes(&PeerArgs {
+            data_path: path,
+            ..args.clone()
+        })?;
+        eprintln!("{path}: {figures}");
+        out.insert(format!("{path}_2_processes"), figures);
+    }
+    let all_reduce = |p: &str| out[p]["collectives"][0]["algbw_gb_per_s"].as_f64().unwrap_or(f64::NAN);
+    let moved = |p: &str| out[p]["tensor_move"]["gb_per_s"].as_f64().unwrap_or(f64::NAN);
+    let ratios = json!({
+        "all_reduce_shm_over_tcp": all_reduce("shm_2_processes") / all_reduce("tcp_2_processes"),
+        "tensor_move_shm_over_tcp": moved("shm_2_processes") / moved("tcp_2_processes"),
+    });
+    out.insert("ratios".into(), ratios);
+    Ok(Value::Object(out))
 }
 
 /// The same script between two threads over the in-process fabric.

@@ -64,6 +64,11 @@ pub struct BenchArgs {
     /// (64 MiB ring collectives, round trips), with the all-reduce bandwidth ratio, and stop.
     #[arg(long)]
     pub tls_only: bool,
+    /// Run only the data paths between two processes of this machine, one after the other in
+    /// one window: shared memory, raw TCP and gRPC (64 MiB collectives, a 64 MiB tensor moved
+    /// beside a memcpy, round trips), and stop.
+    #[arg(long)]
+    pub data_paths_only: bool,
 }
 
 /// Runs the suite and prints its JSON.
@@ -111,6 +116,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             tls_dir: None,
         };
         let out = json!({ "suite": "tls", "tcp_2_processes": cross_process::plain_vs_tls(&tcp)?, "wall_s": started.elapsed().as_secs_f64() });
+        return write_out(&out, args);
+    }
+    if args.data_paths_only {
+        let peer = cross_process::PeerArgs {
+            reps,
+            bytes: 64 << 20,
+            round_trips: if args.quick { 2000 } else { 10_000 },
+            batches: if args.quick { 5 } else { 20 },
+            data_path: DataPath::Shm,
+            tls_dir: None,
+        };
+        let out = json!({ "suite": "data_paths", "data_paths": cross_process::data_paths(&peer)?, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
     }
     if args.actor_api_only {
@@ -170,6 +187,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let processes = json!({
         "in_process": cross_process::in_process(&peer),
         "grpc_2_processes": cross_process::between_processes(&peer)?,
+        "shm_2_processes": cross_process::between_processes(&cross_process::PeerArgs { data_path: DataPath::Shm, ..peer.clone() })?,
         "tcp_2_processes": tcp_tls["plain"],
         "tcp_tls_2_processes": tcp_tls["tls"],
         "tcp_all_reduce_tls_over_plain": tcp_tls["all_reduce_tls_over_plain"],

@@ -349,10 +349,10 @@ async fn start_job(
                 .await
                 .map_err(JobError::Runtime)?,
         ),
-        DataPath::Tcp => {
+        path @ (DataPath::Tcp | DataPath::Shm | DataPath::Auto) => {
             let addrs = launch.actor_addrs.clone();
             let (here, credentials) = (here.to_string(), credentials.clone());
-            let connect = move || TcpFabric::connect(&addrs, &here, local, &credentials);
+            let connect = move || TcpFabric::connect(&addrs, &here, local, &credentials, path);
             let fabric = tokio::task::spawn_blocking(connect)
                 .await
                 .map_err(|e| JobError::Runtime(e.to_string()))?

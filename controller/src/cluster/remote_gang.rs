@@ -107,7 +107,8 @@ impl RemoteGang {
             .iter()
             .map(|h| match data_path {
                 DataPath::Grpc => h.fabric_addr.clone(),
-                DataPath::Tcp => h.tcp_addr.clone(),
+                // A shared-memory ring is set up over the raw-TCP tensor port.
+                DataPath::Tcp | DataPath::Shm | DataPath::Auto => h.tcp_addr.clone(),
             })
             .collect();
         for (&id, (_, actors)) in &gang.hosts {

@@ -1,0 +1,96 @@
+//! The shared-memory data path as a fabric: two hosts of this machine (in this process; the
+//! ring, socket and credential checks are the same as between processes) sum a ring all-reduce
+//! through shared memory; strangers are refused on the way in.
+
+use std::io::Cursor;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::fabric::tcp::tests::{intruder_delivers, two_hosts};
+use crate::fabric::{DataPath, InProcessFabric, TcpFabric};
+use crate::trust::Credentials;
+
+/// The path of every route to an actor of the other host (two per host).
+fn paths(fabrics: &[Arc<TcpFabric>]) -> Vec<DataPath> {
+    fabrics.iter().flat_map(|f| f.paths().into_iter().flatten()).collect()
+}
+
+/// Under `shm` and under `auto` (both hosts on this machine) every link is a ring and the ring
+/// all-reduce across the hosts sums exactly; a peer with a wrong token gets no ring (`shm`
+/// fails to connect) and delivers nothing (`auto` falls back to TCP, refused there too); the
+/// right token delivers through a ring.
+#[test]
+fn over_shared_memory_the_ring_sums_and_a_peer_without_the_token_is_refused() {
+    for path in [DataPath::Shm, DataPath::Auto] {
+        let (addrs, fabrics) = two_hosts(&"secret".into(), path);
+        assert_eq!(paths(&fabrics), [DataPath::Shm; 4], "{path}");
+        let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
+        crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], 3_000_017, 1 << 18);
+        assert!(!intruder_delivers(&addrs, &fabrics, &"wrong".into(), path), "{path}");
+        assert!(intruder_delivers(&addrs, &fabrics, &"secret".into(), path), "{path}");
+    }
+    let (addrs, _fabrics) = two_hosts(&"secret".into(), DataPath::Tcp);
+    let local = Arc::new(InProcessFabric::new(4, Duration::from_millis(300)));
+    let error = TcpFabric::connect(&addrs, "elsewhere", local, &"wrong".into(), DataPath::Shm)
+        .err()
+        .expect("a peer with a wrong token got a ring");
+    assert!(error.contains("no shared-memory ring"), "{error}");
+}
+
+/// Under mutual TLS the ring is set up inside the TLS connection: members sum through shared
+/// memory; a peer with a certificate the cluster CA did not sign gets nothing.
+#[test]
+fn over_mutual_tls_the_ring_is_handed_only_to_members() {
+    let certs = crate::trust::testing::TestCerts::new();
+    let (addrs, fabrics) = two_hosts(&certs.member("secret"), DataPath::Shm);
+    assert_eq!(paths(&fabrics), [DataPath::Shm; 4]);
+    let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
+    crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], 1_000_003, 1 << 16);
+    for (who, intruder) in [
+        ("in clear", Credentials::new("secret")),
+        ("with a foreign certificate", certs.foreign_certificate("secret")),
+    ] {
+        assert!(!intruder_delivers(&addrs, &fabrics, &intruder, DataPath::Shm), "a peer {who} delivered");
+    }
+    assert!(intruder_delivers(&addrs, &fabrics, &certs.member("secret"), DataPath::Shm));
+}
+
+/// The reader declines a writer under another kernel (a different boot id) and says why; the
+/// writer reads the reason and the connection goes on as plain TCP.
+#[test]
+fn a_writer_on_another_machine_is_declined_with_the_reason() {
+    struct Wire(Cursor<Vec<u8>>, Vec<u8>);
+    impl Read for Wire {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.0.read(buf)
+        }
+    }
+    impl Write for Wire {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.1.write(buf)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+    let listener = ShmListener::bind(|_, _| {}).unwrap();
+    let mut request = Vec::new();
+    write_field(&mut request, b"another-machine").unwrap();
+    request.extend_from_slice(&1234u32.to_le_bytes());
+    let mut wire = Wire(Cursor::new(request), Vec::new());
+    assert!(!answer_ring_request(&mut wire, Some(&listener)).unwrap());
+    // The writer's side of the same exchange reads the refusal.
+    let mut answer = Wire(Cursor::new(wire.1), Vec::new());
+    let reason = ask_for_ring(&mut answer).unwrap().unwrap_err();
+    assert!(reason.contains("different machines"), "{reason}");
+    // The negative control: this machine's id gets an offer.
+    let mut request = Vec::new();
+    write_field(&mut request, machine_id().as_bytes()).unwrap();
+    request.extend_from_slice(&1234u32.to_le_bytes());
+    let mut wire = Wire(Cursor::new(request), Vec::new());
+    assert!(answer_ring_request(&mut wire, Some(&listener)).unwrap());
+    let mut answer = Wire(Cursor::new(wire.1), Vec::new());
+    let (socket, _) = ask_for_ring(&mut answer).unwrap().unwrap();
+    assert_eq!(socket, listener.name());
+}
