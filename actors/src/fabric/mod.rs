@@ -214,7 +214,9 @@ impl std::str::FromStr for DataPath {
             "tcp" => Ok(DataPath::Tcp),
             "shm" => Ok(DataPath::Shm),
             "auto" => Ok(DataPath::Auto),
-            other => Err(format!("the data path is `auto`, `shm`, `tcp` or `grpc`, not `{other}`")),
+            other => Err(format!(
+                "the data path is `auto`, `shm`, `tcp` or `grpc`, not `{other}`"
+            )),
         }
     }
 }

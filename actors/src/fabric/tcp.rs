@@ -46,7 +46,8 @@ pub fn serve_tcp_fabric(
     let credentials = credentials.clone();
     let rings = inbox.clone();
     let shm = ShmListener::bind(move |ring, peer| {
-        deliver_frames(&mut BufReader::with_capacity(1 << 16, ring), &rings, &peer)
+        let mut ring = BufReader::with_capacity(1 << 16, ring);
+        deliver_frames(|| shm::read_ring_frame(&mut ring), &rings, &peer)
     })
     .inspect_err(|e| tracing::warn!("no shared-memory data path on this host: {e}"))
     .ok();
@@ -98,7 +99,8 @@ fn read_connection(stream: TcpStream, inbox: &Inbox, credentials: &Credentials, 
     let token = credentials.token().as_bytes();
     let mut reader = BufReader::with_capacity(1 << 16, stream);
     let mut hello = [0u8; 12];
-    let greeted = reader.read_exact(&mut hello).is_ok() && (&hello[..8] == MAGIC || &hello[..8] == shm::SHM_MAGIC);
+    let greeted =
+        reader.read_exact(&mut hello).is_ok() && (&hello[..8] == MAGIC || &hello[..8] == shm::SHM_MAGIC);
     let authorised = greeted && {
         let len = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes")) as usize;
         let mut got = vec![0u8; len.min(4096)];
@@ -118,14 +120,14 @@ fn read_connection(stream: TcpStream, inbox: &Inbox, credentials: &Credentials, 
             }
         }
     }
-    deliver_frames(&mut reader, inbox, &peer);
+    deliver_frames(|| read_frame(&mut reader), inbox, &peer);
 }
 
-/// Reads frames from `reader` into `inbox` until the stream ends; a broken stream aborts the
-/// job's mailboxes.
-fn deliver_frames(reader: &mut impl Read, inbox: &Inbox, peer: &str) {
+/// Delivers the frames `next` reads into `inbox` until the stream ends; a broken stream aborts
+/// the job's mailboxes.
+fn deliver_frames(mut next: impl FnMut() -> std::io::Result<Option<Frame>>, inbox: &Inbox, peer: &str) {
     loop {
-        match read_frame(reader) {
+        match next() {
             Ok(Some((from, to, tag, tensor))) => {
                 if let Err(e) = inbox.deliver(from, to, tag, tensor) {
                     tracing::error!(%peer, "a tensor from actor {from} to {to} was not delivered: {}", e.message());
@@ -155,9 +157,32 @@ fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
+/// A decoded frame: sender, receiver, tag and tensor.
+pub(crate) type Frame = (ActorId, ActorId, Tag, HostTensor);
+
 /// One frame, or `None` at a clean end of the stream (between frames; a TLS peer that closed
 /// without close_notify between frames has lost nothing either).
-fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(ActorId, ActorId, Tag, HostTensor)>> {
+fn read_frame(r: &mut impl Read) -> std::io::Result<Option<Frame>> {
+    let Some((from, to, tag, shape, len)) = read_header(r)? else {
+        return Ok(None);
+    };
+    // Up to 64 MiB is reserved at once (no regrowth copies); beyond, the buffer grows with the
+    // bytes that arrive: announcing a huge tensor costs only what is sent.
+    let mut data: Vec<f32> = Vec::with_capacity(len.min(super::assembly::EAGER_ELEMENTS));
+    while data.len() < len {
+        let start = data.len();
+        data.resize(start + (len - start).min(READ_CHUNK_ELEMENTS), 0.0);
+        r.read_exact(bytemuck::cast_slice_mut(&mut data[start..]))?;
+    }
+    Ok(Some((from, to, tag, HostTensor::new(shape, data))))
+}
+
+/// A frame's header: sender, receiver, tag, shape and its number of values (checked against
+/// the decoder's limit); `None` at a clean end of the stream.
+#[allow(clippy::type_complexity)]
+pub(crate) fn read_header(
+    r: &mut impl Read,
+) -> std::io::Result<Option<(ActorId, ActorId, Tag, Vec<usize>, usize)>> {
     let mut first = [0u8; 4];
     match r.read(&mut first[..1]) {
         Ok(0) => return Ok(None),
@@ -181,15 +206,7 @@ fn read_frame(r: &mut impl Read) -> std::io::Result<Option<(ActorId, ActorId, Ta
         .map(|_| read_u64(r).map(|d| d as usize))
         .collect::<std::io::Result<Vec<usize>>>()?;
     let len = super::assembly::announced_elements(&shape).map_err(std::io::Error::other)?;
-    // Up to 64 MiB is reserved at once (no regrowth copies); beyond, the buffer grows with the
-    // bytes that arrive: announcing a huge tensor costs only what is sent.
-    let mut data: Vec<f32> = Vec::with_capacity(len.min(super::assembly::EAGER_ELEMENTS));
-    while data.len() < len {
-        let start = data.len();
-        data.resize(start + (len - start).min(READ_CHUNK_ELEMENTS), 0.0);
-        r.read_exact(bytemuck::cast_slice_mut(&mut data[start..]))?;
-    }
-    Ok(Some((from, to, tag, HostTensor::new(shape, data))))
+    Ok(Some((from, to, tag, shape, len)))
 }
 
 fn write_frame(
@@ -296,8 +313,9 @@ fn tcp_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>)
 /// A shared-memory link to `addr`, set up over an authenticated connection to it.
 fn ring_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>) -> Result<TcpLink, String> {
     let mut stream = greet(addr, credentials, shm::SHM_MAGIC)?;
-    let (socket, nonce) = shm::ask_for_ring(&mut stream)
-        .map_err(|e| format!("the shared-memory handshake broke off: {e} (a wrong token is refused this way)"))??;
+    let (socket, nonce) = shm::ask_for_ring(&mut stream).map_err(|e| {
+        format!("the shared-memory handshake broke off: {e} (a wrong token is refused this way)")
+    })??;
     let ring = shm::open_ring(&socket, &nonce, shm::RING_BYTES).map_err(|e| e.to_string())?;
     let _ = stream.close();
     let writer = BufWriter::with_capacity(1 << 16, ring);
@@ -457,7 +475,12 @@ pub(crate) mod tests {
             "a tensor arrived over a connection with a wrong token"
         );
         // The negative control of the refusal check: the right token delivers.
-        assert!(intruder_delivers(&addrs, &fabrics, &"secret".into(), DataPath::Tcp));
+        assert!(intruder_delivers(
+            &addrs,
+            &fabrics,
+            &"secret".into(),
+            DataPath::Tcp
+        ));
     }
 
     /// The same ring over mutual TLS sums exactly; peers in clear, with a certificate the
@@ -480,12 +503,23 @@ pub(crate) mod tests {
             );
         }
         let local = Arc::new(InProcessFabric::new(4, Duration::from_millis(300)));
-        let refused = TcpFabric::connect(&addrs, "elsewhere", local, &certs.foreign_trust("secret"), DataPath::Tcp);
+        let refused = TcpFabric::connect(
+            &addrs,
+            "elsewhere",
+            local,
+            &certs.foreign_trust("secret"),
+            DataPath::Tcp,
+        );
         let error = refused
             .err()
             .expect("a peer that does not trust the cluster CA connected");
         assert!(error.contains("TLS handshake"), "{error}");
         // The negative control: a member delivers.
-        assert!(intruder_delivers(&addrs, &fabrics, &certs.member("secret"), DataPath::Tcp));
+        assert!(intruder_delivers(
+            &addrs,
+            &fabrics,
+            &certs.member("secret"),
+            DataPath::Tcp
+        ));
     }
 }

@@ -119,7 +119,9 @@ fn move_tensor(fabric: &dyn Fabric, me: ActorId, bytes: usize, reps: usize) -> V
         } else {
             let got = fabric.recv(1, 0, tag).expect("tensor");
             assert_eq!(got.len(), bytes / 4, "the moved tensor's length");
-            fabric.send(1, 0, tag, HostTensor::scalar(got.data[got.len() - 1])).expect("acknowledgement");
+            fabric
+                .send(1, 0, tag, HostTensor::scalar(got.data[got.len() - 1]))
+                .expect("acknowledgement");
         }
     }
     times
@@ -304,9 +306,9 @@ fn connect(
                 .block_on(GrpcFabric::connect(addrs, here, local, credentials))
                 .expect("connect the fabric"),
         ),
-        path @ (DataPath::Tcp | DataPath::Shm | DataPath::Auto) => Arc::new(
-            TcpFabric::connect(addrs, here, local, credentials, path).expect("connect the fabric"),
-        ),
+        path @ (DataPath::Tcp | DataPath::Shm | DataPath::Auto) => {
+            Arc::new(TcpFabric::connect(addrs, here, local, credentials, path).expect("connect the fabric"))
+        }
     }
 }
 
@@ -502,7 +504,11 @@ pub fn data_paths(args: &PeerArgs) -> anyhow::Result<Value> {
         eprintln!("{path}: {figures}");
         out.insert(format!("{path}_2_processes"), figures);
     }
-    let all_reduce = |p: &str| out[p]["collectives"][0]["algbw_gb_per_s"].as_f64().unwrap_or(f64::NAN);
+    let all_reduce = |p: &str| {
+        out[p]["collectives"][0]["algbw_gb_per_s"]
+            .as_f64()
+            .unwrap_or(f64::NAN)
+    };
     let moved = |p: &str| out[p]["tensor_move"]["gb_per_s"].as_f64().unwrap_or(f64::NAN);
     let ratios = json!({
         "all_reduce_shm_over_tcp": all_reduce("shm_2_processes") / all_reduce("tcp_2_processes"),

@@ -13,7 +13,10 @@ use crate::trust::Credentials;
 
 /// The path of every route to an actor of the other host (two per host).
 fn paths(fabrics: &[Arc<TcpFabric>]) -> Vec<DataPath> {
-    fabrics.iter().flat_map(|f| f.paths().into_iter().flatten()).collect()
+    fabrics
+        .iter()
+        .flat_map(|f| f.paths().into_iter().flatten())
+        .collect()
 }
 
 /// Under `shm` and under `auto` (both hosts on this machine) every link is a ring and the ring
@@ -27,8 +30,14 @@ fn over_shared_memory_the_ring_sums_and_a_peer_without_the_token_is_refused() {
         assert_eq!(paths(&fabrics), [DataPath::Shm; 4], "{path}");
         let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
         crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], 3_000_017, 1 << 18);
-        assert!(!intruder_delivers(&addrs, &fabrics, &"wrong".into(), path), "{path}");
-        assert!(intruder_delivers(&addrs, &fabrics, &"secret".into(), path), "{path}");
+        assert!(
+            !intruder_delivers(&addrs, &fabrics, &"wrong".into(), path),
+            "{path}"
+        );
+        assert!(
+            intruder_delivers(&addrs, &fabrics, &"secret".into(), path),
+            "{path}"
+        );
     }
     let (addrs, _fabrics) = two_hosts(&"secret".into(), DataPath::Tcp);
     let local = Arc::new(InProcessFabric::new(4, Duration::from_millis(300)));
@@ -51,9 +60,17 @@ fn over_mutual_tls_the_ring_is_handed_only_to_members() {
         ("in clear", Credentials::new("secret")),
         ("with a foreign certificate", certs.foreign_certificate("secret")),
     ] {
-        assert!(!intruder_delivers(&addrs, &fabrics, &intruder, DataPath::Shm), "a peer {who} delivered");
+        assert!(
+            !intruder_delivers(&addrs, &fabrics, &intruder, DataPath::Shm),
+            "a peer {who} delivered"
+        );
     }
-    assert!(intruder_delivers(&addrs, &fabrics, &certs.member("secret"), DataPath::Shm));
+    assert!(intruder_delivers(
+        &addrs,
+        &fabrics,
+        &certs.member("secret"),
+        DataPath::Shm
+    ));
 }
 
 /// The reader declines a writer under another kernel (a different boot id) and says why; the

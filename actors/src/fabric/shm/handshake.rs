@@ -20,7 +20,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage,
+    SendFlags,
 };
 
 use super::ring::{RingReader, RingWriter, SharedRing};
@@ -72,7 +73,10 @@ impl ShmListener {
         let name = format!(
             "archipelago-shm-{}-{}",
             std::process::id(),
-            fresh_nonce()?[..8].iter().map(|b| format!("{b:02x}")).collect::<String>()
+            fresh_nonce()?[..8]
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
         );
         let listener = UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes())?)?;
         let offers: Arc<Mutex<HashMap<Nonce, Offer>>> = Arc::default();
@@ -192,7 +196,8 @@ mod tests {
     fn listener() -> (ShmListener, std::sync::mpsc::Receiver<(RingReader, String)>) {
         let (tx, rx) = channel();
         let tx = Mutex::new(tx);
-        let listener = ShmListener::bind(move |ring, peer| tx.lock().unwrap().send((ring, peer)).unwrap()).unwrap();
+        let listener =
+            ShmListener::bind(move |ring, peer| tx.lock().unwrap().send((ring, peer)).unwrap()).unwrap();
         (listener, rx)
     }
 

@@ -19,7 +19,7 @@ mod ring;
 pub use handshake::{Nonce, ShmListener, machine_id, open_ring};
 pub use ring::{MAX_CAPACITY, RingReader, RingWriter, SharedRing};
 
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 
 /// The greeting of a raw-TCP connection that asks for a ring (the plain one is `ARCHTCP1`).
 pub const SHM_MAGIC: &[u8; 8] = b"ARCHSHM1";
@@ -38,11 +38,32 @@ fn read_field(r: &mut impl Read) -> io::Result<Vec<u8>> {
     r.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len);
     if len > MAX_FIELD {
-        return Err(io::Error::other(format!("a handshake field of {len} bytes: over {MAX_FIELD}")));
+        return Err(io::Error::other(format!(
+            "a handshake field of {len} bytes: over {MAX_FIELD}"
+        )));
     }
     let mut field = vec![0u8; len as usize];
     r.read_exact(&mut field)?;
     Ok(field)
+}
+
+/// The next frame of a ring (the raw-TCP path's frame): the header through the buffered
+/// reader, the values straight from the ring into the tensor's buffer (see
+/// [`RingReader::read_values`]). `None` at a clean end.
+pub(crate) fn read_ring_frame(r: &mut io::BufReader<RingReader>) -> io::Result<Option<super::tcp::Frame>> {
+    let Some((from, to, tag, shape, len)) = super::tcp::read_header(r)? else {
+        return Ok(None);
+    };
+    let take = r.buffer().len().min(len.saturating_mul(4));
+    let buffered = r.buffer()[..take].to_vec();
+    r.consume(take);
+    let values = r.get_mut().read_values(&buffered, len)?;
+    Ok(Some((
+        from,
+        to,
+        tag,
+        crate::host_tensor::HostTensor::new(shape, values),
+    )))
 }
 
 /// The writer's side, after [`SHM_MAGIC`] and the token: announces this machine and process,
@@ -66,7 +87,10 @@ pub fn ask_for_ring(stream: &mut (impl Read + Write)) -> io::Result<Result<(Stri
 /// The reader's side of [`ask_for_ring`], on a connection whose token checked out: opens an
 /// offer on `listener` when the writer runs under this kernel. Returns whether it did (the TCP
 /// connection has then done its job; the ring arrives on the listener).
-pub fn answer_ring_request(stream: &mut (impl Read + Write), listener: Option<&ShmListener>) -> io::Result<bool> {
+pub fn answer_ring_request(
+    stream: &mut (impl Read + Write),
+    listener: Option<&ShmListener>,
+) -> io::Result<bool> {
     let machine = read_field(stream)?;
     let mut pid = [0u8; 4];
     stream.read_exact(&mut pid)?;
@@ -82,7 +106,10 @@ pub fn answer_ring_request(stream: &mut (impl Read + Write), listener: Option<&S
         return decline(stream, "this host serves no shared-memory socket");
     };
     if here.is_empty() || machine != here.as_bytes() {
-        return decline(stream, "the hosts run on different machines (kernel boot ids differ)");
+        return decline(
+            stream,
+            "the hosts run on different machines (kernel boot ids differ)",
+        );
     }
     let nonce = listener.offer(pid)?;
     stream.write_all(&[1])?;

@@ -121,7 +121,9 @@ impl SharedRing {
             Some(n) if n <= self.capacity as u64 => Ok(n as usize),
             _ => Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("the ring's counters are corrupt (head {head}, tail {tail}): the peer broke the protocol"),
+                format!(
+                    "the ring's counters are corrupt (head {head}, tail {tail}): the peer broke the protocol"
+                ),
             )),
         }
     }
@@ -151,18 +153,24 @@ impl SharedRing {
                 // never overlap (the mapping is not this process's heap or stack). Under the
                 // protocol the free bytes belong to the writer alone until `head` moves past
                 // them; a peer that breaks it can change their values, never their bounds.
-                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr().add(local_at), self.data_at(ring_at), n) };
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr().add(local_at), self.data_at(ring_at), n)
+                };
             }
         }
     }
 
-    /// Copies ring bytes from position `at` into `bytes` (`bytes.len() <= capacity`).
-    fn copy_out(&self, at: u64, bytes: &mut [u8]) {
-        for (ring_at, local_at, n) in self.pieces(at, bytes.len()) {
+    /// Copies `len` ring bytes from position `at` to `out` (`len <= capacity`).
+    ///
+    /// # Safety
+    /// `out` must be valid for writes of `len` bytes and not overlap the mapping.
+    unsafe fn copy_out(&self, at: u64, out: *mut u8, len: usize) {
+        for (ring_at, local_at, n) in self.pieces(at, len) {
             if n > 0 {
-                // SAFETY: as in `copy_in`, with the roles swapped: the published bytes belong to
-                // the reader alone until `tail` moves past them.
-                unsafe { std::ptr::copy_nonoverlapping(self.data_at(ring_at), bytes.as_mut_ptr().add(local_at), n) };
+                // SAFETY: as in `copy_in`, with the roles swapped (the published bytes belong to
+                // the reader alone until `tail` moves past them); `out` is valid for `len`
+                // bytes (the caller's promise) and `local_at + n <= len`.
+                unsafe { std::ptr::copy_nonoverlapping(self.data_at(ring_at), out.add(local_at), n) };
             }
         }
     }
@@ -170,7 +178,10 @@ impl SharedRing {
     /// Whether the peer's end of the socket is closed (the peer exited or dropped the ring).
     fn peer_gone(&self) -> bool {
         let mut fds = [PollFd::new(&self.peer, PollFlags::IN | PollFlags::HUP)];
-        let zero = futex::Timespec { tv_sec: 0, tv_nsec: 0 };
+        let zero = futex::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
         match rustix::event::poll(&mut fds, Some(&zero)) {
             Ok(0) => false,
             // Nothing is ever sent on it after the handshake: readable means end of stream.
@@ -263,9 +274,14 @@ impl Drop for RingWriter {
 /// The reading end of a ring.
 pub struct RingReader(pub SharedRing);
 
-impl Read for RingReader {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if buf.is_empty() {
+impl RingReader {
+    /// Copies up to `max` published bytes to `out`, waiting for at least one; 0 at the end of a
+    /// cleanly closed ring.
+    ///
+    /// # Safety
+    /// `out` must be valid for writes of `max` bytes.
+    unsafe fn fill(&mut self, out: *mut u8, max: usize) -> io::Result<usize> {
+        if max == 0 {
             return Ok(0);
         }
         let ring = &self.0;
@@ -281,11 +297,51 @@ impl Read for RingReader {
                 return Ok(0); // closed, and everything read
             }
         }
-        let n = buf.len().min(ready()?);
-        ring.copy_out(tail, &mut buf[..n]);
+        let n = max.min(ready()?);
+        // SAFETY: `n <= max` bytes to `out` (the caller's promise); `n` is within the published
+        // bytes, which are within the capacity (`in_flight` checked).
+        unsafe { ring.copy_out(tail, out, n) };
         c.tail.0.store(tail + n as u64, Ordering::Release);
         SharedRing::notify(&c.consumed.0, &c.writer_sleeps.0);
         Ok(n)
+    }
+
+    /// Reads a tensor's `len` values into a fresh buffer written once (no zeroing first): first the `buffered` bytes a buffered reader already
+    /// took off the ring, then the ring. The caller bounds `len` (the frame decoder's limit);
+    /// pages are only touched as bytes arrive, so an announcement costs what is sent.
+    pub fn read_values(&mut self, buffered: &[u8], len: usize) -> io::Result<Vec<f32>> {
+        let bytes = len
+            .checked_mul(4)
+            .ok_or_else(|| io::Error::other(format!("{len} values overflow a buffer")))?;
+        let mut values: Vec<f32> = Vec::with_capacity(len);
+        let out = values.as_mut_ptr() as *mut u8;
+        let first = buffered.len().min(bytes);
+        // SAFETY: `out` has capacity for `bytes >= first` bytes; `buffered` is this process's
+        // memory, not the new allocation.
+        unsafe { std::ptr::copy_nonoverlapping(buffered.as_ptr(), out, first) };
+        let mut filled = first;
+        while filled < bytes {
+            // SAFETY: `out + filled` has room for `bytes - filled` more bytes.
+            let n = unsafe { self.fill(out.add(filled), bytes - filled)? };
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the ring closed in the middle of a tensor",
+                ));
+            }
+            filled += n;
+        }
+        // SAFETY: every one of the `len` values' bytes was written above (any bit pattern is an
+        // f32), and `len` is within the capacity reserved.
+        unsafe { values.set_len(len) };
+        Ok(values)
+    }
+}
+
+impl Read for RingReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: `buf` is valid for writes of its length.
+        unsafe { self.fill(buf.as_mut_ptr(), buf.len()) }
     }
 }
 
@@ -343,7 +399,10 @@ mod tests {
         writer.0.control().head.0.store(1 << 40, Ordering::Release);
         let error = reader.read(&mut [0u8; 16]).unwrap_err();
         assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{error}");
-        let error = match SharedRing::open(rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap(), UnixStream::pair().unwrap().0) {
+        let error = match SharedRing::open(
+            rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::CLOEXEC).unwrap(),
+            UnixStream::pair().unwrap().0,
+        ) {
             Ok(_) => panic!("an empty memfd was taken for a ring"),
             Err(e) => e.to_string(),
         };
