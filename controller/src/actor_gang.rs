@@ -51,6 +51,31 @@ pub struct ActorGang {
 /// A reply of actor `at` (its index in the gang).
 type Answer<T> = (usize, Result<T, CallError>);
 
+/// The runtime's device threads for `streams`, and the thread of each actor: an actor with
+/// instructions to run (compute, a receive, a collective: work that blocks) keeps a thread of
+/// its own; actors with an empty stream never block, so they share one thread — a step then
+/// wakes one thread for all of them instead of one per actor, which is what dispatching a step
+/// to thousands of idle actors costs (issue 18).
+fn device_threads(streams: &[ActorStream]) -> (Vec<DeviceSpec>, Vec<usize>) {
+    let mut devices = Vec::new();
+    let mut idle_thread = None;
+    let slots = streams
+        .iter()
+        .map(|stream| {
+            let own = |devices: &mut Vec<DeviceSpec>| {
+                devices.push(stream.device);
+                devices.len() - 1
+            };
+            if stream.instructions.is_empty() {
+                *idle_thread.get_or_insert_with(|| own(&mut devices))
+            } else {
+                own(&mut devices)
+            }
+        })
+        .collect();
+    (devices, slots)
+}
+
 impl ActorGang {
     /// Spawns one actor per stream (with the matching computation factory) and waits until all
     /// are built.
@@ -61,7 +86,7 @@ impl ActorGang {
         fabric: Arc<dyn Fabric>,
         watchdog: Duration,
     ) -> Result<ActorGang, JobError> {
-        let devices: Vec<DeviceSpec> = streams.iter().map(|s| s.device).collect();
+        let (devices, slots) = device_threads(&streams);
         let runtime = Runtime::new(job, "local", devices);
         let params: Vec<DeviceActorParams> = (streams.iter().zip(factories))
             .map(|(stream, factory)| DeviceActorParams {
@@ -86,9 +111,9 @@ impl ActorGang {
             watchdog,
             streams,
         };
-        // Every actor builds at once, each on its own thread.
-        let spawns: Vec<_> = (params.iter().enumerate())
-            .map(|(slot, p)| runtime.spawn_at::<DeviceActor>(slot, p.clone(), SpawnOptions::default()))
+        // Every actor builds at once, each on its thread.
+        let spawns: Vec<_> = (params.iter().zip(&slots))
+            .map(|(p, &slot)| runtime.spawn_at::<DeviceActor>(slot, p.clone(), SpawnOptions::default()))
             .collect();
         gang.runtime = Some(runtime);
         let mut failed = None;
