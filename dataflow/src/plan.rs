@@ -59,6 +59,57 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The plan as the host of `actors` needs it, what that host's Launch carries: every actor's
+    /// placement (device, coordinates, stage, chunks) stays, but only `actors` keep their
+    /// instruction streams and segments — a host never reads another host's stream, and the
+    /// streams are nearly all of a large plan's bytes.
+    pub fn for_actors(&self, actors: &[ActorId]) -> Plan {
+        let placement_only = |a: &ActorPlan| {
+            let t = &a.training;
+            ActorPlan {
+                actor: a.actor,
+                device: a.device,
+                coords: a.coords.clone(),
+                replica: a.replica,
+                stage: a.stage,
+                chunks: a.chunks.clone(),
+                stream: ActorStream {
+                    actor: a.stream.actor,
+                    device: a.stream.device,
+                    instructions: Vec::new(),
+                },
+                training: ActorTraining {
+                    segments: Vec::new(),
+                    replica: t.replica,
+                    replicas: t.replicas,
+                    zero: t.zero,
+                    offload: t.offload.clone(),
+                    offload_params: t.offload_params,
+                    checkpoint_activations: t.checkpoint_activations,
+                    state: t.state,
+                },
+            }
+        };
+        Plan {
+            program: self.program.clone(),
+            mesh: self.mesh.clone(),
+            chunks: self.chunks.clone(),
+            buckets: self.buckets.clone(),
+            schedule: self.schedule.clone(),
+            prediction: self.prediction.clone(),
+            actors: (self.actors.iter())
+                .map(|a| {
+                    if actors.contains(&a.actor) {
+                        a.clone()
+                    } else {
+                        placement_only(a)
+                    }
+                })
+                .collect(),
+            memory: self.memory.clone(),
+        }
+    }
+
     /// The plan as pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("plans are plain data")

@@ -262,3 +262,41 @@ fn state_on_the_device_is_refused_with_offload_only() {
         other => panic!("--offload with --state device: {other:?}"),
     }
 }
+
+/// A host's Launch plan keeps its own actors whole and every other actor's placement, without
+/// their streams and segments: the host builds exactly what it would from the whole plan, and
+/// the plan it is sent shrinks with the share of actors it runs.
+#[test]
+fn a_hosts_plan_keeps_its_actors_whole_and_only_the_others_placement() {
+    let mut p = program(4, 64);
+    p.plan.pp = 2;
+    p.plan.microbatches = 2;
+    p.devices = DeviceSpec::cpus(8);
+    let plan = compile(&p).unwrap();
+    let mine = [2, 5];
+    let sent = plan.for_actors(&mine);
+    assert_eq!(sent.actors.len(), plan.actors.len());
+    for (whole, part) in plan.actors.iter().zip(&sent.actors) {
+        assert_eq!(
+            (whole.device, &whole.coords, whole.stage, whole.replica),
+            (part.device, &part.coords, part.stage, part.replica)
+        );
+        assert_eq!(whole.training.zero, part.training.zero);
+        if mine.contains(&whole.actor) {
+            assert_eq!(whole, part, "actor {} is this host's: whole", whole.actor);
+        } else {
+            assert!(part.stream.instructions.is_empty() && part.training.segments.is_empty());
+            assert!(
+                !whole.stream.instructions.is_empty(),
+                "the control: others had streams to drop"
+            );
+        }
+    }
+    let size = |plan: &Plan| serde_json::to_vec(plan).unwrap().len();
+    assert!(
+        size(&sent) * 4 < size(&plan) * 3,
+        "{} vs {} bytes",
+        size(&sent),
+        size(&plan)
+    );
+}

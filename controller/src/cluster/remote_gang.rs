@@ -101,8 +101,6 @@ impl RemoteGang {
             next_ask: 0,
             step: 0,
         };
-        let plan_bytes =
-            archipelago_actors::codec::encode(&*plan).map_err(|e| JobError::Runtime(e.to_string()))?;
         let actor_addrs: Vec<String> = placement
             .iter()
             .map(|h| match data_path {
@@ -112,9 +110,12 @@ impl RemoteGang {
             })
             .collect();
         for (&id, (_, actors)) in &gang.hosts {
+            // Each host gets its own actors' streams and everyone's placement (`Plan::for_actors`).
+            let plan_bytes = archipelago_actors::codec::encode(&plan.for_actors(actors))
+                .map_err(|e| JobError::Runtime(e.to_string()))?;
             let launch = Launch {
                 job: job.to_string(),
-                plan: plan_bytes.clone().into(),
+                plan: plan_bytes.into(),
                 actors: actors.iter().map(|&a| a as u32).collect(),
                 actor_addrs: actor_addrs.clone(),
                 patience_ms: patience.as_millis() as u64,
