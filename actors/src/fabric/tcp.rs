@@ -243,7 +243,20 @@ pub type TcpFabric = HostRoutes<TcpLink>;
 
 /// The writer thread's queue of the connection towards one peer host, and what carries it
 /// (raw TCP or a shared-memory ring).
-pub struct TcpLink(Sender<Outgoing>, DataPath);
+pub enum TcpLink {
+    /// Frames queued for the connection's writer thread.
+    Queue(Sender<Outgoing>, DataPath),
+    /// A shared-memory ring the sending thread writes into itself (no queue, no thread hop): a
+    /// full ring waits only for the peer's reader thread, which always drains it.
+    Direct {
+        /// The ring, one frame at a time.
+        ring: std::sync::Mutex<BufWriter<shm::RingWriter>>,
+        /// The peer host.
+        peer: String,
+        /// The mailboxes to abort when the ring breaks.
+        local: Arc<InProcessFabric>,
+    },
+}
 
 impl TcpFabric {
     /// The fabric of a job whose actor `a` is served at `addrs[a]` (raw-TCP fabric addresses);
@@ -318,9 +331,10 @@ fn ring_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>
     })??;
     let ring = shm::open_ring(&socket, &nonce, shm::RING_BYTES).map_err(|e| e.to_string())?;
     let _ = stream.close();
-    let writer = BufWriter::with_capacity(1 << 16, ring);
-    spawn_writer(DataPath::Shm, addr, writer, local, |mut w| {
-        let _ = w.flush();
+    Ok(TcpLink::Direct {
+        ring: std::sync::Mutex::new(BufWriter::with_capacity(1 << 16, ring)),
+        peer: addr.to_string(),
+        local: local.clone(),
     })
 }
 
@@ -355,25 +369,43 @@ fn spawn_writer<W: Write + Send + 'static>(
             close(writer);
         })
         .map_err(|e| e.to_string())?;
-    Ok(TcpLink(tx, path))
+    Ok(TcpLink::Queue(tx, path))
 }
 
 impl Link for TcpLink {
     fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
-        self.0
-            .send(Outgoing {
-                from,
-                to,
-                tag,
-                tensor,
-            })
-            .map_err(|_| {
-                FabricError::Aborted(format!("the tensor connection to actor {to}'s host is closed"))
-            })
+        match self {
+            TcpLink::Queue(queue, _) => queue
+                .send(Outgoing {
+                    from,
+                    to,
+                    tag,
+                    tensor,
+                })
+                .map_err(|_| {
+                    FabricError::Aborted(format!("the tensor connection to actor {to}'s host is closed"))
+                }),
+            TcpLink::Direct { ring, peer, local } => {
+                let mut ring = ring.lock().map_err(|_| {
+                    FabricError::Aborted(format!("the shared-memory ring to host {peer} broke earlier"))
+                })?;
+                write_frame(&mut *ring, from, to, tag, &tensor)
+                    .and_then(|()| ring.flush())
+                    .map_err(|e| {
+                        let reason = format!("the shared-memory ring to host {peer} failed: {e}");
+                        tracing::error!("{reason}");
+                        local.abort(&reason);
+                        FabricError::Aborted(reason)
+                    })
+            }
+        }
     }
 
     fn path(&self) -> DataPath {
-        self.1
+        match self {
+            TcpLink::Queue(_, path) => *path,
+            TcpLink::Direct { .. } => DataPath::Shm,
+        }
     }
 }
 

@@ -1,7 +1,8 @@
 //! The shared-memory data path between host processes of one machine (the common multi-GPU
 //! node: one host process per GPU or per socket): tensors cross through a ring in a `memfd`
-//! both processes map, written by the sending host's link thread and read by a thread of the
-//! receiving host, instead of through loopback TCP. The frames are the raw-TCP path's (the same
+//! both processes map, written by the sending actor's own thread (under the link's lock) and
+//! read by a thread of the receiving host, instead of through loopback TCP. The frames are the
+//! raw-TCP path's (the same
 //! encoder and decoder, hostile-input checks included); only the byte stream under them changes.
 //!
 //! A ring is set up only on a raw-TCP connection that has passed the token check (and mutual TLS
