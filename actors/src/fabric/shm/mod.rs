@@ -2,8 +2,8 @@
 //! node: one host process per GPU or per socket): tensors cross through a ring in a `memfd`
 //! both processes map, written by the sending actor's own thread (under the link's lock) and
 //! read by a thread of the receiving host, instead of through loopback TCP. The frames are the
-//! raw-TCP path's (the same
-//! encoder and decoder, hostile-input checks included); only the byte stream under them changes.
+//! raw-TCP path's (the same encoder and decoder, hostile-input checks included); only the byte
+//! stream under them changes.
 //!
 //! A ring is set up only on a raw-TCP connection that has passed the token check (and mutual TLS
 //! where the cluster has it): the writer sends [`SHM_MAGIC`] instead of the TCP greeting, then
