@@ -45,6 +45,11 @@ impl InProcessFabric {
         }
     }
 
+    /// Why the fabric was aborted, if it was.
+    pub fn abort_reason(&self) -> Option<String> {
+        self.aborted()
+    }
+
     fn aborted(&self) -> Option<String> {
         self.aborted.lock().expect("abort flag").clone()
     }

@@ -329,7 +329,9 @@ fn ring_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>
     let (socket, nonce) = shm::ask_for_ring(&mut stream).map_err(|e| {
         format!("the shared-memory handshake broke off: {e} (a wrong token is refused this way)")
     })??;
-    let ring = shm::open_ring(&socket, &nonce, shm::RING_BYTES).map_err(|e| e.to_string())?;
+    let mut ring = shm::open_ring(&socket, &nonce, shm::RING_BYTES).map_err(|e| e.to_string())?;
+    let mailboxes = local.clone();
+    ring.give_up_when(move || mailboxes.abort_reason());
     let _ = stream.close();
     Ok(TcpLink::Direct {
         ring: std::sync::Mutex::new(BufWriter::with_capacity(1 << 16, ring)),

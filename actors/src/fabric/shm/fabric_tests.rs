@@ -111,3 +111,51 @@ fn a_writer_on_another_machine_is_declined_with_the_reason() {
     let (socket, _) = ask_for_ring(&mut answer).unwrap().unwrap();
     assert_eq!(socket, listener.name());
 }
+
+/// `bytes` written into a fresh ring, which is then closed; the reader's side.
+fn ring_holding(bytes: &[u8]) -> io::BufReader<RingReader> {
+    let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let (ring, fd) = SharedRing::create(1 << 16, a).unwrap();
+    let reader = RingReader(SharedRing::open(fd, b).unwrap());
+    let mut writer = RingWriter(ring);
+    writer.write_all(bytes).unwrap();
+    drop(writer);
+    io::BufReader::with_capacity(1 << 10, reader)
+}
+
+/// A frame announcing a tensor far larger than what follows fails at the end of the ring, and
+/// what it reserved is bounded (the announcement costs only what is sent); an honest frame
+/// after a refused one is never reached, an honest one alone reads exactly.
+#[test]
+fn a_huge_announcement_through_a_ring_is_an_error_not_an_allocation() {
+    let frame = |shape: &[u64], payload: &[u8]| {
+        let mut out = Vec::new();
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&1u32.to_le_bytes());
+        out.extend_from_slice(&[0; 16]);
+        out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+        shape.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
+        out.extend_from_slice(payload);
+        out
+    };
+    // 16 GiB announced (the decoder's limit), 4 KiB sent.
+    let mut reader = ring_holding(&frame(&[1 << 32], &[0; 4096]));
+    let error = read_ring_frame(&mut reader).unwrap_err();
+    assert_eq!(error.kind(), io::ErrorKind::UnexpectedEof, "{error}");
+    let values = [1.5f32, -2.0, 3.25];
+    let honest: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut reader = ring_holding(&frame(&[3], &honest));
+    let (_, _, _, tensor) = read_ring_frame(&mut reader).unwrap().unwrap();
+    assert_eq!(tensor.data.to_vec(), values.to_vec());
+    assert!(read_ring_frame(&mut reader).unwrap().is_none(), "the clean end");
+}
+
+proptest::proptest! {
+    /// Arbitrary bytes through a ring: the decoder returns frames, the end, or an error; never
+    /// a panic.
+    #[test]
+    fn arbitrary_bytes_through_a_ring_never_panic_the_decoder(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..512)) {
+        let mut reader = ring_holding(&bytes);
+        while let Ok(Some(_)) = read_ring_frame(&mut reader) {}
+    }
+}

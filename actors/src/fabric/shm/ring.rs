@@ -59,12 +59,18 @@ struct Control {
 
 const _: () = assert!(std::mem::size_of::<Control>() <= CONTROL_BYTES);
 
+/// Says why a side should stop waiting for its peer (the job was aborted), or `None`.
+type GiveUp = Box<dyn Fn() -> Option<String> + Send + Sync>;
+
 /// A ring mapped into this process, and the socket that tells whether its peer is alive (the
 /// peer holds the other end; it closes when the peer exits, however it exits).
 pub struct SharedRing {
     map: MmapRaw,
     capacity: usize,
     peer: UnixStream,
+    /// Asked while waiting: a peer that is alive but stopped (SIGSTOP, a stuck reader) never
+    /// closes its socket, so a wait also ends when the job gives up.
+    give_up: Option<GiveUp>,
 }
 
 impl SharedRing {
@@ -99,7 +105,12 @@ impl SharedRing {
             .len(CONTROL_BYTES + capacity)
             .populate()
             .map_raw(fd)?;
-        Ok(SharedRing { map, capacity, peer })
+        Ok(SharedRing {
+            map,
+            capacity,
+            peer,
+            give_up: None,
+        })
     }
 
     fn control(&self) -> &Control {
@@ -221,6 +232,11 @@ impl SharedRing {
                     "the process at the other end of the shared-memory ring is gone",
                 ));
             }
+            if let Some(reason) = self.give_up.as_ref().and_then(|give_up| give_up()) {
+                return Err(io::Error::other(format!(
+                    "stopped waiting for the ring's peer: {reason}"
+                )));
+            }
         }
     }
 
@@ -235,6 +251,14 @@ impl SharedRing {
 
 /// The writing end of a ring.
 pub struct RingWriter(pub SharedRing);
+
+impl RingWriter {
+    /// Stops a write that waits for space as soon as `reason` says why (e.g. the job's
+    /// mailboxes were aborted): a peer process that is alive but stopped never frees space.
+    pub fn give_up_when(&mut self, reason: impl Fn() -> Option<String> + Send + Sync + 'static) {
+        self.0.give_up = Some(Box::new(reason));
+    }
+}
 
 impl Write for RingWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
@@ -306,34 +330,50 @@ impl RingReader {
         Ok(n)
     }
 
-    /// Reads a tensor's `len` values into a fresh buffer written once (no zeroing first): first the `buffered` bytes a buffered reader already
-    /// took off the ring, then the ring. The caller bounds `len` (the frame decoder's limit);
-    /// pages are only touched as bytes arrive, so an announcement costs what is sent.
+    /// Reads a tensor's `len` values into a fresh buffer written once (no zeroing first): first
+    /// the `buffered` bytes a buffered reader already took off the ring, then the ring. Up to
+    /// 64 MiB is reserved at once and the buffer grows with the bytes that arrive (fallibly: an
+    /// allocation that fails is an error), so announcing a huge tensor costs only what is sent.
     pub fn read_values(&mut self, buffered: &[u8], len: usize) -> io::Result<Vec<f32>> {
         let bytes = len
             .checked_mul(4)
             .ok_or_else(|| io::Error::other(format!("{len} values overflow a buffer")))?;
-        let mut values: Vec<f32> = Vec::with_capacity(len);
-        let out = values.as_mut_ptr() as *mut u8;
-        let first = buffered.len().min(bytes);
-        // SAFETY: `out` has capacity for `bytes >= first` bytes; `buffered` is this process's
-        // memory, not the new allocation.
-        unsafe { std::ptr::copy_nonoverlapping(buffered.as_ptr(), out, first) };
-        let mut filled = first;
-        while filled < bytes {
-            // SAFETY: `out + filled` has room for `bytes - filled` more bytes.
-            let n = unsafe { self.fill(out.add(filled), bytes - filled)? };
+        let mut buffered = &buffered[..buffered.len().min(bytes)];
+        let mut values: Vec<f32> = Vec::new();
+        let mut written = 0;
+        while written < bytes {
+            if written == values.capacity() * 4 {
+                let more = (len - values.len()).min(crate::fabric::assembly::EAGER_ELEMENTS);
+                values
+                    .try_reserve_exact(more)
+                    .map_err(|e| io::Error::other(format!("cannot hold a tensor of {len} values: {e}")))?;
+            }
+            let room = (values.capacity() * 4).min(bytes) - written;
+            // SAFETY: `written < capacity * 4`, so the address is inside the allocation.
+            let out = unsafe { (values.as_mut_ptr() as *mut u8).add(written) };
+            let n = if buffered.is_empty() {
+                // SAFETY: `out` has `room` writable bytes left in the allocation.
+                unsafe { self.fill(out, room)? }
+            } else {
+                let n = buffered.len().min(room);
+                // SAFETY: `n <= room` bytes into the allocation from `buffered`, this process's
+                // memory that does not overlap a fresh allocation.
+                unsafe { std::ptr::copy_nonoverlapping(buffered.as_ptr(), out, n) };
+                buffered = &buffered[n..];
+                n
+            };
             if n == 0 {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
                     "the ring closed in the middle of a tensor",
                 ));
             }
-            filled += n;
+            written += n;
+            // SAFETY: bytes `0..written` are written, so `written / 4` whole values are
+            // initialised (any bit pattern is an f32), within the capacity. A reallocation
+            // happens only when `written` fills the capacity, a whole number of values.
+            unsafe { values.set_len(written / 4) };
         }
-        // SAFETY: every one of the `len` values' bytes was written above (any bit pattern is an
-        // f32), and `len` is within the capacity reserved.
-        unsafe { values.set_len(len) };
         Ok(values)
     }
 }
@@ -390,6 +430,25 @@ mod tests {
         drop(ring); // the writer's process "exits" without closing the ring
         let error = reader.read(&mut [0u8; 16]).unwrap_err();
         assert_eq!(error.kind(), io::ErrorKind::BrokenPipe, "{error}");
+    }
+
+    /// A writer whose peer is alive but never reads (a stopped process) waits for space until
+    /// it is told to give up, then fails naming why.
+    #[test]
+    fn a_writer_waiting_on_a_stopped_peer_gives_up_when_the_job_does() {
+        let (mut writer, _reader) = pair(1024);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        writer.give_up_when(move || {
+            flag.load(Ordering::SeqCst)
+                .then(|| "the job was aborted".to_string())
+        });
+        let writing = std::thread::spawn(move || writer.write_all(&[7u8; 4096]));
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!writing.is_finished(), "the write did not wait for space");
+        stop.store(true, Ordering::SeqCst);
+        let error = writing.join().unwrap().unwrap_err().to_string();
+        assert!(error.contains("the job was aborted"), "{error}");
     }
 
     /// Counters a peer corrupted are refused before any byte moves.
