@@ -100,6 +100,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         let scale = json!({
             "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,
             "dispatch": scale::noop_step(1024, steps)?,
+            "dispatch_working": scale::working_step(1024, steps)?,
             "dispatch_4096": scale::noop_step(4096, steps / 4)?,
         });
         let out = json!({ "suite": "scale", "scale": scale, "wall_s": started.elapsed().as_secs_f64() });

@@ -99,6 +99,26 @@ impl Computation for NoOp {
 
 /// One step (`Step` to all, every `StepDone` back) over `actors` no-op actors, `steps` times.
 pub fn noop_step(actors: usize, steps: u64) -> anyhow::Result<Value> {
+    dispatch(actors, steps, false)
+}
+
+/// [`noop_step`] with actors that each have one instruction (a compute that does nothing): an
+/// actor with work keeps a device thread of its own, so a step wakes one thread per actor.
+pub fn working_step(actors: usize, steps: u64) -> anyhow::Result<Value> {
+    dispatch(actors, steps, true)
+}
+
+fn dispatch(actors: usize, steps: u64, working: bool) -> anyhow::Result<Value> {
+    let work = || {
+        working
+            .then(|| archipelago_dataflow::Instruction::Compute {
+                op: archipelago_dataflow::ComputeOp::LoadBatch { start: 0, end: 0 },
+                inputs: Vec::new(),
+                outputs: Vec::new(),
+            })
+            .into_iter()
+            .collect::<Vec<_>>()
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -109,7 +129,7 @@ pub fn noop_step(actors: usize, steps: u64) -> anyhow::Result<Value> {
             .map(|actor| ActorStream {
                 actor,
                 device: DeviceSpec::Cpu(actor as u32),
-                instructions: Vec::new(),
+                instructions: work(),
             })
             .collect();
         let factories: Vec<ComputationFactory> = (0..actors)
@@ -129,8 +149,8 @@ pub fn noop_step(actors: usize, steps: u64) -> anyhow::Result<Value> {
     })?;
     let s = median(&mut times);
     Ok(json!({
-        "name": format!("step_dispatch_{actors}_noop_actors"),
-        "config": { "actors": actors, "steps": steps, "transport": "in-process (runtime-API device actors, one device thread each)" },
+        "name": format!("step_dispatch_{actors}_{}_actors", if working { "working" } else { "noop" }),
+        "config": { "actors": actors, "steps": steps, "transport": if working { "in-process (runtime-API device actors with one no-op compute instruction each: a device thread each)" } else { "in-process (runtime-API device actors with empty streams: one shared device thread)" } },
         "gang_start_s": start_s,
         "median_step_s": s,
         "steps_per_s": 1.0 / s,
