@@ -47,10 +47,6 @@ impl InProcessFabric {
 
     /// Why the fabric was aborted, if it was.
     pub fn abort_reason(&self) -> Option<String> {
-        self.aborted()
-    }
-
-    fn aborted(&self) -> Option<String> {
         self.aborted.lock().expect("abort flag").clone()
     }
 }
@@ -61,7 +57,7 @@ impl Fabric for InProcessFabric {
     }
 
     fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
-        if let Some(reason) = self.aborted() {
+        if let Some(reason) = self.abort_reason() {
             return Err(FabricError::Aborted(reason));
         }
         let mailbox = self.mailboxes.get(to).ok_or(FabricError::NoSuchActor(to))?;
@@ -90,7 +86,7 @@ impl Fabric for InProcessFabric {
                 }
                 return Ok(tensor);
             }
-            if let Some(reason) = self.aborted() {
+            if let Some(reason) = self.abort_reason() {
                 return Err(FabricError::Aborted(reason));
             }
             let waited = started.elapsed();

@@ -241,11 +241,10 @@ pub struct Outgoing {
 /// one connection per peer host.
 pub type TcpFabric = HostRoutes<TcpLink>;
 
-/// The writer thread's queue of the connection towards one peer host, and what carries it
-/// (raw TCP or a shared-memory ring).
+/// The link towards one peer host: a raw TCP connection or a shared-memory ring.
 pub enum TcpLink {
-    /// Frames queued for the connection's writer thread.
-    Queue(Sender<Outgoing>, DataPath),
+    /// Frames queued for the TCP connection's writer thread.
+    Queue(Sender<Outgoing>),
     /// A shared-memory ring the sending thread writes into itself (no queue, no thread hop): a
     /// full ring waits only for the peer's reader thread, which always drains it.
     Direct {
@@ -314,15 +313,6 @@ fn greet(addr: &str, credentials: &Credentials, magic: &[u8; 8]) -> Result<Block
     Ok(stream)
 }
 
-/// A raw-TCP link to `addr`.
-fn tcp_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>) -> Result<TcpLink, String> {
-    let stream = greet(addr, credentials, MAGIC)?;
-    let writer = BufWriter::with_capacity(1 << 16, stream);
-    spawn_writer(DataPath::Tcp, addr, writer, local, |mut w| {
-        let _ = w.flush().and_then(|()| w.get_mut().close());
-    })
-}
-
 /// A shared-memory link to `addr`, set up over an authenticated connection to it.
 fn ring_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>) -> Result<TcpLink, String> {
     let mut stream = greet(addr, credentials, shm::SHM_MAGIC)?;
@@ -340,19 +330,13 @@ fn ring_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>
     })
 }
 
-/// The thread that writes a link's frames to `writer`, and the queue that feeds it; `close`
-/// ends the stream cleanly once the job's fabric is gone.
-fn spawn_writer<W: Write + Send + 'static>(
-    path: DataPath,
-    addr: &str,
-    mut writer: W,
-    local: &Arc<InProcessFabric>,
-    close: impl FnOnce(W) + Send + 'static,
-) -> Result<TcpLink, String> {
+/// A raw-TCP link to `addr`: the thread that writes its frames, and the queue that feeds it.
+fn tcp_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>) -> Result<TcpLink, String> {
+    let mut writer = BufWriter::with_capacity(1 << 16, greet(addr, credentials, MAGIC)?);
     let (tx, rx) = channel::<Outgoing>();
     let (peer, mailboxes) = (addr.to_string(), local.clone());
     std::thread::Builder::new()
-        .name(format!("{path}-fabric-to-{addr}"))
+        .name(format!("tcp-fabric-to-{addr}"))
         .spawn(move || {
             // Frames queued together leave in one flush (small messages in flight
             // share syscalls); a lone frame is flushed at once.
@@ -368,16 +352,17 @@ fn spawn_writer<W: Write + Send + 'static>(
                     return;
                 }
             }
-            close(writer);
+            // The job's fabric is gone: end the stream cleanly.
+            let _ = writer.flush().and_then(|()| writer.get_mut().close());
         })
         .map_err(|e| e.to_string())?;
-    Ok(TcpLink::Queue(tx, path))
+    Ok(TcpLink::Queue(tx))
 }
 
 impl Link for TcpLink {
     fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
         match self {
-            TcpLink::Queue(queue, _) => queue
+            TcpLink::Queue(queue) => queue
                 .send(Outgoing {
                     from,
                     to,
@@ -405,7 +390,7 @@ impl Link for TcpLink {
 
     fn path(&self) -> DataPath {
         match self {
-            TcpLink::Queue(_, path) => *path,
+            TcpLink::Queue(_) => DataPath::Tcp,
             TcpLink::Direct { .. } => DataPath::Shm,
         }
     }

@@ -108,37 +108,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     let reps = if args.quick { 5 } else { 15 };
     if args.tls_only {
-        let tcp = cross_process::PeerArgs {
-            reps,
-            bytes: 64 << 20,
-            round_trips: if args.quick { 2000 } else { 10_000 },
-            batches: if args.quick { 5 } else { 20 },
-            data_path: DataPath::Tcp,
-            tls_dir: None,
-        };
+        let tcp = peer_args(args, reps, DataPath::Tcp);
         let out = json!({ "suite": "tls", "tcp_2_processes": cross_process::plain_vs_tls(&tcp)?, "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
     }
     if args.data_paths_only {
-        let peer = cross_process::PeerArgs {
-            reps,
-            bytes: 64 << 20,
-            round_trips: if args.quick { 2000 } else { 10_000 },
-            batches: if args.quick { 5 } else { 20 },
-            data_path: DataPath::Shm,
-            tls_dir: None,
-        };
+        let peer = peer_args(args, reps, DataPath::Shm);
         let out = json!({ "suite": "data_paths", "data_paths": cross_process::data_paths(&peer)?, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
     }
     if args.actor_api_only {
         let peer = cross_process::PeerArgs {
-            reps: 1,
             bytes: 1 << 20,
-            round_trips: if args.quick { 2000 } else { 10_000 },
-            batches: if args.quick { 5 } else { 20 },
-            data_path: DataPath::Grpc,
-            tls_dir: None,
+            ..peer_args(args, 1, DataPath::Grpc)
         };
         let fabric = cross_process::in_process(&peer);
         let tcp = cross_process::between_processes(&cross_process::PeerArgs {
@@ -172,14 +154,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             json!({ "suite": "collectives", "collectives": ring, "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
     }
-    let peer = cross_process::PeerArgs {
-        reps,
-        bytes: 64 << 20,
-        round_trips: if args.quick { 2000 } else { 10_000 },
-        batches: if args.quick { 5 } else { 20 },
-        data_path: DataPath::Grpc,
-        tls_dir: None,
-    };
+    let peer = peer_args(args, reps, DataPath::Grpc);
     let tcp = cross_process::PeerArgs {
         data_path: DataPath::Tcp,
         ..peer.clone()
@@ -254,6 +229,19 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "wall_s": started.elapsed().as_secs_f64(),
     });
     write_out(&out, args)
+}
+
+/// The cross-process script's settings for `path`: 64 MiB collectives `reps` times, then the
+/// round trips (fewer with `--quick`).
+fn peer_args(args: &BenchArgs, reps: usize, path: DataPath) -> cross_process::PeerArgs {
+    cross_process::PeerArgs {
+        reps,
+        bytes: 64 << 20,
+        round_trips: if args.quick { 2000 } else { 10_000 },
+        batches: if args.quick { 5 } else { 20 },
+        data_path: path,
+        tls_dir: None,
+    }
 }
 
 fn write_out(out: &serde_json::Value, args: &BenchArgs) -> anyhow::Result<()> {

@@ -173,11 +173,11 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
                     old.stop("a new job was launched").await;
                 }
                 let name = launch.job.clone();
-                let here = if launch.data_path == "grpc" {
-                    &fabric_addr
-                } else {
-                    &tcp_addr
-                };
+                let tcp_port = launch
+                    .data_path
+                    .parse::<DataPath>()
+                    .is_ok_and(DataPath::uses_tcp_port);
+                let here = if tcp_port { &tcp_addr } else { &fabric_addr };
                 match start_job(launch, &inbox, here, &options.credentials).await {
                     Ok((gang, fabric)) => {
                         *progress.lock().expect("progress") =

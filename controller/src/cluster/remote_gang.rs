@@ -103,10 +103,13 @@ impl RemoteGang {
         };
         let actor_addrs: Vec<String> = placement
             .iter()
-            .map(|h| match data_path {
-                DataPath::Grpc => h.fabric_addr.clone(),
+            .map(|h| {
                 // A shared-memory ring is set up over the raw-TCP tensor port.
-                DataPath::Tcp | DataPath::Shm | DataPath::Auto => h.tcp_addr.clone(),
+                if data_path.uses_tcp_port() {
+                    h.tcp_addr.clone()
+                } else {
+                    h.fabric_addr.clone()
+                }
             })
             .collect();
         for (&id, (_, actors)) in &gang.hosts {

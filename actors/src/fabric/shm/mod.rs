@@ -20,7 +20,7 @@ mod ring;
 pub use handshake::{Nonce, ShmListener, machine_id, open_ring};
 pub use ring::{MAX_CAPACITY, RingReader, RingWriter, SharedRing};
 
-use std::io::{self, BufRead, Read, Write};
+use std::io::{self, Read, Write};
 
 /// The greeting of a raw-TCP connection that asks for a ring (the plain one is `ARCHTCP1`).
 pub const SHM_MAGIC: &[u8; 8] = b"ARCHSHM1";
@@ -49,16 +49,13 @@ fn read_field(r: &mut impl Read) -> io::Result<Vec<u8>> {
 }
 
 /// The next frame of a ring (the raw-TCP path's frame): the header through the buffered
-/// reader, the values straight from the ring into the tensor's buffer (see
-/// [`RingReader::read_values`]). `None` at a clean end.
+/// reader, the values straight into the tensor's buffer (see [`RingReader::read_values`]).
+/// `None` at a clean end.
 pub(crate) fn read_ring_frame(r: &mut io::BufReader<RingReader>) -> io::Result<Option<super::tcp::Frame>> {
     let Some((from, to, tag, shape, len)) = super::tcp::read_header(r)? else {
         return Ok(None);
     };
-    let take = r.buffer().len().min(len.saturating_mul(4));
-    let buffered = r.buffer()[..take].to_vec();
-    r.consume(take);
-    let values = r.get_mut().read_values(&buffered, len)?;
+    let values = RingReader::read_values(r, len)?;
     Ok(Some((
         from,
         to,

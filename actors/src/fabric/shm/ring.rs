@@ -13,7 +13,7 @@
 //! fail with an error, never read or write outside the mapping.
 #![allow(unsafe_code)]
 
-use std::io::{self, Read, Write};
+use std::io::{self, BufRead, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -331,14 +331,13 @@ impl RingReader {
     }
 
     /// Reads a tensor's `len` values into a fresh buffer written once (no zeroing first): first
-    /// the `buffered` bytes a buffered reader already took off the ring, then the ring. Up to
+    /// what the buffered reader `r` already took off the ring, then the ring itself. Up to
     /// 64 MiB is reserved at once and the buffer grows with the bytes that arrive (fallibly: an
     /// allocation that fails is an error), so announcing a huge tensor costs only what is sent.
-    pub fn read_values(&mut self, buffered: &[u8], len: usize) -> io::Result<Vec<f32>> {
+    pub fn read_values(r: &mut io::BufReader<RingReader>, len: usize) -> io::Result<Vec<f32>> {
         let bytes = len
             .checked_mul(4)
             .ok_or_else(|| io::Error::other(format!("{len} values overflow a buffer")))?;
-        let mut buffered = &buffered[..buffered.len().min(bytes)];
         let mut values: Vec<f32> = Vec::new();
         let mut written = 0;
         while written < bytes {
@@ -351,15 +350,17 @@ impl RingReader {
             let room = (values.capacity() * 4).min(bytes) - written;
             // SAFETY: `written < capacity * 4`, so the address is inside the allocation.
             let out = unsafe { (values.as_mut_ptr() as *mut u8).add(written) };
+            let buffered = r.buffer();
             let n = if buffered.is_empty() {
-                // SAFETY: `out` has `room` writable bytes left in the allocation.
-                unsafe { self.fill(out, room)? }
+                // SAFETY: `out` has `room` writable bytes left in the allocation. The buffered
+                // reader holds nothing, so reading the ring under it skips no byte.
+                unsafe { r.get_mut().fill(out, room)? }
             } else {
                 let n = buffered.len().min(room);
-                // SAFETY: `n <= room` bytes into the allocation from `buffered`, this process's
-                // memory that does not overlap a fresh allocation.
+                // SAFETY: `n <= room` bytes into the allocation from the reader's buffer, this
+                // process's memory that does not overlap a fresh allocation.
                 unsafe { std::ptr::copy_nonoverlapping(buffered.as_ptr(), out, n) };
-                buffered = &buffered[n..];
+                r.consume(n);
                 n
             };
             if n == 0 {
