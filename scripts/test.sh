@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need on a fresh Debian machine (Debian's
 # headless `chromium`, which the dashboard test drives, `openssl` for the TLS tests, `slurm-wlm`
-# and `munge` for the Slurm tests), then runs every test of the workspace.
+# and `munge` for the Slurm tests, `libopenblas0-pthread` for the CPU matmul that the kernel tests
+# check against Flex's), then runs every test of the workspace.
 # `.ci/run` calls this same script after fmt, clippy and doc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,13 @@ if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then
     sudo=$([ "$(id -u)" = 0 ] || echo sudo)
     $sudo apt-get install -y -q slurm-wlm munge > /dev/null 2>&1 \
         || { $sudo apt-get update -q > /dev/null && $sudo apt-get install -y -q slurm-wlm munge > /dev/null; }
+fi
+if ! dpkg -s libopenblas0-pthread > /dev/null 2>&1; then
+    # The CPU matmul (actors/src/kernels) loads OpenBLAS at run time; under CI its tests require it.
+    echo "scripts/test.sh: installing Debian's libopenblas0-pthread for the CPU matmul" >&2
+    sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+    $sudo apt-get install -y -q libopenblas0-pthread > /dev/null 2>&1 \
+        || { $sudo apt-get update -q > /dev/null && $sudo apt-get install -y -q libopenblas0-pthread > /dev/null; }
 fi
 chromium --version
 cargo test --workspace "$@"

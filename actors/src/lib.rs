@@ -17,6 +17,7 @@
 //! - [`collectives`]: the chunked, pipelined ring all-reduce and the per-actor collective worker;
 //! - [`optim`]: optimizers on flat shards (Adam, AdamW, SGD with momentum and Nesterov, LAMB),
 //!   gradient clipping and parameter groups ([`flat_optimizer`] is its former name);
+//! - [`kernels`]: the CPU matmul by OpenBLAS behind burn's backend API (`Kernels`);
 //! - [`block`] and [`zoo`]: the burn glue (block trait, parameter flattening) and the models;
 //! - [`backend`] and [`gpus`]: the burn backends per device kind (`cpu:N`, `cuda:N` with the
 //!   `cuda` feature) and the GPUs a host offers.
@@ -33,6 +34,7 @@ pub mod executor;
 pub mod fabric;
 pub mod gpus;
 pub mod host_tensor;
+pub mod kernels;
 pub mod offload;
 pub mod optim;
 pub mod peak;

@@ -381,6 +381,9 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         program.plan.batch,
         steps
     );
+    if args.controller.is_none() && plan.actors.iter().any(|a| a.device.cuda_ordinal().is_none()) {
+        println!("cpu matmul: {}", archipelago_actors::kernels::describe());
+    }
     // A progress bar on a terminal, plain lines otherwise (logs, CI, pipes).
     let bar = (!quiet && std::io::IsTerminal::is_terminal(&std::io::stdout())).then(|| {
         let bar = indicatif::ProgressBar::new(steps);

@@ -16,6 +16,16 @@ fn main() {
         _ => ("archipelago", "warn"),
     };
     let telemetry = Telemetry::init(service, level);
+    // The CPU matmul (`ARCHIPELAGO_CPU_MATMUL`) is chosen before any actor starts: a bad value, or
+    // `openblas` where it cannot be loaded, is an error here.
+    if matches!(
+        &cli.command,
+        Command::Train(_) | Command::Host(_) | Command::Ps(_) | Command::Bench(_) | Command::BenchPeer(_)
+    ) && let Err(why) = archipelago_actors::kernels::select_from_env()
+    {
+        eprintln!("error: {why}");
+        std::process::exit(2);
+    }
     let result = match &cli.command {
         Command::Train(args) => cli::train(args),
         Command::Plan(args) => cli::plan(args),

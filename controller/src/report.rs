@@ -140,6 +140,10 @@ pub struct TrainReport {
     pub replayed_step_s: f64,
     /// Load average (1, 5, 15 min) at the end.
     pub load_avg: [f64; 3],
+    /// What multiplied f32 matrices on this process's CPU devices (`ARCHIPELAGO_CPU_MATMUL`):
+    /// OpenBLAS's own description of itself, or `flex gemm`.
+    #[serde(default)]
+    pub cpu_matmul: String,
     /// Each restart after a lost host (cluster jobs with `--restart on-failure`), in order.
     #[serde(default)]
     pub restarts: Vec<RestartRecord>,

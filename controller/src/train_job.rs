@@ -526,6 +526,7 @@ pub(crate) async fn drive<G: Gang>(
         predicted_step_s: plan.prediction.step_s,
         replayed_step_s: replayed.step_s,
         load_avg: load_avg(),
+        cpu_matmul: archipelago_actors::kernels::describe(),
     })
 }
 

@@ -6,10 +6,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 
 use archipelago_actors::CpuBackend;
 use archipelago_actors::block::{Activation, Block, BlockModule};
+use archipelago_actors::kernels::Kernels;
 use archipelago_actors::zoo::{BuildContext, LinearReluBlock, ModelBuilder, ZooModel};
 use archipelago_controller::{Controller, JobError, TrainOptions};
 use archipelago_dataflow::{DeviceSpec, ModelDesc, ModelSpec, ParallelPlan, Program};
@@ -23,7 +24,7 @@ struct Faulty<B: Backend> {
     armed: usize,
 }
 
-impl<B: AutodiffBackend> BlockModule<B> for Faulty<B> {
+impl<B: Kernels> BlockModule<B> for Faulty<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         if self.armed == 1 && FORWARDS_ON_FAULTY_ACTOR.fetch_add(1, Ordering::SeqCst) == 2 {
             panic!("injected fault");

@@ -7,10 +7,11 @@
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::{gelu, softmax};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor};
 
 use crate::block::{Activation, BlockModule};
+use crate::kernels::{Kernels, linear, matmul};
 
 /// Token and learned position embeddings: ids `[b, t]` → `[b, t, d]`.
 #[derive(Module, Debug)]
@@ -35,7 +36,7 @@ impl<B: Backend> GptEmbedding<B> {
     }
 }
 
-impl<B: AutodiffBackend> BlockModule<B> for GptEmbedding<B> {
+impl<B: Kernels> BlockModule<B> for GptEmbedding<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         let Activation::Tokens(tokens) = x else {
             panic!("GptEmbedding takes token ids")
@@ -86,12 +87,14 @@ impl<B: Backend> TransformerLayer<B> {
             heads,
         }
     }
+}
 
+impl<B: Kernels> TransformerLayer<B> {
     fn attention(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let h = self.heads;
         let hd = d / h;
-        let qkv = self.qkv.forward(x);
+        let qkv = linear(&self.qkv, x);
         let split = |i: usize| {
             qkv.clone()
                 .narrow(2, i * d, d)
@@ -99,27 +102,25 @@ impl<B: Backend> TransformerLayer<B> {
                 .swap_dims(1, 2)
         };
         let (q, k, v) = (split(0), split(1), split(2));
-        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f32).sqrt());
+        let scores = matmul(q, k.swap_dims(2, 3)).div_scalar((hd as f32).sqrt());
         // The causal mask, made on the device (no host upload per layer and forward): -1e9 where
         // a query would see a later key.
         let device = scores.device();
         let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
         let mask = Tensor::<B, 2>::zeros([t, t], &device).mask_fill(future, -1e9);
         let weights = softmax(scores + mask.reshape([1, 1, t, t]), 3);
-        let y = weights.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
-        self.proj.forward(y)
+        let y = matmul(weights, v).swap_dims(1, 2).reshape([b, t, d]);
+        linear(&self.proj, y)
     }
 }
 
-impl<B: AutodiffBackend> BlockModule<B> for TransformerLayer<B> {
+impl<B: Kernels> BlockModule<B> for TransformerLayer<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         let Activation::Seq(x) = x else {
             panic!("TransformerLayer takes a sequence")
         };
         let x = x.clone() + self.attention(self.ln1.forward(x));
-        let mlp = self
-            .fc2
-            .forward(gelu(self.fc1.forward(self.ln2.forward(x.clone()))));
+        let mlp = linear(&self.fc2, gelu(linear(&self.fc1, self.ln2.forward(x.clone()))));
         Activation::Seq(x + mlp)
     }
 }
@@ -146,12 +147,12 @@ impl<B: Backend> GptHead<B> {
     }
 }
 
-impl<B: AutodiffBackend> BlockModule<B> for GptHead<B> {
+impl<B: Kernels> BlockModule<B> for GptHead<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         let Activation::Seq(x) = x else {
             panic!("GptHead takes a sequence")
         };
-        Activation::Seq(self.head.forward(self.ln_f.forward(x)))
+        Activation::Seq(linear(&self.head, self.ln_f.forward(x)))
     }
 }
 

@@ -3,9 +3,9 @@
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::backend::AutodiffBackend;
 
 use crate::block::{Activation, BlockModule};
+use crate::kernels::{Kernels, linear};
 
 /// `relu(x · W + b)`.
 #[derive(Module, Debug)]
@@ -25,10 +25,10 @@ impl<B: burn::tensor::backend::Backend> LinearReluBlock<B> {
     }
 }
 
-impl<B: AutodiffBackend> BlockModule<B> for LinearReluBlock<B> {
+impl<B: Kernels> BlockModule<B> for LinearReluBlock<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         match x {
-            Activation::Rows(x) => Activation::Rows(relu(self.linear.forward(x))),
+            Activation::Rows(x) => Activation::Rows(relu(linear(&self.linear, x))),
             other => panic!("LinearReluBlock takes dense rows, got {other:?}"),
         }
     }
@@ -52,10 +52,10 @@ impl<B: burn::tensor::backend::Backend> LinearBlock<B> {
     }
 }
 
-impl<B: AutodiffBackend> BlockModule<B> for LinearBlock<B> {
+impl<B: Kernels> BlockModule<B> for LinearBlock<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         match x {
-            Activation::Rows(x) => Activation::Rows(self.linear.forward(x)),
+            Activation::Rows(x) => Activation::Rows(linear(&self.linear, x)),
             other => panic!("LinearBlock takes dense rows, got {other:?}"),
         }
     }

@@ -46,7 +46,7 @@ pub trait ModelBuilder<B: AutodiffBackend>: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct ZooModel(pub ModelSpec);
 
-impl<B: AutodiffBackend> ModelBuilder<B> for ZooModel {
+impl<B: crate::kernels::Kernels> ModelBuilder<B> for ZooModel {
     fn desc(&self) -> ModelDesc {
         self.0.desc()
     }

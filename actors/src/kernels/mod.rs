@@ -1,0 +1,159 @@
+//! CPU kernels behind burn's backend API: the matmul of CPU devices by OpenBLAS.
+//!
+//! Flex (burn's CPU backend) multiplies with the `gemm` crate, whose kernels ran at 42–62
+//! GFLOP/s at gpt-tiny's shapes on one AVX-512 core where OpenBLAS's SkylakeX kernels ran at
+//! 130–145 (docs/PERFORMANCE.md). Models call [`matmul`] and [`linear`] (bound `B: Kernels`)
+//! instead of `Tensor::matmul` and `Linear::forward`; on `Autodiff<Flex>` these run OpenBLAS in the
+//! forward and in both gradient products of the backward, on every other backend they are burn's.
+//!
+//! Which library does the work is the process's choice, `ARCHIPELAGO_CPU_MATMUL`:
+//! `auto` (the default: OpenBLAS where a thread-safe build loads, Flex's gemm otherwise),
+//! `openblas` (an error at job start if it cannot be loaded) or `flex`. [`describe`] says what is
+//! in use (the run report and the bench carry it).
+
+mod autodiff_matmul;
+mod flex_blas;
+pub mod openblas;
+#[cfg(test)]
+mod tests;
+
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::flex::Flex;
+use burn::nn::Linear;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use openblas::OpenBlas;
+
+/// The environment variable that picks the CPU matmul of a process (and of the host processes it
+/// starts, which inherit it).
+pub const CPU_MATMUL_ENV: &str = "ARCHIPELAGO_CPU_MATMUL";
+
+/// Which library multiplies f32 matrices on CPU devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CpuMatmul {
+    /// OpenBLAS where a thread-safe build can be loaded, Flex's gemm otherwise.
+    Auto,
+    /// OpenBLAS, or an error.
+    OpenBlas,
+    /// Flex's own gemm.
+    Flex,
+}
+
+impl FromStr for CpuMatmul {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" | "" => Ok(CpuMatmul::Auto),
+            "openblas" => Ok(CpuMatmul::OpenBlas),
+            "flex" => Ok(CpuMatmul::Flex),
+            other => Err(format!(
+                "{CPU_MATMUL_ENV}={other}: expected auto, openblas or flex"
+            )),
+        }
+    }
+}
+
+const UNSET: u8 = 0;
+const USE_FLEX: u8 = 1;
+const USE_OPENBLAS: u8 = 2;
+
+/// The kernel in force: unset until the first matmul or [`select`].
+static IN_FORCE: AtomicU8 = AtomicU8::new(UNSET);
+
+/// Puts `choice` in force for this process and says what now multiplies; an error (nothing
+/// changed) where OpenBLAS was asked for and cannot be had.
+pub fn select(choice: CpuMatmul) -> Result<String, String> {
+    let kernel = match (choice, openblas::library()) {
+        (CpuMatmul::Flex, _) => USE_FLEX,
+        (_, Ok(_)) => USE_OPENBLAS,
+        (CpuMatmul::Auto, Err(why)) => {
+            tracing::info!("CPU matmul: Flex's gemm ({why})");
+            USE_FLEX
+        }
+        (CpuMatmul::OpenBlas, Err(why)) => {
+            return Err(format!(
+                "{CPU_MATMUL_ENV}=openblas, but {why}; or set {CPU_MATMUL_ENV}=auto"
+            ));
+        }
+    };
+    IN_FORCE.store(kernel, Ordering::Release);
+    Ok(describe())
+}
+
+/// Puts the environment's choice ([`CPU_MATMUL_ENV`], `auto` when unset) in force; what jobs call
+/// before their actors start, so that a bad value or a missing library is an error there.
+pub fn select_from_env() -> Result<String, String> {
+    let choice = std::env::var(CPU_MATMUL_ENV).unwrap_or_default().parse()?;
+    select(choice)
+}
+
+/// What multiplies f32 matrices on CPU devices now (after [`select`] or the first matmul).
+pub fn describe() -> String {
+    match IN_FORCE.load(Ordering::Acquire) {
+        USE_OPENBLAS => match openblas::library() {
+            Ok(blas) => blas.description.clone(),
+            Err(why) => format!("flex gemm ({why})"),
+        },
+        USE_FLEX => "flex gemm".to_string(),
+        _ => "not chosen yet".to_string(),
+    }
+}
+
+/// OpenBLAS if it is the kernel in force (choosing from the environment on first use).
+fn active_openblas() -> Option<&'static OpenBlas> {
+    let mut kernel = IN_FORCE.load(Ordering::Acquire);
+    if kernel == UNSET {
+        if let Err(why) = select_from_env() {
+            tracing::warn!("{why}: using Flex's gemm");
+            IN_FORCE.store(USE_FLEX, Ordering::Release);
+        }
+        kernel = IN_FORCE.load(Ordering::Acquire);
+    }
+    (kernel == USE_OPENBLAS)
+        .then(|| openblas::library().ok())
+        .flatten()
+}
+
+/// The training backends' kernels that models call by name (burn's where a backend has no own).
+pub trait Kernels: AutodiffBackend {
+    /// `lhs · rhs` over the last two dimensions (burn's `float_matmul` semantics).
+    fn kernel_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(lhs, rhs)
+    }
+}
+
+impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
+    fn kernel_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        autodiff_matmul::matmul::<C>(lhs, rhs)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Kernels for crate::CudaBackend {}
+
+/// `lhs · rhs` with the backend's kernel (see [`Kernels`]).
+pub fn matmul<B: Kernels, const D: usize>(lhs: Tensor<B, D>, rhs: Tensor<B, D>) -> Tensor<B, D> {
+    let product = B::kernel_matmul(lhs.into_primitive().tensor(), rhs.into_primitive().tensor());
+    Tensor::from_primitive(TensorPrimitive::Float(product))
+}
+
+/// `layer.forward(x)` with the backend's matmul: the leading dimensions of `x` are flattened
+/// into the rows of one 2-D product `[rows, d_in] · [d_in, d_out]`, then the bias is added.
+pub fn linear<B: Kernels, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    let mut dims = x.dims();
+    let d_in = dims[D - 1];
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let y = matmul(x.reshape([rows, d_in]), layer.weight.val());
+    let y = match &layer.bias {
+        Some(bias) => y + bias.val().unsqueeze_dim(0),
+        None => y,
+    };
+    dims[D - 1] = y.dims()[1];
+    y.reshape(dims)
+}

@@ -1,0 +1,281 @@
+//! OpenBLAS's `cblas_sgemm`, loaded at run time, behind a safe call whose every extent is checked.
+//!
+//! The library is opened with `dlopen` (libloading) the first time a CPU matmul asks for it, so
+//! the binary builds and runs on machines without it (then Flex's own gemm does the work) and
+//! picks up Debian's `libopenblas0-pthread` where the README's commands installed it. OpenBLAS
+//! chooses its kernels for the CPU at load time (SkylakeX AVX-512 ones where the CPU has them).
+//!
+//! Only a build that is safe to call from several threads at once is taken: device actors of one
+//! process call it concurrently. Debian's `libopenblas0-serial` (`SINGLE_THREADED` in its config)
+//! is not — eight threads calling it at once got wrong products in one run of three here — so it
+//! is refused with the reason; the threaded build is told to use one thread (one actor per core).
+//! A 64-bit-integer build (`USE64BITINT`) has another ABI and is refused too.
+//!
+//! This is the crate's third `unsafe` module (after `collectives::shared` and the shm ring): a
+//! foreign function reads and writes through raw pointers, so [`sgemm`] checks that every matrix
+//! it is given lies inside its slice before the call.
+#![allow(unsafe_code)]
+
+use std::ffi::{CStr, c_char, c_int};
+use std::sync::OnceLock;
+
+/// `cblas_sgemm`'s signature (row-major order, transposes and dims as C `int`s: LP64 OpenBLAS).
+type SgemmFn = unsafe extern "C" fn(
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    f32,
+    *const f32,
+    c_int,
+    *const f32,
+    c_int,
+    f32,
+    *mut f32,
+    c_int,
+);
+
+const CBLAS_ROW_MAJOR: c_int = 101;
+const CBLAS_NO_TRANS: c_int = 111;
+const CBLAS_TRANS: c_int = 112;
+
+/// The names tried, in order (Debian's soname first; its alternatives point it at the threaded
+/// build where both are installed).
+const LIBRARY_NAMES: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
+
+/// A loaded, usable OpenBLAS.
+pub struct OpenBlas {
+    /// Kept open for as long as the process runs (the function pointer points into it).
+    _library: libloading::Library,
+    sgemm: SgemmFn,
+    /// What it says of itself: version, build options and the kernels it chose, e.g.
+    /// `OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY SkylakeX MAX_THREADS=64 (SkylakeX)`.
+    pub description: String,
+}
+
+/// How one operand is laid out: row-major with rows `ld` apart, or the transpose of such a matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Operand {
+    /// Whether the matrix is stored transposed (its columns are contiguous).
+    pub transposed: bool,
+    /// The distance in elements between consecutive stored rows (`lda`/`ldb`).
+    pub ld: usize,
+}
+
+impl Operand {
+    /// The number of elements from the first to one past the last of a `rows × cols` matrix
+    /// stored this way.
+    fn extent(&self, rows: usize, cols: usize) -> usize {
+        let (stored_rows, stored_cols) = if self.transposed {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        if stored_rows == 0 || stored_cols == 0 {
+            0
+        } else {
+            (stored_rows - 1) * self.ld + stored_cols
+        }
+    }
+
+    fn check(&self, what: &str, rows: usize, cols: usize, len: usize) -> Result<(), String> {
+        let stored_cols = if self.transposed { rows } else { cols };
+        if self.ld < stored_cols.max(1) {
+            return Err(format!(
+                "{what}: leading dimension {} below {stored_cols}",
+                self.ld
+            ));
+        }
+        let extent = self.extent(rows, cols);
+        if extent > len {
+            return Err(format!(
+                "{what}: a {rows}×{cols} matrix needs {extent} elements, the slice has {len}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The process's OpenBLAS, loaded on first use, or why there is none.
+pub fn library() -> Result<&'static OpenBlas, &'static str> {
+    static LOADED: OnceLock<Result<OpenBlas, String>> = OnceLock::new();
+    LOADED.get_or_init(load).as_ref().map_err(String::as_str)
+}
+
+fn load() -> Result<OpenBlas, String> {
+    let mut failures = Vec::new();
+    for name in LIBRARY_NAMES {
+        // SAFETY: loading runs OpenBLAS's initialiser, which detects the CPU and sets up its
+        // buffers; it has no other effect on this process.
+        match unsafe { libloading::Library::new(name) } {
+            Ok(library) => return adopt(library),
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    Err(format!(
+        "OpenBLAS could not be loaded ({}); install Debian's libopenblas0-pthread",
+        failures.join("; ")
+    ))
+}
+
+fn adopt(library: libloading::Library) -> Result<OpenBlas, String> {
+    // SAFETY: the symbols are looked up by their C names and given their C signatures from
+    // OpenBLAS's cblas.h and openblas_config.h; the pointers are copied out while `library`
+    // stays alive in the returned value.
+    let (sgemm, config, corename, set_threads) = unsafe {
+        let sgemm = *library
+            .get::<SgemmFn>(b"cblas_sgemm\0")
+            .map_err(|e| format!("the library has no cblas_sgemm: {e}"))?;
+        let config = library
+            .get::<unsafe extern "C" fn() -> *const c_char>(b"openblas_get_config\0")
+            .map(|f| *f)
+            .map_err(|e| format!("not OpenBLAS (no openblas_get_config): {e}"))?;
+        let corename = library
+            .get::<unsafe extern "C" fn() -> *const c_char>(b"openblas_get_corename\0")
+            .map(|f| *f)
+            .ok();
+        let set_threads = library
+            .get::<unsafe extern "C" fn(c_int)>(b"openblas_set_num_threads\0")
+            .map(|f| *f)
+            .ok();
+        (sgemm, config, corename, set_threads)
+    };
+    // SAFETY: both return pointers to static NUL-terminated strings inside the library.
+    let text = |f: unsafe extern "C" fn() -> *const c_char| unsafe {
+        let p = f();
+        if p.is_null() {
+            String::new()
+        } else {
+            CStr::from_ptr(p).to_string_lossy().trim().to_string()
+        }
+    };
+    let config_text = text(config);
+    if config_text.contains("SINGLE_THREADED") {
+        return Err(format!(
+            "{config_text}: a single-threaded OpenBLAS build is not safe to call from several actor \
+             threads at once; install Debian's libopenblas0-pthread (it is told to use one thread)"
+        ));
+    }
+    if config_text.contains("USE64BITINT") {
+        return Err(format!(
+            "{config_text}: a 64-bit-integer OpenBLAS has another ABI"
+        ));
+    }
+    if let Some(set_threads) = set_threads {
+        // SAFETY: a plain setter; one thread per call is what one actor per core wants.
+        unsafe { set_threads(1) };
+    }
+    let core = corename.map(text).unwrap_or_default();
+    Ok(OpenBlas {
+        _library: library,
+        sgemm,
+        description: format!("{config_text} ({core})"),
+    })
+}
+
+impl OpenBlas {
+    /// `c[m×n] = a[m×k] · b[k×n]` (overwriting `c`), each matrix read from the start of its slice
+    /// as `Operand` says; `c` is row-major with rows `ldc` apart. Every matrix is checked to lie
+    /// inside its slice and every size to fit a C `int` before OpenBLAS is called.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sgemm(
+        &self,
+        (m, n, k): (usize, usize, usize),
+        a: &[f32],
+        a_layout: Operand,
+        b: &[f32],
+        b_layout: Operand,
+        c: &mut [f32],
+        ldc: usize,
+    ) -> Result<(), String> {
+        a_layout.check("a", m, k, a.len())?;
+        b_layout.check("b", k, n, b.len())?;
+        Operand {
+            transposed: false,
+            ld: ldc,
+        }
+        .check("c", m, n, c.len())?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            for row in 0..m {
+                c[row * ldc..row * ldc + n].fill(0.0);
+            }
+            return Ok(());
+        }
+        let int = |what: &str, v: usize| {
+            c_int::try_from(v).map_err(|_| format!("{what} = {v} does not fit OpenBLAS's 32-bit int"))
+        };
+        let (mi, ni, ki) = (int("m", m)?, int("n", n)?, int("k", k)?);
+        let (lda, ldb, ldci) = (
+            int("lda", a_layout.ld)?,
+            int("ldb", b_layout.ld)?,
+            int("ldc", ldc)?,
+        );
+        let trans = |o: Operand| if o.transposed { CBLAS_TRANS } else { CBLAS_NO_TRANS };
+        // SAFETY: every matrix was checked above to lie inside its slice (`extent ≤ len`, leading
+        // dimensions at least the stored row length), sizes fit `int`, `c` is borrowed mutably and
+        // so aliases neither input; OpenBLAS reads `a` and `b` and writes only `c`'s m×n matrix.
+        unsafe {
+            (self.sgemm)(
+                CBLAS_ROW_MAJOR,
+                trans(a_layout),
+                trans(b_layout),
+                mi,
+                ni,
+                ki,
+                1.0,
+                a.as_ptr(),
+                lda,
+                b.as_ptr(),
+                ldb,
+                0.0,
+                c.as_mut_ptr(),
+                ldci,
+            )
+        };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extents_outside_the_slice_are_refused_before_the_call() {
+        let plain = |ld| Operand {
+            transposed: false,
+            ld,
+        };
+        assert!(plain(3).check("a", 2, 3, 6).is_ok());
+        assert!(plain(3).check("a", 2, 3, 5).is_err());
+        assert!(plain(2).check("a", 2, 3, 100).is_err(), "ld below the row length");
+        let t = Operand {
+            transposed: true,
+            ld: 2,
+        };
+        // A 3×2 matrix stored transposed: 2 stored rows of 3 → needs ld ≥ 3.
+        assert!(t.check("b", 3, 2, 100).is_err());
+        assert!(
+            Operand {
+                transposed: true,
+                ld: 3
+            }
+            .check("b", 3, 2, 6)
+            .is_ok()
+        );
+        assert!(plain(0).check("a", 0, 0, 0).is_err());
+        assert!(plain(1).check("a", 0, 0, 0).is_ok());
+        if let Ok(blas) = library() {
+            let mut c = vec![0.0; 3];
+            assert!(
+                blas.sgemm((2, 2, 2), &[1.0; 4], plain(2), &[1.0; 4], plain(2), &mut c, 2)
+                    .is_err()
+            );
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! OpenBLAS against Flex's own matmul at every layout the models make, gradients included, calls
+//! from several threads at once, and a negative control that shows the comparison catches a
+//! wrong transpose.
+
+use burn::backend::flex::{Flex, FlexDevice, FlexTensor};
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{Distribution, Tensor, TensorData, TensorPrimitive};
+
+use super::openblas::{self, OpenBlas, Operand};
+use super::{CpuMatmul, flex_blas, matmul, select};
+use crate::CpuBackend;
+
+/// The loaded OpenBLAS; under CI (where `scripts/test.sh` installed it) its absence fails the
+/// test instead of skipping it.
+fn blas() -> Option<&'static OpenBlas> {
+    match openblas::library() {
+        Ok(blas) => Some(blas),
+        Err(why) if std::env::var_os("CI").is_some() => panic!("CI must test OpenBLAS: {why}"),
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            None
+        }
+    }
+}
+
+fn random(shape: Vec<usize>, seed: u64) -> FlexTensor {
+    let n: usize = shape.iter().product();
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        })
+        .collect();
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+fn values(t: FlexTensor) -> (Vec<usize>, Vec<f32>) {
+    let data = t.into_data();
+    (data.shape.to_vec(), data.to_vec().unwrap())
+}
+
+/// Same shape and every element within f32 reduction-order tolerance of the reference.
+fn compare(what: &str, got: FlexTensor, want: FlexTensor) -> Result<(), String> {
+    let ((gs, g), (ws, w)) = (values(got), values(want));
+    if gs != ws {
+        return Err(format!("{what}: shape {gs:?}, expected {ws:?}"));
+    }
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        if (a - b).abs() > 1e-5 * (1.0 + b.abs()) * 16.0 {
+            return Err(format!("{what}: element {i} is {a}, expected {b}"));
+        }
+    }
+    Ok(())
+}
+
+/// The operand pairs the zoo makes, as (name, lhs, rhs) views.
+fn cases() -> Vec<(&'static str, FlexTensor, FlexTensor)> {
+    let t = |x: FlexTensor| x.transpose(0, 1);
+    vec![
+        ("plain 2-D", random(vec![37, 19], 1), random(vec![19, 23], 2)),
+        (
+            "lhs transposed (xᵀ·dy)",
+            t(random(vec![19, 37], 3)),
+            random(vec![19, 23], 4),
+        ),
+        (
+            "rhs transposed (dy·Wᵀ)",
+            random(vec![37, 19], 5),
+            t(random(vec![23, 19], 6)),
+        ),
+        (
+            "both transposed",
+            t(random(vec![19, 37], 7)),
+            t(random(vec![23, 19], 8)),
+        ),
+        (
+            "padded rows (narrow)",
+            random(vec![37, 40], 9).narrow(1, 5, 19),
+            random(vec![19, 23], 10),
+        ),
+        (
+            "flipped (copied first)",
+            random(vec![37, 19], 11),
+            Flex::float_flip(random(vec![19, 23], 12), &[0]),
+        ),
+        ("one row", random(vec![1, 19], 13), random(vec![19, 23], 14)),
+        ("one column", random(vec![37, 19], 15), random(vec![19, 1], 16)),
+        ("k = 0", random(vec![4, 0], 17), random(vec![0, 3], 18)),
+        (
+            "attention scores q·kᵀ",
+            random(vec![2, 5, 3, 4], 19).transpose(1, 2),
+            random(vec![2, 5, 3, 4], 20).transpose(1, 2).transpose(2, 3),
+        ),
+        (
+            "attention mix",
+            random(vec![2, 3, 5, 5], 21),
+            random(vec![2, 5, 3, 4], 22).transpose(1, 2),
+        ),
+        (
+            "broadcast batch",
+            random(vec![1, 3, 6, 4], 23),
+            random(vec![2, 1, 4, 5], 24),
+        ),
+    ]
+}
+
+#[test]
+fn openblas_matmul_equals_flex_at_every_layout_the_models_make() {
+    let Some(blas) = blas() else { return };
+    for (what, lhs, rhs) in cases() {
+        let got = flex_blas::matmul(blas, &lhs, &rhs).unwrap_or_else(|| panic!("{what}: not taken"));
+        compare(what, got, Flex::float_matmul(lhs, rhs)).unwrap();
+    }
+    // Negative control: the same comparison catches a product that ignores a transpose (square,
+    // so that both readings lie inside the slice).
+    let (lhs, rhs) = (random(vec![23, 23], 3), random(vec![23, 17], 4));
+    let reference = Flex::float_matmul(lhs.clone().transpose(0, 1), rhs.clone());
+    let product = |transposed| {
+        let mut c = vec![0.0f32; 23 * 17];
+        let b = Operand {
+            transposed: false,
+            ld: 17,
+        };
+        blas.sgemm(
+            (23, 17, 23),
+            lhs.storage(),
+            Operand { transposed, ld: 23 },
+            rhs.storage(),
+            b,
+            &mut c,
+            17,
+        )
+        .unwrap();
+        FlexTensor::from_data(TensorData::new(c, [23, 17]))
+    };
+    compare("control", product(true), reference.clone()).unwrap();
+    assert!(
+        compare("negative control", product(false), reference).is_err(),
+        "a lost transpose must be caught"
+    );
+}
+
+#[test]
+fn gradients_through_openblas_equal_burns_matmul() {
+    if blas().is_none() {
+        return;
+    }
+    assert!(select(CpuMatmul::Auto).unwrap().contains("OpenBLAS"));
+    let device = FlexDevice;
+    let x = Tensor::<CpuBackend, 4>::random([2, 3, 5, 4], Distribution::Default, &device);
+    let w = Tensor::<CpuBackend, 4>::random([2, 3, 6, 4], Distribution::Default, &device);
+    let run = |ours: bool| {
+        let (x, w) = (x.clone().require_grad(), w.clone().require_grad());
+        let wt = w.clone().swap_dims(2, 3);
+        let y = if ours {
+            matmul(x.clone(), wt)
+        } else {
+            x.clone().matmul(wt)
+        };
+        let loss = (y.clone() * y).sum();
+        let grads = loss.backward();
+        let grad = |t: &Tensor<CpuBackend, 4>| match t.grad(&grads).unwrap().into_primitive() {
+            TensorPrimitive::Float(t) => t,
+            TensorPrimitive::QFloat(_) => unreachable!("f32 gradients"),
+        };
+        (grad(&x), grad(&w))
+    };
+    let ((dx, dw), (dx_ref, dw_ref)) = (run(true), run(false));
+    compare("dx", dx.clone(), dx_ref).unwrap();
+    compare("dw", dw, dw_ref).unwrap();
+    // Negative control: the comparison catches a gradient scaled by a factor of 1.001.
+    let scaled = Flex::float_mul_scalar(dx.clone(), 1.001f32.into());
+    assert!(compare("scaled dx", scaled, dx).is_err());
+}
+
+#[test]
+fn concurrent_calls_from_several_threads_give_the_one_thread_products() {
+    let Some(blas) = blas() else { return };
+    let jobs: Vec<_> = (0..4)
+        .map(|t| {
+            let (m, n, k) = (64 + 37 * t, 96 + 11 * t, 128 + 29 * t);
+            let (a, b) = (random(vec![m, k], t as u64), random(vec![k, n], 100 + t as u64));
+            let want = flex_blas::matmul(blas, &a, &b).unwrap();
+            (a, b, values(want).1)
+        })
+        .collect();
+    std::thread::scope(|scope| {
+        for (a, b, want) in &jobs {
+            scope.spawn(move || {
+                for _ in 0..40 {
+                    let got = values(flex_blas::matmul(blas, a, b).unwrap()).1;
+                    assert!(got == *want, "a concurrent sgemm gave another product");
+                }
+            });
+        }
+    });
+}
