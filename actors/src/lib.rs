@@ -17,11 +17,13 @@
 //! - [`collectives`]: the chunked, pipelined ring all-reduce and the per-actor collective worker;
 //! - [`optim`]: optimizers on flat shards (Adam, AdamW, SGD with momentum and Nesterov, LAMB),
 //!   gradient clipping and parameter groups ([`flat_optimizer`] is its former name);
+//! - [`allocator`]: glibc malloc kept from unmapping tensor buffers after every op;
 //! - [`kernels`]: the CPU matmul by OpenBLAS behind burn's backend API (`Kernels`);
 //! - [`block`] and [`zoo`]: the burn glue (block trait, parameter flattening) and the models;
 //! - [`backend`] and [`gpus`]: the burn backends per device kind (`cpu:N`, `cuda:N` with the
 //!   `cuda` feature) and the GPUs a host offers.
 
+pub mod allocator;
 pub mod backend;
 pub mod batch_file;
 pub mod block;

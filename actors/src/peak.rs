@@ -19,13 +19,28 @@ pub fn matmul_gflops(n: usize, reps: usize) -> f64 {
 /// GPU to finish it), so on a GPU use an `n` large enough for the copy of the result not to
 /// matter (4096: 64 MiB of result per 137 GFLOP).
 pub fn matmul_gflops_on<B: Backend>(device: &B::Device, n: usize, reps: usize) -> f64 {
+    gflops_of::<B>(device, n, reps, |a, b| a.matmul(b))
+}
+
+/// The GFLOP/s of the matmul CPU devices train with ([`crate::kernels::matmul`]: OpenBLAS or
+/// Flex's gemm, as [`crate::kernels::describe`] says), one thread, `n × n` by `n × n`.
+pub fn cpu_kernel_matmul_gflops(n: usize, reps: usize) -> f64 {
+    gflops_of::<crate::CpuBackend>(&FlexDevice, n, reps, crate::kernels::matmul)
+}
+
+fn gflops_of<B: Backend>(
+    device: &B::Device,
+    n: usize,
+    reps: usize,
+    mul: impl Fn(Tensor<B, 2>, Tensor<B, 2>) -> Tensor<B, 2>,
+) -> f64 {
     let a = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
     let b = Tensor::<B, 2>::random([n, n], Distribution::Default, device);
-    let _ = a.clone().matmul(b.clone()).into_data();
+    let _ = mul(a.clone(), b.clone()).into_data();
     let mut times: Vec<f64> = (0..reps.max(1))
         .map(|_| {
             let t = Instant::now();
-            let c = a.clone().matmul(b.clone()).into_data();
+            let c = mul(a.clone(), b.clone()).into_data();
             std::hint::black_box(c);
             t.elapsed().as_secs_f64()
         })

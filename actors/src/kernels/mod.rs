@@ -1,16 +1,22 @@
-//! CPU kernels behind burn's backend API: the matmul of CPU devices by OpenBLAS.
+//! CPU kernels behind burn's backend API: the matmul of CPU devices by OpenBLAS, and causal
+//! self-attention as one op from the fused `qkv` projection.
 //!
 //! Flex (burn's CPU backend) multiplies with the `gemm` crate, whose kernels ran at 42–62
 //! GFLOP/s at gpt-tiny's shapes on one AVX-512 core where OpenBLAS's SkylakeX kernels ran at
 //! 130–145 (docs/PERFORMANCE.md). Models call [`matmul`] and [`linear`] (bound `B: Kernels`)
 //! instead of `Tensor::matmul` and `Linear::forward`; on `Autodiff<Flex>` these run OpenBLAS in the
 //! forward and in both gradient products of the backward, on every other backend they are burn's.
+//! [`causal_attention`] is one graph node on `Autodiff<Flex>` with OpenBLAS (`attention.rs`: each
+//! head's products read and written where the heads lie, no head-split copies, one softmax pass
+//! per row) and burn's composed ops elsewhere ([`composed_causal_attention`], its reference).
 //!
 //! Which library does the work is the process's choice, `ARCHIPELAGO_CPU_MATMUL`:
 //! `auto` (the default: OpenBLAS where a thread-safe build loads, Flex's gemm otherwise),
 //! `openblas` (an error at job start if it cannot be loaded) or `flex`. [`describe`] says what is
 //! in use (the run report and the bench carry it).
 
+mod attention;
+mod autodiff_attention;
 mod autodiff_matmul;
 mod flex_blas;
 pub mod openblas;
@@ -24,9 +30,10 @@ use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::Flex;
 use burn::nn::Linear;
+use burn::tensor::activation::softmax;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Bool, Tensor, TensorPrimitive};
 
 use openblas::OpenBlas;
 
@@ -126,11 +133,27 @@ pub trait Kernels: AutodiffBackend {
     fn kernel_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(lhs, rhs)
     }
+
+    /// Causal multi-head self-attention from the fused projection `qkv` `[b, t, 3d]` (queries,
+    /// keys, values side by side) to `[b, t, d]` (see [`causal_attention`]).
+    fn kernel_causal_attention(qkv: Tensor<Self, 3>, heads: usize) -> Tensor<Self, 3> {
+        composed_causal_attention(qkv, heads)
+    }
 }
 
 impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     fn kernel_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         autodiff_matmul::matmul::<C>(lhs, rhs)
+    }
+
+    fn kernel_causal_attention(qkv: Tensor<Self, 3>, heads: usize) -> Tensor<Self, 3> {
+        let qkv = qkv.into_primitive().tensor();
+        match autodiff_attention::applies(&qkv.primitive, heads) {
+            Some((blas, dims)) => Tensor::from_primitive(TensorPrimitive::Float(
+                autodiff_attention::attention::<C>(qkv, blas, dims),
+            )),
+            None => composed_causal_attention(Tensor::from_primitive(TensorPrimitive::Float(qkv)), heads),
+        }
     }
 }
 
@@ -141,6 +164,36 @@ impl Kernels for crate::CudaBackend {}
 pub fn matmul<B: Kernels, const D: usize>(lhs: Tensor<B, D>, rhs: Tensor<B, D>) -> Tensor<B, D> {
     let product = B::kernel_matmul(lhs.into_primitive().tensor(), rhs.into_primitive().tensor());
     Tensor::from_primitive(TensorPrimitive::Float(product))
+}
+
+/// Causal multi-head self-attention (GPT-2's) from the fused projection `qkv` `[b, t, 3d]`:
+/// per head, `softmax(Q Kᵀ / √hd + causal mask) V`, heads side by side in the `[b, t, d]` result.
+/// On `Autodiff<Flex>` with OpenBLAS one graph node with its own backward; elsewhere burn's ops.
+pub fn causal_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
+    B::kernel_causal_attention(qkv, heads)
+}
+
+/// [`causal_attention`] composed of burn's ops (narrow, reshape, swap_dims, matmul, masked
+/// softmax): what every backend can run, and the reference the fused version is tested against.
+pub fn composed_causal_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
+    let [b, t, d3] = qkv.dims();
+    let (d, h) = (d3 / 3, heads);
+    let hd = d / h;
+    let split = |i: usize| {
+        qkv.clone()
+            .narrow(2, i * d, d)
+            .reshape([b, t, h, hd])
+            .swap_dims(1, 2)
+    };
+    let (q, k, v) = (split(0), split(1), split(2));
+    let scores = matmul(q, k.swap_dims(2, 3)).div_scalar((hd as f32).sqrt());
+    // The causal mask, made on the device (no host upload per layer and forward): -1e9 where a
+    // query would see a later key.
+    let device = scores.device();
+    let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
+    let mask = Tensor::<B, 2>::zeros([t, t], &device).mask_fill(future, -1e9);
+    let weights = softmax(scores + mask.reshape([1, 1, t, t]), 3);
+    matmul(weights, v).swap_dims(1, 2).reshape([b, t, d])
 }
 
 /// `layer.forward(x)` with the backend's matmul: the leading dimensions of `x` are flattened

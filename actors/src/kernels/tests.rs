@@ -200,3 +200,56 @@ fn concurrent_calls_from_several_threads_give_the_one_thread_products() {
         }
     });
 }
+
+/// The fused attention (one graph node, OpenBLAS) gives the composed version's output and `qkv`
+/// gradient; a version without the causal mask is caught by the same comparison.
+#[test]
+fn fused_attention_equals_the_composed_one_forward_and_backward() {
+    if blas().is_none() {
+        return;
+    }
+    assert!(select(CpuMatmul::Auto).unwrap().contains("OpenBLAS"));
+    let device = FlexDevice;
+    let (b, t, d, heads) = (2, 7, 8, 2);
+    let qkv = Tensor::<CpuBackend, 3>::random([b, t, 3 * d], Distribution::Default, &device);
+    let weights = Tensor::<CpuBackend, 3>::random([b, t, d], Distribution::Default, &device);
+    let prim = |t: Tensor<burn::backend::Flex, 3>| match t.into_primitive() {
+        TensorPrimitive::Float(t) => t,
+        TensorPrimitive::QFloat(_) => unreachable!("f32"),
+    };
+    let run = |attend: &dyn Fn(Tensor<CpuBackend, 3>) -> Tensor<CpuBackend, 3>| {
+        let x = qkv.clone().require_grad();
+        let y = attend(x.clone());
+        let grads = (y.clone() * weights.clone()).sum().backward();
+        (prim(y.inner()), prim(x.grad(&grads).unwrap()))
+    };
+    let fused = qkv.clone().into_primitive().tensor();
+    assert!(
+        super::autodiff_attention::applies(&fused.primitive, heads).is_some(),
+        "the fused attention must be the one under test"
+    );
+    let (y, dqkv) = run(&|x| super::causal_attention(x, heads));
+    let (y_ref, dqkv_ref) = run(&|x| super::composed_causal_attention(x, heads));
+    compare("attention output", y.clone(), y_ref).unwrap();
+    compare("qkv gradient", dqkv.clone(), dqkv_ref).unwrap();
+    // Negative control: attention that also sees later positions.
+    let unmasked = |x: Tensor<CpuBackend, 3>| {
+        let hd = d / heads;
+        let split = |i: usize| {
+            x.clone()
+                .narrow(2, i * d, d)
+                .reshape([b, t, heads, hd])
+                .swap_dims(1, 2)
+        };
+        let scores = split(0)
+            .matmul(split(1).swap_dims(2, 3))
+            .div_scalar((hd as f32).sqrt());
+        burn::tensor::activation::softmax(scores, 3)
+            .matmul(split(2))
+            .swap_dims(1, 2)
+            .reshape([b, t, d])
+    };
+    let (y_bad, dqkv_bad) = run(&unmasked);
+    assert!(compare("negative control output", y, y_bad).is_err());
+    assert!(compare("negative control gradient", dqkv, dqkv_bad).is_err());
+}

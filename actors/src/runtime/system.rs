@@ -208,6 +208,7 @@ impl Runtime {
         driver: tokio::runtime::Runtime,
         cluster: Option<Cluster>,
     ) -> Runtime {
+        crate::allocator::keep_tensor_buffers();
         let inner = RuntimeInner {
             job: job.to_string(),
             host: host.to_string(),

@@ -6,12 +6,12 @@
 
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Bool, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 
 use crate::block::{Activation, BlockModule};
-use crate::kernels::{Kernels, linear, matmul};
+use crate::kernels::{Kernels, causal_attention, linear};
 
 /// Token and learned position embeddings: ids `[b, t]` → `[b, t, d]`.
 #[derive(Module, Debug)]
@@ -91,25 +91,7 @@ impl<B: Backend> TransformerLayer<B> {
 
 impl<B: Kernels> TransformerLayer<B> {
     fn attention(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, t, d] = x.dims();
-        let h = self.heads;
-        let hd = d / h;
-        let qkv = linear(&self.qkv, x);
-        let split = |i: usize| {
-            qkv.clone()
-                .narrow(2, i * d, d)
-                .reshape([b, t, h, hd])
-                .swap_dims(1, 2)
-        };
-        let (q, k, v) = (split(0), split(1), split(2));
-        let scores = matmul(q, k.swap_dims(2, 3)).div_scalar((hd as f32).sqrt());
-        // The causal mask, made on the device (no host upload per layer and forward): -1e9 where
-        // a query would see a later key.
-        let device = scores.device();
-        let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
-        let mask = Tensor::<B, 2>::zeros([t, t], &device).mask_fill(future, -1e9);
-        let weights = softmax(scores + mask.reshape([1, 1, t, t]), 3);
-        let y = matmul(weights, v).swap_dims(1, 2).reshape([b, t, d]);
+        let y = causal_attention(linear(&self.qkv, x), self.heads);
         linear(&self.proj, y)
     }
 }

@@ -204,6 +204,8 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     let physical = json!({
         "matmul_gflops_one_thread": archipelago_actors::peak::matmul_gflops(512, if args.quick { 5 } else { 20 }),
         "config": { "n": 512, "dtype": "f32", "backend": "burn Flex, one thread (one actor's core)" },
+        "cpu_matmul_gflops_one_thread": archipelago_actors::peak::cpu_kernel_matmul_gflops(512, if args.quick { 5 } else { 20 }),
+        "cpu_matmul": archipelago_actors::kernels::describe(),
         "load_avg": load_avg(),
     });
     eprintln!("physical_limits: {physical}");
