@@ -12,7 +12,7 @@
 //! A 64-bit-integer build (`USE64BITINT`) has another ABI and is refused too.
 //!
 //! This is the crate's third `unsafe` module (after `collectives::shared` and the shm ring): a
-//! foreign function reads and writes through raw pointers, so [`sgemm`] checks that every matrix
+//! foreign function reads and writes through raw pointers, so [`OpenBlas::sgemm`] checks that every matrix
 //! it is given lies inside its slice before the call.
 #![allow(unsafe_code)]
 
