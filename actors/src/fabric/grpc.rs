@@ -46,6 +46,11 @@ impl Inbox {
         *self.job.lock().expect("inbox") = mailboxes;
     }
 
+    /// The mailboxes of the job running now, if any.
+    pub(crate) fn current(&self) -> Option<Arc<InProcessFabric>> {
+        self.job.lock().expect("inbox").clone()
+    }
+
     /// Aborts the running job's mailboxes (a peer's connection broke).
     pub(crate) fn abort(&self, reason: &str) {
         if let Some(mailboxes) = self.job.lock().expect("inbox").clone() {

@@ -124,11 +124,16 @@ fn read_connection(stream: TcpStream, inbox: &Inbox, credentials: &Credentials, 
 }
 
 /// Delivers the frames `next` reads into `inbox` until the stream ends; a broken stream aborts
-/// the job's mailboxes.
+/// the job its frames went to, not a later one (a killed host's ring found dead only after the
+/// restart installed the next attempt); one that delivered nothing aborts the running job.
 fn deliver_frames(mut next: impl FnMut() -> std::io::Result<Option<Frame>>, inbox: &Inbox, peer: &str) {
+    let mut job = None;
     loop {
         match next() {
             Ok(Some((from, to, tag, tensor))) => {
+                if job.is_none() {
+                    job = inbox.current();
+                }
                 if let Err(e) = inbox.deliver(from, to, tag, tensor) {
                     tracing::error!(%peer, "a tensor from actor {from} to {to} was not delivered: {}", e.message());
                     return;
@@ -138,7 +143,10 @@ fn deliver_frames(mut next: impl FnMut() -> std::io::Result<Option<Frame>>, inbo
             Err(e) => {
                 let reason = format!("the tensor connection from {peer} broke: {e}");
                 tracing::error!("{reason}");
-                inbox.abort(&reason);
+                match job {
+                    Some(mailboxes) => mailboxes.abort(&reason),
+                    None => inbox.abort(&reason),
+                }
                 return;
             }
         }
@@ -433,6 +441,54 @@ pub(crate) mod tests {
         let honest = frame_bytes(&[3], &bytes);
         let (_, _, _, tensor) = read_frame(&mut &honest[..]).unwrap().unwrap();
         assert_eq!(tensor.data.to_vec(), values.to_vec());
+    }
+
+    /// A connection that carried a job's frames and breaks after the next attempt started aborts
+    /// the old attempt only; control: one that carried nothing aborts the running job.
+    #[test]
+    fn a_broken_connection_aborts_the_job_its_frames_went_to() {
+        let patience = std::time::Duration::from_secs(5);
+        for carried_frames in [true, false] {
+            let inbox = Inbox::default();
+            let (old, new) = (
+                Arc::new(InProcessFabric::new(2, patience)),
+                Arc::new(InProcessFabric::new(2, patience)),
+            );
+            inbox.install(Some(old.clone()));
+            let mut events = vec![Err(std::io::Error::other("ring peer gone"))];
+            if carried_frames {
+                events.push(Ok(Some((
+                    0,
+                    1,
+                    Tag { edge: 1, seq: 0 },
+                    HostTensor::new(vec![1], vec![1.0]),
+                ))));
+            }
+            let swap = inbox.clone();
+            let mut installed = false;
+            deliver_frames(
+                || {
+                    let event = events.pop().unwrap();
+                    if event.is_err() && !installed {
+                        swap.install(Some(new.clone()));
+                        installed = true;
+                    }
+                    event
+                },
+                &inbox,
+                "test peer",
+            );
+            assert_eq!(
+                old.abort_reason().is_some(),
+                carried_frames,
+                "carried frames: {carried_frames}"
+            );
+            assert_eq!(
+                new.abort_reason().is_some(),
+                !carried_frames,
+                "carried frames: {carried_frames}"
+            );
+        }
     }
 
     proptest::proptest! {
