@@ -11,9 +11,9 @@
 //! is refused with the reason; the threaded build is told to use one thread (one actor per core).
 //! A 64-bit-integer build (`USE64BITINT`) has another ABI and is refused too.
 //!
-//! This is the crate's third `unsafe` module (after `collectives::shared` and the shm ring): a
-//! foreign function reads and writes through raw pointers, so [`OpenBlas::sgemm`] checks that every matrix
-//! it is given lies inside its slice before the call.
+//! One of the crate's few `unsafe` modules (with `collectives::shared`, the shm ring and
+//! `allocator`): a foreign function reads and writes through raw pointers, so
+//! [`OpenBlas::sgemm`] checks that every matrix it is given lies inside its slice before the call.
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_char, c_int};
