@@ -15,6 +15,7 @@ use archipelago_dataflow::passes::partition::parse_stages;
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{
     DeviceSpec, InputKind, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, ParamGroups, Program,
+    StatePlacement,
 };
 
 use crate::train_job::{StepProgress, TrainOptions};
@@ -160,9 +161,11 @@ pub struct JobArgs {
     pub offload_params: bool,
     /// Where the master parameters, gradient buckets and optimizer state live when not
     /// offloaded: `host` (flat vectors, every step reads the gradients off the device and writes
-    /// the parameters back) or `device` (tensors on the device, updated there; ZeRO-0 without
-    /// offload or LAMB for now). Each step's host ⇄ device bytes are in the report.
-    #[arg(long, default_value = "host")]
+    /// the parameters back), `device` (tensors on the device, updated there) or `auto`: `device`
+    /// when every actor's entry of `--devices` is a GPU and nothing is offloaded, else `host`
+    /// (so a job sent to a cluster without `--devices` keeps `host`). Each step's host ⇄ device
+    /// bytes are in the report.
+    #[arg(long, default_value = "auto")]
     pub state: String,
     /// Devices to place the actors on, in mesh order: e.g. `cuda:0,cuda:1` (a `cuda` build) or
     /// `cpu:0,cpu:1`; default `cpu:0..` (one per dp × pp actor). `archipelago devices` lists them.
@@ -205,7 +208,7 @@ impl JobArgs {
             zero: self.zero,
             offload: self.offload.parse().map_err(anyhow::Error::msg)?,
             offload_params: self.offload_params,
-            state: self.state.parse().map_err(anyhow::Error::msg)?,
+            state: StatePlacement::Host,
             stages: self
                 .stages
                 .as_deref()
@@ -216,6 +219,13 @@ impl JobArgs {
         program.devices = match &self.devices {
             Some(list) => DeviceSpec::parse_list(list)?,
             None => DeviceSpec::cpus(self.dp * self.pp),
+        };
+        program.plan.state = match self.state.as_str() {
+            "auto" => {
+                let actors = &program.devices[..program.devices.len().min(self.dp * self.pp)];
+                StatePlacement::auto_for(actors, &program.plan.offload)
+            }
+            other => other.parse().map_err(anyhow::Error::msg)?,
         };
         if program.plan.device_memory.is_none() {
             program.plan.device_memory = archipelago_actors::gpus::smallest_memory(

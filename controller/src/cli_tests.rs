@@ -71,3 +71,25 @@ fn plans_that_cannot_work_are_refused_naming_the_flag() {
         compiled(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
     }
 }
+
+#[test]
+fn state_auto_puts_the_training_state_on_gpus_only() {
+    use archipelago_dataflow::StatePlacement::{Device, Host};
+    for (args, want) in [
+        (&[][..], Host),
+        (&["--devices", "cpu:0"][..], Host),
+        (&["--devices", "cuda:0"][..], Device),
+        (&["--devices", "cuda:0,cuda:1", "--dp", "2"][..], Device),
+        // One CPU actor among GPUs keeps the host path for all (one placement per job).
+        (&["--devices", "cuda:0,cpu:0", "--dp", "2"][..], Host),
+        // Devices past the job's actors do not count.
+        (&["--devices", "cuda:0,cpu:0"][..], Device),
+        (&["--devices", "cuda:0", "--offload", "cpu"][..], Host),
+        // The control: an explicit placement wins on either kind of device.
+        (&["--devices", "cuda:0", "--state", "host"][..], Host),
+        (&["--devices", "cpu:0", "--state", "device"][..], Device),
+    ] {
+        let program = program(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        assert_eq!(program.plan.state, want, "{args:?}");
+    }
+}

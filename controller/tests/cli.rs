@@ -422,7 +422,7 @@ fn plan_flags_that_cannot_work_are_refused_naming_the_fix() {
         );
         refused(
             &[command, "--model", "mlp-8x1024", "--state", "gpu"],
-            &["--state `gpu`", "use `host` or `device`"],
+            &["--state `gpu`", "use `auto`, `host` or `device`"],
         );
     }
 }

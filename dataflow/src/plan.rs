@@ -544,7 +544,7 @@ fn check_state_placement(program: &Program) -> Result<(), PlanError> {
     if plan.offload.is_some() {
         return Err(PlanError::Conflict(format!(
             "--state device keeps the state on the device; --offload {} keeps it in host memory (the \
-             offload actor's): use --state host (the default), or drop --offload",
+             offload actor's): use --state host (what --state auto picks with --offload), or drop --offload",
             plan.offload
         )));
     }

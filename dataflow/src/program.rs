@@ -81,6 +81,23 @@ impl fmt::Display for StatePlacement {
     }
 }
 
+impl StatePlacement {
+    /// The placement `--state auto` (the CLI's default) picks: on the device when every actor's
+    /// device is a GPU and nothing is offloaded — there the host path moves the whole model over
+    /// PCIe and runs Adam on one CPU core each step (gpt-tiny on an H200: 0.037 s/step host,
+    /// 0.014 s device) — and in host memory otherwise: on CPU devices both are the same memory
+    /// and the flat loop over host vectors is the faster update, and offload keeps the state on
+    /// the host by design.
+    pub fn auto_for(devices: &[DeviceSpec], offload: &Offload) -> Self {
+        let all_gpus = !devices.is_empty() && devices.iter().all(|d| d.cuda_ordinal().is_some());
+        if all_gpus && !offload.is_some() {
+            StatePlacement::Device
+        } else {
+            StatePlacement::Host
+        }
+    }
+}
+
 impl FromStr for StatePlacement {
     type Err = String;
 
@@ -88,7 +105,7 @@ impl FromStr for StatePlacement {
         match s {
             "host" => Ok(StatePlacement::Host),
             "device" => Ok(StatePlacement::Device),
-            _ => Err(format!("--state `{s}`: use `host` or `device`")),
+            _ => Err(format!("--state `{s}`: use `auto`, `host` or `device`")),
         }
     }
 }

@@ -1,11 +1,12 @@
 //! Training throughput on one device (`bench --device cuda:0`, or `cpu:0`): gpt-tiny and, on a
 //! GPU, a larger gpt (d=1024, 12 layers, 16 heads, ctx 1024) at dp=1 — tokens/s and model FLOP
 //! utilisation against the device's f32 matmul rate measured in the same run and, for GPUs whose
-//! datasheet we know, against the datasheet's f32 and TF32 peaks.
+//! datasheet we know, against the datasheet's f32 and TF32 peaks. The training state is placed as
+//! `train --state auto` places it (on a GPU, on the device).
 
 use serde_json::{Value, json};
 
-use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan};
+use archipelago_dataflow::{DeviceSpec, ModelSpec, Offload, ParallelPlan, StatePlacement};
 
 use super::training::timed_model_on;
 use crate::process_stats::load_avg;
@@ -47,6 +48,12 @@ pub fn gpt_on_device(device: DeviceSpec, quick: bool) -> anyhow::Result<Value> {
         models.push((GPT_LARGE, 8));
     }
     let (warmup, timed) = if quick { (2, 5) } else { (5, 30) };
+    // What `train --state auto` picks: the state on a GPU, flat vectors on a CPU.
+    let state = StatePlacement::auto_for(&[device], &Offload::None);
+    let optimizer = match state {
+        StatePlacement::Device => "Adam (tensors on the device, updated there)",
+        StatePlacement::Host => "Adam (flat, on the host)",
+    };
     let mut runs = Vec::new();
     for (model, batch) in models {
         let spec = ModelSpec::parse(model)?;
@@ -56,6 +63,7 @@ pub fn gpt_on_device(device: DeviceSpec, quick: bool) -> anyhow::Result<Value> {
         let tokens = (batch * ctx) as f64;
         let plan = ParallelPlan {
             batch,
+            state,
             ..ParallelPlan::default()
         };
         let (report, step_s) = timed_model_on(
@@ -69,7 +77,7 @@ pub fn gpt_on_device(device: DeviceSpec, quick: bool) -> anyhow::Result<Value> {
         let model_tflops = spec.training_flops_per_token() * tokens / step_s / 1e12;
         runs.push(json!({
             "name": format!("{model} dp=1 on {device}"),
-            "config": { "model": model, "params": spec.desc().params(), "device": device.to_string(), "global_batch": batch, "tokens_per_step": tokens, "dtype": "f32", "optimizer": "Adam (flat, on the host)", "warmup_steps": warmup, "timed_steps": timed },
+            "config": { "model": model, "params": spec.desc().params(), "device": device.to_string(), "global_batch": batch, "tokens_per_step": tokens, "dtype": "f32", "optimizer": optimizer, "state": state.to_string(), "warmup_steps": warmup, "timed_steps": timed },
             "median_step_s": step_s,
             "tokens_per_s": tokens / step_s,
             "model_flops_per_token": spec.training_flops_per_token(),
@@ -78,6 +86,7 @@ pub fn gpt_on_device(device: DeviceSpec, quick: bool) -> anyhow::Result<Value> {
             "mfu_vs_datasheet_f32": datasheet.map(|(f32_peak, _)| model_tflops / f32_peak),
             "mfu_vs_datasheet_tf32": datasheet.map(|(_, tf32)| model_tflops / tf32),
             "final_loss": report.final_loss,
+            "host_device_bytes_per_step": report.steps.last().map(|s| s.transfers),
             "load_avg": load_avg(),
         }));
     }

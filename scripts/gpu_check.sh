@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The first-run checks of ../shared/GPU.md on an NVIDIA machine, as one script with a time cap per
+# step, so a short device lease gets every answer it can: the GPU and its libraries, a few steps
+# of mlp and gpt-tiny on cuda:0 (host state and device state), the device benchmark, and the
+# PyTorch reference beside it. Each step runs even if an earlier one failed; everything goes to
+# OUTDIR (log.txt plus the reports).
+#
+#   cargo build --release -p archipelago-controller --features cuda    # where the registries are
+#   bash scripts/gpu_check.sh target/release/archipelago "$OUT"        # on the GPU machine
+#   bash scripts/gpu_check.sh target/release/archipelago "$OUT" parallel   # the second round
+set -u
+BIN=${1:-target/release/archipelago}
+OUTDIR=${2:-/tmp/gpu_check}
+mkdir -p "$OUTDIR"
+exec > >(tee "$OUTDIR/log.txt") 2>&1
+started=$(date +%s)
+step() { echo; echo "=== [$(($(date +%s) - started)) s] $*"; }
+
+step "machine"
+nvidia-smi -L
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+nproc
+export CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
+ls -d "$CUDA_PATH/include" || echo "no CUDA include dir under $CUDA_PATH"
+nvrtc=$(ldconfig -p | awk '/libnvrtc\.so/ {print $NF; exit}')
+if [ -z "$nvrtc" ]; then
+  nvrtc=$(find "$CUDA_PATH/" /usr/local /opt -name 'libnvrtc.so*' 2>/dev/null | head -1)
+  [ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+echo "nvrtc: ${nvrtc:-not found}"
+export RUST_BACKTRACE=1
+
+step "devices"
+timeout 30 "$BIN" devices
+
+if [ "${3:-first}" = parallel ]; then
+  # Parallel plans with two actors on the one GPU (compare with the same flags on cpu:0,cpu:1),
+  # the benchmark in full, the host path's breakdown at 151M, and PyTorch with and without TF32.
+  for plan in "--dp 2" "--dp 2 --zero 1" "--dp 2 --optimizer sgd --momentum 0.9 --lr 0.05" \
+      "--pp 2 --microbatches 4"; do
+    name=$(echo "$plan" | tr -d ' -' | tr . _)
+    step "gpt-tiny, 10 steps, $plan on cuda:0,cuda:0"
+    timeout 60 "$BIN" train --devices cuda:0,cuda:0 --model gpt-tiny --steps 10 $plan \
+      --report "$OUTDIR/par_$name.json" | tail -3
+  done
+  step "bench --device cuda:0 (state as --state auto places it)"
+  timeout 150 "$BIN" bench --device cuda:0 --json "$OUTDIR/bench_gpu_full.json" | tail -5
+  step "the 151M gpt, 4 steps, --state host (where the host path's time goes)"
+  timeout 60 "$BIN" train --devices cuda:0 --model gpt:vocab=256,ctx=1024,d=1024,layers=12,heads=16 \
+    --batch 8 --steps 4 --state host --report "$OUTDIR/gpt151_host.json" | tail -3
+  for tf32 in off on; do
+    step "PyTorch reference on cuda, tf32 $tf32"
+    PYTHONUNBUFFERED=1 timeout 80 python3 scripts/torch_reference.py --device cuda \
+      --models gpt-tiny,gpt-151m --tf32 $tf32 | tee -a "$OUTDIR/torch_cuda.jsonl"
+  done
+  step "done"
+  exit 0
+fi
+
+step "mlp-8x1024, 5 steps on cuda:0 (smoke)"
+timeout 60 "$BIN" train --devices cuda:0 --model mlp-8x1024 --steps 5 --report "$OUTDIR/mlp_cuda.json"
+
+step "gpt-tiny, 20 steps on cuda:0, state on the host"
+timeout 120 "$BIN" train --devices cuda:0 --model gpt-tiny --steps 20 --report "$OUTDIR/gpt_cuda_host.json"
+
+step "gpt-tiny, 20 steps on cuda:0, state on the device"
+timeout 80 "$BIN" train --devices cuda:0 --model gpt-tiny --steps 20 --state device \
+  --report "$OUTDIR/gpt_cuda_device.json"
+
+step "bench --device cuda:0 --quick (gpt-tiny and the 151M gpt)"
+timeout 150 "$BIN" bench --device cuda:0 --quick --json "$OUTDIR/bench_gpu.json"
+
+step "PyTorch reference on cuda, tf32 off"
+PYTHONUNBUFFERED=1 timeout 80 python3 scripts/torch_reference.py --device cuda \
+  --models gpt-tiny,gpt-151m --tf32 off --warmup 2 --timed 5 | tee "$OUTDIR/torch_cuda.jsonl"
+
+step "done"
