@@ -8,6 +8,7 @@
 #   cargo build --release -p archipelago-controller --features cuda    # where the registries are
 #   bash scripts/gpu_check.sh target/release/archipelago "$OUT"        # on the GPU machine
 #   bash scripts/gpu_check.sh target/release/archipelago "$OUT" parallel   # the second round
+#   bash scripts/gpu_check.sh target/release/archipelago "$OUT" memory     # pool vs estimate
 set -u
 BIN=${1:-target/release/archipelago}
 OUTDIR=${2:-/tmp/gpu_check}
@@ -32,6 +33,22 @@ export RUST_BACKTRACE=1
 
 step "devices"
 timeout 30 "$BIN" devices
+
+if [ "${3:-first}" = memory ]; then
+  # The device's own memory pool against the plan's estimate (the `device memory pool` lines).
+  big=gpt:vocab=256,ctx=1024,d=1024,layers=12,heads=16
+  one="--devices cuda:0"
+  for run in "gpt-tiny $one --state host" "gpt-tiny $one --state device" \
+      "gpt-tiny --dp 2 --devices cuda:0,cuda:0" "$big $one --batch 8 --state device" \
+      "$big $one --batch 8 --state device --checkpoint-activations" "$big $one --batch 8 --state host"; do
+    step "$run, 4 steps"
+    set -- $run
+    model=$1; shift
+    timeout 60 "$BIN" train --model "$model" --steps 4 "$@" | grep -v '^step'
+  done
+  step "done"
+  exit 0
+fi
 
 if [ "${3:-first}" = parallel ]; then
   # Parallel plans with two actors on the one GPU (compare with the same flags on cpu:0,cpu:1),

@@ -39,6 +39,16 @@ impl<B: AutodiffBackend> Activation<B> {
         }
     }
 
+    /// The same values outside autodiff, even where they are a leaf that requires a gradient
+    /// (burn's `detach` keeps that): ops on them record nothing.
+    pub fn untracked(self) -> Activation<B> {
+        match self {
+            Activation::Rows(t) => Activation::Rows(t.detach().set_require_grad(false)),
+            Activation::Seq(t) => Activation::Seq(t.detach().set_require_grad(false)),
+            Activation::Tokens(t) => Activation::Tokens(t),
+        }
+    }
+
     /// The same values without their autodiff graph (what activation checkpointing keeps).
     pub fn detach(self) -> Activation<B> {
         match self {
@@ -103,6 +113,10 @@ pub trait Block<B: AutodiffBackend>: Send {
     /// share no node and burn never merges them (its graph cleanup after one micro-batch's
     /// backward could otherwise drop parts of another's graph).
     fn fresh_copy(&self) -> Box<dyn Block<B>>;
+    /// A copy whose parameters are plain values outside autodiff (no bytes copied): a forward
+    /// through it records no graph, so its intermediates are freed as it goes (the forward of a
+    /// checkpointed segment, recomputed with [`Block::fresh_copy`] in the backward).
+    fn untracked_copy(&self) -> Box<dyn Block<B>>;
     /// Moves this block's parameter gradients out of `grads` as flat tensors on the block's
     /// device, in flattening order (zeros where a parameter has none). The caller reads a whole
     /// gradient bucket back to host memory with [`read_flat`].
@@ -199,6 +213,10 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         Box::new(self.clone().map(&mut FreshLeafMapper))
     }
 
+    fn untracked_copy(&self) -> Box<dyn Block<B>> {
+        Box::new(self.clone().map(&mut UntrackedMapper))
+    }
+
     fn take_grads(&self, grads: &mut B::Gradients) -> Vec<Tensor<B::InnerBackend, 1>> {
         let mut v = GradVisitor::<B> {
             grads,
@@ -268,6 +286,17 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeafMapper {
             tensor
         };
         Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+struct UntrackedMapper;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for UntrackedMapper {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        // Not `detach()`: burn's detach keeps a leaf's `require_grad`, and ops on it would
+        // record a graph that only a backward frees.
+        Param::from_mapped_value(id, tensor.detach().set_require_grad(false), mapper)
     }
 }
 

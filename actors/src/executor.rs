@@ -71,6 +71,9 @@ pub struct StepMetrics {
     /// The step's host ⇄ device bytes by kind (set by the executor from [`crate::transfer`]).
     #[serde(default)]
     pub transfers: crate::transfer::Transfers,
+    /// The device's memory pool at the step's end (GPUs; set by the executor).
+    #[serde(default)]
+    pub device_memory: Option<crate::gpus::DeviceMemory>,
 }
 
 /// Local compute of an actor.
@@ -226,6 +229,8 @@ impl Executor {
         // This step's host ⇄ device transfers only (not those of building or restoring).
         crate::transfer::take();
         let mut pending: HashMap<u64, (PendingCollective, Vec<ActorId>)> = HashMap::new();
+        // GPUs: the most live bytes of the device's pool seen at an instruction's end.
+        let mut peak_in_use = None::<u64>;
         for index in 0..self.stream.len() {
             let started = Instant::now();
             self.progress.set(step, Some(index));
@@ -247,6 +252,9 @@ impl Executor {
                 span.record("bytes", bytes);
             }
             drop(entered);
+            if let Some(memory) = crate::gpus::memory_usage(self.device) {
+                peak_in_use = Some(peak_in_use.unwrap_or(0).max(memory.in_use));
+            }
             if let Err((message, secondary)) = outcome {
                 let failure = Box::new(ActorFailure {
                     job: self.job.clone(),
@@ -275,6 +283,10 @@ impl Executor {
         self.progress.set(step, None);
         let mut metrics = self.computation.finish_step();
         metrics.transfers = crate::transfer::take();
+        metrics.device_memory = crate::gpus::memory_usage(self.device).map(|now| crate::gpus::DeviceMemory {
+            peak_in_use: peak_in_use.unwrap_or(0).max(now.in_use),
+            ..now
+        });
         Ok(StepReport {
             actor: self.actor,
             step,

@@ -33,6 +33,38 @@ pub fn driver_gpu_count() -> usize {
     std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count())
 }
 
+/// What a GPU's memory pool holds, from burn's runtime (cubecl) on that device: shared by every
+/// actor of this process on it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// Bytes of live tensors now.
+    pub in_use: u64,
+    /// The most bytes of live tensors seen at the end of an instruction of the step (the
+    /// executor's reading; within an instruction the temporaries go higher).
+    pub peak_in_use: u64,
+    /// Bytes the pool has taken from the device: it keeps what it took, so at a step's end this
+    /// is the step's high-water mark (and that of the steps before it), padding included.
+    pub reserved: u64,
+}
+
+/// The memory pool of `device` now; None on CPU devices, in builds without `cuda`, or where the
+/// runtime cannot tell.
+pub fn memory_usage(device: archipelago_dataflow::DeviceSpec) -> Option<DeviceMemory> {
+    #[cfg(feature = "cuda")]
+    if let Some(n) = device.cuda_ordinal() {
+        use cubecl::Runtime;
+        let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(n as usize));
+        let usage = client.memory_usage().ok()?;
+        return Some(DeviceMemory {
+            in_use: usage.bytes_in_use,
+            peak_in_use: usage.bytes_in_use,
+            reserved: usage.bytes_reserved,
+        });
+    }
+    let _ = device;
+    None
+}
+
 /// The smallest memory of the GPUs among `devices` (a plan's memory budget per device when the
 /// job gives none), None without GPUs among them or where the driver cannot tell.
 pub fn smallest_memory(devices: &[archipelago_dataflow::DeviceSpec]) -> Option<u64> {

@@ -495,6 +495,20 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
             .unwrap_or_default(),
         report.peak_rss_bytes as f64 / (1u64 << 20) as f64
     );
+    for a in &report.actors {
+        if let Some(memory) = a.device_memory {
+            let gb = |b: u64| b as f64 / 1e9;
+            println!(
+                "actor {} on {}: device memory pool {:.2} GB at its high-water mark, live tensors {:.2} GB \
+                 at most between instructions; the plan estimated {:.2} GB",
+                a.actor,
+                a.device,
+                gb(memory.reserved),
+                gb(memory.peak_in_use),
+                gb(a.estimated_device_bytes)
+            );
+        }
+    }
     if program.plan.pp > 1 || program.plan.microbatches > 1 {
         for a in report.actors.iter().filter(|a| a.replica == 0) {
             println!(

@@ -490,6 +490,7 @@ pub(crate) async fn drive<G: Gang>(
                 estimated_model_state_bytes: plan.memory[r.actor].model_state(),
                 compute_weight_bytes: r.metrics.compute_weight_bytes,
                 estimated_device_bytes: plan.memory[r.actor].total(),
+                device_memory: r.metrics.device_memory,
                 offload: r
                     .metrics
                     .offload

@@ -249,6 +249,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             lr: (steps > 0).then(|| self.state.optimizer.lr_at(self.state.optimizer.schedule_step())),
             grad_norm: self.state.update.grad_norm.take(),
             transfers: Default::default(), // the executor's count of the step
+            device_memory: None,           // the executor reads the device's pool
         };
         self.step.peak_grad_bytes = 0;
         self.step.peak_live = 0;

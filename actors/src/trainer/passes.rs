@@ -60,11 +60,16 @@ impl<B: AutodiffBackend> Trainer<B> {
         } else {
             self.import(input, table)?.leaf()
         };
-        let (y, copies) = self.run_blocks(blocks.clone(), x.clone())?;
         let (kept, copies) = if self.checkpoint {
-            (y.detach(), Vec::new())
+            // No graph at all: burn frees a recorded graph only at a backward, so a forward run
+            // with one and then detached would hold every segment's activations until then.
+            let mut y = x.clone().untracked();
+            for index in blocks.clone() {
+                y = self.block(index)?.untracked_copy().forward(y);
+            }
+            (y, Vec::new())
         } else {
-            (y, copies)
+            self.run_blocks(blocks.clone(), x.clone())?
         };
         let key = (blocks.start, mb);
         self.step.segments.insert(
