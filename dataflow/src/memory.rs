@@ -37,6 +37,11 @@ pub struct MemoryEstimate {
     pub activations: u64,
     /// Communication buffers in flight.
     pub buffers: u64,
+    /// What a block's backward holds beyond the activations kept for it on a GPU: the gradients
+    /// of its intermediates and the kernels' temporaries, counted as [`BACKWARD_TEMPORARIES`]
+    /// times the largest block's activations for one micro-batch (0 on CPU devices).
+    #[serde(default)]
+    pub backward_temporaries: u64,
     /// Host memory of the training state kept off the device: the offload actor's (master shard
     /// and optimizer state under `--offload cpu`; read-ahead and write-behind buffers under
     /// `--offload nvme`), or with `--state host` on a GPU the master copy, gradient buckets and
@@ -56,18 +61,19 @@ impl MemoryEstimate {
 
     /// Everything.
     pub fn total(&self) -> u64 {
-        self.model_state() + self.activations + self.buffers
+        self.model_state() + self.activations + self.buffers + self.backward_temporaries
     }
 
     /// `params 32.1 MiB + grads … `, for messages; then what is offloaded, if anything.
     pub fn breakdown(&self) -> String {
         let mut out = format!(
-            "params {} + grads {} + optimizer {} + activations {} + buffers {}",
+            "params {} + grads {} + optimizer {} + activations {} + buffers {} + backward temporaries {}",
             mib(self.params),
             mib(self.grads),
             mib(self.optimizer),
             mib(self.activations),
-            mib(self.buffers)
+            mib(self.buffers),
+            mib(self.backward_temporaries)
         );
         if self.host > 0 || self.disk > 0 {
             out.push_str(&format!(
@@ -79,6 +85,11 @@ impl MemoryEstimate {
         out
     }
 }
+
+/// A block's backward temporaries over its activations. Fitted on an H200 (2026-11-26, 151M gpt,
+/// composed attention, docs/PERFORMANCE.md "GPUs"): the device's pool peaked 1.9–4.1 GB per
+/// layer-sized segment above the live tensors, 2.4–3.8× one layer's activations at batch 4–16.
+pub const BACKWARD_TEMPORARIES: u64 = 3;
 
 /// Formats bytes as MiB with one decimal.
 pub fn mib(bytes: u64) -> String {
@@ -141,6 +152,23 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         let largest = share.chunks.iter().map(|&(s, e)| acts(s, e)).max().unwrap_or(0);
         4 * rows * in_flight * largest
     };
+    let largest_block = share
+        .chunks
+        .iter()
+        .flat_map(|&(s, e)| model.blocks[s..e].iter())
+        .map(|b| b.activation_floats_per_sample)
+        .max()
+        .unwrap_or(0);
+    // Counted on GPUs, where burn composes attention from materialised scores; on CPU devices
+    // the fused attention keeps only the probabilities, and the activation term (written for
+    // the composed one) already covers the backward (measured in `activation_memory.rs`: peak
+    // 30.3 MiB checkpointed, 81.6 plain, against 35.9 and 136.4 estimated).
+    let on_gpu = matches!(program.devices.get(share.actor), Some(DeviceSpec::Cuda(_)));
+    let backward_temporaries = if on_gpu {
+        BACKWARD_TEMPORARIES * 4 * rows * largest_block
+    } else {
+        0
+    };
     let largest_bucket = share.buckets.iter().map(|b| b.bytes).max().unwrap_or(0);
     let zero = ZeroStage::in_force(program.plan.zero, program.plan.dp);
     let sharded = |bytes: u64, from_stage: ZeroStage| {
@@ -171,6 +199,7 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         } else {
             0
         },
+        backward_temporaries,
         host: 0,
         disk: 0,
     };
@@ -356,8 +385,31 @@ mod tests {
             ),
             (4 * n, 4 * n, 8 * n, 0)
         );
+        // A GPU's backward holds temporaries beyond the activations (burn's composed kernels);
+        // the CPU's fused kernels stay inside the activation term.
+        let largest_block = model
+            .blocks
+            .iter()
+            .map(|b| b.activation_floats_per_sample)
+            .max()
+            .unwrap();
+        assert_eq!(
+            gpu_device.backward_temporaries,
+            BACKWARD_TEMPORARIES * 4 * largest_block
+        );
+        assert_eq!(
+            gpu_device.total(),
+            gpu_device.model_state()
+                + gpu_device.activations
+                + gpu_device.buffers
+                + gpu_device.backward_temporaries
+        );
+        let without_temporaries = MemoryEstimate {
+            backward_temporaries: 0,
+            ..gpu_device
+        };
         for state in [StatePlacement::Host, StatePlacement::Device] {
-            assert_eq!(on(DeviceSpec::Cpu(0), state), gpu_device, "CPU, {state}");
+            assert_eq!(on(DeviceSpec::Cpu(0), state), without_temporaries, "CPU, {state}");
         }
     }
 }
