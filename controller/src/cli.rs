@@ -15,7 +15,6 @@ use archipelago_dataflow::passes::partition::parse_stages;
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{
     DeviceSpec, InputKind, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, ParamGroups, Program,
-    StatePlacement,
 };
 
 use crate::train_job::{StepProgress, TrainOptions};
@@ -161,10 +160,10 @@ pub struct JobArgs {
     pub offload_params: bool,
     /// Where the master parameters, gradient buckets and optimizer state live when not
     /// offloaded: `host` (flat vectors, every step reads the gradients off the device and writes
-    /// the parameters back), `device` (tensors on the device, updated there) or `auto`: `device`
-    /// when every actor's entry of `--devices` is a GPU and nothing is offloaded, else `host`
-    /// (so a job sent to a cluster without `--devices` keeps `host`). Each step's host ⇄ device
-    /// bytes are in the report.
+    /// the parameters back), `device` (tensors on the device, updated there) or `auto`: decided
+    /// when the plan is compiled for the devices its actors get — `device` when every one is a
+    /// GPU and nothing is offloaded, else `host`. Each step's host ⇄ device bytes are in the
+    /// report.
     #[arg(long, default_value = "auto")]
     pub state: String,
     /// Devices to place the actors on, in mesh order: e.g. `cuda:0,cuda:1` (a `cuda` build) or
@@ -208,7 +207,7 @@ impl JobArgs {
             zero: self.zero,
             offload: self.offload.parse().map_err(anyhow::Error::msg)?,
             offload_params: self.offload_params,
-            state: StatePlacement::Host,
+            state: self.state.parse().map_err(anyhow::Error::msg)?,
             stages: self
                 .stages
                 .as_deref()
@@ -219,13 +218,6 @@ impl JobArgs {
         program.devices = match &self.devices {
             Some(list) => DeviceSpec::parse_list(list)?,
             None => DeviceSpec::cpus(self.dp * self.pp),
-        };
-        program.plan.state = match self.state.as_str() {
-            "auto" => {
-                let actors = &program.devices[..program.devices.len().min(self.dp * self.pp)];
-                StatePlacement::auto_for(actors, &program.plan.offload)
-            }
-            other => other.parse().map_err(anyhow::Error::msg)?,
         };
         if program.plan.device_memory.is_none() {
             program.plan.device_memory = archipelago_actors::gpus::smallest_memory(

@@ -90,6 +90,8 @@ fn state_auto_puts_the_training_state_on_gpus_only() {
         (&["--devices", "cpu:0", "--state", "device"][..], Device),
     ] {
         let program = program(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
-        assert_eq!(program.plan.state, want, "{args:?}");
+        let plan = archipelago_dataflow::compile(&program).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        assert_eq!(plan.program.plan.state, want, "{args:?}");
+        assert!(plan.actors.iter().all(|a| a.training.state == want), "{args:?}");
     }
 }

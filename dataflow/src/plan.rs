@@ -262,6 +262,13 @@ fn remedies(program: &Program) -> Vec<(String, Program)> {
 }
 
 fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
+    let resolved;
+    let program = if program.plan.state == crate::StatePlacement::Auto {
+        resolved = program.with_state_resolved();
+        &resolved
+    } else {
+        program
+    };
     let plan = &program.plan;
     for (value, what) in [
         (plan.dp, "--dp"),

@@ -300,3 +300,38 @@ fn a_hosts_plan_keeps_its_actors_whole_and_only_the_others_placement() {
         size(&plan)
     );
 }
+
+/// The API's default placement is `Auto`, decided at compile time for the actors' devices: the
+/// state on GPUs, in host memory on CPU devices or with offload; an explicit placement stays.
+#[test]
+fn the_default_state_placement_is_decided_for_the_devices() {
+    use crate::{DeviceSpec, Offload, StatePlacement};
+    let placed = |devices: Vec<DeviceSpec>, offload: Offload, state: StatePlacement| {
+        let mut p = program(devices.len(), 64);
+        p.devices = devices;
+        p.plan.offload = offload;
+        p.plan.state = state;
+        let plan = compile(&p).unwrap();
+        let states: Vec<StatePlacement> = plan.actors.iter().map(|a| a.training.state).collect();
+        assert!(states.iter().all(|s| *s == plan.program.plan.state), "{states:?}");
+        plan.program.plan.state
+    };
+    let gpus = || vec![DeviceSpec::Cuda(0), DeviceSpec::Cuda(1)];
+    let auto = StatePlacement::Auto;
+    assert_eq!(program(1, 64).plan.state, auto, "the default");
+    assert_eq!(placed(gpus(), Offload::None, auto), StatePlacement::Device);
+    assert_eq!(
+        placed(DeviceSpec::cpus(2), Offload::None, auto),
+        StatePlacement::Host
+    );
+    assert_eq!(placed(gpus(), Offload::Cpu, auto), StatePlacement::Host);
+    // The control: explicit placements are kept on either kind of device.
+    assert_eq!(
+        placed(gpus(), Offload::None, StatePlacement::Host),
+        StatePlacement::Host
+    );
+    assert_eq!(
+        placed(DeviceSpec::cpus(2), Offload::None, StatePlacement::Device),
+        StatePlacement::Device
+    );
+}

@@ -52,7 +52,7 @@ pub fn gpt_on_device(device: DeviceSpec, quick: bool) -> anyhow::Result<Value> {
     let state = StatePlacement::auto_for(&[device], &Offload::None);
     let optimizer = match state {
         StatePlacement::Device => "Adam (tensors on the device, updated there)",
-        StatePlacement::Host => "Adam (flat, on the host)",
+        StatePlacement::Host | StatePlacement::Auto => "Adam (flat, on the host)",
     };
     let mut runs = Vec::new();
     for (model, batch) in models {
