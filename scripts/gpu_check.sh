@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first-run checks of ../shared/GPU.md on an NVIDIA machine, as one script with a time cap per
 # step, so a short device lease gets every answer it can: the GPU and its libraries, a few steps
-# of mlp and gpt-tiny on cuda:0 (host state and device state), the device benchmark, and the
+# of mlp and gpt-tiny on cuda:0 (host state and device state) with their losses compared to the
+# same run on cpu:0 (scripts/compare_losses.py: PASS/FAIL at 1e-3), the device benchmark, and the
 # PyTorch reference beside it. Each step runs even if an earlier one failed; everything goes to
 # OUTDIR (log.txt plus the reports).
 #
@@ -53,12 +54,27 @@ fi
 if [ "${3:-first}" = parallel ]; then
   # Parallel plans with two actors on the one GPU (compare with the same flags on cpu:0,cpu:1),
   # the benchmark in full, the host path's breakdown at 151M, and PyTorch with and without TF32.
+  # The compared reports stay out of OUTDIR (a device lease returns at most 8 files); the
+  # PASS/FAIL lines are in the log.
+  R=$(mktemp -d)
+  step "gpt-tiny, 10 steps on cuda:0 (the one-device reference), and with another seed (the control)"
+  timeout 60 "$BIN" train --devices cuda:0 --model gpt-tiny --steps 10 --report "$R/one.json" | tail -1
+  timeout 60 "$BIN" train --devices cuda:0 --model gpt-tiny --steps 10 --seed 8 \
+    --report "$R/seed8.json" | tail -1
+  python3 scripts/compare_losses.py "$R/seed8.json" "$R/one.json" --expect-differ
   for plan in "--dp 2" "--dp 2 --zero 1" "--dp 2 --optimizer sgd --momentum 0.9 --lr 0.05" \
       "--pp 2 --microbatches 4"; do
     name=$(echo "$plan" | tr -d ' -' | tr . _)
-    step "gpt-tiny, 10 steps, $plan on cuda:0,cuda:0"
+    step "gpt-tiny, 10 steps, $plan on cuda:0,cuda:0 and on cpu:0,cpu:1"
     timeout 60 "$BIN" train --devices cuda:0,cuda:0 --model gpt-tiny --steps 10 $plan \
-      --report "$OUTDIR/par_$name.json" | tail -3
+      --report "$R/par_$name.json" | tail -3
+    timeout 90 "$BIN" train --devices cpu:0,cpu:1 --model gpt-tiny --steps 10 $plan \
+      --report "$R/cpu_$name.json" | tail -1
+    python3 scripts/compare_losses.py "$R/par_$name.json" "$R/cpu_$name.json"
+    case "$plan" in
+      *sgd*) ;;  # another update rule: not the Adam reference
+      *) python3 scripts/compare_losses.py "$R/par_$name.json" "$R/one.json" ;;
+    esac
   done
   step "bench --device cuda:0 (state as --state auto places it)"
   timeout 150 "$BIN" bench --device cuda:0 --json "$OUTDIR/bench_gpu_full.json" | tail -5
@@ -78,11 +94,17 @@ step "mlp-8x1024, 5 steps on cuda:0 (smoke)"
 timeout 60 "$BIN" train --devices cuda:0 --model mlp-8x1024 --steps 5 --report "$OUTDIR/mlp_cuda.json"
 
 step "gpt-tiny, 20 steps on cuda:0, state on the host"
-timeout 120 "$BIN" train --devices cuda:0 --model gpt-tiny --steps 20 --report "$OUTDIR/gpt_cuda_host.json"
+timeout 120 "$BIN" train --devices cuda:0 --model gpt-tiny --steps 20 --state host \
+  --report "$OUTDIR/gpt_cuda_host.json"
+
+step "gpt-tiny, 20 steps on cpu:0 (the reference for the two GPU runs)"
+timeout 120 "$BIN" train --devices cpu:0 --model gpt-tiny --steps 20 --report "$OUTDIR/gpt_cpu.json" | tail -1
+python3 scripts/compare_losses.py "$OUTDIR/gpt_cuda_host.json" "$OUTDIR/gpt_cpu.json"
 
 step "gpt-tiny, 20 steps on cuda:0, state on the device"
 timeout 80 "$BIN" train --devices cuda:0 --model gpt-tiny --steps 20 --state device \
   --report "$OUTDIR/gpt_cuda_device.json"
+python3 scripts/compare_losses.py "$OUTDIR/gpt_cuda_device.json" "$OUTDIR/gpt_cpu.json"
 
 step "bench --device cuda:0 --quick (gpt-tiny and the 151M gpt)"
 timeout 150 "$BIN" bench --device cuda:0 --quick --json "$OUTDIR/bench_gpu.json"
