@@ -7,6 +7,7 @@ negative control (a run that must not match, e.g. another seed)."""
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -24,16 +25,19 @@ def main():
     args = p.parse_args()
     a, b = losses(args.run), losses(args.reference)
     n = min(len(a), len(b))
-    if n == 0:
-        print(f"FAIL: no common steps between {args.run} and {args.reference}")
+    if n == 0 or any(math.isnan(x) for x in a + b):
+        print(f"FAIL: {args.run} vs {args.reference}: no common steps, or a NaN loss")
         return 1
     worst = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a[:n], b[:n]))
-    matches = worst <= args.tolerance
+    # Runs of different lengths compare on their common steps; the shorter must be the reference
+    # (a run that stopped early does not match).
+    matches = worst <= args.tolerance and len(a) >= len(b)
     ok = matches != args.expect_differ
     what = "differs as it must" if args.expect_differ else "matches"
     verdict = "PASS" if ok else "FAIL"
+    short = f"; the run has {len(a)} steps, the reference {len(b)}" if len(a) < len(b) else ""
     print(f"{verdict}: {args.run} vs {args.reference}: {n} steps, max relative loss difference "
-          f"{worst:.2e} (tolerance {args.tolerance:g}; expected: {what if ok else 'the opposite'})")
+          f"{worst:.2e} (tolerance {args.tolerance:g}; expected: {what if ok else 'the opposite'}{short})")
     return 0 if ok else 1
 
 

@@ -252,7 +252,9 @@ impl Executor {
                 span.record("bytes", bytes);
             }
             drop(entered);
-            if let Some(memory) = crate::gpus::memory_usage(self.device) {
+            if outcome.is_ok()
+                && let Some(memory) = crate::gpus::memory_usage(self.device)
+            {
                 peak_in_use = Some(peak_in_use.unwrap_or(0).max(memory.in_use));
             }
             if let Err((message, secondary)) = outcome {

@@ -33,8 +33,9 @@ pub fn driver_gpu_count() -> usize {
     std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count())
 }
 
-/// What a GPU's memory pool holds, from burn's runtime (cubecl) on that device: shared by every
-/// actor of this process on it.
+/// What a GPU's memory pool holds, from burn's runtime (cubecl) on that device. cubecl keeps a
+/// pool per stream and picks the stream by the calling thread, so read from an actor's device
+/// thread this is that actor's pool (actors whose threads share a stream share it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceMemory {
     /// Bytes of live tensors now.
@@ -47,14 +48,19 @@ pub struct DeviceMemory {
     pub reserved: u64,
 }
 
-/// The memory pool of `device` now; None on CPU devices, in builds without `cuda`, or where the
-/// runtime cannot tell.
+/// The memory pool of `device` for the calling thread now; None on CPU devices, in builds
+/// without `cuda`, or where the runtime cannot tell (its server gone: cubecl would panic, which
+/// is caught here, so a failing step still gets its own error reported).
 pub fn memory_usage(device: archipelago_dataflow::DeviceSpec) -> Option<DeviceMemory> {
     #[cfg(feature = "cuda")]
     if let Some(n) = device.cuda_ordinal() {
         use cubecl::Runtime;
-        let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(n as usize));
-        let usage = client.memory_usage().ok()?;
+        let usage = std::panic::catch_unwind(|| {
+            let client = cubecl::cuda::CudaRuntime::client(&cubecl::cuda::CudaDevice::new(n as usize));
+            client.memory_usage().ok()
+        })
+        .ok()
+        .flatten()?;
         return Some(DeviceMemory {
             in_use: usage.bytes_in_use,
             peak_in_use: usage.bytes_in_use,

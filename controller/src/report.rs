@@ -61,7 +61,7 @@ pub struct ActorRecord {
     #[serde(default)]
     pub estimated_device_bytes: u64,
     /// Its GPU's memory pool at the last step's end (GPUs only): `reserved` is the high-water
-    /// mark to set beside `estimated_device_bytes`. Actors on one GPU share one pool.
+    /// mark to set beside `estimated_device_bytes` (cubecl's pool of the actor's stream).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_memory: Option<archipelago_actors::gpus::DeviceMemory>,
     /// Its offload actor's state and traffic (with `--offload`).

@@ -78,7 +78,7 @@ pub enum PlanError {
         needed: u64,
         /// The budget.
         budget: u64,
-        /// Parameters, gradients, optimizer, activations, buffers.
+        /// Parameters, gradients, optimizer, activations, buffers, backward temporaries.
         breakdown: String,
         /// What would make it fit, found by re-planning with each remedy.
         fixes: String,

@@ -198,10 +198,18 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
 fn remedies(program: &Program) -> Vec<(String, Program)> {
     let plan = &program.plan;
     let mut out = Vec::new();
+    // Each remedy is compiled on as many devices of the same kind as it needs (a GPU plan's
+    // estimate counts GPU-only terms), and decides its state placement afresh (`Auto` with
+    // offload is `Host`; a placement the user named stays).
+    let kind = program.devices.first().copied();
     let with = |f: &dyn Fn(&mut Program)| {
         let mut p = program.clone();
-        p.devices.clear();
         f(&mut p);
+        let actors = (p.plan.dp * p.plan.pp).max(1);
+        p.devices = match kind {
+            Some(DeviceSpec::Cuda(_)) => (0..actors as u32).map(DeviceSpec::Cuda).collect(),
+            _ => Vec::new(),
+        };
         p
     };
     if plan.dp > 1 {
@@ -262,6 +270,7 @@ fn remedies(program: &Program) -> Vec<(String, Program)> {
 }
 
 fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
+    let given = program;
     let resolved;
     let program = if program.plan.state == crate::StatePlacement::Auto {
         resolved = program.with_state_resolved();
@@ -442,7 +451,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         && let Some(m) = memory.iter().find(|m| m.total() > budget)
     {
         let fits: Vec<String> = if suggest {
-            remedies(program)
+            remedies(given)
                 .into_iter()
                 .filter(|(_, p)| compile_with(p, false).is_ok())
                 .map(|(flags, _)| flags)

@@ -335,3 +335,23 @@ fn the_default_state_placement_is_decided_for_the_devices() {
         StatePlacement::Device
     );
 }
+
+/// On GPUs, where `Auto` puts the state on the device, a plan that does not fit is still offered
+/// offload (whose state placement is then decided afresh: host), and every remedy is checked
+/// with the GPU's own estimate. The control: the same refusal on CPU devices names the same
+/// offload remedy.
+#[test]
+fn a_gpu_plan_that_does_not_fit_is_offered_offload() {
+    use crate::DeviceSpec;
+    for devices in [vec![DeviceSpec::Cuda(0)], vec![DeviceSpec::Cpu(0)]] {
+        let mut p = program(1, 64);
+        p.devices = devices.clone();
+        p.plan.device_memory = Some(100 << 20);
+        match compile(&p) {
+            Err(PlanError::DoesNotFit { fixes, .. }) => {
+                assert!(fixes.contains("--offload cpu"), "{devices:?}: {fixes}")
+            }
+            other => panic!("{devices:?}: expected DoesNotFit, got {other:?}"),
+        }
+    }
+}

@@ -61,10 +61,6 @@ pub struct ParallelPlan {
 /// Where the training state (master parameters, gradient buckets, optimizer state) lives.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StatePlacement {
-    /// Decided when the plan is compiled, by [`StatePlacement::auto_for`] over the actors'
-    /// devices: `Device` on GPUs, `Host` elsewhere or with offload.
-    #[default]
-    Auto,
     /// Flat `f32` vectors in host memory, updated by the flat-loop optimizer: every step reads
     /// the gradients off the device and writes the parameters back into the modules.
     Host,
@@ -73,6 +69,11 @@ pub enum StatePlacement {
     /// the optimizer path unless a collective needs a gradient in host memory (dp > 1, until
     /// collectives run on the device).
     Device,
+    /// Decided when the plan is compiled, by [`StatePlacement::auto_for`] over the actors'
+    /// devices: `Device` on GPUs, `Host` elsewhere or with offload. (Last, so that the wire
+    /// indices of `Host` and `Device` stay what they were.)
+    #[default]
+    Auto,
 }
 
 impl fmt::Display for StatePlacement {
