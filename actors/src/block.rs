@@ -49,15 +49,6 @@ impl<B: AutodiffBackend> Activation<B> {
         }
     }
 
-    /// The same values without their autodiff graph (what activation checkpointing keeps).
-    pub fn detach(self) -> Activation<B> {
-        match self {
-            Activation::Rows(t) => Activation::Rows(t.detach()),
-            Activation::Seq(t) => Activation::Seq(t.detach()),
-            Activation::Tokens(t) => Activation::Tokens(t),
-        }
-    }
-
     /// The gradient of this leaf, removed from `grads` (None for token ids).
     pub fn take_grad(&self, grads: &mut B::Gradients) -> Option<Activation<B>> {
         match self {

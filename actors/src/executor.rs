@@ -230,7 +230,7 @@ impl Executor {
         crate::transfer::take();
         let mut pending: HashMap<u64, (PendingCollective, Vec<ActorId>)> = HashMap::new();
         // GPUs: the most live bytes of the device's pool seen at an instruction's end.
-        let mut peak_in_use = None::<u64>;
+        let mut peak_in_use = 0u64;
         for index in 0..self.stream.len() {
             let started = Instant::now();
             self.progress.set(step, Some(index));
@@ -255,7 +255,7 @@ impl Executor {
             if outcome.is_ok()
                 && let Some(memory) = crate::gpus::memory_usage(self.device)
             {
-                peak_in_use = Some(peak_in_use.unwrap_or(0).max(memory.in_use));
+                peak_in_use = peak_in_use.max(memory.in_use);
             }
             if let Err((message, secondary)) = outcome {
                 let failure = Box::new(ActorFailure {
@@ -286,7 +286,7 @@ impl Executor {
         let mut metrics = self.computation.finish_step();
         metrics.transfers = crate::transfer::take();
         metrics.device_memory = crate::gpus::memory_usage(self.device).map(|now| crate::gpus::DeviceMemory {
-            peak_in_use: peak_in_use.unwrap_or(0).max(now.in_use),
+            peak_in_use: peak_in_use.max(now.in_use),
             ..now
         });
         Ok(StepReport {

@@ -176,6 +176,12 @@ pub fn causal_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize) -> Tensor<B
 /// [`causal_attention`] composed of burn's ops (narrow, reshape, swap_dims, matmul, masked
 /// softmax): what every backend can run, and the reference the fused version is tested against.
 pub fn composed_causal_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
+    composed_attention(qkv, heads, true)
+}
+
+/// Attention composed of burn's ops, with or without the causal mask (without: the tests'
+/// negative control, a model that sees later positions).
+fn composed_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize, causal: bool) -> Tensor<B, 3> {
     let [b, t, d3] = qkv.dims();
     let (d, h) = (d3 / 3, heads);
     let hd = d / h;
@@ -189,10 +195,15 @@ pub fn composed_causal_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize) ->
     let scores = matmul(q, k.swap_dims(2, 3)).div_scalar((hd as f32).sqrt());
     // The causal mask, made on the device (no host upload per layer and forward): -1e9 where a
     // query would see a later key.
-    let device = scores.device();
-    let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
-    let mask = Tensor::<B, 2>::zeros([t, t], &device).mask_fill(future, -1e9);
-    let weights = softmax(scores + mask.reshape([1, 1, t, t]), 3);
+    let scores = if causal {
+        let device = scores.device();
+        let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device);
+        let mask = Tensor::<B, 2>::zeros([t, t], &device).mask_fill(future, -1e9);
+        scores + mask.reshape([1, 1, t, t])
+    } else {
+        scores
+    };
+    let weights = softmax(scores, 3);
     matmul(weights, v).swap_dims(1, 2).reshape([b, t, d])
 }
 
