@@ -1,9 +1,10 @@
 //! `archipelago-controller`: the single controller of an archipelago job.
 //!
 //! It compiles a [`Program`](archipelago_dataflow::Program) into a verified plan, starts one
-//! device actor per mesh position, sends each its instruction stream once, then drives the steps:
-//! `Step{n}` to every actor at once, `StepDone` back from each (Pathways-style parallel
-//! dispatch). It never touches tensor bytes: control is typed messages, data moves actor to actor.
+//! device actor (an actor of the runtime API) per mesh position with its instruction stream, then
+//! drives the steps: a `RunStep(n)` call to every actor at once, each reply its step report
+//! (Pathways-style parallel dispatch); on a cluster the calls go through each host's
+//! [`HostPart`](cluster::host_part::HostPart) on the host's actor port. It never touches tensor bytes: control is typed messages, data moves actor to actor.
 //!
 //! Programs that are not training loops use the runtime API re-exported in [`prelude`]: typed
 //! actors, futures, tensor references and meshes (see `archipelago_actors::runtime`).

@@ -9,7 +9,7 @@ pub struct StepRecord {
     pub step: u64,
     /// Global mean loss.
     pub loss: f32,
-    /// Wall time from sending `Step` to the last `StepDone`.
+    /// Wall time from the `RunStep` calls to the last reply.
     pub time_s: f64,
     /// The learning rate of the step's update (the schedule's).
     #[serde(default, skip_serializing_if = "Option::is_none")]

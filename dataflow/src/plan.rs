@@ -59,7 +59,7 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// The plan as the host of `actors` needs it, what that host's Launch carries: every actor's
+    /// The plan as the host of `actors` needs it, what that host's part of the job carries: every actor's
     /// placement (device, coordinates, stage, chunks) stays, but only `actors` keep their
     /// instruction streams and segments — a host never reads another host's stream, and the
     /// streams are nearly all of a large plan's bytes.

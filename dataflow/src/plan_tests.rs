@@ -263,7 +263,7 @@ fn state_on_the_device_is_refused_with_offload_only() {
     }
 }
 
-/// A host's Launch plan keeps its own actors whole and every other actor's placement, without
+/// A host part's plan keeps its own actors whole and every other actor's placement, without
 /// their streams and segments: the host builds exactly what it would from the whole plan, and
 /// the plan it is sent shrinks with the share of actors it runs.
 #[test]

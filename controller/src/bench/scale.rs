@@ -1,6 +1,6 @@
 //! The controller at scale (WORKLOADS.md): the time to compile and verify a plan for 4096
 //! devices (dp=256 × pp=16 on a 64-layer gpt, until tensor parallelism exists), and the time of
-//! one step dispatched to 1024 in-process no-op actors (`Step` sent to all → every `StepDone`
+//! one step dispatched to 1024 in-process no-op actors (`RunStep` called on all → every reply
 //! received).
 
 use std::sync::Arc;
@@ -57,18 +57,18 @@ pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
     let began = Instant::now();
     let decoded: Result<archipelago_dataflow::Plan, _> = archipelago_actors::codec::decode(&bincode_bytes);
     let bincode_decode_s = began.elapsed().as_secs_f64();
-    // What one host of 8 devices is sent since Launch carries only its actors' streams.
+    // What one host of 8 devices is sent: its host part carries only its actors' streams.
     let began = Instant::now();
     let per_host = archipelago_actors::codec::encode(&plan.for_actors(&(0..8).collect::<Vec<_>>()))?;
     let per_host_encode_s = began.elapsed().as_secs_f64();
     Ok(json!({
         "name": "compile_and_verify_4096_devices",
         "launch_plan": {
-            "what": "the whole compiled plan (what every host's Launch carried before per-host plans)",
+            "what": "the whole compiled plan (what every host was sent before per-host plans)",
             "json_bytes": json_bytes.len(), "json_encode_s": json_encode_s, "json_decode_s": json_decode_s,
             "bincode_bytes": bincode_bytes.len(), "bincode_encode_s": bincode_encode_s, "bincode_decode_s": bincode_decode_s,
             "bincode_decodes_within_the_codec_limit": decoded.is_ok(),
-            "per_host_of_8_devices": { "what": "the Launch plan of one host of 8 devices (its actors' streams, everyone's placement)", "bincode_bytes": per_host.len(), "select_and_encode_s": per_host_encode_s },
+            "per_host_of_8_devices": { "what": "the plan of one host part of 8 devices (its actors' streams, everyone's placement)", "bincode_bytes": per_host.len(), "select_and_encode_s": per_host_encode_s },
         },
         "config": { "model": program.model.name, "dp": dp, "pp": pp, "tp": 1, "microbatches": m, "schedule": "1f1b", "reps": reps },
         "median_s": s,
@@ -97,7 +97,7 @@ impl Computation for NoOp {
     }
 }
 
-/// One step (`Step` to all, every `StepDone` back) over `actors` no-op actors, `steps` times.
+/// One step (`RunStep` to all, every reply back) over `actors` no-op actors, `steps` times.
 pub fn noop_step(actors: usize, steps: u64) -> anyhow::Result<Value> {
     dispatch(actors, steps, false)
 }

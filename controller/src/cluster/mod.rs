@@ -12,6 +12,7 @@ pub mod client;
 pub mod commands;
 pub mod health;
 pub mod host_agent;
+pub mod host_part;
 pub mod registry;
 pub mod remote_gang;
 pub mod remote_job;

@@ -10,7 +10,7 @@ use tokio::sync::Notify;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tonic::Status;
 
-use archipelago_actors::proto::{ActorState, ControllerMessage, controller_message, host_message};
+use archipelago_actors::proto::{ActorState, ControllerMessage, controller_message};
 use archipelago_dataflow::DeviceSpec;
 
 use crate::dashboard::{Dashboard, HostView};
@@ -34,23 +34,22 @@ pub struct HostInfo {
     pub tcp_addr: String,
     /// Its process id.
     pub pid: u32,
-    /// Where its actor port listens (a program's own binary serving as a host; empty for
-    /// `archipelago host`, which runs training actors).
+    /// Where its actor port listens (every host: a program's own binary serving as a host,
+    /// and `archipelago host`, where the controller spawns a job's host part).
     pub actor_addr: String,
 }
 
 impl HostInfo {
-    /// Whether it serves the runtime API's actors (else the training actors).
+    /// Whether it is a program's own binary serving as a host (its actor port only), not an
+    /// `archipelago host` running training actors (with fabric ports).
     pub fn serves_actors(&self) -> bool {
-        !self.actor_addr.is_empty()
+        !self.actor_addr.is_empty() && self.fabric_addr.is_empty()
     }
 }
 
-/// What the running job hears from the hosts.
+/// What the running job hears from the hosts' sessions.
 #[derive(Debug)]
 pub enum HostEvent {
-    /// A message of a host's session.
-    Message(u32, host_message::Kind),
     /// A host is lost: its info, why, and its actors' last known states.
     Gone(HostInfo, String, Vec<ActorState>),
 }
@@ -161,17 +160,6 @@ impl Registry {
             counts.push(h.heartbeats);
         }
         (states, counts)
-    }
-
-    /// Passes a host's message to the running job (any message also counts as a sign of life).
-    pub fn forward(&self, id: u32, kind: host_message::Kind) {
-        let mut inner = self.lock();
-        if let Some(h) = inner.hosts.get_mut(&id) {
-            h.last_seen = Instant::now();
-        }
-        if let Some(job) = &inner.job {
-            let _ = job.send(HostEvent::Message(id, kind));
-        }
     }
 
     /// Removes a lost host (closing its session) and tells the running job.

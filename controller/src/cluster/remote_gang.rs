@@ -1,22 +1,32 @@
-//! The actors of a job spread over hosts, driven from the controller through the hosts' sessions:
-//! `Launch` to every host at once, `Step` to every host at once and one `StepDone` from each
-//! (Pathways-style parallel dispatch), questions as `Ask`/`Answer`. A lost host ends the step
+//! The actors of a job spread over hosts, driven from the controller through the runtime API:
+//! a runtime on the job's hosts' actor ports ([`Runtime::on_cluster`]), one
+//! [`HostPart`] spawned on each host, every step a [`RunPart`] call to every host part at once
+//! (Pathways-style parallel dispatch), each host part then calling its device actors. Meanwhile
+//! the hosts' sessions tell of lost hosts and the heartbeats of hangs: a lost host ends the step
 //! with a report naming the host, its actors and the instruction each was running.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use archipelago_actors::ActorFailure;
 use archipelago_actors::checkpoint::ShardFile;
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::DataPath;
-use archipelago_actors::proto::{ActorState, Ask, Launch, Step, Stop, controller_message, host_message};
+use archipelago_actors::proto::{ActorState, Stop, controller_message};
+use archipelago_actors::runtime::remote::Liveness;
+use archipelago_actors::runtime::{ActorRef, Call, Message, Runtime, Slot, SpawnOptions};
+use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::{ActorId, Plan};
 
+use super::host_part::{
+    self, HostPart, PartBlockSquares, PartError, PartParams, RunPart, SavePart, StartPart,
+};
 use super::registry::{HostEvent, HostInfo, Registry};
 use crate::JobError;
 use crate::error::HostLoss;
@@ -26,6 +36,9 @@ use archipelago_actors::progress::ProgressSnapshot;
 
 /// How often a job's heartbeat states are looked at for a hang.
 const HANG_SAMPLE: Duration = Duration::from_millis(500);
+
+/// Launches of this controller so far (each launch's key on the hosts is unique).
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// The actors' progress counters when they last moved, with each host's heartbeat count then.
 #[derive(Default)]
@@ -38,6 +51,8 @@ struct QuietSince {
 /// A job's actors on several hosts.
 pub struct RemoteGang {
     job: String,
+    /// This launch's key on the hosts (named by `Stop`).
+    launch: String,
     registry: Arc<Registry>,
     /// The job's hosts with their actors.
     hosts: BTreeMap<u32, (HostInfo, Vec<ActorId>)>,
@@ -47,8 +62,11 @@ pub struct RemoteGang {
     watchdog: Duration,
     /// How long a secondary failure waits for the loss of a host that explains it.
     grace: Duration,
-    next_ask: u64,
     step: u64,
+    /// The runtime on the hosts' actor ports; dropped (on a plain thread) by `stop`.
+    runtime: Option<Runtime>,
+    /// Each host's part of the job, by host id.
+    parts: BTreeMap<u32, ActorRef<HostPart>>,
 }
 
 /// What a launch needs besides the plan.
@@ -63,10 +81,22 @@ pub struct LaunchSpec<'a> {
     pub patience: Duration,
     /// How long a secondary failure waits for the loss of a host that explains it.
     pub grace: Duration,
+    /// The cluster's credentials (the hosts' actor ports ask for them).
+    pub credentials: &'a Credentials,
+}
+
+/// What one wait on the host parts saw first.
+enum Seen<T> {
+    Answer(
+        u32,
+        Result<Result<T, PartError>, archipelago_actors::runtime::CallError>,
+    ),
+    Event(Option<HostEvent>),
+    Quiet,
 }
 
 impl RemoteGang {
-    /// Sends every host its part of `plan` and waits until all actors have built their
+    /// Spawns every host's part of `plan` and waits until all actors have built their
     /// computations.
     pub async fn launch(
         job: &str,
@@ -80,7 +110,9 @@ impl RemoteGang {
             data_path,
             patience,
             grace,
+            credentials,
         } = spec;
+        host_part::registry().install();
         let events = registry.subscribe();
         let mut hosts: BTreeMap<u32, (HostInfo, Vec<ActorId>)> = BTreeMap::new();
         for (actor, host) in placement.iter().enumerate() {
@@ -90,19 +122,67 @@ impl RemoteGang {
                 .1
                 .push(actor);
         }
+        let launch = format!("{job}@{}", LAUNCHES.fetch_add(1, Ordering::Relaxed));
         let mut gang = RemoteGang {
             job: job.to_string(),
+            launch,
             registry,
             hosts,
             events,
             plan: plan.clone(),
             watchdog: patience + Duration::from_secs(10),
             grace,
-            next_ask: 0,
             step: 0,
+            runtime: None,
+            parts: BTreeMap::new(),
         };
-        let actor_addrs: Vec<String> = placement
-            .iter()
+        let result = gang.start(&plan, restore, data_path, patience, credentials).await;
+        if let Err(e) = result {
+            gang.stop();
+            return Err(e);
+        }
+        Ok(gang)
+    }
+
+    async fn start(
+        &mut self,
+        plan: &Plan,
+        restore: Option<&Path>,
+        data_path: DataPath,
+        patience: Duration,
+        credentials: &Credentials,
+    ) -> Result<(), JobError> {
+        // One slot per host: its part lives on the host's first device's thread.
+        let slots: Vec<Slot> = (self.hosts.values())
+            .map(|(h, _)| Slot {
+                host: h.name.clone(),
+                island: h.island.clone(),
+                addr: h.actor_addr.clone(),
+                device: h.devices[0],
+            })
+            .collect();
+        let liveness = Liveness {
+            ping_every: Duration::from_millis(250),
+            // The registry declares a silent host lost first, and names it.
+            patience: 2 * self.grace,
+        };
+        let (job, credentials) = (self.launch.clone(), credentials.clone());
+        let connected =
+            tokio::task::spawn_blocking(move || Runtime::on_cluster(&job, slots, credentials, liveness))
+                .await
+                .map_err(|e| JobError::Runtime(e.to_string()))?;
+        let runtime = match connected {
+            Ok(runtime) => runtime,
+            Err(e) => {
+                return Err(self
+                    .explained(JobError::Runtime(format!("cannot reach the job's hosts: {e}")))
+                    .await);
+            }
+        };
+        let peers: Vec<String> = (self.hosts.values())
+            .flat_map(|(h, actors)| actors.iter().map(move |&a| (a, h)))
+            .collect::<BTreeMap<_, _>>()
+            .into_values()
             .map(|h| {
                 // A shared-memory ring is set up over the raw-TCP tensor port.
                 if data_path.uses_tcp_port() {
@@ -112,106 +192,134 @@ impl RemoteGang {
                 }
             })
             .collect();
-        for (&id, (_, actors)) in &gang.hosts {
-            // Each host gets its own actors' streams and everyone's placement (`Plan::for_actors`).
-            let plan_bytes = archipelago_actors::codec::encode(&plan.for_actors(actors))
-                .map_err(|e| JobError::Runtime(e.to_string()))?;
-            let launch = Launch {
-                job: job.to_string(),
-                plan: plan_bytes.into(),
-                actors: actors.iter().map(|&a| a as u32).collect(),
-                actor_addrs: actor_addrs.clone(),
-                patience_ms: patience.as_millis() as u64,
-                restore: restore.map(|p| p.display().to_string()).unwrap_or_default(),
-                data_path: data_path.to_string(),
-            };
-            gang.registry
-                .send(id, controller_message::Kind::Launch(launch))
-                .map_err(JobError::Runtime)?;
+        let spawns: Vec<_> = (self.hosts.iter().enumerate())
+            .map(|(slot, (&id, (_, actors)))| {
+                // Each host gets its own actors' streams and everyone's placement.
+                let params = PartParams {
+                    job: self.job.clone(),
+                    launch: self.launch.clone(),
+                    plan: plan.for_actors(actors),
+                    actors: actors.clone(),
+                    peers: peers.clone(),
+                    patience,
+                    restore: restore.map(|p| p.display().to_string()),
+                    data_path,
+                };
+                (
+                    id,
+                    runtime.spawn_at::<HostPart>(slot, params, SpawnOptions::default()),
+                )
+            })
+            .collect();
+        self.runtime = Some(runtime);
+        for (id, spawn) in spawns {
+            match spawn.await {
+                Ok(part) => {
+                    self.parts.insert(id, part);
+                }
+                Err(e) => {
+                    let name = &self.hosts[&id].0.name;
+                    let error =
+                        JobError::Runtime(format!("cannot start the job's part on host `{name}`: {e}"));
+                    return Err(self.explained(error).await);
+                }
+            }
         }
-        if let Err(e) = gang
-            .collect(|kind| matches!(kind, host_message::Kind::Ready(_)).then_some(()))
-            .await
-        {
-            gang.stop();
-            return Err(e);
-        }
-        Ok(gang)
+        self.call_all(|| StartPart).await?;
+        Ok(())
     }
 
-    /// Tells every host still there to stop the job's actors.
+    /// Ends the job's part on every host still there.
     pub fn stop(&mut self) {
         for &id in self.hosts.keys() {
             let stop = Stop {
-                job: self.job.clone(),
+                job: self.launch.clone(),
                 reason: "the job ended".into(),
             };
             let _ = self.registry.send(id, controller_message::Kind::Stop(stop));
         }
-    }
-
-    fn send_all(&self, kind: impl Fn() -> controller_message::Kind) -> Result<(), JobError> {
-        for &id in self.hosts.keys() {
-            self.registry.send(id, kind()).map_err(JobError::Runtime)?;
+        self.parts.clear();
+        if let Some(runtime) = self.runtime.take() {
+            // A runtime is not dropped inside an async context; its connections close with it,
+            // which stops the host parts.
+            std::thread::spawn(move || drop(runtime));
         }
-        Ok(())
     }
 
-    async fn ask_all<T: serde::de::DeserializeOwned>(
-        &mut self,
-        what: &str,
-        path: &str,
-        step: u64,
-    ) -> Result<Vec<T>, JobError> {
-        self.next_ask += 1;
-        let id = self.next_ask;
-        let job = self.job.clone();
-        self.send_all(|| {
-            controller_message::Kind::Ask(Ask {
-                job: job.clone(),
-                id,
-                what: what.to_string(),
-                path: path.to_string(),
-                step,
-            })
-        })?;
-        let answers = self
-            .collect(|kind| match kind {
-                host_message::Kind::Answer(a) if a.id == id => Some(a.body),
-                _ => None,
-            })
-            .await?;
-        let mut out = Vec::new();
-        for body in answers {
-            let part: Vec<T> = serde_json::from_slice(&body)
-                .map_err(|e| JobError::Runtime(format!("unreadable answer to `{what}`: {e}")))?;
-            out.extend(part);
-        }
-        Ok(out)
+    /// `error`, or the loss of a host that explains it (a call to a vanished host fails before
+    /// the registry names the host).
+    async fn explained(&mut self, error: JobError) -> JobError {
+        self.wait_for_loss().await.unwrap_or(error)
     }
 
-    /// Waits for one accepted message from every host of the job; fails on a failure, a lost
-    /// host or silence past the watchdog.
-    async fn collect<T>(
+    /// Calls every host's part with `message` at once and gathers the replies by host.
+    async fn call_all<M, T>(&mut self, message: impl Fn() -> M) -> Result<Vec<(u32, T)>, JobError>
+    where
+        M: Message<Reply = Result<T, PartError>>,
+        HostPart: archipelago_actors::runtime::Handler<M>,
+        T: Send + 'static,
+    {
+        let calls: Vec<(u32, Call<Result<T, PartError>>)> = (self.parts.iter())
+            .map(|(&id, part)| (id, part.call(message())))
+            .collect();
+        self.gather(calls).await
+    }
+
+    /// Waits for every call's reply; fails on a failure, a lost host, a hang among the actors or
+    /// silence past the watchdog.
+    async fn gather<T>(
         &mut self,
-        accept: impl Fn(host_message::Kind) -> Option<T>,
-    ) -> Result<Vec<T>, JobError> {
-        let mut waiting: BTreeSet<u32> = self.hosts.keys().copied().collect();
+        calls: Vec<(u32, Call<Result<T, PartError>>)>,
+    ) -> Result<Vec<(u32, T)>, JobError> {
+        let mut waiting: BTreeSet<u32> = calls.iter().map(|(id, _)| *id).collect();
+        let mut pending: FuturesUnordered<_> = (calls.into_iter())
+            .map(|(id, call)| async move { (id, call.await) })
+            .collect();
         let mut out = Vec::with_capacity(waiting.len());
         let started = Instant::now();
         let (mut quiet, mut last_event) = (QuietSince::default(), Instant::now());
         while !waiting.is_empty() {
             let left = self.watchdog.saturating_sub(last_event.elapsed());
-            let event = match tokio::time::timeout(HANG_SAMPLE.min(left), self.events.recv()).await {
-                Ok(Some(event)) => event,
-                Ok(None) => return Err(JobError::Runtime("the registry closed".into())),
-                Err(_) if last_event.elapsed() < self.watchdog => {
+            let seen = tokio::select! {
+                Some((id, answer)) = pending.next() => Seen::Answer(id, answer),
+                event = self.events.recv() => Seen::Event(event),
+                _ = tokio::time::sleep(HANG_SAMPLE.min(left)) => Seen::Quiet,
+            };
+            match seen {
+                Seen::Answer(id, answer) => {
+                    last_event = Instant::now();
+                    waiting.remove(&id);
+                    match answer {
+                        Ok(Ok(value)) => out.push((id, value)),
+                        Ok(Err(part)) => {
+                            // A peer that stopped because a host vanished: report the vanished host.
+                            let secondary = part.secondary();
+                            let error = JobError::from(part);
+                            return Err(if secondary {
+                                self.explained(error).await
+                            } else {
+                                error
+                            });
+                        }
+                        Err(call) => {
+                            let name = self.hosts.get(&id).map_or("?".into(), |h| h.0.name.clone());
+                            let error = JobError::Runtime(format!("host `{name}` did not answer: {call}"));
+                            return Err(self.explained(error).await);
+                        }
+                    }
+                }
+                Seen::Event(None) => return Err(JobError::Runtime("the registry closed".into())),
+                Seen::Event(Some(HostEvent::Gone(info, why, states))) => {
+                    if self.hosts.contains_key(&info.id) {
+                        return Err(self.lost(&info, &why, &states));
+                    }
+                }
+                Seen::Quiet if last_event.elapsed() < self.watchdog => {
                     if let Some(hang) = self.hang(&mut quiet) {
                         return Err(hang);
                     }
-                    continue;
                 }
-                Err(_) => {
+                Seen::Quiet => {
                     let silent: Vec<usize> = waiting
                         .iter()
                         .flat_map(|h| self.hosts[h].1.iter().copied())
@@ -223,46 +331,9 @@ impl RemoteGang {
                         waited_s: started.elapsed().as_secs_f64(),
                     });
                 }
-            };
-            last_event = Instant::now();
-            if let HostEvent::Message(_, kind) = &event
-                && job_of(kind) != Some(self.job.as_str())
-            {
-                continue; // a message of an earlier launch (before a restart)
-            }
-            match event {
-                HostEvent::Gone(info, why, states) => {
-                    if self.hosts.contains_key(&info.id) {
-                        return Err(self.lost(&info, &why, &states));
-                    }
-                }
-                HostEvent::Message(host, host_message::Kind::Failure(f)) => {
-                    if !self.hosts.contains_key(&host) {
-                        continue;
-                    }
-                    let failure: Option<ActorFailure> = serde_json::from_slice(&f.actor_failure).ok();
-                    let secondary = failure.as_ref().is_none_or(|f| f.secondary);
-                    let error = match failure {
-                        Some(f) => JobError::Actor(Box::new(f)),
-                        None => JobError::Runtime(f.message),
-                    };
-                    // A peer that stopped because a host vanished: report the vanished host.
-                    if secondary && let Some(lost) = self.wait_for_loss().await {
-                        return Err(lost);
-                    }
-                    return Err(error);
-                }
-                HostEvent::Message(host, kind) => {
-                    if !waiting.contains(&host) {
-                        continue;
-                    }
-                    if let Some(v) = accept(kind) {
-                        waiting.remove(&host);
-                        out.push(v);
-                    }
-                }
             }
         }
+        out.sort_by_key(|(id, _)| *id);
         Ok(out)
     }
 
@@ -359,48 +430,27 @@ impl RemoteGang {
 impl Gang for RemoteGang {
     async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
         self.step = n;
-        let job = self.job.clone();
-        self.send_all(|| {
-            controller_message::Kind::Step(Step {
-                job: job.clone(),
-                step: n,
-            })
-        })?;
-        let parts = self
-            .collect(|kind| match kind {
-                host_message::Kind::StepDone(done) if done.step == n => Some(done.reports),
-                _ => None,
-            })
-            .await?;
-        let mut reports = Vec::new();
-        for bytes in parts {
-            let part: Vec<StepReport> = archipelago_actors::codec::decode(&bytes)
-                .map_err(|e| JobError::Runtime(format!("unreadable step report: {e}")))?;
-            reports.extend(part);
-        }
+        let parts = self.call_all(|| RunPart(n)).await?;
+        let mut reports: Vec<StepReport> = parts.into_iter().flat_map(|(_, r)| r).collect();
         reports.sort_by_key(|r| r.actor);
         Ok(reports)
     }
 
     async fn block_squares(&mut self) -> Result<Vec<(usize, f64)>, JobError> {
-        self.ask_all("block_squares", "", self.step).await
+        let parts = self.call_all(|| PartBlockSquares).await?;
+        Ok(parts.into_iter().flat_map(|(_, s)| s).collect())
     }
 
     async fn checkpoint(&mut self, dir: &Path, step: u64) -> Result<Vec<ShardFile>, JobError> {
-        let path = dir.display().to_string();
-        let mut files: Vec<ShardFile> = self.ask_all("checkpoint", &path, step).await?;
+        let dir = dir.display().to_string();
+        let parts = self
+            .call_all(|| SavePart {
+                dir: dir.clone(),
+                step,
+            })
+            .await?;
+        let mut files: Vec<ShardFile> = parts.into_iter().flat_map(|(_, f)| f).collect();
         files.sort_by_key(|f| f.header.actor);
         Ok(files)
-    }
-}
-
-/// The job a host's message is about.
-fn job_of(kind: &host_message::Kind) -> Option<&str> {
-    match kind {
-        host_message::Kind::Ready(m) => Some(&m.job),
-        host_message::Kind::StepDone(m) => Some(&m.job),
-        host_message::Kind::Failure(m) => Some(&m.job),
-        host_message::Kind::Answer(m) => Some(&m.job),
-        host_message::Kind::Register(_) | host_message::Kind::Heartbeat(_) => None,
     }
 }

@@ -13,6 +13,7 @@ use tonic::Status;
 use archipelago_actors::checkpoint;
 use archipelago_actors::fabric::DataPath;
 use archipelago_actors::proto::{JobEvent, StepProgress as ProgressEvent, job_event};
+use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::{Plan, Program, compile};
 
 use super::registry::{HostInfo, Registry};
@@ -94,6 +95,7 @@ pub async fn run_job(
     program: Program,
     options: RemoteOptions,
     config: ClusterConfig,
+    credentials: Credentials,
     events: UnboundedSender<Result<JobEvent, Status>>,
 ) -> Result<TrainReport, JobError> {
     let mut train = options.to_train();
@@ -108,7 +110,7 @@ pub async fn run_job(
         std::env::temp_dir().join(name)
     });
     train.trace = trace_file.clone();
-    let result = run_attempts(&registry, program, &mut train, &config, &events).await;
+    let result = run_attempts(&registry, program, &mut train, &config, &credentials, &events).await;
     if let Some(path) = trace_file {
         if result.is_ok() {
             match std::fs::read(&path) {
@@ -134,6 +136,7 @@ async fn run_attempts(
     program: Program,
     train: &mut TrainOptions,
     config: &ClusterConfig,
+    credentials: &Credentials,
     events: &UnboundedSender<Result<JobEvent, Status>>,
 ) -> Result<TrainReport, JobError> {
     let tell = |kind: job_event::Kind| {
@@ -190,6 +193,7 @@ async fn run_attempts(
             data_path: train.data_path,
             patience: train.patience,
             grace,
+            credentials,
         };
         let mut gang = RemoteGang::launch(&launch, registry.clone(), plan.clone(), spec).await?;
         let result = drive(&mut gang, &plan, train, first_step, &mut history).await;

@@ -48,6 +48,8 @@ impl Default for ClusterConfig {
 struct ControllerService {
     registry: Arc<Registry>,
     config: ClusterConfig,
+    /// The cluster's credentials (the controller shows them at the hosts' actor ports).
+    credentials: Credentials,
     /// One job at a time.
     running: Arc<tokio::sync::Mutex<()>>,
 }
@@ -108,8 +110,8 @@ impl ControllerRpc for ControllerService {
                     Ok(Some(HostMessage {
                         kind: Some(host_message::Kind::Heartbeat(h)),
                     })) => registry.heartbeat(id, h.actors),
-                    Ok(Some(HostMessage { kind: Some(kind) })) => registry.forward(id, kind),
-                    Ok(Some(HostMessage { kind: None })) => {}
+                    // A second registration is not a sign of life: ignored.
+                    Ok(Some(_)) => {}
                     Ok(None) => {
                         registry.gone(id, "it closed its session");
                         break;
@@ -156,9 +158,10 @@ impl ControllerRpc for ControllerService {
             .map_err(|e| Status::invalid_argument(format!("unreadable options: {e}")))?;
         let (tx, rx) = unbounded_channel();
         let (registry, config, running) = (self.registry.clone(), self.config.clone(), self.running.clone());
+        let credentials = self.credentials.clone();
         tokio::spawn(async move {
             let _one_at_a_time = running.lock().await;
-            let event = match run_job(registry, program, options, config, tx.clone()).await {
+            let event = match run_job(registry, program, options, config, credentials, tx.clone()).await {
                 Ok(report) => match serde_json::to_vec(&report) {
                     Ok(json) => job_event::Kind::Report(json.into()),
                     Err(e) => job_event::Kind::Error(e.to_string()),
@@ -184,6 +187,7 @@ pub fn serve_controller(
     let service = ControllerService {
         registry: registry.clone(),
         config,
+        credentials: credentials.clone(),
         running: Arc::default(),
     };
     let check = TokenCheck::new(credentials.token());

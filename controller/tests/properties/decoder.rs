@@ -1,6 +1,7 @@
-//! The decoders a host and the controller run on bytes from the network: the plan of a
-//! `Launch` and the step reports of a `StepDone` (both in the codec's bincode, behind a
-//! 64 MiB limit), and the session's protobuf messages around them. Arbitrary bytes and
+//! The decoders a host and the controller run on bytes from the network: a job's host part
+//! (its parameters carry the host's plan; the runtime's actor port decodes them), the plan
+//! alone and the step reports of a `RunPart` reply (all in the codec's bincode, behind a
+//! 64 MiB limit), and the session's protobuf messages. Arbitrary bytes and
 //! mutations of real encodings never panic, a value that decodes re-encodes to itself, and a
 //! length prefix announcing a terabyte is refused before anything near it is allocated.
 
@@ -8,9 +9,11 @@ use std::sync::OnceLock;
 
 use archipelago_actors::codec::{self, CodecError};
 use archipelago_actors::executor::{InstructionTiming, StepMetrics, StepReport};
-use archipelago_actors::proto::{ControllerMessage, HostMessage, Launch};
+use archipelago_actors::fabric::DataPath;
+use archipelago_actors::proto::{ControllerMessage, HostMessage};
 use archipelago_controller::Controller;
 use archipelago_controller::cli::{Cli, Command};
+use archipelago_controller::cluster::host_part::PartParams;
 use archipelago_dataflow::Plan;
 use clap::Parser;
 use proptest::prelude::*;
@@ -83,18 +86,19 @@ fn reports() -> &'static (Vec<StepReport>, Vec<u8>) {
     })
 }
 
-/// A `Launch` carrying the plan, as the controller sends it.
-fn launch() -> Vec<u8> {
-    Launch {
+/// A host part's parameters carrying the plan, as the controller spawns it on a host.
+fn part() -> Vec<u8> {
+    codec::encode(&PartParams {
         job: "train-gpt".into(),
-        plan: plan().1.clone().into(),
+        launch: "train-gpt@0".into(),
+        plan: plan().0.clone(),
         actors: vec![0, 1, 2, 3],
-        actor_addrs: vec!["127.0.0.1:7000".into(); 4],
-        patience_ms: 30_000,
-        restore: String::new(),
-        data_path: "tcp".into(),
-    }
-    .encode_to_vec()
+        peers: vec!["127.0.0.1:7000".into(); 4],
+        patience: std::time::Duration::from_secs(30),
+        restore: None,
+        data_path: DataPath::Tcp,
+    })
+    .unwrap()
 }
 
 /// Every decoder of this family on `bytes`; panics only if a decoder does, or if a decode
@@ -115,7 +119,12 @@ fn decode_all(bytes: &[u8]) {
                 assert_eq!(again.len(), reports.len());
             }
         }),
-        ("launch", &|| drop(Launch::decode(bytes))),
+        ("host part", &|| {
+            if let Ok(part) = codec::decode::<PartParams>(bytes) {
+                let again: PartParams = codec::decode(&codec::encode(&part).unwrap()).unwrap();
+                assert_eq!(again.actors, part.actors);
+            }
+        }),
         ("controller message", &|| drop(ControllerMessage::decode(bytes))),
         ("host message", &|| drop(HostMessage::decode(bytes))),
     ];
@@ -221,13 +230,8 @@ proptest! {
     }
 
     #[test]
-    fn mutated_launch_messages_never_panic_and_stay_bounded(mutations in proptest::collection::vec(mutation(), 1..6)) {
-        let bytes = mutate(&launch(), &mutations);
-        decode_all(&bytes);
-        if let Ok(launch) = Launch::decode(bytes.as_slice()) {
-            // The plan inside a mangled Launch goes through the same bounded decoder.
-            decode_all(&launch.plan);
-        }
+    fn mutated_host_parts_never_panic_and_stay_bounded(mutations in proptest::collection::vec(mutation(), 1..6)) {
+        decode_all(&mutate(&part(), &mutations));
     }
 }
 
@@ -246,8 +250,8 @@ fn real_encodings_decode_to_themselves() {
     assert_eq!(back.to_json(), original.to_json());
     let (reports, bytes) = reports();
     assert_eq!(&codec::decode::<Vec<StepReport>>(bytes).unwrap(), reports);
-    let launch = Launch::decode(launch().as_slice()).unwrap();
-    assert_eq!(launch.plan.as_ref(), plan().1.as_slice());
+    let part: PartParams = codec::decode(&part()).unwrap();
+    assert_eq!(codec::encode(&part.plan).unwrap(), plan().1);
 }
 
 #[test]
@@ -269,13 +273,13 @@ fn a_terabyte_announced_is_refused_before_allocation() {
     assert!(result.is_err());
     assert!(peak < 2 << 20, "refusing 2^40 step reports held {peak} bytes");
 
-    // A Launch whose plan field (tag 2, length-delimited) announces 1 TiB.
-    let mut hostile_launch = vec![0x12];
-    prost::encoding::encode_varint(TIB, &mut hostile_launch);
-    hostile_launch.extend_from_slice(&plan_bytes[..64]);
-    let (result, peak) = peak_during(|| Launch::decode(hostile_launch.as_slice()));
+    // A host part whose job name (its first field) announces 1 TiB.
+    let part_bytes = part();
+    assert_eq!(part_bytes[0] as usize, "train-gpt".len());
+    let hostile_part = announcing(TIB, &part_bytes[1..]);
+    let (result, peak) = peak_during(|| codec::decode::<PartParams>(&hostile_part));
     assert!(result.is_err());
-    assert!(peak < 1 << 20, "refusing a 1 TiB plan field held {peak} bytes");
+    assert!(peak < 1 << 20, "refusing a 1 TiB job name held {peak} bytes");
 
     // Negative control: an honest message of 8 MiB is decoded, and the meter sees its size.
     let big = codec::encode(&vec![7u8; 8 << 20]).unwrap();

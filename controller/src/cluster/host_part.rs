@@ -1,0 +1,369 @@
+//! A host's part of a training job as an actor of the runtime API ([`crate::runtime`]'s actor
+//! ports): the controller spawns one [`HostPart`] on every host of the job, over the host's
+//! actor port, and drives it with calls — [`StartPart`] builds the host's device actors (the
+//! same `ActorGang` as a local job, over a fabric to the other hosts), [`RunPart`] runs a
+//! step on them, [`PartBlockSquares`] and [`SavePart`] answer for norms and checkpoints. One
+//! engine: a step reaches a device actor as a runtime call from the controller to the host part,
+//! then a runtime call from the host part to each device actor.
+//!
+//! What the host process offers its parts (its fabric ports, the cluster's credentials, the
+//! heartbeat's view of the actors, the running job) is [`HostResources`], set once by
+//! `archipelago host`. A `Stop` on the host's session ends the job even while a step hangs: it
+//! aborts the fabric, which ends the step, without waiting behind the part's mailbox.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use archipelago_actors::ActorFailure;
+use archipelago_actors::checkpoint::{CheckpointReader, ShardFile};
+use archipelago_actors::executor::StepReport;
+use archipelago_actors::fabric::grpc::{GrpcFabric, Inbox};
+use archipelago_actors::fabric::{DataPath, Fabric, InProcessFabric, TcpFabric};
+use archipelago_actors::runtime::{Actor, Context, Handler, Message, Registry};
+use archipelago_actors::trust::Credentials;
+use archipelago_dataflow::{ActorId, DeviceSpec, ModelSpec, Plan};
+
+use super::host_agent::Progress;
+use crate::JobError;
+use crate::actor_gang::ActorGang;
+use crate::gang::Gang;
+use crate::train_job::trainer_factories;
+
+/// What a host part is built from: the host's share of the plan and how to reach the others.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PartParams {
+    /// The job's name (in every error an actor reports).
+    pub job: String,
+    /// This launch's key on the hosts (a job restarted after a loss is launched again under a
+    /// new key): the host's `Stop` names it.
+    pub launch: String,
+    /// The plan as this host needs it ([`Plan::for_actors`]: its actors' streams, everyone's
+    /// placement).
+    pub plan: Plan,
+    /// The actors this host runs.
+    pub actors: Vec<ActorId>,
+    /// Every actor's host address on the data path (fabric or raw-TCP port), by actor id.
+    pub peers: Vec<String>,
+    /// How long a receive may wait.
+    pub patience: Duration,
+    /// A checkpoint directory to load the actors' state from.
+    pub restore: Option<String>,
+    /// How tensors travel between the hosts.
+    pub data_path: DataPath,
+}
+
+/// Why a host part's call failed: the message, and the actor's failure when one failed (the
+/// controller picks the root cause by [`ActorFailure::secondary`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PartError {
+    /// The error as text.
+    pub message: String,
+    /// The actor's own report, when an actor failed.
+    pub failure: Option<Box<ActorFailure>>,
+}
+
+impl PartError {
+    /// Whether it only followed a failure elsewhere (a peer stopped, a host vanished).
+    pub fn secondary(&self) -> bool {
+        self.failure.as_ref().is_none_or(|f| f.secondary)
+    }
+}
+
+impl From<JobError> for PartError {
+    fn from(error: JobError) -> PartError {
+        PartError {
+            message: error.to_string(),
+            failure: match error {
+                JobError::Actor(failure) => Some(failure),
+                _ => None,
+            },
+        }
+    }
+}
+
+impl From<PartError> for JobError {
+    fn from(error: PartError) -> JobError {
+        match error.failure {
+            Some(failure) => JobError::Actor(failure),
+            None => JobError::Runtime(error.message),
+        }
+    }
+}
+
+/// Builds the host's device actors (stopping any earlier job's first).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StartPart;
+impl Message for StartPart {
+    type Reply = Result<(), PartError>;
+}
+
+/// Runs step `n` on the host's actors: one report per actor, in actor order.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunPart(pub u64);
+impl Message for RunPart {
+    type Reply = Result<Vec<StepReport>, PartError>;
+}
+
+/// The host's actors' sums of squares of parameters by block.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PartBlockSquares;
+impl Message for PartBlockSquares {
+    type Reply = Result<Vec<(usize, f64)>, PartError>;
+}
+
+/// The host's actors write their checkpoint shards after step `step` into `dir`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SavePart {
+    /// The checkpoint directory (the same path on every host).
+    pub dir: String,
+    /// The step whose state is written.
+    pub step: u64,
+}
+impl Message for SavePart {
+    type Reply = Result<Vec<ShardFile>, PartError>;
+}
+
+/// The actor and message types of training on hosts; installed by the controller and by every
+/// `archipelago host`.
+pub fn registry() -> Registry {
+    Registry::new()
+        .actor::<HostPart>()
+        .handles::<HostPart, StartPart>()
+        .handles::<HostPart, RunPart>()
+        .handles::<HostPart, PartBlockSquares>()
+        .handles::<HostPart, SavePart>()
+}
+
+/// The host's part of the running job. Steps run holding the gang; a `Stop` aborts the
+/// fabric first (without the gang), which ends a hanging step, then stops the gang.
+struct LocalJob {
+    launch: String,
+    gang: Arc<tokio::sync::Mutex<ActorGang>>,
+    fabric: Arc<dyn Fabric>,
+}
+
+impl LocalJob {
+    async fn stop(self, reason: &str) {
+        self.fabric.abort(reason);
+        self.gang.lock().await.stop().await;
+    }
+}
+
+/// What a host process offers the parts it runs.
+pub struct HostResources {
+    /// Where the host's fabric ports deliver tensors (to the running job's local fabric).
+    pub inbox: Inbox,
+    /// The gRPC fabric's published address.
+    pub fabric_addr: String,
+    /// The raw-TCP tensor port's published address.
+    pub tcp_addr: String,
+    /// The cluster's credentials.
+    pub credentials: Credentials,
+    /// The running actors, as heartbeats report them.
+    pub progress: Progress,
+    /// The host agent's tokio runtime: every part's work runs there.
+    pub agent: tokio::runtime::Handle,
+    job: Mutex<Option<LocalJob>>,
+    /// Held while a job starts or stops: a `Stop` of the last job that is still tearing it down
+    /// when the next job starts must not then uninstall the new job's inbox.
+    lifecycle: tokio::sync::Mutex<()>,
+}
+
+static HOST: OnceLock<Arc<HostResources>> = OnceLock::new();
+
+impl HostResources {
+    /// The resources of this process, now a host (once per process).
+    pub fn install(
+        inbox: Inbox,
+        fabric_addr: String,
+        tcp_addr: String,
+        credentials: Credentials,
+        progress: Progress,
+    ) -> anyhow::Result<Arc<HostResources>> {
+        let resources = Arc::new(HostResources {
+            inbox,
+            fabric_addr,
+            tcp_addr,
+            credentials,
+            progress,
+            agent: tokio::runtime::Handle::current(),
+            job: Mutex::new(None),
+            lifecycle: tokio::sync::Mutex::new(()),
+        });
+        HOST.set(resources.clone())
+            .map_err(|_| anyhow::anyhow!("this process already serves as a host"))?;
+        Ok(resources)
+    }
+
+    /// Ends the job launched as `launch` (`None`: whichever runs).
+    pub async fn stop_job(&self, launch: Option<&str>, reason: &str) {
+        let _one_at_a_time = self.lifecycle.lock().await;
+        self.stop_locked(launch, reason).await;
+    }
+
+    async fn stop_locked(&self, launch: Option<&str>, reason: &str) {
+        let job = (self.job.lock().expect("host job")).take_if(|j| launch.is_none_or(|l| l == j.launch));
+        if let Some(job) = job {
+            job.stop(reason).await;
+            self.inbox.install(None);
+            self.progress.lock().expect("progress").clear();
+        }
+    }
+
+    async fn start(&self, params: PartParams) -> Result<(), PartError> {
+        let _one_at_a_time = self.lifecycle.lock().await;
+        self.stop_locked(None, "a new job was launched").await;
+        let here = if params.data_path.uses_tcp_port() {
+            &self.tcp_addr
+        } else {
+            &self.fabric_addr
+        };
+        let (gang, fabric) = start_gang(&params, &self.inbox, here, &self.credentials).await?;
+        *self.progress.lock().expect("progress") =
+            gang.progress().iter().map(|(a, _, p)| (*a, p.clone())).collect();
+        *self.job.lock().expect("host job") = Some(LocalJob {
+            launch: params.launch,
+            gang: Arc::new(tokio::sync::Mutex::new(gang)),
+            fabric,
+        });
+        Ok(())
+    }
+
+    fn gang(&self, launch: &str) -> Result<Arc<tokio::sync::Mutex<ActorGang>>, PartError> {
+        let job = self.job.lock().expect("host job");
+        match job.as_ref().filter(|j| j.launch == launch) {
+            Some(j) => Ok(j.gang.clone()),
+            None => Err(JobError::Runtime(format!("job launch `{launch}` does not run on this host")).into()),
+        }
+    }
+}
+
+/// The host's part of one job.
+pub struct HostPart {
+    params: PartParams,
+    host: Arc<HostResources>,
+}
+
+impl HostPart {
+    /// Runs `work` on the host agent's runtime (where the fabric and the gang live).
+    async fn on_agent<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = Result<T, PartError>> + Send + 'static,
+    ) -> Result<T, PartError> {
+        match self.host.agent.spawn(work).await {
+            Ok(result) => result,
+            Err(e) => Err(JobError::Runtime(format!("the host's work for the job ended: {e}")).into()),
+        }
+    }
+}
+
+impl Actor for HostPart {
+    type Params = PartParams;
+
+    async fn new(params: PartParams, _ctx: &Context<Self>) -> Result<Self, String> {
+        let host = HOST.get().cloned().ok_or_else(|| {
+            "this process is not an `archipelago host`: a job's host part runs only there".to_string()
+        })?;
+        Ok(HostPart { params, host })
+    }
+}
+
+impl Handler<StartPart> for HostPart {
+    async fn handle(&mut self, _: StartPart, _ctx: &Context<Self>) -> Result<(), PartError> {
+        let (host, params) = (self.host.clone(), self.params.clone());
+        self.on_agent(async move { host.start(params).await }).await
+    }
+}
+
+impl Handler<RunPart> for HostPart {
+    async fn handle(
+        &mut self,
+        RunPart(n): RunPart,
+        _ctx: &Context<Self>,
+    ) -> Result<Vec<StepReport>, PartError> {
+        let gang = self.host.gang(&self.params.launch)?;
+        self.on_agent(async move {
+            let mut reports = gang.lock().await.step(n).await?;
+            let rss = crate::process_stats::peak_rss_bytes();
+            reports.iter_mut().for_each(|r| r.host_peak_rss_bytes = rss);
+            Ok(reports)
+        })
+        .await
+    }
+}
+
+impl Handler<PartBlockSquares> for HostPart {
+    async fn handle(
+        &mut self,
+        _: PartBlockSquares,
+        _ctx: &Context<Self>,
+    ) -> Result<Vec<(usize, f64)>, PartError> {
+        let gang = self.host.gang(&self.params.launch)?;
+        self.on_agent(async move { Ok(gang.lock().await.block_squares().await?) })
+            .await
+    }
+}
+
+impl Handler<SavePart> for HostPart {
+    async fn handle(&mut self, save: SavePart, _ctx: &Context<Self>) -> Result<Vec<ShardFile>, PartError> {
+        let gang = self.host.gang(&self.params.launch)?;
+        self.on_agent(async move {
+            Ok(gang
+                .lock()
+                .await
+                .checkpoint(Path::new(&save.dir), save.step)
+                .await?)
+        })
+        .await
+    }
+}
+
+/// Connects the fabric to the other hosts and starts the host's device actors.
+async fn start_gang(
+    params: &PartParams,
+    inbox: &Inbox,
+    here: &str,
+    credentials: &Credentials,
+) -> Result<(ActorGang, Arc<dyn Fabric>), JobError> {
+    let plan = &params.plan;
+    let local = Arc::new(InProcessFabric::new(plan.actors.len(), params.patience));
+    inbox.install(Some(local.clone()));
+    let fabric: Arc<dyn Fabric> = match params.data_path {
+        DataPath::Grpc => Arc::new(
+            GrpcFabric::connect(&params.peers, here, local, credentials)
+                .await
+                .map_err(JobError::Runtime)?,
+        ),
+        path @ (DataPath::Tcp | DataPath::Shm | DataPath::Auto) => {
+            let addrs = params.peers.clone();
+            let (here, credentials) = (here.to_string(), credentials.clone());
+            let connect = move || TcpFabric::connect(&addrs, &here, local, &credentials, path);
+            let fabric = tokio::task::spawn_blocking(connect)
+                .await
+                .map_err(|e| JobError::Runtime(e.to_string()))?
+                .map_err(JobError::Runtime)?;
+            Arc::new(fabric)
+        }
+    };
+    let restore = match &params.restore {
+        None => None,
+        Some(dir) => Some(Arc::new(
+            CheckpointReader::open(Path::new(dir)).map_err(JobError::Runtime)?,
+        )),
+    };
+    let spec = ModelSpec::parse(&plan.program.model.name)?;
+    let builders = archipelago_actors::Builders::zoo(spec);
+    let devices: Vec<DeviceSpec> = params.actors.iter().map(|&a| plan.actors[a].device).collect();
+    builders.check(&devices).map_err(JobError::Runtime)?;
+    let factories = trainer_factories(plan, &builders, &params.actors, restore);
+    let mut streams: Vec<_> = (params.actors.iter())
+        .map(|&a| plan.actors[a].stream.clone())
+        .collect();
+    crate::hang::inject_stream_fault(&mut streams, plan.program.test_fault);
+    let watchdog = params.patience + Duration::from_secs(10);
+    let gang = ActorGang::start(&params.job, streams, factories, fabric.clone(), watchdog).await?;
+    Ok((gang, fabric))
+}
