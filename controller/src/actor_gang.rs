@@ -2,18 +2,16 @@
 //!
 //! The actors are actors of the runtime API ([`archipelago_actors::runtime`]): the gang starts a
 //! runtime with one device thread per actor (one device named twice gets two threads), spawns a
-//! [`DeviceActor`] on each, and a step is one [`RunStep`] call to every actor, the replies
-//! gathered as they come. The first failure stops the gang and is reported with its root cause
-//! (an actor that failed on its own, not one that only stopped because a peer did); silence past
-//! the watchdog names the actors that did not report, and two heartbeats without progress with
-//! an actor blocked for good name who waits for whom.
+//! [`DeviceActor`] on each, and records the step once as a compiled program of that runtime
+//! ([`Recorder`]): the step number fanned out as a [`RunStep`] call to every actor, the replies
+//! gathered. Each step is one run of that program. A failure is reported with its root cause
+//! (an actor that failed on its own, not one that only stopped because a peer did: a failing
+//! actor aborts the fabric, which ends its peers' steps); silence past the watchdog names the
+//! actors still inside the step, and two heartbeats without progress with an actor blocked for
+//! good name who waits for whom.
 
-use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
 
 use archipelago_actors::ActorFailure;
 use archipelago_actors::checkpoint::ShardFile;
@@ -23,6 +21,7 @@ use archipelago_actors::device_actor::{
 use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::Fabric;
 use archipelago_actors::progress::ActorProgress;
+use archipelago_actors::runtime::compiled::{CompiledProgram, Recorder};
 use archipelago_actors::runtime::{ActorRef, CallError, Runtime, SpawnError, SpawnOptions};
 use archipelago_dataflow::{ActorId, ActorStream, DeviceSpec};
 
@@ -46,10 +45,12 @@ pub struct ActorGang {
     watchdog: Duration,
     /// The streams launched (to name the instruction an actor blocks on).
     streams: Vec<ActorStream>,
+    /// One step: `RunStep(n)` to every actor, the replies gathered in actor order.
+    program: Option<CompiledProgram<u64, Vec<StepReply>>>,
 }
 
-/// A reply of actor `at` (its index in the gang).
-type Answer<T> = (usize, Result<T, CallError>);
+/// What a device actor answers to [`RunStep`].
+type StepReply = Result<StepReport, Box<ActorFailure>>;
 
 /// The runtime's device threads for `streams`, and the thread of each actor: an actor with
 /// instructions to run (compute, a receive, a collective: work that blocks) keeps a thread of
@@ -110,6 +111,7 @@ impl ActorGang {
             fabric,
             watchdog,
             streams,
+            program: None,
         };
         // Every actor builds at once, each on its thread.
         let spawns: Vec<_> = (params.iter().zip(&slots))
@@ -139,12 +141,30 @@ impl ActorGang {
                 }
             }
         }
+        if failed.is_none() {
+            match gang.record_step() {
+                Ok(program) => gang.program = Some(program),
+                Err(e) => failed = Some(JobError::Runtime(format!("cannot compile the step: {e}"))),
+            }
+        }
         if let Some(error) = failed {
             gang.fabric.abort("an actor of the gang failed to start");
             gang.stop().await;
             return Err(error);
         }
         Ok(gang)
+    }
+
+    /// The step as a compiled program of the gang's runtime, dispatched to the actors' threads.
+    fn record_step(&self) -> Result<CompiledProgram<u64, Vec<StepReply>>, CallError> {
+        let runtime = self.runtime.as_ref().expect("the gang's runtime");
+        let mut recorder = Recorder::<u64>::new();
+        let step = recorder.input();
+        let replies: Vec<_> = (self.actors.iter())
+            .map(|actor| recorder.call(actor, &step, RunStep))
+            .collect();
+        let gathered = recorder.gather(&replies);
+        recorder.compile(runtime.handle(), &gathered)
     }
 
     /// Every actor's progress counter, in actor order.
@@ -166,29 +186,22 @@ impl ActorGang {
 
     /// Runs step `n` on every actor; the reports come back in actor order.
     pub async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
-        let mut calls: FuturesUnordered<_> = (self.actors.iter().enumerate())
-            .map(|(at, actor)| {
-                let call = actor.call(RunStep(n));
-                async move { (at, call.await) }
-            })
-            .collect();
-        let mut waiting: BTreeSet<usize> = (0..self.actors.len()).collect();
-        let mut reports = Vec::with_capacity(self.actors.len());
-        let mut last_event = Instant::now();
+        let program = self.program.as_ref().expect("a started gang's step");
+        let mut run = program.run(n);
+        let started = Instant::now();
         let (mut beats, mut progressed) = (self.beats(), Instant::now());
-        while !waiting.is_empty() {
-            let left = self.watchdog.saturating_sub(last_event.elapsed());
-            let (at, answer) = match tokio::time::timeout(HEARTBEAT.min(left), calls.next()).await {
-                Ok(Some(answer)) => answer,
-                Ok(None) => return Err(JobError::Runtime("every actor is gone".into())),
-                Err(_) if last_event.elapsed() >= self.watchdog => {
+        let outcome = loop {
+            let left = self.watchdog.saturating_sub(started.elapsed());
+            match tokio::time::timeout(HEARTBEAT.min(left), &mut run).await {
+                Ok(outcome) => break outcome,
+                Err(_) if started.elapsed() >= self.watchdog => {
                     self.fabric
                         .abort("the controller's watchdog stopped a silent step");
                     return Err(JobError::Hang {
                         job: self.job.clone(),
                         step: n,
-                        silent: waiting.iter().map(|&at| self.ids[at].0).collect(),
-                        waited_s: last_event.elapsed().as_secs_f64(),
+                        silent: self.inside_step(n),
+                        waited_s: started.elapsed().as_secs_f64(),
                     });
                 }
                 Err(_) => {
@@ -208,18 +221,44 @@ impl ActorGang {
                             detected_s,
                         });
                     }
-                    continue;
                 }
-            };
-            last_event = Instant::now();
-            waiting.remove(&at);
-            match self.step_outcome(n, at, answer) {
-                Ok(report) => reports.push(report),
-                Err(failure) => return Err(self.root_cause(n, *failure, calls).await),
             }
+        };
+        let replies = match outcome {
+            Ok(replies) => replies,
+            Err(error) => {
+                // A call failed outside the executor (the actor itself ended): name the actor
+                // that ended, else the first one.
+                self.fabric.abort(&format!("step {n} failed: {error}"));
+                let at = (self.actors.iter()).position(|a| a.end().is_some()).unwrap_or(0);
+                return Err(JobError::Actor(self.step_outcome(n, at, Err(error)).unwrap_err()));
+            }
+        };
+        let (mut reports, mut failures) = (Vec::with_capacity(replies.len()), Vec::new());
+        for reply in replies {
+            match reply {
+                Ok(report) => reports.push(report),
+                Err(failure) => failures.push(failure),
+            }
+        }
+        // The root cause: an actor that failed on its own, not one that only followed a peer.
+        if let Some(first) = failures.first() {
+            let root = failures.iter().find(|f| !f.secondary).unwrap_or(first);
+            return Err(JobError::Actor(root.clone()));
         }
         reports.sort_by_key(|r| r.actor);
         Ok(reports)
+    }
+
+    /// The actors still inside step `n` (not yet past it, or running an instruction).
+    fn inside_step(&self, n: u64) -> Vec<ActorId> {
+        (self.ids.iter())
+            .filter(|(.., p)| {
+                let now = p.snapshot();
+                now.step < n || now.index.is_some()
+            })
+            .map(|(id, ..)| *id)
+            .collect()
     }
 
     /// A step's reply as a report or the failure it names (a panic that escaped the executor
@@ -253,6 +292,7 @@ impl ActorGang {
     /// Stops every actor and waits for them (their runtime shuts down on a plain thread, each
     /// actor finishing the message it handles).
     pub async fn stop(&mut self) {
+        self.program = None;
         self.actors.clear();
         if let Some(runtime) = self.runtime.take() {
             let (done, finished) = tokio::sync::oneshot::channel();
@@ -262,32 +302,6 @@ impl ActorGang {
             });
             let _ = finished.await;
         }
-    }
-
-    /// The failure to report once `first` came: the fabric is aborted so every actor's step
-    /// ends, and for a few seconds the other replies are read for a failure of its own (not
-    /// one that only followed a peer's).
-    async fn root_cause<F>(&self, step: u64, first: ActorFailure, mut rest: FuturesUnordered<F>) -> JobError
-    where
-        F: std::future::Future<Output = Answer<Result<StepReport, Box<ActorFailure>>>>,
-    {
-        self.fabric.abort(&format!("actor {} failed", first.actor));
-        let mut root = first;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while root.secondary {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, rest.next()).await {
-                Ok(Some((at, answer))) => {
-                    if let Err(failure) = self.step_outcome(step, at, answer)
-                        && !failure.secondary
-                    {
-                        root = *failure;
-                    }
-                }
-                _ => break,
-            }
-        }
-        JobError::Actor(Box::new(root))
     }
 }
 

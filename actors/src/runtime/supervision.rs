@@ -173,6 +173,8 @@ pub(crate) struct ActorShared {
     /// The runtime of this process the actor lives in (unset for a reference to an actor of
     /// another process).
     pub(crate) home: std::sync::OnceLock<std::sync::Weak<super::system::RuntimeInner>>,
+    /// The device thread it runs on, in its runtime (a device named twice has two).
+    pub(crate) thread: std::sync::OnceLock<usize>,
     /// Sequence number of the next message sent (calls and casts).
     next_seq: AtomicU64,
     /// Messages taken off the queue.
@@ -194,6 +196,7 @@ impl ActorShared {
             info,
             job,
             home: std::sync::OnceLock::new(),
+            thread: std::sync::OnceLock::new(),
             next_seq: AtomicU64::new(0),
             handled: AtomicU64::new(0),
             restarts: AtomicU32::new(0),

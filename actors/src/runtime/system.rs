@@ -128,7 +128,16 @@ impl RuntimeInner {
         self.devices.iter().map(|d| d.device).collect()
     }
 
-    /// The executor of this process's device `device`.
+    /// The executor of this process's device thread `thread` when known, else of the first
+    /// thread of `device`.
+    pub(crate) fn executor_of(&self, thread: Option<usize>, device: DeviceSpec) -> Option<Handle> {
+        match thread.and_then(|t| self.devices.get(t)) {
+            Some(d) if d.device == device => Some(d.executor.clone()),
+            _ => self.executor(device),
+        }
+    }
+
+    /// The executor of this process's device `device` (its first thread).
     pub(crate) fn executor(&self, device: DeviceSpec) -> Option<Handle> {
         self.devices
             .iter()
@@ -463,6 +472,7 @@ impl RuntimeHandle {
         };
         let shared = Arc::new(ActorShared::new(info, self.inner.job.clone()));
         let _ = shared.home.set(Arc::downgrade(&self.inner));
+        let _ = shared.thread.set(index);
         let args = CellArgs::<A> {
             params,
             shared: shared.clone(),

@@ -63,16 +63,23 @@ pub(crate) fn install(
         })?;
         codecs.insert(name, (value_type, codec));
     }
-    let mut routes = Vec::new();
+    let mut routes = HashMap::new();
+    let destinations = routes::destinations(&part.stream);
     for (q, peer) in part.peers.iter().enumerate() {
-        routes.push(match peer {
-            Peer::Caller => Route::Caller(caller.clone()),
-            Peer::Here => Route::Local(routes::inbox_sender(part.program, q)),
-            Peer::Host { host, addr } => {
-                let executor = Some(runtime.driver().clone());
-                Route::Host(crate::runtime::remote::links::actor_port_on(host, addr, executor)?.0)
-            }
-        });
+        if !destinations.contains(&q) {
+            continue;
+        }
+        routes.insert(
+            q,
+            match peer {
+                Peer::Caller => Route::Caller(caller.clone()),
+                Peer::Here => Route::Local(routes::inbox_sender(part.program, q)),
+                Peer::Host { host, addr } => {
+                    let executor = Some(runtime.driver().clone());
+                    Route::Host(crate::runtime::remote::links::actor_port_on(host, addr, executor)?.0)
+                }
+            },
+        );
     }
     let device = actor.info().device;
     let executor = runtime

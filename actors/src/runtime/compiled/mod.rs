@@ -71,6 +71,20 @@ pub(crate) type Shared = Arc<dyn Any + Send + Sync>;
 /// What runs one recorded call: the actor's handler applied to the input value.
 pub(crate) type Invoke = Arc<dyn Fn(Shared) -> BoxFuture<'static, Result<Shared, CallError>> + Send + Sync>;
 
+/// Gathers the values of several calls, in the program's own stream, into one `Vec`.
+pub(crate) type GatherFn = fn(&[Shared]) -> Shared;
+
+/// The participant of a gathered value: the program's own stream (its index is known only when
+/// the recording is compiled).
+const GATHERED: usize = usize::MAX - 1;
+
+fn gather_erased<T: Clone + Send + Sync + 'static>(values: &[Shared]) -> Shared {
+    let typed: Vec<T> = (values.iter())
+        .map(|v| v.downcast_ref::<T>().expect("the gathered value type").clone())
+        .collect();
+    Arc::new(typed)
+}
+
 /// A value of type `T` in a program being recorded.
 pub struct Value<T> {
     flow: FlowValue,
@@ -82,6 +96,9 @@ pub struct Value<T> {
 pub(crate) struct Participant {
     pub(crate) id: ActorId,
     pub(crate) device: archipelago_dataflow::DeviceSpec,
+    /// Its device thread in this process: its interpreter runs there, never on another actor's
+    /// thread (which its compute may block while this actor must go on).
+    pub(crate) thread: Option<usize>,
     pub(crate) connection: Option<Arc<HostConnection>>,
 }
 
@@ -94,6 +111,8 @@ pub struct Recorder<I> {
     keys: Vec<String>,
     /// Each recorded value's type name, by its name (`input`, `v{n}`).
     value_types: HashMap<String, &'static str>,
+    /// The gathers, by the name of the value each makes.
+    gathers: HashMap<String, GatherFn>,
     _input: PhantomData<fn(I)>,
 }
 
@@ -105,6 +124,7 @@ impl<I: Clone + Send + Sync + 'static> Default for Recorder<I> {
             nodes: Vec::new(),
             keys: Vec::new(),
             value_types: HashMap::from([("input".to_string(), std::any::type_name::<I>())]),
+            gathers: HashMap::new(),
             _input: PhantomData,
         }
     }
@@ -167,6 +187,35 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
         }
     }
 
+    /// Records a gather: the values of several calls (their replies, in order) as one `Vec`,
+    /// made in the program's own stream — a fan-in after a fan-out, such as one step of every
+    /// device actor. A failed call fails the gather with its error.
+    pub fn gather<T: Clone + Send + Sync + 'static>(&mut self, values: &[Value<T>]) -> Value<Vec<T>> {
+        let index = self.nodes.len();
+        // A gather is no call: its node index keeps values and nodes numbered alike.
+        self.nodes.push(Arc::new(|_| {
+            Box::pin(async {
+                Err(CallError::Program {
+                    reason: "a gather is not a call".into(),
+                })
+            })
+        }));
+        self.keys.push("gather".into());
+        let output = format!("v{index}");
+        self.value_types
+            .insert(output.clone(), std::any::type_name::<Vec<T>>());
+        self.gathers.insert(output.clone(), gather_erased::<T>);
+        let inputs = values.iter().map(|v| v.flow.clone()).collect();
+        self.flow_calls.push((GATHERED, inputs, output.clone()));
+        Value {
+            flow: FlowValue {
+                actor: GATHERED,
+                name: output,
+            },
+            _type: PhantomData,
+        }
+    }
+
     fn participant<A: Actor>(&mut self, actor: &ActorRef<A>) -> usize {
         // Ids are per runtime: an actor is its id on its host.
         let (id, addr) = (actor.info().id, actor.remote_addr());
@@ -180,6 +229,7 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
         self.participants.push(Participant {
             id,
             device: actor.info().device,
+            thread: actor.shared().thread.get().copied(),
             connection: actor.remote_connection().cloned(),
         });
         self.participants.len() - 1
@@ -209,7 +259,11 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
                 })
                 .collect();
             let node = values.len();
-            values.push(flow.compute(*participant, &format!("node:{node}"), &inputs, output));
+            values.push(if *participant == GATHERED {
+                flow.compute(program, "gather", &inputs, output)
+            } else {
+                flow.compute(*participant, &format!("node:{node}"), &inputs, output)
+            });
         }
         let result = if output.flow.actor == usize::MAX {
             &input
@@ -223,6 +277,7 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
             invokers: self.nodes,
             keys: self.keys,
             value_types: self.value_types,
+            gathers: self.gathers,
         };
         runner::dispatch(runtime, recorded, streams)
     }

@@ -32,8 +32,10 @@ pub(crate) struct Inbox {
     rx: UnboundedReceiver<Parcel>,
     waiting: HashMap<(usize, u64), VecDeque<Result<Shared, CallError>>>,
     broken: Option<CallError>,
-    /// Outputs of runs whose caller stopped waiting: skipped, so a later run gets its own.
-    pub(crate) unclaimed: usize,
+    /// Per value the program's own stream receives (by sender and tag): the runs expecting one
+    /// that have not taken it yet. Values of runs whose caller stopped waiting are skipped, so
+    /// a later run gets its own.
+    pub(crate) unclaimed: HashMap<(usize, u64), usize>,
 }
 
 impl Inbox {
@@ -47,7 +49,7 @@ impl Inbox {
             rx,
             waiting: HashMap::new(),
             broken: None,
-            unclaimed: 0,
+            unclaimed: HashMap::new(),
         }
     }
 
@@ -82,12 +84,26 @@ pub(crate) enum Route {
     Caller(UnboundedSender<Outgoing>),
 }
 
+/// The participants `stream` sends to.
+pub(crate) fn destinations(
+    stream: &[archipelago_dataflow::Instruction],
+) -> std::collections::BTreeSet<usize> {
+    (stream.iter())
+        .filter_map(|i| match i {
+            archipelago_dataflow::Instruction::Send { to, .. } => Some(*to),
+            _ => None,
+        })
+        .collect()
+}
+
 /// One interpreter's way out: its routes, and the codecs of the values it sends to other
 /// processes (by the value's name in its stream).
 pub(crate) struct Outbox {
     pub(crate) program: u64,
     pub(crate) me: usize,
-    pub(crate) routes: Vec<Route>,
+    /// By participant, only those its stream sends to (a route to every participant from every
+    /// interpreter would cost n² at dispatch).
+    pub(crate) routes: HashMap<usize, Route>,
     pub(crate) codecs: HashMap<String, (String, ValueCodec)>,
 }
 
@@ -133,7 +149,10 @@ impl Outbox {
                 value,
             }
         };
-        match &self.routes[to] {
+        let Some(route) = self.routes.get(&to) else {
+            return Err(gone());
+        };
+        match route {
             Route::Local(inbox) => inbox.send(Parcel::Value(self.me, tag, value)).map_err(|_| gone()),
             Route::Host(connection) => match connection.lost() {
                 Some(reason) => Err(CallError::Program { reason }),

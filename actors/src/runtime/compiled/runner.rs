@@ -24,12 +24,16 @@ use crate::runtime::{CallError, Pending, RuntimeHandle};
 pub struct CompiledProgram<I, R> {
     program: u64,
     streams: Vec<Vec<Instruction>>,
+    /// The program's own stream (the last), shared by its runs.
+    own: Arc<Vec<Instruction>>,
     outbox: Arc<Outbox>,
     inbox: Arc<Mutex<Inbox>>,
     /// The hosts with interpreters of this program, told when it is dropped.
     hosts: Vec<Arc<HostConnection>>,
     /// The participants whose interpreters run in this process (its own stream included).
     here: Vec<usize>,
+    /// The gathers its own stream makes, by value name.
+    gathers: Arc<HashMap<String, super::GatherFn>>,
     runtime: RuntimeHandle,
     _types: PhantomData<fn(I) -> R>,
 }
@@ -41,6 +45,7 @@ pub(crate) struct Recorded {
     pub(crate) invokers: Vec<Invoke>,
     pub(crate) keys: Vec<String>,
     pub(crate) value_types: HashMap<String, &'static str>,
+    pub(crate) gathers: HashMap<String, super::GatherFn>,
 }
 
 /// A program id no other process picks (this process's random id, then a count).
@@ -101,12 +106,10 @@ pub(crate) fn dispatch<I, R>(
         Ok(codecs)
     };
     let outbox_here = |p: usize| -> Result<Outbox, CallError> {
-        let routes = place
-            .iter()
-            .enumerate()
-            .map(|(q, at)| match at {
-                None => Route::Local(routes::inbox_sender(program, q)),
-                Some(connection) => Route::Host(connection.clone()),
+        let routes = (routes::destinations(&streams[p]).into_iter())
+            .map(|q| match &place[q] {
+                None => (q, Route::Local(routes::inbox_sender(program, q))),
+                Some(connection) => (q, Route::Host(connection.clone())),
             })
             .collect();
         Ok(Outbox {
@@ -123,7 +126,7 @@ pub(crate) fn dispatch<I, R>(
         let nodes = nodes_of(&streams[p]);
         match &participant.connection {
             None => {
-                let executor = runtime.inner().executor(participant.device).ok_or_else(|| refused(format!(
+                let executor = runtime.inner().executor_of(participant.thread, participant.device).ok_or_else(|| refused(format!(
                     "actor {} is on device {}, which is not one of this runtime's; record calls to actors of the runtime the program runs on",
                     participant.id, participant.device
                 )))?;
@@ -188,6 +191,7 @@ pub(crate) fn dispatch<I, R>(
     let inbox = routes::claim_inbox(program, own).expect("a new program's inbox");
     let compiled = CompiledProgram {
         program,
+        own: Arc::new(streams.last().cloned().unwrap_or_default()),
         streams,
         outbox: Arc::new(own_outbox),
         inbox: Arc::new(Mutex::new(inbox)),
@@ -198,6 +202,7 @@ pub(crate) fn dispatch<I, R>(
             .filter(|(_, at)| at.is_none())
             .map(|(p, _)| p)
             .collect(),
+        gathers: Arc::new(recorded.gathers),
         runtime: runtime.clone(),
         _types: PhantomData,
     };
@@ -222,13 +227,17 @@ where
     /// Runs the program once on `input`: the input goes to the first actors, the values move
     /// actor to actor, and the output comes back. Runs are handled in order.
     pub fn run(&self, input: I) -> Pending<Result<R, CallError>> {
-        let stream = self.streams.last().cloned().unwrap_or_default();
-        let (outbox, inbox) = (self.outbox.clone(), self.inbox.clone());
+        let stream = self.own.clone();
+        let (outbox, inbox, gathers) = (self.outbox.clone(), self.inbox.clone(), self.gathers.clone());
         let run = async move {
             let mut inbox = inbox.lock().await;
-            // Counted until this run's output is taken: a run whose future is dropped midway
-            // leaves its output to be skipped by the next run.
-            inbox.unclaimed += 1;
+            // Counted until this run's values are taken: a run whose future is dropped midway
+            // leaves its values to be skipped by the next run.
+            for instruction in stream.iter() {
+                if let Instruction::Recv { from, tag, .. } = instruction {
+                    *inbox.unclaimed.entry((*from, *tag)).or_default() += 1;
+                }
+            }
             if let Some(error) = inbox.broken() {
                 return Err(error.clone());
             }
@@ -241,7 +250,7 @@ where
                     .into(),
             }
             };
-            for instruction in &stream {
+            for instruction in stream.iter() {
                 match instruction {
                     Instruction::Send { tensor, to, tag } => {
                         let value = table.get(tensor).cloned().unwrap_or_else(|| Err(stopped()));
@@ -250,13 +259,25 @@ where
                     Instruction::Recv { tensor, from, tag } => {
                         let value = loop {
                             let value = inbox.take(*from, *tag).await.ok_or_else(stopped)?;
-                            if inbox.unclaimed == 1 {
+                            let unclaimed = inbox.unclaimed.entry((*from, *tag)).or_default();
+                            *unclaimed = unclaimed.saturating_sub(1);
+                            if *unclaimed == 0 {
                                 break value;
                             }
-                            inbox.unclaimed -= 1;
                         };
-                        inbox.unclaimed -= 1;
                         table.insert(tensor, value);
+                    }
+                    Instruction::Compute {
+                        op: ComputeOp::User { name },
+                        inputs,
+                        outputs,
+                    } if name == "gather" => {
+                        let Some(output) = outputs.first() else { continue };
+                        let values: Result<Vec<Shared>, CallError> = (inputs.iter())
+                            .map(|i| table.get(i).cloned().unwrap_or_else(|| Err(stopped())))
+                            .collect();
+                        let gather = gathers.get(value_name(output)).ok_or_else(stopped)?;
+                        table.insert(output, values.map(|v| gather(&v)));
                     }
                     Instruction::Compute {
                         op: ComputeOp::User { name },

@@ -102,3 +102,121 @@ fn a_failing_actor_ends_the_run_with_its_error_and_later_runs_do_not_hang() {
     );
     assert!(program.run(20).get().is_err(), "the failed actor has ended");
 }
+
+/// A fan-out to every actor and a gather of their replies: one run equals the calls made one
+/// by one, in recording order; a failing actor fails the gathered value with its error.
+#[test]
+fn a_gather_collects_a_fan_out_in_order_and_fails_with_a_failed_call() {
+    let runtime = Runtime::local(DeviceSpec::cpus(3));
+    let params = [(2, 1), (3, 4), (1, -7)];
+    let actors: Vec<_> = (params.iter().enumerate())
+        .map(|(d, p)| {
+            runtime
+                .spawn::<Affine>(DeviceSpec::Cpu(d as u32), *p)
+                .get()
+                .unwrap()
+        })
+        .collect();
+    let mut recorder = Recorder::<i64>::new();
+    let input = recorder.input();
+    let replies: Vec<_> = actors.iter().map(|a| recorder.call(a, &input, Apply)).collect();
+    let all = recorder.gather(&replies);
+    let program = recorder.compile(&runtime, &all).unwrap();
+    for x in 0..50 {
+        let classic: Vec<i64> = actors.iter().map(|a| a.call(Apply(x)).get().unwrap()).collect();
+        assert_eq!(program.run(x).get().unwrap(), classic);
+    }
+    // The program sends the input to each actor and receives each reply: nothing else.
+    let own = program.streams().last().unwrap();
+    let count = |send: bool| {
+        own.iter()
+            .filter(|i| {
+                matches!(
+                    (i, send),
+                    (Instruction::Send { .. }, true) | (Instruction::Recv { .. }, false)
+                )
+            })
+            .count()
+    };
+    assert_eq!((count(true), count(false)), (3, 3), "{own:?}");
+    let error = program.run(-1).get().unwrap_err();
+    assert!(
+        matches!(&error, CallError::Failed(f) if f.message.contains("negative input -1")),
+        "{error}"
+    );
+}
+
+/// Hands a token to its partner and waits (blocking its thread, as compute does) for the
+/// partner's: both must run at once.
+struct Partner {
+    give: std::sync::mpsc::Sender<()>,
+    take: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl Actor for Partner {
+    type Params = std::sync::Arc<std::sync::Mutex<Option<Partner>>>;
+    async fn new(slot: Self::Params, _ctx: &Context<Self>) -> Result<Self, String> {
+        slot.lock()
+            .unwrap()
+            .take()
+            .ok_or_else(|| "built once".to_string())
+    }
+}
+
+struct Meet;
+impl Message for Meet {
+    type Reply = bool;
+}
+impl Handler<Meet> for Partner {
+    async fn handle(&mut self, _: Meet, _ctx: &Context<Self>) -> bool {
+        let _ = self.give.send(());
+        let take = self.take.lock().unwrap();
+        take.recv_timeout(std::time::Duration::from_secs(2)).is_ok()
+    }
+}
+
+fn partners() -> [std::sync::Arc<std::sync::Mutex<Option<Partner>>>; 2] {
+    let (a_give, b_take) = std::sync::mpsc::channel();
+    let (b_give, a_take) = std::sync::mpsc::channel();
+    let partner = |give: std::sync::mpsc::Sender<()>, take: std::sync::mpsc::Receiver<()>| {
+        std::sync::Arc::new(std::sync::Mutex::new(Some(Partner {
+            give,
+            take: take.into(),
+        })))
+    };
+    [partner(a_give, a_take), partner(b_give, b_take)]
+}
+
+/// Two actors of one device on two threads (a device named twice): each one's interpreter runs
+/// on its own actor's thread, so both calls of a step run at once even though each blocks its
+/// thread. The control: the same two actors on one thread cannot meet, and the test sees it.
+#[test]
+fn each_interpreter_runs_on_its_own_actors_thread() {
+    let meet = |threads: [usize; 2]| -> Vec<bool> {
+        let runtime = Runtime::local(vec![DeviceSpec::Cpu(0), DeviceSpec::Cpu(0)]);
+        let [a, b] = partners();
+        let options = crate::runtime::SpawnOptions::default;
+        let a = runtime
+            .spawn_at::<Partner>(threads[0], a, options())
+            .get()
+            .unwrap();
+        let b = runtime
+            .spawn_at::<Partner>(threads[1], b, options())
+            .get()
+            .unwrap();
+        let mut recorder = Recorder::<()>::new();
+        let input = recorder.input();
+        let replies = [
+            recorder.call(&a, &input, |()| Meet),
+            recorder.call(&b, &input, |()| Meet),
+        ];
+        let both = recorder.gather(&replies);
+        let program = recorder.compile(&runtime, &both).unwrap();
+        program.run(()).get().unwrap()
+    };
+    assert_eq!(meet([0, 1]), vec![true, true]);
+    assert!(
+        meet([0, 0]).contains(&false),
+        "two actors on one thread met: the test cannot tell"
+    );
+}
