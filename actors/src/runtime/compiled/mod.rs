@@ -72,15 +72,20 @@ pub(crate) type Shared = Arc<dyn Any + Send + Sync>;
 pub(crate) type Invoke = Arc<dyn Fn(Shared) -> BoxFuture<'static, Result<Shared, CallError>> + Send + Sync>;
 
 /// Gathers the values of several calls, in the program's own stream, into one `Vec`.
-pub(crate) type GatherFn = fn(&[Shared]) -> Shared;
+pub(crate) type GatherFn = fn(Vec<Shared>) -> Shared;
 
 /// The participant of a gathered value: the program's own stream (its index is known only when
 /// the recording is compiled).
 const GATHERED: usize = usize::MAX - 1;
 
-fn gather_erased<T: Clone + Send + Sync + 'static>(values: &[Shared]) -> Shared {
-    let typed: Vec<T> = (values.iter())
-        .map(|v| v.downcast_ref::<T>().expect("the gathered value type").clone())
+/// The values as one `Vec`, each moved out of its `Arc` when nothing else holds it (the
+/// sender has let go of it by the time it is gathered), cloned otherwise.
+fn gather_erased<T: Clone + Send + Sync + 'static>(values: Vec<Shared>) -> Shared {
+    let typed: Vec<T> = (values.into_iter())
+        .map(|v| {
+            let v = v.downcast::<T>().expect("the gathered value type");
+            Arc::try_unwrap(v).unwrap_or_else(|shared| (*shared).clone())
+        })
         .collect();
     Arc::new(typed)
 }
@@ -89,6 +94,15 @@ fn gather_erased<T: Clone + Send + Sync + 'static>(values: &[Shared]) -> Shared 
 pub struct Value<T> {
     flow: FlowValue,
     _type: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for Value<T> {
+    fn clone(&self) -> Self {
+        Value {
+            flow: self.flow.clone(),
+            _type: PhantomData,
+        }
+    }
 }
 
 /// A participant: an actor of the program, by its runtime id, with its device and (when it

@@ -26,6 +26,9 @@ pub struct CompiledProgram<I, R> {
     streams: Vec<Vec<Instruction>>,
     /// The program's own stream (the last), shared by its runs.
     own: Arc<Vec<Instruction>>,
+    /// The values its own stream's computes read more than once (kept in a run's table, not
+    /// moved out by their first reader).
+    reused: Arc<std::collections::HashSet<TensorId>>,
     outbox: Arc<Outbox>,
     inbox: Arc<Mutex<Inbox>>,
     /// The hosts with interpreters of this program, told when it is dropped.
@@ -189,9 +192,25 @@ pub(crate) fn dispatch<I, R>(
         }
     }
     let inbox = routes::claim_inbox(program, own).expect("a new program's inbox");
+    let own_stream = streams.last().cloned().unwrap_or_default();
+    let mut reads: HashMap<TensorId, usize> = HashMap::new();
+    for instruction in &own_stream {
+        if let Instruction::Compute { inputs, .. } = instruction {
+            for input in inputs {
+                *reads.entry(input.clone()).or_default() += 1;
+            }
+        }
+    }
     let compiled = CompiledProgram {
         program,
-        own: Arc::new(streams.last().cloned().unwrap_or_default()),
+        reused: Arc::new(
+            reads
+                .into_iter()
+                .filter(|(_, n)| *n > 1)
+                .map(|(t, _)| t)
+                .collect(),
+        ),
+        own: Arc::new(own_stream),
         streams,
         outbox: Arc::new(own_outbox),
         inbox: Arc::new(Mutex::new(inbox)),
@@ -229,6 +248,7 @@ where
     pub fn run(&self, input: I) -> Pending<Result<R, CallError>> {
         let stream = self.own.clone();
         let (outbox, inbox, gathers) = (self.outbox.clone(), self.inbox.clone(), self.gathers.clone());
+        let reused = self.reused.clone();
         let run = async move {
             let mut inbox = inbox.lock().await;
             // Counted until this run's values are taken: a run whose future is dropped midway
@@ -274,10 +294,17 @@ where
                     } if name == "gather" => {
                         let Some(output) = outputs.first() else { continue };
                         let values: Result<Vec<Shared>, CallError> = (inputs.iter())
-                            .map(|i| table.get(i).cloned().unwrap_or_else(|| Err(stopped())))
+                            .map(|i| {
+                                let value = if reused.contains(i) {
+                                    table.get(i).cloned()
+                                } else {
+                                    table.remove(i)
+                                };
+                                value.unwrap_or_else(|| Err(stopped()))
+                            })
                             .collect();
                         let gather = gathers.get(value_name(output)).ok_or_else(stopped)?;
-                        table.insert(output, values.map(|v| gather(&v)));
+                        table.insert(output, values.map(gather));
                     }
                     Instruction::Compute {
                         op: ComputeOp::User { name },
@@ -288,8 +315,9 @@ where
                             .first()
                             .and_then(|i| table.remove(i))
                             .unwrap_or_else(|| Err(stopped()))?;
-                        let typed = value.downcast_ref::<R>().expect("the recorded output type");
-                        return Ok(typed.clone());
+                        // Moved out when this run holds the only reference (a gathered value).
+                        let typed = value.downcast::<R>().expect("the recorded output type");
+                        return Ok(Arc::try_unwrap(typed).unwrap_or_else(|shared| (*shared).clone()));
                     }
                     _ => {}
                 }

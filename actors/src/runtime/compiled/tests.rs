@@ -220,3 +220,18 @@ fn each_interpreter_runs_on_its_own_actors_thread() {
         "two actors on one thread met: the test cannot tell"
     );
 }
+
+/// A value gathered twice, and gathered beside being the input of a later gather, is there for
+/// every reader (a gather moves a value out only when nothing else reads it).
+#[test]
+fn a_value_read_twice_by_gathers_is_there_for_both() {
+    let runtime = Runtime::local(DeviceSpec::cpus(1));
+    let actor = runtime.spawn::<Affine>(DeviceSpec::Cpu(0), (2, 1)).get().unwrap();
+    let mut recorder = Recorder::<i64>::new();
+    let input = recorder.input();
+    let x = recorder.call(&actor, &input, Apply);
+    let twice = recorder.gather(&[x.clone(), x.clone()]);
+    let nested = recorder.gather(&[twice.clone(), twice]);
+    let program = recorder.compile(&runtime, &nested).unwrap();
+    assert_eq!(program.run(3).get().unwrap(), vec![vec![7, 7], vec![7, 7]]);
+}
