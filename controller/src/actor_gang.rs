@@ -188,23 +188,28 @@ impl ActorGang {
     pub async fn step(&mut self, n: u64) -> Result<Vec<StepReport>, JobError> {
         let program = self.program.as_ref().expect("a started gang's step");
         let mut run = program.run(n);
-        let started = Instant::now();
+        // The watchdog counts silence: time since any actor last made progress.
         let (mut beats, mut progressed) = (self.beats(), Instant::now());
         let outcome = loop {
-            let left = self.watchdog.saturating_sub(started.elapsed());
+            let left = self.watchdog.saturating_sub(progressed.elapsed());
             match tokio::time::timeout(HEARTBEAT.min(left), &mut run).await {
                 Ok(outcome) => break outcome,
-                Err(_) if started.elapsed() >= self.watchdog => {
+                Err(_) if progressed.elapsed() >= self.watchdog => {
                     self.fabric
                         .abort("the controller's watchdog stopped a silent step");
                     return Err(JobError::Hang {
                         job: self.job.clone(),
                         step: n,
                         silent: self.inside_step(n),
-                        waited_s: started.elapsed().as_secs_f64(),
+                        waited_s: progressed.elapsed().as_secs_f64(),
                     });
                 }
                 Err(_) => {
+                    // An actor that ended mid-step (a panic outside its executor) fails the
+                    // step now: its peers would wait for its tensors until their patience.
+                    if let Some(at) = self.actors.iter().position(|a| a.end().is_some()) {
+                        return Err(self.ended_mid_step(n, at));
+                    }
                     let now = self.beats();
                     if now != beats {
                         (beats, progressed) = (now, Instant::now());
@@ -228,10 +233,12 @@ impl ActorGang {
             Ok(replies) => replies,
             Err(error) => {
                 // A call failed outside the executor (the actor itself ended): name the actor
-                // that ended, else the first one.
+                // that ended.
                 self.fabric.abort(&format!("step {n} failed: {error}"));
-                let at = (self.actors.iter()).position(|a| a.end().is_some()).unwrap_or(0);
-                return Err(JobError::Actor(self.step_outcome(n, at, Err(error)).unwrap_err()));
+                return Err(match self.actors.iter().position(|a| a.end().is_some()) {
+                    Some(at) => JobError::Actor(self.step_outcome(n, at, Err(error)).unwrap_err()),
+                    None => JobError::Runtime(format!("job {}, step {n}: {error}", self.job)),
+                });
             }
         };
         let (mut reports, mut failures) = (Vec::with_capacity(replies.len()), Vec::new());
@@ -250,15 +257,41 @@ impl ActorGang {
         Ok(reports)
     }
 
-    /// The actors still inside step `n` (not yet past it, or running an instruction).
+    /// The actors still inside step `n` (not yet past it, or running an instruction); all of
+    /// them when none looks so (one stuck between its last instruction and its reply).
     fn inside_step(&self, n: u64) -> Vec<ActorId> {
-        (self.ids.iter())
+        let inside: Vec<ActorId> = (self.ids.iter())
             .filter(|(.., p)| {
                 let now = p.snapshot();
                 now.step < n || now.index.is_some()
             })
             .map(|(id, ..)| *id)
-            .collect()
+            .collect();
+        if inside.is_empty() {
+            self.ids.iter().map(|(id, ..)| *id).collect()
+        } else {
+            inside
+        }
+    }
+
+    /// Actor `at` ended in step `n`: the fabric is aborted (its peers' steps end) and the failure
+    /// names it, its device and the instruction it was running.
+    fn ended_mid_step(&self, n: u64, at: usize) -> JobError {
+        let message = match self.actors[at].end() {
+            Some(archipelago_actors::runtime::ActorEnd::Failed(failure)) => failure.message.clone(),
+            Some(archipelago_actors::runtime::ActorEnd::Stopped { reason }) => format!("stopped: {reason}"),
+            None => "ended".into(),
+        };
+        self.fabric
+            .abort(&format!("actor {} ended in step {n}", self.ids[at].0));
+        let failure = self.step_outcome(
+            n,
+            at,
+            Err(CallError::Program {
+                reason: format!("the actor ended during the step: {message}"),
+            }),
+        );
+        JobError::Actor(failure.unwrap_err())
     }
 
     /// A step's reply as a report or the failure it names (a panic that escaped the executor

@@ -2,9 +2,11 @@
 //!
 //! It compiles a [`Program`](archipelago_dataflow::Program) into a verified plan, starts one
 //! device actor (an actor of the runtime API) per mesh position with its instruction stream, then
-//! drives the steps: a `RunStep(n)` call to every actor at once, each reply its step report
-//! (Pathways-style parallel dispatch); on a cluster the calls go through each host's
-//! [`HostPart`](cluster::host_part::HostPart) on the host's actor port. It never touches tensor bytes: control is typed messages, data moves actor to actor.
+//! drives the steps: each step is one run of a compiled program of the runtime (`RunStep(n)` to
+//! every actor at once, the step reports gathered: Pathways-style parallel dispatch); on a
+//! cluster each host's [`HostPart`](cluster::host_part::HostPart), on the host's actor port,
+//! runs its actors' step. It never touches tensor bytes: control is typed messages, data moves
+//! actor to actor.
 //!
 //! Programs that are not training loops use the runtime API re-exported in [`prelude`]: typed
 //! actors, futures, tensor references and meshes (see `archipelago_actors::runtime`).

@@ -75,6 +75,7 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
     )?);
     let progress: Progress = Arc::default();
     let host = HostResources::install(
+        options.name.clone(),
         inbox,
         fabric_addr.clone(),
         tcp_addr.clone(),

@@ -164,19 +164,28 @@ pub struct HostResources {
     pub credentials: Credentials,
     /// The running actors, as heartbeats report them.
     pub progress: Progress,
+    /// The host's name.
+    pub name: String,
     /// The host agent's tokio runtime: every part's work runs there.
     pub agent: tokio::runtime::Handle,
     job: Mutex<Option<LocalJob>>,
     /// Held while a job starts or stops: a `Stop` of the last job that is still tearing it down
     /// when the next job starts must not then uninstall the new job's inbox.
     lifecycle: tokio::sync::Mutex<()>,
+    /// The launches stopped lately (the session's `Stop` and the actor port's `StartPart` travel
+    /// on two connections: a launch stopped before its start arrived must not start).
+    stopped: Mutex<std::collections::VecDeque<String>>,
 }
+
+/// How many stopped launches a host remembers.
+const STOPPED_KEPT: usize = 256;
 
 static HOST: OnceLock<Arc<HostResources>> = OnceLock::new();
 
 impl HostResources {
     /// The resources of this process, now a host (once per process).
     pub fn install(
+        name: String,
         inbox: Inbox,
         fabric_addr: String,
         tcp_addr: String,
@@ -184,6 +193,7 @@ impl HostResources {
         progress: Progress,
     ) -> anyhow::Result<Arc<HostResources>> {
         let resources = Arc::new(HostResources {
+            name,
             inbox,
             fabric_addr,
             tcp_addr,
@@ -192,6 +202,7 @@ impl HostResources {
             agent: tokio::runtime::Handle::current(),
             job: Mutex::new(None),
             lifecycle: tokio::sync::Mutex::new(()),
+            stopped: Mutex::default(),
         });
         HOST.set(resources.clone())
             .map_err(|_| anyhow::anyhow!("this process already serves as a host"))?;
@@ -205,6 +216,13 @@ impl HostResources {
     }
 
     async fn stop_locked(&self, launch: Option<&str>, reason: &str) {
+        if let Some(launch) = launch {
+            let mut stopped = self.stopped.lock().expect("stopped launches");
+            stopped.push_back(launch.to_string());
+            while stopped.len() > STOPPED_KEPT {
+                stopped.pop_front();
+            }
+        }
         let job = (self.job.lock().expect("host job")).take_if(|j| launch.is_none_or(|l| l == j.launch));
         if let Some(job) = job {
             job.stop(reason).await;
@@ -215,6 +233,13 @@ impl HostResources {
 
     async fn start(&self, params: PartParams) -> Result<(), PartError> {
         let _one_at_a_time = self.lifecycle.lock().await;
+        if (self.stopped.lock().expect("stopped launches")).contains(&params.launch) {
+            return Err(JobError::Runtime(format!(
+                "job {}: the controller stopped launch `{}` before it started here",
+                params.job, params.launch
+            ))
+            .into());
+        }
         self.stop_locked(None, "a new job was launched").await;
         let here = if params.data_path.uses_tcp_port() {
             &self.tcp_addr
@@ -236,7 +261,11 @@ impl HostResources {
         let job = self.job.lock().expect("host job");
         match job.as_ref().filter(|j| j.launch == launch) {
             Some(j) => Ok(j.gang.clone()),
-            None => Err(JobError::Runtime(format!("job launch `{launch}` does not run on this host")).into()),
+            None => Err(JobError::Runtime(format!(
+                "job launch `{launch}` does not run on host `{}` (stopped, or never started)",
+                self.name
+            ))
+            .into()),
         }
     }
 }
@@ -255,7 +284,11 @@ impl HostPart {
     ) -> Result<T, PartError> {
         match self.host.agent.spawn(work).await {
             Ok(result) => result,
-            Err(e) => Err(JobError::Runtime(format!("the host's work for the job ended: {e}")).into()),
+            Err(e) => Err(JobError::Runtime(format!(
+                "job {}: the work of host `{}` for the job ended: {e}",
+                self.params.job, self.host.name
+            ))
+            .into()),
         }
     }
 }
@@ -268,6 +301,20 @@ impl Actor for HostPart {
             "this process is not an `archipelago host`: a job's host part runs only there".to_string()
         })?;
         Ok(HostPart { params, host })
+    }
+
+    /// The controller went away (its connection closed, which stops its parts): the launch ends
+    /// here too, even when its `Stop` never comes.
+    async fn stopping(&mut self, _ctx: &Context<Self>) {
+        let (host, launch) = (self.host.clone(), self.params.launch.clone());
+        let stop = async move {
+            host.stop_job(
+                Some(&launch),
+                "the controller's connection to this host part closed",
+            )
+            .await
+        };
+        let _ = self.host.agent.spawn(stop).await;
     }
 }
 

@@ -20,7 +20,7 @@ use archipelago_actors::executor::StepReport;
 use archipelago_actors::fabric::DataPath;
 use archipelago_actors::proto::{ActorState, Stop, controller_message};
 use archipelago_actors::runtime::remote::Liveness;
-use archipelago_actors::runtime::{ActorRef, Call, Message, Runtime, Slot, SpawnOptions};
+use archipelago_actors::runtime::{ActorRef, Call, CallError, Message, Runtime, Slot, SpawnOptions};
 use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::{ActorId, Plan};
 
@@ -87,10 +87,7 @@ pub struct LaunchSpec<'a> {
 
 /// What one wait on the host parts saw first.
 enum Seen<T> {
-    Answer(
-        u32,
-        Result<Result<T, PartError>, archipelago_actors::runtime::CallError>,
-    ),
+    Answer(u32, Result<Result<T, PartError>, CallError>),
     Event(Option<HostEvent>),
     Quiet,
 }
@@ -167,16 +164,17 @@ impl RemoteGang {
             patience: 2 * self.grace,
         };
         let (job, credentials) = (self.launch.clone(), credentials.clone());
-        let connected =
-            tokio::task::spawn_blocking(move || Runtime::on_cluster(&job, slots, credentials, liveness))
-                .await
-                .map_err(|e| JobError::Runtime(e.to_string()))?;
+        let connect =
+            tokio::task::spawn_blocking(move || Runtime::on_cluster(&job, slots, credentials, liveness));
+        let connected = self
+            .guarded(connect)
+            .await?
+            .map_err(|e| JobError::Runtime(format!("job {}: {e}", self.job)))?;
         let runtime = match connected {
             Ok(runtime) => runtime,
             Err(e) => {
-                return Err(self
-                    .explained(JobError::Runtime(format!("cannot reach the job's hosts: {e}")))
-                    .await);
+                let error = JobError::Runtime(format!("job {}: cannot reach the job's hosts: {e}", self.job));
+                return Err(self.explained(error).await);
             }
         };
         let peers: Vec<String> = (self.hosts.values())
@@ -213,14 +211,16 @@ impl RemoteGang {
             .collect();
         self.runtime = Some(runtime);
         for (id, spawn) in spawns {
-            match spawn.await {
+            match self.guarded(spawn).await? {
                 Ok(part) => {
                     self.parts.insert(id, part);
                 }
                 Err(e) => {
                     let name = &self.hosts[&id].0.name;
-                    let error =
-                        JobError::Runtime(format!("cannot start the job's part on host `{name}`: {e}"));
+                    let error = JobError::Runtime(format!(
+                        "job {}: cannot start the job's part on host `{name}`: {e}",
+                        self.job
+                    ));
                     return Err(self.explained(error).await);
                 }
             }
@@ -243,6 +243,98 @@ impl RemoteGang {
             // A runtime is not dropped inside an async context; its connections close with it,
             // which stops the host parts.
             std::thread::spawn(move || drop(runtime));
+        }
+    }
+
+    /// A host part's error with the host named in its actor's failure.
+    fn with_host_named(&self, id: u32, mut part: PartError) -> PartError {
+        if let Some(failure) = part.failure.as_mut()
+            && failure.host.is_empty()
+            && let Some((info, _)) = self.hosts.get(&id)
+        {
+            failure.host = info.name.clone();
+        }
+        part
+    }
+
+    /// The failure to report once `first` (a secondary failure, or a host that did not answer)
+    /// came: for up to the grace period, the loss of a host explains it, or another host's
+    /// actor that failed on its own.
+    async fn root_cause<T, F>(&mut self, first: JobError, pending: &mut FuturesUnordered<F>) -> JobError
+    where
+        F: Future<Output = (u32, Result<Result<T, PartError>, CallError>)>,
+    {
+        enum Seen<T> {
+            Answer(u32, Result<Result<T, PartError>, CallError>),
+            Event(Option<HostEvent>),
+            Late,
+        }
+        let deadline = tokio::time::sleep(self.grace);
+        tokio::pin!(deadline);
+        loop {
+            let seen = tokio::select! {
+                Some((id, answer)) = pending.next() => Seen::Answer(id, answer),
+                event = self.events.recv() => Seen::Event(event),
+                _ = &mut deadline => Seen::Late,
+            };
+            match seen {
+                Seen::Answer(id, Ok(Err(part))) if !part.secondary() => {
+                    return self.with_host_named(id, part).into();
+                }
+                Seen::Answer(..) => {}
+                Seen::Event(Some(HostEvent::Gone(info, why, states)))
+                    if self.hosts.contains_key(&info.id) =>
+                {
+                    return self.lost(&info, &why, &states);
+                }
+                Seen::Event(Some(_)) => {}
+                Seen::Event(None) | Seen::Late => return first,
+            }
+        }
+    }
+
+    /// Waits for `work` (connecting to the hosts, spawning a part) while watching for the loss
+    /// of one of the job's hosts, for at most the watchdog: a host that accepts a connection but
+    /// never answers (stopped, overloaded) ends the launch instead of hanging it.
+    async fn guarded<T>(&mut self, work: impl Future<Output = T>) -> Result<T, JobError> {
+        // A value that lives for one turn of the loop: its size does not matter.
+        #[allow(clippy::large_enum_variant)]
+        enum Seen<T> {
+            Done(T),
+            Event(Option<HostEvent>),
+            Late,
+        }
+        tokio::pin!(work);
+        let deadline = tokio::time::sleep(self.watchdog);
+        tokio::pin!(deadline);
+        loop {
+            let seen = tokio::select! {
+                out = &mut work => Seen::Done(out),
+                event = self.events.recv() => Seen::Event(event),
+                _ = &mut deadline => Seen::Late,
+            };
+            match seen {
+                Seen::Done(out) => return Ok(out),
+                Seen::Event(Some(HostEvent::Gone(info, why, states))) => {
+                    if self.hosts.contains_key(&info.id) {
+                        return Err(self.lost(&info, &why, &states));
+                    }
+                }
+                Seen::Event(None) => {
+                    return Err(JobError::Runtime(format!(
+                        "job {}: the registry closed",
+                        self.job
+                    )));
+                }
+                Seen::Late => {
+                    return Err(JobError::Hang {
+                        job: self.job.clone(),
+                        step: self.step,
+                        silent: self.hosts.values().flat_map(|(_, a)| a.iter().copied()).collect(),
+                        waited_s: self.watchdog.as_secs_f64(),
+                    });
+                }
+            }
         }
     }
 
@@ -292,23 +384,30 @@ impl RemoteGang {
                     match answer {
                         Ok(Ok(value)) => out.push((id, value)),
                         Ok(Err(part)) => {
-                            // A peer that stopped because a host vanished: report the vanished host.
-                            let secondary = part.secondary();
-                            let error = JobError::from(part);
-                            return Err(if secondary {
-                                self.explained(error).await
-                            } else {
-                                error
-                            });
+                            let part = self.with_host_named(id, part);
+                            if !part.secondary() {
+                                return Err(part.into());
+                            }
+                            // A peer that stopped because a host vanished or another actor
+                            // failed: report the vanished host or that actor.
+                            return Err(self.root_cause(part.into(), &mut pending).await);
                         }
                         Err(call) => {
                             let name = self.hosts.get(&id).map_or("?".into(), |h| h.0.name.clone());
-                            let error = JobError::Runtime(format!("host `{name}` did not answer: {call}"));
-                            return Err(self.explained(error).await);
+                            let error = JobError::Runtime(format!(
+                                "job {}, step {}: host `{name}` did not answer: {call}",
+                                self.job, self.step
+                            ));
+                            return Err(self.root_cause(error, &mut pending).await);
                         }
                     }
                 }
-                Seen::Event(None) => return Err(JobError::Runtime("the registry closed".into())),
+                Seen::Event(None) => {
+                    return Err(JobError::Runtime(format!(
+                        "job {}: the registry closed",
+                        self.job
+                    )));
+                }
                 Seen::Event(Some(HostEvent::Gone(info, why, states))) => {
                     if self.hosts.contains_key(&info.id) {
                         return Err(self.lost(&info, &why, &states));

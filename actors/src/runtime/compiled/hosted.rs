@@ -84,7 +84,7 @@ pub(crate) fn install(
     let device = actor.info().device;
     let executor = runtime
         .inner()
-        .executor(device)
+        .executor_of(actor.thread(), device)
         .ok_or_else(|| format!("device {device} is not one of host {host}'s"))?;
     let inbox = routes::claim_inbox(part.program, part.me).ok_or_else(|| {
         format!(

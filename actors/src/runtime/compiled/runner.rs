@@ -26,7 +26,11 @@ pub struct CompiledProgram<I, R> {
     streams: Vec<Vec<Instruction>>,
     /// The program's own stream (the last), shared by its runs.
     own: Arc<Vec<Instruction>>,
-    /// The values its own stream's computes read more than once (kept in a run's table, not
+    /// Set when a run was dropped midway through a stream that sends after it receives: later
+    /// runs would wait for a value that depends on an unsent one, so they fail instead.
+    abandoned: Arc<std::sync::atomic::AtomicBool>,
+    sends_after_recv: bool,
+    /// The values its own stream's instructions read more than once (kept in a run's table, not
     /// moved out by their first reader).
     reused: Arc<std::collections::HashSet<TensorId>>,
     outbox: Arc<Outbox>,
@@ -195,14 +199,21 @@ pub(crate) fn dispatch<I, R>(
     let own_stream = streams.last().cloned().unwrap_or_default();
     let mut reads: HashMap<TensorId, usize> = HashMap::new();
     for instruction in &own_stream {
-        if let Instruction::Compute { inputs, .. } = instruction {
-            for input in inputs {
-                *reads.entry(input.clone()).or_default() += 1;
-            }
+        for input in instruction.reads() {
+            *reads.entry(input.clone()).or_default() += 1;
         }
     }
+    // A Send after a receive: a run dropped in between would leave a value unsent that a
+    // later receive of this stream depends on, and the next run would wait for it.
+    let first_recv = own_stream
+        .iter()
+        .position(|i| matches!(i, Instruction::Recv { .. }));
+    let sends_after_recv =
+        first_recv.is_some_and(|r| (own_stream[r..].iter()).any(|i| matches!(i, Instruction::Send { .. })));
     let compiled = CompiledProgram {
         program,
+        abandoned: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+        sends_after_recv,
         reused: Arc::new(
             reads
                 .into_iter()
@@ -249,8 +260,20 @@ where
         let stream = self.own.clone();
         let (outbox, inbox, gathers) = (self.outbox.clone(), self.inbox.clone(), self.gathers.clone());
         let reused = self.reused.clone();
+        let abandoned = self.abandoned.clone();
+        let guard_armed = self.sends_after_recv;
         let run = async move {
             let mut inbox = inbox.lock().await;
+            if abandoned.load(Ordering::Acquire) {
+                return Err(CallError::Program {
+                    reason: "an earlier run was abandoned between a receive and a later send; compile the program again".into(),
+                });
+            }
+            // Marks the program abandoned unless this run reaches its end.
+            let mut guard = AbandonGuard {
+                flag: abandoned,
+                armed: guard_armed,
+            };
             // Counted until this run's values are taken: a run whose future is dropped midway
             // leaves its values to be skipped by the next run.
             for instruction in stream.iter() {
@@ -316,6 +339,7 @@ where
                             .and_then(|i| table.remove(i))
                             .unwrap_or_else(|| Err(stopped()))?;
                         // Moved out when this run holds the only reference (a gathered value).
+                        guard.armed = false;
                         let typed = value.downcast::<R>().expect("the recorded output type");
                         return Ok(Arc::try_unwrap(typed).unwrap_or_else(|shared| (*shared).clone()));
                     }
@@ -330,6 +354,20 @@ where
     /// The per-actor streams (the program's own last), as compiled: data to print or check.
     pub fn streams(&self) -> &[Vec<Instruction>] {
         &self.streams
+    }
+}
+
+/// Sets its flag when dropped armed (see `CompiledProgram::abandoned`).
+struct AbandonGuard {
+    flag: Arc<std::sync::atomic::AtomicBool>,
+    armed: bool,
+}
+
+impl Drop for AbandonGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.flag.store(true, Ordering::Release);
+        }
     }
 }
 

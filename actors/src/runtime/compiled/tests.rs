@@ -235,3 +235,67 @@ fn a_value_read_twice_by_gathers_is_there_for_both() {
     let program = recorder.compile(&runtime, &nested).unwrap();
     assert_eq!(program.run(3).get().unwrap(), vec![vec![7, 7], vec![7, 7]]);
 }
+
+/// Sums what it is given.
+struct Sum(Vec<i64>);
+impl Message for Sum {
+    type Reply = i64;
+}
+impl Handler<Sum> for Affine {
+    async fn handle(&mut self, Sum(values): Sum, _ctx: &Context<Self>) -> i64 {
+        values.iter().sum::<i64>() * self.a + self.b
+    }
+}
+
+/// [`Apply`], after 100 ms.
+struct SlowApply(i64);
+impl Message for SlowApply {
+    type Reply = i64;
+}
+impl Handler<SlowApply> for Affine {
+    async fn handle(&mut self, SlowApply(x): SlowApply, _ctx: &Context<Self>) -> i64 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        self.a * x + self.b
+    }
+}
+
+/// A run dropped while its stream still had a send to make (the gathered value for a later
+/// call, never sent because the value it gathers had not come) leaves the program unusable, and
+/// the next run says so instead of waiting for ever for a reply that never comes; runs that
+/// finish leave it usable (the control).
+#[test]
+fn a_run_dropped_before_a_later_send_fails_the_next_run_instead_of_hanging() {
+    let runtime = Runtime::local(DeviceSpec::cpus(2));
+    let first = runtime.spawn::<Affine>(DeviceSpec::Cpu(0), (2, 0)).get().unwrap();
+    let second = runtime.spawn::<Affine>(DeviceSpec::Cpu(1), (1, 1)).get().unwrap();
+    let mut recorder = Recorder::<i64>::new();
+    let input = recorder.input();
+    let x = recorder.call(&first, &input, SlowApply);
+    let gathered = recorder.gather(&[x]);
+    let y = recorder.call(&second, &gathered, Sum);
+    let program = recorder.compile(&runtime, &y).unwrap();
+    assert_eq!(program.run(3).get().unwrap(), 7);
+    assert_eq!(program.run(4).get().unwrap(), 9);
+    let driver = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // Dropped while waiting for the first actor: its gathered value is never sent on.
+    let late = driver
+        .block_on(async { tokio::time::timeout(std::time::Duration::from_millis(20), program.run(5)).await });
+    assert!(
+        late.is_err(),
+        "the run finished within 20 ms: the test did not drop it midway"
+    );
+    let next = std::thread::scope(|s| {
+        let run = s.spawn(|| program.run(6).get());
+        let began = std::time::Instant::now();
+        while !run.is_finished() && began.elapsed() < std::time::Duration::from_secs(3) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(run.is_finished(), "the run after an abandoned one hangs");
+        run.join().unwrap()
+    });
+    let error = next.unwrap_err();
+    assert!(error.to_string().contains("abandoned"), "{error}");
+}

@@ -90,7 +90,9 @@ pub(crate) fn serve_home(
     table
         .default_credentials
         .get_or_insert_with(|| credentials.clone());
-    table.executor.get_or_insert(executor);
+    // The newest driver: an earlier one may have shut down with its runtime (a controller
+    // connects a runtime to its hosts for every launch).
+    table.executor = Some(executor);
 }
 
 /// Records the hosts a driver talks to, and the credentials it shows them.

@@ -51,6 +51,8 @@ pub trait ErasedActor: Send + Sync {
     fn as_any(&self) -> &dyn Any;
     /// The actor's full Rust type name (the registry's key).
     fn type_key(&self) -> &'static str;
+    /// Its device thread in this process's runtime.
+    fn thread(&self) -> Option<usize>;
 }
 
 impl<A: Actor> ErasedActor for ActorRef<A> {
@@ -68,6 +70,9 @@ impl<A: Actor> ErasedActor for ActorRef<A> {
     }
     fn type_key(&self) -> &'static str {
         type_name::<A>()
+    }
+    fn thread(&self) -> Option<usize> {
+        self.shared().thread.get().copied()
     }
 }
 
