@@ -31,12 +31,10 @@ impl Handler<Apply> for Affine {
     }
 }
 
-#[test]
-fn a_compiled_chain_equals_its_calls_and_keeps_the_program_out_of_the_loop() {
-    let runtime = Runtime::local(DeviceSpec::cpus(3));
-    let actors: Vec<_> = [(2, 1), (3, 4), (1, 7)]
-        .iter()
-        .enumerate()
+/// One [`Affine`] per `(a, b)`, each on a device of its own.
+fn affines(params: &[(i64, i64)]) -> (Runtime, Vec<crate::runtime::ActorRef<Affine>>) {
+    let runtime = Runtime::local(DeviceSpec::cpus(params.len()));
+    let actors = (params.iter().enumerate())
         .map(|(d, p)| {
             runtime
                 .spawn::<Affine>(DeviceSpec::Cpu(d as u32), *p)
@@ -44,6 +42,12 @@ fn a_compiled_chain_equals_its_calls_and_keeps_the_program_out_of_the_loop() {
                 .unwrap()
         })
         .collect();
+    (runtime, actors)
+}
+
+#[test]
+fn a_compiled_chain_equals_its_calls_and_keeps_the_program_out_of_the_loop() {
+    let (runtime, actors) = affines(&[(2, 1), (3, 4), (1, 7)]);
     let mut recorder = Recorder::<i64>::new();
     let mut value = recorder.input();
     for actor in &actors {
@@ -107,16 +111,7 @@ fn a_failing_actor_ends_the_run_with_its_error_and_later_runs_do_not_hang() {
 /// by one, in recording order; a failing actor fails the gathered value with its error.
 #[test]
 fn a_gather_collects_a_fan_out_in_order_and_fails_with_a_failed_call() {
-    let runtime = Runtime::local(DeviceSpec::cpus(3));
-    let params = [(2, 1), (3, 4), (1, -7)];
-    let actors: Vec<_> = (params.iter().enumerate())
-        .map(|(d, p)| {
-            runtime
-                .spawn::<Affine>(DeviceSpec::Cpu(d as u32), *p)
-                .get()
-                .unwrap()
-        })
-        .collect();
+    let (runtime, actors) = affines(&[(2, 1), (3, 4), (1, -7)]);
     let mut recorder = Recorder::<i64>::new();
     let input = recorder.input();
     let replies: Vec<_> = actors.iter().map(|a| recorder.call(a, &input, Apply)).collect();
