@@ -139,11 +139,24 @@ pub trait Kernels: AutodiffBackend {
     fn kernel_causal_attention(qkv: Tensor<Self, 3>, heads: usize) -> Tensor<Self, 3> {
         composed_causal_attention(qkv, heads)
     }
+
+    /// Whether [`linear`] flattens its input's leading dimensions into the rows of one 2-D
+    /// product (else it is burn's `Linear::forward`, a product per batch).
+    fn flattens_linear() -> bool {
+        true
+    }
 }
 
 impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     fn kernel_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         autodiff_matmul::matmul::<C>(lhs, rhs)
+    }
+
+    /// With OpenBLAS one product of `b·t` rows; on Flex's own gemm a product per batch, as
+    /// burn's `Linear` does: gpt-tiny's forward took 0.61–0.65 s flattened against 0.43 s per
+    /// batch (2026-11-26, docs/PERFORMANCE.md).
+    fn flattens_linear() -> bool {
+        active_openblas().is_some()
     }
 
     fn kernel_causal_attention(qkv: Tensor<Self, 3>, heads: usize) -> Tensor<Self, 3> {
@@ -208,8 +221,13 @@ fn composed_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize, causal: bool)
 }
 
 /// `layer.forward(x)` with the backend's matmul: the leading dimensions of `x` are flattened
-/// into the rows of one 2-D product `[rows, d_in] · [d_in, d_out]`, then the bias is added.
+/// into the rows of one 2-D product `[rows, d_in] · [d_in, d_out]`, then the bias is added —
+/// where the backend's kernel gains by it ([`Kernels::flattens_linear`]; burn's `Linear`
+/// otherwise).
 pub fn linear<B: Kernels, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    if !B::flattens_linear() {
+        return layer.forward(x);
+    }
     let mut dims = x.dims();
     let d_in = dims[D - 1];
     let rows = dims[..D - 1].iter().product::<usize>();
