@@ -414,3 +414,63 @@ async fn start_gang(
     let gang = ActorGang::start(&params.job, streams, factories, fabric.clone(), watchdog).await?;
     Ok((gang, fabric))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resources() -> HostResources {
+        HostResources {
+            name: "h1".into(),
+            inbox: Inbox::default(),
+            fabric_addr: "127.0.0.1:1".into(),
+            tcp_addr: "127.0.0.1:2".into(),
+            credentials: Credentials::new("token"),
+            progress: Progress::default(),
+            agent: tokio::runtime::Handle::current(),
+            job: Mutex::new(None),
+            lifecycle: tokio::sync::Mutex::new(()),
+            stopped: Mutex::default(),
+        }
+    }
+
+    fn params(launch: &str) -> PartParams {
+        let program = archipelago_dataflow::Program::new(
+            ModelSpec::parse("mlp:in=8,hidden=16,layers=2,out=3").unwrap(),
+        )
+        .with_plan(archipelago_dataflow::ParallelPlan {
+            batch: 4,
+            ..Default::default()
+        });
+        PartParams {
+            job: "job".into(),
+            launch: launch.into(),
+            plan: archipelago_dataflow::compile(&program).unwrap(),
+            actors: vec![0],
+            peers: vec!["127.0.0.1:9".into()],
+            patience: Duration::from_secs(1),
+            restore: None,
+            data_path: DataPath::Grpc,
+        }
+    }
+
+    /// A launch whose `Stop` came before its `StartPart` (two connections, no order between
+    /// them) is refused, naming the launch; the control: another launch gets past that check
+    /// (it then fails further on, connecting a fabric to a peer that is not there).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_launch_stopped_before_it_started_does_not_start() {
+        let host = resources();
+        host.stop_job(Some("job@7"), "the job ended").await;
+        let refused = host.start(params("job@7")).await.unwrap_err();
+        assert!(
+            refused
+                .message
+                .contains("stopped launch `job@7` before it started"),
+            "{}",
+            refused.message
+        );
+        let other = host.start(params("job@8")).await.unwrap_err();
+        assert!(!other.message.contains("before it started"), "{}", other.message);
+        assert!(host.job.lock().unwrap().is_none());
+    }
+}
