@@ -65,6 +65,32 @@ pub struct PartError {
     pub failure: Option<Box<ActorFailure>>,
 }
 
+impl PartParams {
+    /// Parameters from the network are hostile: every actor named must be one of the plan's,
+    /// each with its own stream, and every actor of the plan must have a peer address.
+    fn check(&self) -> Result<(), JobError> {
+        let n = self.plan.actors.len();
+        if self.peers.len() != n {
+            return Err(JobError::Runtime(format!(
+                "job {}: the host part names {} peer addresses for a plan of {n} actors",
+                self.job,
+                self.peers.len()
+            )));
+        }
+        match self
+            .actors
+            .iter()
+            .find(|&&a| a >= n || self.plan.actors[a].actor != a)
+        {
+            Some(a) => Err(JobError::Runtime(format!(
+                "job {}: the host part names actor {a}, which the plan of {n} actors does not hold at that index",
+                self.job
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
 impl PartError {
     /// Whether it only followed a failure elsewhere (a peer stopped, a host vanished).
     pub fn secondary(&self) -> bool {
@@ -375,6 +401,7 @@ async fn start_gang(
     here: &str,
     credentials: &Credentials,
 ) -> Result<(ActorGang, Arc<dyn Fabric>), JobError> {
+    params.check()?;
     let plan = &params.plan;
     let local = Arc::new(InProcessFabric::new(plan.actors.len(), params.patience));
     inbox.install(Some(local.clone()));
@@ -472,5 +499,23 @@ mod tests {
         let other = host.start(params("job@8")).await.unwrap_err();
         assert!(!other.message.contains("before it started"), "{}", other.message);
         assert!(host.job.lock().unwrap().is_none());
+    }
+
+    /// Parameters naming an actor the plan does not hold, or too few peers, are refused with
+    /// what is wrong (they come from the network), not a panic; well-formed ones pass.
+    #[test]
+    fn hostile_part_parameters_are_refused_before_anything_starts() {
+        assert!(params("job@1").check().is_ok());
+        let mut stranger = params("job@1");
+        stranger.actors = vec![5];
+        let error = stranger.check().unwrap_err().to_string();
+        assert!(error.contains("names actor 5"), "{error}");
+        let mut few = params("job@1");
+        few.peers.clear();
+        let error = few.check().unwrap_err().to_string();
+        assert!(
+            error.contains("0 peer addresses for a plan of 1 actors"),
+            "{error}"
+        );
     }
 }
