@@ -148,12 +148,49 @@ fn dispatch(actors: usize, steps: u64, working: bool) -> anyhow::Result<Value> {
         Ok::<_, crate::JobError>((start_s, times))
     })?;
     let s = median(&mut times);
+    let bound = working.then(|| thread_wakes(actors, steps));
     Ok(json!({
         "name": format!("step_dispatch_{actors}_{}_actors", if working { "working" } else { "noop" }),
+        "bound_thread_wakes_s": bound.map(|b| json!({
+            "what": "the floor for actors on threads of their own, in the same run: one message to each of as many parked OS threads, every answer back on one channel (nothing else done), median",
+            "median_s": b,
+            "step_over_bound": s / b,
+        })),
         "config": { "actors": actors, "steps": steps, "transport": if working { "in-process (runtime-API device actors with one no-op compute instruction each: a device thread each)" } else { "in-process (runtime-API device actors with empty streams: one shared device thread)" } },
         "gang_start_s": start_s,
         "median_step_s": s,
         "steps_per_s": 1.0 / s,
         "load_avg": load_avg(),
     }))
+}
+
+/// The time to wake `threads` parked OS threads with a message each and get every answer back on
+/// one channel: what a step over actors with a thread each cannot go below. Median of `rounds`.
+fn thread_wakes(threads: usize, rounds: u64) -> f64 {
+    let (answers_tx, answers) = std::sync::mpsc::channel::<()>();
+    let senders: Vec<std::sync::mpsc::Sender<()>> = (0..threads)
+        .map(|_| {
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            let answer = answers_tx.clone();
+            std::thread::spawn(move || {
+                while rx.recv().is_ok() {
+                    let _ = answer.send(());
+                }
+            });
+            tx
+        })
+        .collect();
+    let mut times = Vec::new();
+    for _ in 0..rounds {
+        let began = Instant::now();
+        for tx in &senders {
+            let _ = tx.send(());
+        }
+        for _ in 0..threads {
+            let _ = answers.recv();
+        }
+        times.push(began.elapsed().as_secs_f64());
+    }
+    // Dropping the senders ends the threads.
+    median(&mut times)
 }
