@@ -6,6 +6,10 @@ use clap::Parser;
 use archipelago_controller::cli::{self, Cli, Command};
 use archipelago_controller::telemetry::Telemetry;
 
+/// Zeroed buffers are written, not mapped to the kernel's zero page (see `WrittenZeros`).
+#[global_allocator]
+static ALLOCATOR: archipelago_actors::allocator::WrittenZeros = archipelago_actors::allocator::WrittenZeros;
+
 fn main() {
     let cli = Cli::parse();
     // Services log what they do (registrations, refusals, lost hosts); jobs only warnings.

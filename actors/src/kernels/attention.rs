@@ -13,7 +13,7 @@
 //!   `dK = dSᵀ Q` (Vaswani et al. 2017; the softmax gradient as in FlashAttention's backward).
 
 use burn::backend::flex::FlexTensor;
-use burn::tensor::{DType, Shape};
+use burn::tensor::DType;
 
 use super::openblas::{OpenBlas, Operand};
 
@@ -83,8 +83,8 @@ pub(crate) fn forward(
     let Dims { b, t, d, h } = dims;
     let (hd, scale) = (dims.hd(), dims.scale());
     let qkv = slice(qkv);
-    let mut y = FlexTensor::empty(Shape::from(vec![b, t, d]), DType::F32);
-    let mut p = FlexTensor::empty(Shape::from(vec![b, h, t, t]), DType::F32);
+    let mut y = super::flex_blas::zeroed(vec![b, t, d]);
+    let mut p = super::flex_blas::zeroed(vec![b, h, t, t]);
     let (ys, ps): (&mut [f32], &mut [f32]) = (y.storage_mut(), p.storage_mut());
     for seq in 0..b {
         for head in 0..h {
@@ -133,7 +133,7 @@ pub(crate) fn backward(
     let Dims { b, t, d, h } = dims;
     let (hd, scale) = (dims.hd(), dims.scale());
     let (qkv, ps, dys) = (slice(qkv), slice(p), slice(dy));
-    let mut dqkv = FlexTensor::empty(Shape::from(vec![b, t, 3 * d]), DType::F32);
+    let mut dqkv = super::flex_blas::zeroed(vec![b, t, 3 * d]);
     let dq: &mut [f32] = dqkv.storage_mut();
     let mut ds = vec![0.0f32; t * t];
     for seq in 0..b {

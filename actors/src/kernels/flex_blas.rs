@@ -54,18 +54,34 @@ pub fn matmul(blas: &OpenBlas, lhs: &FlexTensor, rhs: &FlexTensor) -> Option<Fle
     let count: usize = batch.iter().product();
     let mut out_shape = batch.clone();
     out_shape.extend([m, n]);
-    let mut out = FlexTensor::empty(Shape::from(out_shape), DType::F32);
     let (a_all, b_all) = (lhs.storage::<f32>(), rhs.storage::<f32>());
-    let c_all: &mut [f32] = out.storage_mut();
+    // Product `i`'s operands: the batch index of `i` (row-major) placed by each side's strides.
     let mut index = vec![0usize; dims - 2];
-    for matrix in 0..count {
-        let a = a_all.get(batch_offset(lhs.layout(), &index)?..)?;
-        let b = b_all.get(batch_offset(rhs.layout(), &index)?..)?;
-        let c = &mut c_all[matrix * m * n..(matrix + 1) * m * n];
-        blas.sgemm((m, n, k), a, a_op, b, b_op, c, n.max(1)).ok()?;
-        next_index(&mut index, &batch);
-    }
-    Some(out)
+    let values = blas
+        .sgemm_batch((m, n, k), count, (a_op, b_op), |i| {
+            if i > 0 {
+                next_index(&mut index, &batch);
+            }
+            let a = a_all.get(batch_offset(lhs.layout(), &index)?..)?;
+            let b = b_all.get(batch_offset(rhs.layout(), &index)?..)?;
+            Some((a, b))
+        })
+        .ok()?;
+    let layout = Layout::contiguous(Shape::from(out_shape));
+    Some(FlexTensor::new(
+        burn::tensor::Bytes::from_elems(values),
+        layout,
+        DType::F32,
+    ))
+}
+
+/// A contiguous f32 tensor of zeros, made from an f32 buffer: `FlexTensor::empty` builds its
+/// bytes from a `Vec<u8>` and then copies them into a 16-byte-aligned buffer (cubecl's `Bytes`
+/// asks for it), a second pass over every output of every product (4 % of a gpt-tiny step).
+pub(crate) fn zeroed(shape: Vec<usize>) -> FlexTensor {
+    let values = vec![0.0f32; shape.iter().product()];
+    let layout = Layout::contiguous(Shape::from(shape));
+    FlexTensor::new(burn::tensor::Bytes::from_elems(values), layout, DType::F32)
 }
 
 /// How OpenBLAS reads a `rows × cols` matrix with these last two strides, if it can: row-major

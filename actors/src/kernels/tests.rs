@@ -1,6 +1,6 @@
 //! OpenBLAS against Flex's own matmul at every layout the models make, gradients included, calls
 //! from several threads at once, and a negative control that shows the comparison catches a
-//! wrong transpose.
+//! wrong transpose; the fused attention and GELU against burn's composed ops, each with its control.
 
 use burn::backend::flex::{Flex, FlexDevice, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
@@ -237,4 +237,30 @@ fn fused_attention_equals_the_composed_one_forward_and_backward() {
     let (y_bad, dqkv_bad) = run(&unmasked);
     assert!(compare("negative control output", y, y_bad).is_err());
     assert!(compare("negative control gradient", dqkv, dqkv_bad).is_err());
+}
+
+#[test]
+fn fused_gelu_equals_burns_forward_and_backward() {
+    let device = FlexDevice;
+    let x = Tensor::<CpuBackend, 3>::random([3, 5, 7], Distribution::Uniform(-4.0, 4.0), &device);
+    let weights = Tensor::<CpuBackend, 3>::random([3, 7, 5], Distribution::Default, &device);
+    let prim = |t: Tensor<burn::backend::Flex, 3>| match t.into_primitive() {
+        TensorPrimitive::Float(t) => t,
+        TensorPrimitive::QFloat(_) => unreachable!("f32"),
+    };
+    // Through a transposed view: the fused GELU reads any layout.
+    let run = |gelu: &dyn Fn(Tensor<CpuBackend, 3>) -> Tensor<CpuBackend, 3>| {
+        let x = x.clone().require_grad();
+        let y = gelu(x.clone().swap_dims(1, 2));
+        let grads = (y.clone() * weights.clone()).sum().backward();
+        (prim(y.inner()), prim(x.grad(&grads).unwrap()))
+    };
+    let (y, dx) = run(&super::gelu);
+    let (y_ref, dx_ref) = run(&burn::tensor::activation::gelu);
+    compare("gelu output", y.clone(), y_ref).unwrap();
+    compare("gelu gradient", dx.clone(), dx_ref).unwrap();
+    // Negative control: the sigmoid approximation of GELU, x·σ(1.702·x).
+    let (y_bad, dx_bad) = run(&|x| x.clone() * burn::tensor::activation::sigmoid(x * 1.702));
+    assert!(compare("negative control output", y, y_bad).is_err());
+    assert!(compare("negative control gradient", dx, dx_bad).is_err());
 }

@@ -6,12 +6,11 @@
 
 use burn::module::Module;
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
 use crate::block::{Activation, BlockModule};
-use crate::kernels::{Kernels, causal_attention, linear};
+use crate::kernels::{Kernels, causal_attention, gelu, linear};
 
 /// Token and learned position embeddings: ids `[b, t]` → `[b, t, d]`.
 #[derive(Module, Debug)]
