@@ -6,9 +6,11 @@ use clap::Parser;
 use archipelago_controller::cli::{self, Cli, Command};
 use archipelago_controller::telemetry::Telemetry;
 
-/// Zeroed buffers are written, not mapped to the kernel's zero page (see `WrittenZeros`).
+/// Zeroed buffers written (no zero-page faults later), large freed buffers kept for the next of
+/// the same size (see `TensorAllocator`).
 #[global_allocator]
-static ALLOCATOR: archipelago_actors::allocator::WrittenZeros = archipelago_actors::allocator::WrittenZeros;
+static ALLOCATOR: archipelago_actors::allocator::TensorAllocator =
+    archipelago_actors::allocator::TensorAllocator;
 
 fn main() {
     let cli = Cli::parse();
