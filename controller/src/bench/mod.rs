@@ -9,6 +9,7 @@ pub mod device;
 mod hang;
 mod offload;
 pub mod parameter_server;
+mod peers;
 mod scale;
 mod soak;
 mod training;
@@ -69,6 +70,11 @@ pub struct BenchArgs {
     /// beside a memcpy, round trips), and stop.
     #[arg(long)]
     pub data_paths_only: bool,
+    /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
+    /// collectives and DDP steps are measured right after ours, in the same window, and their
+    /// figures and our ratios to them land in the JSON (`peers`). Never in CI.
+    #[arg(long, value_name = "PYTHON")]
+    pub peers: Option<PathBuf>,
 }
 
 /// Runs the suite and prints its JSON.
@@ -114,7 +120,18 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     }
     if args.data_paths_only {
         let peer = peer_args(args, reps, DataPath::Shm);
-        let out = json!({ "suite": "data_paths", "data_paths": cross_process::data_paths(&peer)?, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() });
+        let paths = cross_process::data_paths(&peer)?;
+        let peers = args.peers.as_deref().map(|python| {
+            let gloo = peers::gloo(python, peer.bytes, reps);
+            let ours = (paths["shm_2_processes"]["collectives"].as_array())
+                .and_then(|c| c.iter().find(|r| r["name"] == "all_reduce_shm_2_processes"))
+                .and_then(|r| r["algbw_gb_per_s"].as_f64());
+            let ratio = ours
+                .zip(peers::gloo_gb_per_s(&gloo, "all_reduce"))
+                .map(|(o, g)| o / g);
+            json!({ "gloo": gloo, "all_reduce_shm_over_gloo": ratio, "aim": 3.0 })
+        });
+        let out = json!({ "suite": "data_paths", "data_paths": paths, "peers": peers, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
     }
     if args.actor_api_only {
@@ -194,6 +211,20 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
     };
     eprintln!("gpt_tiny: {gpt}");
     eprintln!("zero: {zero}");
+    let peers = args.peers.as_deref().map(|python| {
+        let (warmup, timed) = if args.quick { (2, 5) } else { (warmup, timed) };
+        let torch = peers::torch_training(python, "gpt-tiny,mlp-8x1024", warmup, timed);
+        let gloo = peers::gloo(python, peer.bytes, reps);
+        let mut ratios = peers::throughput_ratios(&training, &torch);
+        if let (Some(all), Some(more)) = (
+            ratios.as_array_mut(),
+            peers::throughput_ratios(&gpt, &torch).as_array(),
+        ) {
+            all.extend(more.iter().cloned());
+        }
+        json!({ "torch_training": torch, "gloo": gloo, "training_ours_over_torch": ratios })
+    });
+    eprintln!("peers: {}", peers.clone().unwrap_or_default());
     let dir = args.nvme_dir.clone().unwrap_or_else(std::env::temp_dir);
     let offload = offload::mlp_offload(warmup, timed, &dir)?;
     eprintln!("offload: {offload}");
@@ -224,6 +255,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "offload": offload,
         "soak": soak,
         "parameter_server": ps,
+        "peers": peers,
         "load_avg_end": load_avg(),
         // VmHWM of this process over the whole suite (every in-process run shares it); the peer
         // process's is under cross_process.*_2_processes.peak_rss_bytes.
