@@ -28,7 +28,9 @@ pub fn keep_tensor_buffers() -> bool {
     static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SET.get_or_init(|| {
         let user_chose = std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("glibc.malloc."));
-        !user_chose && set()
+        let tuned = !user_chose && set();
+        TUNED.store(tuned, std::sync::atomic::Ordering::Release);
+        tuned
     })
 }
 
@@ -59,28 +61,47 @@ fn set() -> bool {
 /// gpt-tiny at dp=2 `perf` put 17 % of the cycles there (`do_wp_page` → `flush_tlb_mm_range`).
 ///
 /// **Freed blocks of [`MMAP_THRESHOLD`] and more are kept** (at most [`CACHED_BLOCKS`] of them,
-/// [`CACHED_BYTES`] in all) for the next allocation of the same size and alignment: glibc maps
+/// [`CACHED_BYTES`] in all; the longest kept go back to the system to make room) for the next
+/// allocation of the same size and alignment: glibc maps
 /// each such block fresh and unmaps it when freed, so every 64 MiB tensor a process receives
 /// or makes paid 16,384 first-touch page faults — two thirds of moving one between processes
 /// (docs/PERFORMANCE.md). A tensor of the same size every step (activations, buckets, received
 /// gradients) lands in warm pages instead, as in PyTorch's caching allocator and Ray's store.
 pub struct TensorAllocator;
 
+/// Whether [`keep_tensor_buffers`] is in force (the heap then serves blocks up to
+/// [`MMAP_THRESHOLD`]; glibc's default maps blocks from 128 KiB on, fresh and zero).
+static TUNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The size from which glibc maps a block of its own (zero already, unmapped when freed).
+fn mapped_from() -> usize {
+    if TUNED.load(std::sync::atomic::Ordering::Acquire) {
+        MMAP_THRESHOLD
+    } else {
+        128 << 10
+    }
+}
+
 /// The most freed large blocks kept.
 pub const CACHED_BLOCKS: usize = 8;
 /// The most bytes kept in freed large blocks.
 pub const CACHED_BYTES: usize = 512 << 20;
 
-/// Freed large blocks: `(size, align, address)`, address 0 for an empty slot.
+/// Freed large blocks: `(size, align, address, when kept)`, address 0 for an empty slot.
 struct BlockCache {
-    blocks: [(usize, usize, usize); CACHED_BLOCKS],
+    blocks: [(usize, usize, usize, u64); CACHED_BLOCKS],
     bytes: usize,
+    kept: u64,
 }
 
 static CACHE: std::sync::Mutex<BlockCache> = std::sync::Mutex::new(BlockCache {
-    blocks: [(0, 0, 0); CACHED_BLOCKS],
+    blocks: [(0, 0, 0, 0); CACHED_BLOCKS],
     bytes: 0,
+    kept: 0,
 });
+
+/// Blocks put out of the cache to make room, to be given back to `System` once it is unlocked.
+type Evicted = [(usize, std::alloc::Layout); CACHED_BLOCKS];
 
 /// The cache, locked (taking the lock never allocates; nothing under it can panic, so a
 /// poisoned lock is used as it is).
@@ -101,17 +122,29 @@ impl BlockCache {
         Some(address as *mut u8)
     }
 
-    /// Keeps a freed block if there is room; whether it was kept.
-    fn keep(&mut self, block: *mut u8, layout: std::alloc::Layout) -> bool {
-        if self.bytes + layout.size() > CACHED_BYTES {
-            return false;
+    /// Keeps a freed block, putting the longest-kept ones out until it fits (into `evicted`,
+    /// count returned); `None` (nothing changed) for a block larger than the whole cache.
+    fn keep(&mut self, block: *mut u8, layout: std::alloc::Layout, evicted: &mut Evicted) -> Option<usize> {
+        if layout.size() > CACHED_BYTES {
+            return None;
         }
-        let Some(slot) = self.blocks.iter_mut().find(|b| b.2 == 0) else {
-            return false;
-        };
-        *slot = (layout.size(), layout.align(), block as usize);
+        let mut count = 0;
+        while self.bytes + layout.size() > CACHED_BYTES || self.blocks.iter().all(|b| b.2 != 0) {
+            let oldest = (self.blocks.iter_mut())
+                .filter(|b| b.2 != 0)
+                .min_by_key(|b| b.3)
+                .expect("a full cache has a kept block");
+            let (size, align, address, _) = std::mem::take(oldest);
+            self.bytes -= size;
+            let layout = std::alloc::Layout::from_size_align(size, align).expect("a kept block's layout");
+            evicted[count] = (address, layout);
+            count += 1;
+        }
+        let slot = self.blocks.iter_mut().find(|b| b.2 == 0).expect("room was made");
+        self.kept += 1;
+        *slot = (layout.size(), layout.align(), block as usize, self.kept);
         self.bytes += layout.size();
-        true
+        Some(count)
     }
 }
 
@@ -119,8 +152,8 @@ impl BlockCache {
 // holds only blocks freed with their layout and hands one out again only for that same size
 // and alignment (so `dealloc`/`realloc` later pass `System` the layout the block was made with).
 // A kept block is owned by the cache alone — its address is in one slot, cleared when handed
-// out — so no block is handed out twice. Kept blocks are never given back (they live for the
-// process, a bounded amount). `alloc_zeroed` writes `layout.size()` zeros into a block it owns
+// out or put out to make room (and then given back to `System` once, with its layout) — so no
+// block is handed out or freed twice. `alloc_zeroed` writes `layout.size()` zeros into a block it owns
 // before returning it.
 unsafe impl std::alloc::GlobalAlloc for TensorAllocator {
     unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
@@ -134,8 +167,16 @@ unsafe impl std::alloc::GlobalAlloc for TensorAllocator {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
-        if layout.size() >= MMAP_THRESHOLD && cache().keep(ptr, layout) {
-            return;
+        if layout.size() >= MMAP_THRESHOLD {
+            let mut evicted: Evicted = [(0, std::alloc::Layout::new::<u8>()); CACHED_BLOCKS];
+            let kept = cache().keep(ptr, layout, &mut evicted);
+            if let Some(count) = kept {
+                for (address, layout) in &evicted[..count] {
+                    // SAFETY: a block the cache owned (see the impl's comment), freed once.
+                    unsafe { std::alloc::System.dealloc(*address as *mut u8, *layout) };
+                }
+                return;
+            }
         }
         // SAFETY: `ptr` came from `System` with this layout (every block of this allocator does).
         unsafe { std::alloc::System.dealloc(ptr, layout) }
@@ -153,8 +194,10 @@ unsafe impl std::alloc::GlobalAlloc for TensorAllocator {
         } else {
             None
         };
-        // A large block not kept: a fresh mapping, zero already, given back whole when freed.
-        if kept.is_none() && layout.size() >= MMAP_THRESHOLD {
+        // A block glibc maps of its own: a fresh mapping, zero already (never read as the zero
+        // page after it is freed: it is unmapped then, or kept by the cache and written before
+        // it is handed out again).
+        if kept.is_none() && layout.size() >= mapped_from() {
             // SAFETY: forwarded with the caller's guarantees.
             return unsafe { std::alloc::System.alloc_zeroed(layout) };
         }
@@ -223,5 +266,44 @@ mod tests {
             TensorAllocator.dealloc(again, layout);
             TensorAllocator.dealloc(second, other);
         }
+    }
+
+    #[test]
+    fn a_full_cache_puts_out_its_longest_kept_blocks() {
+        use super::{BlockCache, CACHED_BLOCKS, CACHED_BYTES, Evicted, MMAP_THRESHOLD};
+        use std::alloc::Layout;
+        // A cache of its own, with made-up addresses (it never touches the memory).
+        let mut cache = BlockCache {
+            blocks: [(0, 0, 0, 0); CACHED_BLOCKS],
+            bytes: 0,
+            kept: 0,
+        };
+        let mut evicted: Evicted = [(0, Layout::new::<u8>()); CACHED_BLOCKS];
+        let layout = |extra: usize| Layout::from_size_align(MMAP_THRESHOLD + extra, 64).unwrap();
+        for i in 0..CACHED_BLOCKS {
+            assert_eq!(
+                cache.keep((0x1000 * (i + 1)) as *mut u8, layout(i), &mut evicted),
+                Some(0)
+            );
+        }
+        // Full by count: the first kept goes.
+        assert_eq!(
+            cache.keep(0x9_0000 as *mut u8, layout(100), &mut evicted),
+            Some(1)
+        );
+        assert_eq!(evicted[0], (0x1000, layout(0)));
+        assert_eq!(cache.take(layout(0)), None);
+        assert_eq!(cache.take(layout(1)), Some(0x2000 as *mut u8));
+        // Full by bytes: a block of nearly the whole cache puts out all the others.
+        let big = Layout::from_size_align(CACHED_BYTES - MMAP_THRESHOLD, 64).unwrap();
+        assert_eq!(
+            cache.keep(0xA_0000 as *mut u8, big, &mut evicted),
+            Some(CACHED_BLOCKS - 1)
+        );
+        assert!(cache.bytes <= CACHED_BYTES);
+        // Larger than the whole cache: not kept, nothing put out.
+        let huge = Layout::from_size_align(CACHED_BYTES + 1, 64).unwrap();
+        assert_eq!(cache.keep(0xB_0000 as *mut u8, huge, &mut evicted), None);
+        assert_eq!(cache.take(big), Some(0xA_0000 as *mut u8));
     }
 }

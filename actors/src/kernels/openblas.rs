@@ -169,14 +169,45 @@ fn adopt(library: libloading::Library) -> Result<OpenBlas, String> {
         unsafe { set_threads(1) };
     }
     let core = corename.map(text).unwrap_or_default();
-    Ok(OpenBlas {
+    let blas = OpenBlas {
         _library: library,
         sgemm,
         description: format!("{config_text} ({core})"),
-    })
+    };
+    blas.overwrites_c()?;
+    Ok(blas)
 }
 
 impl OpenBlas {
+    /// Checks that this build writes `c` with β = 0 without reading it — what
+    /// [`OpenBlas::sgemm_batch`] counts on when it hands OpenBLAS memory nothing zeroed (older
+    /// OpenBLAS kernels computed `β·c`, which lets a NaN left in reused memory through): products
+    /// at the small-matrix and the blocked paths, into a `c` full of NaNs, must come out exact.
+    fn overwrites_c(&self) -> Result<(), String> {
+        let plain = |ld| Operand {
+            transposed: false,
+            ld,
+        };
+        for (m, n, k) in [(1, 1, 1), (3, 5, 2), (7, 9, 13), (64, 48, 40), (130, 70, 96)] {
+            let a: Vec<f32> = (0..m * k).map(|i| (i % 7) as f32 - 3.0).collect();
+            let b: Vec<f32> = (0..k * n).map(|i| (i % 5) as f32 - 2.0).collect();
+            let mut c = vec![f32::NAN; m * n];
+            self.sgemm((m, n, k), &a, plain(k), &b, plain(n), &mut c, n)?;
+            for (i, got) in c.iter().enumerate() {
+                let (row, col) = (i / n, i % n);
+                let want: f32 = (0..k).map(|p| a[row * k + p] * b[p * n + col]).sum();
+                if *got != want {
+                    return Err(format!(
+                        "{}: a {m}×{k}·{k}×{n} product into memory holding NaNs gave {got} at ({row}, {col}) instead of {want} (this build reads C with β = 0); use another OpenBLAS, or {} = flex",
+                        self.description,
+                        super::CPU_MATMUL_ENV
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// `c[m×n] = a[m×k] · b[k×n]` (overwriting `c`), each matrix read from the start of its slice
     /// as `Operand` says; `c` is row-major with rows `ldc` apart. Every matrix is checked to lie
     /// inside its slice and every size to fit a C `int` before OpenBLAS is called.

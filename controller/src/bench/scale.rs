@@ -168,18 +168,18 @@ fn dispatch(actors: usize, steps: u64, working: bool) -> anyhow::Result<Value> {
 /// one channel: what a step over actors with a thread each cannot go below. Median of `rounds`.
 fn thread_wakes(threads: usize, rounds: u64) -> f64 {
     let (answers_tx, answers) = std::sync::mpsc::channel::<()>();
-    let senders: Vec<std::sync::mpsc::Sender<()>> = (0..threads)
+    let (senders, threads_spawned): (Vec<std::sync::mpsc::Sender<()>>, Vec<_>) = (0..threads)
         .map(|_| {
             let (tx, rx) = std::sync::mpsc::channel::<()>();
             let answer = answers_tx.clone();
-            std::thread::spawn(move || {
+            let thread = std::thread::spawn(move || {
                 while rx.recv().is_ok() {
                     let _ = answer.send(());
                 }
             });
-            tx
+            (tx, thread)
         })
-        .collect();
+        .unzip();
     let mut times = Vec::new();
     for _ in 0..rounds {
         let began = Instant::now();
@@ -191,6 +191,10 @@ fn thread_wakes(threads: usize, rounds: u64) -> f64 {
         }
         times.push(began.elapsed().as_secs_f64());
     }
-    // Dropping the senders ends the threads.
+    // Dropping the senders ends the threads; they are joined before the next figure is taken.
+    drop(senders);
+    for thread in threads_spawned {
+        let _ = thread.join();
+    }
     median(&mut times)
 }
