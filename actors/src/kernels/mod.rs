@@ -9,7 +9,8 @@
 //! [`causal_attention`] is one graph node on `Autodiff<Flex>` with OpenBLAS (`attention.rs`: each
 //! head's products read and written where the heads lie, no head-split copies, one softmax pass
 //! per row) and burn's composed ops elsewhere ([`composed_causal_attention`], its reference).
-//! [`gelu`] is one vectorised node on `Autodiff<Flex>` (forward and derivative in one pass).
+//! [`gelu`] is one vectorised node on `Autodiff<Flex>` (forward and derivative in one pass), and
+//! [`layer_norm`] one node (burn composes it of nine).
 //!
 //! Which library does the work is the process's choice, `ARCHIPELAGO_CPU_MATMUL`:
 //! `auto` (the default: OpenBLAS where a thread-safe build loads, Flex's gemm otherwise),
@@ -21,6 +22,7 @@ mod autodiff_attention;
 mod autodiff_matmul;
 mod flex_blas;
 mod gelu;
+mod layer_norm;
 pub mod openblas;
 #[cfg(test)]
 mod tests;
@@ -152,6 +154,16 @@ pub trait Kernels: AutodiffBackend {
     fn kernel_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         <Self as burn::tensor::ops::ActivationOps<Self>>::gelu(x)
     }
+
+    /// LayerNorm over the last dimension (see [`layer_norm`]).
+    fn kernel_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ModuleOps<Self>>::layer_norm(x, gamma, beta, epsilon)
+    }
 }
 
 impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
@@ -174,6 +186,19 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         } else {
             <Self as burn::tensor::ops::ActivationOps<Self>>::gelu(x)
         }
+    }
+
+    /// One node (`layer_norm.rs`) where there is a β and everything is f32; burn's otherwise.
+    fn kernel_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        let fused = (beta.as_ref()).and_then(|beta| layer_norm::layer_norm::<C>(&x, &gamma, beta, epsilon));
+        fused.unwrap_or_else(|| {
+            <Self as burn::tensor::ops::ModuleOps<Self>>::layer_norm(x, gamma, beta, epsilon)
+        })
     }
 
     fn kernel_causal_attention(qkv: Tensor<Self, 3>, heads: usize) -> Tensor<Self, 3> {
@@ -204,6 +229,21 @@ pub fn gelu<B: Kernels, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(B::kernel_gelu(
         x.into_primitive().tensor(),
     )))
+}
+
+/// `layer` (burn's `LayerNorm`, made with `epsilon`) applied to `x` with the backend's kernel: on
+/// `Autodiff<Flex>` one graph node (two passes forward, one backward, per row); burn's
+/// composition of nine ops elsewhere. burn keeps a `LayerNorm`'s epsilon private, so the caller
+/// passes the one it configured.
+pub fn layer_norm<B: Kernels, const D: usize>(
+    layer: &burn::nn::LayerNorm<B>,
+    x: Tensor<B, D>,
+    epsilon: f64,
+) -> Tensor<B, D> {
+    let gamma = layer.gamma.val().into_primitive().tensor();
+    let beta = layer.beta.as_ref().map(|b| b.val().into_primitive().tensor());
+    let y = B::kernel_layer_norm(x.into_primitive().tensor(), gamma, beta, epsilon);
+    Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 
 /// Causal multi-head self-attention (GPT-2's) from the fused projection `qkv` `[b, t, 3d]`:

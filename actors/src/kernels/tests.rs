@@ -1,6 +1,7 @@
 //! OpenBLAS against Flex's own matmul at every layout the models make, gradients included, calls
 //! from several threads at once, and a negative control that shows the comparison catches a
-//! wrong transpose; the fused attention and GELU against burn's composed ops, each with its control.
+//! wrong transpose; the fused attention, GELU and LayerNorm against burn's composed ops, each with its
+//! control.
 
 use burn::backend::flex::{Flex, FlexDevice, FlexTensor};
 use burn::tensor::ops::FloatTensorOps;
@@ -263,4 +264,60 @@ fn fused_gelu_equals_burns_forward_and_backward() {
     let (y_bad, dx_bad) = run(&|x| x.clone() * burn::tensor::activation::sigmoid(x * 1.702));
     assert!(compare("negative control output", y, y_bad).is_err());
     assert!(compare("negative control gradient", dx, dx_bad).is_err());
+}
+
+#[test]
+fn fused_layer_norm_equals_burns_forward_and_all_three_gradients() {
+    use burn::module::Param;
+    use burn::nn::LayerNormConfig;
+    let device = FlexDevice;
+    let (b, t, d) = (3, 5, 16);
+    let x = Tensor::<CpuBackend, 3>::random([b, t, d], Distribution::Uniform(-3.0, 5.0), &device);
+    let weights = Tensor::<CpuBackend, 3>::random([b, t, d], Distribution::Default, &device);
+    let mut layer = LayerNormConfig::new(d).init::<CpuBackend>(&device);
+    // Not the initial ones and zeros: γ and β must matter for the gradients to be checked.
+    layer.gamma = Param::from_tensor(Tensor::random([d], Distribution::Uniform(0.5, 1.5), &device));
+    layer.beta = Some(Param::from_tensor(Tensor::random(
+        [d],
+        Distribution::Uniform(-0.5, 0.5),
+        &device,
+    )));
+    let prim = |t: Tensor<burn::backend::Flex, 3>| match t.into_primitive() {
+        TensorPrimitive::Float(t) => t,
+        TensorPrimitive::QFloat(_) => unreachable!("f32"),
+    };
+    let prim1 = |t: Tensor<burn::backend::Flex, 1>| match t.into_primitive() {
+        TensorPrimitive::Float(t) => t,
+        TensorPrimitive::QFloat(_) => unreachable!("f32"),
+    };
+    type Norm<'a> =
+        &'a dyn Fn(&burn::nn::LayerNorm<CpuBackend>, Tensor<CpuBackend, 3>) -> Tensor<CpuBackend, 3>;
+    let run = |norm: Norm| {
+        let x = x.clone().require_grad();
+        let y = norm(&layer, x.clone());
+        let grads = (y.clone() * weights.clone()).sum().backward();
+        let gamma = layer.gamma.val().grad(&grads).unwrap();
+        let beta = layer.beta.as_ref().unwrap().val().grad(&grads).unwrap();
+        (
+            prim(y.inner()),
+            prim(x.grad(&grads).unwrap()),
+            prim1(gamma),
+            prim1(beta),
+        )
+    };
+    let (y, dx, dg, db) = run(&|l, x| super::layer_norm(l, x, 1e-5));
+    let (y_ref, dx_ref, dg_ref, db_ref) = run(&|l, x| l.forward(x));
+    compare("layer norm output", y.clone(), y_ref).unwrap();
+    compare("x gradient", dx.clone(), dx_ref).unwrap();
+    compare("gamma gradient", dg.clone(), dg_ref).unwrap();
+    compare("beta gradient", db, db_ref).unwrap();
+    // Negative control: a norm that does not centre its rows (x / rms · γ + β, RMSNorm's form).
+    let rms = |l: &burn::nn::LayerNorm<CpuBackend>, x: Tensor<CpuBackend, 3>| {
+        let scale = (x.clone() * x.clone()).mean_dim(2).add_scalar(1e-5).sqrt();
+        x / scale * l.gamma.val().reshape([1, 1, d]) + l.beta.as_ref().unwrap().val().reshape([1, 1, d])
+    };
+    let (y_bad, dx_bad, dg_bad, _) = run(&rms);
+    assert!(compare("negative control output", y, y_bad).is_err());
+    assert!(compare("negative control x gradient", dx, dx_bad).is_err());
+    assert!(compare("negative control gamma gradient", dg, dg_bad).is_err());
 }

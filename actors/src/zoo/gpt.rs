@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
 use crate::block::{Activation, BlockModule};
-use crate::kernels::{Kernels, causal_attention, gelu, linear};
+use crate::kernels::{Kernels, causal_attention, gelu, layer_norm, linear};
 
 /// Token and learned position embeddings: ids `[b, t]` → `[b, t, d]`.
 #[derive(Module, Debug)]
@@ -46,6 +46,9 @@ impl<B: Kernels> BlockModule<B> for GptEmbedding<B> {
     }
 }
 
+/// The epsilon of every LayerNorm (burn's and PyTorch's default).
+const LN_EPSILON: f64 = 1e-5;
+
 /// One pre-LayerNorm transformer layer with causal self-attention.
 #[derive(Module, Debug)]
 pub struct TransformerLayer<B: Backend> {
@@ -69,14 +72,14 @@ impl<B: Backend> TransformerLayer<B> {
     /// A layer of width `d` with `heads` heads.
     pub fn new(d: usize, heads: usize, device: &B::Device) -> Self {
         TransformerLayer {
-            ln1: LayerNormConfig::new(d).init(device),
+            ln1: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
             qkv: LinearConfig::new(d, 3 * d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
             proj: LinearConfig::new(d, d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
-            ln2: LayerNormConfig::new(d).init(device),
+            ln2: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
             fc1: LinearConfig::new(d, 4 * d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
@@ -100,8 +103,11 @@ impl<B: Kernels> BlockModule<B> for TransformerLayer<B> {
         let Activation::Seq(x) = x else {
             panic!("TransformerLayer takes a sequence")
         };
-        let x = x.clone() + self.attention(self.ln1.forward(x));
-        let mlp = linear(&self.fc2, gelu(linear(&self.fc1, self.ln2.forward(x.clone()))));
+        let x = x.clone() + self.attention(layer_norm(&self.ln1, x, LN_EPSILON));
+        let mlp = linear(
+            &self.fc2,
+            gelu(linear(&self.fc1, layer_norm(&self.ln2, x.clone(), LN_EPSILON))),
+        );
         Activation::Seq(x + mlp)
     }
 }
@@ -119,7 +125,7 @@ impl<B: Backend> GptHead<B> {
     /// A head of width `d` over `vocab` tokens.
     pub fn new(d: usize, vocab: usize, device: &B::Device) -> Self {
         GptHead {
-            ln_f: LayerNormConfig::new(d).init(device),
+            ln_f: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
             head: LinearConfig::new(d, vocab)
                 .with_initializer(Initializer::Zeros)
                 .with_bias(false)
@@ -133,7 +139,7 @@ impl<B: Kernels> BlockModule<B> for GptHead<B> {
         let Activation::Seq(x) = x else {
             panic!("GptHead takes a sequence")
         };
-        Activation::Seq(linear(&self.head, self.ln_f.forward(x)))
+        Activation::Seq(linear(&self.head, layer_norm(&self.ln_f, x, LN_EPSILON)))
     }
 }
 
