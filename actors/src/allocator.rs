@@ -85,7 +85,7 @@ fn mapped_from() -> usize {
 /// The most freed large blocks kept.
 pub const CACHED_BLOCKS: usize = 8;
 /// The most bytes kept in freed large blocks.
-pub const CACHED_BYTES: usize = 512 << 20;
+pub const CACHED_BYTES: usize = 256 << 20;
 
 /// Freed large blocks: `(size, align, address, when kept)`, address 0 for an empty slot.
 struct BlockCache {
@@ -270,7 +270,7 @@ mod tests {
 
     #[test]
     fn a_full_cache_puts_out_its_longest_kept_blocks() {
-        use super::{BlockCache, CACHED_BLOCKS, CACHED_BYTES, Evicted, MMAP_THRESHOLD};
+        use super::{BlockCache, CACHED_BLOCKS, CACHED_BYTES, Evicted};
         use std::alloc::Layout;
         // A cache of its own, with made-up addresses (it never touches the memory).
         let mut cache = BlockCache {
@@ -279,7 +279,8 @@ mod tests {
             kept: 0,
         };
         let mut evicted: Evicted = [(0, Layout::new::<u8>()); CACHED_BLOCKS];
-        let layout = |extra: usize| Layout::from_size_align(MMAP_THRESHOLD + extra, 64).unwrap();
+        // Blocks of just over 1 MiB: eight fit by bytes, the ninth is one too many by count.
+        let layout = |extra: usize| Layout::from_size_align((1 << 20) + extra, 64).unwrap();
         for i in 0..CACHED_BLOCKS {
             assert_eq!(
                 cache.keep((0x1000 * (i + 1)) as *mut u8, layout(i), &mut evicted),
@@ -295,7 +296,7 @@ mod tests {
         assert_eq!(cache.take(layout(0)), None);
         assert_eq!(cache.take(layout(1)), Some(0x2000 as *mut u8));
         // Full by bytes: a block of nearly the whole cache puts out all the others.
-        let big = Layout::from_size_align(CACHED_BYTES - MMAP_THRESHOLD, 64).unwrap();
+        let big = Layout::from_size_align(CACHED_BYTES - (1 << 20), 64).unwrap();
         assert_eq!(
             cache.keep(0xA_0000 as *mut u8, big, &mut evicted),
             Some(CACHED_BLOCKS - 1)
