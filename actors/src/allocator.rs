@@ -52,8 +52,9 @@ fn set() -> bool {
 /// The `archipelago` binary's `#[global_allocator]` (a library cannot register one: a program has
 /// one): the system allocator, with two changes for tensor work.
 ///
-/// **Zeroed blocks below [`MMAP_THRESHOLD`] are written with zeros**, not taken as the kernel's
-/// zero pages. glibc's `calloc` does not touch fresh heap memory (it is zero already). A buffer
+/// **Zeroed blocks are written with zeros**, not taken as the kernel's zero pages, except those
+/// glibc maps of its own and unmaps when freed (from 128 KiB to [`MMAP_THRESHOLD`] where
+/// [`keep_tensor_buffers`] is not in force). glibc's `calloc` does not touch fresh heap memory (it is zero already). A buffer
 /// made with `vec![0.0; n]` and read before it is written — Flex's `zeros`, an optimizer's first
 /// moments — then maps the kernel's shared zero page, read-only; the page stays so after the
 /// buffer is freed, and the next buffer the heap puts there (any op's output) faults on its first
@@ -189,22 +190,20 @@ unsafe impl std::alloc::GlobalAlloc for TensorAllocator {
     }
 
     unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
-        let kept = if layout.size() >= MMAP_THRESHOLD {
-            cache().take(layout)
-        } else {
-            None
-        };
-        // A block glibc maps of its own: a fresh mapping, zero already (never read as the zero
-        // page after it is freed: it is unmapped then, or kept by the cache and written before
-        // it is handed out again).
-        if kept.is_none() && layout.size() >= mapped_from() {
+        let kept_when_freed = layout.size() >= MMAP_THRESHOLD;
+        if !kept_when_freed && layout.size() >= mapped_from() {
+            // A block glibc maps of its own: zero already, and unmapped when freed (its zero
+            // pages go with it).
             // SAFETY: forwarded with the caller's guarantees.
             return unsafe { std::alloc::System.alloc_zeroed(layout) };
         }
         // SAFETY: a block of `layout.size()` bytes this allocator owns when non-null (see the
-        // impl's comment).
+        // impl's comment): from the heap, or one the cache keeps (or will keep) when freed.
         unsafe {
-            let block = kept.unwrap_or_else(|| std::alloc::System.alloc(layout));
+            let block = kept_when_freed
+                .then(|| cache().take(layout))
+                .flatten()
+                .unwrap_or_else(|| std::alloc::System.alloc(layout));
             if !block.is_null() {
                 std::ptr::write_bytes(block, 0, layout.size());
             }

@@ -4,14 +4,13 @@
 //! non-contiguous or oddly shaped `qkv`) [`applies`] says no and the caller composes the attention
 //! from burn's ops.
 
-use burn::backend::Autodiff;
+use super::Tracked;
 use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::{Flex, FlexTensor};
-use burn::tensor::ops::FloatTensor;
 
 use super::attention::{self, Dims};
 use super::{active_openblas, openblas};
@@ -38,9 +37,6 @@ impl Backward<Flex, 1> for FusedAttention {
         });
     }
 }
-
-/// A tensor of `Autodiff<Flex, C>`'s graph.
-type Tracked<C> = FloatTensor<Autodiff<Flex, C>>;
 
 /// OpenBLAS and the sizes, where the fused attention applies to `qkv` with `heads` heads: OpenBLAS
 /// in force and a contiguous f32 `[b, t, 3d]` with `d` a multiple of `heads`.

@@ -10,13 +10,13 @@
 //! (SSE2) elsewhere.
 #![allow(unsafe_code)]
 
-use burn::backend::Autodiff;
+use super::Tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::backend::flex::{Flex, FlexTensor};
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::ops::FloatTensorOps;
 
 /// `exp(u)` for `u ≤ 0`; 0 below −80 (where it is under 2·10⁻³⁵).
 #[inline(always)]
@@ -84,9 +84,6 @@ impl Backward<Flex, 1> for Gelu {
     }
 }
 
-/// A tensor of `Autodiff<Flex, C>`'s graph.
-type Tracked<C> = FloatTensor<Autodiff<Flex, C>>;
-
 /// GELU of `x` (f32) as one autodiff node.
 pub(crate) fn gelu<C: CheckpointStrategy>(x: Tracked<C>) -> Tracked<C> {
     let input = x.primitive.to_contiguous();
@@ -106,9 +103,8 @@ pub(crate) fn gelu<C: CheckpointStrategy>(x: Tracked<C>) -> Tracked<C> {
 mod tests {
     use super::*;
 
-    /// erf by its Taylor series / continued fraction in f64 (the reference).
+    /// GELU and its derivative in f64, Φ integrated by Simpson's rule (the reference).
     fn gelu_f64(x: f64) -> (f64, f64) {
-        // Φ via erfc's series for moderate |x|: libm's f64 erf is not in std; integrate instead.
         let phi = |x: f64| (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
         // Φ(x) = 0.5 + ∫₀ˣ φ, by Simpson's rule with 2000 intervals (error ≪ 1e-9 here).
         let n = 2000;

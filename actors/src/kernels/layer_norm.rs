@@ -5,18 +5,14 @@
 //! burn composes LayerNorm of nine tensor ops (mean, subtract, square, mean, add, sqrt, divide,
 //! scale, shift), each a graph node with its own buffers forward and backward.
 
-use burn::backend::Autodiff;
+use super::Tracked;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::{Flex, FlexTensor};
-use burn::tensor::ops::FloatTensor;
 
 use super::flex_blas::zeroed;
-
-/// A tensor of `Autodiff<Flex, C>`'s graph.
-type Tracked<C> = FloatTensor<Autodiff<Flex, C>>;
 
 /// `y = x̂·γ + β` per row of `x` (rows of `gamma.len()`), with `x̂` and `1/σ` per row.
 fn forward(

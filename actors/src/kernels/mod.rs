@@ -41,6 +41,9 @@ use burn::tensor::{Bool, Tensor, TensorPrimitive};
 
 use openblas::OpenBlas;
 
+/// A tensor of `Autodiff<Flex, C>`'s graph (what the fused nodes take and make).
+pub(crate) type Tracked<C> = FloatTensor<Autodiff<Flex, C>>;
+
 /// The environment variable that picks the CPU matmul of a process (and of the host processes it
 /// starts, which inherit it).
 pub const CPU_MATMUL_ENV: &str = "ARCHIPELAGO_CPU_MATMUL";

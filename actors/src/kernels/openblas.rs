@@ -242,7 +242,7 @@ impl OpenBlas {
         let total = block.checked_mul(count).ok_or("count·m·n overflows")?;
         let mut out = Vec::<f32>::with_capacity(total);
         let spare = &mut out.spare_capacity_mut()[..total];
-        for (i, c) in spare.chunks_exact_mut(block.max(1)).enumerate().take(count) {
+        for (i, c) in spare.chunks_exact_mut(block.max(1)).enumerate() {
             let (a, b) =
                 operands(i).ok_or_else(|| format!("product {i}'s operands are outside their tensors"))?;
             self.sgemm_uninit((m, n, k), a, a_layout, b, b_layout, c, n.max(1))?;

@@ -59,7 +59,7 @@ pub fn gloo_gb_per_s(gloo: &Value, collective: &str) -> Option<f64> {
 pub fn torch_training(python: &Path, models: &str, warmup: u64, timed: u64) -> Value {
     let runs: Vec<Value> = [1, 2]
         .iter()
-        .map(|dp| {
+        .flat_map(|dp| {
             let args = [
                 "--device=cpu".to_string(),
                 "--threads=1".to_string(),
@@ -68,15 +68,9 @@ pub fn torch_training(python: &Path, models: &str, warmup: u64, timed: u64) -> V
                 format!("--warmup={warmup}"),
                 format!("--timed={timed}"),
             ];
-            match run_script(python, "torch_reference.py", &args) {
-                Ok(lines) => Value::Array(lines),
-                Err(why) => json!([{ "dp": dp, "error": why }]),
-            }
+            run_script(python, "torch_reference.py", &args)
+                .unwrap_or_else(|why| vec![json!({ "dp": dp, "error": why })])
         })
-        .collect();
-    let runs: Vec<Value> = runs
-        .into_iter()
-        .flat_map(|r| r.as_array().cloned().unwrap_or_default())
         .collect();
     json!({ "system": "PyTorch (one intra-op thread per rank; dp=2 is DDP over gloo)", "runs": runs })
 }
