@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use archipelago_dataflow::{ActorId, DeviceSpec, Instruction};
 
 use crate::error::ActorFailure;
-use crate::executor::{Computation, Executor, StepReport};
+use crate::executor::{Computation, Executor, HeldParams, StepReport};
 use crate::fabric::Fabric;
 use crate::progress::ActorProgress;
 use crate::runtime::{Actor, Context, Handler, Message};
@@ -130,16 +130,16 @@ impl Handler<BlockSquares> for DeviceActor {
     }
 }
 
-/// A copy of the parameters of each block held, by block index (tests and debugging; copies
-/// the bytes).
+/// A copy of every parameter this actor holds, whole blocks or ZeRO-3 shards (the equivalence
+/// tests' replica check; copies the bytes).
 pub struct BlockParams;
 
 impl Message for BlockParams {
-    type Reply = Vec<(usize, Vec<f32>)>;
+    type Reply = Vec<HeldParams>;
 }
 
 impl Handler<BlockParams> for DeviceActor {
-    async fn handle(&mut self, _: BlockParams, _ctx: &Context<Self>) -> Vec<(usize, Vec<f32>)> {
+    async fn handle(&mut self, _: BlockParams, _ctx: &Context<Self>) -> Vec<HeldParams> {
         self.executor.block_params()
     }
 }

@@ -95,8 +95,9 @@ pub trait Computation: Send {
     }
     /// Called after the last instruction of a step.
     fn finish_step(&mut self) -> StepMetrics;
-    /// The parameters of each block this actor holds, by block index (training only).
-    fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
+    /// A copy of every parameter this actor holds (training only): whole blocks where it holds
+    /// them replicated, the owned parts of blocks where it holds only shards (ZeRO-3).
+    fn block_params(&self) -> Vec<HeldParams> {
         Vec::new()
     }
     /// This actor's share of the trainable state for a checkpoint; `None` when another actor
@@ -113,9 +114,27 @@ pub trait Computation: Send {
     fn block_squares(&self) -> Vec<(usize, f64)> {
         self.block_params()
             .iter()
-            .map(|(i, p)| (*i, p.iter().map(|&x| (x as f64) * (x as f64)).sum()))
+            .map(|held| {
+                (
+                    held.block,
+                    held.values.iter().map(|&x| (x as f64) * (x as f64)).sum(),
+                )
+            })
             .collect()
     }
+}
+
+/// A copy of a part of one block's parameters as one actor holds it: the whole block
+/// (`range` = `0..len`) where the actor holds it replicated, its owned shard under ZeRO-3. The
+/// equivalence tests put a job's parts together and check that every copy of an element agrees.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HeldParams {
+    /// The block's index in the model.
+    pub block: usize,
+    /// Which of the block's flat parameters these are (declaration order).
+    pub range: std::ops::Range<usize>,
+    /// Their values.
+    pub values: Vec<f32>,
 }
 
 /// Time spent in one instruction.
@@ -195,8 +214,8 @@ impl Executor {
         self
     }
 
-    /// The computation's block parameters.
-    pub fn block_params(&mut self) -> Vec<(usize, Vec<f32>)> {
+    /// A copy of the parameters the computation holds (see [`Computation::block_params`]).
+    pub fn block_params(&mut self) -> Vec<HeldParams> {
         self.computation.sync_host();
         self.computation.block_params()
     }

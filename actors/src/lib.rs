@@ -40,6 +40,8 @@ pub mod kernels;
 pub mod offload;
 pub mod optim;
 pub mod peak;
+#[doc(hidden)]
+pub mod prerequisite;
 pub mod progress;
 pub mod proto;
 pub mod ps;

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use archipelago_actors::ActorFailure;
 use archipelago_actors::checkpoint::ShardFile;
 use archipelago_actors::device_actor::{
-    BlockSquares, ComputationFactory, DeviceActor, DeviceActorParams, RunStep, SaveCheckpoint,
+    BlockParams, BlockSquares, ComputationFactory, DeviceActor, DeviceActorParams, RunStep, SaveCheckpoint,
 };
-use archipelago_actors::executor::StepReport;
+use archipelago_actors::executor::{HeldParams, StepReport};
 use archipelago_actors::fabric::Fabric;
 use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::runtime::compiled::{CompiledProgram, Recorder};
@@ -348,6 +348,18 @@ impl Gang for ActorGang {
         for (actor, (id, ..)) in self.actors.iter().zip(&self.ids) {
             let squares = actor.call(BlockSquares).timeout(self.watchdog).await;
             all.extend(squares.map_err(|e| JobError::Runtime(format!("actor {id} did not answer: {e}")))?);
+        }
+        Ok(all)
+    }
+
+    async fn held_params(&mut self) -> Result<Vec<(ActorId, Vec<HeldParams>)>, JobError> {
+        let mut all = Vec::new();
+        for (actor, (id, ..)) in self.actors.iter().zip(&self.ids) {
+            let held = actor.call(BlockParams).timeout(self.watchdog).await;
+            all.push((
+                *id,
+                held.map_err(|e| JobError::Runtime(format!("actor {id} did not answer: {e}")))?,
+            ));
         }
         Ok(all)
     }

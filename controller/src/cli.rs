@@ -17,7 +17,7 @@ use archipelago_dataflow::{
     DeviceSpec, InputKind, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, ParamGroups, Program,
 };
 
-use crate::train_job::{StepProgress, TrainOptions};
+use crate::train::{StepProgress, TrainOptions};
 
 /// archipelago: one typed Rust program for a whole multi-device training job.
 #[derive(Debug, Parser)]
@@ -431,6 +431,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         data_path: args.data_path,
         dashboard: None,
         collectives: args.collectives,
+        keep_params: false,
     };
     let mut options = options;
     if let Some(addr) = &args.dashboard {

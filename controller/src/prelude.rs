@@ -27,10 +27,34 @@
 //! }
 //! ```
 
+/// The id of a tensor an actor holds (its owner and number), as a [`TensorRef`] carries it;
+/// `archipelago_dataflow::TensorId` is another thing: a tensor an instruction names.
+pub use archipelago_actors::runtime::TensorId as TensorRefId;
 pub use archipelago_actors::runtime::{
     Actor, ActorEnd, ActorInfo, ActorMesh, ActorRef, Call, CallError, Context, Handler, Message, Pending,
-    Registry, Runtime, RuntimeHandle, Slot, SpawnError, SpawnOptions, TensorError, TensorId, TensorRef,
-    Waited, wait,
+    Registry, Runtime, RuntimeHandle, Slot, SpawnError, SpawnOptions, TensorError, TensorRef, Waited, wait,
 };
-pub use archipelago_actors::typed_tensor::{DType, TypedTensor};
+/// The element type of a [`TypedTensor`] (f32, bf16, f16, i8, u8, i32, i64);
+/// `archipelago_dataflow::DType` is another thing: the precision a parameter is held in.
+pub use archipelago_actors::typed_tensor::DType as TensorDType;
+pub use archipelago_actors::typed_tensor::TypedTensor;
 pub use archipelago_dataflow::{DeviceSpec, Mesh};
+
+#[cfg(test)]
+mod tests {
+    /// A program may glob-import the prelude and the dataflow crate together and still name
+    /// both kinds of dtype and tensor id: no name of the prelude collides with another item of
+    /// the same name in `archipelago_dataflow` (a collision would make these paths ambiguous and
+    /// the test would not build).
+    #[test]
+    fn the_prelude_and_the_dataflow_crate_glob_import_together() {
+        use super::*;
+        use archipelago_dataflow::*;
+        assert_eq!(TensorDType::BF16.to_string(), "bf16");
+        assert_eq!(DType::BF16.bytes(), 2);
+        let held = TensorRefId { owner: 3, index: 7 };
+        let named = TensorId::Named("x".into());
+        assert_ne!(held.to_string(), named.to_string());
+        let _ = (DeviceSpec::Cpu(0), Mesh::new(&[("dp", 2)]).unwrap());
+    }
+}

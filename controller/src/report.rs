@@ -127,6 +127,11 @@ pub struct TrainReport {
     pub param_l2: f64,
     /// L2 norm of each block's final parameters, in block order.
     pub block_l2: Vec<f64>,
+    /// Every parameter every actor holds at the end, by actor, when
+    /// [`TrainOptions::keep_params`](crate::TrainOptions::keep_params) asks for it (tests and
+    /// small models; absent from the JSON otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held_params: Vec<ActorParams>,
     /// Per-actor memory and time.
     pub actors: Vec<ActorRecord>,
     /// Peak RSS of this process.
@@ -151,6 +156,20 @@ pub struct TrainReport {
     /// Each restart after a lost host (cluster jobs with `--restart on-failure`), in order.
     #[serde(default)]
     pub restarts: Vec<RestartRecord>,
+}
+
+/// A copy of the parameters one actor holds at the end of a job (see
+/// [`TrainReport::held_params`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActorParams {
+    /// The actor.
+    pub actor: archipelago_dataflow::ActorId,
+    /// Its pipeline stage.
+    pub stage: usize,
+    /// Its position in its data-parallel group.
+    pub replica: usize,
+    /// What it holds: whole blocks, or the parts of blocks it owns under ZeRO-3.
+    pub parts: Vec<archipelago_actors::executor::HeldParams>,
 }
 
 /// A restart of a cluster job after a host was lost: what ended the attempt, where it had got,

@@ -1,7 +1,7 @@
 //! OpenTelemetry metrics: a program on the runtime API, started with `OTEL_EXPORTER_OTLP_ENDPOINT`
 //! set, exports its actors' figures over OTLP/gRPC without a line of its own. A small metrics
 //! receiver (a tonic server of the OTLP metrics service) on 127.0.0.1 receives them from a real
-//! program — this test binary run again as [`metrics_program`] in a child process — and checks
+//! program — the test run again as [`metrics_program`] in a child process — and checks
 //! the messages each actor handled, a queue held up behind a busy handler, a panic among the
 //! failures and restarts, the tensor bytes per link, and an idle actor's zeros.
 
@@ -9,7 +9,7 @@ mod otlp_text;
 
 use std::collections::HashMap;
 use std::io::Write as _;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,11 +26,10 @@ use tonic::{Request, Response, Status};
 
 use otlp_text::{service_name, text};
 
+use archipelago_actors::prerequisite;
 use archipelago_controller::prelude::*;
 use archipelago_controller::telemetry::{FAILURES, LINK_BYTES, MESSAGES, QUEUE_DEPTH, RESTARTS};
 
-/// Set (to `stay` or `exit`) in the child process that plays the program.
-const PROGRAM_ENV: &str = "ARCHIPELAGO_TEST_METRICS_PROGRAM";
 /// Calls the program makes to its `busy` actor.
 const CALLS: u64 = 25;
 /// Messages the program leaves queued behind the `held` actor's busy handler.
@@ -105,15 +104,11 @@ impl Handler<Take> for Worker {
     }
 }
 
-/// The program (only in the child process, with [`PROGRAM_ENV`] set; otherwise it does
-/// nothing). Its runtime comes from `runtime::init`, which exports its actors' figures. `stay`:
-/// after its calls it waits for standard input to close, then opens the gate and ends; `exit`:
-/// it ends right after its calls.
-#[test]
-fn metrics_program() {
-    let Ok(mode) = std::env::var(PROGRAM_ENV) else {
-        return;
-    };
+/// The program, in the child process a test started with [`start_program`] (the test asks
+/// [`played_the_program`] first). Its runtime comes from `runtime::init`, which exports its
+/// actors' figures. `stay`: after its calls it waits for standard input to close, then opens the
+/// gate and ends; `exit`: it ends right after its calls.
+fn metrics_program(mode: &str) {
     let runtime = archipelago_controller::runtime::init(Registry::new(), DeviceSpec::cpus(2)).unwrap();
     let gate = Arc::new(Semaphore::new(0));
     let spawn = |device: u32, options: SpawnOptions| {
@@ -267,12 +262,20 @@ fn start_receiver(runtime: &tokio::runtime::Runtime) -> (Receiver, String) {
     (receiver, format!("http://{addr}"))
 }
 
-/// This test binary run again as [`metrics_program`] in `mode`, exporting to `endpoint` every
-/// `interval_ms`.
+/// In the child process [`start_program`] started, runs [`metrics_program`] and says so; in the
+/// test itself, `false`.
+fn played_the_program() -> bool {
+    let Some(mode) = prerequisite::child_role() else {
+        return false;
+    };
+    metrics_program(&mode);
+    true
+}
+
+/// The calling test run again in a child process as [`metrics_program`] in `mode` (`stay` or
+/// `exit`), exporting to `endpoint` every `interval_ms`.
 fn start_program(mode: &str, endpoint: &str, interval_ms: u64) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "metrics_program", "--nocapture", "--test-threads=1"])
-        .env(PROGRAM_ENV, mode)
+    prerequisite::child_of_this_test(mode)
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
         .env("OTEL_METRIC_EXPORT_INTERVAL", interval_ms.to_string())
         .env("ARCHIPELAGO_JOB", "metrics-test")
@@ -303,6 +306,9 @@ fn ended_well(child: &mut Child) -> bool {
 
 #[test]
 fn a_running_program_exports_its_actors_figures() {
+    if played_the_program() {
+        return;
+    }
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let (receiver, endpoint) = start_receiver(&runtime);
     let mut program = start_program("stay", &endpoint, 200);
@@ -408,6 +414,9 @@ fn a_running_program_exports_its_actors_figures() {
 /// shutdown exports them on the way out.
 #[test]
 fn a_program_that_ends_at_once_exports_on_the_way_out() {
+    if played_the_program() {
+        return;
+    }
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let (receiver, endpoint) = start_receiver(&runtime);
     let mut program = start_program("exit", &endpoint, 600_000);
@@ -421,6 +430,9 @@ fn a_program_that_ends_at_once_exports_on_the_way_out() {
 /// With an endpoint where no collector listens, the program runs and ends as without one.
 #[test]
 fn no_metrics_collector_blocks_nothing() {
+    if played_the_program() {
+        return;
+    }
     let began = Instant::now();
     let mut program = start_program("exit", "http://127.0.0.1:9", 100);
     assert!(ended_well(&mut program), "the program failed");

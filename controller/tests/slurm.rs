@@ -2,7 +2,8 @@
 //! started for the test): a dp=2 job on two tasks trains as the same job in one process; a
 //! killed task ends the job with the lost host named; warned before the time limit, the job
 //! checkpoints, requeues itself and the requeued run resumes to the end. Under CI the Slurm must
-//! start; elsewhere, without root or the packages, the tests say why they did not run.
+//! start; elsewhere, without root or the packages, the tests are skipped and say why
+//! (`archipelago_actors::prerequisite`, listed at the end of `scripts/test.sh`).
 
 mod slurm_support;
 
@@ -156,7 +157,7 @@ fn wait_for_text(path: &Path, text: &str, within: Duration) {
 
 #[test]
 fn a_dp2_job_on_two_slurm_tasks_trains_as_the_same_job_here() {
-    let Some(slurm) = slurm_support::start("a_dp2_job_on_two_slurm_tasks") else {
+    let Some(slurm) = slurm_support::start() else {
         return;
     };
     let (dir, job_dir, out, report_path) = job_paths("slurm");
@@ -234,7 +235,7 @@ fn running_job(slurm: &slurm_support::LocalSlurm) -> (tempfile::TempDir, PathBuf
 
 #[test]
 fn a_killed_task_ends_the_job_naming_the_lost_host() {
-    let Some(slurm) = slurm_support::start("a_killed_task_ends_the_job") else {
+    let Some(slurm) = slurm_support::start() else {
         return;
     };
     let (_dir, job_dir, out, job) = running_job(&slurm);
@@ -259,7 +260,7 @@ fn a_killed_task_ends_the_job_naming_the_lost_host() {
 
 #[test]
 fn warned_before_the_time_limit_the_job_checkpoints_requeues_and_resumes() {
-    let Some(slurm) = slurm_support::start("warned_before_the_time_limit") else {
+    let Some(slurm) = slurm_support::start() else {
         return;
     };
     let (dir, job_dir, out, report_path) = job_paths("slurm");
@@ -319,7 +320,7 @@ fn warned_before_the_time_limit_the_job_checkpoints_requeues_and_resumes() {
 /// trains as the same job in one process.
 #[test]
 fn a_runtime_api_program_runs_on_slurm_tasks_as_it_runs_here() {
-    let Some(slurm) = slurm_support::start("a_runtime_api_program_runs_on_slurm_tasks") else {
+    let Some(slurm) = slurm_support::start() else {
         return;
     };
     let (dir, job_dir, out, report_path) = job_paths("ps");
@@ -436,7 +437,7 @@ fn outside_slurm_or_with_a_node_list_that_does_not_resolve_auto_names_the_variab
 /// `scancel` ends every process of the job: controller, hosts and client.
 #[test]
 fn scancel_ends_every_process_of_the_job() {
-    let Some(slurm) = slurm_support::start("scancel_ends_every_process_of_the_job") else {
+    let Some(slurm) = slurm_support::start() else {
         return;
     };
     let (_dir, job_dir, _out, job) = running_job(&slurm);

@@ -48,6 +48,9 @@ pub mod param_names;
 pub mod passes;
 pub mod plan;
 pub mod program;
+/// The property tests' seed (test support: fixed under CI, random and printed elsewhere).
+#[doc(hidden)]
+pub mod property_seed;
 pub mod rng;
 pub mod simulate;
 pub mod tensor_id;

@@ -255,6 +255,16 @@ pub enum TestFault {
     AverageMicrobatches,
     /// A ZeRO shard is updated with the gradient one element off its offset.
     ShiftZeroShard,
+    /// Replica `replica` applies a zero gradient in optimizer step `step` (1-based) while the
+    /// others apply the all-reduced one: from then on its parameters differ from the other
+    /// replicas' (under SGD they stay where step `step − 1` left them), and nothing but its own
+    /// parameters shows it — the replica check's control.
+    SkipReplicaUpdate {
+        /// The replica (position in the dp group).
+        replica: usize,
+        /// The optimizer step.
+        step: u64,
+    },
     /// `actor`'s last send of every step is left out of its stream: its peer waits for a
     /// message that never comes while `actor` finishes the step (the hang tests).
     SkipLastSend {

@@ -294,6 +294,7 @@ fn update(
 pub fn train_and_read(program: &Program, steps: u64) -> (TrainReport, Vec<Vec<f32>>) {
     let dir = tempfile::tempdir().expect("temp dir");
     let options = TrainOptions {
+        keep_params: true,
         steps,
         checkpoint_dir: Some(dir.path().to_path_buf()),
         checkpoint_every: steps,

@@ -128,6 +128,7 @@ pub fn fixture_program(model: &str, run: &str, init: &Path, layout: ParallelPlan
 pub fn train_and_export(program: &Program, steps: u64, out: &Path) -> archipelago_controller::TrainReport {
     let dir = tempfile::tempdir().expect("temp dir");
     let options = TrainOptions {
+        keep_params: true,
         steps,
         checkpoint_dir: Some(dir.path().to_path_buf()),
         checkpoint_every: steps,

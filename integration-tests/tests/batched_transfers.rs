@@ -23,6 +23,7 @@ fn train(model: &str, plan: ParallelPlan, batched: bool) -> TrainReport {
         .with_optimizer(OptimizerSpec::adam(1e-2))
         .with_plan(plan);
     let options = TrainOptions {
+        keep_params: true,
         steps: 5,
         ..TrainOptions::default()
     };
@@ -95,6 +96,7 @@ fn the_tensor_op_update_of_a_device_state_trains_like_the_host_loops() {
                         .with_clip_grad_norm(clip)
                         .with_plan(plan);
                     let options = TrainOptions {
+                        keep_params: true,
                         steps: 4,
                         ..TrainOptions::default()
                     };

@@ -51,6 +51,7 @@ fn shared_buffer_and_ring_collectives_train_alike() {
             });
         for collectives in [Collectives::Shared, Collectives::Ring] {
             let options = TrainOptions {
+                keep_params: true,
                 steps: 6,
                 collectives,
                 ..TrainOptions::default()
@@ -82,13 +83,23 @@ fn a_different_seed_changes_the_result() {
         .train(
             &program_b,
             &archipelago_controller::TrainOptions {
+                keep_params: true,
                 steps: 3,
                 ..Default::default()
             },
         )
         .unwrap();
+    // The control lands at least 100× past the mlp's tolerance (1e-5).
     let d = archipelago_integration_tests::max_relative_difference(&a.block_l2, &b.block_l2);
-    assert!(d > 1e-3, "different seeds gave the same parameters ({d:e})");
+    eprintln!(
+        "control: another seed, block norms {d:e} ({:.0}× the tolerance 1e-5)",
+        d / 1e-5
+    );
+    assert!(
+        d >= 100.0 * 1e-5,
+        "another seed lands only {:.1}× past the tolerance 1e-5 (100× needed)",
+        d / 1e-5
+    );
 }
 
 /// Data parallelism across islands (a dp group of 4 in two islands of 2, and of 6 in three):
@@ -114,6 +125,7 @@ fn hierarchical_all_reduce_across_islands_matches_one_device() {
                 })
         };
         let options = TrainOptions {
+            keep_params: true,
             steps: 6,
             ..TrainOptions::default()
         };

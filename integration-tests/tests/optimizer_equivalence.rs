@@ -21,6 +21,23 @@ use archipelago_integration_tests::{
 const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
 const GPT: &str = "gpt:vocab=256,ctx=8,d=16,layers=2,heads=2";
 const STEPS: u64 = 4;
+/// The relative tolerance of the equivalences by norms and losses.
+const TOLERANCE: f64 = 1e-5;
+/// How far past its tolerance every negative control's broken variant must land (at least).
+const MARGIN: f64 = 10.0;
+
+/// Asserts that a negative control's `difference` lands at least `margin` × `tolerance` away
+/// (`margin` ≥ [`MARGIN`]), and prints the margin found.
+fn assert_caught(what: &str, difference: f64, tolerance: f64, margin: f64) {
+    assert!(margin >= MARGIN, "{what}: a control's bar is at least {MARGIN}×");
+    let found = difference / tolerance;
+    eprintln!("control {what}: {difference:e}, {found:.1}× the tolerance {tolerance:e} (bar {margin}×)");
+    assert!(
+        difference >= margin * tolerance,
+        "{what}: the broken variant lands only {found:.1}× past the tolerance {tolerance:e} \
+         ({margin}× needed): the comparison barely catches it"
+    );
+}
 
 fn program(model: &str, layout: ParallelPlan, optimizer: OptimizerSpec) -> Program {
     Program::new(ModelSpec::parse(model).expect("model spec"))
@@ -33,6 +50,7 @@ fn run(program: &Program) -> TrainReport {
     train_program(
         program,
         &TrainOptions {
+            keep_params: true,
             steps: STEPS,
             ..TrainOptions::default()
         },
@@ -76,15 +94,12 @@ fn clipping_by_the_global_norm_equals_one_device_on_every_layout() {
     ] {
         let run = run(&clipped(layout));
         assert_same_figures(&reference, &run, |s| s.grad_norm, what);
-        assert_equivalent(&reference, &run, 1e-5, what);
+        assert_equivalent(&reference, &run, TOLERANCE, what);
     }
     let unclipped = run(&program(MLP, plan(1, 1, 0), sgd));
     assert!(unclipped.steps.iter().all(|s| s.grad_norm.is_none()));
     let differs = max_relative_difference(&reference.block_l2, &unclipped.block_l2);
-    assert!(
-        differs > 1e-3,
-        "clipping must change the run (block norms differ by {differs:e})"
-    );
+    assert_caught("unclipped (block norms)", differs, TOLERANCE, 100.0);
 }
 
 /// LAMB, whose trust ratio takes each parameter's norms over the shards ZeRO cut it into:
@@ -101,7 +116,7 @@ fn lamb_with_norms_over_zero_shards_equals_one_device() {
         (plan(2, 1, 0), "dp=2"),
         (plan(1, 2, 0), "pp=2"),
     ] {
-        assert_equivalent(&reference, &run(&program(MLP, layout, lamb)), 1e-5, what);
+        assert_equivalent(&reference, &run(&program(MLP, layout, lamb)), TOLERANCE, what);
     }
     let clipped = |layout| program(MLP, layout, lamb).with_clip_grad_norm(Some(0.05));
     let clipped_reference = run(&clipped(plan(1, 1, 0)));
@@ -112,13 +127,15 @@ fn lamb_with_norms_over_zero_shards_equals_one_device() {
         |s| s.grad_norm,
         "LAMB clipped, dp=2 zero 3",
     );
-    assert_equivalent(&clipped_reference, &sharded, 1e-5, "LAMB clipped, dp=2 zero 3");
+    assert_equivalent(
+        &clipped_reference,
+        &sharded,
+        TOLERANCE,
+        "LAMB clipped, dp=2 zero 3",
+    );
     let adamw = run(&program(MLP, plan(1, 1, 0), OptimizerSpec::adamw(0.02)));
     let differs = max_relative_difference(&reference.block_l2, &adamw.block_l2);
-    assert!(
-        differs > 1e-3,
-        "the trust ratio must change the run ({differs:e})"
-    );
+    assert_caught("AdamW instead of LAMB (block norms)", differs, TOLERANCE, 100.0);
 }
 
 /// AdamW with its parameter groups (no decay for biases and LayerNorm) and warmup then cosine
@@ -147,13 +164,15 @@ fn adamw_with_groups_and_a_schedule_equals_one_device_under_zero() {
     ] {
         let run = run(&with(layout, ParamGroups::NoDecayForVectors));
         assert_same_figures(&reference, &run, |s| s.lr, what);
-        assert_equivalent(&reference, &run, 1e-5, what);
+        assert_equivalent(&reference, &run, TOLERANCE, what);
     }
     let all = run(&with(plan(1, 1, 0), ParamGroups::DecayAll));
     let differs = max_relative_difference(&reference.block_l2, &all.block_l2);
-    assert!(
-        differs > 1e-5,
-        "decaying vectors must change the run ({differs:e})"
+    assert_caught(
+        "decay on every parameter (block norms)",
+        differs,
+        TOLERANCE,
+        MARGIN,
     );
 }
 
@@ -246,9 +265,13 @@ fn the_torch_comparison_catches_a_wrong_rate_and_a_transposed_weight() {
     for (program, what) in [(wrong_rate, "lr 2% off"), (wrong_layout, "a transposed weight")] {
         let c = torch_fixture::compare_with_torch(&program, "mlp", "sgd", torch);
         eprintln!("control {what}: {c:?}");
-        assert!(
-            c.param_excess > 10.0 && c.figures_excess > 1.0,
-            "{what}: not caught: {c:?}"
+        // Both in units of their tolerances (an excess of 1 is the edge of passing).
+        assert_caught(&format!("{what}, parameters"), c.param_excess, 1.0, MARGIN);
+        assert_caught(
+            &format!("{what}, per-step figures"),
+            c.figures_excess,
+            1.0,
+            MARGIN,
         );
     }
 }
@@ -289,14 +312,18 @@ fn an_init_file_starts_every_layout_from_the_same_weights() {
     let seeded = train_program(
         &seeded,
         &TrainOptions {
+            keep_params: true,
             steps: 1,
             ..TrainOptions::default()
         },
     );
     let (a, b) = (reference.steps[0].loss, seeded.steps[0].loss);
-    assert!(
-        ((a - b) / a).abs() > 1e-3,
-        "the file's weights must differ from the seeded ones: {a} vs {b}"
+    // The control: the seeded weights are caught by the same loss comparison (1e-6), 1000×.
+    assert_caught(
+        "seeded weights instead of the file's (first loss)",
+        ((a - b) / a).abs() as f64,
+        1e-6,
+        1000.0,
     );
 }
 
@@ -327,10 +354,14 @@ fn export_of_a_zero3_checkpoint_round_trips_through_init() {
         assert_eq!(&weights[name].0, shape, "{name}");
     }
     let initial = torch_fixture::read_weights(&fixture_init);
+    // The control: the initial weights in place of the trained ones are caught element by
+    // element (an absolute 1e-6: the round trip itself is compared byte for byte below).
     let (moved, _) = torch_fixture::weights_excess(&initial, &weights, |_, _| (0.0, 1e-6));
-    assert!(
-        moved > 1.0,
-        "the exported weights are the trained ones, not the initial ones"
+    assert_caught(
+        "the initial weights exported instead of the trained ones",
+        moved,
+        1.0,
+        MARGIN,
     );
     let mut still = torch_fixture::fixture_program("mlp", "sgd", &first, plan(2, 1, 3));
     still.optimizer = OptimizerSpec::sgd(0.0);
@@ -484,8 +515,8 @@ fn momentum_adamw_and_lamb_match_their_closed_form_over_five_steps() {
                     FIVE,
                 );
                 let (caught, by) = closed_form::excess(&wrong.params, &params, 1e-4, 1e-6);
-                eprintln!("control {what} {mistake:?}: |Δparam| {by:e} (excess {caught:.1})");
-                assert!(caught > 100.0, "{what}: {mistake:?} is not caught ({by:e})");
+                eprintln!("control {what} {mistake:?}: |Δparam| {by:e}");
+                assert_caught(&format!("{what} {mistake:?}"), caught, 1.0, 100.0);
             }
         }
     }

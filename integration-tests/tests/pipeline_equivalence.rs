@@ -148,6 +148,7 @@ fn trace_has_one_track_per_actor_with_micro_batch_spans() {
         MLP7,
         plan(2, 4, Schedule::OneFOneB),
         TrainOptions {
+            keep_params: true,
             steps: 2,
             trace: Some(path.clone()),
             ..TrainOptions::default()

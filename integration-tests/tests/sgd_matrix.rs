@@ -21,7 +21,10 @@ use archipelago_actors::checkpoint::{CheckpointReader, step_dir};
 use archipelago_controller::{TrainOptions, TrainReport};
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{ModelSpec, Offload, OptimizerSpec, ParallelPlan, Program, TestFault};
-use archipelago_integration_tests::{assert_equivalent, small_plan, train_program};
+use archipelago_integration_tests::{
+    assert_equivalent, assert_replicas_agree, assert_same_losses_and_norms, replica_params, small_plan,
+    train_program, train_program_unchecked,
+};
 
 const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
 const STEPS: u64 = 6;
@@ -46,13 +49,20 @@ fn run(plan: ParallelPlan, fault: Option<TestFault>) -> Run {
         .with_seed(7)
         .with_optimizer(OptimizerSpec::sgd(LR))
         .with_plan(plan);
+    // A fault may make the replicas disagree: its control measures how far, instead.
+    let check_replicas = fault.is_none();
     program.test_fault = fault;
-    run_program(program)
+    run_checked(program, check_replicas)
 }
 
-/// Trains `program` for `STEPS`, checkpointing after the last step, and reads every parameter
-/// back from that checkpoint.
+/// Trains `program` for `STEPS`, checkpointing after the last step, checks that its replicas
+/// agree, and reads every parameter back from that checkpoint.
 fn run_program(program: Program) -> Run {
+    run_checked(program, true)
+}
+
+/// [`run_program`], with or without the replica check.
+fn run_checked(program: Program, check_replicas: bool) -> Run {
     let dir = tempfile::tempdir().expect("temp dir");
     let options = TrainOptions {
         steps: STEPS,
@@ -60,7 +70,11 @@ fn run_program(program: Program) -> Run {
         checkpoint_every: STEPS,
         ..TrainOptions::default()
     };
-    let report = train_program(&program, &options);
+    let report = if check_replicas {
+        train_program(&program, &options)
+    } else {
+        train_program_unchecked(&program, &options)
+    };
     let reader = CheckpointReader::open(&step_dir(dir.path(), STEPS)).expect("final checkpoint");
     let params = program
         .model
@@ -128,6 +142,59 @@ fn check(reference: &Run, plan: ParallelPlan) -> Run {
         "{what}: parameters differ by {abs:e} ({excess:.1}× the tolerance)"
     );
     r
+}
+
+/// The replica check's control: replica 1 of dp=2 applies a zero gradient in the last step only,
+/// so that its parameters alone stay one SGD step behind. The losses (computed before the
+/// update), the block norms and the checkpoint (both written by replica 0) match one device as
+/// before — the comparison of earlier sessions passes it — while the replica check fails it,
+/// naming replica 1, which lies `MARGIN`× past the tolerance.
+#[test]
+fn the_replica_check_catches_a_fault_in_another_replicas_last_update() {
+    let reference = reference();
+    let mut program = Program::new(ModelSpec::parse(MLP).expect("model spec"))
+        .with_seed(7)
+        .with_optimizer(OptimizerSpec::sgd(LR))
+        .with_plan(small_plan(2, 1, 0));
+    program.test_fault = Some(TestFault::SkipReplicaUpdate {
+        replica: 1,
+        step: STEPS,
+    });
+    let model = program.model.clone();
+    let broken = run_checked(program, false);
+    // The old comparison: losses, norms and the checkpoint's parameters all pass.
+    assert_same_losses_and_norms(
+        &reference.report,
+        &broken.report,
+        RTOL,
+        "control (old comparison)",
+    );
+    let (excess, abs) = param_difference(&reference, &broken);
+    assert!(
+        excess <= 1.0,
+        "the checkpoint shows the fault ({abs:e}): not the control intended"
+    );
+    // The new one fails it, naming the replica.
+    let caught = std::panic::catch_unwind(|| assert_replicas_agree(&broken.report, &model, "control"));
+    let message = match caught {
+        Ok(_) => panic!("the replica check passed a run whose replica 1 skipped its last update"),
+        Err(panic) => (panic.downcast_ref::<String>().cloned()).unwrap_or_default(),
+    };
+    eprintln!("control SkipReplicaUpdate: {message}");
+    assert!(
+        message.contains("replica 1"),
+        "the report must name replica 1: {message}"
+    );
+    let strayed = Run {
+        report: broken.report.clone(),
+        params: replica_params(&broken.report, &model, 1),
+    };
+    let (excess, abs) = param_difference(&reference, &strayed);
+    eprintln!("control SkipReplicaUpdate: replica 1 max |Δparam| {abs:e} (allclose excess {excess:.1})");
+    assert!(
+        excess > MARGIN,
+        "replica 1 strayed by only {abs:e} ({excess:.1}× the tolerance)"
+    );
 }
 
 /// With `fault` injected, `plan` ends `MARGIN`× past the tolerance; without it, it passes.
@@ -260,7 +327,7 @@ fn sgd_gpt_layouts_match_one_device() {
     // The control: one replica's gradient dropped must land far outside the tolerance.
     let mut broken = program(small_plan(2, 1, 0));
     broken.test_fault = Some(TestFault::DropReplicaGrad);
-    let (excess, abs) = param_difference(&reference, &run_program(broken));
+    let (excess, abs) = param_difference(&reference, &run_checked(broken, false));
     eprintln!("control gpt DropReplicaGrad: max |Δparam| {abs:e} (allclose excess {excess:.1})");
     assert!(
         excess > MARGIN,

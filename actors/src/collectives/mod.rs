@@ -1,9 +1,12 @@
 //! Collectives on top of the fabric, and the worker thread that runs them beside compute.
 //!
-//! A group whose members all live in one process reduces through their buffers
-//! ([`shared`]); any other group runs the chunked ring of messages ([`ring_all_reduce()`]).
-//! [`all_reduce`], [`reduce_scatter`] and [`all_gather`] pick between them by asking the fabric
-//! ([`crate::fabric::Fabric::shared_group`]), so every member of a group picks the same.
+//! A group whose members all live in one process reduces through their buffers ([`shared`], on
+//! the fabric's [`SharedBuffers`](crate::fabric::SharedBuffers)); any other group runs the
+//! chunked ring of messages ([`ring_all_reduce()`]). [`all_reduce`], [`reduce_scatter`] and
+//! [`all_gather`] pick between them by asking the fabric ([`Fabric::shared_buffers`]), so every
+//! member of a group picks the same. Whoever builds an in-process fabric chooses with
+//! [`Collectives`] ([`InProcessFabric::with_collectives`]); the fabric itself knows nothing of
+//! collectives.
 
 pub mod hierarchical;
 pub mod ring_all_reduce;
@@ -15,9 +18,11 @@ pub use ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_redu
 pub use shared::SharedCollectives;
 pub use worker::{CollectiveWorker, PendingCollective};
 
+use std::time::Duration;
+
 use archipelago_dataflow::ActorId;
 
-use crate::fabric::{Fabric, FabricError};
+use crate::fabric::{Fabric, FabricError, InProcessFabric};
 
 /// Default chunk of a pipelined collective: 1 MiB of f32 (fits in cache, amortises messaging).
 pub const DEFAULT_CHUNK_ELEMS: usize = 1 << 18;
@@ -43,6 +48,15 @@ impl std::str::FromStr for Collectives {
     }
 }
 
+impl InProcessFabric {
+    /// A fabric for `actors` actors (receives give up after `patience`) whose groups run their
+    /// collectives as `collectives` says: through the fabric's
+    /// [`SharedBuffers`](crate::fabric::SharedBuffers), or as rings.
+    pub fn with_collectives(actors: usize, patience: Duration, collectives: Collectives) -> InProcessFabric {
+        InProcessFabric::with_shared_buffers(actors, patience, collectives == Collectives::Shared)
+    }
+}
+
 impl std::fmt::Display for Collectives {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -63,7 +77,7 @@ pub fn all_reduce(
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
-    match fabric.shared_group(group) {
+    match fabric.shared_buffers(group) {
         Some(shared) => shared.all_reduce(me, group, edge, data),
         None => ring_all_reduce(fabric, me, group, edge, data, chunk_elems, pool),
     }
@@ -80,7 +94,7 @@ pub fn reduce_scatter(
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
-    match fabric.shared_group(group) {
+    match fabric.shared_buffers(group) {
         Some(shared) => shared.reduce_scatter(me, group, edge, data),
         None => ring_reduce_scatter(fabric, me, group, edge, data, chunk_elems, pool),
     }
@@ -97,8 +111,37 @@ pub fn all_gather(
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
-    match fabric.shared_group(group) {
+    match fabric.shared_buffers(group) {
         Some(shared) => shared.all_gather(me, group, edge, data),
         None => ring_all_gather(fabric, me, group, edge, data, chunk_elems, pool),
+    }
+}
+
+#[cfg(test)]
+mod across_hosts_tests;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An in-process fabric offers its groups shared buffers unless built for rings (what a
+    /// local job asks by default), and only to groups whose members are all its own.
+    #[test]
+    fn in_process_groups_meet_at_shared_buffers_unless_rings_are_asked_for() {
+        let patience = Duration::from_secs(1);
+        assert_eq!(Collectives::default(), Collectives::Shared);
+        let shared = InProcessFabric::with_collectives(2, patience, Collectives::default());
+        assert!(shared.shared_buffers(&[0, 1]).is_some());
+        assert!(
+            shared.shared_buffers(&[0, 2]).is_none(),
+            "actor 2 is not on the fabric"
+        );
+        assert!(
+            InProcessFabric::new(2, patience)
+                .shared_buffers(&[1, 0])
+                .is_some()
+        );
+        let rings = InProcessFabric::with_collectives(2, patience, Collectives::Ring);
+        assert!(rings.shared_buffers(&[0, 1]).is_none());
     }
 }

@@ -250,14 +250,16 @@ impl Link for GrpcLink {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::time::Duration;
 
-    /// Two hosts on 127.0.0.1 serving the gRPC fabric under `credentials`, two actors each: a
-    /// ring all-reduce over all four (messages spanning several gRPC chunks) sums correctly.
-    /// Returns the first host's address and the runtime the servers run on.
-    fn ring_across_two_hosts(credentials: &Credentials) -> (String, tokio::runtime::Runtime) {
+    /// Two hosts on 127.0.0.1 serving the gRPC fabric under `credentials`, two actors each
+    /// (actor `a` on host `a / 2`), connected: each host's address and fabric, and the runtime
+    /// the servers run on.
+    pub(crate) fn two_hosts(
+        credentials: &Credentials,
+    ) -> (Vec<String>, Vec<Arc<GrpcFabric>>, tokio::runtime::Runtime) {
         let runtime = tokio::runtime::Runtime::new().unwrap();
         let (hosts, fabrics) = runtime.block_on(async {
             let mut hosts = Vec::new();
@@ -279,10 +281,21 @@ mod tests {
             }
             (hosts, fabrics)
         });
+        (
+            hosts.into_iter().map(|(addr, _)| addr).collect(),
+            fabrics,
+            runtime,
+        )
+    }
+
+    /// A ring of messages over [`two_hosts`] (each message spanning several gRPC chunks) arrives
+    /// whole. Returns the first host's address and the runtime the servers run on.
+    fn ring_across_two_hosts(credentials: &Credentials) -> (String, tokio::runtime::Runtime) {
+        let (hosts, fabrics, runtime) = two_hosts(credentials);
         let len = 3 * (CHUNK_BYTES / 4) + 17; // each ring message spans several gRPC chunks
         let [a, b] = [fabrics[0].clone(), fabrics[1].clone()];
-        crate::fabric::testing::ring_all_reduce_across_two_hosts([a, b], len, len / 2);
-        (hosts[0].0.clone(), runtime)
+        crate::fabric::testing::ring_exchange_across_two_hosts([a, b], len, len / 2);
+        (hosts[0].clone(), runtime)
     }
 
     /// What the fabric at `addr` answers a push from a peer with `credentials`.
@@ -306,18 +319,18 @@ mod tests {
     }
 
     #[test]
-    fn ring_all_reduce_across_two_hosts_and_token_refusal() {
+    fn ring_exchange_across_two_hosts_and_token_refusal() {
         let (addr, runtime) = ring_across_two_hosts(&"secret".into());
         let refused = push_from(&runtime, &addr, &"wrong".into()).unwrap_err();
         assert!(refused.starts_with("Unauthenticated"), "{refused}");
         push_from(&runtime, &addr, &"secret".into()).unwrap();
     }
 
-    /// Over mutual TLS the ring sums the same; a client in clear, one with a certificate the
+    /// Over mutual TLS the ring arrives the same; a client in clear, one with a certificate the
     /// cluster CA did not sign, one that does not trust the cluster CA and a member with a
     /// wrong token are all refused; a member with the token is served.
     #[test]
-    fn over_mutual_tls_the_ring_sums_and_strangers_are_refused() {
+    fn over_mutual_tls_the_ring_arrives_and_strangers_are_refused() {
         let certs = crate::trust::testing::TestCerts::new();
         let (addr, runtime) = ring_across_two_hosts(&certs.member("secret"));
         for (who, intruder) in [

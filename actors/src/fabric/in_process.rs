@@ -6,8 +6,7 @@ use std::time::{Duration, Instant};
 
 use archipelago_dataflow::ActorId;
 
-use super::{Fabric, FabricError, LinkBytes, Tag};
-use crate::collectives::{Collectives, SharedCollectives};
+use super::{Fabric, FabricError, LinkBytes, SharedBuffers, Tag};
 use crate::host_tensor::HostTensor;
 
 #[derive(Default)]
@@ -22,26 +21,28 @@ pub struct InProcessFabric {
     aborted: Mutex<Option<String>>,
     patience: Duration,
     links: LinkBytes,
-    /// Collectives of members of this process through each other's buffers (`None`: rings).
-    shared: Option<SharedCollectives>,
+    /// Where groups of members of this process meet at each other's buffers (`None`: they
+    /// exchange messages only).
+    shared: Option<SharedBuffers>,
 }
 
 impl InProcessFabric {
     /// A fabric for `actors` actors whose receives give up after `patience` (the hang watchdog).
-    /// Groups of its actors run their collectives through each other's buffers
-    /// ([`SharedCollectives`]).
+    /// Groups of its actors may meet at each other's buffers ([`SharedBuffers`], with the same
+    /// patience): their collectives then run without messages.
     pub fn new(actors: usize, patience: Duration) -> InProcessFabric {
-        Self::with_collectives(actors, patience, Collectives::Shared)
+        Self::with_shared_buffers(actors, patience, true)
     }
 
-    /// A fabric whose groups run their collectives as `collectives` says.
-    pub fn with_collectives(actors: usize, patience: Duration, collectives: Collectives) -> InProcessFabric {
+    /// A fabric that offers its groups [`SharedBuffers`] when `offered`; without them, every
+    /// collective runs as messages, as between processes.
+    pub fn with_shared_buffers(actors: usize, patience: Duration, offered: bool) -> InProcessFabric {
         InProcessFabric {
             mailboxes: (0..actors).map(|_| Mailbox::default()).collect(),
             aborted: Mutex::new(None),
             patience,
             links: LinkBytes::default(),
-            shared: (collectives == Collectives::Shared).then(|| SharedCollectives::new(patience)),
+            shared: offered.then(|| SharedBuffers::new(patience)),
         }
     }
 
@@ -121,7 +122,7 @@ impl Fabric for InProcessFabric {
         }
     }
 
-    fn shared_group(&self, group: &[ActorId]) -> Option<&SharedCollectives> {
+    fn shared_buffers(&self, group: &[ActorId]) -> Option<&SharedBuffers> {
         let all_here = group.iter().all(|&a| a < self.mailboxes.len());
         self.shared.as_ref().filter(|_| all_here)
     }

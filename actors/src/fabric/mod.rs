@@ -2,18 +2,22 @@
 //!
 //! Collectives and the executor only see [`Fabric`]; whether a peer is a thread of this process or
 //! an actor on another host is the implementation's business. Messages are matched by
-//! `(sender, tag)`, so independent edges never block each other.
+//! `(sender, tag)`, so independent edges never block each other. Actors of one process may also
+//! meet at each other's buffers ([`SharedBuffers`]), which the shared-buffer collectives build
+//! on; the fabric knows nothing of collectives.
 
 pub mod assembly;
 pub mod grpc;
 mod in_process;
 mod link_bytes;
+pub mod shared_buffers;
 pub mod shm;
 pub mod tcp;
 
 pub use grpc::{GrpcFabric, Inbox, serve_fabric};
 pub use in_process::InProcessFabric;
 pub use link_bytes::{DRIVER, LinkBytes, OTHER_PROCESS};
+pub use shared_buffers::SharedBuffers;
 pub use tcp::{TcpFabric, serve_tcp_fabric};
 
 use std::collections::HashMap;
@@ -21,7 +25,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::collectives::SharedCollectives;
 use crate::host_tensor::HostTensor;
 use archipelago_dataflow::ActorId;
 
@@ -92,9 +95,10 @@ pub trait Fabric: Send + Sync {
     fn abort(&self, reason: &str);
     /// Payload bytes sent so far from this side of the fabric, per `(from, to)` link.
     fn link_bytes(&self) -> &LinkBytes;
-    /// The shared-buffer collectives of `group` when every member of it lives in this process
-    /// and the fabric allows them (`None`: the group's collectives are rings of messages).
-    fn shared_group(&self, group: &[ActorId]) -> Option<&SharedCollectives> {
+    /// Where the members of `group` meet at each other's buffers, when every member of it lives
+    /// in this process and the fabric offers [`SharedBuffers`] (`None`: the group exchanges
+    /// messages only).
+    fn shared_buffers(&self, group: &[ActorId]) -> Option<&SharedBuffers> {
         let _ = group;
         None
     }
@@ -174,10 +178,10 @@ impl<L: Link> Fabric for HostRoutes<L> {
         self.local.link_bytes()
     }
 
-    fn shared_group(&self, group: &[ActorId]) -> Option<&SharedCollectives> {
+    fn shared_buffers(&self, group: &[ActorId]) -> Option<&SharedBuffers> {
         let all_here = group.iter().all(|&a| matches!(self.routes.get(a), Some(None)));
         if all_here {
-            self.local.shared_group(group)
+            self.local.shared_buffers(group)
         } else {
             None
         }
@@ -237,30 +241,55 @@ impl fmt::Display for DataPath {
 pub(crate) mod testing {
     use std::sync::Arc;
 
-    use super::Fabric;
-    use crate::collectives::{ChunkPool, ring_all_reduce};
+    use archipelago_dataflow::ActorId;
 
-    /// A ring all-reduce of `len` values over 4 actors, 2 on each of two hosts (`fabrics[h]` is
-    /// host `h`'s fabric, actor `a` on host `a / 2`), the ring crossing hosts both ways, sums
-    /// correctly.
-    pub(crate) fn ring_all_reduce_across_two_hosts(fabrics: [Arc<dyn Fabric>; 2], len: usize, chunk: usize) {
-        let handles: Vec<_> = (0..4)
-            .map(|me| {
+    use super::{Fabric, Tag};
+    use crate::host_tensor::HostTensor;
+
+    /// The ring the exchange runs on: it crosses between the two hosts both ways.
+    const RING: [ActorId; 4] = [0, 2, 1, 3];
+
+    /// Value `k` of what actor `a` sends.
+    fn sent(a: ActorId, k: usize) -> f32 {
+        ((a + 1) * (k % 1000)) as f32
+    }
+
+    /// Four actors, 2 on each of two hosts (`fabrics[h]` is host `h`'s fabric, actor `a` on host
+    /// `a / 2`), each send `len` values in messages of `chunk` values to the next actor on the
+    /// ring 0 → 2 → 1 → 3 → 0 and receive the previous one's: every value arrives, in order. The
+    /// collectives' tests run a ring all-reduce on the same hosts.
+    pub(crate) fn ring_exchange_across_two_hosts(fabrics: [Arc<dyn Fabric>; 2], len: usize, chunk: usize) {
+        let handles: Vec<_> = (0..RING.len())
+            .map(|at| {
+                let (me, next, prev) = (RING[at], RING[(at + 1) % 4], RING[(at + 3) % 4]);
                 let fabric = fabrics[me / 2].clone();
                 std::thread::spawn(move || {
-                    let mut data: Vec<f32> = (0..len).map(|k| ((me + 1) * (k % 1000)) as f32).collect();
-                    let mut pool = ChunkPool::default();
-                    ring_all_reduce(fabric.as_ref(), me, &[0, 2, 1, 3], 5, &mut data, chunk, &mut pool)
-                        .unwrap();
-                    data
+                    let chunks: Vec<_> = (0..len).step_by(chunk).map(|s| s..(s + chunk).min(len)).collect();
+                    for (seq, range) in chunks.iter().enumerate() {
+                        let values = range.clone().map(|k| sent(me, k)).collect();
+                        let tag = Tag {
+                            edge: 5,
+                            seq: seq as u64,
+                        };
+                        fabric.send(me, next, tag, HostTensor::flat(values)).unwrap();
+                    }
+                    for (seq, range) in chunks.into_iter().enumerate() {
+                        let tag = Tag {
+                            edge: 5,
+                            seq: seq as u64,
+                        };
+                        let got = fabric.recv(me, prev, tag).unwrap();
+                        let expected: Vec<f32> = range.map(|k| sent(prev, k)).collect();
+                        assert!(
+                            *got.data == expected,
+                            "actor {me}: message {seq} from actor {prev}"
+                        );
+                    }
                 })
             })
             .collect();
         for h in handles {
-            let data = h.join().unwrap();
-            for k in [0, 1, 999, len / 2, len - 1] {
-                assert_eq!(data[k], (10 * (k % 1000)) as f32, "value {k}");
-            }
+            h.join().unwrap();
         }
     }
 }

@@ -13,17 +13,21 @@
 //! [`layer_norm`] one node (burn composes it of nine).
 //!
 //! Which library does the work is the process's choice, `ARCHIPELAGO_CPU_MATMUL`:
-//! `auto` (the default: OpenBLAS where a thread-safe build loads, Flex's gemm otherwise),
-//! `openblas` (an error at job start if it cannot be loaded) or `flex`. [`describe`] says what is
-//! in use (the run report and the bench carry it).
+//! `auto` (the default: OpenBLAS where a thread-safe build loads and one of its core types
+//! multiplies as Flex does, Flex's gemm otherwise), `openblas` (an error at job start if it
+//! cannot be had) or `flex`. OpenBLAS's core type is chosen from the CPU's features where its own
+//! detection is older than they allow (`core_type.rs`; a user's `OPENBLAS_CORETYPE` is kept).
+//! [`describe`] says what is in use and why (`train`, the run report and the bench carry it).
 
 mod attention;
 mod autodiff_attention;
 mod autodiff_matmul;
+pub mod core_type;
 mod flex_blas;
 mod gelu;
 mod layer_norm;
 pub mod openblas;
+mod openblas_check;
 #[cfg(test)]
 mod tests;
 
@@ -51,7 +55,7 @@ pub const CPU_MATMUL_ENV: &str = "ARCHIPELAGO_CPU_MATMUL";
 /// Which library multiplies f32 matrices on CPU devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuMatmul {
-    /// OpenBLAS where a thread-safe build can be loaded, Flex's gemm otherwise.
+    /// OpenBLAS where a thread-safe build loads and passes its checks, Flex's gemm otherwise.
     Auto,
     /// OpenBLAS, or an error.
     OpenBlas,

@@ -2,8 +2,20 @@
 //!
 //! The library is opened with `dlopen` (libloading) the first time a CPU matmul asks for it, so
 //! the binary builds and runs on machines without it (then Flex's own gemm does the work) and
-//! picks up Debian's `libopenblas0-pthread` where the README's commands installed it. OpenBLAS
-//! chooses its kernels for the CPU at load time (SkylakeX AVX-512 ones where the CPU has them).
+//! picks up Debian's `libopenblas0-pthread` where the README's commands installed it.
+//! [`LIBRARY_ENV`] (`ARCHIPELAGO_OPENBLAS_LIBRARY=/path/libopenblas.so.0`) names the library to
+//! open instead of searching the default names; if it cannot be loaded there is no OpenBLAS (no
+//! fallback to another one).
+//!
+//! OpenBLAS chooses its kernels (its core type) for the CPU when it is loaded, and may take a CPU
+//! newer than itself for an old one (0.3.21 runs Prescott's SSE3 kernels on a Sapphire Rapids,
+//! 5× slower than its SkylakeX ones there). The core type is chosen by the rule of
+//! [`super::core_type`]: where the detection is older than the CPU's features allow, the library
+//! is closed and opened again with [`CORETYPE_ENV`] set from the features (a `dlclose` and
+//! `dlopen` re-run OpenBLAS's detection: checked with `openblas_get_corename`, which must then
+//! name the core asked for); every candidate must multiply as Flex does
+//! (`openblas_check.rs`) or the next is tried. A user's own `OPENBLAS_CORETYPE` is never
+//! overridden. [`OpenBlas::description`] says which core runs and why.
 //!
 //! Only a build that is safe to call from several threads at once is taken: device actors of one
 //! process call it concurrently. Debian's `libopenblas0-serial` (`SINGLE_THREADED` in its config)
@@ -13,12 +25,15 @@
 //!
 //! One of the crate's few `unsafe` modules (with `collectives::shared`, the shm ring and
 //! `allocator`): a foreign function reads and writes through raw pointers, so
-//! [`OpenBlas::sgemm`] checks that every matrix it is given lies inside its slice before the call.
+//! [`OpenBlas::sgemm`] checks that every matrix it is given lies inside its slice before the call;
+//! and the core type is passed to OpenBLAS through the environment (see [`open_as`]).
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_char, c_int};
 use std::mem::MaybeUninit;
 use std::sync::OnceLock;
+
+use super::core_type::{self, Candidate, CpuFeatures};
 
 /// `cblas_sgemm`'s signature (row-major order, transposes and dims as C `int`s: LP64 OpenBLAS).
 type SgemmFn = unsafe extern "C" fn(
@@ -46,13 +61,26 @@ const CBLAS_TRANS: c_int = 112;
 /// build where both are installed).
 const LIBRARY_NAMES: [&str; 2] = ["libopenblas.so.0", "libopenblas.so"];
 
+/// Names the OpenBLAS to open (a path or a name `dlopen` searches) instead of the default names.
+pub const LIBRARY_ENV: &str = "ARCHIPELAGO_OPENBLAS_LIBRARY";
+
+/// OpenBLAS's own variable that forces its core type (read by its load-time constructor).
+pub const CORETYPE_ENV: &str = "OPENBLAS_CORETYPE";
+
 /// A loaded, usable OpenBLAS.
 pub struct OpenBlas {
-    /// Kept open for as long as the process runs (the function pointer points into it).
-    _library: libloading::Library,
+    /// Kept open for as long as the process runs (the function pointer points into it); None
+    /// only for the tests' stand-in kernels.
+    _library: Option<libloading::Library>,
     sgemm: SgemmFn,
-    /// What it says of itself: version, build options and the kernels it chose, e.g.
-    /// `OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY SkylakeX MAX_THREADS=64 (SkylakeX)`.
+    /// The core type whose kernels run (`openblas_get_corename`), e.g. `SkylakeX`.
+    pub core: String,
+    /// The core type OpenBLAS chose by itself, loaded without [`CORETYPE_ENV`]; None where the
+    /// user set that variable (then nothing is loaded without it).
+    pub detected: Option<String>,
+    /// What it says of itself and why this core runs: version, build options and the kernels,
+    /// e.g. `OpenBLAS 0.3.21 NO_LAPACKE DYNAMIC_ARCH NO_AFFINITY SkylakeX MAX_THREADS=64
+    /// (SkylakeX: core type set from the CPU's features: avx512f …; OpenBLAS detected Prescott)`.
     pub description: String,
 }
 
@@ -106,19 +134,119 @@ pub fn library() -> Result<&'static OpenBlas, &'static str> {
 }
 
 fn load() -> Result<OpenBlas, String> {
+    let (name, first) = open_first()?;
+    let user = std::env::var_os(CORETYPE_ENV).map(|v| v.to_string_lossy().into_owned());
+    let detected = first.core.clone();
+    let features = CpuFeatures::of_this_cpu();
+    let candidates = core_type::candidates(user.is_some(), &detected, &features);
+    let mut first = Some(first);
+    let choice = core_type::first_passing(&candidates, |candidate| {
+        let blas = match (candidate, first.take()) {
+            (Candidate::AsLoaded, Some(blas)) => blas,
+            (candidate, held) => {
+                // Closed before it is opened again, so that the next `dlopen` loads it afresh
+                // and OpenBLAS's constructor detects (or is told) the core again.
+                drop(held);
+                open_as(&name, candidate)?
+            }
+        };
+        if let Candidate::Core(core) = candidate
+            && !blas.core.eq_ignore_ascii_case(core)
+        {
+            return Err(format!(
+                "OpenBLAS runs {} (this build lacks {core}, or the library was not unloaded)",
+                blas.core
+            ));
+        }
+        super::openblas_check::agrees_with_flex(&blas)?;
+        Ok(blas)
+    });
+    let Some((chosen, mut blas)) = choice.chosen else {
+        let refused: Vec<String> = (choice.refused.iter())
+            .map(|(c, why)| format!("{c}: {why}"))
+            .collect();
+        return Err(format!(
+            "no OpenBLAS core type multiplies correctly here ({}); use another OpenBLAS, or {} = flex",
+            refused.join("; "),
+            super::CPU_MATMUL_ENV
+        ));
+    };
+    let why = core_type::reason(chosen, user.as_deref(), &detected, &features, &choice.refused);
+    blas.description = format!("{} ({}: {why})", blas.description, blas.core);
+    blas.detected = user.is_none().then_some(detected);
+    Ok(blas)
+}
+
+/// The first library that opens (as the environment says: [`LIBRARY_ENV`] or the default
+/// names), with its name.
+fn open_first() -> Result<(std::ffi::OsString, OpenBlas), String> {
+    if let Some(name) = std::env::var_os(LIBRARY_ENV).filter(|n| !n.is_empty()) {
+        return match open(&name) {
+            Ok(blas) => Ok((name, blas)),
+            Err(e) => Err(format!(
+                "OpenBLAS could not be loaded from {LIBRARY_ENV}={} ({e}); point it at an \
+                 OpenBLAS such as Debian's libopenblas0-pthread, or unset it to search {}",
+                name.to_string_lossy(),
+                LIBRARY_NAMES.join(", ")
+            )),
+        };
+    }
     let mut failures = Vec::new();
     for name in LIBRARY_NAMES {
-        // SAFETY: loading runs OpenBLAS's initialiser, which detects the CPU and sets up its
-        // buffers; it has no other effect on this process.
-        match unsafe { libloading::Library::new(name) } {
-            Ok(library) => return adopt(library),
+        match open(name.as_ref()) {
+            Ok(blas) => return Ok((name.into(), blas)),
             Err(e) => failures.push(format!("{name}: {e}")),
         }
     }
     Err(format!(
-        "OpenBLAS could not be loaded ({}); install Debian's libopenblas0-pthread",
+        "OpenBLAS could not be loaded ({}); install Debian's libopenblas0-pthread, or set \
+         {LIBRARY_ENV} to the path of an OpenBLAS",
         failures.join("; ")
     ))
+}
+
+/// Opens `name` as `candidate` says: with [`CORETYPE_ENV`] set to its core for the load (and
+/// removed again), or with the environment as it is.
+///
+/// Setting a variable is `unsafe` because C code on another thread may read the environment
+/// (`getenv`) while it changes; Rust's own readers take std's lock. OpenBLAS offers no other
+/// way to choose its core (no setter; its constructor reads the variable). Why it is sound
+/// enough here: it happens only inside [`library`]'s one-time initialisation, which the binary
+/// runs from `main` (`kernels::select_from_env`) before any actor, runtime or job thread exists;
+/// a `Core` candidate is tried only where the user has not set the variable, so removing it
+/// afterwards leaves the environment as it was (and child processes detect for themselves). In
+/// a test binary other test threads run meanwhile, and none of them reads the environment from
+/// C code but glibc's own rare lookups; glibc 2.36 never frees the strings `setenv` stores,
+/// `unsetenv` moves pointers within the array, and an addition reallocates only an array an
+/// earlier addition allocated (the first copies the startup array, which stays): such a reader
+/// may miss the variable, and only a second candidate's addition could move the array under it.
+fn open_as(name: &std::ffi::OsStr, candidate: Candidate) -> Result<OpenBlas, String> {
+    let Candidate::Core(core) = candidate else {
+        return open(name);
+    };
+    if std::env::var_os(CORETYPE_ENV).is_some() {
+        return Err(format!(
+            "{CORETYPE_ENV} is set: the user's choice is not overridden"
+        ));
+    }
+    // SAFETY: see above: once, during the process's one OpenBLAS initialisation, on a variable
+    // nobody else sets; the variable is removed again right after the load.
+    unsafe { std::env::set_var(CORETYPE_ENV, core) };
+    let opened = open(name);
+    // SAFETY: as for `set_var`.
+    unsafe { std::env::remove_var(CORETYPE_ENV) };
+    opened
+}
+
+/// `dlopen`s `name` and adopts it (see [`adopt`]).
+fn open(name: &std::ffi::OsStr) -> Result<OpenBlas, String> {
+    // SAFETY: loading runs OpenBLAS's initialiser, which detects the CPU (or reads
+    // OPENBLAS_CORETYPE) and sets up its buffers and thread pool; it has no other effect on this
+    // process. Unloading (dropping the library, `dlclose`) runs its destructor, which stops that
+    // pool: done only in [`load`] before the library is published, while nothing holds a
+    // pointer into it but the `OpenBlas` being dropped.
+    let library = unsafe { libloading::Library::new(name) }.map_err(|e| e.to_string())?;
+    adopt(library)
 }
 
 fn adopt(library: libloading::Library) -> Result<OpenBlas, String> {
@@ -170,9 +298,11 @@ fn adopt(library: libloading::Library) -> Result<OpenBlas, String> {
     }
     let core = corename.map(text).unwrap_or_default();
     let blas = OpenBlas {
-        _library: library,
+        _library: Some(library),
         sgemm,
-        description: format!("{config_text} ({core})"),
+        core,
+        detected: None,
+        description: config_text,
     };
     blas.overwrites_c()?;
     Ok(blas)
@@ -320,40 +450,5 @@ impl OpenBlas {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn extents_outside_the_slice_are_refused_before_the_call() {
-        let plain = |ld| Operand {
-            transposed: false,
-            ld,
-        };
-        assert!(plain(3).check("a", 2, 3, 6).is_ok());
-        assert!(plain(3).check("a", 2, 3, 5).is_err());
-        assert!(plain(2).check("a", 2, 3, 100).is_err(), "ld below the row length");
-        let t = Operand {
-            transposed: true,
-            ld: 2,
-        };
-        // A 3×2 matrix stored transposed: 2 stored rows of 3 → needs ld ≥ 3.
-        assert!(t.check("b", 3, 2, 100).is_err());
-        assert!(
-            Operand {
-                transposed: true,
-                ld: 3
-            }
-            .check("b", 3, 2, 6)
-            .is_ok()
-        );
-        assert!(plain(0).check("a", 0, 0, 0).is_err());
-        assert!(plain(1).check("a", 0, 0, 0).is_ok());
-        if let Ok(blas) = library() {
-            let mut c = vec![0.0; 3];
-            assert!(
-                blas.sgemm((2, 2, 2), &[1.0; 4], plain(2), &[1.0; 4], plain(2), &mut c, 2)
-                    .is_err()
-            );
-        }
-    }
-}
+#[path = "openblas_tests.rs"]
+mod tests;

@@ -44,9 +44,12 @@ impl FaultHook {
         }
     }
 
-    /// The gradient the optimizer step is about to apply for bucket `name`.
-    pub(super) fn on_update(&mut self, name: &TensorId, grad: HostTensor) -> HostTensor {
+    /// The gradient optimizer step `step` (1-based) is about to apply for bucket `name`.
+    pub(super) fn on_update(&mut self, name: &TensorId, step: u64, grad: HostTensor) -> HostTensor {
         match self.fault {
+            TestFault::SkipReplicaUpdate { replica, step: at } if replica == self.replica && at == step => {
+                HostTensor::flat(vec![0.0; grad.data.len()])
+            }
             // The first bucket updated in the first step, only: one all-reduce skipped.
             TestFault::SkipAllReduce if !self.skipped => match self.local.remove(name) {
                 Some(local) => {

@@ -29,7 +29,7 @@ use burn::tensor::backend::AutodiffBackend;
 use archipelago_dataflow::{ActorPlan, ActorTraining, ComputeOp};
 
 use crate::block::{Activation, Block};
-use crate::executor::{Computation, StepMetrics, TensorTable};
+use crate::executor::{Computation, HeldParams, StepMetrics, TensorTable};
 use crate::host_tensor::{HostTensor, from_burn};
 use crate::offload::OffloadActor;
 
@@ -257,13 +257,20 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         metrics
     }
 
-    fn block_params(&self) -> Vec<(usize, Vec<f32>)> {
+    fn block_params(&self) -> Vec<HeldParams> {
         if self.state.sharding.zero.shards_parameters() {
-            return Vec::new(); // only shards here; see block_squares
+            return self.owned_shard_params();
         }
         (0..self.stage.blocks.len())
             .filter(|&i| self.stage.held_blocks[i])
-            .map(|i| (i, Trainer::block_params(self, i).to_vec()))
+            .map(|i| {
+                let values = Trainer::block_params(self, i).to_vec();
+                HeldParams {
+                    block: i,
+                    range: 0..values.len(),
+                    values,
+                }
+            })
             .collect()
     }
 

@@ -13,7 +13,7 @@ use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
 use archipelago_dataflow::{ActorTraining, ZeroStage};
 
 use super::Trainer;
-use crate::executor::TensorTable;
+use crate::executor::{HeldParams, TensorTable};
 use crate::host_tensor::HostTensor;
 use crate::zoo::BuildContext;
 
@@ -167,7 +167,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
             let (mut grad, blocks) = self.take_bucket(name, table)?;
             if let Some(fault) = &mut self.fault {
-                grad = fault.on_update(name, grad);
+                let step = self.state.optimizer.steps() as u64;
+                grad = fault.on_update(name, step, grad);
             }
             let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
             if scope == UpdateScope::Whole {
@@ -307,6 +308,15 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// ZeRO-3: the sums of squares of this replica's shard of each segment, by block.
     pub(super) fn shard_squares(&self) -> Vec<(usize, f64)> {
+        let square = |v: &[f32]| v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+        (self.owned_shard_params().iter())
+            .map(|held| (held.block, square(&held.values)))
+            .collect()
+    }
+
+    /// ZeRO-3: a copy of this replica's shard of each segment, as the parts of the blocks it
+    /// covers (from the offload actor under `--offload-params`).
+    pub(super) fn owned_shard_params(&self) -> Vec<HeldParams> {
         let fetched;
         let shards = match &self.state.offload {
             Some(offload) if self.state.offload_params => {
@@ -321,8 +331,13 @@ impl<B: AutodiffBackend> Trainer<B> {
         (0..self.stage.blocks.len())
             .filter(|&i| self.stage.held_blocks[i])
             .filter_map(|i| {
-                let (_, at) = self.state.sharding.owned_part(i, &self.stage.offsets)?;
-                Some((i, shards[at].iter().map(|&x| (x as f64) * (x as f64)).sum()))
+                let (range, at) = self.state.sharding.owned_part(i, &self.stage.offsets)?;
+                let values = shards[at].to_vec();
+                Some(HeldParams {
+                    block: i,
+                    range,
+                    values,
+                })
             })
             .collect()
     }

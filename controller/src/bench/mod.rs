@@ -7,6 +7,7 @@ mod collectives;
 pub mod cross_process;
 pub mod device;
 mod hang;
+mod kernels;
 mod offload;
 pub mod parameter_server;
 mod peers;
@@ -70,6 +71,12 @@ pub struct BenchArgs {
     /// beside a memcpy, round trips), and stop.
     #[arg(long)]
     pub data_paths_only: bool,
+    /// Run only the CPU kernels' section and stop: gpt-tiny and mlp-8x1024 at dp=1 and dp=2 with
+    /// each CPU matmul this machine has (Flex, OpenBLAS as detected, OpenBLAS with each core
+    /// type the CPU allows, auto), each in a child process, alternated; with --peers, PyTorch's
+    /// steps of the same workloads right after.
+    #[arg(long)]
+    pub kernels_only: bool,
     /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
     /// collectives and DDP steps are measured right after ours, in the same window, and their
     /// figures and our ratios to them land in the JSON (`peers`). Never in CI.
@@ -133,6 +140,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         });
         let out = json!({ "suite": "data_paths", "data_paths": paths, "peers": peers, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() });
         return write_out(&out, args);
+    }
+    if args.kernels_only {
+        return write_out(&kernels_only(args), args);
     }
     if args.actor_api_only {
         let peer = cross_process::PeerArgs {
@@ -225,6 +235,9 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         json!({ "torch_training": torch, "gloo": gloo, "training_ours_over_torch": ratios })
     });
     eprintln!("peers: {}", peers.clone().unwrap_or_default());
+    // One round of fewer steps here; `--kernels-only` runs two of WORKLOADS.md's length.
+    let cpu_kernels = kernels::kernels(kernels::Settings::new(true));
+    eprintln!("kernels: {cpu_kernels}");
     let dir = args.nvme_dir.clone().unwrap_or_else(std::env::temp_dir);
     let offload = offload::mlp_offload(warmup, timed, &dir)?;
     eprintln!("offload: {offload}");
@@ -252,6 +265,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "pipeline": pipeline,
         "zero": zero,
         "gpt_tiny": gpt,
+        "kernels": cpu_kernels,
         "offload": offload,
         "soak": soak,
         "parameter_server": ps,
@@ -263,6 +277,29 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         "wall_s": started.elapsed().as_secs_f64(),
     });
     write_out(&out, args)
+}
+
+/// `--kernels-only`: the kernels' section, then (with `--peers`) PyTorch's steps of the same
+/// workloads and auto's throughput over PyTorch's.
+fn kernels_only(args: &BenchArgs) -> serde_json::Value {
+    let started = std::time::Instant::now();
+    let settings = kernels::Settings::new(args.quick);
+    let section = kernels::kernels(settings);
+    let peers = args.peers.as_deref().map(|python| {
+        let (warmup, timed) = settings.mlp_steps;
+        let torch = peers::torch_training(python, "gpt-tiny,mlp-8x1024", warmup, timed);
+        let ratios = peers::throughput_ratios(&kernels::auto_runs(&section), &torch);
+        json!({ "torch_training": torch, "auto_over_torch": ratios, "load_avg_end": load_avg() })
+    });
+    json!({
+        "suite": "kernels",
+        "quick": args.quick,
+        "cpu_matmul": archipelago_actors::kernels::describe(),
+        "kernels": section,
+        "peers": peers,
+        "load_avg_end": load_avg(),
+        "wall_s": started.elapsed().as_secs_f64(),
+    })
 }
 
 /// The cross-process script's settings for `path`: 64 MiB collectives `reps` times, then the

@@ -8,7 +8,7 @@ use archipelago_dataflow::{DeviceSpec, ModelSpec, ParallelPlan, Program};
 
 use crate::process_stats::load_avg;
 use crate::report::median;
-use crate::train_job::TrainOptions;
+use crate::train::TrainOptions;
 use crate::{Controller, TrainReport};
 
 /// Trains mlp-8x1024 (global batch 64) under `plan` for `warmup + timed` steps on one CPU

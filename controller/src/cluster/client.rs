@@ -11,7 +11,7 @@ use archipelago_dataflow::Program;
 use super::remote_job::RemoteOptions;
 use crate::JobError;
 use crate::report::TrainReport;
-use crate::train_job::{StepProgress, TrainOptions};
+use crate::train::{StepProgress, TrainOptions};
 
 /// How long a client waits for a controller that does not listen yet.
 const CONNECT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);

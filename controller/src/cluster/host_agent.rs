@@ -4,7 +4,7 @@
 //! [`HostPart`](super::host_part::HostPart) here over the actor port and drives the steps by
 //! calling it; the session's `Stop` ends the job (even while a step hangs).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -13,7 +13,6 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use archipelago_actors::fabric::grpc::{Inbox, serve_fabric, with_token};
 use archipelago_actors::fabric::serve_tcp_fabric;
-use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::proto::{
     ControllerMessage, Heartbeat, HostMessage, Register, controller_message, host_message,
@@ -21,9 +20,9 @@ use archipelago_actors::proto::{
 use archipelago_actors::runtime::Runtime;
 use archipelago_actors::runtime::remote::serve_actor_port;
 use archipelago_actors::trust::{Credentials, grpc_endpoint};
-use archipelago_dataflow::{ActorId, DeviceSpec};
+use archipelago_dataflow::DeviceSpec;
 
-use super::host_part::{self, HostResources};
+use super::host_part::{self, HostResources, Progress};
 
 /// How a host joins the cluster.
 #[derive(Debug, Clone)]
@@ -50,8 +49,6 @@ pub struct HostOptions {
     /// How long to keep trying to reach the controller.
     pub connect_timeout: Duration,
 }
-
-pub(crate) type Progress = Arc<Mutex<Vec<(ActorId, Arc<ActorProgress>)>>>;
 
 /// Runs the host until the controller ends its session (an error) or refuses it.
 pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {

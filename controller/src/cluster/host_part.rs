@@ -1,10 +1,11 @@
 //! A host's part of a training job as an actor of the runtime API ([`crate::runtime`]'s actor
 //! ports): the controller spawns one [`HostPart`] on every host of the job, over the host's
-//! actor port, and drives it with calls — [`StartPart`] builds the host's device actors (the
-//! same `ActorGang` as a local job, over a fabric to the other hosts), [`RunPart`] runs a
-//! step on them, [`PartBlockSquares`] and [`SavePart`] answer for norms and checkpoints. One
-//! engine: a step reaches a device actor as a runtime call from the controller to the host part,
-//! then a runtime call from the host part to each device actor.
+//! actor port, and drives it with calls — [`StartPart`] builds the host's device actors (the one
+//! way every gang starts from a plan, as a local job's does, over a fabric to the other hosts),
+//! [`RunPart`] runs a step on them, [`PartBlockSquares`], [`PartHeldParams`] and [`SavePart`]
+//! answer for norms, parameters and checkpoints. One engine: a step reaches a device actor as a
+//! runtime call from the controller to the host part, then a runtime call from the host part to
+//! each device actor.
 //!
 //! What the host process offers its parts (its fabric ports, the cluster's credentials, the
 //! heartbeat's view of the actors, the running job) is [`HostResources`], set once by
@@ -17,20 +18,20 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use archipelago_actors::ActorFailure;
 use archipelago_actors::checkpoint::{CheckpointReader, ShardFile};
-use archipelago_actors::executor::StepReport;
+use archipelago_actors::executor::{HeldParams, StepReport};
 use archipelago_actors::fabric::grpc::{GrpcFabric, Inbox};
 use archipelago_actors::fabric::{DataPath, Fabric, InProcessFabric, TcpFabric};
+use archipelago_actors::progress::ActorProgress;
 use archipelago_actors::runtime::{Actor, Context, Handler, Message, Registry};
 use archipelago_actors::trust::Credentials;
-use archipelago_dataflow::{ActorId, DeviceSpec, ModelSpec, Plan};
+use archipelago_actors::{ActorFailure, Builders};
+use archipelago_dataflow::{ActorId, ModelSpec, Plan};
 
-use super::host_agent::Progress;
 use crate::JobError;
 use crate::actor_gang::ActorGang;
 use crate::gang::Gang;
-use crate::train_job::trainer_factories;
+use crate::train::launch::{GangLaunch, start_gang};
 
 /// What a host part is built from: the host's share of the plan and how to reach the others.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -140,6 +141,13 @@ impl Message for PartBlockSquares {
     type Reply = Result<Vec<(usize, f64)>, PartError>;
 }
 
+/// A copy of every parameter the host's actors hold, by actor.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PartHeldParams;
+impl Message for PartHeldParams {
+    type Reply = Result<Vec<(ActorId, Vec<HeldParams>)>, PartError>;
+}
+
 /// The host's actors write their checkpoint shards after step `step` into `dir`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SavePart {
@@ -160,6 +168,7 @@ pub fn registry() -> Registry {
         .handles::<HostPart, StartPart>()
         .handles::<HostPart, RunPart>()
         .handles::<HostPart, PartBlockSquares>()
+        .handles::<HostPart, PartHeldParams>()
         .handles::<HostPart, SavePart>()
 }
 
@@ -177,6 +186,9 @@ impl LocalJob {
         self.gang.lock().await.stop().await;
     }
 }
+
+/// The host's running actors with what each is running, as its heartbeats report them.
+pub(crate) type Progress = Arc<Mutex<Vec<(ActorId, Arc<ActorProgress>)>>>;
 
 /// What a host process offers the parts it runs.
 pub struct HostResources {
@@ -272,7 +284,7 @@ impl HostResources {
         } else {
             &self.fabric_addr
         };
-        let (gang, fabric) = start_gang(&params, &self.inbox, here, &self.credentials).await?;
+        let (gang, fabric) = start_host_gang(&params, &self.inbox, here, &self.credentials).await?;
         *self.progress.lock().expect("progress") =
             gang.progress().iter().map(|(a, _, p)| (*a, p.clone())).collect();
         *self.job.lock().expect("host job") = Some(LocalJob {
@@ -380,6 +392,18 @@ impl Handler<PartBlockSquares> for HostPart {
     }
 }
 
+impl Handler<PartHeldParams> for HostPart {
+    async fn handle(
+        &mut self,
+        _: PartHeldParams,
+        _ctx: &Context<Self>,
+    ) -> Result<Vec<(ActorId, Vec<HeldParams>)>, PartError> {
+        let gang = self.host.gang(&self.params.launch)?;
+        self.on_agent(async move { Ok(gang.lock().await.held_params().await?) })
+            .await
+    }
+}
+
 impl Handler<SavePart> for HostPart {
     async fn handle(&mut self, save: SavePart, _ctx: &Context<Self>) -> Result<Vec<ShardFile>, PartError> {
         let gang = self.host.gang(&self.params.launch)?;
@@ -394,8 +418,9 @@ impl Handler<SavePart> for HostPart {
     }
 }
 
-/// Connects the fabric to the other hosts and starts the host's device actors.
-async fn start_gang(
+/// Connects the fabric to the other hosts and starts the host's device actors the one way
+/// every gang starts from a plan ([`start_gang`]).
+async fn start_host_gang(
     params: &PartParams,
     inbox: &Inbox,
     here: &str,
@@ -403,9 +428,38 @@ async fn start_gang(
 ) -> Result<(ActorGang, Arc<dyn Fabric>), JobError> {
     params.check()?;
     let plan = &params.plan;
-    let local = Arc::new(InProcessFabric::new(plan.actors.len(), params.patience));
+    let fabric = connect_fabric(params, inbox, here, credentials).await?;
+    let restore = match &params.restore {
+        None => None,
+        Some(dir) => Some(Arc::new(
+            CheckpointReader::open(Path::new(dir)).map_err(JobError::Runtime)?,
+        )),
+    };
+    let spec = ModelSpec::parse(&plan.program.model.name)?;
+    let launch = GangLaunch {
+        job: &params.job,
+        plan,
+        actors: &params.actors,
+        builders: &Builders::zoo(spec),
+        restore,
+        patience: params.patience,
+    };
+    let gang = start_gang(launch, fabric.clone()).await?;
+    Ok((gang, fabric))
+}
+
+/// The job's fabric on this host: an in-process one for the host's own actors (installed in the
+/// host's inbox, where its fabric ports deliver) and links to the other hosts on the data path
+/// the job asks for.
+async fn connect_fabric(
+    params: &PartParams,
+    inbox: &Inbox,
+    here: &str,
+    credentials: &Credentials,
+) -> Result<Arc<dyn Fabric>, JobError> {
+    let local = Arc::new(InProcessFabric::new(params.plan.actors.len(), params.patience));
     inbox.install(Some(local.clone()));
-    let fabric: Arc<dyn Fabric> = match params.data_path {
+    Ok(match params.data_path {
         DataPath::Grpc => Arc::new(
             GrpcFabric::connect(&params.peers, here, local, credentials)
                 .await
@@ -421,25 +475,7 @@ async fn start_gang(
                 .map_err(JobError::Runtime)?;
             Arc::new(fabric)
         }
-    };
-    let restore = match &params.restore {
-        None => None,
-        Some(dir) => Some(Arc::new(
-            CheckpointReader::open(Path::new(dir)).map_err(JobError::Runtime)?,
-        )),
-    };
-    let spec = ModelSpec::parse(&plan.program.model.name)?;
-    let builders = archipelago_actors::Builders::zoo(spec);
-    let devices: Vec<DeviceSpec> = params.actors.iter().map(|&a| plan.actors[a].device).collect();
-    builders.check(&devices).map_err(JobError::Runtime)?;
-    let factories = trainer_factories(plan, &builders, &params.actors, restore);
-    let mut streams: Vec<_> = (params.actors.iter())
-        .map(|&a| plan.actors[a].stream.clone())
-        .collect();
-    crate::hang::inject_stream_fault(&mut streams, plan.program.test_fault);
-    let watchdog = params.patience + Duration::from_secs(10);
-    let gang = ActorGang::start(&params.job, streams, factories, fabric.clone(), watchdog).await?;
-    Ok((gang, fabric))
+    })
 }
 
 #[cfg(test)]

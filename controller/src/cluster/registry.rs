@@ -1,6 +1,7 @@
 //! The controller's registry of hosts: who offers which devices, when each was last heard of,
 //! what its actors were running, and the channel to its session. The running job subscribes to
 //! the hosts' messages and to their loss (session closed, or silent past the host timeout).
+//! [`ClusterConfig`] says how long a host may be silent and a job may wait for hosts.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -14,6 +15,27 @@ use archipelago_actors::proto::{ActorState, ControllerMessage, controller_messag
 use archipelago_dataflow::DeviceSpec;
 
 use crate::dashboard::{Dashboard, HostView};
+
+/// How the controller treats its hosts.
+#[derive(Clone)]
+pub struct ClusterConfig {
+    /// A host silent this long is declared lost.
+    pub host_timeout: Duration,
+    /// How long a job waits for enough devices to register.
+    pub wait_for_hosts: Duration,
+    /// A dashboard to feed with the cluster and its jobs.
+    pub dashboard: Option<Arc<Dashboard>>,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            host_timeout: Duration::from_secs(5),
+            wait_for_hosts: Duration::from_secs(60),
+            dashboard: None,
+        }
+    }
+}
 
 /// A registered host.
 #[derive(Debug, Clone, PartialEq)]

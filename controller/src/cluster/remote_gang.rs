@@ -16,7 +16,7 @@ use futures::stream::FuturesUnordered;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use archipelago_actors::checkpoint::ShardFile;
-use archipelago_actors::executor::StepReport;
+use archipelago_actors::executor::{HeldParams, StepReport};
 use archipelago_actors::fabric::DataPath;
 use archipelago_actors::proto::{ActorState, Stop, controller_message};
 use archipelago_actors::runtime::remote::Liveness;
@@ -25,7 +25,7 @@ use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::{ActorId, Plan};
 
 use super::host_part::{
-    self, HostPart, PartBlockSquares, PartError, PartParams, RunPart, SavePart, StartPart,
+    self, HostPart, PartBlockSquares, PartError, PartHeldParams, PartParams, RunPart, SavePart, StartPart,
 };
 use super::registry::{HostEvent, HostInfo, Registry};
 use crate::JobError;
@@ -538,6 +538,13 @@ impl Gang for RemoteGang {
     async fn block_squares(&mut self) -> Result<Vec<(usize, f64)>, JobError> {
         let parts = self.call_all(|| PartBlockSquares).await?;
         Ok(parts.into_iter().flat_map(|(_, s)| s).collect())
+    }
+
+    async fn held_params(&mut self) -> Result<Vec<(ActorId, Vec<HeldParams>)>, JobError> {
+        let parts = self.call_all(|| PartHeldParams).await?;
+        let mut held: Vec<_> = parts.into_iter().flat_map(|(_, p)| p).collect();
+        held.sort_by_key(|(actor, _)| *actor);
+        Ok(held)
     }
 
     async fn checkpoint(&mut self, dir: &Path, step: u64) -> Result<Vec<ShardFile>, JobError> {

@@ -16,15 +16,16 @@ use archipelago_actors::proto::{JobEvent, StepProgress as ProgressEvent, job_eve
 use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::{Plan, Program, compile};
 
-use super::registry::{HostInfo, Registry};
+use super::registry::{ClusterConfig, HostInfo, Registry};
 use super::remote_gang::{LaunchSpec, RemoteGang};
-use super::service::ClusterConfig;
 use crate::JobError;
-use crate::report::{RestartRecord, TrainReport};
-use crate::train_job::{StepProgress, TrainOptions, check_data, check_options, drive, resume_point};
+use crate::report::{RestartRecord, StepRecord, TrainReport};
+use crate::train::preflight::preflight;
+use crate::train::step_loop::drive;
+use crate::train::{ProgressFn, StepProgress, TrainOptions};
 
 /// How many times a job is restarted after host losses before it gives up.
-const MAX_RESTARTS: u32 = 3;
+const MAX_RESTARTS: usize = 3;
 
 /// The run options a client sends with its program.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -51,6 +52,9 @@ pub struct RemoteOptions {
     /// Send the Perfetto trace of the steps back before the report.
     #[serde(default)]
     pub trace: bool,
+    /// Copy every actor's parameters into the report (see [`TrainOptions::keep_params`]).
+    #[serde(default)]
+    pub keep_params: bool,
 }
 
 impl RemoteOptions {
@@ -67,6 +71,7 @@ impl RemoteOptions {
             restart_on_failure: options.restart_on_failure,
             data_path: options.data_path,
             trace: options.trace.is_some(),
+            keep_params: options.keep_params,
         }
     }
 
@@ -85,6 +90,7 @@ impl RemoteOptions {
             data_path: self.data_path,
             dashboard: None,
             collectives: Default::default(),
+            keep_params: self.keep_params,
         }
     }
 }
@@ -110,7 +116,14 @@ pub async fn run_job(
         std::env::temp_dir().join(name)
     });
     train.trace = trace_file.clone();
-    let result = run_attempts(&registry, program, &mut train, &config, &credentials, &events).await;
+    let job = ClusterJob {
+        registry: &registry,
+        program,
+        config: &config,
+        credentials: &credentials,
+        events: &events,
+    };
+    let result = job.run(&mut train).await;
     if let Some(path) = trace_file {
         if result.is_ok() {
             match std::fs::read(&path) {
@@ -130,39 +143,56 @@ pub async fn run_job(
     result
 }
 
-/// Launches and drives the job, again after each host loss when restarts are asked for.
-async fn run_attempts(
-    registry: &Arc<Registry>,
+/// What every attempt of one job on the cluster shares.
+struct ClusterJob<'a> {
+    registry: &'a Arc<Registry>,
     program: Program,
-    train: &mut TrainOptions,
-    config: &ClusterConfig,
-    credentials: &Credentials,
-    events: &UnboundedSender<Result<JobEvent, Status>>,
-) -> Result<TrainReport, JobError> {
-    let tell = |kind: job_event::Kind| {
-        let _ = events.send(Ok(JobEvent { kind: Some(kind) }));
-    };
-    let progress = events.clone();
-    train.on_step = Some(Arc::new(move |p: &StepProgress| {
-        let event = ProgressEvent {
-            step: p.step,
-            steps: p.steps,
-            loss: p.loss,
-            time_s: p.time_s,
-        };
-        let _ = progress.send(Ok(JobEvent {
-            kind: Some(job_event::Kind::Progress(event)),
-        }));
-    }));
-    let mut history = Vec::new();
-    let mut restarts = 0;
-    let mut restart_log: Vec<RestartRecord> = Vec::new();
-    loop {
-        let needed = program.plan.dp * program.plan.pp;
-        let hosts = registry
-            .wait_for_devices(needed, config.wait_for_hosts, false)
+    config: &'a ClusterConfig,
+    credentials: &'a Credentials,
+    /// Where the client hears of the job.
+    events: &'a UnboundedSender<Result<JobEvent, Status>>,
+}
+
+impl ClusterJob<'_> {
+    fn tell(&self, kind: job_event::Kind) {
+        let _ = self.events.send(Ok(JobEvent { kind: Some(kind) }));
+    }
+
+    /// Launches and drives the job, again after each host loss when restarts are asked for.
+    async fn run(&self, train: &mut TrainOptions) -> Result<TrainReport, JobError> {
+        train.on_step = Some(progress_events(self.events.clone()));
+        let mut history = Vec::new();
+        let mut restart_log: Vec<RestartRecord> = Vec::new();
+        loop {
+            match self.attempt(train, &mut history, &mut restart_log).await {
+                Err(lost @ JobError::HostLost(_))
+                    if train.restart_on_failure && restart_log.len() < MAX_RESTARTS =>
+                {
+                    self.prepare_restart(lost, train, &history, &mut restart_log)?;
+                }
+                Ok(mut report) => {
+                    report.restarts = restart_log;
+                    return Ok(report);
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One launch: places the job on the hosts registered now, checks it, starts every host's
+    /// part and drives the steps (`history` keeps the step records across launches).
+    async fn attempt(
+        &self,
+        train: &TrainOptions,
+        history: &mut Vec<StepRecord>,
+        restart_log: &mut [RestartRecord],
+    ) -> Result<TrainReport, JobError> {
+        let restarts = restart_log.len();
+        let needed = self.program.plan.dp * self.program.plan.pp;
+        let hosts = (self.registry)
+            .wait_for_devices(needed, self.config.wait_for_hosts, false)
             .await;
-        let (plan, placement) = place(&program, &hosts, restarts > 0)?;
+        let (plan, placement) = place(&self.program, &hosts, restarts > 0)?;
         let plan = Arc::new(plan);
         let line = format!(
             "job {}: {} actors [{}] on {}",
@@ -172,15 +202,12 @@ async fn run_attempts(
             describe(&placement)
         );
         tracing::info!("{line}");
-        tell(job_event::Kind::Info(line));
-        check_options(train)?;
-        check_data(&plan.program)?;
-        let (restore, first_step) = resume_point(&plan.program, train)?;
+        self.tell(job_event::Kind::Info(line));
+        let start = preflight(&plan.program, train)?;
         if let Some(last) = restart_log.last_mut() {
-            last.resumed_at_step = first_step;
+            last.resumed_at_step = start.first_step;
             last.mesh = plan.mesh.to_string();
         }
-        let grace = config.host_timeout + Duration::from_secs(1);
         // Each launch has its own name, so that nothing of an earlier one is taken for it.
         let launch = if restarts == 0 {
             train.job.clone()
@@ -189,48 +216,68 @@ async fn run_attempts(
         };
         let spec = LaunchSpec {
             placement: &placement,
-            restore: restore.as_ref().map(|r| r.dir()),
+            restore: start.restore.as_ref().map(|r| r.dir()),
             data_path: train.data_path,
             patience: train.patience,
-            grace,
-            credentials,
+            grace: self.config.host_timeout + Duration::from_secs(1),
+            credentials: self.credentials,
         };
-        let mut gang = RemoteGang::launch(&launch, registry.clone(), plan.clone(), spec).await?;
-        let result = drive(&mut gang, &plan, train, first_step, &mut history).await;
+        let mut gang = RemoteGang::launch(&launch, self.registry.clone(), plan.clone(), spec).await?;
+        let result = drive(&mut gang, &plan, train, start.first_step, history).await;
         gang.stop();
-        match result {
-            Err(lost @ JobError::HostLost(_)) if train.restart_on_failure && restarts < MAX_RESTARTS => {
-                let Some(root) = &train.checkpoint_dir else {
-                    return Err(lost);
-                };
-                restarts += 1;
-                restart_log.push(RestartRecord {
-                    lost: lost.to_string(),
-                    failed_after_step: history.last().map_or(0, |s| s.step),
-                    ..RestartRecord::default()
-                });
-                train.resume = checkpoint::latest_complete(root).0.is_some();
-                let line = format!(
-                    "{lost}; restart {restarts}/{MAX_RESTARTS} from {}",
-                    if train.resume {
-                        "the last complete checkpoint"
-                    } else {
-                        "step 1 (no checkpoint yet)"
-                    }
-                );
-                tracing::warn!("{line}");
-                if let Some(d) = &config.dashboard {
-                    d.failure(&line);
-                }
-                tell(job_event::Kind::Info(line));
-            }
-            Ok(mut report) => {
-                report.restarts = restart_log;
-                return Ok(report);
-            }
-            other => return other,
-        }
+        result
     }
+
+    /// Records the loss of a host and sets the next launch up to go on from the last complete
+    /// checkpoint (or from step 1 when there is none yet); without a checkpoint directory the
+    /// loss ends the job.
+    fn prepare_restart(
+        &self,
+        lost: JobError,
+        train: &mut TrainOptions,
+        history: &[StepRecord],
+        restart_log: &mut Vec<RestartRecord>,
+    ) -> Result<(), JobError> {
+        let Some(root) = &train.checkpoint_dir else {
+            return Err(lost);
+        };
+        restart_log.push(RestartRecord {
+            lost: lost.to_string(),
+            failed_after_step: history.last().map_or(0, |s| s.step),
+            ..RestartRecord::default()
+        });
+        train.resume = checkpoint::latest_complete(root).0.is_some();
+        let line = format!(
+            "{lost}; restart {}/{MAX_RESTARTS} from {}",
+            restart_log.len(),
+            if train.resume {
+                "the last complete checkpoint"
+            } else {
+                "step 1 (no checkpoint yet)"
+            }
+        );
+        tracing::warn!("{line}");
+        if let Some(d) = &self.config.dashboard {
+            d.failure(&line);
+        }
+        self.tell(job_event::Kind::Info(line));
+        Ok(())
+    }
+}
+
+/// A progress callback that sends each step's progress to the client.
+fn progress_events(events: UnboundedSender<Result<JobEvent, Status>>) -> ProgressFn {
+    Arc::new(move |p: &StepProgress| {
+        let event = ProgressEvent {
+            step: p.step,
+            steps: p.steps,
+            loss: p.loss,
+            time_s: p.time_s,
+        };
+        let _ = events.send(Ok(JobEvent {
+            kind: Some(job_event::Kind::Progress(event)),
+        }));
+    })
 }
 
 /// Places the mesh on the hosts' devices (hosts sorted by island) stage by stage: the replicas of

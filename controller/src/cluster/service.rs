@@ -21,29 +21,9 @@ use archipelago_actors::proto::{
 use archipelago_actors::trust::{Credentials, serve_grpc};
 use archipelago_dataflow::{DeviceSpec, Program};
 
+pub use super::registry::ClusterConfig;
 use super::registry::{HostInfo, Registry};
 use super::remote_job::{RemoteOptions, run_job};
-
-/// How the controller treats its hosts.
-#[derive(Clone)]
-pub struct ClusterConfig {
-    /// A host silent this long is declared lost.
-    pub host_timeout: Duration,
-    /// How long a job waits for enough devices to register.
-    pub wait_for_hosts: Duration,
-    /// A dashboard to feed with the cluster and its jobs.
-    pub dashboard: Option<Arc<crate::dashboard::Dashboard>>,
-}
-
-impl Default for ClusterConfig {
-    fn default() -> Self {
-        ClusterConfig {
-            host_timeout: Duration::from_secs(5),
-            wait_for_hosts: Duration::from_secs(60),
-            dashboard: None,
-        }
-    }
-}
 
 struct ControllerService {
     registry: Arc<Registry>,

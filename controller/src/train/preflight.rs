@@ -1,0 +1,104 @@
+//! What a training job checks and loads before any actor starts, wherever it runs: options that
+//! cannot work together, data and initial weights the model cannot use, and the checkpoint to
+//! resume from. A job that fails here has started nothing.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use archipelago_actors::batch_file::BatchFile;
+use archipelago_actors::checkpoint::{self, CheckpointReader};
+use archipelago_actors::weights_file::InitWeights;
+use archipelago_dataflow::data::{DataSpec, TokenStream};
+use archipelago_dataflow::{InputKind, Program};
+
+use super::options::TrainOptions;
+use crate::JobError;
+
+/// Where a job starts: the checkpoint to load (none when starting fresh) and the first step.
+pub(crate) struct StartPoint {
+    /// The checkpoint every actor loads its state from.
+    pub restore: Option<Arc<CheckpointReader>>,
+    /// The first step to run (1 when starting fresh).
+    pub first_step: u64,
+}
+
+/// Checks `options` and `program`'s data and weights, then finds where the job starts.
+pub(crate) fn preflight(program: &Program, options: &TrainOptions) -> Result<StartPoint, JobError> {
+    check_options(options)?;
+    check_data(program)?;
+    resume_point(program, options)
+}
+
+/// Refuses option combinations that cannot work.
+fn check_options(options: &TrainOptions) -> Result<(), JobError> {
+    if options.resume && options.checkpoint_dir.is_none() {
+        return Err(JobError::Runtime(
+            "resuming needs the checkpoint directory (--resume DIR)".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses `--data` a model cannot train on (bytes outside a gpt's vocabulary, too short; a
+/// safetensors file without the tensors the model reads) and `--init` weights that are not
+/// exactly the model's. A file this process cannot read is left to the hosts to read.
+fn check_data(program: &Program) -> Result<(), JobError> {
+    let path_here = |path: &str| Path::new(path).exists();
+    match (&program.data, program.model.input) {
+        (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
+            if let Ok(bytes) = std::fs::read(path) {
+                TokenStream::check_text(path, &bytes, ctx, vocab).map_err(JobError::Runtime)?;
+            }
+        }
+        (DataSpec::TensorFile { path }, input) if path_here(path) => {
+            BatchFile::open(Path::new(path), input).map_err(JobError::Runtime)?;
+        }
+        _ => {}
+    }
+    if let Some(path) = program.init.as_deref().filter(|p| path_here(p)) {
+        InitWeights::open(Path::new(path), &program.model).map_err(JobError::Runtime)?;
+    }
+    Ok(())
+}
+
+/// The newest complete checkpoint under `checkpoint_dir` when resuming (it must be of this
+/// model and seed), else a fresh start.
+fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint, JobError> {
+    let Some(root) = options.checkpoint_dir.as_ref().filter(|_| options.resume) else {
+        return Ok(StartPoint {
+            restore: None,
+            first_step: 1,
+        });
+    };
+    let (latest, skipped) = checkpoint::latest_complete(root);
+    for why in &skipped {
+        tracing::warn!("{why}");
+        eprintln!("checkpoint {why}");
+    }
+    let Some((dir, manifest)) = latest else {
+        return Err(JobError::Runtime(format!(
+            "no complete checkpoint under {} to resume from{}",
+            root.display(),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", skipped.join("; "))
+            }
+        )));
+    };
+    if manifest.model != program.model.name || manifest.seed != program.seed {
+        return Err(JobError::Runtime(format!(
+            "the checkpoint in {} is of model `{}` seed {}, this job trains `{}` seed {}",
+            dir.display(),
+            manifest.model,
+            manifest.seed,
+            program.model.name,
+            program.seed
+        )));
+    }
+    let reader = CheckpointReader::open(&dir).map_err(JobError::Runtime)?;
+    Ok(StartPoint {
+        restore: Some(Arc::new(reader)),
+        first_step: manifest.next_step,
+    })
+}
