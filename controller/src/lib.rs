@@ -37,6 +37,7 @@ pub mod prelude;
 pub mod process_stats;
 pub mod ps_job;
 pub mod replay;
+pub mod replica_check;
 pub mod report;
 pub mod runtime;
 pub mod telemetry;

@@ -55,11 +55,20 @@ fn restarting(
         checkpoint_dir: Some(dir),
         checkpoint_every: every,
         restart_on_failure: true,
+        keep_params: true,
         ..TrainOptions::default()
     }
 }
 
+/// Both runs' replicas agree element by element (every actor's parameters, kept with
+/// `keep_params`), and `run` has `reference`'s losses and block norms within `tolerance`.
 fn assert_same(reference: &TrainReport, run: &TrainReport, tolerance: f64, what: &str) {
+    let model = ModelSpec::parse(common::MLP).unwrap().desc();
+    for (which, report) in [("reference", reference), ("run", run)] {
+        if let Err(e) = archipelago_controller::replica_check::assemble_params(report, &model) {
+            panic!("{what} ({which}): {e}");
+        }
+    }
     assert_eq!(reference.steps.len(), run.steps.len(), "{what}: steps");
     for (a, b) in reference.block_l2.iter().zip(&run.block_l2) {
         assert!((a - b).abs() / a < tolerance, "{what}: block norm {a} vs {b}");
@@ -169,6 +178,7 @@ fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
             job: format!("across-{}-{data_path}", what.replace(' ', "-")),
             data_path,
             trace: Some(trace.clone()),
+            keep_params: true,
             ..TrainOptions::default()
         };
         let run = remote

@@ -227,6 +227,7 @@ pub fn local(plan: ParallelPlan, steps: u64) -> TrainReport {
             &program(plan),
             &TrainOptions {
                 steps,
+                keep_params: true,
                 ..TrainOptions::default()
             },
         )
