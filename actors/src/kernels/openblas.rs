@@ -26,7 +26,7 @@
 //! One of the crate's few `unsafe` modules (with `collectives::shared`, the shm ring and
 //! `allocator`): a foreign function reads and writes through raw pointers, so
 //! [`OpenBlas::sgemm`] checks that every matrix it is given lies inside its slice before the call;
-//! and the core type is passed to OpenBLAS through the environment (see [`open_as`]).
+//! and the core type is passed to OpenBLAS through the environment (see `open_as`).
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_char, c_int};
