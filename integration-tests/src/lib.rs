@@ -200,6 +200,22 @@ pub fn assert_same_losses_and_norms(reference: &TrainReport, run: &TrainReport, 
     );
 }
 
+/// How far past its tolerance every negative control's broken variant must land, at least.
+pub const MARGIN: f64 = 10.0;
+
+/// Asserts that a negative control's `difference` lands at least `margin` × `tolerance` away
+/// (`margin` ≥ [`MARGIN`]), and prints the margin found.
+pub fn assert_caught(what: &str, difference: f64, tolerance: f64, margin: f64) {
+    assert!(margin >= MARGIN, "{what}: a control's bar is at least {MARGIN}×");
+    let found = difference / tolerance;
+    eprintln!("control {what}: {difference:e}, {found:.1}× the tolerance {tolerance:e} (bar {margin}×)");
+    assert!(
+        difference >= margin * tolerance,
+        "{what}: the broken variant lands only {found:.1}× past the tolerance {tolerance:e} \
+         ({margin}× needed): the comparison barely catches it"
+    );
+}
+
 /// The stateful update rules a path of the optimizer must match the host loops under: AdamW with
 /// weight decay (and its parameter groups) and SGD with Nesterov momentum and weight decay.
 pub fn stateful_rules() -> [OptimizerSpec; 2] {

@@ -15,7 +15,8 @@ use archipelago_dataflow::{
     LrSchedule, ModelSpec, Offload, OptimizerSpec, ParallelPlan, ParamGroups, Program,
 };
 use archipelago_integration_tests::{
-    assert_equivalent, max_relative_difference, small_plan as plan, torch_fixture, train_program,
+    MARGIN, assert_caught, assert_equivalent, max_relative_difference, small_plan as plan, torch_fixture,
+    train_program,
 };
 
 const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
@@ -23,22 +24,6 @@ const GPT: &str = "gpt:vocab=256,ctx=8,d=16,layers=2,heads=2";
 const STEPS: u64 = 4;
 /// The relative tolerance of the equivalences by norms and losses.
 const TOLERANCE: f64 = 1e-5;
-/// How far past its tolerance every negative control's broken variant must land (at least).
-const MARGIN: f64 = 10.0;
-
-/// Asserts that a negative control's `difference` lands at least `margin` × `tolerance` away
-/// (`margin` ≥ [`MARGIN`]), and prints the margin found.
-fn assert_caught(what: &str, difference: f64, tolerance: f64, margin: f64) {
-    assert!(margin >= MARGIN, "{what}: a control's bar is at least {MARGIN}×");
-    let found = difference / tolerance;
-    eprintln!("control {what}: {difference:e}, {found:.1}× the tolerance {tolerance:e} (bar {margin}×)");
-    assert!(
-        difference >= margin * tolerance,
-        "{what}: the broken variant lands only {found:.1}× past the tolerance {tolerance:e} \
-         ({margin}× needed): the comparison barely catches it"
-    );
-}
-
 fn program(model: &str, layout: ParallelPlan, optimizer: OptimizerSpec) -> Program {
     Program::new(ModelSpec::parse(model).expect("model spec"))
         .with_seed(7)

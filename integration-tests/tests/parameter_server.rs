@@ -20,25 +20,11 @@ use archipelago_controller::ps_job::report::SparseSummary;
 use archipelago_controller::ps_job::{FinalModel, PsJob, PsModel, PsOutcome, run};
 use archipelago_controller::{Controller, TrainOptions};
 use archipelago_dataflow::{DeviceSpec, ModelSpec, OptimizerSpec, ParallelPlan, Program};
+use archipelago_integration_tests::{MARGIN, assert_caught};
 
 const GPT: &str = "gpt:vocab=64,ctx=16,d=16,layers=1,heads=2";
 /// The dense comparisons' tolerance (element-wise, absolute; exact ones' controls use it too).
 const TOLERANCE: f32 = 1e-5;
-/// How far past its tolerance every negative control's broken variant must land (at least).
-const MARGIN: f32 = 10.0;
-
-/// Asserts that a control's `difference` is ≥ `margin` (≥ [`MARGIN`]) × `tolerance`; prints it.
-fn assert_caught(what: &str, difference: f32, tolerance: f32, margin: f32) {
-    assert!(margin >= MARGIN, "{what}: a control's bar is at least {MARGIN}×");
-    let found = difference / tolerance;
-    println!("control {what}: {difference:e}, {found:.1}× the tolerance {tolerance:e} (bar {margin}×)");
-    assert!(
-        difference >= margin * tolerance,
-        "{what}: the broken variant lands only {found:.1}× past the tolerance {tolerance:e} \
-         ({margin}× needed): the comparison barely catches it"
-    );
-}
-
 fn dense_job(
     model: &str,
     optimizer: OptimizerSpec,
@@ -136,7 +122,7 @@ fn sequential_consistency_on_a_gpt_is_data_parallel_sgd_element_by_element_and_f
     for fault in [ServerFault::DropPushOf(1), ServerFault::AveragePushes] {
         let faulty = run_local(&PsJob { fault, ..job.clone() });
         let d = max_diff(faulty.dense_params(), &params);
-        assert_caught(&format!("{fault:?}"), d, TOLERANCE, 100.0);
+        assert_caught(&format!("{fault:?}"), d.into(), TOLERANCE.into(), 100.0);
     }
 }
 
@@ -173,7 +159,7 @@ fn chain_replication_keeps_two_identical_copies_and_changes_no_value_and_faults_
         ..two
     });
     let d = max_diff(faulty.dense_params(), a.dense_params());
-    assert_caught("a dropped worker, replicated", d, TOLERANCE, MARGIN);
+    assert_caught("a dropped worker, replicated", d.into(), TOLERANCE.into(), MARGIN);
 }
 
 fn sparse_spec(features: u64) -> CtrSpec {
@@ -439,7 +425,7 @@ fn the_significance_filter_cuts_pushed_bytes_and_keeps_the_objective() {
     }
     let silent = objective(&run_local(&job(Some(1e9))));
     let d = (silent.objective_end - plain_objective.objective_end).abs();
-    assert_caught("a filter that never pushes (objective)", d as f32, 0.01, MARGIN);
+    assert_caught("a filter that never pushes (objective)", d.into(), 0.01, MARGIN);
 }
 
 /// Replaces every key's update state in server `index`'s checkpoint file with zeros.
@@ -497,7 +483,7 @@ fn a_stopped_and_resumed_job_ends_where_an_unstopped_one_does_even_on_more_serve
         ..job.clone()
     });
     let d = max_diff(damaged.dense_params(), straight.dense_params());
-    assert_caught("resumed without Adam's state", d, TOLERANCE, MARGIN);
+    assert_caught("resumed without Adam's state", d.into(), TOLERANCE.into(), MARGIN);
 }
 
 /// Runs `archipelago ps ARGS` in this process.
