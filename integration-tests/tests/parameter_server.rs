@@ -425,7 +425,7 @@ fn the_significance_filter_cuts_pushed_bytes_and_keeps_the_objective() {
     }
     let silent = objective(&run_local(&job(Some(1e9))));
     let d = (silent.objective_end - plain_objective.objective_end).abs();
-    assert_caught("a filter that never pushes (objective)", d.into(), 0.01, MARGIN);
+    assert_caught("a filter that never pushes (objective)", d, 0.01, MARGIN);
 }
 
 /// Replaces every key's update state in server `index`'s checkpoint file with zeros.
