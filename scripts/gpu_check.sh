@@ -36,7 +36,8 @@
 #   strip target/release/archipelago                                  # and carry it (docs/gpu/README.md)
 #   GPU_CHECK_COMMIT=<git rev-parse HEAD here> GPU_CHECK_ROOT=/tmp/gpu GPU_CHECK_BUNDLE=$OUT/gpu.tar.gz \
 #     bash scripts/gpu_check.sh target/release/archipelago "" first   # on the GPU machine
-#   ... "" parallel    # the second round, same folder: parallel plans, the full bench, TF32
+#   ... "" parallel    # the second round, same folder: parallel plans, the full bench, TF32,
+#                      # PyTorch's autocast bf16/f16 (the mixed-precision peer)
 #   ... "" memory      # the device's memory pool against the plan's estimate
 set -u
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
@@ -244,6 +245,12 @@ elif [ "$ROUND" = parallel ]; then
     run "PyTorch reference on cuda, tf32 $tf32" 80 --stdout "$OUTDIR/torch_cuda_tf32_$tf32.jsonl" -- \
       env PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/torch_reference.py" --device cuda \
       --models gpt-tiny,gpt-151m --tf32 $tf32
+  done
+  # The mixed-precision peer (issue 38): PyTorch's autocast bf16 and f16 (GradScaler), TF32 off.
+  for amp in bf16 f16; do
+    run "PyTorch reference on cuda, autocast $amp" 80 --stdout "$OUTDIR/torch_cuda_autocast_$amp.jsonl" -- \
+      env PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/torch_reference.py" --device cuda \
+      --models gpt-tiny,gpt-151m --tf32 off --autocast $amp
   done
 else
   run "train mlp-8x1024, 5 steps on cuda:0 (smoke)" 60 -- \

@@ -116,13 +116,18 @@ def run(name, args, rank=0):
     if args.dp > 1:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-5)
+    autocast_dtype = {"off": None, "bf16": torch.bfloat16, "f16": torch.float16}[args.autocast]
+    device_type = "cpu" if args.device == "cpu" else "cuda"
+    scaler = torch.amp.GradScaler(device_type, enabled=autocast_dtype == torch.float16)
     times = []
     for step in range(args.warmup + args.timed):
         start = time.perf_counter()
-        loss = loss_fn(model)
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            loss = loss_fn(model)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         value = loss.item()  # waits for the step, as archipelago's step report does
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -139,6 +144,7 @@ def run(name, args, rank=0):
         "device": args.device,
         "threads_per_rank": torch.get_num_threads(),
         "tf32": args.tf32,
+        "autocast": args.autocast,
         "median_step_s": step_s,
         unit: per_step / step_s,
         "final_loss": value,
@@ -167,6 +173,8 @@ def main():
     p.add_argument("--dp", type=int, default=1, help="ranks (DistributedDataParallel: gloo on CPU, NCCL on GPUs)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (archipelago: 1 per CPU actor)")
     p.add_argument("--tf32", choices=["on", "off"], default="off")
+    p.add_argument("--autocast", choices=["off", "bf16", "f16"], default="off",
+                   help="mixed precision: the forward and loss under torch.autocast in this dtype (f16 adds a GradScaler)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--timed", type=int, default=30)
     p.add_argument("--port", type=int, default=29571)

@@ -21,9 +21,10 @@ fn main() {
         Command::Train(_) => ("archipelago-train", "warn"),
         _ => ("archipelago", "warn"),
     };
-    let telemetry = Telemetry::init(service, level);
     // The CPU matmul (`ARCHIPELAGO_CPU_MATMUL`) is chosen before any actor starts: a bad value, or
-    // `openblas` where it cannot be loaded, is an error here.
+    // `openblas` where it cannot be loaded, is an error here. It runs before telemetry too, while
+    // this is the process's only thread: choosing OpenBLAS's core type sets an environment
+    // variable for the library's load (kernels/openblas.rs, `open_as`).
     if matches!(
         &cli.command,
         Command::Train(_) | Command::Host(_) | Command::Ps(_) | Command::Bench(_) | Command::BenchPeer(_)
@@ -32,6 +33,7 @@ fn main() {
         eprintln!("error: {why}");
         std::process::exit(2);
     }
+    let telemetry = Telemetry::init(service, level);
     let result = match &cli.command {
         Command::Train(args) => cli::train(args),
         Command::Plan(args) => cli::plan(args),

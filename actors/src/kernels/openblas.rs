@@ -158,6 +158,9 @@ fn load() -> Result<OpenBlas, String> {
                 blas.core
             ));
         }
+        // Each candidate is checked on its own: a core type whose kernels read C with β = 0 is
+        // refused and the next one tried, as is one that multiplies differently from Flex.
+        blas.overwrites_c()?;
         super::openblas_check::agrees_with_flex(&blas)?;
         Ok(blas)
     });
@@ -304,7 +307,6 @@ fn adopt(library: libloading::Library) -> Result<OpenBlas, String> {
         detected: None,
         description: config_text,
     };
-    blas.overwrites_c()?;
     Ok(blas)
 }
 
