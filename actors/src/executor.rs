@@ -71,6 +71,10 @@ pub struct StepMetrics {
     /// The step's host ⇄ device bytes by kind (set by the executor from [`crate::transfer`]).
     #[serde(default)]
     pub transfers: crate::transfer::Transfers,
+    /// The step's bytes read from peers on the fabric, by kind (set by the executor from
+    /// [`crate::fabric::read_count`]).
+    #[serde(default)]
+    pub fabric: archipelago_dataflow::FabricBytes,
     /// The device's memory pool at the step's end (GPUs; set by the executor).
     #[serde(default)]
     pub device_memory: Option<crate::gpus::DeviceMemory>,
@@ -182,6 +186,8 @@ pub struct Executor {
     collectives: CollectiveWorker,
     table: TensorTable,
     progress: Arc<crate::progress::ActorProgress>,
+    /// The running step's bytes read from peers.
+    fabric_read: archipelago_dataflow::FabricBytes,
 }
 
 impl Executor {
@@ -205,6 +211,7 @@ impl Executor {
             collectives,
             table: TensorTable::default(),
             progress: Arc::default(),
+            fabric_read: Default::default(),
         }
     }
 
@@ -247,6 +254,7 @@ impl Executor {
         let mut timings = Vec::with_capacity(self.stream.len());
         // This step's host ⇄ device transfers only (not those of building or restoring).
         crate::transfer::take();
+        self.fabric_read = archipelago_dataflow::FabricBytes::default();
         let mut pending: HashMap<u64, (PendingCollective, Vec<ActorId>)> = HashMap::new();
         // GPUs: the most live bytes of the device's pool seen at an instruction's end.
         let mut peak_in_use = 0u64;
@@ -304,6 +312,7 @@ impl Executor {
         self.progress.set(step, None);
         let mut metrics = self.computation.finish_step();
         metrics.transfers = crate::transfer::take();
+        metrics.fabric = self.fabric_read;
         metrics.device_memory = crate::gpus::memory_usage(self.device).map(|now| crate::gpus::DeviceMemory {
             peak_in_use: peak_in_use.max(now.in_use),
             ..now
@@ -326,6 +335,13 @@ impl Executor {
             Ok(Some(result)) => result.map_err(|m| (m, false)),
             Ok(None) => Err((format!("`{tensor}` is not here"), false)),
             Err(payload) => Err((panic_message(payload.as_ref()), false)),
+        }
+    }
+
+    /// Adds `bytes` read from peers for `tensor` to the step's fabric figures `read`.
+    fn count_read(read: &mut archipelago_dataflow::FabricBytes, tensor: &TensorId, bytes: u64) {
+        if let Some(kind) = archipelago_dataflow::FabricKind::of(tensor) {
+            read.add(kind, bytes);
         }
     }
 
@@ -375,6 +391,7 @@ impl Executor {
                     from: *from,
                     tag: *tag,
                 });
+                crate::fabric::read_count::take();
                 let received = self.fabric.recv(
                     self.actor,
                     *from,
@@ -385,6 +402,7 @@ impl Executor {
                 );
                 self.progress.wait_on(Waiting::Nothing);
                 let value = received.map_err(fabric_err)?;
+                Self::count_read(&mut self.fabric_read, tensor, crate::fabric::read_count::take());
                 let bytes = value.bytes();
                 self.table.insert(tensor.clone(), value);
                 Ok(bytes)
@@ -409,9 +427,10 @@ impl Executor {
                     .remove(tag)
                     .ok_or_else(|| (format!("collective {tag} was not started"), false))?;
                 self.progress.wait_on(Waiting::Collective { tag: *tag, group });
-                let finished = started.wait();
+                let (finished, read) = started.wait_counted();
                 self.progress.wait_on(Waiting::Nothing);
                 let value = finished.map_err(fabric_err)?;
+                Self::count_read(&mut self.fabric_read, tensor, read);
                 let bytes = value.bytes();
                 self.table.insert(tensor.clone(), value);
                 Ok(bytes)

@@ -17,71 +17,8 @@ use std::sync::Arc;
 
 use bytemuck::Pod;
 
-/// The element types a tensor may have.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum DType {
-    /// 32-bit float.
-    F32,
-    /// bfloat16 (stored as its 16 bits).
-    BF16,
-    /// IEEE half (stored as its 16 bits).
-    F16,
-    /// Signed byte.
-    I8,
-    /// Unsigned byte.
-    U8,
-    /// 32-bit integer.
-    I32,
-    /// 64-bit integer.
-    I64,
-}
-
-impl DType {
-    /// Every dtype.
-    pub const ALL: [DType; 7] = [
-        DType::F32,
-        DType::BF16,
-        DType::F16,
-        DType::I8,
-        DType::U8,
-        DType::I32,
-        DType::I64,
-    ];
-
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::I8 | DType::U8 => 1,
-            DType::BF16 | DType::F16 => 2,
-            DType::F32 | DType::I32 => 4,
-            DType::I64 => 8,
-        }
-    }
-
-    /// Its wire code (one byte in tensor headers).
-    pub fn code(self) -> u8 {
-        DType::ALL.iter().position(|d| *d == self).expect("listed") as u8
-    }
-
-    /// The dtype of a wire code, if valid.
-    pub fn from_code(code: u8) -> Option<DType> {
-        DType::ALL.get(code as usize).copied()
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            DType::I8 => "i8",
-            DType::U8 => "u8",
-            DType::I32 => "i32",
-            DType::I64 => "i64",
-        })
-    }
-}
+/// The workspace's one element type (the plan's parameters use the same).
+pub use archipelago_dataflow::DType;
 
 /// Rust types that are the elements of a dtype.
 pub trait Element: Pod {

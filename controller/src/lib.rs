@@ -29,6 +29,7 @@ pub mod controller;
 pub mod dashboard;
 pub mod error;
 pub mod export;
+pub mod fabric_check;
 pub mod gang;
 pub mod hang;
 pub mod host_devices;

@@ -34,24 +34,25 @@ pub use archipelago_actors::runtime::{
     Actor, ActorEnd, ActorInfo, ActorMesh, ActorRef, Call, CallError, Context, Handler, Message, Pending,
     Registry, Runtime, RuntimeHandle, Slot, SpawnError, SpawnOptions, TensorError, TensorRef, Waited, wait,
 };
-/// The element type of a [`TypedTensor`] (f32, bf16, f16, i8, u8, i32, i64);
-/// `archipelago_dataflow::DType` is another thing: the precision a parameter is held in.
-pub use archipelago_actors::typed_tensor::DType as TensorDType;
 pub use archipelago_actors::typed_tensor::TypedTensor;
+/// The element type of a [`TypedTensor`] (f32, bf16, f16, i8, u8, i32, i64), the workspace's one
+/// dtype: the plan's parameters are held in the same.
+pub use archipelago_dataflow::DType;
 pub use archipelago_dataflow::{DeviceSpec, Mesh};
 
 #[cfg(test)]
 mod tests {
     /// A program may glob-import the prelude and the dataflow crate together and still name
-    /// both kinds of dtype and tensor id: no name of the prelude collides with another item of
-    /// the same name in `archipelago_dataflow` (a collision would make these paths ambiguous and
-    /// the test would not build).
+    /// both kinds of tensor id: no name of the prelude collides with another item of the same
+    /// name in `archipelago_dataflow` (a collision would make these paths ambiguous and the test
+    /// would not build). `DType` is the same item in both.
     #[test]
     fn the_prelude_and_the_dataflow_crate_glob_import_together() {
         use super::*;
         use archipelago_dataflow::*;
-        assert_eq!(TensorDType::BF16.to_string(), "bf16");
+        assert_eq!(DType::BF16.to_string(), "bf16");
         assert_eq!(DType::BF16.bytes(), 2);
+        assert_eq!(TypedTensor::zeros(DType::BF16, vec![3]).unwrap().byte_len(), 6);
         let held = TensorRefId { owner: 3, index: 7 };
         let named = TensorId::Named("x".into());
         assert_ne!(held.to_string(), named.to_string());

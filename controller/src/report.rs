@@ -23,6 +23,11 @@ pub struct StepRecord {
     /// GPU.
     #[serde(default)]
     pub transfers: archipelago_actors::transfer::Transfers,
+    /// Bytes the actors read from their peers on the fabric in the step, by kind (gradient
+    /// reductions, parameter gathers, pipeline activations and their gradients, norms), summed
+    /// over actors: counted where they arrive on every data path (`fabric::read_count`).
+    #[serde(default)]
+    pub fabric: archipelago_dataflow::FabricBytes,
 }
 
 /// Memory of one actor.
@@ -64,6 +69,12 @@ pub struct ActorRecord {
     /// mark to set beside `estimated_device_bytes` (cubecl's pool of the actor's stream).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_memory: Option<archipelago_actors::gpus::DeviceMemory>,
+    /// Bytes it read from its peers on the fabric in the last step, by kind (measured).
+    #[serde(default)]
+    pub fabric_bytes_per_step: archipelago_dataflow::FabricBytes,
+    /// The plan's prediction of `fabric_bytes_per_step` (`archipelago plan` prints it).
+    #[serde(default)]
+    pub predicted_fabric_bytes_per_step: archipelago_dataflow::FabricBytes,
     /// Its offload actor's state and traffic (with `--offload`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload: Option<OffloadRecord>,
@@ -156,6 +167,17 @@ pub struct TrainReport {
     /// Each restart after a lost host (cluster jobs with `--restart on-failure`), in order.
     #[serde(default)]
     pub restarts: Vec<RestartRecord>,
+}
+
+impl TrainReport {
+    /// The plan's prediction of the fabric bytes of a step, summed over actors (what
+    /// [`StepRecord::fabric`] measures).
+    pub fn predicted_fabric_bytes_per_step(&self) -> archipelago_dataflow::FabricBytes {
+        self.actors.iter().fold(Default::default(), |mut all, a| {
+            all.add_all(&a.predicted_fabric_bytes_per_step);
+            all
+        })
+    }
 }
 
 /// A copy of the parameters one actor holds at the end of a job (see

@@ -8,6 +8,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use crate::instruction::UpdateScope;
 use crate::passes::data_parallel::Bucket;
 use crate::{ModelDesc, Offload, Program, StatePlacement};
 
@@ -61,6 +62,29 @@ impl ZeroStage {
     pub fn shards_parameters(self) -> bool {
         self >= ZeroStage::ShardedParameters
     }
+
+    /// Whether a reduced gradient bucket reaches the update as this replica's shard only (the
+    /// reduce-scatter of stages 2–3) rather than whole: decided here, never guessed from a length.
+    pub fn gradients_arrive_sharded(self) -> bool {
+        self.shards_gradients()
+    }
+}
+
+impl ActorTraining {
+    /// The optimizer step this actor's plan calls for: the offload actor's update, ZeRO-3's kept
+    /// shard, ZeRO-1/2's shard then gather, or the whole bucket (what the compiled stream's
+    /// `OptimizerStep` says; the trainer refuses a stream that says otherwise).
+    pub fn update_scope(&self) -> UpdateScope {
+        if self.offload.is_some() {
+            UpdateScope::CollectOffloaded
+        } else if self.zero.shards_parameters() {
+            UpdateScope::ShardKept
+        } else if self.zero.shards_optimizer() {
+            UpdateScope::ShardThenGather
+        } else {
+            UpdateScope::Whole
+        }
+    }
 }
 
 /// Shard `s` of `n` of `len` elements: contiguous, sizes differing by at most one. Collectives
@@ -112,7 +136,7 @@ impl ActorTraining {
     pub fn of(program: &Program, buckets: &[&Bucket], replica: usize) -> ActorTraining {
         let plan = &program.plan;
         let replicas = plan.dp;
-        let zero = ZeroStage::in_force(plan.zero, replicas);
+        let zero = plan.zero_stage();
         let segments = buckets
             .iter()
             .map(|b| {

@@ -136,6 +136,16 @@ pub enum PlanError {
         /// A split that would be accepted.
         example: String,
     },
+    /// A parameter the trainer cannot hold (see `ParamDesc::not_trainable_yet`).
+    #[error("block {block} `{name}`: {why}")]
+    NotTrainable {
+        /// The block.
+        block: usize,
+        /// Its name.
+        name: String,
+        /// Which parameter, and what to change.
+        why: String,
+    },
     /// Options that do not go together.
     #[error("{0}")]
     Conflict(String),

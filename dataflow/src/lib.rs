@@ -35,7 +35,9 @@
 pub mod actor_training;
 pub mod data;
 pub mod device;
+pub mod dtype;
 pub mod error;
+pub mod fabric_bytes;
 pub mod flow;
 pub mod graph;
 pub mod instruction;
@@ -58,12 +60,14 @@ pub mod verify;
 
 pub use actor_training::{ActorTraining, SegmentPlan, ZeroStage, shard_range};
 pub use device::DeviceSpec;
+pub use dtype::DType;
 pub use error::PlanError;
+pub use fabric_bytes::{FabricBytes, FabricKind};
 pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction, UpdateScope};
 pub use mesh::Mesh;
 pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
 pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
-pub use param_desc::{DType, ParamDesc, ParamInit, Split};
+pub use param_desc::{ParamDesc, ParamInit, Split};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
 pub use program::{Offload, ParallelPlan, Program, StatePlacement, TestFault};
 pub use tensor_id::{GatherFor, TensorId};

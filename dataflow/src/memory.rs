@@ -170,7 +170,7 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         0
     };
     let largest_bucket = share.buckets.iter().map(|b| b.bytes).max().unwrap_or(0);
-    let zero = ZeroStage::in_force(program.plan.zero, program.plan.dp);
+    let zero = program.plan.zero_stage();
     let sharded = |bytes: u64, from_stage: ZeroStage| {
         if zero >= from_stage {
             bytes.div_ceil(dp)

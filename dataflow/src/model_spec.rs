@@ -162,6 +162,21 @@ impl ModelDesc {
         self.blocks.iter().map(|b| b.params).sum()
     }
 
+    /// Checks that the trainer can hold every described parameter (trainable f32 today; see
+    /// `ParamDesc::not_trainable_yet`): what `compile` refuses, so that no actor refuses it.
+    pub fn check_trainable(&self) -> Result<(), PlanError> {
+        for (block, info) in self.blocks.iter().enumerate() {
+            if let Some(why) = info.param_descs.iter().find_map(|p| p.not_trainable_yet()) {
+                return Err(PlanError::NotTrainable {
+                    block,
+                    name: info.name.clone(),
+                    why,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the parameter descriptions: each described block's lengths add up to its count,
     /// no parameter is empty, and names are unique over the model (initialisation and
     /// checkpoints are keyed by them).

@@ -22,30 +22,9 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::dtype::DType;
 use crate::model_spec::ModelSpec;
 use crate::param_names::{NamedParam, block_params};
-
-/// The element type a parameter is held in.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum DType {
-    /// IEEE single precision (today every parameter).
-    #[default]
-    F32,
-    /// bfloat16 (mixed precision, later).
-    BF16,
-    /// IEEE half precision (mixed precision, later).
-    F16,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn bytes(self) -> u64 {
-        match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
-        }
-    }
-}
 
 /// How a parameter may be split across the devices of a tensor-parallel group.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -166,6 +145,22 @@ impl ParamDesc {
     /// Elements the optimizer keeps state for (its length when it trains, 0 when frozen).
     pub fn optimized_len(&self) -> u64 {
         if self.trainable { self.len() as u64 } else { 0 }
+    }
+
+    /// Why the trainer cannot hold this parameter yet, if it cannot: it holds every parameter as
+    /// a trainable f32 (frozen and 16-bit parameters are described, not yet trained). `compile`
+    /// refuses such a model with this reason, so an accepted plan is never refused at actor start.
+    pub fn not_trainable_yet(&self) -> Option<String> {
+        (!self.trainable || self.dtype != DType::F32).then(|| {
+            format!(
+                "parameter `{}` is described as {}{}: the trainer holds every parameter as a trainable \
+                 f32 for now (frozen and 16-bit parameters are planned, not yet trained); describe it as \
+                 trainable f32",
+                self.name,
+                if self.trainable { "" } else { "frozen " },
+                self.dtype
+            )
+        })
     }
 }
 

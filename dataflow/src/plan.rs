@@ -56,6 +56,9 @@ pub struct Plan {
     pub actors: Vec<ActorPlan>,
     /// Memory estimate per actor.
     pub memory: Vec<MemoryEstimate>,
+    /// Bytes each actor reads from its peers per step, by kind ([`crate::fabric_bytes::predict`]).
+    #[serde(default)]
+    pub fabric: Vec<crate::FabricBytes>,
 }
 
 impl Plan {
@@ -107,6 +110,7 @@ impl Plan {
                 })
                 .collect(),
             memory: self.memory.clone(),
+            fabric: self.fabric.clone(),
         }
     }
 
@@ -181,6 +185,9 @@ impl Plan {
                 memory::mib(m.total()),
                 m.breakdown()
             ));
+            if let Some(f) = self.fabric.get(a.actor).filter(|f| f.total() > 0) {
+                out.push_str(&format!("  reads from peers per step: {f}\n"));
+            }
             for (i, instruction) in a.stream.instructions.iter().enumerate() {
                 out.push_str(&format!("  {i:>3}  {instruction}\n"));
             }
@@ -335,9 +342,10 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     }
     crate::passes::optimizer::check(program)?;
     check_state_placement(program)?;
+    program.model.check_trainable()?;
     // ZeRO-3 pairs with activation checkpointing (DESIGN.md): implied.
     let mut program = program.clone();
-    if plan.zero == 3 && plan.dp > 1 {
+    if plan.zero_stage().shards_parameters() {
         program.plan.checkpoint_activations = true;
     }
     let program = &program;
@@ -394,7 +402,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         &layout,
         plan.batch,
         &orders,
-        crate::ZeroStage::in_force(plan.zero, plan.dp),
+        plan.zero_stage(),
         plan.offload.is_some(),
         norms,
     );
@@ -475,7 +483,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
             fixes,
         });
     }
-    Ok(Plan {
+    let mut plan = Plan {
         program: program.clone(),
         mesh,
         chunks,
@@ -484,7 +492,10 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         prediction,
         actors,
         memory,
-    })
+        fabric: Vec::new(),
+    };
+    plan.fabric = crate::fabric_bytes::predict(&plan);
+    Ok(plan)
 }
 
 /// Refuses schedule options that do not go together, naming the fix.

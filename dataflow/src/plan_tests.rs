@@ -355,3 +355,27 @@ fn a_gpu_plan_that_does_not_fit_is_offered_offload() {
         }
     }
 }
+
+/// The trainer holds every parameter as a trainable f32 for now: `compile` refuses a model that
+/// describes a frozen or a 16-bit parameter, naming the block and the parameter, so that no
+/// actor refuses an accepted plan at start. Control: the same model as described is accepted.
+#[test]
+fn parameters_the_trainer_cannot_hold_are_refused_by_the_plan() {
+    let model = ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3").unwrap();
+    let p = Program::new(model);
+    assert!(compile(&p).is_ok(), "as described: trainable f32");
+    for (frozen, dtype) in [(true, crate::DType::F32), (false, crate::DType::BF16)] {
+        let mut q = p.clone();
+        let w = &mut q.model.blocks[1].param_descs[0];
+        w.trainable = !frozen;
+        w.dtype = dtype;
+        let err = compile(&q).unwrap_err();
+        assert!(matches!(err, PlanError::NotTrainable { block: 1, .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("`layers.1.weight`"), "{text}");
+        assert!(
+            text.contains(if frozen { "frozen f32" } else { "bf16" }),
+            "{text}"
+        );
+    }
+}

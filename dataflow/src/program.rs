@@ -199,6 +199,15 @@ impl ParallelPlan {
     pub fn actors(&self) -> usize {
         self.dp * self.pp
     }
+
+    /// The ZeRO stage in force: `--zero` over the dp group (a one-member group shards nothing).
+    /// The one place the plan's number becomes a stage; every pass and the actors read this.
+    ///
+    /// # Panics
+    /// When `zero` is above 3 (`compile` refuses that first).
+    pub fn zero_stage(&self) -> crate::ZeroStage {
+        crate::ZeroStage::in_force(self.zero, self.dp)
+    }
 }
 
 /// A whole training job as the compiler sees it.

@@ -64,6 +64,7 @@ pub fn train_with_options(model: &str, plan: ParallelPlan, options: TrainOptions
         .train(&program, &options)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     assert_replicas_agree(&report, &program.model, &what);
+    assert_fabric_bytes_as_planned(&report, &what);
     report
 }
 
@@ -71,8 +72,18 @@ pub fn train_with_options(model: &str, plan: ParallelPlan, options: TrainOptions
 /// and checks that its replicas agree ([`assert_replicas_agree`]).
 pub fn train_program(program: &Program, options: &TrainOptions) -> TrainReport {
     let report = train_program_unchecked(program, options);
-    assert_replicas_agree(&report, &program.model, &describe_program(program));
+    let what = describe_program(program);
+    assert_replicas_agree(&report, &program.model, &what);
+    assert_fabric_bytes_as_planned(&report, &what);
     report
+}
+
+/// Every actor read from its peers, kind by kind, what the plan predicted it would
+/// ([`archipelago_controller::fabric_check`]).
+pub fn assert_fabric_bytes_as_planned(report: &TrainReport, what: &str) {
+    if let Err(e) = archipelago_controller::fabric_check::check(report) {
+        panic!("{what}: {e}");
+    }
 }
 
 /// [`train_program`] without the replica check (the report keeps every actor's parameters): for

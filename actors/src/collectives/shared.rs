@@ -131,11 +131,20 @@ fn run(
     // Every member sees the same published buffers, so every member returns here alike.
     check_in_step(group, edge, len, &published)?;
     let shard = shard_range(len, n, i);
+    // What this member reads from its peers: their values of its shard (summed), and in an
+    // all-reduce or all-gather every other shard (written into its buffer by the shard's owner).
+    let (peers_of_shard, other_shards) = ((n - 1) * shard.len(), len - shard.len());
+    let read = match phases {
+        Phases::AllReduce => peers_of_shard + other_shards,
+        Phases::ReduceScatter => peers_of_shard,
+        Phases::AllGather => other_shards,
+    };
     match phases {
         Phases::AllReduce => sum_shard_into(&published, &published, shard),
         Phases::ReduceScatter => sum_shard_into(&published, &published[i..=i], shard),
         Phases::AllGather => gather_shards_into(&published, i, mine),
     }
+    crate::fabric::read_count::count((read * std::mem::size_of::<f32>()) as u64);
     // Nobody returns (and reuses its buffer) while another may still read it.
     round.barrier(i, edge, None)?;
     Ok(())

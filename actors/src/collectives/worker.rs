@@ -19,20 +19,31 @@ struct Job {
     edge: u64,
     group: Vec<ActorId>,
     tensor: HostTensor,
-    done: mpsc::Sender<Result<HostTensor, FabricError>>,
+    done: mpsc::Sender<Finished>,
 }
+
+/// A collective's result, and the bytes this member read from its peers in it
+/// ([`crate::fabric::read_count`]).
+type Finished = (Result<HostTensor, FabricError>, u64);
 
 /// A started collective; [`PendingCollective::wait`] returns its result.
 pub struct PendingCollective {
-    done: mpsc::Receiver<Result<HostTensor, FabricError>>,
+    done: mpsc::Receiver<Finished>,
 }
 
 impl PendingCollective {
     /// Blocks until the collective finished on this actor.
     pub fn wait(self) -> Result<HostTensor, FabricError> {
-        self.done
-            .recv()
-            .unwrap_or_else(|_| Err(FabricError::Aborted("the collective worker stopped".into())))
+        self.wait_counted().0
+    }
+
+    /// Blocks until the collective finished on this actor; its result, and the bytes this
+    /// member read from its peers in it.
+    pub fn wait_counted(self) -> Finished {
+        self.done.recv().unwrap_or_else(|_| {
+            let stopped = FabricError::Aborted("the collective worker stopped".into());
+            (Err(stopped), 0)
+        })
     }
 }
 
@@ -51,6 +62,7 @@ impl CollectiveWorker {
             .spawn(move || {
                 let mut pool = ChunkPool::default();
                 for job in queue {
+                    crate::fabric::read_count::take();
                     let shape = job.tensor.shape.clone();
                     let mut data = job.tensor.into_vec();
                     let (fabric, group, edge) = (fabric.as_ref(), &job.group, job.edge);
@@ -86,7 +98,7 @@ impl CollectiveWorker {
                         }
                         _ => HostTensor::new(shape, data),
                     });
-                    let _ = job.done.send(result);
+                    let _ = job.done.send((result, crate::fabric::read_count::take()));
                 }
             })
             .expect("spawn collective worker");
@@ -115,9 +127,8 @@ impl CollectiveWorker {
         if let Some(jobs) = &self.jobs
             && let Err(mpsc::SendError(job)) = jobs.send(job)
         {
-            let _ = job
-                .done
-                .send(Err(FabricError::Aborted("the collective worker stopped".into())));
+            let stopped = FabricError::Aborted("the collective worker stopped".into());
+            let _ = job.done.send((Err(stopped), 0));
         }
         PendingCollective { done: result }
     }

@@ -10,6 +10,7 @@ pub mod assembly;
 pub mod grpc;
 mod in_process;
 mod link_bytes;
+pub mod read_count;
 pub mod shared_buffers;
 pub mod shm;
 pub mod tcp;

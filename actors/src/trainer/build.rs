@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{ActorId, DType, Program, SegmentPlan, StatePlacement, ZeroStage};
+use archipelago_dataflow::{ActorId, Program, SegmentPlan, StatePlacement, ZeroStage};
 
 use super::cpu_buffers::is_cpu;
 use super::data::samples;
@@ -86,15 +86,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 check_described(&info.name, &info.param_descs, &shapes)?;
                 info.param_descs.clone()
             };
-            if let Some(p) = described.iter().find(|p| !p.trainable || p.dtype != DType::F32) {
-                return Err(format!(
-                    "parameter `{}` is described as {}{:?}: the trainer holds every parameter as a \
-                     trainable f32 for now (frozen and low-precision parameters are planned, not yet \
-                     trained); describe it as trainable f32",
-                    p.name,
-                    if p.trainable { "" } else { "frozen " },
-                    p.dtype
-                ));
+            // `compile` refuses these first (the same rule); kept for a plan built by hand.
+            if let Some(why) = described.iter().find_map(|p| p.not_trainable_yet()) {
+                return Err(why);
             }
             stage_params.push_block(offsets[index], &shapes, program.param_groups);
             // Each parameter drawn whole from (seed, name), then sliced to what is kept here: the
@@ -192,6 +186,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     ..UpdateState::default()
                 },
                 sharding,
+                update_scope: training.update_scope(),
                 shard_master,
                 gather_pool: Vec::new(),
                 offload,
@@ -249,7 +244,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             .collect();
         let optimizer = &self.state.optimizer;
         let device = self.stage.device.clone();
-        self.state.device_state = Some(DeviceState::upload(
+        let mut state = DeviceState::upload(
             optimizer.spec(),
             &segments,
             |place| self.held_params(place),
@@ -260,7 +255,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             optimizer.layout(),
             &device,
             self.state.tensor_op_update,
-        ));
+        );
+        state.grads_sharded = self.state.sharding.grads_sharded();
+        self.state.device_state = Some(state);
         // The device's state is the state: no host mirror of the moments is kept (one is made
         // by `sync_host` for a checkpoint, and freed again at the next step's end).
         self.state.optimizer.release_state();

@@ -87,10 +87,11 @@ impl<B: Backend> DeviceState<B> {
         sums: &mut [f64],
     ) -> Result<(), String> {
         let (spec, layout, in_place) = (self.spec, self.layout.clone(), self.in_place);
+        // A whole segment's gradient (ZeRO-0, ZeRO-1's all-reduce) or this replica's shard
+        // (ZeRO-2/3's reduce-scatter), as the plan says.
+        let whole_grad = !self.grads_sharded;
         let s = self.segment_mut(start)?;
         let updated = s.place.update.clone();
-        // A whole segment's gradient (ZeRO-0, ZeRO-1's all-reduce) or this replica's shard.
-        let whole_grad = grad.shape().num_elements() != updated.len();
         // `counted` ∩ `updated`, in the optimizer's coordinates.
         let to_state = |r: Range<usize>| {
             s.place.state_at + r.start - updated.start..s.place.state_at + r.end - updated.start

@@ -103,6 +103,8 @@ pub(super) struct DeviceState<B: Backend> {
     pub(super) layout: ParamLayout,
     pub(super) segments: HashMap<usize, SegmentState<B>>,
     pub(super) buckets: HashMap<TensorId, Tensor<B, 1>>,
+    /// Reduced gradients arrive as this replica's shard (ZeRO-2/3), as the plan says; else whole.
+    pub(super) grads_sharded: bool,
 }
 
 impl<B: Backend> DeviceState<B> {
@@ -150,6 +152,7 @@ impl<B: Backend> DeviceState<B> {
             layout: layout.clone(),
             segments: by_start,
             buckets: HashMap::new(),
+            grads_sharded: false,
         }
     }
 
@@ -249,17 +252,22 @@ impl<B: Backend> DeviceState<B> {
             .get_mut(&start)
             .ok_or_else(|| format!("no segment of this actor's device state starts at block {start}"))?;
         let (len, updated) = (s.place.range.len(), s.place.update.clone());
-        let whole_grad = match grad.shape().num_elements() {
-            n if n == updated.len() => false,
-            n if n == len => true,
-            n => {
-                return Err(format!(
-                    "gradient of the segment at block {start} has {n} values: neither its {len} parameters \
-                     nor this replica's shard of {}",
-                    updated.len()
-                ));
-            }
-        };
+        let whole_grad = !self.grads_sharded;
+        let (n, expected) = (
+            grad.shape().num_elements(),
+            if whole_grad { len } else { updated.len() },
+        );
+        if n != expected {
+            return Err(format!(
+                "gradient of the segment at block {start} has {n} values; the plan says it arrives {} \
+                 ({expected} values)",
+                if whole_grad {
+                    "whole"
+                } else {
+                    "as this replica's shard"
+                }
+            ));
+        }
         if self.in_place {
             return update_in_place(spec, &self.layout, s, grad, whole_grad, ctx);
         }

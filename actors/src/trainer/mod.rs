@@ -177,7 +177,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             ComputeOp::GradNorm { .. } => self.grad_norm(inputs, outputs, table),
             ComputeOp::TrustNorms { .. } => self.trust_norms(inputs, outputs, table),
             ComputeOp::OptimizerStep { scope, .. } => {
-                let planned = self.state.update_scope();
+                let planned = self.state.update_scope;
                 if *scope != planned {
                     return Err(format!(
                         "the instruction updates `{scope}` but this actor's plan says `{planned}`: the stream \
@@ -249,6 +249,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             lr: (steps > 0).then(|| self.state.optimizer.lr_at(self.state.optimizer.schedule_step())),
             grad_norm: self.state.update.grad_norm.take(),
             transfers: Default::default(), // the executor's count of the step
+            fabric: Default::default(),    // the executor's count of the step
             device_memory: None,           // the executor reads the device's pool
         };
         self.step.peak_grad_bytes = 0;

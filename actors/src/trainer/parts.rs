@@ -111,6 +111,8 @@ pub(super) struct TrainingState<B: AutodiffBackend> {
     pub(super) update: UpdateState,
     /// ZeRO sharding over the dp group (the plan's).
     pub(super) sharding: Sharding,
+    /// The optimizer step the plan calls for (`ActorTraining::update_scope`, decided once).
+    pub(super) update_scope: UpdateScope,
     /// ZeRO-3: this replica's shards of the segments' parameters, concatenated (the master copy).
     pub(super) shard_master: Vec<f32>,
     /// ZeRO-3: full-segment buffers kept for the next gathers.
@@ -129,19 +131,4 @@ pub(super) struct TrainingState<B: AutodiffBackend> {
     pub(super) device_state: Option<DeviceState<B::InnerBackend>>,
     /// Update the device state with tensor ops even where its buffers are host memory (CPU).
     pub(super) tensor_op_update: bool,
-}
-
-impl<B: AutodiffBackend> TrainingState<B> {
-    /// The optimizer step this actor's plan calls for (what the compiled stream must say).
-    pub(super) fn update_scope(&self) -> UpdateScope {
-        if self.offload.is_some() {
-            UpdateScope::CollectOffloaded
-        } else if self.sharding.zero.shards_parameters() {
-            UpdateScope::ShardKept
-        } else if self.sharding.zero.shards_optimizer() {
-            UpdateScope::ShardThenGather
-        } else {
-            UpdateScope::Whole
-        }
-    }
 }

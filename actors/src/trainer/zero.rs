@@ -111,23 +111,34 @@ impl Sharding {
 }
 
 /// The values of gradient `name` this replica updates: `range` of the whole bucket (`len`
-/// values), or all of it when it is already this replica's shard (ZeRO-2's reduce-scatter).
-pub(super) fn bucket_or_shard<'g>(
+/// values), or — where the plan's ZeRO stage reduce-scatters (`sharded`,
+/// `ZeroStage::gradients_arrive_sharded`) — the shard it received, which is `range` itself. A
+/// length other than the plan's is an error that names both, never a guess.
+pub(super) fn bucket_part<'g>(
     name: &TensorId,
     grad: &'g [f32],
+    sharded: bool,
     len: usize,
     range: &Range<usize>,
 ) -> Result<&'g [f32], String> {
-    if grad.len() == len {
-        Ok(&grad[range.clone()])
-    } else if grad.len() == range.len() {
-        Ok(grad)
+    let (expected, form) = if sharded {
+        (range.len(), "as this replica's shard")
     } else {
-        Err(format!(
-            "gradient `{name}` has {} values; expected the bucket ({len}) or this replica's shard ({})",
-            grad.len(),
-            range.len()
-        ))
+        (len, "whole")
+    };
+    if grad.len() != expected {
+        return Err(format!(
+            "gradient `{name}` has {} values; the plan says it arrives {form} ({expected} values)",
+            grad.len()
+        ));
+    }
+    Ok(if sharded { grad } else { &grad[range.clone()] })
+}
+
+impl Sharding {
+    /// Whether reduced gradients arrive as this replica's shard (ZeRO-2/3), as the plan says.
+    pub(super) fn grads_sharded(&self) -> bool {
+        self.zero.gradients_arrive_sharded()
     }
 }
 
@@ -182,7 +193,13 @@ impl<B: AutodiffBackend> Trainer<B> {
                     own: shard, state, ..
                 } = self.state.sharding.segment(blocks.start)?.clone();
                 let own = range.start + shard.start..range.start + shard.end;
-                let grads = bucket_or_shard(name, &grad.data, range.len(), &shard)?;
+                let grads = bucket_part(
+                    name,
+                    &grad.data,
+                    self.state.sharding.grads_sharded(),
+                    range.len(),
+                    &shard,
+                )?;
                 let shifted = self.fault.as_ref().and_then(|f| f.shard_gradient(grads));
                 let grads = shifted.as_deref().unwrap_or(grads);
                 if scope == UpdateScope::ShardKept {
@@ -205,7 +222,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 table.insert(out.clone(), HostTensor::flat(gathered));
             }
             self.step.optimizer_grad_bytes += grad.bytes();
-            if grad.len() == range.len() {
+            if !self.state.sharding.grads_sharded() {
                 // Whole buckets are reused by the next backward; ZeRO-2 shards are not.
                 self.step.spare_buffers.push(grad.into_vec());
             }

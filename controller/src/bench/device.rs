@@ -87,6 +87,8 @@ pub fn gpt_on_device(device: DeviceSpec, quick: bool) -> anyhow::Result<Value> {
             "mfu_vs_datasheet_tf32": datasheet.map(|(_, tf32)| model_tflops / tf32),
             "final_loss": report.final_loss,
             "host_device_bytes_per_step": report.steps.last().map(|s| s.transfers),
+            "fabric_bytes_per_step": report.steps.last().map(|s| s.fabric),
+            "predicted_fabric_bytes_per_step": report.predicted_fabric_bytes_per_step(),
             "device_memory": report.actors.first().and_then(|a| a.device_memory),
             "estimated_device_bytes": report.actors.first().map(|a| a.estimated_device_bytes),
             "load_avg": load_avg(),

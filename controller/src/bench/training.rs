@@ -87,6 +87,8 @@ pub fn mlp_dp_scaling(warmup: u64, timed: u64) -> anyhow::Result<Value> {
             "compute_s_per_actor": report.actors.iter().map(|a| a.compute_s).collect::<Vec<_>>(),
             "comm_wait_s_per_actor": report.actors.iter().map(|a| a.comm_wait_s).collect::<Vec<_>>(),
             "host_device_bytes_per_step": report.steps.last().map(|s| s.transfers),
+            "fabric_bytes_per_step": report.steps.last().map(|s| s.fabric),
+            "predicted_fabric_bytes_per_step": report.predicted_fabric_bytes_per_step(),
             "final_loss": report.final_loss,
             "load_avg": load_avg(),
         }));

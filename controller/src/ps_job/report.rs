@@ -137,6 +137,7 @@ impl PsReport {
                 lr: None,
                 grad_norm: None,
                 transfers: Default::default(),
+                fabric: Default::default(),
             })
             .collect();
         let (params, param_l2, block_l2) = match &outcome.model {

@@ -182,6 +182,8 @@ fn actor_record(
         compute_weight_bytes: r.metrics.compute_weight_bytes,
         estimated_device_bytes: memory.total(),
         device_memory: r.metrics.device_memory,
+        fabric_bytes_per_step: r.metrics.fabric,
+        predicted_fabric_bytes_per_step: plan.fabric.get(a).copied().unwrap_or_default(),
         offload: r.metrics.offload.map(|o| offload_record(&o, memory)),
         stage: placed.stage,
         replica: placed.replica,

@@ -79,6 +79,10 @@ async fn run_step<G: Gang>(
             all.add(&r.metrics.transfers);
             all
         }),
+        fabric: reports.iter().fold(Default::default(), |mut all, r| {
+            all.add_all(&r.metrics.fabric);
+            all
+        }),
     };
     Ok((reports, record))
 }

@@ -1,0 +1,281 @@
+//! Fabric bytes: what each actor reads from its peers in one step, by kind — predicted here from
+//! the plan's instruction streams, and measured by the actors where the bytes arrive (the
+//! report sets the two side by side; `archipelago plan` prints the prediction).
+//!
+//! "Reads from its peers" is the same on every data path: a message received (in-process,
+//! shared memory, raw TCP, gRPC), or, for the in-process shared-buffer collectives, the peers'
+//! values summed into this member's shard plus the totals the peers write into its buffer. A
+//! collective over `n` members of `len` elements in which member `i` owns shard
+//! `shard_range(len, n, i)` reads (the ring of Patarasuk & Yuan 2009 moves the same amounts
+//! with even shards; with uneven ones it differs by at most `n − 1` elements):
+//!
+//! | collective | elements member `i` reads |
+//! | --- | --- |
+//! | all-reduce | `(n − 1)·|shardᵢ| + len − |shardᵢ|` |
+//! | reduce-scatter | `(n − 1)·|shardᵢ|` |
+//! | all-gather | `len − |shardᵢ|` |
+//! | hierarchical all-reduce | reduce-scatter in the island, all-reduce of the own shard across islands, all-gather in the island |
+
+use serde::{Deserialize, Serialize};
+
+use crate::actor_training::shard_range;
+use crate::instruction::{CollectiveKind, Instruction};
+use crate::plan::Plan;
+use crate::tensor_id::TensorId;
+use crate::{ActorId, ModelDesc};
+
+/// Bytes one actor read from its peers in a step, by what they were.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FabricBytes {
+    /// Gradient reductions (all-reduce, ZeRO-2/3's reduce-scatter, hierarchical all-reduce).
+    pub gradients: u64,
+    /// Parameter gathers (ZeRO-1/2's updated shards, ZeRO-3's gathers before each pass).
+    pub parameters: u64,
+    /// Pipeline activations received from the previous stage.
+    pub activations: u64,
+    /// Their gradients received from the next stage.
+    pub activation_grads: u64,
+    /// Global norms (clipping's sum of squares, LAMB's per-parameter sums).
+    pub norms: u64,
+}
+
+/// What a tensor on the fabric is, for [`FabricBytes`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FabricKind {
+    /// A gradient bucket.
+    Gradients,
+    /// Parameters gathered.
+    Parameters,
+    /// A stage's output.
+    Activations,
+    /// The gradient of a stage's input.
+    ActivationGrads,
+    /// Sums of squares.
+    Norms,
+}
+
+impl FabricKind {
+    /// The kind of `tensor`; `None` for what a training step does not move (user tensors count
+    /// elsewhere).
+    pub fn of(tensor: &TensorId) -> Option<FabricKind> {
+        Some(match tensor {
+            TensorId::GradBucket { .. } => FabricKind::Gradients,
+            TensorId::UpdatedParams { .. } | TensorId::GatheredParams { .. } => FabricKind::Parameters,
+            TensorId::Activation { .. } => FabricKind::Activations,
+            TensorId::ActivationGrad { .. } => FabricKind::ActivationGrads,
+            TensorId::GradSquares | TensorId::TrustSquares => FabricKind::Norms,
+            TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => return None,
+        })
+    }
+}
+
+impl FabricBytes {
+    /// Adds `bytes` of `kind`.
+    pub fn add(&mut self, kind: FabricKind, bytes: u64) {
+        *self.of_kind_mut(kind) += bytes;
+    }
+
+    /// Adds every kind of `other`.
+    pub fn add_all(&mut self, other: &FabricBytes) {
+        for kind in FabricBytes::KINDS {
+            self.add(kind, other.of_kind(kind));
+        }
+    }
+
+    /// Every kind, in report order.
+    pub const KINDS: [FabricKind; 5] = [
+        FabricKind::Gradients,
+        FabricKind::Parameters,
+        FabricKind::Activations,
+        FabricKind::ActivationGrads,
+        FabricKind::Norms,
+    ];
+
+    /// The bytes of `kind`.
+    pub fn of_kind(&self, kind: FabricKind) -> u64 {
+        match kind {
+            FabricKind::Gradients => self.gradients,
+            FabricKind::Parameters => self.parameters,
+            FabricKind::Activations => self.activations,
+            FabricKind::ActivationGrads => self.activation_grads,
+            FabricKind::Norms => self.norms,
+        }
+    }
+
+    fn of_kind_mut(&mut self, kind: FabricKind) -> &mut u64 {
+        match kind {
+            FabricKind::Gradients => &mut self.gradients,
+            FabricKind::Parameters => &mut self.parameters,
+            FabricKind::Activations => &mut self.activations,
+            FabricKind::ActivationGrads => &mut self.activation_grads,
+            FabricKind::Norms => &mut self.norms,
+        }
+    }
+
+    /// All kinds together.
+    pub fn total(&self) -> u64 {
+        FabricBytes::KINDS.iter().map(|k| self.of_kind(*k)).sum()
+    }
+}
+
+impl std::fmt::Display for FabricBytes {
+    /// `7.6 MiB (gradients 7.6 MiB, norms 4 B)`: the total, then each kind that moved.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names = [
+            "gradients",
+            "parameters",
+            "activations",
+            "activation gradients",
+            "norms",
+        ];
+        let parts: Vec<String> = (FabricBytes::KINDS.iter().zip(names))
+            .filter(|(k, _)| self.of_kind(**k) > 0)
+            .map(|(k, name)| format!("{name} {}", human(self.of_kind(*k))))
+            .collect();
+        write!(f, "{} ({})", human(self.total()), parts.join(", "))
+    }
+}
+
+fn human(bytes: u64) -> String {
+    if bytes >= 1 << 20 {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    } else if bytes >= 1 << 10 {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// Elements member `me` of `group` reads from its peers in a collective `kind` of `len`
+/// elements (the table of the module's doc).
+pub fn collective_read_elems(kind: CollectiveKind, group: &[ActorId], me: ActorId, len: usize) -> u64 {
+    let n = group.len();
+    let Some(i) = group.iter().position(|&a| a == me) else {
+        return 0;
+    };
+    if n < 2 || len == 0 {
+        return 0;
+    }
+    let own = shard_range(len, n, i).len();
+    let read = match kind {
+        CollectiveKind::AllReduceSum => (n - 1) * own + len - own,
+        CollectiveKind::ReduceScatterSum => (n - 1) * own,
+        CollectiveKind::AllGather => len - own,
+        CollectiveKind::HierarchicalAllReduceSum { island_size } => {
+            let k = island_size.max(1);
+            let (island, place) = (i / k, i % k);
+            let mine = &group[island * k..((island + 1) * k).min(n)];
+            let shard = shard_range(len, mine.len(), place).len();
+            let peers: Vec<ActorId> = group.iter().skip(place).step_by(k).copied().collect();
+            return collective_read_elems(CollectiveKind::ReduceScatterSum, mine, me, len)
+                + collective_read_elems(CollectiveKind::AllReduceSum, &peers, me, shard)
+                + collective_read_elems(CollectiveKind::AllGather, mine, me, len);
+        }
+    };
+    read as u64
+}
+
+/// Each actor's predicted fabric bytes per step, from its instruction stream: every collective
+/// it takes part in and every tensor it receives, with the sizes the layout gives (f32 values:
+/// a segment's parameters for its bucket and gathers, a micro-batch of the boundary block's
+/// output for an activation and its gradient, one value for clipping's sum of squares and two
+/// per parameter tensor for LAMB's).
+pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
+    let program = &plan.program;
+    let rows = program.plan.batch / program.plan.dp.max(1) / program.plan.microbatches.max(1);
+    plan.actors
+        .iter()
+        .map(|actor| {
+            let mut bytes = FabricBytes::default();
+            let trust_len = 2 * actor
+                .chunks
+                .iter()
+                .flat_map(|&(start, end)| &program.model.blocks[start..end])
+                .map(|b| b.param_descs.len())
+                .sum::<usize>();
+            let elems = |t: &TensorId| tensor_elems(&program.model, plan, rows, trust_len, t);
+            for instruction in &actor.stream.instructions {
+                let (kind, read) = match instruction {
+                    Instruction::StartCollective {
+                        kind, tensor, group, ..
+                    } => (
+                        FabricKind::of(tensor),
+                        collective_read_elems(*kind, group, actor.actor, elems(tensor)),
+                    ),
+                    Instruction::Recv { tensor, .. } => (FabricKind::of(tensor), elems(tensor) as u64),
+                    _ => continue,
+                };
+                if let Some(kind) = kind {
+                    bytes.add(kind, 4 * read);
+                }
+            }
+            bytes
+        })
+        .collect()
+}
+
+/// Elements of a training tensor that crosses the fabric.
+fn tensor_elems(model: &ModelDesc, plan: &Plan, rows: usize, trust_len: usize, tensor: &TensorId) -> usize {
+    let segment_params = |segment: usize| {
+        plan.buckets.get(segment).map_or(0, |b| {
+            model.blocks[b.start..b.end]
+                .iter()
+                .map(|x| x.params as usize)
+                .sum()
+        })
+    };
+    let output_of = |block: usize| rows * model.blocks[block].output_floats_per_sample as usize;
+    match tensor {
+        TensorId::GradBucket { segment }
+        | TensorId::UpdatedParams { segment }
+        | TensorId::GatheredParams { segment, .. } => segment_params(*segment),
+        TensorId::Activation { segment, .. } => {
+            plan.buckets.get(*segment).map_or(0, |b| output_of(b.end - 1))
+        }
+        TensorId::ActivationGrad { segment, .. } => plan
+            .buckets
+            .get(*segment)
+            .filter(|b| b.start > 0)
+            .map_or(0, |b| output_of(b.start - 1)),
+        TensorId::GradSquares => 1,
+        TensorId::TrustSquares => trust_len,
+        TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With even shards every member reads 2(n−1)/n of an all-reduce and (n−1)/n of a
+    /// reduce-scatter or an all-gather — the ring's figures; a hierarchical all-reduce over two
+    /// islands of two reads (n−1)/n·len inside the island twice and half of the shard across.
+    #[test]
+    fn collective_reads_are_the_rings_with_even_shards() {
+        let group = [0, 1, 2, 3];
+        for me in group {
+            assert_eq!(
+                collective_read_elems(CollectiveKind::AllReduceSum, &group, me, 400),
+                600
+            );
+            assert_eq!(
+                collective_read_elems(CollectiveKind::ReduceScatterSum, &group, me, 400),
+                300
+            );
+            assert_eq!(
+                collective_read_elems(CollectiveKind::AllGather, &group, me, 400),
+                300
+            );
+            let islands = CollectiveKind::HierarchicalAllReduceSum { island_size: 2 };
+            assert_eq!(collective_read_elems(islands, &group, me, 400), 200 + 200 + 200);
+        }
+        assert_eq!(
+            collective_read_elems(CollectiveKind::AllReduceSum, &[5], 5, 400),
+            0
+        );
+        assert_eq!(
+            collective_read_elems(CollectiveKind::AllReduceSum, &group, 9, 400),
+            0
+        );
+    }
+}
