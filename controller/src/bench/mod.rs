@@ -73,7 +73,7 @@ pub struct BenchArgs {
     pub data_paths_only: bool,
     /// Run only the CPU kernels' section and stop: gpt-tiny and mlp-8x1024 at dp=1 and dp=2 with
     /// each CPU matmul this machine has (Flex, OpenBLAS as detected, OpenBLAS with each core
-    /// type the CPU allows, auto), each in a child process, alternated; with --peers, PyTorch's
+    /// type the CPU allows), each in a child process right beside a run of auto; with --peers, PyTorch's
     /// steps of the same workloads right after.
     #[arg(long)]
     pub kernels_only: bool,
