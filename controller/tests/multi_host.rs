@@ -68,6 +68,9 @@ fn assert_same(reference: &TrainReport, run: &TrainReport, tolerance: f64, what:
         if let Err(e) = archipelago_controller::replica_check::assemble_params(report, &model) {
             panic!("{what} ({which}): {e}");
         }
+        if let Err(e) = archipelago_controller::fabric_check::check(report) {
+            panic!("{what} ({which}): {e}");
+        }
     }
     assert_eq!(reference.steps.len(), run.steps.len(), "{what}: steps");
     for (a, b) in reference.block_l2.iter().zip(&run.block_l2) {
@@ -132,9 +135,17 @@ fn every_data_path_trains_a_dp2_job_to_the_same_parameters() {
             checkpoint_every: 4,
             ..TrainOptions::default()
         };
-        remote
+        let report = remote
             .train(&program, &options)
             .unwrap_or_else(|e| panic!("{data_path}: {e}"));
+        // Each host read from the other what the plan predicted, on this data path.
+        if let Err(e) = archipelago_controller::fabric_check::check(&report) {
+            panic!("{data_path}: {e}");
+        }
+        assert!(
+            report.steps[0].fabric.gradients > 0,
+            "{data_path}: no gradient bytes counted"
+        );
         runs.push((data_path, checkpoint_params(&dir)));
     }
     let (first, reference) = &runs[0];

@@ -15,7 +15,7 @@ use archipelago_dataflow::ParamGroups;
 use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
 
 use super::Trainer;
-use super::zero::{SegmentShard, bucket_part};
+use super::zero::SegmentShard;
 use crate::executor::TensorTable;
 use crate::host_tensor::HostTensor;
 use crate::optim::{ParamLayout, ParamPart, sum_of_squares};
@@ -150,13 +150,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
             let own = &self.state.sharding.segment(blocks.start)?.own;
-            sum += sum_of_squares(bucket_part(
-                name,
-                &grad.data,
-                self.state.sharding.grads_sharded(),
-                len,
-                own,
-            )?);
+            sum += sum_of_squares(self.state.sharding.part(name, &grad.data, len, own)?);
         }
         let out = outputs.first().ok_or("GradNorm names no output")?;
         table.insert(out.clone(), HostTensor::flat(vec![sum as f32]));
@@ -211,13 +205,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
                 continue;
             }
-            let grads = bucket_part(
-                name,
-                &grad.data,
-                self.state.sharding.grads_sharded(),
-                range.len(),
-                &own,
-            )?;
+            let grads = self.state.sharding.part(name, &grad.data, range.len(), &own)?;
             let params = if self.state.sharding.zero.shards_parameters() {
                 &self.state.shard_master[state..state + own.len()]
             } else {

@@ -13,7 +13,7 @@ use archipelago_dataflow::ZeroStage;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::Trainer;
-use super::zero::{SegmentShard, bucket_part};
+use super::zero::SegmentShard;
 use crate::executor::TensorTable;
 use crate::host_tensor::HostTensor;
 use crate::offload::OffloadActor;
@@ -37,18 +37,13 @@ impl<B: AutodiffBackend> Trainer<B> {
         let (grad, blocks) = self.take_bucket(name, table)?;
         let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
         let range = self.state.sharding.optimizer_range(blocks.start, len)?;
-        let part = bucket_part(name, &grad.data, self.state.sharding.grads_sharded(), len, &range)?;
+        let part = self.state.sharding.part(name, &grad.data, len, &range)?;
         let deferred = self.state.update.clip.is_some();
         if deferred {
             // GradNorm counts this actor's share (its count shard of a replicated bucket).
             let own = &self.state.sharding.segment(blocks.start)?.own;
-            self.state.update.staged_squares += sum_of_squares(bucket_part(
-                name,
-                &grad.data,
-                self.state.sharding.grads_sharded(),
-                len,
-                own,
-            )?);
+            self.state.update.staged_squares +=
+                sum_of_squares(self.state.sharding.part(name, &grad.data, len, own)?);
         }
         let grads = if part.len() == grad.len() {
             grad.into_vec() // already the shard (or the whole bucket is the range): no copy

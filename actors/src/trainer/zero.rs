@@ -114,7 +114,7 @@ impl Sharding {
 /// values), or — where the plan's ZeRO stage reduce-scatters (`sharded`,
 /// `ZeroStage::gradients_arrive_sharded`) — the shard it received, which is `range` itself. A
 /// length other than the plan's is an error that names both, never a guess.
-pub(super) fn bucket_part<'g>(
+fn bucket_part<'g>(
     name: &TensorId,
     grad: &'g [f32],
     sharded: bool,
@@ -139,6 +139,17 @@ impl Sharding {
     /// Whether reduced gradients arrive as this replica's shard (ZeRO-2/3), as the plan says.
     pub(super) fn grads_sharded(&self) -> bool {
         self.zero.gradients_arrive_sharded()
+    }
+
+    /// `bucket_part` with the form the plan gives this actor's gradients.
+    pub(super) fn part<'g>(
+        &self,
+        name: &TensorId,
+        grad: &'g [f32],
+        len: usize,
+        range: &Range<usize>,
+    ) -> Result<&'g [f32], String> {
+        bucket_part(name, grad, self.grads_sharded(), len, range)
     }
 }
 
@@ -193,13 +204,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     own: shard, state, ..
                 } = self.state.sharding.segment(blocks.start)?.clone();
                 let own = range.start + shard.start..range.start + shard.end;
-                let grads = bucket_part(
-                    name,
-                    &grad.data,
-                    self.state.sharding.grads_sharded(),
-                    range.len(),
-                    &shard,
-                )?;
+                let grads = self.state.sharding.part(name, &grad.data, range.len(), &shard)?;
                 let shifted = self.fault.as_ref().and_then(|f| f.shard_gradient(grads));
                 let grads = shifted.as_deref().unwrap_or(grads);
                 if scope == UpdateScope::ShardKept {
