@@ -53,7 +53,9 @@ impl ZeroStage {
         self >= ZeroStage::ShardedOptimizer
     }
 
-    /// Each replica keeps only its shard of the gradients (stages 2–3).
+    /// Each replica keeps only its shard of the gradients (stages 2–3): a reduced bucket reaches
+    /// the update as this replica's shard (the reduce-scatter), not whole — decided here, never
+    /// guessed from a length.
     pub fn shards_gradients(self) -> bool {
         self >= ZeroStage::ShardedGradients
     }
@@ -61,12 +63,6 @@ impl ZeroStage {
     /// Each replica keeps only its shard of the parameters (stage 3).
     pub fn shards_parameters(self) -> bool {
         self >= ZeroStage::ShardedParameters
-    }
-
-    /// Whether a reduced gradient bucket reaches the update as this replica's shard only (the
-    /// reduce-scatter of stages 2–3) rather than whole: decided here, never guessed from a length.
-    pub fn gradients_arrive_sharded(self) -> bool {
-        self.shards_gradients()
     }
 }
 

@@ -112,7 +112,7 @@ impl Sharding {
 
 /// The values of gradient `name` this replica updates: `range` of the whole bucket (`len`
 /// values), or — where the plan's ZeRO stage reduce-scatters (`sharded`,
-/// `ZeroStage::gradients_arrive_sharded`) — the shard it received, which is `range` itself. A
+/// `ZeroStage::shards_gradients`) — the shard it received, which is `range` itself. A
 /// length other than the plan's is an error that names both, never a guess.
 fn bucket_part<'g>(
     name: &TensorId,
@@ -138,7 +138,7 @@ fn bucket_part<'g>(
 impl Sharding {
     /// Whether reduced gradients arrive as this replica's shard (ZeRO-2/3), as the plan says.
     pub(super) fn grads_sharded(&self) -> bool {
-        self.zero.gradients_arrive_sharded()
+        self.zero.shards_gradients()
     }
 
     /// `bucket_part` with the form the plan gives this actor's gradients.
