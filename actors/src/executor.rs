@@ -427,7 +427,7 @@ impl Executor {
                     .remove(tag)
                     .ok_or_else(|| (format!("collective {tag} was not started"), false))?;
                 self.progress.wait_on(Waiting::Collective { tag: *tag, group });
-                let (finished, read) = started.wait_counted();
+                let (finished, read) = started.wait();
                 self.progress.wait_on(Waiting::Nothing);
                 let value = finished.map_err(fabric_err)?;
                 Self::count_read(&mut self.fabric_read, tensor, read);

@@ -32,14 +32,9 @@ pub struct PendingCollective {
 }
 
 impl PendingCollective {
-    /// Blocks until the collective finished on this actor.
-    pub fn wait(self) -> Result<HostTensor, FabricError> {
-        self.wait_counted().0
-    }
-
     /// Blocks until the collective finished on this actor; its result, and the bytes this
     /// member read from its peers in it.
-    pub fn wait_counted(self) -> Finished {
+    pub fn wait(self) -> Finished {
         self.done.recv().unwrap_or_else(|_| {
             let stopped = FabricError::Aborted("the collective worker stopped".into());
             (Err(stopped), 0)
