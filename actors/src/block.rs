@@ -109,9 +109,20 @@ pub trait Block<B: AutodiffBackend>: Send {
     /// checkpointed segment, recomputed with [`Block::fresh_copy`] in the backward).
     fn untracked_copy(&self) -> Box<dyn Block<B>>;
     /// Moves this block's parameter gradients out of `grads` as flat tensors on the block's
-    /// device, in flattening order (zeros where a parameter has none). The caller reads a whole
-    /// gradient bucket back to host memory with [`read_flat`].
+    /// device, in flattening order (zeros where a trainable parameter has none; nothing for a
+    /// frozen one, see [`Block::freeze`]). The caller reads a whole gradient bucket back to host
+    /// memory with [`read_flat`].
     fn take_grads(&self, grads: &mut B::Gradients) -> Vec<Tensor<B::InnerBackend, 1>>;
+    /// The same block with the parameters whose `trainable` entry (flattening order) is false
+    /// taken out of autodiff: no backward computes their gradient and [`Block::take_grads`]
+    /// skips them. The trainer holds such a block through [`crate::block_frozen::PartlyFrozen`].
+    fn freeze(self: Box<Self>, trainable: &[bool]) -> Box<dyn Block<B>>;
+    /// Copies all the parameters, frozen ones included, into `out` (the block's full vector,
+    /// [`archipelago_dataflow::TrainedLayout::full_len`] long); the same as
+    /// [`Block::write_params`] for a block with nothing frozen.
+    fn write_full_params(&self, out: &mut [f32]) {
+        self.write_params(out)
+    }
 }
 
 /// Reads flat device tensors (a gradient bucket, in order) into `out`, or, when `accumulate`,
@@ -216,6 +227,11 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         self.visit(&mut v);
         v.parts
     }
+
+    fn freeze(self: Box<Self>, trainable: &[bool]) -> Box<dyn Block<B>> {
+        let mut mapper = FreezeMapper { trainable, index: 0 };
+        Box::new((*self).map(&mut mapper))
+    }
 }
 
 struct ShapeVisitor {
@@ -257,6 +273,9 @@ struct GradVisitor<'a, B: AutodiffBackend> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for GradVisitor<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let tensor = param.val();
+        if !tensor.is_require_grad() {
+            return; // frozen (`Block::freeze`): no gradient, no place in a bucket
+        }
         let n = tensor.shape().num_elements();
         let flat = match tensor.grad_remove(self.grads) {
             Some(grad) => grad.reshape([n]),
@@ -277,6 +296,24 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeafMapper {
             tensor
         };
         Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// Takes the parameters whose `trainable` entry is false out of autodiff ([`Block::freeze`]).
+struct FreezeMapper<'a> {
+    trainable: &'a [bool],
+    index: usize,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for FreezeMapper<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let trains = self.trainable.get(self.index).copied().unwrap_or(true);
+        self.index += 1;
+        if trains {
+            return param;
+        }
+        let (id, tensor, mapper) = param.consume();
+        Param::from_mapped_value(id, tensor.detach().set_require_grad(false), mapper)
     }
 }
 

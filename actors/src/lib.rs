@@ -27,6 +27,7 @@ pub mod allocator;
 pub mod backend;
 pub mod batch_file;
 pub mod block;
+pub mod block_frozen;
 pub mod checkpoint;
 pub mod codec;
 pub mod collectives;

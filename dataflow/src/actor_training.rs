@@ -159,8 +159,12 @@ impl ActorTraining {
     }
 }
 
+/// Elements of the trained vectors of `blocks` (frozen parameters have no place in a segment).
 fn block_params(model: &ModelDesc, blocks: Range<usize>) -> usize {
-    model.blocks[blocks].iter().map(|b| b.params as usize).sum()
+    model.blocks[blocks]
+        .iter()
+        .map(|b| b.trained_params() as usize)
+        .sum()
 }
 
 #[cfg(test)]

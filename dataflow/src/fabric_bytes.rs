@@ -220,7 +220,7 @@ fn tensor_elems(model: &ModelDesc, plan: &Plan, rows: usize, trust_len: usize, t
         plan.buckets.get(segment).map_or(0, |b| {
             model.blocks[b.start..b.end]
                 .iter()
-                .map(|x| x.params as usize)
+                .map(|x| x.trained_params() as usize)
                 .sum()
         })
     };

@@ -56,6 +56,7 @@ pub mod property_seed;
 pub mod rng;
 pub mod simulate;
 pub mod tensor_id;
+pub mod trained_layout;
 pub mod verify;
 
 pub use actor_training::{ActorTraining, SegmentPlan, ZeroStage, shard_range};
@@ -71,6 +72,7 @@ pub use param_desc::{ParamDesc, ParamInit, Split};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
 pub use program::{Offload, ParallelPlan, Program, StatePlacement, TestFault};
 pub use tensor_id::{GatherFor, TensorId};
+pub use trained_layout::TrainedLayout;
 
 /// Index of an actor in a plan: its rank in the mesh.
 pub type ActorId = usize;

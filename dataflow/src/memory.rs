@@ -125,8 +125,10 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
             .sum()
     };
     let params = held(crate::BlockInfo::param_bytes);
+    // Frozen parameters stay whole on every actor holding their block (never sharded).
+    let frozen = held(crate::BlockInfo::frozen_bytes);
     let grads = held(crate::BlockInfo::grad_bytes);
-    let optimized = held(crate::BlockInfo::optimized_params);
+    let optimized = held(crate::BlockInfo::trained_params);
     let acts = |s: usize, e: usize| -> u64 {
         model.blocks[s..e]
             .iter()
@@ -190,7 +192,7 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     );
     let mut estimate = MemoryEstimate {
         actor: share.actor,
-        params: sharded(params, ZeroStage::ShardedParameters),
+        params: sharded(params - frozen, ZeroStage::ShardedParameters) + frozen,
         grads: sharded(grads, ZeroStage::ShardedGradients),
         optimizer,
         activations,

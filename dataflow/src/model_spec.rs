@@ -142,12 +142,19 @@ impl BlockInfo {
         self.param_descs.iter().map(ParamDesc::grad_bytes).sum()
     }
 
-    /// Elements the optimizer keeps state for (the trainable parameters').
-    pub fn optimized_params(&self) -> u64 {
+    /// Elements of the trainable parameters: the length of the block's trained vector
+    /// ([`crate::TrainedLayout`]), which the trainer reduces, shards and updates and the optimizer
+    /// keeps state for.
+    pub fn trained_params(&self) -> u64 {
         if self.param_descs.is_empty() {
             return self.params;
         }
         self.param_descs.iter().map(ParamDesc::optimized_len).sum()
+    }
+
+    /// Bytes of the frozen parameters' values (kept whole by each actor holding the block).
+    pub fn frozen_bytes(&self) -> u64 {
+        self.param_bytes() - self.grad_bytes()
     }
 
     /// Whether any parameter is frozen.
@@ -162,7 +169,7 @@ impl ModelDesc {
         self.blocks.iter().map(|b| b.params).sum()
     }
 
-    /// Checks that the trainer can hold every described parameter (trainable f32 today; see
+    /// Checks that the trainer can hold every described parameter (f32 today; see
     /// `ParamDesc::not_trainable_yet`): what `compile` refuses, so that no actor refuses it.
     pub fn check_trainable(&self) -> Result<(), PlanError> {
         for (block, info) in self.blocks.iter().enumerate() {

@@ -147,15 +147,15 @@ impl ParamDesc {
         if self.trainable { self.len() as u64 } else { 0 }
     }
 
-    /// Why the trainer cannot hold this parameter yet, if it cannot: it holds every parameter as
-    /// a trainable f32 (frozen and 16-bit parameters are described, not yet trained). `compile`
-    /// refuses such a model with this reason, so an accepted plan is never refused at actor start.
+    /// Why the trainer cannot hold this parameter yet, if it cannot: it holds every parameter in
+    /// f32 (16-bit parameters are described, not yet trained; frozen f32 ones are kept whole by
+    /// every actor that holds their block, outside the trained layout). `compile` refuses such a
+    /// model with this reason, so an accepted plan is never refused at actor start.
     pub fn not_trainable_yet(&self) -> Option<String> {
-        (!self.trainable || self.dtype != DType::F32).then(|| {
+        (self.dtype != DType::F32).then(|| {
             format!(
-                "parameter `{}` is described as {}{}: the trainer holds every parameter as a trainable \
-                 f32 for now (frozen and 16-bit parameters are planned, not yet trained); describe it as \
-                 trainable f32",
+                "parameter `{}` is described as {}{}: the trainer holds every parameter in f32 for \
+                 now (16-bit parameters are planned, not yet trained); describe it as f32",
                 self.name,
                 if self.trainable { "" } else { "frozen " },
                 self.dtype

@@ -10,8 +10,11 @@
 //! skipped, one replica's gradient dropped, micro-batch gradients averaged instead of summed, a
 //! ZeRO shard updated at the wrong offset. `state_on_device` runs the matrix with the training
 //! state on the device and checks the host ⇄ device bytes each step reports; `offload_clipping`
-//! checks the deferred offloaded update under clipping.
+//! checks the deferred offloaded update under clipping; `frozen` trains a model with frozen
+//! parameters on dp, pp and ZeRO-3 against one device.
 
+#[path = "sgd_matrix/frozen.rs"]
+mod frozen;
 #[path = "sgd_matrix/offload_clipping.rs"]
 mod offload_clipping;
 #[path = "sgd_matrix/state_on_device.rs"]

@@ -8,11 +8,13 @@
 //! [`Collectives`] ([`InProcessFabric::with_collectives`]); the fabric itself knows nothing of
 //! collectives.
 
+pub mod element;
 pub mod hierarchical;
 pub mod ring_all_reduce;
 pub mod shared;
 pub mod worker;
 
+pub use element::Reducible;
 pub use hierarchical::hierarchical_all_reduce;
 pub use ring_all_reduce::{ChunkPool, ring_all_gather, ring_all_reduce, ring_reduce_scatter, shard_range};
 pub use shared::SharedCollectives;

@@ -18,8 +18,9 @@
 //! `unsafe` code: each block says why it is sound.
 #![allow(unsafe_code)]
 
-use archipelago_dataflow::ActorId;
+use archipelago_dataflow::{ActorId, DType};
 
+use super::element::{Accumulation, Reducible};
 use super::ring_all_reduce::shard_range;
 use crate::fabric::shared_buffers::PublishedBuffer;
 use crate::fabric::{FabricError, SharedBuffers};
@@ -36,80 +37,90 @@ enum Phases {
 }
 
 /// The collectives of the members of one process through the fabric's [`SharedBuffers`]: every
-/// member of `group` calls the same one from its own thread with the same `edge` and length.
+/// member of `group` calls the same one from its own thread with the same `edge`, element type
+/// and length. Sums accumulate in f32 and are rounded once to the element type ([`Reducible`]).
 pub trait SharedCollectives {
     /// Sums `data` over `group` in place, as [`super::ring_all_reduce()`] does.
-    fn all_reduce(
+    fn all_reduce<T: Reducible>(
         &self,
         me: ActorId,
         group: &[ActorId],
         edge: u64,
-        data: &mut [f32],
+        data: &mut [T],
     ) -> Result<(), FabricError>;
 
     /// Reduce-scatter (sum) in place: afterwards member `i` holds the total of
     /// `data[shard_range(len, n, i)]`; the rest of `data` is left as it was.
-    fn reduce_scatter(
+    fn reduce_scatter<T: Reducible>(
         &self,
         me: ActorId,
         group: &[ActorId],
         edge: u64,
-        data: &mut [f32],
+        data: &mut [T],
     ) -> Result<(), FabricError>;
 
     /// All-gather in place: member `i` brings `data[shard_range(len, n, i)]`; afterwards every
     /// member holds every shard.
-    fn all_gather(
+    fn all_gather<T: Reducible>(
         &self,
         me: ActorId,
         group: &[ActorId],
         edge: u64,
-        data: &mut [f32],
+        data: &mut [T],
     ) -> Result<(), FabricError>;
 }
 
 impl SharedCollectives for SharedBuffers {
-    fn all_reduce(
+    fn all_reduce<T: Reducible>(
         &self,
         me: ActorId,
         group: &[ActorId],
         edge: u64,
-        data: &mut [f32],
+        data: &mut [T],
     ) -> Result<(), FabricError> {
-        run(self, Phases::AllReduce, me, group, edge, data)
+        run(self, Phases::AllReduce, me, group, edge, data, Accumulation::F32)
     }
 
-    fn reduce_scatter(
+    fn reduce_scatter<T: Reducible>(
         &self,
         me: ActorId,
         group: &[ActorId],
         edge: u64,
-        data: &mut [f32],
+        data: &mut [T],
     ) -> Result<(), FabricError> {
-        run(self, Phases::ReduceScatter, me, group, edge, data)
+        run(
+            self,
+            Phases::ReduceScatter,
+            me,
+            group,
+            edge,
+            data,
+            Accumulation::F32,
+        )
     }
 
-    fn all_gather(
+    fn all_gather<T: Reducible>(
         &self,
         me: ActorId,
         group: &[ActorId],
         edge: u64,
-        data: &mut [f32],
+        data: &mut [T],
     ) -> Result<(), FabricError> {
-        run(self, Phases::AllGather, me, group, edge, data)
+        run(self, Phases::AllGather, me, group, edge, data, Accumulation::F32)
     }
 }
 
 /// One collective: publish `data` at the group's round, do this member's part of `phases`
 /// straight in the published buffers, and wait at the closing barrier until nobody reads
 /// `data` any more.
-fn run(
+fn run<T: Reducible>(
     buffers: &SharedBuffers,
     phases: Phases,
     me: ActorId,
     group: &[ActorId],
     edge: u64,
-    data: &mut [f32],
+    data: &mut [T],
+    accumulation: Accumulation,
 ) -> Result<(), FabricError> {
     let i = group
         .iter()
@@ -123,13 +134,14 @@ fn run(
     let len = data.len();
     // From here to the last barrier this member touches its buffer only through `mine`.
     let mine = PublishedBuffer {
-        ptr: data.as_mut_ptr(),
+        ptr: data.as_mut_ptr().cast::<u8>(),
         len,
+        dtype: T::DTYPE,
         edge,
     };
     let published = round.barrier(i, edge, Some(mine))?;
     // Every member sees the same published buffers, so every member returns here alike.
-    check_in_step(group, edge, len, &published)?;
+    check_in_step(group, edge, len, T::DTYPE, &published)?;
     let shard = shard_range(len, n, i);
     // What this member reads from its peers: their values of its shard (summed), and in an
     // all-reduce or all-gather every other shard (written into its buffer by the shard's owner).
@@ -140,11 +152,11 @@ fn run(
         Phases::AllGather => other_shards,
     };
     match phases {
-        Phases::AllReduce => sum_shard_into(&published, &published, shard),
-        Phases::ReduceScatter => sum_shard_into(&published, &published[i..=i], shard),
-        Phases::AllGather => gather_shards_into(&published, i, mine),
+        Phases::AllReduce => sum_shard_into::<T>(&published, &published, shard, accumulation),
+        Phases::ReduceScatter => sum_shard_into::<T>(&published, &published[i..=i], shard, accumulation),
+        Phases::AllGather => gather_shards_into::<T>(&published, i, mine),
     }
-    crate::fabric::read_count::count((read * std::mem::size_of::<f32>()) as u64);
+    crate::fabric::read_count::count((read * std::mem::size_of::<T>()) as u64);
     // Nobody returns (and reuses its buffer) while another may still read it.
     round.barrier(i, edge, None)?;
     Ok(())
@@ -155,12 +167,19 @@ fn check_in_step(
     group: &[ActorId],
     edge: u64,
     len: usize,
+    dtype: DType,
     published: &[PublishedBuffer],
 ) -> Result<(), FabricError> {
     if let Some(other) = published.iter().find(|b| b.edge != edge) {
         return Err(FabricError::Aborted(format!(
             "members of group {group:?} brought collectives {edge} and {} at once; every member must run the group's collectives in the same order",
             other.edge
+        )));
+    }
+    if let Some(other) = published.iter().find(|b| b.dtype != dtype) {
+        return Err(FabricError::Aborted(format!(
+            "members of a collective on edge {edge} brought {dtype} and {} buffers; every member must bring the collective's dtype",
+            other.dtype
         )));
     }
     if let Some(other) = published.iter().find(|b| b.len != len) {
@@ -174,52 +193,70 @@ fn check_in_step(
 
 /// Copies every other member's own shard of its buffer into the same shard of `mine` (member
 /// `i`'s buffer).
-fn gather_shards_into(published: &[PublishedBuffer], i: usize, mine: PublishedBuffer) {
+fn gather_shards_into<T: Reducible>(published: &[PublishedBuffer], i: usize, mine: PublishedBuffer) {
     let (len, n) = (mine.len, published.len());
+    let mine_ptr = mine.ptr.cast::<T>();
     for (j, from) in published.iter().enumerate().filter(|(j, _)| *j != i) {
         let shard = shard_range(len, n, j);
+        let from_ptr = from.ptr.cast::<T>();
         // SAFETY: shard `j` of member `j`'s buffer is member `j`'s input, which nobody
         // writes during this phase; shard `j` of our own buffer is written by us alone
         // (the others read only their own shard of it). Both ranges lie within
         // buffers of `len` elements that stay alive: every member is blocked in this
-        // collective until the final barrier. The two buffers are distinct (j ≠ i).
+        // collective until the final barrier (every member checked in with this element type,
+        // so both hold `len` elements of `T`). The two buffers are distinct (j ≠ i).
         unsafe {
-            std::ptr::copy_nonoverlapping(from.ptr.add(shard.start), mine.ptr.add(shard.start), shard.len());
+            std::ptr::copy_nonoverlapping(from_ptr.add(shard.start), mine_ptr.add(shard.start), shard.len());
         }
     }
 }
 
-/// Writes the sum of `shard` over every buffer of `from` (in member order) into `shard` of
-/// every buffer of `to`. The calling member is the only one that touches `shard` of any buffer
-/// during this phase.
-fn sum_shard_into(from: &[PublishedBuffer], to: &[PublishedBuffer], shard: std::ops::Range<usize>) {
+/// Writes the sum of `shard` over every buffer of `from` (in member order, accumulated as
+/// `accumulation` says, rounded to `T` once at the end when in f32) into `shard` of every buffer
+/// of `to`. The calling member is the only one that touches `shard` of any buffer during this
+/// phase.
+fn sum_shard_into<T: Reducible>(
+    from: &[PublishedBuffer],
+    to: &[PublishedBuffer],
+    shard: std::ops::Range<usize>,
+    accumulation: Accumulation,
+) {
     let mut total = [0.0f32; BLOCK];
     let mut at = shard.start;
     while at < shard.end {
         let block = BLOCK.min(shard.end - at);
         let total = &mut total[..block];
         for (j, buffer) in from.iter().enumerate() {
-            // SAFETY: `[at, at + block)` lies within `shard` of a buffer of the common length,
-            // alive until the final barrier (its owner is blocked in this collective). During
-            // this phase `shard` of every buffer is read and written by this thread alone (each
-            // member works on its own shard, and shards are disjoint), and the slice is dropped
-            // before the writes below.
-            let values = unsafe { std::slice::from_raw_parts(buffer.ptr.add(at), block) };
-            if j == 0 {
-                total.copy_from_slice(values);
-            } else {
-                total.iter_mut().zip(values).for_each(|(t, v)| *t += v);
+            // SAFETY: `[at, at + block)` lies within `shard` of a buffer of the common length and
+            // element type `T` (checked in), alive until the final barrier (its owner is blocked
+            // in this collective). During this phase `shard` of every buffer is read and written
+            // by this thread alone (each member works on its own shard, and shards are
+            // disjoint), and the slice is dropped before the writes below.
+            let values = unsafe { std::slice::from_raw_parts(buffer.ptr.cast::<T>().add(at), block) };
+            let pairs = total.iter_mut().zip(values);
+            match (j, accumulation) {
+                (0, _) => pairs.for_each(|(t, v)| *t = v.to_f32()),
+                (_, Accumulation::F32) => pairs.for_each(|(t, v)| *t += v.to_f32()),
+                (_, Accumulation::InElementType) => {
+                    pairs.for_each(|(t, v)| *t = T::from_f32(*t + v.to_f32()).to_f32())
+                }
             }
         }
         for buffer in to {
             // SAFETY: as above: this block of `shard` is this thread's alone in this phase, and
             // no other reference to it is alive here.
-            let out = unsafe { std::slice::from_raw_parts_mut(buffer.ptr.add(at), block) };
-            out.copy_from_slice(total);
+            let out = unsafe { std::slice::from_raw_parts_mut(buffer.ptr.cast::<T>().add(at), block) };
+            out.iter_mut()
+                .zip(total.iter())
+                .for_each(|(o, &t)| *o = T::from_f32(t));
         }
         at += block;
     }
 }
+
+#[cfg(test)]
+#[path = "shared_16bit_tests.rs"]
+mod shared_16bit_tests;
 
 #[cfg(test)]
 mod tests {
@@ -258,7 +295,7 @@ mod tests {
     #[test]
     fn all_reduce_sums_in_member_order_on_every_member() {
         for (n, len) in [(2, 10_007), (3, 5), (4, 3), (5, 3 * BLOCK + 17)] {
-            let out = on_threads(n, len, SharedBuffers::all_reduce, value);
+            let out = on_threads(n, len, SharedBuffers::all_reduce::<f32>, value);
             let expected: Vec<f32> = (0..len)
                 .map(|k| (1..n).fold(value(0, k), |s, m| s + value(m, k)))
                 .collect();
@@ -271,7 +308,7 @@ mod tests {
     #[test]
     fn reduce_scatter_and_all_gather_follow_the_zero_layout() {
         let (n, len) = (3, 1000);
-        let out = on_threads(n, len, SharedBuffers::reduce_scatter, value);
+        let out = on_threads(n, len, SharedBuffers::reduce_scatter::<f32>, value);
         for (i, member) in out.iter().enumerate() {
             let own = shard_range(len, n, i);
             for (k, got) in member.iter().enumerate() {
@@ -290,7 +327,7 @@ mod tests {
                 -1.0
             }
         }
-        let gathered = on_threads(n, len, SharedBuffers::all_gather, owner_value);
+        let gathered = on_threads(n, len, SharedBuffers::all_gather::<f32>, owner_value);
         let expected: Vec<f32> = (0..len).map(|k| k as f32).collect();
         assert!(gathered.iter().all(|member| member == &expected));
     }

@@ -27,10 +27,12 @@ use super::FabricError;
 /// A member's published buffer, and the edge (collective) it brings it to.
 #[derive(Debug, Clone, Copy)]
 pub struct PublishedBuffer {
-    /// The buffer's first element.
-    pub ptr: *mut f32,
+    /// The buffer's first byte.
+    pub ptr: *mut u8,
     /// Its length in elements.
     pub len: usize,
+    /// Its element type (members must agree on it).
+    pub dtype: archipelago_dataflow::DType,
     /// The edge the member is at (members at different edges are out of step).
     pub edge: u64,
 }

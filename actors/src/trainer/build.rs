@@ -9,7 +9,9 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{ActorId, Program, SegmentPlan, StatePlacement, ZeroStage};
+use archipelago_dataflow::{
+    ActorId, BlockInfo, ParamDesc, Program, SegmentPlan, StatePlacement, TrainedLayout, ZeroStage,
+};
 
 use super::cpu_buffers::is_cpu;
 use super::data::samples;
@@ -18,12 +20,43 @@ use super::fault::FaultHook;
 use super::norms::{StageParams, UpdateState};
 use super::parts::{HeldStage, InFlight, TrainingState};
 use super::{Placement, Sharding, Trainer};
-use crate::block::{check_described, describe_shapes, init_range};
+use crate::block::{Block, check_described, describe_shapes, init_param, init_range};
+use crate::block_frozen::PartlyFrozen;
 use crate::executor::Computation;
 use crate::offload::OffloadActor;
 use crate::optim::FlatOptimizer;
 use crate::weights_file::InitWeights;
 use crate::zoo::{BuildContext, ModelBuilder};
+
+/// The parameters of block `index` (`info` in the model) as built (`block`), described one by
+/// one: the model's descriptions, checked against the module, or ones made from the module for a
+/// model that gives only counts.
+fn described_params<B: AutodiffBackend>(
+    index: usize,
+    info: &BlockInfo,
+    block: &dyn Block<B>,
+) -> Result<Vec<ParamDesc>, String> {
+    if block.num_params() as u64 != info.params {
+        return Err(format!(
+            "block {index} `{}` has {} parameters but the model description says {}",
+            info.name,
+            block.num_params(),
+            info.params
+        ));
+    }
+    let shapes = block.param_shapes();
+    let described = if info.param_descs.is_empty() {
+        describe_shapes(&info.name, &shapes)
+    } else {
+        check_described(&info.name, &info.param_descs, &shapes)?;
+        info.param_descs.clone()
+    };
+    // `compile` refuses these first (the same rule); kept for a plan built by hand.
+    if let Some(why) = described.iter().find_map(|p| p.not_trainable_yet()) {
+        return Err(why);
+    }
+    Ok(described)
+}
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// Builds the blocks of `chunks` (half-open block ranges) of `program`'s model on `device`
@@ -40,9 +73,14 @@ impl<B: AutodiffBackend> Trainer<B> {
         let training = &placement.training;
         let desc = program.model.clone();
         let held = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
+        // Offsets into the trained vectors (frozen parameters have no place in them).
         let mut offsets = vec![0];
         for (index, info) in desc.blocks.iter().enumerate() {
-            let n = if held(index) { info.params as usize } else { 0 };
+            let n = if held(index) {
+                info.trained_params() as usize
+            } else {
+                0
+            };
             offsets.push(offsets[index] + n);
         }
         let sharding = Sharding::of(training, &offsets)?;
@@ -59,10 +97,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             .map(|path| InitWeights::open(std::path::Path::new(path), &desc))
             .transpose()?;
         let mut param_descs = Vec::with_capacity(desc.blocks.len());
+        let mut layouts = Vec::with_capacity(desc.blocks.len());
+        let mut frozen = Vec::with_capacity(desc.blocks.len());
         for (index, info) in desc.blocks.iter().enumerate() {
             if !held(index) {
                 blocks.push(None);
                 param_descs.push(Vec::new());
+                layouts.push(Arc::default());
+                frozen.push(Arc::default());
                 continue;
             }
             let ctx = BuildContext {
@@ -70,44 +112,41 @@ impl<B: AutodiffBackend> Trainer<B> {
                 actor,
                 block: index,
             };
-            let block = builder.build_block(&ctx, &device);
-            if block.num_params() as u64 != info.params {
-                return Err(format!(
-                    "block {index} `{}` has {} parameters but the model description says {}",
-                    info.name,
-                    block.num_params(),
-                    info.params
-                ));
-            }
-            let shapes = block.param_shapes();
-            let described = if info.param_descs.is_empty() {
-                describe_shapes(&info.name, &shapes)
-            } else {
-                check_described(&info.name, &info.param_descs, &shapes)?;
-                info.param_descs.clone()
-            };
-            // `compile` refuses these first (the same rule); kept for a plan built by hand.
-            if let Some(why) = described.iter().find_map(|p| p.not_trainable_yet()) {
-                return Err(why);
-            }
-            stage_params.push_block(offsets[index], &shapes, program.param_groups);
+            let built = builder.build_block(&ctx, &device);
+            let described = described_params(index, info, &*built)?;
+            let layout = Arc::new(TrainedLayout::of(&described));
+            let trained: Vec<ParamDesc> = described.iter().filter(|p| p.trainable).cloned().collect();
             // Each parameter drawn whole from (seed, name), then sliced to what is kept here: the
-            // block, or under ZeRO-3 only this replica's shard of it.
-            let init = |range: Range<usize>| match &init_file {
-                Some(file) => file.block(index).map(|all| all[range].to_vec()),
-                None => Ok(init_range(&described, program.seed, range)),
+            // block, or under ZeRO-3 only this replica's shard of it; frozen ones kept whole.
+            let from_file = match &init_file {
+                Some(file) => Some(layout.split(&file.block(index)?)),
+                None => None,
+            };
+            let frozen_values = Arc::new(match &from_file {
+                Some((_, values)) => values.clone(),
+                None => (described.iter().filter(|p| !p.trainable))
+                    .flat_map(|p| init_param(p, program.seed))
+                    .collect(),
+            });
+            let block = PartlyFrozen::hold(built, layout.clone(), frozen_values.clone());
+            stage_params.push_block(offsets[index], &block.param_shapes(), program.param_groups);
+            let init = |range: Range<usize>| match &from_file {
+                Some((values, _)) => values[range].to_vec(),
+                None => init_range(&trained, program.seed, range),
             };
             if sharded {
                 if let Some((from, to)) = sharding.owned_part(index, &offsets) {
-                    shard_master[to].copy_from_slice(&init(from)?);
+                    shard_master[to].copy_from_slice(&init(from));
                 }
                 blocks.push(None);
             } else {
-                let init = init(0..info.params as usize)?;
+                let init = init(0..layout.trained_len());
                 blocks.push(Some(block.load_params(&init, false)));
                 master.extend_from_slice(&init);
             }
-            param_descs.push(described);
+            param_descs.push(trained);
+            layouts.push(layout);
+            frozen.push(frozen_values);
         }
         let samples = samples(&program.data, desc.input)?;
         let held_blocks: Vec<bool> = (0..desc.blocks.len()).map(held).collect();
@@ -173,6 +212,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                 chunk_starts: chunks.iter().map(|c| c.0).collect(),
                 held_blocks,
                 param_descs,
+                layouts,
+                frozen,
                 builder,
                 seed: program.seed,
                 actor,

@@ -45,6 +45,7 @@ mod data;
 mod device_lamb;
 mod device_state;
 mod fault;
+mod full_vectors;
 mod norms;
 mod offload;
 mod parts;
@@ -223,9 +224,11 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             // A host mirror made for a checkpoint lives until here.
             self.state.optimizer.release_state();
         }
-        let params = 4 * (self.state.master.len() + self.state.shard_master.len()) as u64;
+        // Frozen values are kept whole beside the trained master (or its shard).
+        let frozen: usize = (self.stage.frozen.iter()).map(|f| f.len()).sum();
+        let params = 4 * (self.state.master.len() + self.state.shard_master.len() + frozen) as u64;
         let state = match &self.state.device_state {
-            Some(device) => device.bytes(),
+            Some(device) => device.bytes() + 4 * frozen as u64,
             None => params + self.state.optimizer.state_bytes(),
         };
         let materialized: usize = (0..self.stage.blocks.len())
@@ -259,20 +262,22 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
     }
 
     fn block_params(&self) -> Vec<HeldParams> {
-        if self.state.sharding.zero.shards_parameters() {
-            return self.owned_shard_params();
-        }
-        (0..self.stage.blocks.len())
-            .filter(|&i| self.stage.held_blocks[i])
-            .map(|i| {
-                let values = Trainer::block_params(self, i).to_vec();
-                HeldParams {
-                    block: i,
-                    range: 0..values.len(),
-                    values,
-                }
-            })
-            .collect()
+        let trained = if self.state.sharding.zero.shards_parameters() {
+            self.owned_shard_params()
+        } else {
+            (0..self.stage.blocks.len())
+                .filter(|&i| self.stage.held_blocks[i])
+                .map(|i| {
+                    let values = Trainer::block_params(self, i).to_vec();
+                    HeldParams {
+                        block: i,
+                        range: 0..values.len(),
+                        values,
+                    }
+                })
+                .collect()
+        };
+        self.in_full_vectors(trained)
     }
 
     fn save_state(&self) -> Result<Option<crate::checkpoint::ShardState>, String> {
@@ -301,16 +306,22 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
 
     fn block_squares(&self) -> Vec<(usize, f64)> {
         let sq = |v: &[f32]| v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+        let first = self.state.sharding.rank == 0;
+        // Frozen values are whole on every replica: the first one answers for the group.
+        let frozen = (0..self.stage.blocks.len())
+            .filter(|&i| first && self.stage.held_blocks[i] && !self.stage.frozen[i].is_empty())
+            .map(|i| (i, sq(&self.stage.frozen[i])));
         if !self.state.sharding.zero.shards_parameters() {
             // Every replica holds every parameter: the first one answers for the group.
-            if self.state.sharding.rank != 0 {
+            if !first {
                 return Vec::new();
             }
             return (0..self.stage.blocks.len())
                 .filter(|&i| self.stage.held_blocks[i])
                 .map(|i| (i, sq(Trainer::block_params(self, i))))
+                .chain(frozen)
                 .collect();
         }
-        self.shard_squares()
+        self.shard_squares().into_iter().chain(frozen).collect()
     }
 }

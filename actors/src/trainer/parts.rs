@@ -11,16 +11,17 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{ActorId, ModelDesc, ParamDesc};
+use archipelago_dataflow::{ActorId, ModelDesc, ParamDesc, TrainedLayout};
 
 use super::data::Batch;
 use super::device_state::DeviceState;
 use super::norms::UpdateState;
 use super::{BlockCopies, Segment, Sharding};
 use crate::block::{Activation, Block};
+use crate::block_frozen::PartlyFrozen;
 use crate::offload::OffloadActor;
 use crate::optim::FlatOptimizer;
-use crate::zoo::ModelBuilder;
+use crate::zoo::{BuildContext, ModelBuilder};
 
 /// The blocks an actor holds, on its device, and how to build them again (ZeRO-3).
 pub(super) struct HeldStage<B: AutodiffBackend> {
@@ -35,9 +36,14 @@ pub(super) struct HeldStage<B: AutodiffBackend> {
     pub(super) chunk_starts: Vec<usize>,
     /// Which blocks this actor holds (under ZeRO-3 their modules come and go).
     pub(super) held_blocks: Vec<bool>,
-    /// Each held block's parameters, described one by one (the model's descriptions, or ones
-    /// made from the built module for a model that gives only counts); empty for other blocks.
+    /// Each held block's trainable parameters, described one by one (the model's descriptions,
+    /// or ones made from the built module for a model that gives only counts): the trained
+    /// vector's, which checkpoints name; empty for other blocks.
     pub(super) param_descs: Vec<Vec<ParamDesc>>,
+    /// Each block's trained vector within all its parameters (empty for blocks not held).
+    pub(super) layouts: Vec<Arc<TrainedLayout>>,
+    /// Each held block's frozen parameters' values, kept whole (never sharded or updated).
+    pub(super) frozen: Vec<Arc<Vec<f32>>>,
     pub(super) builder: Arc<dyn ModelBuilder<B>>,
     pub(super) seed: u64,
     pub(super) actor: ActorId,
@@ -63,6 +69,20 @@ pub(super) struct InFlight<B: AutodiffBackend> {
     pub(super) peak_live: usize,
     /// Gradient bucket buffers kept from the last step (no fresh allocation per step).
     pub(super) spare_buffers: Vec<Vec<f32>>,
+}
+
+impl<B: AutodiffBackend> HeldStage<B> {
+    /// Block `index` built afresh (ZeRO-3 gathers) as the trainer holds it: frozen parameters
+    /// out of its view ([`PartlyFrozen`]); load its trained vector next.
+    pub(super) fn build_held(&self, index: usize) -> Box<dyn Block<B>> {
+        let ctx = BuildContext {
+            seed: self.seed,
+            actor: self.actor,
+            block: index,
+        };
+        let block = self.builder.build_block(&ctx, &self.device);
+        PartlyFrozen::hold(block, self.layouts[index].clone(), self.frozen[index].clone())
+    }
 }
 
 impl<B: AutodiffBackend> Default for InFlight<B> {

@@ -15,7 +15,6 @@ use archipelago_dataflow::{ActorTraining, ZeroStage};
 use super::Trainer;
 use crate::executor::{HeldParams, TensorTable};
 use crate::host_tensor::HostTensor;
-use crate::zoo::BuildContext;
 
 /// This replica's shard of one segment (gradient bucket).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -279,12 +278,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             if !self.stage.held_blocks[index] {
                 return Err(format!("block {index} is not held by this actor"));
             }
-            let ctx = BuildContext {
-                seed: self.stage.seed,
-                actor: self.stage.actor,
-                block: index,
-            };
-            let block = self.stage.builder.build_block(&ctx, &self.stage.device);
+            let block = self.stage.build_held(index);
             let at = self.stage.offsets[index] - base..self.stage.offsets[index + 1] - base;
             self.stage.blocks[index] = Some(block.load_params(&params[at], self.batched_transfers));
         }
