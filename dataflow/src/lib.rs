@@ -17,7 +17,8 @@
 //! 3. [`verify::verify`] simulates the streams: every send has its receive, every group enters its
 //!    collectives in the same order, every tensor is defined before it is used; a deadlock is
 //!    reported naming who waits for whom.
-//! 4. [`simulate::simulate`] predicts the step time and each stage's bubble from a cost model.
+//! 4. [`simulate::simulate`] predicts the step time and each stage's bubble from a cost model;
+//!    [`simulate_comm`] adds the communication term (bandwidth and latency per link kind).
 //! 5. [`memory::estimate`] accounts parameters, gradients, optimizer state, activations and
 //!    communication buffers per actor, and refuses plans over a device's memory budget.
 //!
@@ -55,6 +56,7 @@ pub mod program;
 pub mod property_seed;
 pub mod rng;
 pub mod simulate;
+pub mod simulate_comm;
 pub mod tensor_id;
 pub mod trained_layout;
 pub mod verify;

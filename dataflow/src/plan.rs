@@ -10,7 +10,8 @@ use crate::passes::partition::{self, Chunk};
 use crate::passes::pipeline::Layout;
 use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
 use crate::program::{Offload, Program};
-use crate::simulate::{CostModel, Prediction, simulate};
+use crate::simulate::{CostModel, Prediction, simulate, simulate_with_comm};
+use crate::simulate_comm::{self, StageComm};
 use crate::verify::verify;
 use crate::{ActorId, ActorTraining, DeviceSpec, PlanError};
 
@@ -173,6 +174,10 @@ impl Plan {
                         .join(" ")
                 ));
             }
+        }
+        if self.prediction.comm_s.iter().any(|c| *c > 0.0) {
+            let line = simulate_comm::describe(&self.prediction, &CostModel::default());
+            out.push_str(&format!("{line}\n"));
         }
         for (a, m) in self.actors.iter().zip(&self.memory) {
             out.push_str(&format!(
@@ -413,7 +418,12 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
             let params = layout
                 .chunks_on(s)
                 .iter()
-                .map(|&(a, b)| program.model.blocks[a..b].iter().map(|x| x.params).sum::<u64>())
+                .map(|&(a, b)| {
+                    program.model.blocks[a..b]
+                        .iter()
+                        .map(|x| x.trained_params())
+                        .sum::<u64>()
+                })
                 .sum();
             cost_model.optimizer(params)
         })
@@ -495,6 +505,15 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         fabric: Vec::new(),
     };
     plan.fabric = crate::fabric_bytes::predict(&plan);
+    let comm = StageComm::of_plan(&plan, &cost_model);
+    plan.prediction = simulate_with_comm(
+        program.plan.schedule,
+        shape,
+        &plan.schedule,
+        &costs,
+        &optimizer_s,
+        &comm,
+    );
     Ok(plan)
 }
 

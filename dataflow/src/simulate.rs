@@ -8,12 +8,21 @@
 //! device's bubble is the share of the step it spends idle. The default rates were measured on
 //! this project's 2-core CPU machine with burn's flex backend; only their ratio matters for the
 //! bubble fraction.
+//!
+//! Communication ([`crate::simulate_comm`]) enters in two places, with no overlap with compute
+//! assumed (an upper bound on the step; on this machine the in-process collectives run on the
+//! actors' own cores anyway): each pipeline hand-off (an activation, or its gradient) reaches the
+//! next pass one hop later, on the critical path; the data-parallel traffic (gradient reduction,
+//! parameter gathers, norms) runs after a device's last pass, before its optimizer step. Neither
+//! counts as busy: like the measured bubble (`1 − compute / span`), the predicted one includes
+//! the time spent waiting on the fabric.
 
 use serde::{Deserialize, Serialize};
 
 use crate::model_spec::ModelDesc;
 use crate::passes::partition::Chunk;
 use crate::passes::schedule::{Pass, PassCosts, PipelineShape, Schedule, Slot};
+use crate::simulate_comm::{LinkKind, LinkRate, StageComm};
 
 /// Rates of the cost model.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -25,6 +34,13 @@ pub struct CostModel {
     pub backward_over_forward: f64,
     /// Optimizer parameters updated per second on one device.
     pub optimizer_params_per_s: f64,
+    /// Between actors of one island (in-process shared buffers or shared memory between the
+    /// processes of one machine): [`LinkRate::IN_PROCESS`].
+    #[serde(default = "LinkRate::in_process")]
+    pub in_process: LinkRate,
+    /// Between islands (hosts): [`LinkRate::NETWORK`].
+    #[serde(default = "LinkRate::network")]
+    pub network: LinkRate,
 }
 
 impl Default for CostModel {
@@ -35,6 +51,8 @@ impl Default for CostModel {
             flops_per_s: 10e9,
             backward_over_forward: 3.0,
             optimizer_params_per_s: 2e8,
+            in_process: LinkRate::IN_PROCESS,
+            network: LinkRate::NETWORK,
         }
     }
 }
@@ -62,6 +80,14 @@ impl CostModel {
     pub fn optimizer(&self, params: u64) -> f64 {
         params as f64 / self.optimizer_params_per_s
     }
+
+    /// The rates of a link of `kind`.
+    pub fn link(&self, kind: LinkKind) -> LinkRate {
+        match kind {
+            LinkKind::InProcess => self.in_process,
+            LinkKind::Network => self.network,
+        }
+    }
 }
 
 /// What the simulator predicts for one step.
@@ -75,10 +101,14 @@ pub struct Prediction {
     pub bubble: Vec<f64>,
     /// Per pipeline device: the most micro-batches whose activations it holds at once.
     pub peak_in_flight: Vec<usize>,
+    /// Per pipeline device: seconds of communication per step (its slowest replica's pipeline
+    /// hand-offs and data-parallel traffic); empty in predictions made before it was modelled.
+    #[serde(default)]
+    pub comm_s: Vec<f64>,
 }
 
 /// Replays `orders` (one per pipeline device) under `costs`; `optimizer_s[s]` is device `s`'s
-/// optimizer step, run after its last pass.
+/// optimizer step, run after its last pass. No communication: [`simulate_with_comm`] adds it.
 pub fn simulate(
     schedule: Schedule,
     shape: PipelineShape,
@@ -86,38 +116,25 @@ pub fn simulate(
     costs: &PassCosts,
     optimizer_s: &[f64],
 ) -> Prediction {
-    let chunks = shape.chunks();
-    let key = |pass: Pass, chunk: usize, mb: usize| (pass as usize * chunks + chunk) * shape.m + mb;
-    let mut done: Vec<Option<f64>> = vec![None; 3 * chunks * shape.m];
-    let mut pc = vec![0usize; shape.pp];
-    let mut free = vec![0.0f64; shape.pp];
-    let mut busy = vec![0.0f64; shape.pp];
-    loop {
-        let mut progress = false;
-        for s in 0..shape.pp {
-            while let Some(slot) = orders[s].get(pc[s]) {
-                let dep = match slot.pass {
-                    Pass::F if slot.chunk == 0 => Some(0.0),
-                    Pass::F => done[key(Pass::F, slot.chunk - 1, slot.mb)],
-                    Pass::B if slot.chunk + 1 == chunks => done[key(Pass::F, slot.chunk, slot.mb)],
-                    Pass::B => done[key(Pass::B, slot.chunk + 1, slot.mb)],
-                    Pass::W => done[key(Pass::B, slot.chunk, slot.mb)],
-                };
-                let Some(ready) = dep else { break };
-                let cost = costs.of(slot, schedule);
-                let end = free[s].max(ready) + cost;
-                free[s] = end;
-                busy[s] += cost;
-                done[key(slot.pass, slot.chunk, slot.mb)] = Some(end);
-                pc[s] += 1;
-                progress = true;
-            }
-        }
-        if !progress {
-            break;
-        }
-    }
-    let ends: Vec<f64> = (0..shape.pp).map(|s| free[s] + optimizer_s[s]).collect();
+    let comm = StageComm::none(shape.pp);
+    simulate_with_comm(schedule, shape, orders, costs, optimizer_s, &comm)
+}
+
+/// [`simulate`] with communication: a pass that takes its input from another pipeline device
+/// starts `comm.hop_s` of its own device after that input was made, and each device's
+/// `comm.after_s` runs between its last pass and its optimizer step.
+pub fn simulate_with_comm(
+    schedule: Schedule,
+    shape: PipelineShape,
+    orders: &[Vec<Slot>],
+    costs: &PassCosts,
+    optimizer_s: &[f64],
+    comm: &StageComm,
+) -> Prediction {
+    let (free, busy) = replay(schedule, shape, orders, costs, &comm.hop_s);
+    let ends: Vec<f64> = (0..shape.pp)
+        .map(|s| free[s] + comm.after_s[s] + optimizer_s[s])
+        .collect();
     let step_s = ends.iter().copied().fold(0.0, f64::max);
     let busy_s: Vec<f64> = (0..shape.pp).map(|s| busy[s] + optimizer_s[s]).collect();
     Prediction {
@@ -131,6 +148,52 @@ pub fn simulate(
             .iter()
             .map(|o| crate::passes::schedule::peak_in_flight(o))
             .collect(),
+        comm_s: comm.total_s.clone(),
+    }
+}
+
+/// Runs every device's passes as soon as the device is free and the input has arrived (`hop_s`
+/// after it was made on another device); returns each device's end and busy seconds.
+fn replay(
+    schedule: Schedule,
+    shape: PipelineShape,
+    orders: &[Vec<Slot>],
+    costs: &PassCosts,
+    hop_s: &[f64],
+) -> (Vec<f64>, Vec<f64>) {
+    let chunks = shape.chunks();
+    let key = |pass: Pass, chunk: usize, mb: usize| (pass as usize * chunks + chunk) * shape.m + mb;
+    let mut done: Vec<Option<f64>> = vec![None; 3 * chunks * shape.m];
+    let mut pc = vec![0usize; shape.pp];
+    let mut free = vec![0.0f64; shape.pp];
+    let mut busy = vec![0.0f64; shape.pp];
+    loop {
+        let mut progress = false;
+        for s in 0..shape.pp {
+            while let Some(slot) = orders[s].get(pc[s]) {
+                let (dep, from) = match slot.pass {
+                    Pass::F if slot.chunk == 0 => (Some(0.0), slot.chunk),
+                    Pass::F => (done[key(Pass::F, slot.chunk - 1, slot.mb)], slot.chunk - 1),
+                    Pass::B if slot.chunk + 1 == chunks => {
+                        (done[key(Pass::F, slot.chunk, slot.mb)], slot.chunk)
+                    }
+                    Pass::B => (done[key(Pass::B, slot.chunk + 1, slot.mb)], slot.chunk + 1),
+                    Pass::W => (done[key(Pass::B, slot.chunk, slot.mb)], slot.chunk),
+                };
+                let Some(made) = dep else { break };
+                let hop = if from % shape.pp == s { 0.0 } else { hop_s[s] };
+                let cost = costs.of(slot, schedule);
+                let end = free[s].max(made + hop) + cost;
+                free[s] = end;
+                busy[s] += cost;
+                done[key(slot.pass, slot.chunk, slot.mb)] = Some(end);
+                pc[s] += 1;
+                progress = true;
+            }
+        }
+        if !progress {
+            return (free, busy);
+        }
     }
 }
 
