@@ -19,31 +19,31 @@ use archipelago_dataflow::{ActorId, ComputeOp, DeviceSpec, Instruction, TensorId
 use crate::collectives::{CollectiveWorker, DEFAULT_CHUNK_ELEMS, PendingCollective};
 use crate::error::{ActorFailure, panic_message};
 use crate::fabric::{Fabric, FabricError, Tag};
-use crate::host_tensor::HostTensor;
 use crate::progress::Waiting;
+use crate::typed_tensor::TypedTensor;
 
 /// An actor's host tensors by id (gradient buckets, received tensors, activations).
 #[derive(Default)]
 pub struct TensorTable {
-    tensors: HashMap<TensorId, HostTensor>,
+    tensors: HashMap<TensorId, TypedTensor>,
 }
 
 impl TensorTable {
     /// Stores `tensor` under `id`.
-    pub fn insert(&mut self, id: TensorId, tensor: HostTensor) {
+    pub fn insert(&mut self, id: TensorId, tensor: TypedTensor) {
         self.tensors.insert(id, tensor);
     }
     /// Takes the tensor out.
-    pub fn remove(&mut self, id: &TensorId) -> Option<HostTensor> {
+    pub fn remove(&mut self, id: &TensorId) -> Option<TypedTensor> {
         self.tensors.remove(id)
     }
     /// Looks at a tensor.
-    pub fn get(&self, id: &TensorId) -> Option<&HostTensor> {
+    pub fn get(&self, id: &TensorId) -> Option<&TypedTensor> {
         self.tensors.get(id)
     }
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
-        self.tensors.values().map(HostTensor::bytes).sum()
+        self.tensors.values().map(|t| t.byte_len() as u64).sum()
     }
 }
 
@@ -93,7 +93,7 @@ pub trait Computation: Send {
     ) -> Result<(), String>;
     /// A tensor the computation holds outside the table (an activation or its gradient about to
     /// cross to another actor), moved into host memory; `None` when it has no such tensor.
-    fn export(&mut self, id: &TensorId) -> Option<Result<HostTensor, String>> {
+    fn export(&mut self, id: &TensorId) -> Option<Result<TypedTensor, String>> {
         let _ = id;
         None
     }
@@ -330,7 +330,7 @@ impl Executor {
 
     /// A tensor the computation holds outside the table (on its device), moved into host memory
     /// for a send or a collective.
-    fn exported(computation: &mut dyn Computation, tensor: &TensorId) -> Result<HostTensor, (String, bool)> {
+    fn exported(computation: &mut dyn Computation, tensor: &TensorId) -> Result<TypedTensor, (String, bool)> {
         match catch_unwind(AssertUnwindSafe(|| computation.export(tensor))) {
             Ok(Some(result)) => result.map_err(|m| (m, false)),
             Ok(None) => Err((format!("`{tensor}` is not here"), false)),
@@ -372,7 +372,7 @@ impl Executor {
                     Some(t) => t.clone(),
                     None => Self::exported(self.computation.as_mut(), tensor)?,
                 };
-                let bytes = value.bytes();
+                let bytes = value.byte_len() as u64;
                 self.fabric
                     .send(
                         self.actor,
@@ -403,7 +403,7 @@ impl Executor {
                 self.progress.wait_on(Waiting::Nothing);
                 let value = received.map_err(fabric_err)?;
                 Self::count_read(&mut self.fabric_read, tensor, crate::fabric::read_count::take());
-                let bytes = value.bytes();
+                let bytes = value.byte_len() as u64;
                 self.table.insert(tensor.clone(), value);
                 Ok(bytes)
             }
@@ -417,7 +417,7 @@ impl Executor {
                     Some(t) => t,
                     None => Self::exported(self.computation.as_mut(), tensor)?,
                 };
-                let bytes = value.bytes();
+                let bytes = value.byte_len() as u64;
                 let started = self.collectives.start(*kind, edge(*tag), group.clone(), value);
                 pending.insert(*tag, (started, group.clone()));
                 Ok(bytes)
@@ -431,7 +431,7 @@ impl Executor {
                 self.progress.wait_on(Waiting::Nothing);
                 let value = finished.map_err(fabric_err)?;
                 Self::count_read(&mut self.fabric_read, tensor, read);
-                let bytes = value.bytes();
+                let bytes = value.byte_len() as u64;
                 self.table.insert(tensor.clone(), value);
                 Ok(bytes)
             }

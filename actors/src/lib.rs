@@ -59,6 +59,6 @@ pub mod zoo;
 pub use backend::CudaBackend;
 pub use backend::{Builders, CpuBackend, check_devices};
 pub use error::ActorFailure;
-pub use host_tensor::HostTensor;
 /// The optimizers' former module name (examples and programs written against it still build).
 pub use optim as flat_optimizer;
+pub use typed_tensor::TypedTensor;

@@ -1,8 +1,13 @@
-//! Typed host tensors: a dtype, a shape and an 8-byte-aligned byte buffer shared behind an
-//! `Arc` — what the runtime's tensor references own and move. Every dtype the fabric carries
-//! (f32, bf16, f16, i8, u8, i32, i64) is raw little-endian bytes; the values are read back as
-//! their Rust type without a copy ([`TypedTensor::values`]) or widened to f32
-//! ([`TypedTensor::to_f32`], how 16-bit sums accumulate).
+//! The one tensor type of host memory: a dtype, a shape and a buffer shared behind an `Arc` —
+//! what the runtime's tensor references own and move, and what crosses the training fabric on
+//! every data path (in-process, shared memory, raw TCP, gRPC). Every dtype (f32, bf16, f16, i8,
+//! u8, i32, i64) is raw little-endian bytes on the wire; the values are read back as their Rust
+//! type without a copy ([`TypedTensor::values`]) or widened to f32 ([`TypedTensor::to_f32`]).
+//! An f32 tensor keeps its values in a `Vec<f32>`, so that a received activation or gradient
+//! bucket becomes a burn tensor or a mutable slice without a copy
+//! ([`TypedTensor::into_f32_vec`]); every other dtype in a vector of unsigned integers of its
+//! element's size ([`Payload`]), so that each can be viewed in place at its alignment and a
+//! receiver reads the bytes straight into it.
 //!
 //! ```
 //! use archipelago_actors::typed_tensor::{DType, TypedTensor};
@@ -10,6 +15,8 @@
 //! assert_eq!(t.dtype(), DType::I64);
 //! assert_eq!(t.values::<i64>()[3], i64::MAX);
 //! assert_eq!(t.byte_len(), 32);
+//! let g = TypedTensor::flat(vec![0.5f32, 1.5]);
+//! assert_eq!((g.dtype(), g.f32s()), (DType::F32, &[0.5f32, 1.5][..]));
 //! ```
 
 use std::fmt;
@@ -62,13 +69,130 @@ pub struct ShapeMismatch {
     pub expected: usize,
 }
 
+/// A tensor's elements in the vector its dtype is kept in: f32 values as themselves, any other
+/// dtype as unsigned integers of its element's size (so the vector has the element's alignment).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Payload {
+    /// f32.
+    F32(Vec<f32>),
+    /// i8, u8.
+    B1(Vec<u8>),
+    /// bf16, f16.
+    B2(Vec<u16>),
+    /// i32.
+    B4(Vec<u32>),
+    /// i64.
+    B8(Vec<u64>),
+}
+
+/// Calls `$body` with `$v` bound to the vector inside a [`Payload`] (or [`Storage`]) `$p`.
+macro_rules! each_payload {
+    ($kind:ident, $p:expr, $v:ident => $body:expr) => {
+        match $p {
+            $kind::F32($v) => $body,
+            $kind::B1($v) => $body,
+            $kind::B2($v) => $body,
+            $kind::B4($v) => $body,
+            $kind::B8($v) => $body,
+        }
+    };
+}
+
+impl Payload {
+    /// `elements` zeros of `dtype`, or `None` when the memory cannot be had.
+    pub fn zeros(dtype: DType, elements: usize) -> Option<Payload> {
+        Some(match dtype {
+            DType::F32 => Payload::F32(try_zeroed(elements)?),
+            DType::I8 | DType::U8 => Payload::B1(try_zeroed(elements)?),
+            DType::BF16 | DType::F16 => Payload::B2(try_zeroed(elements)?),
+            DType::I32 => Payload::B4(try_zeroed(elements)?),
+            DType::I64 => Payload::B8(try_zeroed(elements)?),
+        })
+    }
+
+    /// An empty payload of `dtype` (what a receiver grows as bytes arrive).
+    pub fn empty(dtype: DType) -> Payload {
+        Payload::zeros(dtype, 0).expect("an empty vector")
+    }
+
+    /// Its bytes.
+    pub fn bytes(&self) -> &[u8] {
+        each_payload!(Payload, self, v => bytemuck::cast_slice(v.as_slice()))
+    }
+
+    /// Bytes held so far.
+    pub fn byte_len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    /// Reserves room for `bytes` more bytes (fallibly).
+    pub fn reserve_bytes(&mut self, bytes: usize) -> Result<(), String> {
+        each_payload!(Payload, self, v => {
+            let size = std::mem::size_of_val(&v.first().copied().unwrap_or_default());
+            v.try_reserve_exact(bytes / size).map_err(|e| format!("cannot hold {bytes} bytes: {e}"))
+        })
+    }
+
+    /// Appends `bytes` (whole elements).
+    pub fn extend_from_bytes(&mut self, bytes: &[u8]) -> Result<(), String> {
+        fn extend<T: Pod>(v: &mut Vec<T>, bytes: &[u8]) -> Result<(), String> {
+            let size = std::mem::size_of::<T>();
+            if !bytes.len().is_multiple_of(size) {
+                return Err(format!(
+                    "{} bytes are not whole {size}-byte elements",
+                    bytes.len()
+                ));
+            }
+            v.try_reserve_exact(bytes.len() / size)
+                .map_err(|e| format!("{e}"))?;
+            v.extend(bytes.chunks_exact(size).map(bytemuck::pod_read_unaligned::<T>));
+            Ok(())
+        }
+        each_payload!(Payload, self, v => extend(v, bytes))
+    }
+}
+
+/// Where a tensor's bytes live, shared ([`Payload`] behind an `Arc`).
+#[derive(Clone, PartialEq)]
+enum Storage {
+    F32(Arc<Vec<f32>>),
+    B1(Arc<Vec<u8>>),
+    B2(Arc<Vec<u16>>),
+    B4(Arc<Vec<u32>>),
+    B8(Arc<Vec<u64>>),
+}
+
+impl From<Payload> for Storage {
+    fn from(p: Payload) -> Storage {
+        match p {
+            Payload::F32(v) => Storage::F32(Arc::new(v)),
+            Payload::B1(v) => Storage::B1(Arc::new(v)),
+            Payload::B2(v) => Storage::B2(Arc::new(v)),
+            Payload::B4(v) => Storage::B4(Arc::new(v)),
+            Payload::B8(v) => Storage::B8(Arc::new(v)),
+        }
+    }
+}
+
+/// Which storage holds `dtype` (the element's size class).
+fn storage_fits(dtype: DType, payload: &Payload) -> bool {
+    matches!(
+        (dtype, payload),
+        (DType::F32, Payload::F32(_))
+            | (DType::I8 | DType::U8, Payload::B1(_))
+            | (DType::BF16 | DType::F16, Payload::B2(_))
+            | (DType::I32, Payload::B4(_))
+            | (DType::I64, Payload::B8(_))
+    )
+}
+
 /// A dense tensor of any [`DType`] in host memory; cloning shares the buffer.
 #[derive(Clone, PartialEq)]
 pub struct TypedTensor {
     dtype: DType,
     shape: Vec<usize>,
-    /// Whole 8-byte words, so that every element type can be viewed in place.
-    words: Arc<Vec<u64>>,
+    storage: Storage,
+    /// Bytes of payload.
     len: usize,
 }
 
@@ -82,7 +206,51 @@ impl fmt::Debug for TypedTensor {
     }
 }
 
+/// The element count of `shape` and its bytes in `dtype`, unless either overflows.
+fn sizes(dtype: DType, shape: &[usize]) -> Option<(usize, usize)> {
+    let elements = shape.iter().try_fold(1usize, |a, d| a.checked_mul(*d))?;
+    let bytes = elements.checked_mul(dtype.size())?;
+    (bytes <= isize::MAX as usize / 2).then_some((elements, bytes))
+}
+
+/// A zero-filled vector of `len` elements, or `None` when the memory cannot be had.
+fn try_zeroed<T: Clone + Default>(len: usize) -> Option<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).ok()?;
+    v.resize(len, T::default());
+    Some(v)
+}
+
 impl TypedTensor {
+    /// An f32 tensor owning `data` with `shape`.
+    ///
+    /// # Panics
+    /// When the shape does not match the data length.
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> TypedTensor {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "shape {shape:?} does not match {} values",
+            data.len()
+        );
+        TypedTensor {
+            dtype: DType::F32,
+            len: 4 * data.len(),
+            shape,
+            storage: Storage::F32(Arc::new(data)),
+        }
+    }
+
+    /// A flat (1-D) f32 tensor.
+    pub fn flat(data: Vec<f32>) -> TypedTensor {
+        TypedTensor::new(vec![data.len()], data)
+    }
+
+    /// An f32 scalar as a 1-element tensor.
+    pub fn scalar(value: f32) -> TypedTensor {
+        TypedTensor::flat(vec![value])
+    }
+
     /// A tensor of `dtype` and `shape` from its little-endian bytes.
     pub fn from_bytes(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Result<TypedTensor, ShapeMismatch> {
         let mut tensor = TypedTensor::zeros(dtype, shape)?;
@@ -101,27 +269,42 @@ impl TypedTensor {
     /// A zero-filled tensor (the buffer a receiver allocates before the bytes arrive). A shape
     /// whose size overflows, or memory that cannot be had, is an error, not an abort.
     pub fn zeros(dtype: DType, shape: Vec<usize>) -> Result<TypedTensor, ShapeMismatch> {
-        let elements = shape.iter().try_fold(1usize, |a, d| a.checked_mul(*d));
-        let len = elements.and_then(|e| e.checked_mul(dtype.size()));
         let refused = |shape: Vec<usize>| ShapeMismatch {
             dtype,
             shape,
             bytes: 0,
             expected: usize::MAX,
         };
-        let Some(len) = len.filter(|l| *l <= isize::MAX as usize / 2) else {
+        let Some((elements, _)) = sizes(dtype, &shape) else {
             return Err(refused(shape));
         };
-        let mut words: Vec<u64> = Vec::new();
-        if words.try_reserve_exact(len.div_ceil(8)).is_err() {
-            return Err(refused(shape));
+        match Payload::zeros(dtype, elements) {
+            Some(payload) => TypedTensor::from_payload(dtype, shape, payload),
+            None => Err(refused(shape)),
         }
-        words.resize(len.div_ceil(8), 0);
+    }
+
+    /// A tensor of `dtype` and `shape` over a received `payload` (no copy).
+    pub fn from_payload(
+        dtype: DType,
+        shape: Vec<usize>,
+        payload: Payload,
+    ) -> Result<TypedTensor, ShapeMismatch> {
+        let bytes = payload.byte_len();
+        let expected = sizes(dtype, &shape).map_or(usize::MAX, |(_, b)| b);
+        if bytes != expected || !storage_fits(dtype, &payload) {
+            return Err(ShapeMismatch {
+                dtype,
+                shape,
+                bytes,
+                expected,
+            });
+        }
         Ok(TypedTensor {
             dtype,
             shape,
-            words: Arc::new(words),
-            len,
+            storage: payload.into(),
+            len: bytes,
         })
     }
 
@@ -149,6 +332,11 @@ impl TypedTensor {
         self.len / self.dtype.size()
     }
 
+    /// Whether it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Bytes of payload.
     pub fn byte_len(&self) -> usize {
         self.len
@@ -156,13 +344,12 @@ impl TypedTensor {
 
     /// The payload's bytes.
     pub fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.len]
+        each_payload!(Storage, &self.storage, v => bytemuck::cast_slice(v.as_slice()))
     }
 
     /// The payload's bytes to fill (copies the buffer first when it is shared).
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        let len = self.len;
-        &mut bytemuck::cast_slice_mut::<u64, u8>(Arc::make_mut(&mut self.words).as_mut_slice())[..len]
+        each_payload!(Storage, &mut self.storage, v => bytemuck::cast_slice_mut(Arc::make_mut(v).as_mut_slice()))
     }
 
     /// The elements as their Rust type, in place.
@@ -180,6 +367,38 @@ impl TypedTensor {
         bytemuck::cast_slice(self.bytes())
     }
 
+    /// The values of an f32 tensor, in place (the training fabric's activations, gradients and
+    /// parameters).
+    ///
+    /// # Panics
+    /// When it is not an f32 tensor.
+    pub fn f32s(&self) -> &[f32] {
+        self.values::<f32>()
+    }
+
+    /// The values of an f32 tensor; a copy only when the buffer is shared.
+    ///
+    /// # Panics
+    /// When it is not an f32 tensor.
+    pub fn into_f32_vec(self) -> Vec<f32> {
+        match self.storage {
+            Storage::F32(values) => Arc::try_unwrap(values).unwrap_or_else(|shared| shared.as_ref().clone()),
+            _ => panic!("reading a {} tensor as f32", self.dtype),
+        }
+    }
+
+    /// The buffer of an f32 tensor that nobody else holds, or the tensor back (shared, or not
+    /// f32): how a collective's pool takes received chunks back for reuse.
+    pub fn try_into_f32_vec(self) -> Result<Vec<f32>, TypedTensor> {
+        match self.storage {
+            Storage::F32(values) => Arc::try_unwrap(values).map_err(|values| TypedTensor {
+                storage: Storage::F32(values),
+                ..self
+            }),
+            _ => Err(self),
+        }
+    }
+
     /// The elements widened to f32 (integers converted, 16-bit floats expanded).
     pub fn to_f32(&self) -> Vec<f32> {
         match self.dtype {
@@ -195,7 +414,7 @@ impl TypedTensor {
 
     /// Whether `self` and `other` share one buffer (no copy was made between them).
     pub fn shares_buffer_with(&self, other: &TypedTensor) -> bool {
-        Arc::ptr_eq(&self.words, &other.words)
+        self.bytes().as_ptr() == other.bytes().as_ptr() && self.len == other.len
     }
 }
 

@@ -13,7 +13,7 @@ use std::ops::Range;
 use archipelago_dataflow::ActorId;
 
 use crate::fabric::{Fabric, FabricError, Tag};
-use crate::host_tensor::HostTensor;
+use crate::typed_tensor::TypedTensor;
 
 /// Chunk buffers kept between collectives, so that steady-state collectives allocate nothing
 /// (fresh allocations of this size page-fault on every use). Buffers a member receives and owns
@@ -25,16 +25,16 @@ pub struct ChunkPool {
 
 impl ChunkPool {
     /// A buffer holding a copy of `values`.
-    fn filled(&mut self, values: &[f32]) -> HostTensor {
+    fn filled(&mut self, values: &[f32]) -> TypedTensor {
         let mut buffer = self.free.pop().unwrap_or_default();
         buffer.clear();
         buffer.extend_from_slice(values);
-        HostTensor::flat(buffer)
+        TypedTensor::flat(buffer)
     }
 
     /// Takes a received buffer back if nobody else holds it.
-    fn recycle(&mut self, tensor: HostTensor) {
-        if let Ok(buffer) = std::sync::Arc::try_unwrap(tensor.data)
+    fn recycle(&mut self, tensor: TypedTensor) {
+        if let Ok(buffer) = tensor.try_into_f32_vec()
             && self.free.len() < 1024
         {
             self.free.push(buffer);
@@ -122,7 +122,7 @@ impl<'a> Ring<'a> {
                 }
                 if let Some(r) = inn.get(c) {
                     let got = self.fabric.recv(self.me, self.prev, self.tag(0, s, c))?;
-                    for (d, g) in data[r.clone()].iter_mut().zip(got.data.iter()) {
+                    for (d, g) in data[r.clone()].iter_mut().zip(got.f32s().iter()) {
                         *d += g;
                     }
                     pool.recycle(got);
@@ -136,7 +136,7 @@ impl<'a> Ring<'a> {
     /// Received chunks are forwarded as the same shared buffers.
     fn all_gather(&self, data: &mut [f32], offset: usize, pool: &mut ChunkPool) -> Result<(), FabricError> {
         let (n, i, len) = (self.n, self.i, data.len());
-        let mut forward: Vec<HostTensor> = Vec::new();
+        let mut forward: Vec<TypedTensor> = Vec::new();
         for s in 0..n - 1 {
             let out = self.chunks(self.shard(len, i + offset + n - s));
             let inn = self.chunks(self.shard(len, i + offset + 2 * n - s - 1));
@@ -155,7 +155,7 @@ impl<'a> Ring<'a> {
                 }
                 if let Some(r) = inn.get(c) {
                     let got = self.fabric.recv(self.me, self.prev, self.tag(1, s, c))?;
-                    data[r.clone()].copy_from_slice(&got.data);
+                    data[r.clone()].copy_from_slice(got.f32s());
                     received.push(got);
                 }
             }

@@ -12,19 +12,19 @@ use super::hierarchical::{Islands, hierarchical_all_reduce};
 use super::ring_all_reduce::{ChunkPool, shard_range};
 use super::{all_gather, all_reduce, reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
-use crate::host_tensor::HostTensor;
+use crate::typed_tensor::TypedTensor;
 
 struct Job {
     kind: CollectiveKind,
     edge: u64,
     group: Vec<ActorId>,
-    tensor: HostTensor,
+    tensor: TypedTensor,
     done: mpsc::Sender<Finished>,
 }
 
 /// A collective's result, and the bytes this member read from its peers in it
 /// ([`crate::fabric::read_count`]).
-type Finished = (Result<HostTensor, FabricError>, u64);
+type Finished = (Result<TypedTensor, FabricError>, u64);
 
 /// A started collective; [`PendingCollective::wait`] returns its result.
 pub struct PendingCollective {
@@ -58,8 +58,8 @@ impl CollectiveWorker {
                 let mut pool = ChunkPool::default();
                 for job in queue {
                     crate::fabric::read_count::take();
-                    let shape = job.tensor.shape.clone();
-                    let mut data = job.tensor.into_vec();
+                    let shape = job.tensor.shape().to_vec();
+                    let mut data = job.tensor.into_f32_vec();
                     let (fabric, group, edge) = (fabric.as_ref(), &job.group, job.edge);
                     let result = match job.kind {
                         CollectiveKind::AllReduceSum => {
@@ -89,9 +89,9 @@ impl CollectiveWorker {
                         CollectiveKind::ReduceScatterSum => {
                             let i = job.group.iter().position(|&a| a == me).unwrap_or(0);
                             let own = shard_range(data.len(), job.group.len().max(1), i);
-                            HostTensor::flat(data[own].to_vec())
+                            TypedTensor::flat(data[own].to_vec())
                         }
-                        _ => HostTensor::new(shape, data),
+                        _ => TypedTensor::new(shape, data),
                     });
                     let _ = job.done.send((result, crate::fabric::read_count::take()));
                 }
@@ -109,7 +109,7 @@ impl CollectiveWorker {
         kind: CollectiveKind,
         edge: u64,
         group: Vec<ActorId>,
-        tensor: HostTensor,
+        tensor: TypedTensor,
     ) -> PendingCollective {
         let (done, result) = mpsc::channel();
         let job = Job {

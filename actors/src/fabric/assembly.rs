@@ -6,8 +6,10 @@
 
 use std::collections::HashMap;
 
-use crate::host_tensor::HostTensor;
+use archipelago_dataflow::DType;
+
 use crate::proto::TensorChunk;
+use crate::typed_tensor::{Payload, TypedTensor};
 
 /// The most elements of one tensor a peer may announce (16 GiB of f32).
 pub const MAX_TENSOR_ELEMENTS: usize = 1 << 32;
@@ -31,11 +33,13 @@ pub fn announced_elements(shape: &[usize]) -> Result<usize, String> {
     Ok(len)
 }
 
-/// A tensor being assembled: its shape, its elements so far, and how many it will have.
+/// A tensor being assembled: its dtype and shape, its elements so far, and how many bytes it
+/// will have.
 struct Partial {
+    dtype: DType,
     shape: Vec<usize>,
-    data: Vec<f32>,
-    len: usize,
+    payload: Payload,
+    bytes: usize,
 }
 
 /// Key of a tensor in flight: (from, to, edge, seq).
@@ -49,14 +53,19 @@ pub struct Assembler {
 
 impl Assembler {
     /// Takes one chunk; returns the tensor it completes, if any, or why the stream is refused
-    /// (a repeated, overlapping, out-of-order or out-of-range chunk, a changed shape, a payload
-    /// that is not whole f32s, or an announced tensor over the limit).
-    pub fn take(&mut self, chunk: &TensorChunk) -> Result<Option<(ChunkKey, HostTensor)>, String> {
+    /// (a repeated, overlapping, out-of-order or out-of-range chunk, a changed shape or dtype, an
+    /// unknown dtype, a payload that is not whole elements, or an announced tensor over the
+    /// limit).
+    pub fn take(&mut self, chunk: &TensorChunk) -> Result<Option<(ChunkKey, TypedTensor)>, String> {
         let key = (chunk.from, chunk.to, chunk.edge, chunk.seq);
         let shape: Vec<usize> = chunk.shape.iter().map(|&d| d as usize).collect();
-        if !chunk.data.len().is_multiple_of(4) {
+        let dtype = u8::try_from(chunk.dtype)
+            .ok()
+            .and_then(DType::from_code)
+            .ok_or_else(|| format!("a chunk of dtype code {}: no such dtype", chunk.dtype))?;
+        if !chunk.data.len().is_multiple_of(dtype.size()) {
             return Err(format!(
-                "a chunk of {} bytes is not whole f32 values",
+                "a chunk of {} bytes is not whole {dtype} values",
                 chunk.data.len()
             ));
         }
@@ -64,45 +73,45 @@ impl Assembler {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
             std::collections::hash_map::Entry::Vacant(entry) => {
                 let len = announced_elements(&shape)?;
+                let mut payload = Payload::empty(dtype);
+                payload.reserve_bytes(len.min(EAGER_ELEMENTS) * dtype.size())?;
                 entry.insert(Partial {
+                    dtype,
                     shape: shape.clone(),
-                    data: Vec::with_capacity(len.min(EAGER_ELEMENTS)),
-                    len,
+                    payload,
+                    bytes: len * dtype.size(),
                 })
             }
         };
-        if entry.shape != shape {
+        if entry.shape != shape || entry.dtype != dtype {
             return Err(format!(
-                "a chunk of shape {shape:?} for a tensor announced as {:?}",
-                entry.shape
+                "a chunk of {dtype} {shape:?} for a tensor announced as {} {:?}",
+                entry.dtype, entry.shape
             ));
         }
-        let values = chunk.data.len() / 4;
+        let filled = entry.payload.byte_len();
         let at = usize::try_from(chunk.offset).unwrap_or(usize::MAX);
-        if at != entry.data.len() {
+        if at != filled {
             return Err(format!(
-                "a chunk at element {at} where {} of {} were filled: repeated, overlapping or out-of-order chunks are refused",
-                entry.data.len(),
-                entry.len
+                "a chunk at byte {at} where {filled} of {} were filled: repeated, overlapping or out-of-order chunks are refused",
+                entry.bytes
             ));
         }
-        if values > entry.len - entry.data.len() {
+        if chunk.data.len() > entry.bytes - filled {
             return Err(format!(
-                "a chunk of {values} values at {at} runs past a tensor of {}",
-                entry.len
+                "a chunk of {} bytes at {at} runs past a tensor of {} bytes",
+                chunk.data.len(),
+                entry.bytes
             ));
         }
-        entry.data.extend(
-            chunk
-                .data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        );
-        if entry.data.len() < entry.len {
+        entry.payload.extend_from_bytes(&chunk.data)?;
+        if entry.payload.byte_len() < entry.bytes {
             return Ok(None);
         }
         let done = self.partial.remove(&key).expect("present");
-        Ok(Some((key, HostTensor::new(done.shape, done.data))))
+        let tensor =
+            TypedTensor::from_payload(done.dtype, done.shape, done.payload).map_err(|e| e.to_string())?;
+        Ok(Some((key, tensor)))
     }
 }
 
@@ -119,7 +128,8 @@ mod tests {
             edge: 7,
             seq: 0,
             shape: shape.to_vec(),
-            offset,
+            offset: 4 * offset,
+            dtype: 0,
             data: values
                 .iter()
                 .flat_map(|v| v.to_le_bytes())
@@ -133,7 +143,7 @@ mod tests {
         let mut assembler = Assembler::default();
         assert!(assembler.take(&chunk(&[2, 2], 0, &[1.0, 2.0])).unwrap().is_none());
         let (_, tensor) = assembler.take(&chunk(&[2, 2], 2, &[3.0, 4.0])).unwrap().unwrap();
-        assert_eq!(tensor.data.to_vec(), vec![1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(tensor.f32s().to_vec(), vec![1.0, 2.0, 3.0, 4.0]);
 
         // The same first chunk twice must not count twice toward the fill (a tensor with holes).
         let mut assembler = Assembler::default();
@@ -163,12 +173,8 @@ mod tests {
         // Within the limit (8 GiB announced), a first chunk reserves at most the eager bound.
         let mut assembler = Assembler::default();
         assembler.take(&chunk(&[1 << 31], 0, &[1.0; 4])).unwrap();
-        assert!(
-            assembler
-                .partial
-                .values()
-                .all(|p| p.data.capacity() <= EAGER_ELEMENTS)
-        );
+        assert!(assembler.partial.values().all(|p| p.payload.byte_len() <= 16
+            && matches!(&p.payload, Payload::F32(v) if v.capacity() <= EAGER_ELEMENTS)));
     }
 
     proptest! {
@@ -187,10 +193,10 @@ mod tests {
         ) {
             let mut assembler = Assembler::default();
             for (shape, offset, data) in chunks {
-                let chunk = TensorChunk { from: 0, to: 1, edge: 0, seq: 0, shape, offset, data: data.into() };
+                let chunk = TensorChunk { from: 0, to: 1, edge: 0, seq: 0, shape, offset, data: data.into(), dtype: (offset % 8) as u32 };
                 if let Ok(Some((_, tensor))) = assembler.take(&chunk) {
-                    let want: usize = tensor.shape.iter().product();
-                    prop_assert_eq!(tensor.data.len(), want);
+                    let want: usize = tensor.shape().iter().product();
+                    prop_assert_eq!(tensor.elements(), want);
                 }
             }
         }

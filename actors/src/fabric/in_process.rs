@@ -7,11 +7,11 @@ use std::time::{Duration, Instant};
 use archipelago_dataflow::ActorId;
 
 use super::{Fabric, FabricError, LinkBytes, SharedBuffers, Tag};
-use crate::host_tensor::HostTensor;
+use crate::typed_tensor::TypedTensor;
 
 #[derive(Default)]
 struct Mailbox {
-    messages: Mutex<HashMap<(ActorId, Tag), VecDeque<HostTensor>>>,
+    messages: Mutex<HashMap<(ActorId, Tag), VecDeque<TypedTensor>>>,
     arrived: Condvar,
 }
 
@@ -57,12 +57,12 @@ impl Fabric for InProcessFabric {
         self.mailboxes.len()
     }
 
-    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
+    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: TypedTensor) -> Result<(), FabricError> {
         if let Some(reason) = self.abort_reason() {
             return Err(FabricError::Aborted(reason));
         }
         let mailbox = self.mailboxes.get(to).ok_or(FabricError::NoSuchActor(to))?;
-        self.links.record(from, to, tensor.bytes());
+        self.links.record(from, to, tensor.byte_len() as u64);
         mailbox
             .messages
             .lock()
@@ -74,7 +74,7 @@ impl Fabric for InProcessFabric {
         Ok(())
     }
 
-    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError> {
+    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<TypedTensor, FabricError> {
         let mailbox = self.mailboxes.get(me).ok_or(FabricError::NoSuchActor(me))?;
         let started = Instant::now();
         let mut messages = mailbox.messages.lock().expect("mailbox");
@@ -85,7 +85,7 @@ impl Fabric for InProcessFabric {
                 if queue.is_empty() {
                     messages.remove(&(from, tag));
                 }
-                super::read_count::count(tensor.bytes());
+                super::read_count::count(tensor.byte_len() as u64);
                 return Ok(tensor);
             }
             if let Some(reason) = self.abort_reason() {
@@ -137,15 +137,15 @@ mod tests {
     #[test]
     fn messages_match_by_sender_and_tag_and_move_without_copy() {
         let fabric = InProcessFabric::new(2, Duration::from_secs(5));
-        let a = HostTensor::flat(vec![1.0, 2.0]);
-        let ptr = Arc::as_ptr(&a.data);
+        let a = TypedTensor::flat(vec![1.0, 2.0]);
+        let ptr = a.bytes().as_ptr();
         fabric.send(0, 1, Tag { edge: 2, seq: 0 }, a).unwrap();
         fabric
-            .send(0, 1, Tag { edge: 1, seq: 0 }, HostTensor::scalar(9.0))
+            .send(0, 1, Tag { edge: 1, seq: 0 }, TypedTensor::scalar(9.0))
             .unwrap();
-        assert_eq!(fabric.recv(1, 0, Tag { edge: 1, seq: 0 }).unwrap().data[0], 9.0);
+        assert_eq!(fabric.recv(1, 0, Tag { edge: 1, seq: 0 }).unwrap().f32s()[0], 9.0);
         let got = fabric.recv(1, 0, Tag { edge: 2, seq: 0 }).unwrap();
-        assert_eq!(Arc::as_ptr(&got.data), ptr);
+        assert_eq!(got.bytes().as_ptr(), ptr);
         assert_eq!(fabric.link_bytes().between(0, 1), 12);
         assert_eq!(fabric.link_bytes().between(1, 0), 0);
     }

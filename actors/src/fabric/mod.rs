@@ -26,7 +26,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::host_tensor::HostTensor;
+use crate::typed_tensor::TypedTensor;
 use archipelago_dataflow::ActorId;
 
 /// Identifies one message: the edge's tag (a plan node) and a sequence number inside that edge
@@ -89,9 +89,9 @@ pub trait Fabric: Send + Sync {
     /// Number of actors on the fabric.
     fn actors(&self) -> usize;
     /// Sends `tensor` from `from` to `to`; never waits for the receiver.
-    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError>;
+    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: TypedTensor) -> Result<(), FabricError>;
     /// Waits for the message `tag` from `from` to `me`.
-    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError>;
+    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<TypedTensor, FabricError>;
     /// Wakes every waiter with [`FabricError::Aborted`]; later calls fail the same way.
     fn abort(&self, reason: &str);
     /// Payload bytes sent so far from this side of the fabric, per `(from, to)` link.
@@ -109,7 +109,7 @@ pub trait Fabric: Send + Sync {
 pub trait Link: Send + Sync {
     /// Sends `tensor` from `from` (here) to `to` (on the link's host); never waits for the
     /// receiver.
-    fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError>;
+    fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: TypedTensor) -> Result<(), FabricError>;
     /// What carries the link's tensors (`Grpc`, `Tcp` or `Shm`).
     fn path(&self) -> DataPath;
 }
@@ -157,17 +157,17 @@ impl<L: Link> Fabric for HostRoutes<L> {
         self.routes.len()
     }
 
-    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
+    fn send(&self, from: ActorId, to: ActorId, tag: Tag, tensor: TypedTensor) -> Result<(), FabricError> {
         match self.routes.get(to).ok_or(FabricError::NoSuchActor(to))? {
             None => self.local.send(from, to, tag, tensor),
             Some(link) => {
-                self.local.link_bytes().record(from, to, tensor.bytes());
+                self.local.link_bytes().record(from, to, tensor.byte_len() as u64);
                 link.push(from, to, tag, tensor)
             }
         }
     }
 
-    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<HostTensor, FabricError> {
+    fn recv(&self, me: ActorId, from: ActorId, tag: Tag) -> Result<TypedTensor, FabricError> {
         self.local.recv(me, from, tag)
     }
 
@@ -245,7 +245,7 @@ pub(crate) mod testing {
     use archipelago_dataflow::ActorId;
 
     use super::{Fabric, Tag};
-    use crate::host_tensor::HostTensor;
+    use crate::typed_tensor::TypedTensor;
 
     /// The ring the exchange runs on: it crosses between the two hosts both ways.
     const RING: [ActorId; 4] = [0, 2, 1, 3];
@@ -272,7 +272,7 @@ pub(crate) mod testing {
                             edge: 5,
                             seq: seq as u64,
                         };
-                        fabric.send(me, next, tag, HostTensor::flat(values)).unwrap();
+                        fabric.send(me, next, tag, TypedTensor::flat(values)).unwrap();
                     }
                     for (seq, range) in chunks.into_iter().enumerate() {
                         let tag = Tag {
@@ -282,7 +282,7 @@ pub(crate) mod testing {
                         let got = fabric.recv(me, prev, tag).unwrap();
                         let expected: Vec<f32> = range.map(|k| sent(prev, k)).collect();
                         assert!(
-                            *got.data == expected,
+                            *got.f32s() == expected,
                             "actor {me}: message {seq} from actor {prev}"
                         );
                     }
@@ -291,6 +291,62 @@ pub(crate) mod testing {
             .collect();
         for h in handles {
             h.join().unwrap();
+        }
+    }
+
+    /// One tensor of every dtype, odd lengths and awkward bit patterns (NaN payloads, −0,
+    /// extremes), and an empty one.
+    pub(crate) fn every_dtype() -> Vec<TypedTensor> {
+        use half::{bf16, f16};
+        vec![
+            TypedTensor::from_values(
+                vec![5],
+                &[1.5f32, -0.0, f32::from_bits(0x7fc0_1234), f32::MAX, 1e-45],
+            ),
+            TypedTensor::from_values(
+                vec![3],
+                &[bf16::from_bits(0x7fc1), bf16::from_f32(-2.5), bf16::MIN],
+            ),
+            TypedTensor::from_values(
+                vec![1, 3],
+                &[f16::from_bits(0x7e01), f16::from_f32(65504.0), f16::NEG_ZERO],
+            ),
+            TypedTensor::from_values(vec![7], &[-128i8, -1, 0, 1, 2, 3, 127]),
+            TypedTensor::from_values(vec![3, 1], &[0u8, 128, 255]),
+            TypedTensor::from_values(vec![3], &[i32::MIN, -7, i32::MAX]),
+            TypedTensor::from_values(vec![2], &[i64::MIN, i64::MAX]),
+            TypedTensor::from_values::<half::bf16>(vec![0], &[]),
+        ]
+    }
+
+    /// Actor 0 (host 0) sends a tensor of every dtype to actor 2 (host 1, across the data path)
+    /// and to actor 1 (its own host): each arrives with its dtype, shape and bytes, bit for bit.
+    pub(crate) fn every_dtype_round_trips(fabrics: [Arc<dyn Fabric>; 2]) {
+        let sent = every_dtype();
+        for (seq, tensor) in sent.iter().enumerate() {
+            for to in [2, 1] {
+                let tag = Tag {
+                    edge: 11,
+                    seq: seq as u64,
+                };
+                fabrics[0].send(0, to, tag, tensor.clone()).unwrap();
+            }
+        }
+        for (seq, tensor) in sent.iter().enumerate() {
+            for to in [2, 1] {
+                let tag = Tag {
+                    edge: 11,
+                    seq: seq as u64,
+                };
+                let got = fabrics[to / 2].recv(to, 0, tag).unwrap();
+                let what = format!("{} {:?} to actor {to}", tensor.dtype(), tensor.shape());
+                assert_eq!(
+                    (got.dtype(), got.shape()),
+                    (tensor.dtype(), tensor.shape()),
+                    "{what}"
+                );
+                assert_eq!(got.bytes(), tensor.bytes(), "{what}");
+            }
         }
     }
 }

@@ -1,18 +1,19 @@
 //! The raw-TCP data path between hosts, behind the same [`Fabric`] trait as the gRPC one: one TCP
 //! connection per (sending host, receiving host), a writer thread per connection that writes each
-//! tensor as a small header followed by its f32 bytes straight from the shared buffer (no
+//! tensor as a small header followed by its bytes straight from the shared buffer (no
 //! chunking, no protobuf, no HTTP/2 flow control; frames queued together share one flush), and a reader thread per incoming connection
 //! that reads the bytes straight into the tensor's freshly allocated buffer and drops it into the
 //! receiver's mailbox. DESIGN.md measured 2–3× less CPU per byte than gRPC for bulk data.
 //!
-//! A connection starts with `ARCHTCP1`, the token's length (u32) and the token; a connection
+//! A connection starts with `ARCHTCP2`, the token's length (u32) and the token; a connection
 //! with a wrong token is refused (closed) and the refusal logged with the peer's address. With
 //! TLS ([`Credentials`] carrying it) the greeting and every frame travel inside mutual TLS under
 //! the cluster CA; a peer whose certificate does not chain to it is refused at the handshake.
-//! Frame: from u32, to u32, edge u64, seq u64, rank u32, dims u64 × rank, then the values.
+//! Frame: from u32, to u32, edge u64, seq u64, dtype code u32 ([`DType::code`]), rank u32, dims
+//! u64 × rank, then the elements' little-endian bytes (any dtype).
 //!
 //! Between processes of one machine the same frames can travel through shared memory instead
-//! (`--data-path shm|auto`, see [`super::shm`]): the connection then greets with `ARCHSHM1`, and
+//! (`--data-path shm|auto`, see [`super::shm`]): the connection then greets with `ARCHSHM2`, and
 //! after the token check it only sets up the ring.
 
 use std::collections::HashMap;
@@ -21,18 +22,19 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::mpsc::{Sender, channel};
 
-use archipelago_dataflow::ActorId;
+use archipelago_dataflow::{ActorId, DType};
 
 use super::shm::{self, ShmListener};
 use super::{DataPath, Fabric, FabricError, HostRoutes, InProcessFabric, Inbox, Link, Tag};
-use crate::host_tensor::HostTensor;
 use crate::trust::{BlockingStream, Credentials};
+use crate::typed_tensor::{Payload, TypedTensor};
 
-const MAGIC: &[u8; 8] = b"ARCHTCP1";
+/// The greeting; version 2 frames carry a dtype code after the tag.
+const MAGIC: &[u8; 8] = b"ARCHTCP2";
 /// Largest tensor rank a frame may carry (a guard against garbage).
 const MAX_RANK: u32 = 8;
-/// Elements read into a growing tensor buffer at a time (4 MiB).
-const READ_CHUNK_ELEMENTS: usize = 1 << 20;
+/// Bytes read into a growing tensor buffer at a time (4 MiB).
+const READ_CHUNK_BYTES: usize = 4 << 20;
 
 /// Serves this host's raw-TCP fabric on `listener`, delivering into `inbox`; returns its address.
 /// Each connection gets its own reader thread. Peers on this machine may ask for a
@@ -166,31 +168,45 @@ fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
 }
 
 /// A decoded frame: sender, receiver, tag and tensor.
-pub(crate) type Frame = (ActorId, ActorId, Tag, HostTensor);
+pub(crate) type Frame = (ActorId, ActorId, Tag, TypedTensor);
 
 /// One frame, or `None` at a clean end of the stream (between frames; a TLS peer that closed
 /// without close_notify between frames has lost nothing either).
 fn read_frame(r: &mut impl Read) -> std::io::Result<Option<Frame>> {
-    let Some((from, to, tag, shape, len)) = read_header(r)? else {
+    let Some((from, to, tag, dtype, shape, len)) = read_header(r)? else {
         return Ok(None);
     };
-    // Up to 64 MiB is reserved at once (no regrowth copies); beyond, the buffer grows with the
-    // bytes that arrive: announcing a huge tensor costs only what is sent.
-    let mut data: Vec<f32> = Vec::with_capacity(len.min(super::assembly::EAGER_ELEMENTS));
-    while data.len() < len {
-        let start = data.len();
-        data.resize(start + (len - start).min(READ_CHUNK_ELEMENTS), 0.0);
-        r.read_exact(bytemuck::cast_slice_mut(&mut data[start..]))?;
-    }
-    Ok(Some((from, to, tag, HostTensor::new(shape, data))))
+    let payload = match dtype {
+        DType::F32 => Payload::F32(read_payload(r, len)?),
+        DType::I8 | DType::U8 => Payload::B1(read_payload(r, len)?),
+        DType::BF16 | DType::F16 => Payload::B2(read_payload(r, len)?),
+        DType::I32 => Payload::B4(read_payload(r, len)?),
+        DType::I64 => Payload::B8(read_payload(r, len)?),
+    };
+    let tensor = TypedTensor::from_payload(dtype, shape, payload).map_err(std::io::Error::other)?;
+    Ok(Some((from, to, tag, tensor)))
 }
 
-/// A frame's header: sender, receiver, tag, shape and its number of values (checked against
-/// the decoder's limit); `None` at a clean end of the stream.
+/// `len` elements of `T` straight from `r` into their vector. Up to 64 MiB is reserved at once
+/// (no regrowth copies); beyond, the buffer grows with the bytes that arrive: announcing a huge
+/// tensor costs only what is sent.
+fn read_payload<T: bytemuck::Pod>(r: &mut impl Read, len: usize) -> std::io::Result<Vec<T>> {
+    let size = std::mem::size_of::<T>();
+    let mut data: Vec<T> = Vec::with_capacity(len.min(super::assembly::EAGER_ELEMENTS * 4 / size));
+    while data.len() < len {
+        let start = data.len();
+        data.resize(start + (len - start).min(READ_CHUNK_BYTES / size), T::zeroed());
+        r.read_exact(bytemuck::cast_slice_mut(&mut data[start..]))?;
+    }
+    Ok(data)
+}
+
+/// A frame's header: sender, receiver, tag, dtype, shape and its number of elements (checked
+/// against the decoder's limit); `None` at a clean end of the stream.
 #[allow(clippy::type_complexity)]
 pub(crate) fn read_header(
     r: &mut impl Read,
-) -> std::io::Result<Option<(ActorId, ActorId, Tag, Vec<usize>, usize)>> {
+) -> std::io::Result<Option<(ActorId, ActorId, Tag, DType, Vec<usize>, usize)>> {
     let mut first = [0u8; 4];
     match r.read(&mut first[..1]) {
         Ok(0) => return Ok(None),
@@ -204,6 +220,11 @@ pub(crate) fn read_header(
         edge: read_u64(r)?,
         seq: read_u64(r)?,
     };
+    let code = read_u32(r)?;
+    let dtype = u8::try_from(code)
+        .ok()
+        .and_then(DType::from_code)
+        .ok_or_else(|| std::io::Error::other(format!("a frame of dtype code {code}: not a tensor frame")))?;
     let rank = read_u32(r)?;
     if rank > MAX_RANK {
         return Err(std::io::Error::other(format!(
@@ -214,7 +235,7 @@ pub(crate) fn read_header(
         .map(|_| read_u64(r).map(|d| d as usize))
         .collect::<std::io::Result<Vec<usize>>>()?;
     let len = super::assembly::announced_elements(&shape).map_err(std::io::Error::other)?;
-    Ok(Some((from, to, tag, shape, len)))
+    Ok(Some((from, to, tag, dtype, shape, len)))
 }
 
 fn write_frame(
@@ -222,19 +243,20 @@ fn write_frame(
     from: ActorId,
     to: ActorId,
     tag: Tag,
-    tensor: &HostTensor,
+    tensor: &TypedTensor,
 ) -> std::io::Result<()> {
-    let mut header = Vec::with_capacity(28 + 8 * tensor.shape.len());
+    let mut header = Vec::with_capacity(32 + 8 * tensor.shape().len());
     header.extend_from_slice(&(from as u32).to_le_bytes());
     header.extend_from_slice(&(to as u32).to_le_bytes());
     header.extend_from_slice(&tag.edge.to_le_bytes());
     header.extend_from_slice(&tag.seq.to_le_bytes());
-    header.extend_from_slice(&(tensor.shape.len() as u32).to_le_bytes());
-    for &d in &tensor.shape {
+    header.extend_from_slice(&u32::from(tensor.dtype().code()).to_le_bytes());
+    header.extend_from_slice(&(tensor.shape().len() as u32).to_le_bytes());
+    for &d in tensor.shape() {
         header.extend_from_slice(&(d as u64).to_le_bytes());
     }
     w.write_all(&header)?;
-    w.write_all(bytemuck::cast_slice(&tensor.data))
+    w.write_all(tensor.bytes())
 }
 
 /// A tensor queued for a connection's writer thread.
@@ -242,7 +264,7 @@ pub struct Outgoing {
     from: ActorId,
     to: ActorId,
     tag: Tag,
-    tensor: HostTensor,
+    tensor: TypedTensor,
 }
 
 /// A job's fabric on one host over raw TCP: local actors through mailboxes, remote ones through
@@ -368,7 +390,7 @@ fn tcp_link(addr: &str, credentials: &Credentials, local: &Arc<InProcessFabric>)
 }
 
 impl Link for TcpLink {
-    fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: HostTensor) -> Result<(), FabricError> {
+    fn push(&self, from: ActorId, to: ActorId, tag: Tag, tensor: TypedTensor) -> Result<(), FabricError> {
         match self {
             TcpLink::Queue(queue) => queue
                 .send(Outgoing {

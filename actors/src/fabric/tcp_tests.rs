@@ -11,6 +11,7 @@ fn frame_bytes(shape: &[u64], payload: &[u8]) -> Vec<u8> {
     out.extend_from_slice(&0u32.to_le_bytes());
     out.extend_from_slice(&1u32.to_le_bytes());
     out.extend_from_slice(&[0; 16]);
+    out.extend_from_slice(&0u32.to_le_bytes()); // f32
     out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
     for d in shape {
         out.extend_from_slice(&d.to_le_bytes());
@@ -36,7 +37,7 @@ fn a_frame_announcing_a_huge_or_overflowing_tensor_is_refused_without_allocating
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let honest = frame_bytes(&[3], &bytes);
     let (_, _, _, tensor) = read_frame(&mut &honest[..]).unwrap().unwrap();
-    assert_eq!(tensor.data.to_vec(), values.to_vec());
+    assert_eq!(tensor.f32s().to_vec(), values.to_vec());
 }
 
 /// A connection that carried a job's frames and breaks after the next attempt started aborts
@@ -57,7 +58,7 @@ fn a_broken_connection_aborts_the_job_its_frames_went_to() {
                 0,
                 1,
                 Tag { edge: 1, seq: 0 },
-                HostTensor::new(vec![1], vec![1.0]),
+                TypedTensor::new(vec![1], vec![1.0]),
             ))));
         }
         let swap = inbox.clone();
@@ -135,12 +136,19 @@ pub(crate) fn intruder_delivers(
         return false;
     };
     let tag = Tag { edge: 99, seq: 0 };
-    let _ = intruder.send(3, 0, tag, HostTensor::scalar(1.0));
+    let _ = intruder.send(3, 0, tag, TypedTensor::scalar(1.0));
     fabrics[0].recv(0, 3, tag).is_ok()
 }
 
 /// Two hosts with two actors each over raw TCP: a ring of messages across them arrives
 /// whole; a connection with a wrong token delivers nothing.
+/// Every dtype crosses the raw-TCP path bit for bit (and the in-process one beside it).
+#[test]
+fn every_dtype_round_trips_over_raw_tcp() {
+    let (_, fabrics) = two_hosts(&"secret".into(), DataPath::Tcp);
+    crate::fabric::testing::every_dtype_round_trips([fabrics[0].clone(), fabrics[1].clone()]);
+}
+
 #[test]
 fn ring_exchange_across_two_hosts_and_token_refusal() {
     let (addrs, fabrics) = two_hosts(&"secret".into(), DataPath::Tcp);

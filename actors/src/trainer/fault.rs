@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use archipelago_dataflow::TestFault;
 
-use crate::host_tensor::HostTensor;
+use crate::typed_tensor::TypedTensor;
 
 /// The fault in force on one actor, and what it needs to inject it.
 pub(super) struct FaultHook {
@@ -45,23 +45,23 @@ impl FaultHook {
     }
 
     /// The gradient optimizer step `step` (1-based) is about to apply for bucket `name`.
-    pub(super) fn on_update(&mut self, name: &TensorId, step: u64, grad: HostTensor) -> HostTensor {
+    pub(super) fn on_update(&mut self, name: &TensorId, step: u64, grad: TypedTensor) -> TypedTensor {
         match self.fault {
             TestFault::SkipReplicaUpdate { replica, step: at } if replica == self.replica && at == step => {
-                HostTensor::flat(vec![0.0; grad.data.len()])
+                TypedTensor::flat(vec![0.0; grad.f32s().len()])
             }
             // The first bucket updated in the first step, only: one all-reduce skipped.
             TestFault::SkipAllReduce if !self.skipped => match self.local.remove(name) {
                 Some(local) => {
                     self.skipped = true;
                     self.local.clear();
-                    HostTensor::flat(local)
+                    TypedTensor::flat(local)
                 }
                 None => grad,
             },
             TestFault::AverageMicrobatches => {
                 let scale = 1.0 / self.microbatches as f32;
-                HostTensor::flat(grad.data.iter().map(|g| g * scale).collect())
+                TypedTensor::flat(grad.f32s().iter().map(|g| g * scale).collect())
             }
             _ => grad,
         }

@@ -8,7 +8,7 @@
 //! before it. The optimizer runs on flat slices and writes the parameters back into the modules.
 //!
 //! Pipeline stages: an actor builds only the blocks of its chunks. Activations and their
-//! gradients that cross to another stage leave as [`HostTensor`]s ([`Computation::export`]) and
+//! gradients that cross to another stage leave as [`TypedTensor`]s ([`Computation::export`]) and
 //! arrive through the tensor table. Under activation checkpointing a forward keeps only the
 //! segment's input and drops its graph; the backward recomputes the forward first (Chen et al.,
 //! 2016). ZB-H1's split backward: `BackwardInput` runs burn's backward (which always yields input
@@ -30,8 +30,9 @@ use archipelago_dataflow::{ActorPlan, ActorTraining, ComputeOp};
 
 use crate::block::{Activation, Block};
 use crate::executor::{Computation, HeldParams, StepMetrics, TensorTable};
-use crate::host_tensor::{HostTensor, from_burn};
+use crate::host_tensor::from_burn;
 use crate::offload::OffloadActor;
+use crate::typed_tensor::TypedTensor;
 
 use data::Samples;
 use fault::FaultHook;
@@ -131,7 +132,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 }
 
-fn to_host<B: AutodiffBackend>(a: &Activation<B>) -> Result<HostTensor, String> {
+fn to_host<B: AutodiffBackend>(a: &Activation<B>) -> Result<TypedTensor, String> {
     match a {
         Activation::Rows(t) => Ok(from_burn(t.clone().detach())),
         Activation::Seq(t) => Ok(from_burn(t.clone().detach())),
@@ -203,14 +204,14 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         }
     }
 
-    fn export(&mut self, name: &TensorId) -> Option<Result<HostTensor, String>> {
+    fn export(&mut self, name: &TensorId) -> Option<Result<TypedTensor, String>> {
         if let Some(bucket) = self
             .state
             .device_state
             .as_mut()
             .and_then(|d| d.export_bucket(name))
         {
-            return Some(Ok(HostTensor::flat(bucket)));
+            return Some(Ok(TypedTensor::flat(bucket)));
         }
         if let Some(key) = self.step.by_name.get(name) {
             return Some(to_host(&self.step.segments.get(key)?.output));

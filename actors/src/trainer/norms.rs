@@ -17,8 +17,8 @@ use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
 use super::Trainer;
 use super::zero::SegmentShard;
 use crate::executor::TensorTable;
-use crate::host_tensor::HostTensor;
 use crate::optim::{ParamLayout, ParamPart, sum_of_squares};
+use crate::typed_tensor::TypedTensor;
 
 /// The parameters of an actor's stage in its flat master coordinates, in order, with whether
 /// each takes weight decay; their index is the parameter's number in LAMB's norm vector (the
@@ -108,8 +108,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             let squares = table
                 .remove(&GRAD_SQUARES)
                 .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
-            let [total] = squares.data[..] else {
-                return Err(format!("`{GRAD_SQUARES}` holds {} values, not 1", squares.len()));
+            let [total] = squares.f32s()[..] else {
+                return Err(format!(
+                    "`{GRAD_SQUARES}` holds {} values, not 1",
+                    squares.elements()
+                ));
             };
             self.state.optimizer.clip(total as f64, max);
             self.state.update.grad_norm = Some(total.max(0.0).sqrt());
@@ -150,10 +153,10 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
             let own = &self.state.sharding.segment(blocks.start)?.own;
-            sum += sum_of_squares(self.state.sharding.part(name, &grad.data, len, own)?);
+            sum += sum_of_squares(self.state.sharding.part(name, grad.f32s(), len, own)?);
         }
         let out = outputs.first().ok_or("GradNorm names no output")?;
-        table.insert(out.clone(), HostTensor::flat(vec![sum as f32]));
+        table.insert(out.clone(), TypedTensor::flat(vec![sum as f32]));
         Ok(())
     }
 
@@ -187,8 +190,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             let SegmentShard { own, state, .. } = self.state.sharding.segment(blocks.start)?.clone();
             if !self.state.sharding.zero.shards_optimizer() {
                 let len = range.len();
-                if grad.len() != len {
-                    return Err(format!("gradient `{name}` has {} values, not {len}", grad.len()));
+                if grad.elements() != len {
+                    return Err(format!(
+                        "gradient `{name}` has {} values, not {len}",
+                        grad.elements()
+                    ));
                 }
                 for (piece, counted) in [(0..own.start, false), (own.clone(), true), (own.end..len, false)] {
                     if piece.is_empty() {
@@ -199,13 +205,13 @@ impl<B: AutodiffBackend> Trainer<B> {
                     self.state.optimizer.accumulate_norms(
                         at.start,
                         &self.state.master[at],
-                        &grad.data[piece],
+                        &grad.f32s()[piece],
                         sink,
                     );
                 }
                 continue;
             }
-            let grads = self.state.sharding.part(name, &grad.data, range.len(), &own)?;
+            let grads = self.state.sharding.part(name, grad.f32s(), range.len(), &own)?;
             let params = if self.state.sharding.zero.shards_parameters() {
                 &self.state.shard_master[state..state + own.len()]
             } else {
@@ -218,7 +224,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let out = outputs.first().ok_or("TrustNorms names no output")?;
         table.insert(
             out.clone(),
-            HostTensor::flat(sums.iter().map(|&s| s as f32).collect()),
+            TypedTensor::flat(sums.iter().map(|&s| s as f32).collect()),
         );
         Ok(())
     }
@@ -241,7 +247,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?
                 .clone();
             let counted = self.state.sharding.segment(blocks.start)?.own.clone();
-            let reduced = table.remove(name).map(HostTensor::into_vec);
+            let reduced = table.remove(name).map(TypedTensor::into_f32_vec);
             let state = self.state.device_state.as_mut().ok_or("no device state")?;
             let grad = state.bucket(name, reduced, &self.stage.device)?;
             self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
@@ -258,15 +264,15 @@ impl<B: AutodiffBackend> Trainer<B> {
         let sums = table
             .remove(&TRUST_SQUARES)
             .ok_or("LAMB's update needs the reduced parameter norms, and they are missing")?;
-        if sums.len() != self.state.optimizer.norms_len() {
+        if sums.elements() != self.state.optimizer.norms_len() {
             return Err(format!(
                 "`{TRUST_SQUARES}` holds {} values; this stage's {} parameters need {}",
-                sums.len(),
+                sums.elements(),
                 self.state.optimizer.norms_len() / 2,
                 self.state.optimizer.norms_len()
             ));
         }
-        self.state.optimizer.set_norms(&sums.data);
+        self.state.optimizer.set_norms(sums.f32s());
         Ok(())
     }
 }

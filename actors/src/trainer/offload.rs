@@ -15,9 +15,9 @@ use burn::tensor::backend::AutodiffBackend;
 use super::Trainer;
 use super::zero::SegmentShard;
 use crate::executor::TensorTable;
-use crate::host_tensor::HostTensor;
 use crate::offload::OffloadActor;
 use crate::optim::{StepContext, clip_factor, sum_of_squares};
+use crate::typed_tensor::TypedTensor;
 use archipelago_dataflow::passes::optimizer::GRAD_SQUARES;
 
 /// Whole gradient buffers kept for the next step under offload (the rest are freed: the point
@@ -37,20 +37,20 @@ impl<B: AutodiffBackend> Trainer<B> {
         let (grad, blocks) = self.take_bucket(name, table)?;
         let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
         let range = self.state.sharding.optimizer_range(blocks.start, len)?;
-        let part = self.state.sharding.part(name, &grad.data, len, &range)?;
+        let part = self.state.sharding.part(name, grad.f32s(), len, &range)?;
         let deferred = self.state.update.clip.is_some();
         if deferred {
             // GradNorm counts this actor's share (its count shard of a replicated bucket).
             let own = &self.state.sharding.segment(blocks.start)?.own;
             self.state.update.staged_squares +=
-                sum_of_squares(self.state.sharding.part(name, &grad.data, len, own)?);
+                sum_of_squares(self.state.sharding.part(name, grad.f32s(), len, own)?);
         }
-        let grads = if part.len() == grad.len() {
-            grad.into_vec() // already the shard (or the whole bucket is the range): no copy
+        let grads = if part.len() == grad.elements() {
+            grad.into_f32_vec() // already the shard (or the whole bucket is the range): no copy
         } else {
             let shard = part.to_vec();
             if self.step.spare_buffers.len() < SPARE_BUFFERS {
-                self.step.spare_buffers.push(grad.into_vec());
+                self.step.spare_buffers.push(grad.into_f32_vec());
             }
             shard
         };
@@ -81,8 +81,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         let squares = table
             .remove(&GRAD_SQUARES)
             .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
-        let [total] = squares.data[..] else {
-            return Err(format!("`{GRAD_SQUARES}` holds {} values, not 1", squares.len()));
+        let [total] = squares.f32s()[..] else {
+            return Err(format!(
+                "`{GRAD_SQUARES}` holds {} values, not 1",
+                squares.elements()
+            ));
         };
         self.state.update.grad_norm = Some(total.max(0.0).sqrt());
         let step = self.offloaded_step(clip_factor(total as f64, max));
@@ -127,7 +130,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     let out = outputs.get(k).ok_or_else(|| {
                         format!("the optimizer step names no output for blocks {start}..{end}")
                     })?;
-                    table.insert(out.clone(), HostTensor::flat(gathered));
+                    table.insert(out.clone(), TypedTensor::flat(gathered));
                 }
                 _ if self.state.offload_params => {}
                 _ => self.state.shard_master[state..state + own.len()].copy_from_slice(&params),

@@ -12,8 +12,9 @@ use burn::tensor::backend::AutodiffBackend;
 use super::{BlockCopies, Segment, Trainer};
 use crate::block::{Activation, Block, read_flat};
 use crate::executor::TensorTable;
-use crate::host_tensor::{HostTensor, into_burn};
+use crate::host_tensor::into_burn;
 use crate::transfer::{TransferKind, download};
+use crate::typed_tensor::TypedTensor;
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// A received tensor from the table as an activation.
@@ -21,7 +22,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let t = table
             .remove(name)
             .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
-        match t.shape.len() {
+        match t.shape().len() {
             2 => Ok(Activation::Rows(into_burn::<B, 2>(t, &self.stage.device))),
             3 => Ok(Activation::Seq(into_burn::<B, 3>(t, &self.stage.device))),
             r => Err(format!("`{name}` has rank {r}; activations have rank 2 or 3")),
@@ -200,7 +201,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             table
                 .remove(grad_name)
                 .ok_or_else(|| format!("gradient bucket `{grad_name}` left the actor mid-step"))?
-                .into_vec()
+                .into_f32_vec()
         };
         // On a GPU one device-to-host read for the whole bucket (see `read_flat`).
         let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
@@ -208,13 +209,13 @@ impl<B: AutodiffBackend> Trainer<B> {
         if let Some(fault) = &mut self.fault {
             fault.on_bucket(grad_name, &mut flat);
         }
-        table.insert(grad_name.clone(), HostTensor::flat(flat));
+        table.insert(grad_name.clone(), TypedTensor::flat(flat));
         self.step.grad_ranges.insert(grad_name.clone(), blocks);
         let held: u64 = self
             .step
             .grad_ranges
             .keys()
-            .filter_map(|n| table.get(n).map(HostTensor::bytes))
+            .filter_map(|n| table.get(n).map(|t| t.byte_len() as u64))
             .sum();
         let spare: u64 = self.step.spare_buffers.iter().map(|b| 4 * b.len() as u64).sum();
         self.step.peak_grad_bytes = self.step.peak_grad_bytes.max(held + spare);

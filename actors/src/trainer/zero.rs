@@ -14,7 +14,7 @@ use archipelago_dataflow::{ActorTraining, ZeroStage};
 
 use super::Trainer;
 use crate::executor::{HeldParams, TensorTable};
-use crate::host_tensor::HostTensor;
+use crate::typed_tensor::TypedTensor;
 
 /// This replica's shard of one segment (gradient bucket).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,7 +158,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         name: &TensorId,
         table: &mut TensorTable,
-    ) -> Result<(HostTensor, Range<usize>), String> {
+    ) -> Result<(TypedTensor, Range<usize>), String> {
         let grad = table
             .remove(name)
             .ok_or_else(|| format!("gradient `{name}` missing"))?;
@@ -195,7 +195,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             if scope == UpdateScope::Whole {
                 self.state
                     .optimizer
-                    .update(range.start, &mut self.state.master[range.clone()], &grad.data);
+                    .update(range.start, &mut self.state.master[range.clone()], grad.f32s());
                 self.reload(blocks.clone())?;
             } else {
                 // ZeRO: update only this replica's shard; the all-gather brings the others.
@@ -203,7 +203,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     own: shard, state, ..
                 } = self.state.sharding.segment(blocks.start)?.clone();
                 let own = range.start + shard.start..range.start + shard.end;
-                let grads = self.state.sharding.part(name, &grad.data, range.len(), &shard)?;
+                let grads = self.state.sharding.part(name, grad.f32s(), range.len(), &shard)?;
                 let shifted = self.fault.as_ref().and_then(|f| f.shard_gradient(grads));
                 let grads = shifted.as_deref().unwrap_or(grads);
                 if scope == UpdateScope::ShardKept {
@@ -212,7 +212,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     self.state
                         .optimizer
                         .update(state, &mut self.state.shard_master[at], grads);
-                    self.step.optimizer_grad_bytes += grad.bytes();
+                    self.step.optimizer_grad_bytes += grad.byte_len() as u64;
                     continue;
                 }
                 self.state
@@ -223,12 +223,12 @@ impl<B: AutodiffBackend> Trainer<B> {
                 let out = outputs
                     .get(k)
                     .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
-                table.insert(out.clone(), HostTensor::flat(gathered));
+                table.insert(out.clone(), TypedTensor::flat(gathered));
             }
-            self.step.optimizer_grad_bytes += grad.bytes();
+            self.step.optimizer_grad_bytes += grad.byte_len() as u64;
             if !self.state.sharding.grads_sharded() {
                 // Whole buckets are reused by the next backward; ZeRO-2 shards are not.
-                self.step.spare_buffers.push(grad.into_vec());
+                self.step.spare_buffers.push(grad.into_f32_vec());
             }
         }
         Ok(())
@@ -257,7 +257,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         } else {
             full[own.clone()].copy_from_slice(&self.state.shard_master[state..state + own.len()]);
         }
-        table.insert(output.clone(), HostTensor::flat(full));
+        table.insert(output.clone(), TypedTensor::flat(full));
         Ok(())
     }
 
@@ -297,27 +297,27 @@ impl<B: AutodiffBackend> Trainer<B> {
             .remove(name)
             .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
         let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
-        if params.len() != range.len() {
+        if params.elements() != range.len() {
             return Err(format!(
                 "`{name}` has {} values, blocks {}..{} have {}",
-                params.len(),
+                params.elements(),
                 blocks.start,
                 blocks.end,
                 range.len()
             ));
         }
         if self.state.sharding.zero.shards_parameters() {
-            self.materialize(blocks, &params.data)?;
+            self.materialize(blocks, params.f32s())?;
         } else if let Some(state) = &mut self.state.device_state {
             // ZeRO-1/2 with the state on the device: the gathered segment is its new master.
-            let master = state.load_gathered(blocks.start, params.into_vec(), &self.stage.device)?;
+            let master = state.load_gathered(blocks.start, params.into_f32_vec(), &self.stage.device)?;
             return self.load_modules_from(blocks, master);
         } else {
-            self.state.master[range].copy_from_slice(&params.data);
+            self.state.master[range].copy_from_slice(params.f32s());
             self.reload(blocks)?;
         }
         if self.state.gather_pool.len() < 2 {
-            self.state.gather_pool.push(params.into_vec());
+            self.state.gather_pool.push(params.into_f32_vec());
         }
         Ok(())
     }
@@ -403,7 +403,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             let master = if lamb {
                 state.lamb_apply(blocks.start, &trust, &ctx)?
             } else {
-                let reduced = table.remove(name).map(HostTensor::into_vec);
+                let reduced = table.remove(name).map(TypedTensor::into_f32_vec);
                 let grad = state.bucket(name, reduced, &self.stage.device)?;
                 self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
                 state.update(blocks.start, grad, &ctx)?
@@ -418,7 +418,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     let out = outputs
                         .get(k)
                         .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
-                    table.insert(out.clone(), HostTensor::flat(gathered));
+                    table.insert(out.clone(), TypedTensor::flat(gathered));
                 }
                 // ZeRO-3: the shard stays on the device until the next forward gathers it.
                 UpdateScope::ShardKept => {}

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use serde_json::{Value, json};
 
-use archipelago_actors::HostTensor;
+use archipelago_actors::TypedTensor;
 use archipelago_actors::collectives::{
     ChunkPool, DEFAULT_CHUNK_ELEMS, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 };
@@ -105,7 +105,7 @@ struct Figures {
 /// Actor 0 sends a tensor of `bytes` to actor 1, which acknowledges it with one value, `reps`
 /// times (the tensor is built once: the send shares its buffer, as a trainer's does).
 fn move_tensor(fabric: &dyn Fabric, me: ActorId, bytes: usize, reps: usize) -> Vec<f64> {
-    let tensor = HostTensor::flat(vec![1.5f32; bytes / 4]);
+    let tensor = TypedTensor::flat(vec![1.5f32; bytes / 4]);
     let mut times = Vec::with_capacity(reps);
     for rep in 0..reps as u64 {
         let edge = (13 << 40) | (rep << 8);
@@ -118,9 +118,9 @@ fn move_tensor(fabric: &dyn Fabric, me: ActorId, bytes: usize, reps: usize) -> V
             times.push(t.elapsed().as_secs_f64());
         } else {
             let got = fabric.recv(1, 0, tag).expect("tensor");
-            assert_eq!(got.len(), bytes / 4, "the moved tensor's length");
+            assert_eq!(got.elements(), bytes / 4, "the moved tensor's length");
             fabric
-                .send(1, 0, tag, HostTensor::scalar(got.data[got.len() - 1]))
+                .send(1, 0, tag, TypedTensor::scalar(got.f32s()[got.elements() - 1]))
                 .expect("acknowledgement");
         }
     }
@@ -142,7 +142,7 @@ fn fan_out(fabric: &dyn Fabric, me: ActorId, batches: usize) -> f64 {
         if me == 0 {
             for i in 0..IN_FLIGHT {
                 fabric
-                    .send(0, callee(i), tag(i), HostTensor::flat(vec![1.0]))
+                    .send(0, callee(i), tag(i), TypedTensor::flat(vec![1.0]))
                     .expect("call");
             }
             for i in 0..IN_FLIGHT {
@@ -173,7 +173,7 @@ fn barrier(fabric: &dyn Fabric, me: ActorId, edge: u64) {
     let peer = 1 - me;
     let tag = Tag { edge, seq: 0 };
     fabric
-        .send(me, peer, tag, HostTensor::flat(vec![0.0]))
+        .send(me, peer, tag, TypedTensor::flat(vec![0.0]))
         .expect("barrier send");
     fabric.recv(me, peer, tag).expect("barrier recv");
 }
@@ -210,7 +210,7 @@ fn script(fabric: &dyn Fabric, me: ActorId, args: &PeerArgs) -> Figures {
         collectives.push((name, traffic, times));
     }
     let peer = 1 - me;
-    let one = || HostTensor::flat(vec![1.0]);
+    let one = || TypedTensor::flat(vec![1.0]);
     let sync_edge = 10 << 40;
     barrier(fabric, me, sync_edge | 1);
     let t = Instant::now();

@@ -19,6 +19,14 @@ fn paths(fabrics: &[Arc<TcpFabric>]) -> Vec<DataPath> {
         .collect()
 }
 
+/// Every dtype crosses the shared-memory ring bit for bit.
+#[test]
+fn every_dtype_round_trips_over_shared_memory() {
+    let (_, fabrics) = two_hosts(&"secret".into(), DataPath::Shm);
+    assert_eq!(paths(&fabrics), [DataPath::Shm; 4]);
+    crate::fabric::testing::every_dtype_round_trips([fabrics[0].clone(), fabrics[1].clone()]);
+}
+
 /// Under `shm` and under `auto` (both hosts on this machine) every link is a ring and a ring of
 /// messages across the hosts arrives whole; a peer with a wrong token gets no ring (`shm`
 /// fails to connect) and delivers nothing (`auto` falls back to TCP, refused there too); the
@@ -133,6 +141,7 @@ fn a_huge_announcement_through_a_ring_is_an_error_not_an_allocation() {
         out.extend_from_slice(&0u32.to_le_bytes());
         out.extend_from_slice(&1u32.to_le_bytes());
         out.extend_from_slice(&[0; 16]);
+        out.extend_from_slice(&0u32.to_le_bytes()); // f32
         out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
         shape.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
         out.extend_from_slice(payload);
@@ -146,7 +155,7 @@ fn a_huge_announcement_through_a_ring_is_an_error_not_an_allocation() {
     let honest: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut reader = ring_holding(&frame(&[3], &honest));
     let (_, _, _, tensor) = read_ring_frame(&mut reader).unwrap().unwrap();
-    assert_eq!(tensor.data.to_vec(), values.to_vec());
+    assert_eq!(tensor.f32s().to_vec(), values.to_vec());
     assert!(read_ring_frame(&mut reader).unwrap().is_none(), "the clean end");
 }
 

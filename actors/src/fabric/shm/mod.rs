@@ -20,10 +20,13 @@ mod ring;
 pub use handshake::{Nonce, ShmListener, machine_id, open_ring};
 pub use ring::{MAX_CAPACITY, RingReader, RingWriter, SharedRing};
 
+use archipelago_dataflow::DType;
+
+use crate::typed_tensor::{Payload, TypedTensor};
 use std::io::{self, Read, Write};
 
-/// The greeting of a raw-TCP connection that asks for a ring (the plain one is `ARCHTCP1`).
-pub const SHM_MAGIC: &[u8; 8] = b"ARCHSHM1";
+/// The greeting of a raw-TCP connection that asks for a ring (the plain one is `ARCHTCP2`).
+pub const SHM_MAGIC: &[u8; 8] = b"ARCHSHM2";
 /// Data bytes of each ring (one per sending host and receiving host).
 pub const RING_BYTES: usize = 16 << 20;
 /// Longest machine id, socket name or refusal reason a peer may send.
@@ -52,16 +55,18 @@ fn read_field(r: &mut impl Read) -> io::Result<Vec<u8>> {
 /// reader, the values straight into the tensor's buffer (see [`RingReader::read_values`]).
 /// `None` at a clean end.
 pub(crate) fn read_ring_frame(r: &mut io::BufReader<RingReader>) -> io::Result<Option<super::tcp::Frame>> {
-    let Some((from, to, tag, shape, len)) = super::tcp::read_header(r)? else {
+    let Some((from, to, tag, dtype, shape, len)) = super::tcp::read_header(r)? else {
         return Ok(None);
     };
-    let values = RingReader::read_values(r, len)?;
-    Ok(Some((
-        from,
-        to,
-        tag,
-        crate::host_tensor::HostTensor::new(shape, values),
-    )))
+    let payload = match dtype {
+        DType::F32 => Payload::F32(RingReader::read_values(r, len)?),
+        DType::I8 | DType::U8 => Payload::B1(RingReader::read_values(r, len)?),
+        DType::BF16 | DType::F16 => Payload::B2(RingReader::read_values(r, len)?),
+        DType::I32 => Payload::B4(RingReader::read_values(r, len)?),
+        DType::I64 => Payload::B8(RingReader::read_values(r, len)?),
+    };
+    let tensor = TypedTensor::from_payload(dtype, shape, payload).map_err(io::Error::other)?;
+    Ok(Some((from, to, tag, tensor)))
 }
 
 /// The writer's side, after [`SHM_MAGIC`] and the token: announces this machine and process,

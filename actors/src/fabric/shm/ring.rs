@@ -334,20 +334,24 @@ impl RingReader {
     /// what the buffered reader `r` already took off the ring, then the ring itself. Up to
     /// 64 MiB is reserved at once and the buffer grows with the bytes that arrive (fallibly: an
     /// allocation that fails is an error), so announcing a huge tensor costs only what is sent.
-    pub fn read_values(r: &mut io::BufReader<RingReader>, len: usize) -> io::Result<Vec<f32>> {
+    pub fn read_values<T: bytemuck::Pod>(
+        r: &mut io::BufReader<RingReader>,
+        len: usize,
+    ) -> io::Result<Vec<T>> {
+        let size = std::mem::size_of::<T>();
         let bytes = len
-            .checked_mul(4)
+            .checked_mul(size)
             .ok_or_else(|| io::Error::other(format!("{len} values overflow a buffer")))?;
-        let mut values: Vec<f32> = Vec::new();
+        let mut values: Vec<T> = Vec::new();
         let mut written = 0;
         while written < bytes {
-            if written == values.capacity() * 4 {
-                let more = (len - values.len()).min(crate::fabric::assembly::EAGER_ELEMENTS);
+            if written == values.capacity() * size {
+                let more = (len - values.len()).min(crate::fabric::assembly::EAGER_ELEMENTS * 4 / size);
                 values
                     .try_reserve_exact(more)
                     .map_err(|e| io::Error::other(format!("cannot hold a tensor of {len} values: {e}")))?;
             }
-            let room = (values.capacity() * 4).min(bytes) - written;
+            let room = (values.capacity() * size).min(bytes) - written;
             // SAFETY: `written < capacity * 4`, so the address is inside the allocation.
             let out = unsafe { (values.as_mut_ptr() as *mut u8).add(written) };
             let buffered = r.buffer();
@@ -370,10 +374,10 @@ impl RingReader {
                 ));
             }
             written += n;
-            // SAFETY: bytes `0..written` are written, so `written / 4` whole values are
-            // initialised (any bit pattern is an f32), within the capacity. A reallocation
+            // SAFETY: bytes `0..written` are written, so `written / size` whole values are
+            // initialised (any bit pattern is a `T`: `Pod`), within the capacity. A reallocation
             // happens only when `written` fills the capacity, a whole number of values.
-            unsafe { values.set_len(written / 4) };
+            unsafe { values.set_len(written / size) };
         }
         Ok(values)
     }
