@@ -412,11 +412,18 @@ impl Executor {
                 tensor,
                 group,
                 tag,
+                dtype,
             } => {
                 let value = match self.table.remove(tensor) {
                     Some(t) => t,
                     None => Self::exported(self.computation.as_mut(), tensor)?,
                 };
+                if value.dtype() != *dtype {
+                    let held = value.dtype();
+                    let why =
+                        format!("`{tensor}` is {held} here, the plan reduces it as {dtype} (tag {tag})");
+                    return Err((why, false));
+                }
                 let bytes = value.byte_len() as u64;
                 let started = self.collectives.start(*kind, edge(*tag), group.clone(), value);
                 pending.insert(*tag, (started, group.clone()));

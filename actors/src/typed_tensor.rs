@@ -367,6 +367,22 @@ impl TypedTensor {
         bytemuck::cast_slice(self.bytes())
     }
 
+    /// The elements as their Rust type, to change in place (copies the buffer first when it is
+    /// shared).
+    ///
+    /// # Panics
+    /// When `T` is not this tensor's element type.
+    pub fn values_mut<T: Element>(&mut self) -> &mut [T] {
+        assert_eq!(
+            T::DTYPE,
+            self.dtype,
+            "writing a {} tensor as {}",
+            self.dtype,
+            T::DTYPE
+        );
+        bytemuck::cast_slice_mut(self.bytes_mut())
+    }
+
     /// The values of an f32 tensor, in place (the training fabric's activations, gradients and
     /// parameters).
     ///

@@ -195,18 +195,24 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
                 .sum::<usize>();
             let elems = |t: &TensorId| tensor_elems(&program.model, plan, rows, trust_len, t);
             for instruction in &actor.stream.instructions {
-                let (kind, read) = match instruction {
+                // Training's received tensors are f32; a collective names its dtype.
+                let (kind, read, size) = match instruction {
                     Instruction::StartCollective {
-                        kind, tensor, group, ..
+                        kind,
+                        tensor,
+                        group,
+                        dtype,
+                        ..
                     } => (
                         FabricKind::of(tensor),
                         collective_read_elems(*kind, group, actor.actor, elems(tensor)),
+                        dtype.size() as u64,
                     ),
-                    Instruction::Recv { tensor, .. } => (FabricKind::of(tensor), elems(tensor) as u64),
+                    Instruction::Recv { tensor, .. } => (FabricKind::of(tensor), elems(tensor) as u64, 4),
                     _ => continue,
                 };
                 if let Some(kind) = kind {
-                    bytes.add(kind, 4 * read);
+                    bytes.add(kind, size * read);
                 }
             }
             bytes

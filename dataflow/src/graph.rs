@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ActorId;
 use crate::instruction::{CollectiveKind, ComputeOp};
 use crate::tensor_id::TensorId;
+use crate::{ActorId, DType};
 
 /// What a node does.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,6 +45,8 @@ pub enum NodeOp {
         group: Vec<ActorId>,
         /// The tensor (same name on every member).
         tensor: TensorId,
+        /// Its element type on the wire (sums accumulate in f32 whatever it is).
+        dtype: DType,
     },
 }
 
@@ -88,12 +90,13 @@ impl Graph {
         });
     }
 
-    /// Appends a collective edge.
+    /// Appends a collective edge over an f32 tensor (what training reduces today).
     pub fn collective(&mut self, kind: CollectiveKind, group: Vec<ActorId>, tensor: &TensorId) {
         self.nodes.push(NodeOp::Collective {
             kind,
             group,
             tensor: tensor.clone(),
+            dtype: DType::F32,
         });
     }
 }

@@ -9,7 +9,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::tensor_id::TensorId;
-use crate::{ActorId, DeviceSpec};
+use crate::{ActorId, DType, DeviceSpec};
 
 /// Local compute on one actor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -229,6 +229,10 @@ pub enum Instruction {
         group: Vec<ActorId>,
         /// Identifies the collective across members.
         tag: u64,
+        /// The tensor's element type (every member brings the same; f32 in plans written
+        /// before collectives were typed).
+        #[serde(default)]
+        dtype: DType,
     },
     /// Wait until a started collective has finished on this actor.
     WaitCollective {
@@ -307,8 +311,13 @@ impl fmt::Display for Instruction {
                 tensor,
                 group,
                 tag,
+                dtype,
             } => {
-                write!(f, "{kind:?}({tensor}, group {group:?}, tag {tag})")
+                write!(f, "{kind:?}({tensor}")?;
+                if *dtype != DType::F32 {
+                    write!(f, " {dtype}")?;
+                }
+                write!(f, ", group {group:?}, tag {tag})")
             }
             Instruction::WaitCollective { tensor, tag } => write!(f, "Wait({tensor}, tag {tag})"),
         }

@@ -25,6 +25,7 @@ struct ActorSim<'a> {
 struct CollectiveFacts<'a> {
     group: &'a [ActorId],
     tensor: &'a TensorId,
+    dtype: crate::DType,
 }
 
 /// Checks that `streams` (indexed by actor) run to completion without deadlock.
@@ -115,7 +116,11 @@ fn advance<'a>(
             sim.defined.insert(tensor);
         }
         Instruction::StartCollective {
-            tensor, group, tag, ..
+            tensor,
+            group,
+            tag,
+            dtype,
+            ..
         } => {
             if !group.contains(&me) {
                 return Err(at("this actor is not a member of the group".into()));
@@ -123,13 +128,15 @@ fn advance<'a>(
             if let Some(&bad) = group.iter().find(|&&a| a >= n) {
                 return Err(at(format!("group member {bad} does not exist")));
             }
-            let facts = collectives
-                .entry(*tag)
-                .or_insert(CollectiveFacts { group, tensor });
-            if facts.group != group.as_slice() || facts.tensor != tensor {
+            let facts = collectives.entry(*tag).or_insert(CollectiveFacts {
+                group,
+                tensor,
+                dtype: *dtype,
+            });
+            if facts.group != group.as_slice() || facts.tensor != tensor || facts.dtype != *dtype {
                 return Err(at(format!(
-                    "members disagree on collective tag {tag}: group {:?} on `{}` elsewhere",
-                    facts.group, facts.tensor
+                    "members disagree on collective tag {tag}: group {:?} on {} `{}` elsewhere",
+                    facts.group, facts.dtype, facts.tensor
                 )));
             }
             sim.in_collective.insert(tensor);
@@ -228,6 +235,7 @@ mod tests {
             tensor: tensor.into(),
             group: vec![0, 1],
             tag,
+            dtype: crate::DType::F32,
         }
     }
     fn wait(tensor: &str, tag: u64) -> Instruction {
@@ -235,6 +243,24 @@ mod tests {
             tensor: tensor.into(),
             tag,
         }
+    }
+
+    /// Members that bring one collective in different dtypes are refused before anything runs;
+    /// control: the same streams in one dtype pass.
+    #[test]
+    fn members_of_a_collective_must_agree_on_its_dtype() {
+        let mut bf16 = start("g", 1);
+        if let Instruction::StartCollective { dtype, .. } = &mut bf16 {
+            *dtype = crate::DType::BF16;
+        }
+        let streams = vec![
+            vec![make("g"), start("g", 1), wait("g", 1)],
+            vec![make("g"), bf16, wait("g", 1)],
+        ];
+        let error = verify(&streams).unwrap_err().to_string();
+        assert!(error.contains("disagree") && error.contains("f32"), "{error}");
+        let same = vec![vec![make("g"), start("g", 1), wait("g", 1)]; 2];
+        verify(&same).unwrap();
     }
 
     #[test]

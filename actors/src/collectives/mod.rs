@@ -25,6 +25,7 @@ use std::time::Duration;
 use archipelago_dataflow::ActorId;
 
 use crate::fabric::{Fabric, FabricError, InProcessFabric};
+use crate::typed_tensor::Element;
 
 /// Default chunk of a pipelined collective: 1 MiB of f32 (fits in cache, amortises messaging).
 pub const DEFAULT_CHUNK_ELEMS: usize = 1 << 18;
@@ -69,13 +70,14 @@ impl std::fmt::Display for Collectives {
 }
 
 /// Sums `data` over `group` in place (shared buffers where the fabric offers them, else the
-/// ring); every member calls it with the same `edge`, `group` and length.
-pub fn all_reduce(
+/// ring); every member calls it with the same `edge`, `group`, element type and length. 16-bit
+/// sums accumulate in f32 and are rounded once ([`element`]).
+pub fn all_reduce<T: Reducible>(
     fabric: &dyn Fabric,
     me: ActorId,
     group: &[ActorId],
     edge: u64,
-    data: &mut [f32],
+    data: &mut [T],
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
@@ -87,12 +89,12 @@ pub fn all_reduce(
 
 /// Reduce-scatter (sum) in place: member `i` ends with the total of
 /// `data[shard_range(len, n, i)]` (see [`ring_reduce_scatter`]).
-pub fn reduce_scatter(
+pub fn reduce_scatter<T: Reducible>(
     fabric: &dyn Fabric,
     me: ActorId,
     group: &[ActorId],
     edge: u64,
-    data: &mut [f32],
+    data: &mut [T],
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
@@ -102,14 +104,14 @@ pub fn reduce_scatter(
     }
 }
 
-/// All-gather in place: member `i` brings `data[shard_range(len, n, i)]` (see
-/// [`ring_all_gather`]).
-pub fn all_gather(
+/// All-gather in place (any element type): member `i` brings `data[shard_range(len, n, i)]`
+/// (see [`ring_all_gather`]).
+pub fn all_gather<T: Element>(
     fabric: &dyn Fabric,
     me: ActorId,
     group: &[ActorId],
     edge: u64,
-    data: &mut [f32],
+    data: &mut [T],
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
@@ -121,6 +123,8 @@ pub fn all_gather(
 
 #[cfg(test)]
 mod across_hosts_tests;
+#[cfg(test)]
+mod typed_tests;
 
 #[cfg(test)]
 mod tests {

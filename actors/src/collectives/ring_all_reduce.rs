@@ -7,13 +7,20 @@
 //! of n−1 steps spreads the totals. Each segment moves in chunks, so a member adds chunk c while
 //! chunk c+1 is on its way. Every member sends 2(n−1)/n of the buffer. Received all-gather chunks
 //! are forwarded as the same shared buffers, never copied again.
+//!
+//! bf16 and f16 travel as themselves, and their sums accumulate in f32, rounded once: a ring
+//! would round every partial sum it passes on, so their reduce-scatter is direct instead — each
+//! member sends every other member that member's shard, and the owner sums all of them in one
+//! f32 accumulator, in member order (the bytes of the ring's reduce-scatter, n−1 messages at
+//! once instead of n−1 steps); the all-gather is the ring's. All-gathers carry any dtype.
 
 use std::ops::Range;
 
 use archipelago_dataflow::ActorId;
 
+use super::element::{Accumulation, Reducible};
 use crate::fabric::{Fabric, FabricError, Tag};
-use crate::typed_tensor::TypedTensor;
+use crate::typed_tensor::{DType, Element, TypedTensor};
 
 /// Chunk buffers kept between collectives, so that steady-state collectives allocate nothing
 /// (fresh allocations of this size page-fault on every use). Buffers a member receives and owns
@@ -24,6 +31,14 @@ pub struct ChunkPool {
 }
 
 impl ChunkPool {
+    /// A message holding a copy of `values` (from the pool when they are f32).
+    fn message<T: Element>(&mut self, values: &[T]) -> TypedTensor {
+        match T::DTYPE {
+            DType::F32 => self.filled(bytemuck::cast_slice(values)),
+            _ => TypedTensor::from_values(vec![values.len()], values),
+        }
+    }
+
     /// A buffer holding a copy of `values`.
     fn filled(&mut self, values: &[f32]) -> TypedTensor {
         let mut buffer = self.free.pop().unwrap_or_default();
@@ -46,6 +61,20 @@ impl ChunkPool {
 /// layout: member `i` of a group owns shard `i`): the plan's function, so that the plan's shards
 /// and the collectives' agree.
 pub use archipelago_dataflow::shard_range;
+
+/// The elements of a message `got` from `from` that must be `len` elements of `T`: a message
+/// of another dtype or length is an error naming the sender, never a panic.
+fn elements_of<T: Element>(got: &TypedTensor, len: usize, from: ActorId) -> Result<&[T], FabricError> {
+    if got.dtype() != T::DTYPE || got.elements() != len {
+        return Err(FabricError::Aborted(format!(
+            "actor {from} sent {} {} elements where this collective expects {len} {}",
+            got.elements(),
+            got.dtype(),
+            T::DTYPE
+        )));
+    }
+    Ok(got.values::<T>())
+}
 
 /// The ring around `group` as seen by `me`.
 struct Ring<'a> {
@@ -122,7 +151,8 @@ impl<'a> Ring<'a> {
                 }
                 if let Some(r) = inn.get(c) {
                     let got = self.fabric.recv(self.me, self.prev, self.tag(0, s, c))?;
-                    for (d, g) in data[r.clone()].iter_mut().zip(got.f32s().iter()) {
+                    let values = elements_of::<f32>(&got, r.len(), self.prev)?;
+                    for (d, g) in data[r.clone()].iter_mut().zip(values) {
                         *d += g;
                     }
                     pool.recycle(got);
@@ -132,9 +162,58 @@ impl<'a> Ring<'a> {
         Ok(())
     }
 
+    /// Direct reduce-scatter of a 16-bit buffer (see the module docs): afterwards this member
+    /// holds the total of shard `i`, summed over the members in order as `accumulation` says.
+    fn direct_reduce_scatter<T: Reducible>(
+        &self,
+        data: &mut [T],
+        accumulation: Accumulation,
+        group: &[ActorId],
+    ) -> Result<(), FabricError> {
+        let (n, i, len) = (self.n, self.i, data.len());
+        for (j, &peer) in group.iter().enumerate().filter(|&(j, _)| j != i) {
+            for (c, r) in self.chunks(shard_range(len, n, j)).into_iter().enumerate() {
+                let message = TypedTensor::from_values(vec![r.len()], &data[r]);
+                self.fabric.send(self.me, peer, self.tag(2, i, c), message)?;
+            }
+        }
+        let mut total: Vec<f32> = Vec::new();
+        for (c, r) in self.chunks(shard_range(len, n, i)).into_iter().enumerate() {
+            total.clear();
+            total.resize(r.len(), 0.0);
+            for (j, &member) in group.iter().enumerate() {
+                let got;
+                let values: &[T] = if j == i {
+                    &data[r.clone()]
+                } else {
+                    got = self.fabric.recv(self.me, member, self.tag(2, j, c))?;
+                    elements_of::<T>(&got, r.len(), member)?
+                };
+                let pairs = total.iter_mut().zip(values);
+                match (j, accumulation) {
+                    (0, _) => pairs.for_each(|(t, v)| *t = v.to_f32()),
+                    (_, Accumulation::F32) => pairs.for_each(|(t, v)| *t += v.to_f32()),
+                    (_, Accumulation::InElementType) => {
+                        pairs.for_each(|(t, v)| *t = T::from_f32(*t + v.to_f32()).to_f32())
+                    }
+                }
+            }
+            data[r]
+                .iter_mut()
+                .zip(&total)
+                .for_each(|(d, &t)| *d = T::from_f32(t));
+        }
+        Ok(())
+    }
+
     /// All-gather: this member starts with shard `i + offset`; afterwards it holds every shard.
     /// Received chunks are forwarded as the same shared buffers.
-    fn all_gather(&self, data: &mut [f32], offset: usize, pool: &mut ChunkPool) -> Result<(), FabricError> {
+    fn all_gather<T: Element>(
+        &self,
+        data: &mut [T],
+        offset: usize,
+        pool: &mut ChunkPool,
+    ) -> Result<(), FabricError> {
         let (n, i, len) = (self.n, self.i, data.len());
         let mut forward: Vec<TypedTensor> = Vec::new();
         for s in 0..n - 1 {
@@ -144,7 +223,7 @@ impl<'a> Ring<'a> {
             for c in 0..out.len().max(inn.len()) {
                 if let Some(r) = out.get(c) {
                     let payload = if s == 0 {
-                        pool.filled(&data[r.clone()])
+                        pool.message(&data[r.clone()])
                     } else {
                         forward
                             .get(c)
@@ -155,7 +234,7 @@ impl<'a> Ring<'a> {
                 }
                 if let Some(r) = inn.get(c) {
                     let got = self.fabric.recv(self.me, self.prev, self.tag(1, s, c))?;
-                    data[r.clone()].copy_from_slice(got.f32s());
+                    data[r.clone()].copy_from_slice(elements_of::<T>(&got, r.len(), self.prev)?);
                     received.push(got);
                 }
             }
@@ -170,50 +249,84 @@ impl<'a> Ring<'a> {
     }
 }
 
-/// Sums `data` over `group` in place; every member calls it with the same `edge`, `group` and
-/// length. `chunk_elems` bounds the size of one message; `pool` lends the message buffers.
-pub fn ring_all_reduce(
+/// Sums `data` over `group` in place; every member calls it with the same `edge`, `group`,
+/// element type and length. `chunk_elems` bounds the size of one message; `pool` lends the
+/// message buffers. 16-bit sums accumulate in f32 (see the module docs).
+pub fn ring_all_reduce<T: Reducible>(
     fabric: &dyn Fabric,
     me: ActorId,
     group: &[ActorId],
     edge: u64,
-    data: &mut [f32],
+    data: &mut [T],
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
     let Some(ring) = ring(fabric, me, group, edge, data.len(), chunk_elems)? else {
         return Ok(());
     };
-    ring.reduce_scatter(data, 1, pool)?;
-    ring.all_gather(data, 1, pool)
+    if T::DTYPE == DType::F32 {
+        let data: &mut [f32] = bytemuck::cast_slice_mut(data);
+        ring.reduce_scatter(data, 1, pool)?;
+        return ring.all_gather(data, 1, pool);
+    }
+    ring.direct_reduce_scatter(data, Accumulation::F32, group)?;
+    ring.all_gather(data, 0, pool)
 }
 
 /// Reduce-scatter (sum) in place: afterwards member `i` of `group` holds, in
 /// `data[shard_range(len, n, i)]`, the sum of that shard over all members (the rest of `data` is
 /// left partial). Each member sends (n−1)/n of the buffer.
-pub fn ring_reduce_scatter(
+pub fn ring_reduce_scatter<T: Reducible>(
     fabric: &dyn Fabric,
     me: ActorId,
     group: &[ActorId],
     edge: u64,
-    data: &mut [f32],
+    data: &mut [T],
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {
-    match ring(fabric, me, group, edge, data.len(), chunk_elems)? {
-        Some(ring) => ring.reduce_scatter(data, 0, pool),
-        None => Ok(()),
-    }
+    reduce_scatter_with(
+        fabric,
+        me,
+        group,
+        edge,
+        data,
+        chunk_elems,
+        pool,
+        Accumulation::F32,
+    )
 }
 
-/// All-gather in place: member `i` brings `data[shard_range(len, n, i)]`; afterwards every
-/// member holds every shard. Each member sends (n−1)/n of the buffer.
-pub fn ring_all_gather(
+/// [`ring_reduce_scatter`] accumulating 16-bit sums as `accumulation` says (in their own type
+/// only for the negative control of the tests).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce_scatter_with<T: Reducible>(
     fabric: &dyn Fabric,
     me: ActorId,
     group: &[ActorId],
     edge: u64,
-    data: &mut [f32],
+    data: &mut [T],
+    chunk_elems: usize,
+    pool: &mut ChunkPool,
+    accumulation: Accumulation,
+) -> Result<(), FabricError> {
+    let Some(ring) = ring(fabric, me, group, edge, data.len(), chunk_elems)? else {
+        return Ok(());
+    };
+    match T::DTYPE {
+        DType::F32 => ring.reduce_scatter(bytemuck::cast_slice_mut(data), 0, pool),
+        _ => ring.direct_reduce_scatter(data, accumulation, group),
+    }
+}
+
+/// All-gather in place (any element type): member `i` brings `data[shard_range(len, n, i)]`;
+/// afterwards every member holds every shard. Each member sends (n−1)/n of the buffer.
+pub fn ring_all_gather<T: Element>(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    group: &[ActorId],
+    edge: u64,
+    data: &mut [T],
     chunk_elems: usize,
     pool: &mut ChunkPool,
 ) -> Result<(), FabricError> {

@@ -24,6 +24,7 @@ use super::element::{Accumulation, Reducible};
 use super::ring_all_reduce::shard_range;
 use crate::fabric::shared_buffers::PublishedBuffer;
 use crate::fabric::{FabricError, SharedBuffers};
+use crate::typed_tensor::Element;
 
 /// Elements summed per block of the first phase (16 KiB of accumulator: stays in L1).
 const BLOCK: usize = 4096;
@@ -60,8 +61,8 @@ pub trait SharedCollectives {
     ) -> Result<(), FabricError>;
 
     /// All-gather in place: member `i` brings `data[shard_range(len, n, i)]`; afterwards every
-    /// member holds every shard.
-    fn all_gather<T: Reducible>(
+    /// member holds every shard (any element type: nothing is summed).
+    fn all_gather<T: Element>(
         &self,
         me: ActorId,
         group: &[ActorId],
@@ -78,7 +79,7 @@ impl SharedCollectives for SharedBuffers {
         edge: u64,
         data: &mut [T],
     ) -> Result<(), FabricError> {
-        run(self, Phases::AllReduce, me, group, edge, data, Accumulation::F32)
+        reduce(self, Phases::AllReduce, me, group, edge, data, Accumulation::F32)
     }
 
     fn reduce_scatter<T: Reducible>(
@@ -88,7 +89,7 @@ impl SharedCollectives for SharedBuffers {
         edge: u64,
         data: &mut [T],
     ) -> Result<(), FabricError> {
-        run(
+        reduce(
             self,
             Phases::ReduceScatter,
             me,
@@ -99,21 +100,21 @@ impl SharedCollectives for SharedBuffers {
         )
     }
 
-    fn all_gather<T: Reducible>(
+    fn all_gather<T: Element>(
         &self,
         me: ActorId,
         group: &[ActorId],
         edge: u64,
         data: &mut [T],
     ) -> Result<(), FabricError> {
-        run(self, Phases::AllGather, me, group, edge, data, Accumulation::F32)
+        // An all-gather sums nothing.
+        run(self, Phases::AllGather, me, group, edge, data, |_, _, _| {})
     }
 }
 
-/// One collective: publish `data` at the group's round, do this member's part of `phases`
-/// straight in the published buffers, and wait at the closing barrier until nobody reads
-/// `data` any more.
-fn run<T: Reducible>(
+/// A summing collective (`phases` all-reduce or reduce-scatter) accumulating as `accumulation`
+/// says ([`run`]).
+fn reduce<T: Reducible>(
     buffers: &SharedBuffers,
     phases: Phases,
     me: ActorId,
@@ -121,6 +122,24 @@ fn run<T: Reducible>(
     edge: u64,
     data: &mut [T],
     accumulation: Accumulation,
+) -> Result<(), FabricError> {
+    let sum = |from: &[PublishedBuffer], to: &[PublishedBuffer], shard: std::ops::Range<usize>| {
+        sum_shard_into::<T>(from, to, shard, accumulation)
+    };
+    run(buffers, phases, me, group, edge, data, sum)
+}
+
+/// One collective: publish `data` at the group's round, do this member's part of `phases`
+/// straight in the published buffers (`sum` writes a shard's total over `from` into `to`), and
+/// wait at the closing barrier until nobody reads `data` any more.
+fn run<T: Element>(
+    buffers: &SharedBuffers,
+    phases: Phases,
+    me: ActorId,
+    group: &[ActorId],
+    edge: u64,
+    data: &mut [T],
+    sum: impl Fn(&[PublishedBuffer], &[PublishedBuffer], std::ops::Range<usize>),
 ) -> Result<(), FabricError> {
     let i = group
         .iter()
@@ -152,8 +171,8 @@ fn run<T: Reducible>(
         Phases::AllGather => other_shards,
     };
     match phases {
-        Phases::AllReduce => sum_shard_into::<T>(&published, &published, shard, accumulation),
-        Phases::ReduceScatter => sum_shard_into::<T>(&published, &published[i..=i], shard, accumulation),
+        Phases::AllReduce => sum(&published, &published, shard),
+        Phases::ReduceScatter => sum(&published, &published[i..=i], shard),
         Phases::AllGather => gather_shards_into::<T>(&published, i, mine),
     }
     crate::fabric::read_count::count((read * std::mem::size_of::<T>()) as u64);
@@ -193,7 +212,7 @@ fn check_in_step(
 
 /// Copies every other member's own shard of its buffer into the same shard of `mine` (member
 /// `i`'s buffer).
-fn gather_shards_into<T: Reducible>(published: &[PublishedBuffer], i: usize, mine: PublishedBuffer) {
+fn gather_shards_into<T: Element>(published: &[PublishedBuffer], i: usize, mine: PublishedBuffer) {
     let (len, n) = (mine.len, published.len());
     let mine_ptr = mine.ptr.cast::<T>();
     for (j, from) in published.iter().enumerate().filter(|(j, _)| *j != i) {
@@ -256,7 +275,7 @@ fn sum_shard_into<T: Reducible>(
 
 #[cfg(test)]
 #[path = "shared_16bit_tests.rs"]
-mod shared_16bit_tests;
+pub(crate) mod shared_16bit_tests;
 
 #[cfg(test)]
 mod tests {

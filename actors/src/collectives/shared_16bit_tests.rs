@@ -15,13 +15,13 @@ use super::*;
 /// Member `m`'s input at element `k`: values in [−4, 4) on a 2⁻¹⁰ grid (finer than either
 /// 16-bit type keeps above 2, so partial sums round), and a sum of up to three is exact in f32
 /// and in f64 (the reference rounds exactly once).
-fn input(m: usize, k: usize) -> f64 {
+pub(crate) fn input(m: usize, k: usize) -> f64 {
     let x = (m as u64 * 0x9e37_79b9 + k as u64 * 0x85eb_ca6b) % 8192;
     (x as f64 - 4096.0) / 1024.0
 }
 
 /// A 16-bit type with its rounding from f64 (the reference's single rounding).
-trait Half: Reducible + PartialEq + std::fmt::Debug {
+pub(crate) trait Half: Reducible + PartialEq + std::fmt::Debug {
     fn from_f64(x: f64) -> Self;
     fn bits(self) -> u16;
 }
@@ -54,7 +54,11 @@ fn on_threads<T: Half>(n: usize, len: usize, phases: Phases, accumulation: Accum
             let (shared, group) = (shared.clone(), group.clone());
             std::thread::spawn(move || {
                 let mut data: Vec<T> = (0..len).map(|k| T::from_f64(input(m, k))).collect();
-                run(&shared, phases, group[m], &group, 3, &mut data, accumulation).expect("collective");
+                match phases {
+                    Phases::AllGather => shared.all_gather(group[m], &group, 3, &mut data),
+                    _ => reduce(&shared, phases, group[m], &group, 3, &mut data, accumulation),
+                }
+                .expect("collective");
                 data
             })
         })
@@ -63,7 +67,7 @@ fn on_threads<T: Half>(n: usize, len: usize, phases: Phases, accumulation: Accum
 }
 
 /// The f64 sum of every member's (rounded) input at `k`, rounded once to `T`.
-fn reference<T: Half>(n: usize, k: usize) -> T {
+pub(crate) fn reference<T: Half>(n: usize, k: usize) -> T {
     T::from_f64((0..n).map(|m| T::from_f64(input(m, k)).to_f32() as f64).sum())
 }
 

@@ -7,12 +7,14 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use archipelago_dataflow::{ActorId, CollectiveKind};
+use half::{bf16, f16};
 
+use super::element::Reducible;
 use super::hierarchical::{Islands, hierarchical_all_reduce};
 use super::ring_all_reduce::{ChunkPool, shard_range};
 use super::{all_gather, all_reduce, reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
-use crate::typed_tensor::TypedTensor;
+use crate::typed_tensor::{DType, Element, TypedTensor};
 
 struct Job {
     kind: CollectiveKind,
@@ -58,42 +60,20 @@ impl CollectiveWorker {
                 let mut pool = ChunkPool::default();
                 for job in queue {
                     crate::fabric::read_count::take();
-                    let shape = job.tensor.shape().to_vec();
-                    let mut data = job.tensor.into_f32_vec();
-                    let (fabric, group, edge) = (fabric.as_ref(), &job.group, job.edge);
-                    let result = match job.kind {
-                        CollectiveKind::AllReduceSum => {
-                            all_reduce(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
-                        }
-                        CollectiveKind::ReduceScatterSum => {
-                            reduce_scatter(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
-                        }
-                        CollectiveKind::AllGather => {
-                            all_gather(fabric, me, group, edge, &mut data, chunk_elems, &mut pool)
-                        }
-                        CollectiveKind::HierarchicalAllReduceSum { island_size } => hierarchical_all_reduce(
-                            fabric,
-                            me,
-                            Islands {
-                                members: group,
-                                size: island_size,
-                            },
-                            edge,
-                            &mut data,
-                            chunk_elems,
-                            &mut pool,
-                        ),
-                    }
-                    .map(|()| match job.kind {
-                        // A reduce-scatter leaves this member only its shard (ZeRO-2 keeps no more).
-                        CollectiveKind::ReduceScatterSum => {
-                            let i = job.group.iter().position(|&a| a == me).unwrap_or(0);
-                            let own = shard_range(data.len(), job.group.len().max(1), i);
-                            TypedTensor::flat(data[own].to_vec())
-                        }
-                        _ => TypedTensor::new(shape, data),
-                    });
-                    let _ = job.done.send((result, crate::fabric::read_count::take()));
+                    let Job {
+                        kind,
+                        edge,
+                        group,
+                        tensor,
+                        done,
+                    } = job;
+                    let call = Call {
+                        kind,
+                        edge,
+                        group: &group,
+                    };
+                    let result = run_job(fabric.as_ref(), me, chunk_elems, &mut pool, &call, tensor);
+                    let _ = done.send((result, crate::fabric::read_count::take()));
                 }
             })
             .expect("spawn collective worker");
@@ -127,6 +107,118 @@ impl CollectiveWorker {
         }
         PendingCollective { done: result }
     }
+}
+
+/// What one collective is, but its tensor.
+struct Call<'a> {
+    kind: CollectiveKind,
+    edge: u64,
+    group: &'a [ActorId],
+}
+
+/// Runs collective `job` over `tensor` on `me`'s side: f32 on every collective (in place,
+/// without copies), bf16 and f16 on the flat ones (sums accumulated in f32), and any other dtype
+/// gathered only.
+fn run_job(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    chunk_elems: usize,
+    pool: &mut ChunkPool,
+    job: &Call,
+    tensor: TypedTensor,
+) -> Result<TypedTensor, FabricError> {
+    match tensor.dtype() {
+        DType::F32 => run_f32(fabric, me, chunk_elems, pool, job, tensor),
+        DType::BF16 => run_reducible::<bf16>(fabric, me, chunk_elems, pool, job, tensor),
+        DType::F16 => run_reducible::<f16>(fabric, me, chunk_elems, pool, job, tensor),
+        DType::I8 => run_gather::<i8>(fabric, me, chunk_elems, pool, job, tensor),
+        DType::U8 => run_gather::<u8>(fabric, me, chunk_elems, pool, job, tensor),
+        DType::I32 => run_gather::<i32>(fabric, me, chunk_elems, pool, job, tensor),
+        DType::I64 => run_gather::<i64>(fabric, me, chunk_elems, pool, job, tensor),
+    }
+}
+
+/// This member's shard of a reduce-scattered buffer (ZeRO-2 keeps no more).
+fn own_shard<T: Element>(job: &Call, me: ActorId, data: &[T]) -> TypedTensor {
+    let i = job.group.iter().position(|&a| a == me).unwrap_or(0);
+    let own = shard_range(data.len(), job.group.len().max(1), i);
+    TypedTensor::from_values(vec![own.len()], &data[own])
+}
+
+fn run_f32(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    chunk_elems: usize,
+    pool: &mut ChunkPool,
+    job: &Call,
+    tensor: TypedTensor,
+) -> Result<TypedTensor, FabricError> {
+    let shape = tensor.shape().to_vec();
+    let mut data = tensor.into_f32_vec();
+    let (group, edge) = (job.group, job.edge);
+    match job.kind {
+        CollectiveKind::AllReduceSum => all_reduce(fabric, me, group, edge, &mut data, chunk_elems, pool)?,
+        CollectiveKind::ReduceScatterSum => {
+            reduce_scatter(fabric, me, group, edge, &mut data, chunk_elems, pool)?;
+            return Ok(own_shard(job, me, &data));
+        }
+        CollectiveKind::AllGather => all_gather(fabric, me, group, edge, &mut data, chunk_elems, pool)?,
+        CollectiveKind::HierarchicalAllReduceSum { island_size } => {
+            let islands = Islands {
+                members: group,
+                size: island_size,
+            };
+            hierarchical_all_reduce(fabric, me, islands, edge, &mut data, chunk_elems, pool)?
+        }
+    }
+    Ok(TypedTensor::new(shape, data))
+}
+
+fn run_reducible<T: Reducible>(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    chunk_elems: usize,
+    pool: &mut ChunkPool,
+    job: &Call,
+    mut tensor: TypedTensor,
+) -> Result<TypedTensor, FabricError> {
+    let (group, edge) = (job.group, job.edge);
+    let data = tensor.values_mut::<T>();
+    match job.kind {
+        CollectiveKind::AllReduceSum => all_reduce(fabric, me, group, edge, data, chunk_elems, pool)?,
+        CollectiveKind::ReduceScatterSum => {
+            reduce_scatter(fabric, me, group, edge, data, chunk_elems, pool)?;
+            return Ok(own_shard(job, me, data));
+        }
+        CollectiveKind::AllGather => all_gather(fabric, me, group, edge, data, chunk_elems, pool)?,
+        CollectiveKind::HierarchicalAllReduceSum { .. } => {
+            return Err(FabricError::Aborted(format!(
+                "a hierarchical all-reduce runs on f32; this one brought {}",
+                T::DTYPE
+            )));
+        }
+    }
+    Ok(tensor)
+}
+
+fn run_gather<T: Element>(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    chunk_elems: usize,
+    pool: &mut ChunkPool,
+    job: &Call,
+    mut tensor: TypedTensor,
+) -> Result<TypedTensor, FabricError> {
+    if job.kind != CollectiveKind::AllGather {
+        return Err(FabricError::Aborted(format!(
+            "{:?} sums, and {} elements are only gathered (sums run on f32, bf16 and f16)",
+            job.kind,
+            T::DTYPE
+        )));
+    }
+    let data = tensor.values_mut::<T>();
+    all_gather(fabric, me, job.group, job.edge, data, chunk_elems, pool)?;
+    Ok(tensor)
 }
 
 impl Drop for CollectiveWorker {

@@ -85,6 +85,7 @@ pub fn reduce_gradients(graph: &mut Graph, layout: &Layout) {
                 kind: CollectiveKind::AllReduceSum,
                 group: layout.dp_group(run.device),
                 tensor: TensorId::GradBucket { segment: run.segment },
+                dtype: crate::DType::F32,
             };
             (run.last + 1, reduce)
         })
@@ -116,7 +117,9 @@ mod tests {
             .iter()
             .enumerate()
             .filter_map(|(i, n)| match n {
-                NodeOp::Collective { tensor, group, kind } => {
+                NodeOp::Collective {
+                    tensor, group, kind, ..
+                } => {
                     assert_eq!(*kind, CollectiveKind::AllReduceSum);
                     Some((i, tensor, group))
                 }

@@ -39,7 +39,9 @@ pub fn all_reduce(layout: &Layout, group: &[ActorId]) -> (CollectiveKind, Vec<Ac
 /// Makes every gradient all-reduce of `graph` hierarchical where its group spans islands.
 pub fn apply(graph: &mut Graph, layout: &Layout) {
     for node in &mut graph.nodes {
-        if let NodeOp::Collective { kind, group, tensor } = node
+        if let NodeOp::Collective {
+            kind, group, tensor, ..
+        } = node
             && *kind == CollectiveKind::AllReduceSum
             && matches!(tensor, TensorId::GradBucket { .. })
         {

@@ -75,13 +75,19 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                     &mut pending,
                 );
             }
-            NodeOp::Collective { kind, group, tensor } => {
+            NodeOp::Collective {
+                kind,
+                group,
+                tensor,
+                dtype,
+            } => {
                 for &member in group {
                     let start = Instruction::StartCollective {
                         kind: *kind,
                         tensor: tensor.clone(),
                         group: group.clone(),
                         tag,
+                        dtype: *dtype,
                     };
                     emit(member, start, &mut pending);
                     let wait = Instruction::WaitCollective {

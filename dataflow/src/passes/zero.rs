@@ -117,6 +117,7 @@ fn gather_after_update(graph: &mut Graph, layout: &Layout) {
                 kind: CollectiveKind::AllGather,
                 group: group.clone(),
                 tensor: tensor.clone(),
+                dtype: crate::DType::F32,
             };
             inserts.push((at, gather));
         }
@@ -170,6 +171,7 @@ fn gather_around_runs(graph: &mut Graph, layout: &Layout) {
                 kind: CollectiveKind::AllGather,
                 group: layout.dp_group(run.device),
                 tensor,
+                dtype: crate::DType::F32,
             });
             nodes
         };
