@@ -78,6 +78,9 @@ pub struct StepMetrics {
     /// The device's memory pool at the step's end (GPUs; set by the executor).
     #[serde(default)]
     pub device_memory: Option<crate::gpus::DeviceMemory>,
+    /// The step's bytes to and from the offload tier (with `--offload`).
+    #[serde(default)]
+    pub offload_traffic: archipelago_dataflow::OffloadTraffic,
 }
 
 /// Local compute of an actor.

@@ -1,7 +1,9 @@
 //! The fabric-bytes check: every actor's bytes read from its peers in a step, measured where they
 //! arrive (`archipelago_actors::fabric::read_count`), against the plan's prediction
 //! (`archipelago_dataflow::fabric_bytes::predict`), kind by kind — gradient reductions,
-//! parameter gathers, pipeline activations and their gradients, norms — within [`TOLERANCE`].
+//! parameter gathers, pipeline activations and their gradients, norms — within [`TOLERANCE`];
+//! and beside them, on its own line, the bytes each actor moved to and from its offload tier
+//! (`archipelago_dataflow::offload_bytes::predict`), both ways within the same tolerance.
 //!
 //! A prediction that holds on every layout and data path is what lets `archipelago plan` say
 //! what a job will move before it starts, and what the simulator's communication term stands
@@ -9,7 +11,7 @@
 //! processes, call [`check`] on every run; its unit test is the control (a prediction made for
 //! another ZeRO stage, and a count 2 % off, are both caught).
 
-use archipelago_dataflow::{FabricBytes, FabricKind};
+use archipelago_dataflow::{FabricBytes, FabricKind, OffloadTraffic};
 
 use crate::report::TrainReport;
 
@@ -43,8 +45,25 @@ pub fn check(report: &TrainReport) -> Result<(), String> {
                 100.0 * TOLERANCE,
             ));
         }
+        let (moved, planned) = (&a.offload_bytes_per_step, &a.predicted_offload_bytes_per_step);
+        if offload_off(moved, planned) {
+            return Err(format!(
+                "actor {} (stage {}, replica {}) moved {moved} to and from its offload tier in the last \
+                 step, the plan predicted {planned} (more than {}% apart)",
+                a.actor,
+                a.stage,
+                a.replica,
+                100.0 * TOLERANCE,
+            ));
+        }
     }
     Ok(())
+}
+
+/// Whether offload traffic `moved` is more than [`TOLERANCE`] from `planned`, either way.
+fn offload_off(moved: &OffloadTraffic, planned: &OffloadTraffic) -> bool {
+    let off = |m: u64, p: u64| m.abs_diff(p) as f64 > TOLERANCE * p as f64;
+    off(moved.to_tier, planned.to_tier) || off(moved.from_tier, planned.from_tier)
 }
 
 /// The first kind whose measured bytes are more than [`TOLERANCE`] from the predicted ones
@@ -75,6 +94,22 @@ mod tests {
     /// Equal figures pass, and so do figures within 1 %; a count 2 % off, a kind that moved
     /// where none was predicted, and ZeRO-2's prediction (reduce-scatter, then a gather) set
     /// against dp's measured all-reduce are caught.
+    /// Offload traffic: equal and 0.5 % off pass; 2 % off either way, and traffic where none
+    /// was planned, are caught.
+    #[test]
+    fn offload_traffic_more_than_one_percent_off_is_caught() {
+        let planned = OffloadTraffic {
+            to_tier: 1_000_000,
+            from_tier: 1_000_000,
+        };
+        let moved = |to_tier, from_tier| OffloadTraffic { to_tier, from_tier };
+        assert!(!offload_off(&planned, &planned));
+        assert!(!offload_off(&moved(1_005_000, 995_000), &planned));
+        assert!(offload_off(&moved(1_020_000, 1_000_000), &planned));
+        assert!(offload_off(&moved(1_000_000, 980_000), &planned));
+        assert!(offload_off(&moved(4, 0), &OffloadTraffic::default()));
+    }
+
     #[test]
     fn a_kind_more_than_one_percent_off_is_caught() {
         let n = 1_000_000;

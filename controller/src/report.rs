@@ -75,6 +75,12 @@ pub struct ActorRecord {
     /// The plan's prediction of `fabric_bytes_per_step` (`archipelago plan` prints it).
     #[serde(default)]
     pub predicted_fabric_bytes_per_step: archipelago_dataflow::FabricBytes,
+    /// Bytes it moved to and from its offload tier in the last step (measured).
+    #[serde(default)]
+    pub offload_bytes_per_step: archipelago_dataflow::OffloadTraffic,
+    /// The plan's prediction of `offload_bytes_per_step` (`archipelago plan` prints it).
+    #[serde(default)]
+    pub predicted_offload_bytes_per_step: archipelago_dataflow::OffloadTraffic,
     /// Its offload actor's state and traffic (with `--offload`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload: Option<OffloadRecord>,

@@ -45,11 +45,13 @@ pub mod instruction;
 pub mod memory;
 pub mod mesh;
 pub mod model_spec;
+pub mod offload_bytes;
 pub mod optimizer;
 pub mod param_desc;
 pub mod param_names;
 pub mod passes;
 pub mod plan;
+mod plan_summary;
 pub mod program;
 /// The property tests' seed (test support: fixed under CI, random and printed elsewhere).
 #[doc(hidden)]
@@ -69,6 +71,7 @@ pub use fabric_bytes::{FabricBytes, FabricKind};
 pub use instruction::{ActorStream, CollectiveKind, ComputeOp, Instruction, UpdateScope};
 pub use mesh::Mesh;
 pub use model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
+pub use offload_bytes::OffloadTraffic;
 pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
 pub use param_desc::{ParamDesc, ParamInit, Split};
 pub use plan::{ActorPlan, Bucket, Plan, compile};

@@ -11,7 +11,7 @@ use crate::passes::pipeline::Layout;
 use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
 use crate::program::{Offload, Program};
 use crate::simulate::{CostModel, Prediction, simulate, simulate_with_comm};
-use crate::simulate_comm::{self, StageComm};
+use crate::simulate_comm::StageComm;
 use crate::verify::verify;
 use crate::{ActorId, ActorTraining, DeviceSpec, PlanError};
 
@@ -60,6 +60,10 @@ pub struct Plan {
     /// Bytes each actor reads from its peers per step, by kind ([`crate::fabric_bytes::predict`]).
     #[serde(default)]
     pub fabric: Vec<crate::FabricBytes>,
+    /// Bytes each actor moves to and from its offload tier per step
+    /// ([`crate::offload_bytes::predict`]).
+    #[serde(default)]
+    pub offload_traffic: Vec<crate::OffloadTraffic>,
 }
 
 impl Plan {
@@ -112,92 +116,13 @@ impl Plan {
                 .collect(),
             memory: self.memory.clone(),
             fabric: self.fabric.clone(),
+            offload_traffic: self.offload_traffic.clone(),
         }
     }
 
     /// The plan as pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("plans are plain data")
-    }
-
-    /// A human-readable summary: mesh, placement, schedule, prediction, streams and memory.
-    pub fn summary(&self) -> String {
-        let p = &self.program;
-        let pl = &p.plan;
-        let mut out = format!(
-            "model {} ({} parameters, {} blocks)\nmesh {} ({} actors)   global batch {}   micro-batches {}   zero {}   buckets {}\n",
-            p.model.name,
-            p.model.params(),
-            p.model.blocks.len(),
-            self.mesh,
-            self.actors.len(),
-            pl.batch,
-            pl.microbatches,
-            match (&pl.offload, pl.offload_params) {
-                (Offload::None, _) => pl.zero.to_string(),
-                (o, false) => format!("{} (offload {o})", pl.zero),
-                (o, true) => format!("{} (offload {o}, parameters too)", pl.zero),
-            },
-            self.buckets
-                .iter()
-                .map(|b| format!("[blocks {}..{}: {}]", b.start, b.end, memory::mib(b.bytes)))
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
-        if pl.pp > 1 || pl.microbatches > 1 {
-            out.push_str(&format!(
-                "pipeline: schedule {}, pp={}, virtual stages {}, chunks --stages {}{}\n",
-                pl.schedule,
-                pl.pp,
-                pl.virtual_stages,
-                partition::format_stages(&self.chunks),
-                if pl.checkpoint_activations {
-                    ", activation checkpointing"
-                } else {
-                    ""
-                }
-            ));
-            out.push_str(&format!(
-                "predicted step {:.1} ms (cost model: {} GFLOP/s per device)\n",
-                1e3 * self.prediction.step_s,
-                CostModel::default().flops_per_s / 1e9
-            ));
-            for (s, order) in self.schedule.iter().enumerate() {
-                out.push_str(&format!(
-                    "  stage {s}: bubble {:.3}, peak micro-batches held {}: {}\n",
-                    self.prediction.bubble[s],
-                    self.prediction.peak_in_flight[s],
-                    order
-                        .iter()
-                        .map(|slot| slot.label(pl.virtual_stages))
-                        .collect::<Vec<_>>()
-                        .join(" ")
-                ));
-            }
-        }
-        if self.prediction.comm_s.iter().any(|c| *c > 0.0) {
-            let line = simulate_comm::describe(&self.prediction, &CostModel::default());
-            out.push_str(&format!("{line}\n"));
-        }
-        for (a, m) in self.actors.iter().zip(&self.memory) {
-            out.push_str(&format!(
-                "\nactor {} on {} {:?}: blocks {}, {} instructions, memory ≈ {} ({})\n",
-                a.actor,
-                a.device,
-                a.coords,
-                partition::format_stages(&a.chunks),
-                a.stream.instructions.len(),
-                memory::mib(m.total()),
-                m.breakdown()
-            ));
-            if let Some(f) = self.fabric.get(a.actor).filter(|f| f.total() > 0) {
-                out.push_str(&format!("  reads from peers per step: {f}\n"));
-            }
-            for (i, instruction) in a.stream.instructions.iter().enumerate() {
-                out.push_str(&format!("  {i:>3}  {instruction}\n"));
-            }
-        }
-        out
     }
 }
 
@@ -503,8 +428,10 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         actors,
         memory,
         fabric: Vec::new(),
+        offload_traffic: Vec::new(),
     };
     plan.fabric = crate::fabric_bytes::predict(&plan);
+    plan.offload_traffic = crate::offload_bytes::predict(&plan);
     let comm = StageComm::of_plan(&plan, &cost_model);
     plan.prediction = simulate_with_comm(
         program.plan.schedule,

@@ -255,6 +255,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             transfers: Default::default(), // the executor's count of the step
             fabric: Default::default(),    // the executor's count of the step
             device_memory: None,           // the executor reads the device's pool
+            offload_traffic: std::mem::take(&mut self.step.offload_traffic),
         };
         self.step.peak_grad_bytes = 0;
         self.step.peak_live = 0;

@@ -54,6 +54,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
             shard
         };
+        self.step.offload_traffic.to_tier += 4 * grads.len() as u64;
         if deferred {
             self.offload_actor()?.stage(blocks.start, grads)?;
         } else {
@@ -113,6 +114,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         for _ in 0..std::mem::take(&mut self.state.handed_off).len() {
             let (start, params) = self.offload_actor()?.next_updated()?;
+            self.step.offload_traffic.from_tier += 4 * params.len() as u64;
             let SegmentShard { end, own, state } = self.state.sharding.segment(start)?.clone();
             let range = self.stage.offsets[start]..self.stage.offsets[end];
             match self.state.sharding.zero {

@@ -69,6 +69,8 @@ pub(super) struct InFlight<B: AutodiffBackend> {
     pub(super) peak_live: usize,
     /// Gradient bucket buffers kept from the last step (no fresh allocation per step).
     pub(super) spare_buffers: Vec<Vec<f32>>,
+    /// The step's bytes to and from the offload tier.
+    pub(super) offload_traffic: archipelago_dataflow::OffloadTraffic,
 }
 
 impl<B: AutodiffBackend> HeldStage<B> {
@@ -102,6 +104,7 @@ impl<B: AutodiffBackend> Default for InFlight<B> {
             live: HashMap::new(),
             peak_live: 0,
             spare_buffers: Vec::new(),
+            offload_traffic: Default::default(),
         }
     }
 }

@@ -250,6 +250,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .offload
                 .as_ref()
                 .ok_or("parameters offloaded without an offload actor")?;
+            self.step.offload_traffic.from_tier += 4 * own.len() as u64;
             full = offload.read_params(blocks.start, full, own)?;
         } else if let Some(device) = &self.state.device_state {
             let (at, values) = device.updated_shard(blocks.start)?;

@@ -184,6 +184,8 @@ fn actor_record(
         device_memory: r.metrics.device_memory,
         fabric_bytes_per_step: r.metrics.fabric,
         predicted_fabric_bytes_per_step: plan.fabric.get(a).copied().unwrap_or_default(),
+        offload_bytes_per_step: r.metrics.offload_traffic,
+        predicted_offload_bytes_per_step: plan.offload_traffic.get(a).copied().unwrap_or_default(),
         offload: r.metrics.offload.map(|o| offload_record(&o, memory)),
         stage: placed.stage,
         replica: placed.replica,

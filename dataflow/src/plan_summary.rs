@@ -1,0 +1,95 @@
+//! `archipelago plan`'s printout of a [`Plan`]: mesh, placement, schedule, prediction (with its
+//! communication term), and per actor its memory, the bytes it reads from its peers, its
+//! offload traffic and its instruction stream.
+
+use crate::memory;
+use crate::passes::partition;
+use crate::plan::Plan;
+use crate::program::Offload;
+use crate::simulate::CostModel;
+use crate::simulate_comm;
+
+impl Plan {
+    /// A human-readable summary: mesh, placement, schedule, prediction, streams and memory.
+    pub fn summary(&self) -> String {
+        let p = &self.program;
+        let pl = &p.plan;
+        let mut out = format!(
+            "model {} ({} parameters, {} blocks)\nmesh {} ({} actors)   global batch {}   micro-batches {}   zero {}   buckets {}\n",
+            p.model.name,
+            p.model.params(),
+            p.model.blocks.len(),
+            self.mesh,
+            self.actors.len(),
+            pl.batch,
+            pl.microbatches,
+            match (&pl.offload, pl.offload_params) {
+                (Offload::None, _) => pl.zero.to_string(),
+                (o, false) => format!("{} (offload {o})", pl.zero),
+                (o, true) => format!("{} (offload {o}, parameters too)", pl.zero),
+            },
+            self.buckets
+                .iter()
+                .map(|b| format!("[blocks {}..{}: {}]", b.start, b.end, memory::mib(b.bytes)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        if pl.pp > 1 || pl.microbatches > 1 {
+            out.push_str(&format!(
+                "pipeline: schedule {}, pp={}, virtual stages {}, chunks --stages {}{}\n",
+                pl.schedule,
+                pl.pp,
+                pl.virtual_stages,
+                partition::format_stages(&self.chunks),
+                if pl.checkpoint_activations {
+                    ", activation checkpointing"
+                } else {
+                    ""
+                }
+            ));
+            out.push_str(&format!(
+                "predicted step {:.1} ms (cost model: {} GFLOP/s per device)\n",
+                1e3 * self.prediction.step_s,
+                CostModel::default().flops_per_s / 1e9
+            ));
+            for (s, order) in self.schedule.iter().enumerate() {
+                out.push_str(&format!(
+                    "  stage {s}: bubble {:.3}, peak micro-batches held {}: {}\n",
+                    self.prediction.bubble[s],
+                    self.prediction.peak_in_flight[s],
+                    order
+                        .iter()
+                        .map(|slot| slot.label(pl.virtual_stages))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ));
+            }
+        }
+        if self.prediction.comm_s.iter().any(|c| *c > 0.0) {
+            let line = simulate_comm::describe(&self.prediction, &CostModel::default());
+            out.push_str(&format!("{line}\n"));
+        }
+        for (a, m) in self.actors.iter().zip(&self.memory) {
+            out.push_str(&format!(
+                "\nactor {} on {} {:?}: blocks {}, {} instructions, memory ≈ {} ({})\n",
+                a.actor,
+                a.device,
+                a.coords,
+                partition::format_stages(&a.chunks),
+                a.stream.instructions.len(),
+                memory::mib(m.total()),
+                m.breakdown()
+            ));
+            if let Some(f) = self.fabric.get(a.actor).filter(|f| f.total() > 0) {
+                out.push_str(&format!("  reads from peers per step: {f}\n"));
+            }
+            if let Some(t) = self.offload_traffic.get(a.actor).filter(|t| t.total() > 0) {
+                out.push_str(&format!("  offload traffic per step: {t}\n"));
+            }
+            for (i, instruction) in a.stream.instructions.iter().enumerate() {
+                out.push_str(&format!("  {i:>3}  {instruction}\n"));
+            }
+        }
+        out
+    }
+}
