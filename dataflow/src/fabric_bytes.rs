@@ -136,7 +136,8 @@ impl std::fmt::Display for FabricBytes {
     }
 }
 
-fn human(bytes: u64) -> String {
+/// `12 B`, `7.6 KiB`, `32.1 MiB`.
+pub(crate) fn human(bytes: u64) -> String {
     if bytes >= 1 << 20 {
         format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
     } else if bytes >= 1 << 10 {

@@ -30,14 +30,14 @@ impl OffloadTraffic {
 }
 
 impl std::fmt::Display for OffloadTraffic {
-    /// `to the tier 4.0 MiB, back 4.0 MiB`.
+    /// `to the tier 51.6 KiB, back 103.2 KiB`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        let human = crate::fabric_bytes::human;
         write!(
             f,
-            "to the tier {:.1} MiB, back {:.1} MiB",
-            mib(self.to_tier),
-            mib(self.from_tier)
+            "to the tier {}, back {}",
+            human(self.to_tier),
+            human(self.from_tier)
         )
     }
 }

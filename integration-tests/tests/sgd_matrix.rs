@@ -11,7 +11,8 @@
 //! ZeRO shard updated at the wrong offset. `state_on_device` runs the matrix with the training
 //! state on the device and checks the host ⇄ device bytes each step reports; `offload_clipping`
 //! checks the deferred offloaded update under clipping; `frozen` trains a model with frozen
-//! parameters on dp, pp and ZeRO-3 against one device.
+//! parameters on dp, pp and ZeRO-3 against one device; `stores` runs one plan with the state in
+//! host memory, on the device and offloaded to host memory and to files, element-wise alike.
 
 #[path = "sgd_matrix/frozen.rs"]
 mod frozen;
@@ -19,6 +20,8 @@ mod frozen;
 mod offload_clipping;
 #[path = "sgd_matrix/state_on_device.rs"]
 mod state_on_device;
+#[path = "sgd_matrix/stores.rs"]
+mod stores;
 
 use archipelago_actors::checkpoint::{CheckpointReader, step_dir};
 use archipelago_controller::{TrainOptions, TrainReport};
