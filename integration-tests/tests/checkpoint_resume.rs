@@ -1,7 +1,7 @@
 //! Sharded checkpoints: a job stopped after a checkpoint and resumed — with the same or another
 //! layout (dp, pp, ZeRO stage) — trains to the same parameters and losses as a job that never
 //! stopped; a checkpoint with a corrupted shard or without its manifest is passed over for the
-//! previous complete one.
+//! previous complete one. A model with frozen parameters resumes the same way.
 
 use std::path::Path;
 
@@ -88,6 +88,36 @@ fn resuming_with_another_layout_equals_not_stopping() {
             dir.join("step-00000008/manifest.json").exists(),
             "{what}: went on checkpointing"
         );
+    }
+}
+
+/// A model with frozen parameters (a whole matrix and a bias, in two pipeline stages): its
+/// checkpoints hold the trained vectors, and a job stopped after one resumes — with the same
+/// layout and with another — to the run that never stopped, the frozen values coming from the
+/// model's initialisation as they did at the start.
+#[test]
+fn a_model_with_frozen_parameters_resumes_like_not_stopping() {
+    let program = |layout: ParallelPlan| {
+        let mut p = Program::new(ModelSpec::parse(MLP).unwrap())
+            .with_seed(7)
+            .with_optimizer(OptimizerSpec::adam(1e-2))
+            .with_plan(layout);
+        for d in p.model.blocks.iter_mut().flat_map(|b| b.param_descs.iter_mut()) {
+            if d.name == "layers.1.weight" || d.name == "layers.5.bias" {
+                d.trainable = false;
+            }
+        }
+        p
+    };
+    let reference = train_program(&program(plan(2, 1, 3)), &options(8, None, 0, false));
+    let root = tempfile::tempdir().unwrap();
+    let stopped = root.path().join("stopped");
+    train_program(&program(plan(2, 1, 3)), &options(4, Some(&stopped), 2, false));
+    for (layout, what) in [(plan(2, 1, 3), "dp=2 zero 3"), (plan(1, 2, 0), "pp=2")] {
+        let dir = root.path().join(what.replace([' ', '='], "_"));
+        copy_dir(&stopped, &dir);
+        let resumed = train_program(&program(layout), &options(8, Some(&dir), 2, true));
+        assert_continues(&reference, &resumed, 5, &format!("frozen, dp=2 zero 3 → {what}"));
     }
 }
 

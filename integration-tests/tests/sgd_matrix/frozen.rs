@@ -4,7 +4,8 @@
 //! Adam — with each frozen parameter bit-identical to its initialisation on every actor after,
 //! and no gradient or optimizer bytes for it: the plan's estimate and the measured model state
 //! are the same run's without them, byte for byte, and the gradient reduction carries only the
-//! trained elements. With the state on the device too. Negative control: the same plan with the parameters left trainable moves
+//! trained elements. With the state on the device too, and with a whole block frozen (its bucket
+//! empty). Negative control: the same plan with the parameters left trainable moves
 //! them and ends far from the frozen reference.
 
 use archipelago_actors::block::init_param;
@@ -213,4 +214,37 @@ fn a_frozen_parameter_left_trainable_is_caught() {
         1.0,
         100.0,
     );
+}
+
+/// A whole block frozen (fine-tuning's "freeze the bottom layers"): its gradient bucket has
+/// nothing in it; dp=2, ZeRO-3 × dp=2 and pp=2 still train the rest like one device, and the
+/// block stays bit-identical.
+#[test]
+fn a_wholly_frozen_block_trains_like_one_device() {
+    let freeze_block = |plan: ParallelPlan| {
+        let mut p = program(plan, OptimizerSpec::sgd(super::LR), false);
+        for d in &mut p.model.blocks[1].param_descs {
+            d.trainable = false;
+        }
+        p
+    };
+    let reference_program = freeze_block(small_plan(1, 1, 0));
+    let reference = train(&reference_program);
+    for plan in [small_plan(2, 1, 0), small_plan(2, 1, 3), small_plan(1, 2, 0)] {
+        let what = super::describe(&plan);
+        let frozen_program = freeze_block(plan);
+        let run = train(&frozen_program);
+        let initial = frozen_params(&frozen_program);
+        assert_eq!(initial.len(), 2, "{what}: the block's weight and bias");
+        for (block, range, values) in &initial {
+            let held = &run.params[*block][range.clone()];
+            let same = held.iter().zip(values).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{what}: the frozen block changed");
+        }
+        let excess = excess(&reference.params, &run.params);
+        assert!(
+            excess <= 1.0,
+            "{what}: parameters differ ({excess:.1}x the tolerance)"
+        );
+    }
 }
