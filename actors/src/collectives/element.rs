@@ -61,3 +61,19 @@ pub enum Accumulation {
     /// Rounded to the element type after every addition (what f32 accumulation avoids).
     InElementType,
 }
+
+impl Accumulation {
+    /// Adds `values` into the accumulator `total` (member `j`'s values, in member order; the
+    /// first member's start it): in f32, or rounded to `T` after the addition for the control.
+    #[inline]
+    pub fn add<T: Reducible>(self, j: usize, total: &mut [f32], values: &[T]) {
+        let pairs = total.iter_mut().zip(values);
+        match (j, self) {
+            (0, _) => pairs.for_each(|(t, v)| *t = v.to_f32()),
+            (_, Accumulation::F32) => pairs.for_each(|(t, v)| *t += v.to_f32()),
+            (_, Accumulation::InElementType) => {
+                pairs.for_each(|(t, v)| *t = T::from_f32(*t + v.to_f32()).to_f32())
+            }
+        }
+    }
+}

@@ -189,14 +189,7 @@ impl<'a> Ring<'a> {
                     got = self.fabric.recv(self.me, member, self.tag(2, j, c))?;
                     elements_of::<T>(&got, r.len(), member)?
                 };
-                let pairs = total.iter_mut().zip(values);
-                match (j, accumulation) {
-                    (0, _) => pairs.for_each(|(t, v)| *t = v.to_f32()),
-                    (_, Accumulation::F32) => pairs.for_each(|(t, v)| *t += v.to_f32()),
-                    (_, Accumulation::InElementType) => {
-                        pairs.for_each(|(t, v)| *t = T::from_f32(*t + v.to_f32()).to_f32())
-                    }
-                }
+                accumulation.add(j, &mut total, values);
             }
             data[r]
                 .iter_mut()

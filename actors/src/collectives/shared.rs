@@ -252,14 +252,7 @@ fn sum_shard_into<T: Reducible>(
             // by this thread alone (each member works on its own shard, and shards are
             // disjoint), and the slice is dropped before the writes below.
             let values = unsafe { std::slice::from_raw_parts(buffer.ptr.cast::<T>().add(at), block) };
-            let pairs = total.iter_mut().zip(values);
-            match (j, accumulation) {
-                (0, _) => pairs.for_each(|(t, v)| *t = v.to_f32()),
-                (_, Accumulation::F32) => pairs.for_each(|(t, v)| *t += v.to_f32()),
-                (_, Accumulation::InElementType) => {
-                    pairs.for_each(|(t, v)| *t = T::from_f32(*t + v.to_f32()).to_f32())
-                }
-            }
+            accumulation.add(j, total, values);
         }
         for buffer in to {
             // SAFETY: as above: this block of `shard` is this thread's alone in this phase, and
