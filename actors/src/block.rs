@@ -90,9 +90,11 @@ pub trait Block<B: AutodiffBackend>: Send {
     fn num_params(&self) -> usize;
     /// Parameter paths and shapes in flattening order.
     fn param_shapes(&self) -> Vec<(String, Vec<usize>)>;
-    /// Copies the parameters into `out` (length [`Block::num_params`]).
+    /// Copies the trainable parameters (those in autodiff; all of them unless [`Block::freeze`]
+    /// took some out) into `out` (length [`Block::num_params`]).
     fn write_params(&self, out: &mut [f32]);
-    /// Replaces the parameters with `flat`, keeping ids and `require_grad`; with `one_transfer`
+    /// Replaces the trainable parameters with `flat` (frozen ones keep their values), keeping
+    /// ids and `require_grad`; with `one_transfer`
     /// `flat` goes to the device in one write and each parameter is a slice of it there (GPUs),
     /// else each parameter is written on its own.
     fn load_params(self: Box<Self>, flat: &[f32], one_transfer: bool) -> Box<dyn Block<B>>;
@@ -120,9 +122,10 @@ pub trait Block<B: AutodiffBackend>: Send {
     /// Copies all the parameters, frozen ones included, into `out` (the block's full vector,
     /// [`archipelago_dataflow::TrainedLayout::full_len`] long); the same as
     /// [`Block::write_params`] for a block with nothing frozen.
-    fn write_full_params(&self, out: &mut [f32]) {
-        self.write_params(out)
-    }
+    fn write_full_params(&self, out: &mut [f32]);
+    /// Replaces the frozen parameters (those [`Block::freeze`] took out of autodiff) with
+    /// `values`, their concatenation in flattening order.
+    fn load_frozen(self: Box<Self>, values: &[f32]) -> Box<dyn Block<B>>;
 }
 
 /// Reads flat device tensors (a gradient bucket, in order) into `out`, or, when `accumulate`,
@@ -181,8 +184,31 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
     }
 
     fn write_params(&self, out: &mut [f32]) {
-        let mut v = FlattenVisitor { out, offset: 0 };
+        let mut v = FlattenVisitor {
+            out,
+            offset: 0,
+            frozen_too: false,
+        };
         self.visit(&mut v);
+    }
+
+    fn write_full_params(&self, out: &mut [f32]) {
+        let mut v = FlattenVisitor {
+            out,
+            offset: 0,
+            frozen_too: true,
+        };
+        self.visit(&mut v);
+    }
+
+    fn load_frozen(self: Box<Self>, values: &[f32]) -> Box<dyn Block<B>> {
+        let mut mapper = LoadMapper {
+            flat: values,
+            whole: None,
+            offset: 0,
+            frozen: true,
+        };
+        Box::new((*self).map(&mut mapper))
     }
 
     fn load_params(self: Box<Self>, flat: &[f32], one_transfer: bool) -> Box<dyn Block<B>> {
@@ -198,6 +224,7 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
             flat,
             whole,
             offset: 0,
+            frozen: false,
         };
         Box::new((*self).map(&mut mapper))
     }
@@ -207,6 +234,7 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
             flat: &[],
             whole: Some(Tensor::from_inner(whole)),
             offset: 0,
+            frozen: false,
         };
         Box::new((*self).map(&mut mapper))
     }
@@ -254,11 +282,17 @@ impl<B: Backend> ModuleVisitor<B> for ShapeVisitor {
 struct FlattenVisitor<'a> {
     out: &'a mut [f32],
     offset: usize,
+    /// Also the parameters out of autodiff (frozen), else only the trainable ones.
+    frozen_too: bool,
 }
 
 impl<B: Backend> ModuleVisitor<B> for FlattenVisitor<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let data = download(param.val(), TransferKind::Parameter).convert::<f32>();
+        let tensor = param.val();
+        if !self.frozen_too && !tensor.is_require_grad() && B::ad_enabled(&tensor.device()) {
+            return;
+        }
+        let data = download(tensor, TransferKind::Parameter).convert::<f32>();
         let values = data.as_slice::<f32>().expect("f32 parameters");
         self.out[self.offset..self.offset + values.len()].copy_from_slice(values);
         self.offset += values.len();
@@ -333,11 +367,19 @@ struct LoadMapper<'a, B: Backend> {
     /// `flat` already on the device (one write for the whole block).
     whole: Option<Tensor<B, 1>>,
     offset: usize,
+    /// Load the frozen parameters (out of autodiff), else the trainable ones; the others keep
+    /// their values.
+    frozen: bool,
 }
 
 impl<B: Backend> ModuleMapper<B> for LoadMapper<'_, B> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
+        // Without autodiff nothing is frozen (every parameter is loaded as trainable).
+        let frozen = B::ad_enabled(&tensor.device()) && !tensor.is_require_grad();
+        if frozen != self.frozen {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
         let shape = tensor.shape();
         let n = shape.num_elements();
         let range = self.offset..self.offset + n;
@@ -486,6 +528,7 @@ mod tests {
             flat: &init0,
             whole: None,
             offset: 0,
+            frozen: false,
         });
         let b1 = LinearBlock::<B>::new(4, 2, &device);
         let init1 = load(Block::param_shapes(&b1), 1);
@@ -493,6 +536,7 @@ mod tests {
             flat: &init1,
             whole: None,
             offset: 0,
+            frozen: false,
         });
         let total = init0.len() + init1.len();
         let x = Tensor::<B, 2>::random([5, 3], Distribution::Default, &device);

@@ -143,8 +143,7 @@ impl Payload {
                     bytes.len()
                 ));
             }
-            v.try_reserve_exact(bytes.len() / size)
-                .map_err(|e| format!("{e}"))?;
+            v.try_reserve(bytes.len() / size).map_err(|e| format!("{e}"))?;
             v.extend(bytes.chunks_exact(size).map(bytemuck::pod_read_unaligned::<T>));
             Ok(())
         }

@@ -192,7 +192,7 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
                 .chunks
                 .iter()
                 .flat_map(|&(start, end)| &program.model.blocks[start..end])
-                .map(|b| b.param_descs.len())
+                .map(|b| b.param_descs.iter().filter(|p| p.trainable).count())
                 .sum::<usize>();
             let elems = |t: &TensorId| tensor_elems(&program.model, plan, rows, trust_len, t);
             for instruction in &actor.stream.instructions {

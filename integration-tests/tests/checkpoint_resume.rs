@@ -121,6 +121,39 @@ fn a_model_with_frozen_parameters_resumes_like_not_stopping() {
     }
 }
 
+/// Fine-tuning from a checkpoint of a run that trained everything, with one parameter now
+/// frozen: the frozen parameter starts from the checkpoint's values (not the initialisation) and
+/// keeps them, bit for bit, on dp=2 and ZeRO-3 × dp=2. Control: the checkpoint's values differ
+/// from the initialisation (the first run moved them).
+#[test]
+fn fine_tuning_from_a_full_checkpoint_freezes_the_checkpointed_values() {
+    let root = tempfile::tempdir().unwrap();
+    let full = root.path().join("full");
+    let trained = Program::new(ModelSpec::parse(MLP).unwrap())
+        .with_seed(7)
+        .with_optimizer(OptimizerSpec::adam(1e-2))
+        .with_plan(plan(2, 1, 0));
+    train_program(&trained, &options(4, Some(&full), 4, false));
+    let reader = CheckpointReader::open(&step_dir(&full, 4)).unwrap();
+    let name = "layers.1.weight";
+    let desc = trained.model.blocks[1].param_descs[0].clone();
+    assert_eq!(desc.name, name);
+    let (saved, _) = reader.read_param(name, &desc.shape, 0..desc.len(), &[]).unwrap();
+    let initial = archipelago_actors::block::init_param(&desc, 7);
+    assert_ne!(saved, initial, "the first run moved the parameter");
+    for (layout, what) in [(plan(2, 1, 0), "dp=2"), (plan(2, 1, 3), "dp=2 zero 3")] {
+        let dir = root.path().join(what.replace([' ', '='], "_"));
+        copy_dir(&full, &dir);
+        let mut tuned = trained.clone().with_plan(layout);
+        tuned.model.blocks[1].param_descs[0].trainable = false;
+        let report = train_program(&tuned, &options(8, Some(&dir), 0, true));
+        let params = archipelago_integration_tests::assert_replicas_agree(&report, &tuned.model, what);
+        let held = &params[1][..desc.len()];
+        let same = held.iter().zip(&saved).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{what}: the frozen parameter is not the checkpoint's");
+    }
+}
+
 #[test]
 fn a_corrupt_or_partial_checkpoint_is_passed_over_for_the_previous_one() {
     let reference = train_with_options(MLP, plan(2, 1, 1), options(8, None, 0, false));

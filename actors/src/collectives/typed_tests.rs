@@ -3,7 +3,8 @@
 //! raw TCP. bf16 and f16 all-reduce, reduce-scatter and all-gather over 2 and 3 members equal
 //! the f64 sum of the same inputs rounded once, bit for bit (the direct reduce-scatter sums in
 //! f32); i8 and u8 payloads are gathered exactly and refused for a sum. Negative control: the
-//! ring's reduce-scatter accumulating in 16 bits misses that reference over three members.
+//! reduce-scatter between processes (the direct one of 16-bit buffers, on an in-process ring
+//! fabric) accumulating in 16 bits misses that reference over three members.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -158,8 +159,8 @@ fn typed_collectives_across_two_hosts_over_raw_tcp() {
     byte_payloads_are_gathered_and_not_summed::<u8>(&fabrics, |a| a / 2);
 }
 
-/// The control: the ring's reduce-scatter accumulating in 16 bits (rounding after every
-/// addition) misses the once-rounded reference on at least a tenth of the elements over three
+/// The control: the direct reduce-scatter that 16-bit buffers take between processes,
+/// accumulating in 16 bits (rounding after every addition), misses the once-rounded reference on at least a tenth of the elements over three
 /// members.
 #[test]
 fn sixteen_bit_accumulation_on_the_ring_is_caught() {

@@ -74,7 +74,7 @@ impl Assembler {
             std::collections::hash_map::Entry::Vacant(entry) => {
                 let len = announced_elements(&shape)?;
                 let mut payload = Payload::empty(dtype);
-                payload.reserve_bytes(len.min(EAGER_ELEMENTS) * dtype.size())?;
+                payload.reserve_bytes((len * dtype.size()).min(4 * EAGER_ELEMENTS))?;
                 entry.insert(Partial {
                     dtype,
                     shape: shape.clone(),

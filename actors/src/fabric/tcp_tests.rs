@@ -140,8 +140,6 @@ pub(crate) fn intruder_delivers(
     fabrics[0].recv(0, 3, tag).is_ok()
 }
 
-/// Two hosts with two actors each over raw TCP: a ring of messages across them arrives
-/// whole; a connection with a wrong token delivers nothing.
 /// Every dtype crosses the raw-TCP path bit for bit (and the in-process one beside it).
 #[test]
 fn every_dtype_round_trips_over_raw_tcp() {
@@ -149,6 +147,8 @@ fn every_dtype_round_trips_over_raw_tcp() {
     crate::fabric::testing::every_dtype_round_trips([fabrics[0].clone(), fabrics[1].clone()]);
 }
 
+/// Two hosts with two actors each over raw TCP: a ring of messages across them arrives
+/// whole; a connection with a wrong token delivers nothing.
 #[test]
 fn ring_exchange_across_two_hosts_and_token_refusal() {
     let (addrs, fabrics) = two_hosts(&"secret".into(), DataPath::Tcp);

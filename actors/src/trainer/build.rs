@@ -128,7 +128,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     .flat_map(|p| init_param(p, program.seed))
                     .collect(),
             });
-            let block = PartlyFrozen::hold(built, layout.clone(), frozen_values.clone());
+            let block = PartlyFrozen::hold(built, layout.clone(), &frozen_values);
             stage_params.push_block(offsets[index], &block.param_shapes(), program.param_groups);
             let init = |range: Range<usize>| match &from_file {
                 Some((values, _)) => values[range].to_vec(),

@@ -282,11 +282,45 @@ impl<B: AutodiffBackend> Trainer<B> {
                 offload.write_state(start, region)?;
             }
         }
+        self.restore_frozen(checkpoint)?;
         self.state.optimizer.set_steps(checkpoint.steps());
         self.state.optimizer.set_schedule_step(checkpoint.schedule_step());
         self.state.steps_done = checkpoint.steps();
         if self.state.device_state.is_some() {
             self.upload_state();
+        }
+        Ok(())
+    }
+
+    /// The frozen parameters of the held blocks that `checkpoint` holds (one written by a run
+    /// that trained them, say, before this one freezes them) take its values; the others keep
+    /// theirs (a run that froze them wrote none: they are the model's initialisation).
+    fn restore_frozen(&mut self, checkpoint: &CheckpointReader) -> Result<(), String> {
+        let stored = checkpoint.params();
+        for index in 0..self.stage.blocks.len() {
+            let layout = self.stage.layouts[index].clone();
+            if !self.stage.held_blocks[index] || !layout.has_frozen() {
+                continue;
+            }
+            let mut values = self.stage.frozen[index].as_ref().clone();
+            let frozen_descs = self.stage.desc.blocks[index]
+                .param_descs
+                .iter()
+                .filter(|p| !p.trainable);
+            let mut restored = false;
+            for (desc, (at, _)) in frozen_descs.zip(layout.frozen_in_full()) {
+                if stored.contains_key(&desc.name) {
+                    let (read, _) = checkpoint.read_param(&desc.name, &desc.shape, 0..desc.len(), &[])?;
+                    values[at].copy_from_slice(&read);
+                    restored = true;
+                }
+            }
+            if restored {
+                if let Some(block) = self.stage.blocks[index].take() {
+                    self.stage.blocks[index] = Some(block.load_frozen(&values));
+                }
+                self.stage.frozen[index] = std::sync::Arc::new(values);
+            }
         }
         Ok(())
     }

@@ -10,8 +10,8 @@ use crate::executor::HeldParams;
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// `trained` (ranges of blocks' trained vectors) in the blocks' full vectors, and the frozen
-    /// parameters of every held block: read from the module where it is built (so that a write
-    /// that reached a frozen parameter shows), else the values kept for it.
+    /// parameters of every held block, read from its module (so that a write that reached a
+    /// frozen parameter shows): the one held, or under ZeRO-3 one built as a gather builds it.
     pub(super) fn in_full_vectors(&self, trained: Vec<HeldParams>) -> Vec<HeldParams> {
         let mut out = Vec::with_capacity(trained.len());
         for held in trained {
@@ -33,14 +33,17 @@ impl<B: AutodiffBackend> Trainer<B> {
             if !self.stage.held_blocks[index] || !layout.has_frozen() {
                 continue;
             }
-            let full = match self.stage.blocks[index].as_deref() {
-                Some(block) => {
-                    let mut full = vec![0.0; layout.full_len()];
-                    block.write_full_params(&mut full);
-                    full
+            // A block not built now (ZeRO-3 between gathers) is built as a gather would build it.
+            let built;
+            let block = match self.stage.blocks[index].as_deref() {
+                Some(block) => block,
+                None => {
+                    built = self.stage.build_held(index);
+                    &*built
                 }
-                None => layout.merge(&vec![0.0; layout.trained_len()], &self.stage.frozen[index]),
             };
+            let mut full = vec![0.0; layout.full_len()];
+            block.write_full_params(&mut full);
             for (_, in_full) in layout.frozen_in_full() {
                 out.push(HeldParams {
                     block: index,

@@ -234,7 +234,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         };
         let materialized: usize = (0..self.stage.blocks.len())
             .filter(|&i| self.stage.blocks[i].is_some())
-            .map(|i| self.stage.offsets[i + 1] - self.stage.offsets[i])
+            .map(|i| self.stage.offsets[i + 1] - self.stage.offsets[i] + self.stage.frozen[i].len())
             .sum();
         // The gradients the optimizer step consumed: whole buckets, or shards under ZeRO-2.
         let held_grads = std::mem::take(&mut self.step.optimizer_grad_bytes);

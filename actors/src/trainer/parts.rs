@@ -83,7 +83,7 @@ impl<B: AutodiffBackend> HeldStage<B> {
             block: index,
         };
         let block = self.builder.build_block(&ctx, &self.device);
-        PartlyFrozen::hold(block, self.layouts[index].clone(), self.frozen[index].clone())
+        PartlyFrozen::hold(block, self.layouts[index].clone(), &self.frozen[index])
     }
 }
 

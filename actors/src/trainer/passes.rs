@@ -22,6 +22,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         let t = table
             .remove(name)
             .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
+        if t.dtype() != archipelago_dataflow::DType::F32 {
+            return Err(format!(
+                "`{name}` arrived as {}; activations cross stages as f32",
+                t.dtype()
+            ));
+        }
         match t.shape().len() {
             2 => Ok(Activation::Rows(into_burn::<B, 2>(t, &self.stage.device))),
             3 => Ok(Activation::Seq(into_burn::<B, 3>(t, &self.stage.device))),

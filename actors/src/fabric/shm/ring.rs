@@ -352,7 +352,7 @@ impl RingReader {
                     .map_err(|e| io::Error::other(format!("cannot hold a tensor of {len} values: {e}")))?;
             }
             let room = (values.capacity() * size).min(bytes) - written;
-            // SAFETY: `written < capacity * 4`, so the address is inside the allocation.
+            // SAFETY: `written < capacity * size`, so the address is inside the allocation.
             let out = unsafe { (values.as_mut_ptr() as *mut u8).add(written) };
             let buffered = r.buffer();
             let n = if buffered.is_empty() {
