@@ -207,15 +207,24 @@ mod runtime_actors {
         let addr = addr.to_string();
         assert!(busy.call(Crash).get().is_err());
         let actors = || -> serde_json::Value { serde_json::from_str(&get(&addr, "/api/actors")).unwrap() };
-        wait_until("a call rate on the busy actor", Duration::from_secs(20), || {
-            for n in 0..200 {
-                busy.call(Ping(n)).get().unwrap();
-            }
-            let view = actors();
-            view.as_array().is_some_and(|a| {
-                a.len() == 2 && a[0]["name"] == "busy" && a[0]["calls_per_s"].as_f64().unwrap_or(0.0) > 0.0
-            })
-        });
+        // The dashboard serves sampled figures: a sample taken while the crash was being handled
+        // shows the call but not yet the failure, so wait for a sample that has both.
+        wait_until(
+            "a call rate and the failure on the busy actor",
+            Duration::from_secs(20),
+            || {
+                for n in 0..200 {
+                    busy.call(Ping(n)).get().unwrap();
+                }
+                let view = actors();
+                view.as_array().is_some_and(|a| {
+                    a.len() == 2
+                        && a[0]["name"] == "busy"
+                        && a[0]["calls_per_s"].as_f64().unwrap_or(0.0) > 0.0
+                        && a[0]["failures"] == 1
+                })
+            },
+        );
         let view = actors();
         assert_eq!(view[0]["failures"], 1, "{view}");
         assert_eq!(view[0]["restarts"], 1, "{view}");
