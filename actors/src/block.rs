@@ -12,11 +12,6 @@ use burn::tensor::{Float, Int, Tensor, TensorData};
 
 use crate::transfer::{TransferKind, download, upload};
 
-use std::ops::Range;
-
-use archipelago_dataflow::rng::SplitMix64;
-use archipelago_dataflow::{ParamDesc, ParamInit};
-
 /// What flows between blocks.
 #[derive(Debug, Clone)]
 pub enum Activation<B: Backend> {
@@ -399,108 +394,8 @@ impl<B: Backend> ModuleMapper<B> for LoadMapper<'_, B> {
     }
 }
 
-/// A parameter's key in the initialisation stream: FNV-1a over its name, so that the stream of
-/// a parameter depends on its name alone, never on where a layout put it.
-fn name_key(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-/// The whole initial value of parameter `param` under `seed`, drawn from its description's
-/// distribution with a stream keyed by `(seed, name)`: the same on every actor of every layout.
-pub fn init_param(param: &ParamDesc, seed: u64) -> Vec<f32> {
-    let n = param.len();
-    let mut rng = SplitMix64::keyed(&[seed, name_key(&param.name), 0x1417]);
-    match param.init {
-        ParamInit::Zeros => vec![0.0; n],
-        ParamInit::Ones => vec![1.0; n],
-        ParamInit::Normal { std } => (0..n).map(|_| (f64::from(std) * rng.gaussian()) as f32).collect(),
-        ParamInit::UniformFanIn { fan_in } => {
-            let bound = 1.0 / (fan_in.max(1) as f64).sqrt();
-            (0..n).map(|_| rng.uniform_in(-bound, bound) as f32).collect()
-        }
-    }
-}
-
-/// Elements `range` of the flat initial values of a block whose parameters are `params` (in
-/// flattening order): each parameter the range touches is drawn whole from `(seed, name)` and
-/// then sliced, so a shard of a block (ZeRO-3's) holds exactly the values the whole block has.
-///
-/// # Panics
-/// When `range` reaches past the block's parameters.
-pub fn init_range(params: &[ParamDesc], seed: u64, range: Range<usize>) -> Vec<f32> {
-    let mut out = Vec::with_capacity(range.len());
-    let mut at = 0;
-    for p in params {
-        let span = at..at + p.len();
-        at = span.end;
-        let (from, to) = (span.start.max(range.start), span.end.min(range.end));
-        if from < to {
-            let whole = init_param(p, seed);
-            out.extend_from_slice(&whole[from - span.start..to - span.start]);
-        }
-    }
-    assert_eq!(
-        out.len(),
-        range.len(),
-        "range {range:?} is past the block's {at} parameters"
-    );
-    out
-}
-
-/// The flat initial values of a block whose parameters are `params`.
-pub fn initial_params(params: &[ParamDesc], seed: u64) -> Vec<f32> {
-    let len = params.iter().map(ParamDesc::len).sum();
-    init_range(params, seed, 0..len)
-}
-
-/// Descriptions of a block's parameters from its burn paths and shapes, for a model that gives
-/// only a parameter count: named `{block}.{path}`, f32, trainable, replicated, initialised as the
-/// zoo's: LayerNorm `gamma` 1 and `beta` 0; embedding tables `N(0, 0.02²)`; other matrices
-/// `[fan_in, fan_out]` and the vectors beside a matrix (biases) `U(±1/√fan_in)`; other vectors 0.
-pub fn describe_shapes(block: &str, shapes: &[(String, Vec<usize>)]) -> Vec<ParamDesc> {
-    shapes
-        .iter()
-        .map(|(path, shape)| {
-            let leaf = path.rsplit('.').next().unwrap_or(path);
-            let parent = path.rsplit_once('.').map_or("", |(p, _)| p);
-            let sibling_fan_in = shapes
-                .iter()
-                .find(|(p, s)| s.len() == 2 && p.rsplit_once('.').map_or("", |(q, _)| q) == parent)
-                .map(|(_, s)| s[0]);
-            let init = match (leaf, shape.len()) {
-                ("gamma", _) => ParamInit::Ones,
-                ("beta", _) => ParamInit::Zeros,
-                (_, 2) if path.contains("embedding") => ParamInit::Normal { std: 0.02 },
-                (_, 2) => ParamInit::UniformFanIn { fan_in: shape[0] },
-                _ => sibling_fan_in.map_or(ParamInit::Zeros, |fan_in| ParamInit::UniformFanIn { fan_in }),
-            };
-            ParamDesc::new(format!("{block}.{path}"), shape.clone(), init)
-        })
-        .collect()
-}
-
-/// Checks that a block built at run time has the parameters its description lists: the same
-/// number, in the same order, with the same shapes (names differ: burn's module paths against
-/// the description's, e.g. PyTorch's).
-pub fn check_described(
-    block: &str,
-    described: &[ParamDesc],
-    shapes: &[(String, Vec<usize>)],
-) -> Result<(), String> {
-    let listed: Vec<&[usize]> = described.iter().map(|p| &p.shape[..]).collect();
-    let built: Vec<&[usize]> = shapes.iter().map(|(_, s)| &s[..]).collect();
-    if listed != built {
-        return Err(format!(
-            "block `{block}` is built with parameters {:?} but its description lists {:?}: describe the \
-             parameters in the module's declaration order with the module's shapes",
-            shapes,
-            described.iter().map(|p| (&p.name, &p.shape)).collect::<Vec<_>>()
-        ));
-    }
-    Ok(())
-}
+mod init;
+pub use init::{check_described, describe_shapes, init_param, init_range, initial_params};
 
 #[cfg(test)]
 mod tests {
@@ -612,44 +507,6 @@ mod tests {
             flat.iter().any(|&g| g != 0.0),
             "the sliced parameters got no gradient"
         );
-    }
-
-    /// A parameter's initial values depend on `(seed, name)` alone: the same name gives the same
-    /// values whatever block it sits in and whatever comes before it; any slice of a block is
-    /// the slice of the whole; each kind keeps its distribution.
-    #[test]
-    fn initialisation_is_the_whole_parameter_from_seed_and_name_then_sliced() {
-        let w = ParamDesc::new(
-            "layers.0.weight",
-            vec![16, 8],
-            ParamInit::UniformFanIn { fan_in: 16 },
-        );
-        let b = ParamDesc::new("layers.0.bias", vec![8], ParamInit::UniformFanIn { fan_in: 16 });
-        let g = ParamDesc::new("ln.weight", vec![8], ParamInit::Ones);
-        let e = ParamDesc::new("tok.weight", vec![64, 8], ParamInit::Normal { std: 0.02 });
-        let block = [g.clone(), w.clone(), b.clone()];
-        let whole = initial_params(&block, 3);
-        assert_eq!(&whole[..8], &[1.0; 8]);
-        assert_eq!(
-            &whole[8..8 + 128],
-            &init_param(&w, 3)[..],
-            "position does not matter"
-        );
-        assert_eq!(initial_params(std::slice::from_ref(&w), 3), init_param(&w, 3));
-        for range in [0..1, 5..40, 100..144, 0..144] {
-            assert_eq!(init_range(&block, 3, range.clone()), whole[range]);
-        }
-        assert_ne!(init_param(&w, 3), init_param(&w, 4), "another seed");
-        let renamed = ParamDesc {
-            name: "layers.1.weight".into(),
-            ..w.clone()
-        };
-        assert_ne!(init_param(&w, 3), init_param(&renamed, 3), "another name");
-        let bound = 0.25f32;
-        assert!(init_param(&w, 3).iter().all(|x| x.abs() <= bound));
-        let normal = init_param(&e, 3);
-        let std = (normal.iter().map(|x| x * x).sum::<f32>() / normal.len() as f32).sqrt();
-        assert!((std - 0.02).abs() < 0.004, "{std}");
     }
 
     struct ExpectedGrads<'a, B: AutodiffBackend> {

@@ -426,11 +426,6 @@ impl TypedTensor {
             DType::I64 => self.values::<i64>().iter().map(|v| *v as f32).collect(),
         }
     }
-
-    /// Whether `self` and `other` share one buffer (no copy was made between them).
-    pub fn shares_buffer_with(&self, other: &TypedTensor) -> bool {
-        self.bytes().as_ptr() == other.bytes().as_ptr() && self.len == other.len
-    }
 }
 
 #[cfg(test)]

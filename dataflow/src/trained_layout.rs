@@ -93,21 +93,6 @@ impl TrainedLayout {
         (trained, frozen)
     }
 
-    /// The full vector of `trained` values and `frozen` values.
-    ///
-    /// # Panics
-    /// When either is not as long as the layout says.
-    pub fn merge<T: Copy>(&self, trained: &[T], frozen: &[T]) -> Vec<T> {
-        assert_eq!(trained.len(), self.trained_len, "a block's trained vector");
-        assert_eq!(frozen.len(), self.frozen_len, "a block's frozen values");
-        let mut full = Vec::with_capacity(self.full_len());
-        for run in &self.runs {
-            let from = if run.trained { trained } else { frozen };
-            full.extend_from_slice(&from[run.at..run.at + run.full.len()]);
-        }
-        full
-    }
-
     /// Where the elements `trained` of the trained vector lie in the full vector: pairs of
     /// (range in the trained vector, range in the full vector), in order.
     pub fn trained_in_full(&self, trained: Range<usize>) -> Vec<(Range<usize>, Range<usize>)> {
@@ -155,16 +140,15 @@ mod tests {
         ]
     }
 
-    /// The trained vector skips the frozen parameters, and merging gives the full vector back.
+    /// The trained vector skips the frozen parameters, and the frozen values are the rest.
     #[test]
-    fn split_and_merge_are_inverse_and_skip_frozen_parameters() {
+    fn split_skips_frozen_parameters_into_the_frozen_values() {
         let layout = TrainedLayout::of(&params());
         assert_eq!((layout.trained_len(), layout.frozen_len()), (6, 4));
         let full: Vec<u32> = (0..10).collect();
         let (trained, frozen) = layout.split(&full);
         assert_eq!(trained, vec![0, 1, 2, 3, 7, 8]);
         assert_eq!(frozen, vec![4, 5, 6, 9]);
-        assert_eq!(layout.merge(&trained, &frozen), full);
         assert_eq!(layout.trainable_mask(), vec![true, false, true, false]);
     }
 
