@@ -92,7 +92,7 @@ fn resuming_with_another_layout_equals_not_stopping() {
 }
 
 /// A model with frozen parameters (a whole matrix and a bias, in two pipeline stages): its
-/// checkpoints hold the trained vectors, and a job stopped after one resumes — with the same
+/// checkpoints hold the whole model (the frozen values without optimizer state), and a job stopped after one resumes — with the same
 /// layout and with another — to the run that never stopped, the frozen values coming from the
 /// model's initialisation as they did at the start.
 #[test]
@@ -112,7 +112,20 @@ fn a_model_with_frozen_parameters_resumes_like_not_stopping() {
     let reference = train_program(&program(plan(2, 1, 3)), &options(8, None, 0, false));
     let root = tempfile::tempdir().unwrap();
     let stopped = root.path().join("stopped");
-    train_program(&program(plan(2, 1, 3)), &options(4, Some(&stopped), 2, false));
+    let first = program(plan(2, 1, 3));
+    let report = train_program(&first, &options(4, Some(&stopped), 2, false));
+    // The checkpoint holds the whole model, frozen values too, each element at its place among
+    // its block's parameters: read block by block (as `export` reads), it is the run's model.
+    let params = archipelago_integration_tests::assert_replicas_agree(&report, &first.model, "frozen");
+    let reader = CheckpointReader::open(&step_dir(&stopped, 4)).unwrap();
+    for (b, block) in params.iter().enumerate() {
+        let [read, _, _] = reader.read_values(b, 0..block.len(), 0).unwrap();
+        let same = read.iter().zip(block).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same && read.len() == block.len(),
+            "block {b} reads back otherwise"
+        );
+    }
     for (layout, what) in [(plan(2, 1, 3), "dp=2 zero 3"), (plan(1, 2, 0), "pp=2")] {
         let dir = root.path().join(what.replace([' ', '='], "_"));
         copy_dir(&stopped, &dir);

@@ -221,6 +221,16 @@ impl CheckpointReader {
                 p.param
             )
         };
+        let asks_state = !matches!(wanted, Wanted::Count(0) | Wanted::Names(&[]));
+        if asks_state && p.state.is_empty() && self.some_piece_has_state() {
+            return Err(format!(
+                "checkpoint {} holds `{}` of {what} without optimizer state: it was frozen in the run \
+                 that wrote it; freeze it here too, or start from the checkpoint's weights (`--init` \
+                 with the file `archipelago export` writes) to train it",
+                self.dir.display(),
+                p.param
+            ));
+        }
         match wanted {
             Wanted::Count(0) => Ok(Vec::new()),
             Wanted::Count(n) if p.state.len() == n => Ok((0..n).collect()),
@@ -235,6 +245,13 @@ impl CheckpointReader {
                 })
                 .collect(),
         }
+    }
+
+    /// Whether any piece holds optimizer state: then a piece without any was frozen (a run
+    /// whose optimizer keeps no state, plain SGD, writes none for any piece).
+    fn some_piece_has_state(&self) -> bool {
+        let mut pieces = self.manifest.files.iter().flat_map(|f| &f.header.pieces);
+        pieces.any(|p| !p.state.is_empty())
     }
 
     fn read_at(&self, file: &str, at: u64, into: &mut [u8]) -> Result<(), String> {

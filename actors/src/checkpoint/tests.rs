@@ -148,6 +148,36 @@ fn optimizer_state_is_read_by_name() {
     assert_eq!(reader.read(0, 0..4, false).unwrap()[0], vec![0.0, 1.0, 2.0, 3.0]);
 }
 
+/// A frozen parameter is written whole without optimizer state beside trained ones with it:
+/// block-wise reads of values cover both, and a run that would train it is told it was frozen.
+#[test]
+fn a_frozen_parameter_reads_back_and_asking_its_state_names_the_freeze() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = step_dir(root.path(), 1);
+    let trained = piece(0, 0, "w", &[4], Slice::flat(0..4), 1.0, true);
+    let frozen = piece(0, 4, "b", &[2], Slice::flat(0..2), 10.0, false);
+    let pieces = vec![trained, frozen];
+    write(
+        &dir,
+        vec![ShardState {
+            steps: 1,
+            schedule_step: 1,
+            pieces,
+        }],
+        1,
+    );
+    let reader = CheckpointReader::open(&dir).unwrap();
+    assert_eq!(reader.read(0, 2..6, false).unwrap()[0], vec![2.0, 3.0, 0.0, 10.0]);
+    let (b, _) = reader.read_param("b", &[2], 0..2, &[]).unwrap();
+    assert_eq!(b, vec![0.0, 10.0]);
+    let refused = reader
+        .read_param("b", &[2], 0..2, &["exp_avg", "exp_avg_sq"])
+        .unwrap_err();
+    assert!(refused.contains("frozen in the run that wrote it"), "{refused}");
+    let refused = reader.read(0, 0..6, true).unwrap_err();
+    assert!(refused.contains("frozen"), "{refused}");
+}
+
 /// A `[4, 6]` matrix written as two column slices (a tensor-parallel layout) by two actors and a
 /// vector written as two flat ranges: any flat range of either, and any block range across
 /// both, reads back the same values as one writer holding everything.

@@ -38,17 +38,20 @@ struct ParamSpan {
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
-    /// Block `block`'s range `in_block` cut at its parameters' boundaries.
+    /// Block `block`'s range `in_block` (of its trained vector) cut at its parameters'
+    /// boundaries; each span's `block_offset` is the parameter's place among all the block's
+    /// parameters (frozen ones included), as a block-wise reader of the checkpoint counts.
     fn param_spans(&self, block: usize, in_block: &Range<usize>) -> Vec<ParamSpan> {
+        let in_full = self.stage.layouts[block].runs().iter().filter(|r| r.trained);
         let mut spans = Vec::new();
         let mut at = 0;
-        for (param, p) in self.stage.param_descs[block].iter().enumerate() {
+        for ((param, p), run) in self.stage.param_descs[block].iter().enumerate().zip(in_full) {
             let span = at..at + p.len();
             let (from, to) = (span.start.max(in_block.start), span.end.min(in_block.end));
             if from < to {
                 spans.push(ParamSpan {
                     param,
-                    block_offset: span.start,
+                    block_offset: run.full.start,
                     in_param: from - span.start..to - span.start,
                     in_range: from - in_block.start..to - in_block.start,
                 });
@@ -158,7 +161,7 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// This actor's pieces of the model and optimizer state.
     pub(super) fn checkpoint_state(&self) -> Result<Option<ShardState>, String> {
-        let pieces = match &self.state.offload {
+        let mut pieces = match &self.state.offload {
             Some(offload) => {
                 if !self.state.sharding.zero.shards_optimizer() && self.state.sharding.rank != 0 {
                     return Ok(None);
@@ -189,6 +192,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             }
             None => self.resident_pieces(),
         };
+        // Frozen values are whole on every replica: the first one writes them.
+        if self.state.sharding.rank == 0 {
+            pieces.extend(self.frozen_pieces());
+        }
         if pieces.is_empty() {
             return Ok(None);
         }
@@ -203,6 +210,30 @@ impl<B: AutodiffBackend> Trainer<B> {
             schedule_step: self.state.optimizer.schedule_step(),
             pieces,
         }))
+    }
+
+    /// The frozen parameters of the held blocks, whole, as pieces without optimizer state (they
+    /// have none): a checkpoint holds the whole model, and a block-wise reader (`export`) finds
+    /// every element at its place among all the block's parameters.
+    fn frozen_pieces(&self) -> Vec<Piece> {
+        let held = (0..self.stage.blocks.len()).filter(|&i| self.stage.held_blocks[i]);
+        held.flat_map(|block| {
+            let frozen_descs = self.stage.desc.blocks[block]
+                .param_descs
+                .iter()
+                .filter(|p| !p.trainable);
+            let runs = self.stage.layouts[block].frozen_in_full();
+            frozen_descs.zip(runs).map(move |(p, (values, full))| Piece {
+                block,
+                block_offset: full.start,
+                param: p.name.clone(),
+                shape: p.shape.clone(),
+                slice: Slice::flat(0..p.len()),
+                values: self.stage.frozen[block][values].to_vec(),
+                state: Vec::new(),
+            })
+        })
+        .collect()
     }
 
     /// The owned pieces of state held by this actor itself (no offload).
