@@ -73,7 +73,17 @@ impl ActorTraining {
     pub fn update_scope(&self) -> UpdateScope {
         if self.offload.is_some() {
             UpdateScope::CollectOffloaded
-        } else if self.zero.shards_parameters() {
+        } else {
+            self.after_update()
+        }
+    }
+
+    /// What follows the update of a segment, wherever it ran (here or on the offload actor): the
+    /// modules take the whole updated segment (`Whole`), the updated shard goes to the
+    /// all-gather (`ShardThenGather`, ZeRO-1/2), or it stays until the next gather
+    /// (`ShardKept`, ZeRO-3).
+    pub fn after_update(&self) -> UpdateScope {
+        if self.zero.shards_parameters() {
             UpdateScope::ShardKept
         } else if self.zero.shards_optimizer() {
             UpdateScope::ShardThenGather
@@ -101,8 +111,65 @@ pub struct SegmentPlan {
     pub params: usize,
     /// This replica's shard of the segment, relative to its first parameter: what its
     /// optimizer updates under ZeRO ≥ 1, and the part it answers for in norms summed over the
-    /// group (clipping, LAMB) at every stage.
+    /// group (clipping, LAMB, the model's parameter norms) at every stage.
     pub own: Range<usize>,
+    /// The part whose parameters it keeps between steps: the whole segment, or its shard
+    /// under ZeRO-3 (gathered whole only around the segment's forward and backward).
+    pub held: Range<usize>,
+    /// The part its optimizer updates and keeps state for: the whole segment, or its shard under
+    /// ZeRO ≥ 1.
+    pub updated: Range<usize>,
+    /// The part of the reduced gradient bucket that reaches it: the whole bucket (all-reduce),
+    /// or its shard under ZeRO ≥ 2 (reduce-scatter). A bucket of another length is an error.
+    pub grads: Range<usize>,
+    /// The part it writes in checkpoints (parameters with their optimizer state): its updated
+    /// shard under ZeRO ≥ 1; under ZeRO-0 the whole segment at the group's first replica and
+    /// nothing at the others (which hold the same).
+    pub saved: Range<usize>,
+    /// The part whose parameters it answers for in the model's norms (the report's): its held
+    /// shard where the parameters are sharded (ZeRO-3); the whole segment at the group's first
+    /// replica and nothing at the others where every replica holds them — one replica's
+    /// parameters, as the checkpoint of ZeRO-0 holds one replica's.
+    pub reported: Range<usize>,
+    /// Where `held` starts among the actor's held parameters (its segments' held parts,
+    /// concatenated in order).
+    pub held_at: usize,
+    /// Where `updated` starts in its optimizer state (its segments' updated parts, concatenated
+    /// in order).
+    pub state_at: usize,
+}
+
+impl SegmentPlan {
+    /// The segment's parts under ZeRO stage `zero`, for replica `replica` whose shard is `own`
+    /// (of `params` elements), its held part starting at `held_at` and its state at `state_at`.
+    fn parts(
+        zero: ZeroStage,
+        replica: usize,
+        (start, end, params): (usize, usize, usize),
+        own: Range<usize>,
+        (held_at, state_at): (usize, usize),
+    ) -> SegmentPlan {
+        let whole = 0..params;
+        let pick = |sharded: bool| if sharded { own.clone() } else { whole.clone() };
+        let first_or = |sharded: bool| match (sharded, replica) {
+            (true, _) => own.clone(),
+            (false, 0) => whole.clone(),
+            (false, _) => 0..0,
+        };
+        SegmentPlan {
+            start,
+            end,
+            params,
+            held: pick(zero.shards_parameters()),
+            updated: pick(zero.shards_optimizer()),
+            grads: pick(zero.shards_gradients()),
+            saved: first_or(zero.shards_optimizer()),
+            reported: first_or(zero.shards_parameters()),
+            own,
+            held_at,
+            state_at,
+        }
+    }
 }
 
 /// The training side of one actor's plan.
@@ -133,19 +200,17 @@ impl ActorTraining {
         let plan = &program.plan;
         let replicas = plan.dp;
         let zero = plan.zero_stage();
-        let segments = buckets
-            .iter()
-            .map(|b| {
-                let params = block_params(&program.model, b.start..b.end);
-                let own = shard_range(params, replicas, replica);
-                SegmentPlan {
-                    start: b.start,
-                    end: b.end,
-                    params,
-                    own,
-                }
-            })
-            .collect();
+        let (mut held_at, mut state_at) = (0, 0);
+        let mut segments = Vec::with_capacity(buckets.len());
+        for b in buckets {
+            let params = block_params(&program.model, b.start..b.end);
+            let own = shard_range(params, replicas, replica);
+            let segment =
+                SegmentPlan::parts(zero, replica, (b.start, b.end, params), own, (held_at, state_at));
+            held_at += segment.held.len();
+            state_at += segment.updated.len();
+            segments.push(segment);
+        }
         ActorTraining {
             segments,
             replica,
@@ -201,11 +266,31 @@ mod tests {
             assert_eq!(first.checkpoint_activations, dp > 1 && zero == 3);
             for (k, segment) in first.segments.iter().enumerate() {
                 let mut owned = vec![0; segment.params];
+                let (mut saved, mut reported) = (owned.clone(), owned.clone());
                 for actor in &plan.actors {
-                    let own = actor.training.segments[k].own.clone();
-                    owned[own].iter_mut().for_each(|n| *n += 1);
+                    let s = &actor.training.segments[k];
+                    owned[s.own.clone()].iter_mut().for_each(|n| *n += 1);
+                    saved[s.saved.clone()].iter_mut().for_each(|n| *n += 1);
+                    reported[s.reported.clone()].iter_mut().for_each(|n| *n += 1);
+                    // What is updated is held; what arrives covers what is updated.
+                    let within = |a: &Range<usize>, b: &Range<usize>| b.start <= a.start && a.end <= b.end;
+                    assert!(within(&s.updated, &s.held) && within(&s.updated, &s.grads));
+                    assert!(s.saved.is_empty() || s.saved == s.updated);
                 }
                 assert!(owned.iter().all(|&n| n == 1), "dp={dp} zero={zero} segment {k}");
+                assert!(
+                    saved.iter().all(|&n| n == 1),
+                    "dp={dp} zero={zero} segment {k} saved"
+                );
+            }
+            // Held parts and state parts are concatenated in segment order.
+            for actor in &plan.actors {
+                let (mut held, mut state) = (0, 0);
+                for s in &actor.training.segments {
+                    assert_eq!((s.held_at, s.state_at), (held, state));
+                    held += s.held.len();
+                    state += s.updated.len();
+                }
             }
         }
     }

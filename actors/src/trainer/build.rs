@@ -3,27 +3,25 @@
 //! actor keeps, the ZeRO shards and optimizer state the plan gives it, the offload actor, and
 //! the training state moved onto the device when the plan says so.
 
-use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
 use archipelago_dataflow::{
-    ActorId, BlockInfo, ParamDesc, Program, SegmentPlan, StatePlacement, TrainedLayout, ZeroStage,
+    ActorId, BlockInfo, ParamDesc, Program, SegmentPlan, StatePlacement, TrainedLayout,
 };
 
 use super::cpu_buffers::is_cpu;
 use super::data::samples;
-use super::device_state::{DeviceState, SegmentPlace};
 use super::fault::FaultHook;
 use super::norms::{StageParams, UpdateState};
 use super::parts::{HeldStage, InFlight, TrainingState};
+use super::store::{OffloadSpawn, Store};
+use super::zero::part_of;
 use super::{Placement, Sharding, Trainer};
 use crate::block::{Block, check_described, describe_shapes, init_param, init_range};
 use crate::block_frozen::PartlyFrozen;
-use crate::executor::Computation;
-use crate::offload::OffloadActor;
 use crate::optim::FlatOptimizer;
 use crate::weights_file::InitWeights;
 use crate::zoo::{BuildContext, ModelBuilder};
@@ -72,11 +70,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         let chunks = &placement.chunks;
         let training = &placement.training;
         let desc = program.model.clone();
-        let held = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
+        let held_block = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
         // Offsets into the trained vectors (frozen parameters have no place in them).
         let mut offsets = vec![0];
         for (index, info) in desc.blocks.iter().enumerate() {
-            let n = if held(index) {
+            let n = if held_block(index) {
                 info.trained_params() as usize
             } else {
                 0
@@ -84,12 +82,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             offsets.push(offsets[index] + n);
         }
         let sharding = Sharding::of(training, &offsets)?;
-        // ZeRO-3 initialises block by block and keeps only this replica's shard of each
-        // segment (as DeepSpeed's `zero.Init`): the whole model never exists on one actor.
-        let sharded = sharding.zero.shards_parameters();
-        let mut shard_master = vec![0.0f32; if sharded { sharding.state_len() } else { 0 }];
+        // Each parameter drawn whole from (seed, name), then sliced to the part the plan has
+        // this actor hold: the block, or under ZeRO-3 only this replica's shard of it (as
+        // DeepSpeed's `zero.Init`: the whole model never exists on one actor).
+        let mut held = vec![0.0f32; sharding.held_len()];
         let mut blocks = Vec::with_capacity(desc.blocks.len());
-        let mut master = Vec::new();
         let mut stage_params = StageParams::default();
         let init_file = program
             .init
@@ -100,7 +97,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut layouts = Vec::with_capacity(desc.blocks.len());
         let mut frozen = Vec::with_capacity(desc.blocks.len());
         for (index, info) in desc.blocks.iter().enumerate() {
-            if !held(index) {
+            if !held_block(index) {
                 blocks.push(None);
                 param_descs.push(Vec::new());
                 layouts.push(Arc::default());
@@ -116,12 +113,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             let described = described_params(index, info, &*built)?;
             let layout = Arc::new(TrainedLayout::of(&described));
             let trained: Vec<ParamDesc> = described.iter().filter(|p| p.trainable).cloned().collect();
-            // Each parameter drawn whole from (seed, name), then sliced to what is kept here: the
-            // block, or under ZeRO-3 only this replica's shard of it; frozen ones kept whole.
             let from_file = match &init_file {
                 Some(file) => Some(layout.split(&file.block(index)?)),
                 None => None,
             };
+            // Frozen ones kept whole.
             let frozen_values = Arc::new(match &from_file {
                 Some((_, values)) => values.clone(),
                 None => (described.iter().filter(|p| !p.trainable))
@@ -134,72 +130,40 @@ impl<B: AutodiffBackend> Trainer<B> {
                 Some((values, _)) => values[range].to_vec(),
                 None => init_range(&trained, program.seed, range),
             };
-            if sharded {
-                if let Some((from, to)) = sharding.owned_part(index, &offsets) {
-                    shard_master[to].copy_from_slice(&init(from));
-                }
-                blocks.push(None);
-            } else {
-                let init = init(0..layout.trained_len());
-                blocks.push(Some(block.load_params(&init, false)));
-                master.extend_from_slice(&init);
+            if let Some((from, to)) = sharding.block_part(index, &offsets, part_of::held) {
+                held[to].copy_from_slice(&init(from));
             }
+            // A module lives between steps where its segment is held whole (not under ZeRO-3,
+            // whose stream gathers and builds it around each pass).
+            blocks.push(sharding.holds_whole(index).then(|| {
+                let at = offsets[index]..offsets[index + 1];
+                block.load_params(&held[at], false)
+            }));
             param_descs.push(trained);
             layouts.push(layout);
             frozen.push(frozen_values);
         }
         let samples = samples(&program.data, desc.input)?;
-        let held_blocks: Vec<bool> = (0..desc.blocks.len()).map(held).collect();
-        let offload = if training.offload.is_some() {
-            // The offload actor starts with each segment's optimizer range of the master copy.
-            let mut shards = HashMap::new();
-            let mut layouts = HashMap::new();
-            for &SegmentPlan { start, end, .. } in &training.segments {
-                let range = sharding.optimizer_range(start, offsets[end] - offsets[start])?;
-                let window = offsets[start] + range.start..offsets[start] + range.end;
-                layouts.insert(start, stage_params.layout(&[(window, 0)], range.len())?);
-                let shard = if sharded {
-                    let state = sharding.segment(start)?.state;
-                    &shard_master[state..state + range.len()]
-                } else {
-                    &master[offsets[start] + range.start..offsets[start] + range.end]
-                };
-                shards.insert(start, shard.to_vec());
-            }
-            Some(OffloadActor::spawn(
-                &training.offload,
-                actor,
-                program.optimizer,
-                shards,
-                layouts,
-            )?)
-        } else {
-            None
+        let held_blocks: Vec<bool> = (0..desc.blocks.len()).map(held_block).collect();
+        // Where each updated part lies in the optimizer's state: the segments' updated parts,
+        // concatenated (each maps positions of the trained vectors to state positions).
+        let windows: Vec<(Range<usize>, usize)> = (sharding.segments.values())
+            .map(|s| {
+                let base = offsets[s.start];
+                (base + s.updated.start..base + s.updated.end, s.state_at)
+            })
+            .collect();
+        let offload_layout = |s: &SegmentPlan| {
+            let base = offsets[s.start];
+            stage_params.layout(
+                &[(base + s.updated.start..base + s.updated.end, 0)],
+                s.updated.len(),
+            )
         };
-        let offload_params = offload.is_some() && training.offload_params;
-        if offload_params {
-            shard_master = Vec::new();
-        }
-        let state_len = match (&offload, sharding.zero) {
-            (Some(_), _) => 0,
-            (None, ZeroStage::Replicated) => master.len(),
-            (None, _) => sharding.state_len(),
-        };
-        // Where each parameter's elements lie in the optimizer's state: the master vector, or
-        // this replica's shard of each segment, concatenated.
-        let windows: Vec<(Range<usize>, usize)> = match (&offload, sharding.zero) {
-            (Some(_), _) => Vec::new(),
-            (None, ZeroStage::Replicated) => vec![(0..master.len(), 0)],
-            (None, _) => training
-                .segments
-                .iter()
-                .map(|&SegmentPlan { start, .. }| {
-                    let shard = sharding.segment(start)?;
-                    let from = offsets[start] + shard.own.start..offsets[start] + shard.own.end;
-                    Ok((from, shard.state))
-                })
-                .collect::<Result<_, String>>()?,
-        };
+        let spawn: OffloadSpawn = (actor, program.optimizer, &offload_layout);
+        let store = Store::of_plan(training, &sharding, &mut held, spawn)?;
+        let state_len = store.optimizer_state_len(&sharding);
+        let windows = if state_len == 0 { Vec::new() } else { windows };
         let optimizer = FlatOptimizer::new(program.optimizer, state_len)
             .with_schedule(program.lr_schedule)
             .with_layout(stage_params.layout(&windows, state_len)?);
@@ -220,7 +184,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             },
             step: InFlight::default(),
             state: TrainingState {
-                master,
+                held,
                 optimizer,
                 update: UpdateState {
                     clip: program.clip_grad_norm,
@@ -228,13 +192,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 },
                 sharding,
                 update_scope: training.update_scope(),
-                shard_master,
+                after_update: training.after_update(),
                 gather_pool: Vec::new(),
-                offload,
-                offload_params,
-                handed_off: Vec::new(),
-                steps_done: 0,
-                device_state: None,
+                store,
                 tensor_op_update: false,
             },
             samples,
@@ -255,67 +215,6 @@ impl<B: AutodiffBackend> Trainer<B> {
         self
     }
 
-    /// (Re)builds the device state from the host copies (at start, and after a restore).
-    pub(super) fn upload_state(&mut self) {
-        let offsets = &self.stage.offsets;
-        let sharding = &self.state.sharding;
-        let segments: Vec<SegmentPlace> = sharding
-            .segments
-            .iter()
-            .map(|(&start, shard)| {
-                let range = offsets[start]..offsets[shard.end];
-                let (update, state_at) = if sharding.zero.shards_optimizer() {
-                    (shard.own.clone(), shard.state)
-                } else {
-                    (0..range.len(), range.start)
-                };
-                let held = if sharding.zero.shards_parameters() {
-                    shard.own.clone()
-                } else {
-                    0..range.len()
-                };
-                SegmentPlace {
-                    start,
-                    range,
-                    update,
-                    held,
-                    state_at,
-                }
-            })
-            .collect();
-        let optimizer = &self.state.optimizer;
-        let device = self.stage.device.clone();
-        let mut state = DeviceState::upload(
-            optimizer.spec(),
-            &segments,
-            |place| self.held_params(place),
-            |range| {
-                let (m, v) = optimizer.state(range);
-                (m.to_vec(), v.to_vec())
-            },
-            optimizer.layout(),
-            &device,
-            self.state.tensor_op_update,
-        );
-        state.grads_sharded = self.state.sharding.grads_sharded();
-        self.state.device_state = Some(state);
-        // The device's state is the state: no host mirror of the moments is kept (one is made
-        // by `sync_host` for a checkpoint, and freed again at the next step's end).
-        self.state.optimizer.release_state();
-    }
-
-    /// The host copy of the parameters `place` keeps on the device: its range of the master, or
-    /// under ZeRO-3 its shard of the shard master.
-    pub(super) fn held_params(&self, place: &SegmentPlace) -> Vec<f32> {
-        if self.state.sharding.zero.shards_parameters() {
-            let at = place.state_at;
-            self.state.shard_master[at..at + place.held.len()].to_vec()
-        } else {
-            let at = place.range.start + place.held.start;
-            self.state.master[at..at + place.held.len()].to_vec()
-        }
-    }
-
     /// Reads each gradient bucket off the device in one transfer (concatenated on the device
     /// first) and writes each block's parameters onto it in one (sliced on the device), instead of
     /// tensor by tensor: for GPUs, where every copy between host and device has a fixed cost.
@@ -331,8 +230,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         // the one the flag asks for, and is not moved again.
         let changes = on != self.state.tensor_op_update && is_cpu::<B::InnerBackend>();
         self.state.tensor_op_update = on;
-        if changes && self.state.device_state.is_some() {
-            self.sync_host();
+        if changes && self.state.store.device().is_some() {
+            self.download_state();
             self.upload_state();
         }
         self

@@ -1,29 +1,24 @@
 //! The trainer's part of a checkpoint: the pieces of state it owns, and loading any layout's
 //! checkpoint into its own blocks and shards (see [`crate::checkpoint`]).
 //!
-//! Ownership follows ZeRO: under ZeRO ≥ 1 each replica saves its shard of every block (parameters
-//! and optimizer state); unsharded replicas hold the same state, so only replica 0 saves it.
-//! With offload the owned state is read from (and restored into) the offload actor's regions.
-//! Whatever an actor owns of a block is cut at its parameters' boundaries: each piece is one
-//! named parameter or a flat range of one, with the optimizer state of those elements under the
-//! names of [`archipelago_dataflow::OptimizerSpec::state_names`]; restoring reads each parameter
-//! by name, its shape checked against this model's description.
+//! What an actor writes is the plan's: the `saved` part of each of its segments (its shard under
+//! ZeRO ≥ 1; the whole segment at the group's first replica under ZeRO-0), parameters with their
+//! optimizer state, read from whichever store keeps them (`Store::region`); frozen parameters
+//! whole, without state, from the group's first replica. Whatever an actor owns of a block is
+//! cut at its parameters' boundaries: each piece is one named parameter or a flat range of one,
+//! at its place among all its block's parameters, with the optimizer state of those elements
+//! under the names of [`archipelago_dataflow::OptimizerSpec::state_names`]; restoring reads each
+//! parameter by name, its shape checked against this model's description, into the parts the
+//! plan has this actor hold and update.
 
 use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
 
+use archipelago_dataflow::SegmentPlan;
+
 use super::Trainer;
 use crate::checkpoint::{CheckpointReader, Piece, ShardState, Slice};
-
-/// Where one block's part of a segment's offload region lies.
-struct RegionPart {
-    block: usize,
-    /// Elements of the block's parameters.
-    in_block: Range<usize>,
-    /// The same elements in the region's parameter third.
-    in_region: Range<usize>,
-}
 
 /// Where one parameter's part of a block range lies.
 struct ParamSpan {
@@ -112,86 +107,70 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok((values, tensors))
     }
 
-    /// The part of block `index` this actor owns in a checkpoint: (range in the block, where its
-    /// optimizer state lives); `None` when another actor owns it all.
-    fn checkpoint_part(&self, index: usize) -> Option<(Range<usize>, Range<usize>)> {
-        if !self.stage.held_blocks[index] {
-            return None;
-        }
-        if self.state.sharding.zero.shards_optimizer() {
-            self.state.sharding.owned_part(index, &self.stage.offsets)
-        } else if self.state.sharding.rank == 0 {
-            let len = self.stage.offsets[index + 1] - self.stage.offsets[index];
-            Some((0..len, self.stage.offsets[index]..self.stage.offsets[index + 1]))
-        } else {
-            None
-        }
+    /// The blocks `range` (of segment `segment`) covers: (block, its elements in the block's
+    /// trained vector, the same elements relative to `range`).
+    fn blocks_of(
+        &self,
+        segment: &SegmentPlan,
+        range: &Range<usize>,
+    ) -> Vec<(usize, Range<usize>, Range<usize>)> {
+        let offsets = &self.stage.offsets;
+        let base = offsets[segment.start];
+        (segment.start..segment.end)
+            .filter_map(|block| {
+                let from = (offsets[block] - base).max(range.start);
+                let to = (offsets[block + 1] - base).min(range.end);
+                (from < to).then(|| {
+                    let in_block = from + base - offsets[block]..to + base - offsets[block];
+                    (block, in_block, from - range.start..to - range.start)
+                })
+            })
+            .collect()
     }
 
-    /// The segments handed to the offload actor, each with its region's parameter count and the
-    /// parts of its blocks in the region (the region covers the segment's optimizer range: the
-    /// shard under ZeRO ≥ 1, the whole segment otherwise).
-    fn offload_regions(&self) -> Result<Vec<(usize, usize, Vec<RegionPart>)>, String> {
-        let mut starts: Vec<usize> = self.state.sharding.segments.keys().copied().collect();
-        starts.sort_unstable();
-        let mut out = Vec::new();
-        for start in starts {
-            let end = self.state.sharding.segment(start)?.end;
-            let base = self.stage.offsets[start];
-            let range = self
-                .state
-                .sharding
-                .optimizer_range(start, self.stage.offsets[end] - base)?;
-            let parts = (start..end)
-                .filter_map(|block| {
-                    let from = (self.stage.offsets[block] - base).max(range.start);
-                    let to = (self.stage.offsets[block + 1] - base).min(range.end);
-                    (from < to).then(|| RegionPart {
-                        block,
-                        in_block: from + base - self.stage.offsets[block]
-                            ..to + base - self.stage.offsets[block],
-                        in_region: from - range.start..to - range.start,
-                    })
-                })
-                .collect();
-            out.push((start, range.len(), parts));
+    /// Reads `range` of segment `segment` from `checkpoint`, block by block, parameter by
+    /// parameter: the values and the state tensors `state`, each of the range's length.
+    fn read_segment(
+        &self,
+        checkpoint: &CheckpointReader,
+        segment: &SegmentPlan,
+        range: &Range<usize>,
+        state: &[&str],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>), String> {
+        let mut values = vec![0.0f32; range.len()];
+        let mut tensors = vec![vec![0.0f32; range.len()]; state.len()];
+        for (block, in_block, in_range) in self.blocks_of(segment, range) {
+            let (v, st) = self.read_range(checkpoint, block, &in_block, state)?;
+            values[in_range.clone()].copy_from_slice(&v);
+            for (into, from) in tensors.iter_mut().zip(st) {
+                into[in_range.clone()].copy_from_slice(&from);
+            }
         }
-        Ok(out)
+        Ok((values, tensors))
     }
 
     /// This actor's pieces of the model and optimizer state.
     pub(super) fn checkpoint_state(&self) -> Result<Option<ShardState>, String> {
-        let mut pieces = match &self.state.offload {
-            Some(offload) => {
-                if !self.state.sharding.zero.shards_optimizer() && self.state.sharding.rank != 0 {
-                    return Ok(None);
-                }
-                let names = self.state.optimizer.spec().state_names();
-                let mut pieces = Vec::new();
-                for (start, len, parts) in self.offload_regions()? {
-                    if len == 0 {
-                        continue; // this replica's shard of the segment is empty
-                    }
-                    let region = offload.read_state(start)?;
-                    // `[params | state 1 | state 2]`, as many parts as the rule keeps tensors + 1.
-                    let kept = (region.len() / len.max(1)).saturating_sub(1);
-                    if kept != names.len() {
-                        return Err(format!(
-                            "the offload actor keeps {kept} state tensors per parameter, {} keeps {names:?}",
-                            self.state.optimizer.spec().name()
-                        ));
-                    }
-                    for p in parts {
-                        let part = |k: usize| &region[k * len + p.in_region.start..k * len + p.in_region.end];
-                        let state: Vec<(&str, &[f32])> =
-                            names.iter().enumerate().map(|(k, n)| (*n, part(k + 1))).collect();
-                        pieces.extend(self.pieces_of(p.block, &p.in_block, part(0), &state));
-                    }
-                }
-                pieces
+        let names = self.state.optimizer.spec().state_names();
+        let mut pieces = Vec::new();
+        for segment in self.state.sharding.segments.values() {
+            if segment.saved.is_empty() {
+                continue;
             }
-            None => self.resident_pieces(),
-        };
+            let (params, state) = (self.state.store).region(
+                &self.state.held,
+                &self.state.optimizer,
+                segment,
+                &segment.saved,
+                names,
+            )?;
+            for (block, in_block, at) in self.blocks_of(segment, &segment.saved) {
+                let state: Vec<(&str, &[f32])> = (names.iter().zip(&state))
+                    .map(|(name, v)| (*name, &v[at.clone()]))
+                    .collect();
+                pieces.extend(self.pieces_of(block, &in_block, &params[at], &state));
+            }
+        }
         // Frozen values are whole on every replica: the first one writes them.
         if self.state.sharding.rank == 0 {
             pieces.extend(self.frozen_pieces());
@@ -199,14 +178,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         if pieces.is_empty() {
             return Ok(None);
         }
-        // The offload actor counts the steps it took; the device optimizer its own.
-        let steps = if self.state.offload.is_some() {
-            self.state.steps_done
-        } else {
-            self.state.optimizer.steps()
-        };
         Ok(Some(ShardState {
-            steps,
+            steps: self.state.store.steps(&self.state.optimizer),
             schedule_step: self.state.optimizer.schedule_step(),
             pieces,
         }))
@@ -236,90 +209,31 @@ impl<B: AutodiffBackend> Trainer<B> {
         .collect()
     }
 
-    /// The owned pieces of state held by this actor itself (no offload).
-    fn resident_pieces(&self) -> Vec<Piece> {
-        let mut pieces = Vec::new();
-        for index in 0..self.stage.blocks.len() {
-            let Some((in_block, at)) = self.checkpoint_part(index) else {
-                continue;
-            };
-            let params = if self.state.sharding.zero.shards_parameters() {
-                self.state.shard_master[at.clone()].to_vec()
-            } else {
-                let base = self.stage.offsets[index];
-                self.state.master[base + in_block.start..base + in_block.end].to_vec()
-            };
-            let (m, v) = self.state.optimizer.state(at);
-            let state: Vec<(&str, &[f32])> = self
-                .state
-                .optimizer
-                .spec()
-                .state_names()
-                .iter()
-                .copied()
-                .zip([m, v])
-                .collect();
-            pieces.extend(self.pieces_of(index, &in_block, &params, &state));
-        }
-        pieces
-    }
-
-    /// Loads the held blocks' parameters, this actor's optimizer state, the optimizer's step
-    /// count and the schedule's position from `checkpoint`, whatever layout wrote it.
+    /// Loads the held parameters, this actor's optimizer state (into its store), the
+    /// optimizer's step count and the schedule's position from `checkpoint`, whatever layout
+    /// wrote it.
     pub fn restore(&mut self, checkpoint: &CheckpointReader) -> Result<(), String> {
         // Host buffers to restore into (the device state is rebuilt from them below).
         self.state.optimizer.ensure_state();
         let names = self.state.optimizer.spec().state_names();
-        // Offloaded state is restored below, into the offload actor's regions.
-        let resident: &[&str] = if self.state.offload.is_some() { &[] } else { names };
-        for index in 0..self.stage.blocks.len() {
-            if !self.stage.held_blocks[index] {
-                continue;
+        let segments: Vec<SegmentPlan> = self.state.sharding.segments.values().cloned().collect();
+        for segment in &segments {
+            let (values, _) = self.read_segment(checkpoint, segment, &segment.held, &[])?;
+            let at = segment.held_at..segment.held_at + segment.held.len();
+            if let Some(into) = self.state.store.held_mut(&mut self.state.held, at) {
+                into.copy_from_slice(&values);
             }
-            let len = self.stage.offsets[index + 1] - self.stage.offsets[index];
-            if !self.state.sharding.zero.shards_parameters() {
-                let (params, _) = self.read_range(checkpoint, index, &(0..len), &[])?;
-                self.state.master[self.stage.offsets[index]..self.stage.offsets[index + 1]]
-                    .copy_from_slice(&params);
-            }
-            let part = if self.state.sharding.zero.shards_optimizer() {
-                self.state.sharding.owned_part(index, &self.stage.offsets)
-            } else {
-                Some((0..len, self.stage.offsets[index]..self.stage.offsets[index + 1]))
-            };
-            if let Some((in_block, at)) = part {
-                let (params, state) = self.read_range(checkpoint, index, &in_block, resident)?;
-                if self.state.sharding.zero.shards_parameters() && !self.state.offload_params {
-                    self.state.shard_master[at.clone()].copy_from_slice(&params);
-                }
-                let empty = Vec::new();
-                let (m, v) = (state.first().unwrap_or(&empty), state.get(1).unwrap_or(&empty));
-                self.state.optimizer.set_state(at.start, m, v);
-            }
-            if !self.state.sharding.zero.shards_parameters() {
-                self.reload(index..index + 1)?;
-            }
-        }
-        if let Some(offload) = &self.state.offload {
-            let tensors = 1 + names.len();
-            for (start, len, parts) in self.offload_regions()? {
-                let mut region = vec![0.0f32; tensors * len];
-                for p in parts {
-                    let (params, state) = self.read_range(checkpoint, p.block, &p.in_block, names)?;
-                    for (k, v) in std::iter::once(params).chain(state).enumerate() {
-                        region[k * len + p.in_region.start..k * len + p.in_region.end].copy_from_slice(&v);
-                    }
-                }
-                offload.write_state(start, region)?;
+            if !segment.updated.is_empty() {
+                let (params, state) = self.read_segment(checkpoint, segment, &segment.updated, names)?;
+                (self.state.store).restore_region(&mut self.state.optimizer, segment, params, state)?;
             }
         }
         self.restore_frozen(checkpoint)?;
-        self.state.optimizer.set_steps(checkpoint.steps());
+        let steps = checkpoint.steps();
+        self.state.store.set_steps(&mut self.state.optimizer, steps);
         self.state.optimizer.set_schedule_step(checkpoint.schedule_step());
-        self.state.steps_done = checkpoint.steps();
-        if self.state.device_state.is_some() {
-            self.upload_state();
-        }
+        self.reload_held()?;
+        self.refresh_device_state();
         Ok(())
     }
 

@@ -89,8 +89,8 @@ impl<B: Backend> DeviceState<B> {
         let (spec, layout, in_place) = (self.spec, self.layout.clone(), self.in_place);
         // A whole segment's gradient (ZeRO-0, ZeRO-1's all-reduce) or this replica's shard
         // (ZeRO-2/3's reduce-scatter), as the plan says.
-        let whole_grad = !self.grads_sharded;
         let s = self.segment_mut(start)?;
+        let whole_grad = s.place.grads.len() == s.place.range.len();
         let updated = s.place.update.clone();
         // `counted` ∩ `updated`, in the optimizer's coordinates.
         let to_state = |r: Range<usize>| {

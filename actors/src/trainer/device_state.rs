@@ -44,6 +44,9 @@ pub(super) struct SegmentPlace {
     /// The parameters the device keeps between steps, relative to the segment: all of it, or
     /// (ZeRO-3) the shard it updates.
     pub(super) held: Range<usize>,
+    /// The part of the reduced gradient bucket that reaches it (the plan's): the whole segment,
+    /// or the shard it updates (ZeRO-2/3).
+    pub(super) grads: Range<usize>,
     /// Where the optimizer state of `update` starts in the optimizer's coordinates (those of its
     /// layout: the flat master without ZeRO, the concatenated shards with).
     pub(super) state_at: usize,
@@ -103,8 +106,6 @@ pub(super) struct DeviceState<B: Backend> {
     pub(super) layout: ParamLayout,
     pub(super) segments: HashMap<usize, SegmentState<B>>,
     pub(super) buckets: HashMap<TensorId, Tensor<B, 1>>,
-    /// Reduced gradients arrive as this replica's shard (ZeRO-2/3), as the plan says; else whole.
-    pub(super) grads_sharded: bool,
 }
 
 impl<B: Backend> DeviceState<B> {
@@ -152,7 +153,6 @@ impl<B: Backend> DeviceState<B> {
             layout: layout.clone(),
             segments: by_start,
             buckets: HashMap::new(),
-            grads_sharded: false,
         }
     }
 
@@ -252,7 +252,7 @@ impl<B: Backend> DeviceState<B> {
             .get_mut(&start)
             .ok_or_else(|| format!("no segment of this actor's device state starts at block {start}"))?;
         let (len, updated) = (s.place.range.len(), s.place.update.clone());
-        let whole_grad = !self.grads_sharded;
+        let whole_grad = s.place.grads.len() == len;
         let (n, expected) = (
             grad.shape().num_elements(),
             if whole_grad { len } else { updated.len() },

@@ -31,13 +31,13 @@ use archipelago_dataflow::{ActorPlan, ActorTraining, ComputeOp};
 use crate::block::{Activation, Block};
 use crate::executor::{Computation, HeldParams, StepMetrics, TensorTable};
 use crate::host_tensor::from_burn;
-use crate::offload::OffloadActor;
 use crate::typed_tensor::TypedTensor;
 
 use data::Samples;
 use fault::FaultHook;
 use parts::{HeldStage, InFlight, TrainingState};
 pub use zero::Sharding;
+use zero::part_of;
 
 mod build;
 mod checkpoint;
@@ -45,12 +45,14 @@ mod cpu_buffers;
 mod data;
 mod device_lamb;
 mod device_state;
+mod device_step;
 mod fault;
 mod full_vectors;
 mod norms;
 mod offload;
 mod parts;
 mod passes;
+mod store;
 mod zero;
 
 /// The per-micro-batch copies of a segment's blocks (see [`Block::fresh_copy`]).
@@ -110,11 +112,6 @@ pub struct Trainer<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
-    /// Flat parameters of block `index` (empty when this actor does not hold it).
-    pub fn block_params(&self, index: usize) -> &[f32] {
-        &self.state.master[self.stage.offsets[index]..self.stage.offsets[index + 1]]
-    }
-
     pub(super) fn block(&self, index: usize) -> Result<&dyn Block<B>, String> {
         self.stage.blocks[index]
             .as_deref()
@@ -205,12 +202,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
     }
 
     fn export(&mut self, name: &TensorId) -> Option<Result<TypedTensor, String>> {
-        if let Some(bucket) = self
-            .state
-            .device_state
-            .as_mut()
-            .and_then(|d| d.export_bucket(name))
-        {
+        if let Some(bucket) = self.state.store.export_bucket(name) {
             return Some(Ok(TypedTensor::flat(bucket)));
         }
         if let Some(key) = self.step.by_name.get(name) {
@@ -221,35 +213,24 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
 
     fn finish_step(&mut self) -> StepMetrics {
         self.step.clear();
-        if self.state.device_state.is_some() {
-            // A host mirror made for a checkpoint lives until here.
-            self.state.optimizer.release_state();
-        }
-        // Frozen values are kept whole beside the trained master (or its shard).
+        self.state.store.end_step(&mut self.state.optimizer);
+        // Frozen values are kept whole beside the held parameters.
         let frozen: usize = (self.stage.frozen.iter()).map(|f| f.len()).sum();
-        let params = 4 * (self.state.master.len() + self.state.shard_master.len() + frozen) as u64;
-        let state = match &self.state.device_state {
-            Some(device) => device.bytes() + 4 * frozen as u64,
-            None => params + self.state.optimizer.state_bytes(),
-        };
+        let state = (self.state.store).state_bytes(self.state.held.len(), frozen, &self.state.optimizer);
         let materialized: usize = (0..self.stage.blocks.len())
             .filter(|&i| self.stage.blocks[i].is_some())
             .map(|i| self.stage.offsets[i + 1] - self.stage.offsets[i] + self.stage.frozen[i].len())
             .sum();
         // The gradients the optimizer step consumed: whole buckets, or shards under ZeRO-2.
         let held_grads = std::mem::take(&mut self.step.optimizer_grad_bytes);
-        let steps = if self.state.offload.is_some() {
-            self.state.steps_done
-        } else {
-            self.state.optimizer.steps()
-        };
+        let steps = self.state.store.steps(&self.state.optimizer);
         let metrics = StepMetrics {
             loss: self.step.loss_sum.take(),
             model_state_bytes: state + held_grads,
             peak_model_state_bytes: state + self.step.peak_grad_bytes.max(held_grads),
             compute_weight_bytes: 4 * materialized as u64,
             peak_microbatches_held: self.step.peak_live,
-            offload: self.state.offload.as_ref().map(OffloadActor::stats),
+            offload: self.state.store.offload().ok().map(|o| o.actor.stats()),
             lr: (steps > 0).then(|| self.state.optimizer.lr_at(self.state.optimizer.schedule_step())),
             grad_norm: self.state.update.grad_norm.take(),
             transfers: Default::default(), // the executor's count of the step
@@ -264,22 +245,11 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
     }
 
     fn block_params(&self) -> Vec<HeldParams> {
-        let trained = if self.state.sharding.zero.shards_parameters() {
-            self.owned_shard_params()
-        } else {
-            (0..self.stage.blocks.len())
-                .filter(|&i| self.stage.held_blocks[i])
-                .map(|i| {
-                    let values = Trainer::block_params(self, i).to_vec();
-                    HeldParams {
-                        block: i,
-                        range: 0..values.len(),
-                        values,
-                    }
-                })
-                .collect()
-        };
-        self.in_full_vectors(trained)
+        let held = self.held_block_params().unwrap_or_else(|e| {
+            tracing::error!(actor = self.stage.actor, "held parameters unreadable: {e}");
+            Vec::new()
+        });
+        self.in_full_vectors(held)
     }
 
     fn save_state(&self) -> Result<Option<crate::checkpoint::ShardState>, String> {
@@ -287,43 +257,27 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
     }
 
     fn sync_host(&mut self) {
-        let Some(state) = &self.state.device_state else {
-            return;
-        };
-        self.state.optimizer.ensure_state();
-        let zero3 = self.state.sharding.zero.shards_parameters();
-        let (master, shard_master) = (&mut self.state.master, &mut self.state.shard_master);
-        let optimizer = &mut self.state.optimizer;
-        state.download_into(|place, params, m, v| {
-            let to = if zero3 {
-                &mut shard_master[place.state_at..place.state_at + params.len()]
-            } else {
-                let at = place.range.start + place.held.start;
-                &mut master[at..at + params.len()]
-            };
-            to.copy_from_slice(&params);
-            optimizer.set_state(place.state_at, &m, &v);
-        });
+        self.download_state();
     }
 
     fn block_squares(&self) -> Vec<(usize, f64)> {
         let sq = |v: &[f32]| v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
+        // Each element once over the group: a replica answers for the part of each segment the
+        // plan has it report; frozen values, whole on every replica, the first one.
         let first = self.state.sharding.rank == 0;
-        // Frozen values are whole on every replica: the first one answers for the group.
         let frozen = (0..self.stage.blocks.len())
             .filter(|&i| first && self.stage.held_blocks[i] && !self.stage.frozen[i].is_empty())
             .map(|i| (i, sq(&self.stage.frozen[i])));
-        if !self.state.sharding.zero.shards_parameters() {
-            // Every replica holds every parameter: the first one answers for the group.
-            if !first {
-                return Vec::new();
-            }
-            return (0..self.stage.blocks.len())
-                .filter(|&i| self.stage.held_blocks[i])
-                .map(|i| (i, sq(Trainer::block_params(self, i))))
-                .chain(frozen)
-                .collect();
-        }
-        self.shard_squares().into_iter().chain(frozen).collect()
+        let held = self.held_block_params().unwrap_or_else(|e| {
+            tracing::error!(actor = self.stage.actor, "held parameters unreadable: {e}");
+            Vec::new()
+        });
+        let reported = held.into_iter().filter_map(|h| {
+            let offsets = &self.stage.offsets;
+            let (part, _) = (self.state.sharding).block_part(h.block, offsets, part_of::reported)?;
+            let (from, to) = (part.start.max(h.range.start), part.end.min(h.range.end));
+            (from < to).then(|| (h.block, sq(&h.values[from - h.range.start..to - h.range.start])))
+        });
+        reported.chain(frozen).collect()
     }
 }

@@ -15,7 +15,7 @@ use archipelago_dataflow::ParamGroups;
 use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
 
 use super::Trainer;
-use super::zero::SegmentShard;
+use super::zero::grad_part;
 use crate::executor::TensorTable;
 use crate::optim::{ParamLayout, ParamPart, sum_of_squares};
 use crate::typed_tensor::TypedTensor;
@@ -131,29 +131,21 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let mut sum = std::mem::take(&mut self.state.update.staged_squares);
         for name in inputs {
-            if let Some(state) = &self.state.device_state {
-                let blocks = self
-                    .step
-                    .grad_ranges
-                    .get(name)
-                    .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-                let own = self.state.sharding.segment(blocks.start)?.own.clone();
-                if let Some(squares) = state.squares(name, own) {
-                    sum += squares?;
-                    continue;
-                }
-            }
-            let grad = table
-                .get(name)
-                .ok_or_else(|| format!("gradient `{name}` missing"))?;
             let blocks = self
                 .step
                 .grad_ranges
                 .get(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-            let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
-            let own = &self.state.sharding.segment(blocks.start)?.own;
-            sum += sum_of_squares(self.state.sharding.part(name, grad.f32s(), len, own)?);
+            let segment = self.state.sharding.segment(blocks.start)?;
+            // A bucket the store keeps (on the device) is summed there.
+            if let Some(squares) = self.state.store.grad_squares(name, segment.own.clone()) {
+                sum += squares?;
+                continue;
+            }
+            let grad = table
+                .get(name)
+                .ok_or_else(|| format!("gradient `{name}` missing"))?;
+            sum += sum_of_squares(grad_part(name, grad.f32s(), segment, &segment.own)?);
         }
         let out = outputs.first().ok_or("GradNorm names no output")?;
         table.insert(out.clone(), TypedTensor::flat(vec![sum as f32]));
@@ -171,55 +163,13 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         self.begin_update(table)?;
         let mut sums = vec![0.0f64; self.state.optimizer.norms_len()];
-        // With the state on the device the buckets are read there; otherwise from the table.
-        let on_device = self.state.device_state.is_some();
-        if on_device {
-            self.trust_norms_on_device(inputs, &mut sums, table)?;
-        }
-        let host_buckets = inputs.iter().filter(|n| !on_device && **n != GRAD_SQUARES);
-        for name in host_buckets {
-            let grad = table
-                .get(name)
-                .ok_or_else(|| format!("gradient `{name}` missing"))?;
-            let blocks = self
-                .step
-                .grad_ranges
-                .get(name)
-                .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-            let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
-            let SegmentShard { own, state, .. } = self.state.sharding.segment(blocks.start)?.clone();
-            if !self.state.sharding.zero.shards_optimizer() {
-                let len = range.len();
-                if grad.elements() != len {
-                    return Err(format!(
-                        "gradient `{name}` has {} values, not {len}",
-                        grad.elements()
-                    ));
-                }
-                for (piece, counted) in [(0..own.start, false), (own.clone(), true), (own.end..len, false)] {
-                    if piece.is_empty() {
-                        continue;
-                    }
-                    let at = range.start + piece.start..range.start + piece.end;
-                    let sink = if counted { Some(&mut sums[..]) } else { None };
-                    self.state.optimizer.accumulate_norms(
-                        at.start,
-                        &self.state.master[at],
-                        &grad.f32s()[piece],
-                        sink,
-                    );
-                }
-                continue;
+        let buckets: Vec<&TensorId> = inputs.iter().filter(|n| **n != GRAD_SQUARES).collect();
+        if self.state.store.device().is_some() {
+            self.trust_norms_on_device(&buckets, &mut sums, table)?;
+        } else {
+            for name in buckets {
+                self.trust_norms_of(name, &mut sums, table)?;
             }
-            let grads = self.state.sharding.part(name, grad.f32s(), range.len(), &own)?;
-            let params = if self.state.sharding.zero.shards_parameters() {
-                &self.state.shard_master[state..state + own.len()]
-            } else {
-                &self.state.master[range.start + own.start..range.start + own.end]
-            };
-            self.state
-                .optimizer
-                .accumulate_norms(state, params, grads, Some(&mut sums[..]));
         }
         let out = outputs.first().ok_or("TrustNorms names no output")?;
         table.insert(
@@ -229,29 +179,47 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    /// `TrustNorms` with the state on the device: each bucket (on the device, or reduced in host
-    /// memory and moved onto it) updates its segment's moments there and adds the partial sums
-    /// of the elements this replica answers for.
-    fn trust_norms_on_device(
+    /// LAMB's first phase for bucket `name` in host memory: the moments of the part this actor
+    /// updates, and into `sums` the squares of what it owns of that part.
+    fn trust_norms_of(
         &mut self,
-        inputs: &[TensorId],
+        name: &TensorId,
         sums: &mut [f64],
-        table: &mut TensorTable,
+        table: &TensorTable,
     ) -> Result<(), String> {
-        let ctx = self.state.optimizer.context();
-        for name in inputs.iter().filter(|n| **n != GRAD_SQUARES) {
-            let blocks = self
-                .step
-                .grad_ranges
-                .get(name)
-                .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?
-                .clone();
-            let counted = self.state.sharding.segment(blocks.start)?.own.clone();
-            let reduced = table.remove(name).map(TypedTensor::into_f32_vec);
-            let state = self.state.device_state.as_mut().ok_or("no device state")?;
-            let grad = state.bucket(name, reduced, &self.stage.device)?;
-            self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
-            state.lamb_moments(blocks.start, grad, counted, &ctx, sums)?;
+        let grad = table
+            .get(name)
+            .ok_or_else(|| format!("gradient `{name}` missing"))?;
+        let blocks = self
+            .step
+            .grad_ranges
+            .get(name)
+            .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+        let segment = self.state.sharding.segment(blocks.start)?.clone();
+        let (updated, own) = (segment.updated.clone(), segment.own.clone());
+        let grads = grad_part(name, grad.f32s(), &segment, &updated)?;
+        // The updated part, cut where this replica's own shard begins and ends.
+        let (from, to) = (
+            own.start.clamp(updated.start, updated.end),
+            own.end.clamp(updated.start, updated.end),
+        );
+        for (piece, counted) in [
+            (updated.start..from, false),
+            (from..to, true),
+            (to..updated.end, false),
+        ] {
+            if piece.is_empty() {
+                continue;
+            }
+            let in_updated = piece.start - updated.start..piece.end - updated.start;
+            let held = segment.held_at + piece.start - segment.held.start;
+            let sink = if counted { Some(&mut sums[..]) } else { None };
+            self.state.optimizer.accumulate_norms(
+                segment.state_at + in_updated.start,
+                &self.state.held[held..held + piece.len()],
+                &grads[in_updated],
+                sink,
+            );
         }
         Ok(())
     }

@@ -9,15 +9,12 @@
 //! has the staged updates applied with the clipping factor before collecting them.
 
 use archipelago_dataflow::TensorId;
-use archipelago_dataflow::ZeroStage;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::Trainer;
-use super::zero::SegmentShard;
+use super::zero::grad_part;
 use crate::executor::TensorTable;
-use crate::offload::OffloadActor;
 use crate::optim::{StepContext, clip_factor, sum_of_squares};
-use crate::typed_tensor::TypedTensor;
 use archipelago_dataflow::passes::optimizer::GRAD_SQUARES;
 
 /// Whole gradient buffers kept for the next step under offload (the rest are freed: the point
@@ -25,28 +22,19 @@ use archipelago_dataflow::passes::optimizer::GRAD_SQUARES;
 const SPARE_BUFFERS: usize = 2;
 
 impl<B: AutodiffBackend> Trainer<B> {
-    fn offload_actor(&self) -> Result<&OffloadActor, String> {
-        self.state
-            .offload
-            .as_ref()
-            .ok_or_else(|| "this actor has no offload actor (the plan has no --offload)".to_string())
-    }
-
-    /// Hands the reduced bucket `name` (or this replica's shard of it) to the offload actor.
+    /// Hands the reduced bucket `name` (the part of it this actor updates) to the offload actor.
     pub(super) fn offload_grads(&mut self, name: &TensorId, table: &mut TensorTable) -> Result<(), String> {
         let (grad, blocks) = self.take_bucket(name, table)?;
-        let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
-        let range = self.state.sharding.optimizer_range(blocks.start, len)?;
-        let part = self.state.sharding.part(name, grad.f32s(), len, &range)?;
+        let segment = self.state.sharding.segment(blocks.start)?.clone();
+        let part = grad_part(name, grad.f32s(), &segment, &segment.updated)?;
         let deferred = self.state.update.clip.is_some();
         if deferred {
             // GradNorm counts this actor's share (its count shard of a replicated bucket).
-            let own = &self.state.sharding.segment(blocks.start)?.own;
-            self.state.update.staged_squares +=
-                sum_of_squares(self.state.sharding.part(name, grad.f32s(), len, own)?);
+            let own = grad_part(name, grad.f32s(), &segment, &segment.own)?;
+            self.state.update.staged_squares += sum_of_squares(own);
         }
         let grads = if part.len() == grad.elements() {
-            grad.into_f32_vec() // already the shard (or the whole bucket is the range): no copy
+            grad.into_f32_vec() // already the part (the whole bucket, or the shard): no copy
         } else {
             let shard = part.to_vec();
             if self.step.spare_buffers.len() < SPARE_BUFFERS {
@@ -55,22 +43,23 @@ impl<B: AutodiffBackend> Trainer<B> {
             shard
         };
         self.step.offload_traffic.to_tier += 4 * grads.len() as u64;
+        let step = self.offloaded_step(1.0);
+        let store = self.state.store.offload_mut()?;
         if deferred {
-            self.offload_actor()?.stage(blocks.start, grads)?;
+            store.actor.stage(blocks.start, grads)?;
         } else {
-            let step = self.offloaded_step(1.0);
-            let return_params = !self.state.offload_params;
-            self.offload_actor()?
-                .update(step, blocks.start, grads, return_params)?;
+            store
+                .actor
+                .update(step, blocks.start, grads, !store.params_in_tier)?;
         }
-        self.state.handed_off.push(blocks.start);
+        store.handed_off.push(blocks.start);
         Ok(())
     }
 
     /// The context of this step's offloaded update, with clipping factor `grad_scale`.
     fn offloaded_step(&self, grad_scale: f32) -> StepContext {
         StepContext {
-            t: self.state.steps_done + 1,
+            t: self.state.store.steps(&self.state.optimizer) + 1,
             lr: self.state.optimizer.next_lr(),
             grad_scale,
         }
@@ -90,11 +79,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         };
         self.state.update.grad_norm = Some(total.max(0.0).sqrt());
         let step = self.offloaded_step(clip_factor(total as f64, max));
-        self.offload_actor()?
-            .apply_staged(step, !self.state.offload_params)
+        let store = self.state.store.offload()?;
+        store.actor.apply_staged(step, !store.params_in_tier)
     }
 
-    /// Takes every handed-off segment's updated parameters back from the offload actor.
+    /// Takes every handed-off segment's updated parameters back from the offload actor into
+    /// the held parameters (not under `--offload-params`), then does what follows the update.
     pub(super) fn collect_offloaded(
         &mut self,
         outputs: &[TensorId],
@@ -103,42 +93,32 @@ impl<B: AutodiffBackend> Trainer<B> {
         if let Some(max) = self.state.update.clip {
             self.apply_deferred(max, table)?;
         }
-        let mut starts: Vec<usize> = self.state.sharding.segments.keys().copied().collect();
-        starts.sort_unstable();
-        if self.state.handed_off.len() != starts.len() {
+        let handed_off = std::mem::take(&mut self.state.store.offload_mut()?.handed_off);
+        let starts: Vec<usize> = self.state.sharding.segments.keys().copied().collect();
+        if handed_off.len() != starts.len() {
             return Err(format!(
                 "the optimizer step found {} of this actor's {} gradient buckets handed to the offload actor",
-                self.state.handed_off.len(),
+                handed_off.len(),
                 starts.len()
             ));
         }
-        for _ in 0..std::mem::take(&mut self.state.handed_off).len() {
-            let (start, params) = self.offload_actor()?.next_updated()?;
+        for _ in 0..handed_off.len() {
+            let (start, params) = self.state.store.offload()?.actor.next_updated()?;
             self.step.offload_traffic.from_tier += 4 * params.len() as u64;
-            let SegmentShard { end, own, state } = self.state.sharding.segment(start)?.clone();
-            let range = self.stage.offsets[start]..self.stage.offsets[end];
-            match self.state.sharding.zero {
-                ZeroStage::Replicated => {
-                    self.state.master[range].copy_from_slice(&params);
-                    self.reload(start..end)?;
-                }
-                ZeroStage::ShardedOptimizer | ZeroStage::ShardedGradients => {
-                    let mut gathered = self.gather_buffer(range.len());
-                    gathered[own].copy_from_slice(&params);
-                    let k = starts
-                        .iter()
-                        .position(|&s| s == start)
-                        .expect("a segment of this actor");
-                    let out = outputs.get(k).ok_or_else(|| {
-                        format!("the optimizer step names no output for blocks {start}..{end}")
-                    })?;
-                    table.insert(out.clone(), TypedTensor::flat(gathered));
-                }
-                _ if self.state.offload_params => {}
-                _ => self.state.shard_master[state..state + own.len()].copy_from_slice(&params),
+            let segment = self.state.sharding.segment(start)?.clone();
+            let at = segment.held_at + segment.updated.start - segment.held.start;
+            if let Some(into) = (self.state.store).held_mut(&mut self.state.held, at..at + params.len()) {
+                into.copy_from_slice(&params);
             }
+            let k = starts
+                .iter()
+                .position(|&s| s == start)
+                .expect("a segment of this actor");
+            let after = self.state.after_update;
+            self.after_update(after, &segment, k, outputs, table)?;
         }
-        self.state.steps_done += 1;
+        let store = self.state.store.offload_mut()?;
+        store.steps_done += 1;
         // The update ran on the offload actor; the schedule's position is kept here.
         self.state
             .optimizer

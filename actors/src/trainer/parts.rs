@@ -14,12 +14,11 @@ use burn::tensor::backend::AutodiffBackend;
 use archipelago_dataflow::{ActorId, ModelDesc, ParamDesc, TrainedLayout};
 
 use super::data::Batch;
-use super::device_state::DeviceState;
 use super::norms::UpdateState;
+use super::store::Store;
 use super::{BlockCopies, Segment, Sharding};
 use crate::block::{Activation, Block};
 use crate::block_frozen::PartlyFrozen;
-use crate::offload::OffloadActor;
 use crate::optim::FlatOptimizer;
 use crate::zoo::{BuildContext, ModelBuilder};
 
@@ -123,35 +122,27 @@ impl<B: AutodiffBackend> InFlight<B> {
     }
 }
 
-/// What outlives a step: the master parameters and optimizer, the ZeRO shards, the offload
-/// actor, and the state on the device (`--state device`).
+/// What outlives a step: the held parameters and the optimizer, the plan's segments, and the
+/// store that keeps the state (host, device or offload tier).
 pub(super) struct TrainingState<B: AutodiffBackend> {
-    /// f32 master parameters of the held blocks, flat in block order (host copies when the
-    /// state lives on the device).
-    pub(super) master: Vec<f32>,
+    /// The f32 parameters this actor keeps between steps: the held part of each segment (the
+    /// whole segment; its shard under ZeRO-3), concatenated in segment order
+    /// (`SegmentPlan::held_at`). Host copies when the state lives on the device; empty when the
+    /// offload tier keeps them (`--offload-params`).
+    pub(super) held: Vec<f32>,
     pub(super) optimizer: FlatOptimizer,
     /// Clipping, and the optimizer step in flight.
     pub(super) update: UpdateState,
-    /// ZeRO sharding over the dp group (the plan's).
+    /// The plan's segments: what this actor holds, updates, receives and saves of each.
     pub(super) sharding: Sharding,
     /// The optimizer step the plan calls for (`ActorTraining::update_scope`, decided once).
     pub(super) update_scope: UpdateScope,
-    /// ZeRO-3: this replica's shards of the segments' parameters, concatenated (the master copy).
-    pub(super) shard_master: Vec<f32>,
-    /// ZeRO-3: full-segment buffers kept for the next gathers.
+    /// What follows the update of a segment, wherever it ran (`ActorTraining::after_update`).
+    pub(super) after_update: UpdateScope,
+    /// Full-segment buffers kept for the next all-gathers.
     pub(super) gather_pool: Vec<Vec<f32>>,
-    /// The offload actor holding the master shard and optimizer state (with `--offload`).
-    pub(super) offload: Option<OffloadActor>,
-    /// ZeRO-3 with `--offload-params`: the parameter shards live with the offload actor too.
-    pub(super) offload_params: bool,
-    /// Segments (by first block) handed to the offload actor this step, in order.
-    pub(super) handed_off: Vec<usize>,
-    /// Optimizer steps taken (the offload actor's Adam step counter is this + 1).
-    pub(super) steps_done: i32,
-    /// `--state device`: the master parameters, optimizer state and gradient buckets on the
-    /// device (authoritative; `master` and the optimizer's moments are then host copies brought
-    /// up to date by `Computation::sync_host`).
-    pub(super) device_state: Option<DeviceState<B::InnerBackend>>,
+    /// Where the optimizer state (and with `--offload-params` the parameters) lives.
+    pub(super) store: Store<B::InnerBackend>,
     /// Update the device state with tensor ops even where its buffers are host memory (CPU).
     pub(super) tensor_op_update: bool,
 }

@@ -185,14 +185,13 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
         let first = self.step.grads_started.insert(grad_name.clone());
-        if let Some(state) = &mut self.state.device_state {
-            // The bucket stays on the device (summed there over micro-batches).
-            let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
-            state.add_grads(grad_name, parts, first);
+        let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
+        // A store that keeps buckets (on the device) sums them there over micro-batches.
+        let Some(parts) = self.state.store.keep_grads(grad_name, parts, first) else {
             self.step.grad_ranges.insert(grad_name.clone(), blocks);
             self.step.peak_grad_bytes = self.step.peak_grad_bytes.max(4 * range.len() as u64);
             return Ok(());
-        }
+        };
         let mut flat = if first {
             match self
                 .step
@@ -210,7 +209,6 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .into_f32_vec()
         };
         // On a GPU one device-to-host read for the whole bucket (see `read_flat`).
-        let parts = copies.iter().flat_map(|copy| copy.take_grads(grads)).collect();
         read_flat(parts, &mut flat, !first, self.batched_transfers);
         if let Some(fault) = &mut self.fault {
             fault.on_bucket(grad_name, &mut flat);

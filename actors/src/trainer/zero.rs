@@ -4,30 +4,21 @@
 
 use archipelago_dataflow::TensorId;
 use archipelago_dataflow::UpdateScope;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
 
 use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
-use archipelago_dataflow::{ActorTraining, ZeroStage};
+use archipelago_dataflow::{ActorTraining, SegmentPlan, ZeroStage};
 
 use super::Trainer;
+use super::store::Gathered;
 use crate::executor::{HeldParams, TensorTable};
 use crate::typed_tensor::TypedTensor;
 
-/// This replica's shard of one segment (gradient bucket).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct SegmentShard {
-    /// One past the segment's last block.
-    pub(super) end: usize,
-    /// The owned elements, relative to the segment's first parameter.
-    pub(super) own: Range<usize>,
-    /// Where the shard starts in the optimizer state (and, under ZeRO-3, in the shard master).
-    pub(super) state: usize,
-}
-
-/// Where this actor sits in its data-parallel group, and what ZeRO shards.
+/// Where this actor sits in its data-parallel group, and its part of each segment (what it
+/// holds, updates, receives and saves: the plan's [`SegmentPlan`], decided once by the compiler).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sharding {
     /// The ZeRO stage in force (the plan's: replicated when the group has one member).
@@ -36,16 +27,15 @@ pub struct Sharding {
     pub rank: usize,
     /// Members of the dp group.
     pub members: usize,
-    /// This replica's shard of each segment, by the segment's first block.
-    pub(super) segments: HashMap<usize, SegmentShard>,
+    /// Its segments, by first block.
+    pub(super) segments: BTreeMap<usize, SegmentPlan>,
 }
 
 impl Sharding {
-    /// The shards the plan gives this actor (`training`), for a model whose block `i` lives at
-    /// `offsets[i]..offsets[i + 1]` of the flat parameters.
+    /// The segments the plan gives this actor (`training`), for a model whose block `i` lives at
+    /// `offsets[i]..offsets[i + 1]` of the trained vectors of the blocks it holds.
     pub(super) fn of(training: &ActorTraining, offsets: &[usize]) -> Result<Sharding, String> {
-        let mut shards = HashMap::new();
-        let mut state = 0;
+        let mut segments = BTreeMap::new();
         for segment in &training.segments {
             let (start, end) = (segment.start, segment.end);
             if offsets[end] - offsets[start] != segment.params {
@@ -55,101 +45,115 @@ impl Sharding {
                     offsets[end] - offsets[start]
                 ));
             }
-            let own = segment.own.clone();
-            let len = own.len();
-            shards.insert(start, SegmentShard { end, own, state });
-            state += len;
+            // A segment held whole lies in the held vector where its blocks lie in the trained
+            // vectors (the modules are loaded from there).
+            if segment.held.len() == segment.params && segment.held_at != offsets[start] {
+                return Err(format!(
+                    "the plan holds blocks {start}..{end} at {}, their parameters start at {}",
+                    segment.held_at, offsets[start]
+                ));
+            }
+            segments.insert(start, segment.clone());
         }
         Ok(Sharding {
             zero: training.zero,
             rank: training.replica,
             members: training.replicas,
-            segments: shards,
+            segments,
         })
     }
 
-    /// The range of the segment starting at `start` (of `len` parameters) this actor's
-    /// optimizer updates: its shard under ZeRO ≥ 1, the whole segment otherwise.
-    pub(super) fn optimizer_range(&self, start: usize, len: usize) -> Result<Range<usize>, String> {
-        if self.zero.shards_optimizer() {
-            Ok(self.segment(start)?.own.clone())
-        } else {
-            Ok(0..len)
-        }
-    }
-
-    /// The part of block `index` this replica owns, as (range in the block's parameters, range
-    /// in the concatenated shards); `None` when it owns none of it.
-    pub(super) fn owned_part(&self, index: usize, offsets: &[usize]) -> Option<(Range<usize>, Range<usize>)> {
-        let (&start, shard) = self
+    /// The part `part` (of a segment, by [`part_of`]) that lies in block `index`, as (range in
+    /// the block's trained vector, range in the concatenation `part` starts at `at` in); `None`
+    /// when it has none of the block.
+    pub(super) fn block_part(
+        &self,
+        index: usize,
+        offsets: &[usize],
+        part: fn(&SegmentPlan) -> (Range<usize>, usize),
+    ) -> Option<(Range<usize>, Range<usize>)> {
+        let segment = self
             .segments
-            .iter()
-            .find(|(start, shard)| (**start..shard.end).contains(&index))?;
-        let base = offsets[start];
-        // The block's elements, relative to the segment, intersected with the shard.
-        let from = (offsets[index] - base).max(shard.own.start);
-        let to = (offsets[index + 1] - base).min(shard.own.end);
+            .values()
+            .find(|s| (s.start..s.end).contains(&index))?;
+        let (range, at) = part(segment);
+        let base = offsets[segment.start];
+        // The block's elements, relative to the segment, intersected with the part.
+        let from = (offsets[index] - base).max(range.start);
+        let to = (offsets[index + 1] - base).min(range.end);
         (from < to).then(|| {
             let block = offsets[index] - base;
-            let state = shard.state + from - shard.own.start;
-            (from - block..to - block, state..state + to - from)
+            let into = at + from - range.start;
+            (from - block..to - block, into..into + to - from)
         })
     }
 
-    /// Optimizer state elements this actor keeps under ZeRO ≥ 1.
-    pub(super) fn state_len(&self) -> usize {
-        self.segments.values().map(|s| s.own.len()).sum()
+    /// Whether block `index`'s segment is held whole (its module lives between steps).
+    pub(super) fn holds_whole(&self, index: usize) -> bool {
+        let mut segments = self.segments.values();
+        segments.any(|s| (s.start..s.end).contains(&index) && s.held.len() == s.params)
     }
 
-    /// The shard of the segment starting at block `start`.
-    pub(super) fn segment(&self, start: usize) -> Result<&SegmentShard, String> {
+    /// Optimizer state elements this actor keeps.
+    pub(super) fn state_len(&self) -> usize {
+        self.segments.values().map(|s| s.updated.len()).sum()
+    }
+
+    /// Parameters this actor keeps between steps.
+    pub(super) fn held_len(&self) -> usize {
+        self.segments.values().map(|s| s.held.len()).sum()
+    }
+
+    /// The segment starting at block `start`.
+    pub(super) fn segment(&self, start: usize) -> Result<&SegmentPlan, String> {
         self.segments
             .get(&start)
             .ok_or_else(|| format!("no segment of this actor starts at block {start}"))
     }
 }
 
-/// The values of gradient `name` this replica updates: `range` of the whole bucket (`len`
-/// values), or — where the plan's ZeRO stage reduce-scatters (`sharded`,
-/// `ZeroStage::shards_gradients`) — the shard it received, which is `range` itself. A
-/// length other than the plan's is an error that names both, never a guess.
-fn bucket_part<'g>(
-    name: &TensorId,
-    grad: &'g [f32],
-    sharded: bool,
-    len: usize,
-    range: &Range<usize>,
-) -> Result<&'g [f32], String> {
-    let (expected, form) = if sharded {
-        (range.len(), "as this replica's shard")
-    } else {
-        (len, "whole")
-    };
-    if grad.len() != expected {
-        return Err(format!(
-            "gradient `{name}` has {} values; the plan says it arrives {form} ({expected} values)",
-            grad.len()
-        ));
+/// Which part of a segment, and where its concatenation over the segments starts it.
+pub(super) mod part_of {
+    use super::*;
+
+    /// The parameters kept between steps, in the held vector.
+    pub(in super::super) fn held(s: &SegmentPlan) -> (Range<usize>, usize) {
+        (s.held.clone(), s.held_at)
     }
-    Ok(if sharded { grad } else { &grad[range.clone()] })
+
+    /// What it answers for in the model's norms, placed as the held part is.
+    pub(in super::super) fn reported(s: &SegmentPlan) -> (Range<usize>, usize) {
+        (s.reported.clone(), s.held_at)
+    }
 }
 
-impl Sharding {
-    /// Whether reduced gradients arrive as this replica's shard (ZeRO-2/3), as the plan says.
-    pub(super) fn grads_sharded(&self) -> bool {
-        self.zero.shards_gradients()
+/// The values `range` (of the segment) of gradient `name`, which arrives as the plan's `grads`
+/// part of `segment`. A length other than the plan's is an error that names both, never a guess.
+pub(super) fn grad_part<'g>(
+    name: &TensorId,
+    grad: &'g [f32],
+    segment: &SegmentPlan,
+    range: &Range<usize>,
+) -> Result<&'g [f32], String> {
+    let arrives = &segment.grads;
+    if grad.len() != arrives.len() {
+        let form = if arrives.len() == segment.params {
+            "whole"
+        } else {
+            "as this replica's shard"
+        };
+        return Err(format!(
+            "gradient `{name}` has {} values; the plan says it arrives {form} ({} values)",
+            grad.len(),
+            arrives.len()
+        ));
     }
-
-    /// `bucket_part` with the form the plan gives this actor's gradients.
-    pub(super) fn part<'g>(
-        &self,
-        name: &TensorId,
-        grad: &'g [f32],
-        len: usize,
-        range: &Range<usize>,
-    ) -> Result<&'g [f32], String> {
-        bucket_part(name, grad, self.grads_sharded(), len, range)
+    if range.start < arrives.start || range.end > arrives.end {
+        return Err(format!(
+            "gradient `{name}` arrives as {arrives:?} of its segment, which does not hold {range:?}"
+        ));
     }
+    Ok(&grad[range.start - arrives.start..range.end - arrives.start])
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -170,6 +174,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok((grad, blocks))
     }
 
+    /// `OptimizerStep` (all but the offloaded one): each reduced bucket updates the part of its
+    /// segment the plan gives this actor, then — as `scope` says — the modules take the whole
+    /// updated segment, the updated shard goes to the all-gather, or the shard stays.
     pub(super) fn optimizer_step(
         &mut self,
         scope: UpdateScope,
@@ -178,60 +185,68 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         self.begin_update(table)?;
-        if self.state.device_state.is_some() {
+        if self.state.store.device().is_some() {
             return self.optimizer_step_on_device(scope, inputs, outputs, table);
         }
         self.take_trust_norms(table)?;
-        for (k, name) in inputs.iter().enumerate() {
-            if *name == GRAD_SQUARES || *name == TRUST_SQUARES {
-                continue; // read by begin_update and take_trust_norms
-            }
+        let buckets = inputs
+            .iter()
+            .filter(|n| **n != GRAD_SQUARES && **n != TRUST_SQUARES);
+        for (k, name) in buckets.enumerate() {
             let (mut grad, blocks) = self.take_bucket(name, table)?;
             if let Some(fault) = &mut self.fault {
                 let step = self.state.optimizer.steps() as u64;
                 grad = fault.on_update(name, step, grad);
             }
-            let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
-            if scope == UpdateScope::Whole {
-                self.state
-                    .optimizer
-                    .update(range.start, &mut self.state.master[range.clone()], grad.f32s());
-                self.reload(blocks.clone())?;
-            } else {
-                // ZeRO: update only this replica's shard; the all-gather brings the others.
-                let SegmentShard {
-                    own: shard, state, ..
-                } = self.state.sharding.segment(blocks.start)?.clone();
-                let own = range.start + shard.start..range.start + shard.end;
-                let grads = self.state.sharding.part(name, grad.f32s(), range.len(), &shard)?;
-                let shifted = self.fault.as_ref().and_then(|f| f.shard_gradient(grads));
-                let grads = shifted.as_deref().unwrap_or(grads);
-                if scope == UpdateScope::ShardKept {
-                    // The master copy is the shard itself; it stays sharded until the next gather.
-                    let at = state..state + shard.len();
-                    self.state
-                        .optimizer
-                        .update(state, &mut self.state.shard_master[at], grads);
-                    self.step.optimizer_grad_bytes += grad.byte_len() as u64;
-                    continue;
-                }
-                self.state
-                    .optimizer
-                    .update(state, &mut self.state.master[own.clone()], grads);
-                let mut gathered = self.gather_buffer(range.len());
-                gathered[shard].copy_from_slice(&self.state.master[own]);
-                let out = outputs
-                    .get(k)
-                    .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
-                table.insert(out.clone(), TypedTensor::flat(gathered));
-            }
+            let segment = self.state.sharding.segment(blocks.start)?.clone();
+            let updated = segment.updated.clone();
+            let grads = grad_part(name, grad.f32s(), &segment, &updated)?;
+            let shifted = (self.fault.as_ref())
+                .filter(|_| scope != UpdateScope::Whole)
+                .and_then(|f| f.shard_gradient(grads));
+            let grads = shifted.as_deref().unwrap_or(grads);
+            let at = segment.held_at + updated.start - segment.held.start;
+            let params = &mut self.state.held[at..at + updated.len()];
+            self.state.optimizer.update(segment.state_at, params, grads);
             self.step.optimizer_grad_bytes += grad.byte_len() as u64;
-            if !self.state.sharding.grads_sharded() {
+            self.after_update(scope, &segment, k, outputs, table)?;
+            if grad.elements() == segment.params {
                 // Whole buckets are reused by the next backward; ZeRO-2 shards are not.
                 self.step.spare_buffers.push(grad.into_f32_vec());
             }
         }
         Ok(())
+    }
+
+    /// What follows the update of `segment` (the `k`th of this actor's), its updated part in
+    /// the held parameters: the modules take the whole segment (`Whole`), the updated shard
+    /// goes to the all-gather as output `k` (`ShardThenGather`), or it stays (`ShardKept`).
+    pub(super) fn after_update(
+        &mut self,
+        after: UpdateScope,
+        segment: &SegmentPlan,
+        k: usize,
+        outputs: &[TensorId],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        match after {
+            UpdateScope::Whole => self.reload(segment.start..segment.end),
+            UpdateScope::ShardThenGather => {
+                let updated = segment.updated.clone();
+                let at = segment.held_at + updated.start - segment.held.start;
+                let mut gathered = self.gather_buffer(segment.params);
+                gathered[updated.clone()].copy_from_slice(&self.state.held[at..at + updated.len()]);
+                let out = outputs.get(k).ok_or_else(|| {
+                    let (start, end) = (segment.start, segment.end);
+                    format!("the sharded optimizer step names no output for blocks {start}..{end}")
+                })?;
+                table.insert(out.clone(), TypedTensor::flat(gathered));
+                Ok(())
+            }
+            // ZeRO-3: the shard stays until the next forward gathers it.
+            UpdateScope::ShardKept => Ok(()),
+            UpdateScope::CollectOffloaded => Err("an update cannot be followed by another collection".into()),
+        }
     }
 
     /// ZeRO-3: this replica's shard of segment `blocks` in a buffer of the segment's length.
@@ -241,23 +256,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         output: &TensorId,
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
-        let SegmentShard { own, state, .. } = self.state.sharding.segment(blocks.start)?.clone();
-        let mut full = self.gather_buffer(len);
-        if self.state.offload_params {
-            let offload = self
-                .state
-                .offload
-                .as_ref()
-                .ok_or("parameters offloaded without an offload actor")?;
-            self.step.offload_traffic.from_tier += 4 * own.len() as u64;
-            full = offload.read_params(blocks.start, full, own)?;
-        } else if let Some(device) = &self.state.device_state {
-            let (at, values) = device.updated_shard(blocks.start)?;
-            full[at].copy_from_slice(&values);
-        } else {
-            full[own.clone()].copy_from_slice(&self.state.shard_master[state..state + own.len()]);
-        }
+        let segment = self.state.sharding.segment(blocks.start)?.clone();
+        let full = self.gather_buffer(segment.params);
+        let traffic = &mut self.step.offload_traffic;
+        let full = (self.state.store).shard_for_gather(&self.state.held, &segment, full, traffic)?;
         table.insert(output.clone(), TypedTensor::flat(full));
         Ok(())
     }
@@ -272,22 +274,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
     }
 
-    /// ZeRO-3: builds the modules of `blocks` from their gathered parameters.
-    pub(super) fn materialize(&mut self, blocks: Range<usize>, params: &[f32]) -> Result<(), String> {
-        let base = self.stage.offsets[blocks.start];
-        for index in blocks {
-            if !self.stage.held_blocks[index] {
-                return Err(format!("block {index} is not held by this actor"));
-            }
-            let block = self.stage.build_held(index);
-            let at = self.stage.offsets[index] - base..self.stage.offsets[index + 1] - base;
-            self.stage.blocks[index] = Some(block.load_params(&params[at], self.batched_transfers));
-        }
-        Ok(())
-    }
-
-    /// Loads the gathered parameters `name` of `blocks`: into the master copy and the modules
-    /// (ZeRO-1/2), or into freshly built modules (ZeRO-3, whose master copy stays sharded).
+    /// `LoadParams`: the gathered parameters `name` of segment `blocks` become its held part
+    /// (the whole segment under ZeRO-1/2; under ZeRO-3 the own shard, which they already hold)
+    /// and go into its modules (built afresh where a drop let them go).
     pub(super) fn load_params(
         &mut self,
         blocks: Range<usize>,
@@ -297,25 +286,36 @@ impl<B: AutodiffBackend> Trainer<B> {
         let params = table
             .remove(name)
             .ok_or_else(|| format!("gathered parameters `{name}` missing"))?;
-        let range = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
-        if params.elements() != range.len() {
+        let segment = self.state.sharding.segment(blocks.start)?.clone();
+        if params.elements() != segment.params || segment.end != blocks.end {
             return Err(format!(
                 "`{name}` has {} values, blocks {}..{} have {}",
                 params.elements(),
                 blocks.start,
                 blocks.end,
-                range.len()
+                segment.params
             ));
         }
-        if self.state.sharding.zero.shards_parameters() {
-            self.materialize(blocks, params.f32s())?;
-        } else if let Some(state) = &mut self.state.device_state {
-            // ZeRO-1/2 with the state on the device: the gathered segment is its new master.
-            let master = state.load_gathered(blocks.start, params.into_f32_vec(), &self.stage.device)?;
-            return self.load_modules_from(blocks, master);
-        } else {
-            self.state.master[range].copy_from_slice(params.f32s());
-            self.reload(blocks)?;
+        let params = match self
+            .state
+            .store
+            .take_gathered(&segment, params, &self.stage.device)?
+        {
+            Gathered::OnDevice(master) => return self.load_modules_from(blocks, master),
+            Gathered::OnHost(params) => params,
+        };
+        let held = segment.held_at..segment.held_at + segment.held.len();
+        if let Some(into) = self.state.store.held_mut(&mut self.state.held, held) {
+            into.copy_from_slice(&params.f32s()[segment.held.clone()]);
+        }
+        let base = self.stage.offsets[blocks.start];
+        for index in blocks {
+            let block = match self.stage.blocks[index].take() {
+                Some(block) => block,
+                None => self.stage.build_held(index),
+            };
+            let at = self.stage.offsets[index] - base..self.stage.offsets[index + 1] - base;
+            self.stage.blocks[index] = Some(block.load_params(&params.f32s()[at], self.batched_transfers));
         }
         if self.state.gather_pool.len() < 2 {
             self.state.gather_pool.push(params.into_f32_vec());
@@ -323,137 +323,47 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    /// ZeRO-3: the sums of squares of this replica's shard of each segment, by block.
-    pub(super) fn shard_squares(&self) -> Vec<(usize, f64)> {
-        let square = |v: &[f32]| v.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>();
-        (self.owned_shard_params().iter())
-            .map(|held| (held.block, square(&held.values)))
-            .collect()
-    }
-
-    /// ZeRO-3: a copy of this replica's shard of each segment, as the parts of the blocks it
-    /// covers (from the offload actor under `--offload-params`).
-    pub(super) fn owned_shard_params(&self) -> Vec<HeldParams> {
-        let fetched;
-        let shards = match &self.state.offload {
-            Some(offload) if self.state.offload_params => {
-                fetched = self.fetch_shards(offload).unwrap_or_else(|e| {
-                    tracing::error!(actor = self.stage.actor, "offloaded parameters unreadable: {e}");
-                    vec![f32::NAN; self.state.sharding.state_len()]
-                });
-                &fetched[..]
-            }
-            _ => &self.state.shard_master[..],
-        };
-        (0..self.stage.blocks.len())
-            .filter(|&i| self.stage.held_blocks[i])
-            .filter_map(|i| {
-                let (range, at) = self.state.sharding.owned_part(i, &self.stage.offsets)?;
-                let values = shards[at].to_vec();
-                Some(HeldParams {
-                    block: i,
-                    range,
-                    values,
-                })
-            })
-            .collect()
-    }
-
-    /// `--offload-params`: this replica's shards of every segment, read back from the offload
-    /// actor and concatenated as the shard master would hold them.
-    fn fetch_shards(&self, offload: &crate::offload::OffloadActor) -> Result<Vec<f32>, String> {
-        let mut shards = vec![0.0f32; self.state.sharding.state_len()];
-        for (&start, shard) in &self.state.sharding.segments {
-            let len = shard.own.len();
-            let params = offload.read_params(start, vec![0.0; len], 0..len)?;
-            shards[shard.state..shard.state + len].copy_from_slice(&params);
-        }
-        Ok(shards)
-    }
-
-    /// The update with the state on the device: each bucket (on the device, or reduced by a
-    /// collective and moved back onto it) updates its segment there (this replica's shard of it
-    /// under ZeRO-1/2), and the segment's modules take their parameters as slices of the new
-    /// master tensor — under ZeRO-1/2 after the all-gather, for which the updated shard is
-    /// written to the step's output.
-    fn optimizer_step_on_device(
-        &mut self,
-        scope: UpdateScope,
-        inputs: &[TensorId],
-        outputs: &[TensorId],
-        table: &mut TensorTable,
-    ) -> Result<(), String> {
-        let ctx = self.state.optimizer.context();
-        // LAMB's moments were updated by TrustNorms; its phase 2 needs the reduced norms.
-        let lamb = self.state.optimizer.spec().needs_param_norms();
-        if lamb {
-            self.take_trust_norms(table)?;
-        }
-        let trust = self.state.optimizer.trust().to_vec();
-        // The clipping norm was read by begin_update.
-        let buckets = inputs
-            .iter()
-            .filter(|n| **n != GRAD_SQUARES && **n != TRUST_SQUARES);
-        for (k, name) in buckets.enumerate() {
-            let blocks = self
-                .step
-                .grad_ranges
-                .remove(name)
-                .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-            let state = self.state.device_state.as_mut().ok_or("no device state")?;
-            let master = if lamb {
-                state.lamb_apply(blocks.start, &trust, &ctx)?
-            } else {
-                let reduced = table.remove(name).map(TypedTensor::into_f32_vec);
-                let grad = state.bucket(name, reduced, &self.stage.device)?;
-                self.step.optimizer_grad_bytes += 4 * grad.shape().num_elements() as u64;
-                state.update(blocks.start, grad, &ctx)?
-            };
-            match scope {
-                UpdateScope::Whole => self.load_modules_from(blocks, master)?,
-                UpdateScope::ShardThenGather => {
-                    let (own, shard) = state.updated_shard(blocks.start)?;
-                    let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
-                    let mut gathered = self.gather_buffer(len);
-                    gathered[own].copy_from_slice(&shard);
-                    let out = outputs
-                        .get(k)
-                        .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
-                    table.insert(out.clone(), TypedTensor::flat(gathered));
+    /// The held parameters of each held block, as the parts of the blocks they cover (from the
+    /// store: the offload tier keeps them under `--offload-params`).
+    pub(super) fn held_block_params(&self) -> Result<Vec<HeldParams>, String> {
+        let mut out = Vec::new();
+        for segment in self.state.sharding.segments.values() {
+            let values = self.state.store.held_values(&self.state.held, segment)?;
+            for index in segment.start..segment.end {
+                let part = self
+                    .state
+                    .sharding
+                    .block_part(index, &self.stage.offsets, part_of::held);
+                if let Some((range, at)) = part {
+                    let at = at.start - segment.held_at..at.end - segment.held_at;
+                    out.push(HeldParams {
+                        block: index,
+                        range,
+                        values: values[at].to_vec(),
+                    });
                 }
-                // ZeRO-3: the shard stays on the device until the next forward gathers it.
-                UpdateScope::ShardKept => {}
-                other => return Err(format!("the device state has no `{other}` update")),
             }
         }
-        Ok(())
+        Ok(out)
     }
 
-    /// The modules of `blocks` take their parameters as slices of `master` (the segment's
-    /// master tensor on the device).
-    fn load_modules_from(
-        &mut self,
-        blocks: Range<usize>,
-        master: burn::tensor::Tensor<B::InnerBackend, 1>,
-    ) -> Result<(), String> {
-        let base = self.stage.offsets[blocks.start];
-        for index in blocks {
-            let block = self.stage.blocks[index]
-                .take()
-                .ok_or_else(|| format!("block {index} is not held by this actor"))?;
-            let at = self.stage.offsets[index] - base..self.stage.offsets[index + 1] - base;
-            self.stage.blocks[index] = Some(block.load_params_from(master.clone().slice([at])));
-        }
-        Ok(())
+    /// Loads the held parameters into the modules that live between steps (those of the
+    /// segments held whole; the others are built at their next gather).
+    pub(super) fn reload_held(&mut self) -> Result<(), String> {
+        let whole: Vec<Range<usize>> = (self.state.sharding.segments.values())
+            .filter(|s| s.held.len() == s.params)
+            .map(|s| s.start..s.end)
+            .collect();
+        whole.into_iter().try_for_each(|blocks| self.reload(blocks))
     }
 
-    /// Loads the master parameters of `blocks` into their modules.
+    /// Loads the held parameters of `blocks` (held whole) into their modules.
     pub(super) fn reload(&mut self, blocks: Range<usize>) -> Result<(), String> {
         for index in blocks {
             let block = self.stage.blocks[index]
                 .take()
                 .ok_or_else(|| format!("block {index} is not held by this actor"))?;
-            let params = &self.state.master[self.stage.offsets[index]..self.stage.offsets[index + 1]];
+            let params = &self.state.held[self.stage.offsets[index]..self.stage.offsets[index + 1]];
             self.stage.blocks[index] = Some(block.load_params(params, self.batched_transfers));
         }
         Ok(())
