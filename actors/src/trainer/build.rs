@@ -8,11 +8,8 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{
-    ActorId, BlockInfo, ParamDesc, Program, SegmentPlan, StatePlacement, TrainedLayout,
-};
+use archipelago_dataflow::{ActorId, BlockInfo, ParamDesc, Program, SegmentPlan, TrainedLayout};
 
-use super::cpu_buffers::is_cpu;
 use super::data::samples;
 use super::fault::FaultHook;
 use super::norms::{StageParams, UpdateState};
@@ -203,16 +200,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             batched_transfers: false,
             fault: FaultHook::new(program.test_fault, training.replica, program.plan.microbatches),
         }
-        .with_state_on_device(training.state == StatePlacement::Device))
-    }
-
-    /// Moves the master parameters and optimizer state onto the device (`--state device`) from
-    /// the host copies, or leaves them in host memory.
-    fn with_state_on_device(mut self, on: bool) -> Trainer<B> {
-        if on {
-            self.upload_state();
-        }
-        self
+        .with_state_where_planned(training.state))
     }
 
     /// Reads each gradient bucket off the device in one transfer (concatenated on the device
@@ -220,20 +208,6 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// tensor by tensor: for GPUs, where every copy between host and device has a fixed cost.
     pub fn with_batched_transfers(mut self, on: bool) -> Trainer<B> {
         self.batched_transfers = on;
-        self
-    }
-
-    /// With the state on the device, updates it with tensor ops even on the CPU backend (whose
-    /// buffers the optimizer's flat loops otherwise update in place): the GPU path, for tests.
-    pub fn with_tensor_op_update(mut self, on: bool) -> Trainer<B> {
-        // Only the CPU backend has two ways to update: elsewhere the state already uploaded is
-        // the one the flag asks for, and is not moved again.
-        let changes = on != self.state.tensor_op_update && is_cpu::<B::InnerBackend>();
-        self.state.tensor_op_update = on;
-        if changes && self.state.store.device().is_some() {
-            self.download_state();
-            self.upload_state();
-        }
         self
     }
 }

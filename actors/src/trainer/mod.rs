@@ -45,14 +45,14 @@ mod cpu_buffers;
 mod data;
 mod device_lamb;
 mod device_state;
-mod device_step;
 mod fault;
 mod full_vectors;
 mod norms;
-mod offload;
 mod parts;
 mod passes;
 mod store;
+mod store_device;
+mod store_offload;
 mod zero;
 
 /// The per-micro-batch copies of a segment's blocks (see [`Block::fresh_copy`]).
@@ -230,7 +230,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             peak_model_state_bytes: state + self.step.peak_grad_bytes.max(held_grads),
             compute_weight_bytes: 4 * materialized as u64,
             peak_microbatches_held: self.step.peak_live,
-            offload: self.state.store.offload().ok().map(|o| o.actor.stats()),
+            offload: self.state.store.offload_stats(),
             lr: (steps > 0).then(|| self.state.optimizer.lr_at(self.state.optimizer.schedule_step())),
             grad_norm: self.state.update.grad_norm.take(),
             transfers: Default::default(), // the executor's count of the step

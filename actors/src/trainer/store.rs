@@ -8,8 +8,8 @@
 //! state are. The trainer asks it for a segment's held parameters, for a region's parameters and
 //! state (checkpoints), to take a region back (restore), for the shard an all-gather starts from,
 //! and for its bytes and step count — the same questions whatever the ZeRO stage, answered here
-//! per store. The update itself is each store's own: `zero.rs` (host), `device_step.rs` (device),
-//! `offload.rs` (offload).
+//! per store. The update itself is each store's own: `zero.rs` (host), `store_device.rs` with
+//! `device_state.rs` and `device_lamb.rs` (device), `store_offload.rs` (offload).
 
 use std::ops::Range;
 
@@ -141,6 +141,11 @@ impl<B: Backend> Store<B> {
             Store::Offload(o) => Ok(o),
             _ => Err("this actor has no offload actor (the plan has no --offload)".into()),
         }
+    }
+
+    /// The offload actor's figures, when the state lives in an offload tier.
+    pub(super) fn offload_stats(&self) -> Option<crate::offload::OffloadStats> {
+        self.offload().ok().map(|o| o.actor.stats())
     }
 
     /// The device state, when the state lives on the device.

@@ -10,7 +10,7 @@ use std::ops::Range;
 use burn::tensor::backend::AutodiffBackend;
 
 use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
-use archipelago_dataflow::{ActorTraining, SegmentPlan, ZeroStage};
+use archipelago_dataflow::{ActorTraining, SegmentPlan};
 
 use super::Trainer;
 use super::store::Gathered;
@@ -21,12 +21,8 @@ use crate::typed_tensor::TypedTensor;
 /// holds, updates, receives and saves: the plan's [`SegmentPlan`], decided once by the compiler).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sharding {
-    /// The ZeRO stage in force (the plan's: replicated when the group has one member).
-    pub zero: ZeroStage,
     /// This actor's position in its dp group (its shard).
     pub rank: usize,
-    /// Members of the dp group.
-    pub members: usize,
     /// Its segments, by first block.
     pub(super) segments: BTreeMap<usize, SegmentPlan>,
 }
@@ -56,9 +52,7 @@ impl Sharding {
             segments.insert(start, segment.clone());
         }
         Ok(Sharding {
-            zero: training.zero,
             rank: training.replica,
-            members: training.replicas,
             segments,
         })
     }
@@ -90,8 +84,15 @@ impl Sharding {
 
     /// Whether block `index`'s segment is held whole (its module lives between steps).
     pub(super) fn holds_whole(&self, index: usize) -> bool {
-        let mut segments = self.segments.values();
-        segments.any(|s| (s.start..s.end).contains(&index) && s.held.len() == s.params)
+        self.whole_segments().any(|blocks| blocks.contains(&index))
+    }
+
+    /// The blocks of each segment held whole: their modules live between steps (under ZeRO-3
+    /// the stream gathers and builds them around each pass instead).
+    pub(super) fn whole_segments(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        (self.segments.values())
+            .filter(|s| s.held.len() == s.params)
+            .map(|s| s.start..s.end)
     }
 
     /// Optimizer state elements this actor keeps.
@@ -350,10 +351,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Loads the held parameters into the modules that live between steps (those of the
     /// segments held whole; the others are built at their next gather).
     pub(super) fn reload_held(&mut self) -> Result<(), String> {
-        let whole: Vec<Range<usize>> = (self.state.sharding.segments.values())
-            .filter(|s| s.held.len() == s.params)
-            .map(|s| s.start..s.end)
-            .collect();
+        let whole: Vec<Range<usize>> = self.state.sharding.whole_segments().collect();
         whole.into_iter().try_for_each(|blocks| self.reload(blocks))
     }
 

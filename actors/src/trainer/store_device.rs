@@ -9,15 +9,40 @@ use std::ops::Range;
 use burn::tensor::backend::AutodiffBackend;
 
 use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
-use archipelago_dataflow::{TensorId, UpdateScope};
+use archipelago_dataflow::{StatePlacement, TensorId, UpdateScope};
 
 use super::Trainer;
+use super::cpu_buffers::is_cpu;
 use super::device_state::{DeviceState, SegmentPlace};
 use super::store::Store;
 use crate::executor::TensorTable;
 use crate::typed_tensor::TypedTensor;
 
 impl<B: AutodiffBackend> Trainer<B> {
+    /// Moves the held parameters and optimizer state onto the device when the plan puts the
+    /// state there (`--state device`), from the host copies; leaves them in host memory
+    /// otherwise.
+    pub(super) fn with_state_where_planned(mut self, placement: StatePlacement) -> Trainer<B> {
+        if placement == StatePlacement::Device {
+            self.upload_state();
+        }
+        self
+    }
+
+    /// With the state on the device, updates it with tensor ops even on the CPU backend (whose
+    /// buffers the optimizer's flat loops otherwise update in place): the GPU path, for tests.
+    pub fn with_tensor_op_update(mut self, on: bool) -> Trainer<B> {
+        // Only the CPU backend has two ways to update: elsewhere the state already uploaded is
+        // the one the flag asks for, and is not moved again.
+        let changes = on != self.state.tensor_op_update && is_cpu::<B::InnerBackend>();
+        self.state.tensor_op_update = on;
+        if changes && self.state.store.device().is_some() {
+            self.download_state();
+            self.upload_state();
+        }
+        self
+    }
+
     /// (Re)builds the device state from the host copies (at start, and after a restore).
     pub(super) fn upload_state(&mut self) {
         let segments: Vec<SegmentPlace> = (self.state.sharding.segments.values())
