@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::instruction::UpdateScope;
 use crate::passes::data_parallel::Bucket;
+use crate::state_layout::{SliceState, state_layout};
 use crate::{ModelDesc, Offload, Program, StatePlacement};
 
 /// The ZeRO stage in force on an actor.
@@ -191,6 +192,9 @@ pub struct ActorTraining {
     pub checkpoint_activations: bool,
     /// Where the state lives when not offloaded.
     pub state: StatePlacement,
+    /// Its typed state layout: each parameter slice it holds, with the elements it keeps and
+    /// updates, dtypes, trainable or frozen, bucket and tiers (see [`crate::state_layout`]).
+    pub slices: Vec<SliceState>,
 }
 
 impl ActorTraining {
@@ -211,7 +215,7 @@ impl ActorTraining {
             state_at += segment.updated.len();
             segments.push(segment);
         }
-        ActorTraining {
+        let mut training = ActorTraining {
             segments,
             replica,
             replicas,
@@ -220,7 +224,10 @@ impl ActorTraining {
             offload_params: plan.offload_params && zero.shards_parameters(),
             checkpoint_activations: plan.checkpoint_activations,
             state: plan.state,
-        }
+            slices: Vec::new(),
+        };
+        training.slices = state_layout(&program.model, &training);
+        training
     }
 }
 

@@ -59,6 +59,7 @@ pub mod property_seed;
 pub mod rng;
 pub mod simulate;
 pub mod simulate_comm;
+pub mod state_layout;
 pub mod tensor_id;
 pub mod trained_layout;
 pub mod verify;
@@ -76,6 +77,7 @@ pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
 pub use param_desc::{ParamDesc, ParamInit, Split};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
 pub use program::{Offload, ParallelPlan, Program, StatePlacement, TestFault};
+pub use state_layout::{SliceState, Tier};
 pub use tensor_id::{GatherFor, TensorId};
 pub use trained_layout::TrainedLayout;
 

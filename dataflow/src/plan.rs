@@ -95,6 +95,7 @@ impl Plan {
                     offload_params: t.offload_params,
                     checkpoint_activations: t.checkpoint_activations,
                     state: t.state,
+                    slices: Vec::new(),
                 },
             }
         };

@@ -8,6 +8,7 @@ use crate::plan::Plan;
 use crate::program::Offload;
 use crate::simulate::CostModel;
 use crate::simulate_comm;
+use crate::state_layout;
 
 impl Plan {
     /// A human-readable summary: mesh, placement, schedule, prediction, streams and memory.
@@ -80,6 +81,13 @@ impl Plan {
                 memory::mib(m.total()),
                 m.breakdown()
             ));
+            if !a.training.slices.is_empty() {
+                out.push_str(&format!(
+                    "  state: {}
+",
+                    state_layout::layout_line(&a.training.slices)
+                ));
+            }
             if let Some(f) = self.fabric.get(a.actor).filter(|f| f.total() > 0) {
                 out.push_str(&format!("  reads from peers per step: {f}\n"));
             }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{ActorId, BlockInfo, ParamDesc, Program, SegmentPlan, TrainedLayout};
+use archipelago_dataflow::{ActorId, BlockInfo, ParamDesc, Program, SegmentPlan, SliceState, TrainedLayout};
 
 use super::data::samples;
 use super::fault::FaultHook;
@@ -53,6 +53,53 @@ fn described_params<B: AutodiffBackend>(
     Ok(described)
 }
 
+/// The trainer as built against the plan's typed state layout (`slices`): the same parameters
+/// of the same blocks, trainable or frozen, in order (`built`: block, name, trainable, and
+/// whether the model names its parameters — a model that gives only counts has one slice per
+/// block), and as many elements held, frozen and updated (`lens`). A plan compiled for another
+/// model is refused here, naming the first parameter that differs.
+fn check_layout(
+    slices: &[SliceState],
+    built: &[(usize, String, bool, bool)],
+    (held, frozen, updated): (usize, usize, usize),
+) -> Result<(), String> {
+    let named = built.iter().filter(|b| b.3);
+    let planned = slices
+        .iter()
+        .filter(|s| built.iter().any(|b| b.0 == s.block && b.3));
+    for (b, s) in named.zip(planned) {
+        if (b.0, &b.1, b.2) != (s.block, &s.param, s.trainable) {
+            let kind = |t: bool| if t { "trainable" } else { "frozen" };
+            return Err(format!(
+                "the plan's state layout has {} `{}` of block {} where this actor built {} `{}` of block {}: \
+                 the plan was compiled for another model",
+                kind(s.trainable),
+                s.param,
+                s.block,
+                kind(b.2),
+                b.1,
+                b.0
+            ));
+        }
+    }
+    let sum = |trainable: bool, of: fn(&SliceState) -> usize| -> usize {
+        slices.iter().filter(|s| s.trainable == trainable).map(of).sum()
+    };
+    let planned = (
+        sum(true, |s| s.held.len()),
+        sum(false, |s| s.held.len()),
+        sum(true, |s| s.updated.len()),
+    );
+    if planned != (held, frozen, updated) {
+        return Err(format!(
+            "the plan's state layout holds {} trained and {} frozen elements and updates {}; this actor built {held}, \
+             {frozen} and {updated}",
+            planned.0, planned.1, planned.2
+        ));
+    }
+    Ok(())
+}
+
 impl<B: AutodiffBackend> Trainer<B> {
     /// Builds the blocks of `chunks` (half-open block ranges) of `program`'s model on `device`
     /// for `actor`, each parameter initialised whole from `(seed, its name)` and sliced to what
@@ -93,6 +140,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut param_descs = Vec::with_capacity(desc.blocks.len());
         let mut layouts = Vec::with_capacity(desc.blocks.len());
         let mut frozen = Vec::with_capacity(desc.blocks.len());
+        let mut built_params = Vec::new();
         for (index, info) in desc.blocks.iter().enumerate() {
             if !held_block(index) {
                 blocks.push(None);
@@ -108,6 +156,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             };
             let built = builder.build_block(&ctx, &device);
             let described = described_params(index, info, &*built)?;
+            let named = described.iter().map(|p| (p.name.clone(), p.trainable));
+            built_params.extend(
+                named.map(|(name, trainable)| (index, name, trainable, !info.param_descs.is_empty())),
+            );
             let layout = Arc::new(TrainedLayout::of(&described));
             let trained: Vec<ParamDesc> = described.iter().filter(|p| p.trainable).cloned().collect();
             let from_file = match &init_file {
@@ -140,6 +192,12 @@ impl<B: AutodiffBackend> Trainer<B> {
             layouts.push(layout);
             frozen.push(frozen_values);
         }
+        let frozen_len = frozen.iter().map(|f| f.len()).sum();
+        check_layout(
+            &training.slices,
+            &built_params,
+            (held.len(), frozen_len, sharding.state_len()),
+        )?;
         let samples = samples(&program.data, desc.input)?;
         let held_blocks: Vec<bool> = (0..desc.blocks.len()).map(held_block).collect();
         // Where each updated part lies in the optimizer's state: the segments' updated parts,
@@ -209,5 +267,40 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub fn with_batched_transfers(mut self, on: bool) -> Trainer<B> {
         self.batched_transfers = on;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use archipelago_dataflow::{ModelSpec, ParallelPlan, compile};
+
+    /// The layout of a compiled plan passes against what it describes; one that freezes what
+    /// the actor built trainable, or holds other counts, is refused.
+    #[test]
+    fn a_layout_for_another_model_is_refused() {
+        let program = Program::new(ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3").unwrap()).with_plan(
+            ParallelPlan {
+                batch: 4,
+                ..ParallelPlan::default()
+            },
+        );
+        let plan = compile(&program).unwrap();
+        let slices = &plan.actors[0].training.slices;
+        let built: Vec<(usize, String, bool, bool)> = slices
+            .iter()
+            .map(|s| (s.block, s.param.clone(), true, true))
+            .collect();
+        let held: usize = slices.iter().map(|s| s.held.len()).sum();
+        check_layout(slices, &built, (held, 0, held)).unwrap();
+        let mut frozen = built.clone();
+        frozen[1].2 = false;
+        let refused = check_layout(slices, &frozen, (held, 0, held)).unwrap_err();
+        assert!(
+            refused.contains("compiled for another model") && refused.contains(&built[1].1),
+            "{refused}"
+        );
+        let refused = check_layout(slices, &built, (held + 1, 0, held)).unwrap_err();
+        assert!(refused.contains("this actor built"), "{refused}");
     }
 }
