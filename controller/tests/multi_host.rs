@@ -1,6 +1,8 @@
 //! Jobs across real processes on 127.0.0.1: an `archipelago controller` and `archipelago host`s,
 //! driven through `Controller::connect`. A job across two hosts (two islands) equals the same job
-//! in one process, also with the hierarchical all-reduce across the islands; a wrong token is refused (and the refusal logged); a host killed with SIGKILL or
+//! in one process — dp, ZeRO-1/2/3, pp and pp × dp, each host reading from the other the fabric
+//! bytes its plan predicted (within 1 %) — also with the hierarchical all-reduce across the
+//! islands; a wrong token is refused (and the refusal logged); a host killed with SIGKILL or
 //! stopped with SIGSTOP is detected and named with its actors; with restart on failure the job
 //! re-plans on the host left (or on a replacement host that registers in time, with the same
 //! layout), resumes from the last checkpoint — the report says when, from where and on what —
@@ -172,6 +174,8 @@ fn a_job_across_two_host_processes_equals_the_same_job_in_one_process() {
     for (layout, what, data_path) in [
         (plan(2, 2, 0), "dp=2 pp=2", DataPath::Tcp),
         (plan(4, 1, 3), "dp=4 zero 3", DataPath::Tcp),
+        (plan(4, 1, 1), "dp=4 zero 1", DataPath::Grpc),
+        (plan(4, 1, 2), "dp=4 zero 2", DataPath::Shm),
         (plan(4, 1, 0), "dp=4", DataPath::Tcp),
         (plan(4, 1, 0), "dp=4", DataPath::Grpc),
         (plan(2, 2, 3), "dp=2 pp=2 zero 3", DataPath::Grpc),

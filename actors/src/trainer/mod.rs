@@ -268,16 +268,20 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         let frozen = (0..self.stage.blocks.len())
             .filter(|&i| first && self.stage.held_blocks[i] && !self.stage.frozen[i].is_empty())
             .map(|i| (i, sq(&self.stage.frozen[i])));
-        let held = self.held_block_params().unwrap_or_else(|e| {
+        let mut reported = Vec::new();
+        let offsets = &self.stage.offsets;
+        let read = self.for_each_held_part(|block, range, values| {
+            let Some((part, _)) = (self.state.sharding).block_part(block, offsets, part_of::reported) else {
+                return;
+            };
+            let (from, to) = (part.start.max(range.start), part.end.min(range.end));
+            if from < to {
+                reported.push((block, sq(&values[from - range.start..to - range.start])));
+            }
+        });
+        if let Err(e) = read {
             tracing::error!(actor = self.stage.actor, "held parameters unreadable: {e}");
-            Vec::new()
-        });
-        let reported = held.into_iter().filter_map(|h| {
-            let offsets = &self.stage.offsets;
-            let (part, _) = (self.state.sharding).block_part(h.block, offsets, part_of::reported)?;
-            let (from, to) = (part.start.max(h.range.start), part.end.min(h.range.end));
-            (from < to).then(|| (h.block, sq(&h.values[from - h.range.start..to - h.range.start])))
-        });
-        reported.chain(frozen).collect()
+        }
+        reported.into_iter().chain(frozen).collect()
     }
 }

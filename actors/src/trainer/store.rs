@@ -16,6 +16,7 @@ use std::ops::Range;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use archipelago_dataflow::{ActorId, ActorTraining, OffloadTraffic, OptimizerSpec, SegmentPlan, TensorId};
@@ -217,14 +218,22 @@ impl<B: Backend> Store<B> {
         self.device()?.squares(name, own)
     }
 
-    /// The held parameters of `segment` (its held part, in order).
-    pub(super) fn held_values(&self, held: &[f32], segment: &SegmentPlan) -> Result<Vec<f32>, String> {
+    /// The held parameters of `segment` (its held part, in order): borrowed from the held
+    /// vector, or read from the offload tier.
+    pub(super) fn held_values<'h>(
+        &self,
+        held: &'h [f32],
+        segment: &SegmentPlan,
+    ) -> Result<Cow<'h, [f32]>, String> {
         match self {
             Store::Offload(o) if o.params_in_tier => {
                 let len = segment.held.len();
-                o.actor.read_params(segment.start, vec![0.0; len], 0..len)
+                let values = o.actor.read_params(segment.start, vec![0.0; len], 0..len)?;
+                Ok(Cow::Owned(values))
             }
-            _ => Ok(held[segment.held_at..segment.held_at + segment.held.len()].to_vec()),
+            _ => Ok(Cow::Borrowed(
+                &held[segment.held_at..segment.held_at + segment.held.len()],
+            )),
         }
     }
 

@@ -328,24 +328,36 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// store: the offload tier keeps them under `--offload-params`).
     pub(super) fn held_block_params(&self) -> Result<Vec<HeldParams>, String> {
         let mut out = Vec::new();
+        self.for_each_held_part(|block, range, values| {
+            out.push(HeldParams {
+                block,
+                range,
+                values: values.to_vec(),
+            })
+        })?;
+        Ok(out)
+    }
+
+    /// Calls `f(block, range in the block's trained vector, values)` for the held part of each
+    /// held block, without copying what the held vector holds.
+    pub(super) fn for_each_held_part(
+        &self,
+        mut f: impl FnMut(usize, Range<usize>, &[f32]),
+    ) -> Result<(), String> {
         for segment in self.state.sharding.segments.values() {
             let values = self.state.store.held_values(&self.state.held, segment)?;
             for index in segment.start..segment.end {
-                let part = self
-                    .state
-                    .sharding
-                    .block_part(index, &self.stage.offsets, part_of::held);
+                let part = (self.state.sharding).block_part(index, &self.stage.offsets, part_of::held);
                 if let Some((range, at)) = part {
-                    let at = at.start - segment.held_at..at.end - segment.held_at;
-                    out.push(HeldParams {
-                        block: index,
+                    f(
+                        index,
                         range,
-                        values: values[at].to_vec(),
-                    });
+                        &values[at.start - segment.held_at..at.end - segment.held_at],
+                    );
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Loads the held parameters into the modules that live between steps (those of the
