@@ -105,19 +105,26 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.state.update.begun = true;
         self.state.optimizer.begin_step();
         if let Some(max) = self.state.update.clip {
-            let squares = table
-                .remove(&GRAD_SQUARES)
-                .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
-            let [total] = squares.f32s()[..] else {
-                return Err(format!(
-                    "`{GRAD_SQUARES}` holds {} values, not 1",
-                    squares.elements()
-                ));
-            };
+            let total = self.take_grad_squares(table)?;
             self.state.optimizer.clip(total as f64, max);
-            self.state.update.grad_norm = Some(total.max(0.0).sqrt());
         }
         Ok(())
+    }
+
+    /// Clipping: takes the reduced squared global gradient norm (and keeps the norm for the
+    /// report).
+    pub(super) fn take_grad_squares(&mut self, table: &mut TensorTable) -> Result<f32, String> {
+        let squares = table
+            .remove(&GRAD_SQUARES)
+            .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
+        let [total] = squares.f32s()[..] else {
+            return Err(format!(
+                "`{GRAD_SQUARES}` holds {} values, not 1",
+                squares.elements()
+            ));
+        };
+        self.state.update.grad_norm = Some(total.max(0.0).sqrt());
+        Ok(total)
     }
 
     /// `GradNorm`: the sum of squares of this actor's share of its reduced gradient buckets (its

@@ -15,7 +15,6 @@ use super::Trainer;
 use super::zero::grad_part;
 use crate::executor::TensorTable;
 use crate::optim::{StepContext, clip_factor, sum_of_squares};
-use archipelago_dataflow::passes::optimizer::GRAD_SQUARES;
 
 /// Whole gradient buffers kept for the next step under offload (the rest are freed: the point
 /// of offloading is the device memory).
@@ -68,16 +67,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Clipping with offload: the factor from the reduced global norm, and the staged updates
     /// applied with it.
     fn apply_deferred(&mut self, max: f32, table: &mut TensorTable) -> Result<(), String> {
-        let squares = table
-            .remove(&GRAD_SQUARES)
-            .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
-        let [total] = squares.f32s()[..] else {
-            return Err(format!(
-                "`{GRAD_SQUARES}` holds {} values, not 1",
-                squares.elements()
-            ));
-        };
-        self.state.update.grad_norm = Some(total.max(0.0).sqrt());
+        let total = self.take_grad_squares(table)?;
         let step = self.offloaded_step(clip_factor(total as f64, max));
         let store = self.state.store.offload()?;
         store.actor.apply_staged(step, !store.params_in_tier)
