@@ -297,6 +297,11 @@ pub struct TrainArgs {
     /// layout (checkpoints go on being written there unless --checkpoint-dir says otherwise).
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Settings --resume may change from the checkpoint's run, comma-separated: optimizer,
+    /// lr-schedule, clip, steps, data, precision (any other difference refuses the resume,
+    /// naming it). `steps` lets a run go on past the --steps it was started with.
+    #[arg(long, value_delimiter = ',', requires = "resume")]
+    pub resume_override: Vec<String>,
     /// With --controller: `on-failure` re-plans on the hosts left when one dies and goes on from
     /// the last complete checkpoint; `never` stops the job.
     #[arg(long, default_value = "never")]
@@ -427,6 +432,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         checkpoint_dir: args.resume.clone().or_else(|| args.checkpoint_dir.clone()),
         checkpoint_every: args.checkpoint_every,
         resume: args.resume.is_some(),
+        resume_override: args.resume_override.clone(),
         restart_on_failure,
         data_path: args.data_path,
         dashboard: None,

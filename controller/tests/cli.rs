@@ -478,6 +478,42 @@ fn resuming_without_a_checkpoint_or_from_another_models_is_refused() {
         ],
         &["is of model", small],
     );
+    // The same model resumed with another optimizer, or to a step it has passed, is refused
+    // naming what; told to, it changes the optimizer and goes on, saying where it resumed.
+    refused(
+        &[
+            "train",
+            "--model",
+            small,
+            "--steps",
+            "3",
+            "--optimizer",
+            "sgd",
+            "--resume",
+            root,
+        ],
+        &[
+            "would change the run",
+            "optimizer:",
+            "--resume-override optimizer",
+        ],
+    );
+    refused(
+        &["train", "--model", small, "--steps", "1", "--resume", root],
+        &["holds step 2", "--steps 3 or more"],
+    );
+    let (ok, text) = archipelago(&[
+        "train",
+        "--model",
+        small,
+        "--steps",
+        "3",
+        "--resume",
+        root,
+        "--resume-override",
+        "steps",
+    ]);
+    assert!(ok && text.contains("resuming from step 2"), "{text}");
 }
 
 /// `--init` and `--data FILE.safetensors` are checked before any actor starts, naming the

@@ -96,6 +96,8 @@ impl Handler<TrainTo> for Trial {
                 checkpoint_dir: Some(config.dir.clone()),
                 checkpoint_every: steps,
                 resume,
+                // A promoted trial goes on past the steps it was first given.
+                resume_override: if resume { vec!["steps".into()] } else { Vec::new() },
                 ..TrainOptions::default()
             };
             Controller::local(vec![device])

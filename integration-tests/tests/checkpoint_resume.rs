@@ -24,6 +24,9 @@ fn options(steps: u64, dir: Option<&Path>, every: u64, resume: bool) -> TrainOpt
         checkpoint_dir: dir.map(Path::to_path_buf),
         checkpoint_every: every,
         resume,
+        // The first runs here stand for jobs stopped early: they ran fewer steps than the
+        // resumed run's total, which the resume must be told it may change.
+        resume_override: if resume { vec!["steps".into()] } else { Vec::new() },
         ..TrainOptions::default()
     }
 }

@@ -215,8 +215,31 @@ pub struct Manifest {
     pub seed: u64,
     /// The layout that wrote it (JSON of the parallel plan), for the record.
     pub layout: serde_json::Value,
+    /// What the run was, beside its model and seed: what a resume must not change without
+    /// saying so (absent in checkpoints written before it was recorded).
+    #[serde(default)]
+    pub run: Option<RunRecord>,
     /// The shard files.
     pub files: Vec<ShardFile>,
+}
+
+/// The settings of the run that wrote a checkpoint which decide what its next steps compute:
+/// a resume with other values would quietly become another run (the controller refuses one
+/// unless told which to override).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// The optimizer and its hyper-parameters.
+    pub optimizer: archipelago_dataflow::OptimizerSpec,
+    /// The learning-rate schedule (its `total_steps` is the job's).
+    pub lr_schedule: archipelago_dataflow::LrSchedule,
+    /// Gradient clipping's bound.
+    pub clip_grad_norm: Option<f32>,
+    /// The step the job runs to (`--steps`: the total, not the steps to add).
+    pub total_steps: u64,
+    /// The data source.
+    pub data: archipelago_dataflow::data::DataSpec,
+    /// The dtype forward and backward compute in (f32 until mixed precision).
+    pub precision: archipelago_dataflow::DType,
 }
 
 /// Directory of the checkpoint after `step` under `root`.

@@ -47,6 +47,7 @@ fn manifest(files: Vec<ShardFile>, step: u64) -> Manifest {
         model: "m".into(),
         seed: 0,
         layout: serde_json::Value::Null,
+        run: None,
         files,
     }
 }

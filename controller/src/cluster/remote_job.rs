@@ -44,6 +44,9 @@ pub struct RemoteOptions {
     pub checkpoint_every: u64,
     /// Start from the newest complete checkpoint.
     pub resume: bool,
+    /// What that resume may change from the checkpoint's run.
+    #[serde(default)]
+    pub resume_override: Vec<String>,
     /// Restart after a host loss.
     pub restart_on_failure: bool,
     /// How tensors travel between hosts.
@@ -68,6 +71,7 @@ impl RemoteOptions {
             checkpoint_dir: options.checkpoint_dir.clone(),
             checkpoint_every: options.checkpoint_every,
             resume: options.resume,
+            resume_override: options.resume_override.clone(),
             restart_on_failure: options.restart_on_failure,
             data_path: options.data_path,
             trace: options.trace.is_some(),
@@ -86,6 +90,7 @@ impl RemoteOptions {
             checkpoint_dir: self.checkpoint_dir.clone(),
             checkpoint_every: self.checkpoint_every,
             resume: self.resume,
+            resume_override: self.resume_override.clone(),
             restart_on_failure: self.restart_on_failure,
             data_path: self.data_path,
             dashboard: None,

@@ -1,5 +1,6 @@
 //! A training job, by part: what it is asked (`options`), what it checks and loads before any
-//! actor starts (`preflight`), how its gang of device actors starts from the plan (`launch`: the
+//! actor starts (`preflight`; a resume checked against the run that wrote the checkpoint:
+//! `resume_check`), how its gang of device actors starts from the plan (`launch`: the
 //! one way, in this process and on every host), the step loop (`step_loop`), the figures and the
 //! report it makes of them (`figures`), and the job in this process (`local_job`).
 //!
@@ -18,6 +19,7 @@ pub(crate) mod launch;
 pub(crate) mod local_job;
 pub mod options;
 pub(crate) mod preflight;
+pub mod resume_check;
 pub(crate) mod step_loop;
 
 pub use options::{DEFAULT_PATIENCE, ProgressFn, StepProgress, TrainOptions};

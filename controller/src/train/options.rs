@@ -48,6 +48,10 @@ pub struct TrainOptions {
     pub checkpoint_every: u64,
     /// Start from the newest complete checkpoint under `checkpoint_dir` (any layout).
     pub resume: bool,
+    /// The settings a resume may change from the checkpoint's run (`optimizer`, `lr-schedule`,
+    /// `clip`, `steps`, `data`, `precision`: see [`crate::train::resume_check`]); any other
+    /// difference refuses the resume.
+    pub resume_override: Vec<String>,
     /// Several hosts: when a host dies, re-plan on the hosts that remain, load the last complete
     /// checkpoint (resharded) and go on.
     pub restart_on_failure: bool,
@@ -79,6 +83,7 @@ impl Default for TrainOptions {
             checkpoint_dir: None,
             checkpoint_every: 0,
             resume: false,
+            resume_override: Vec::new(),
             restart_on_failure: false,
             data_path: DataPath::Auto,
             dashboard: None,

@@ -96,7 +96,18 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
             program.seed
         )));
     }
+    super::resume_check::check(&manifest, &dir, program, options.steps, &options.resume_override)
+        .map_err(JobError::Runtime)?;
     let reader = CheckpointReader::open(&dir).map_err(JobError::Runtime)?;
+    let line = format!(
+        "resuming from step {} of {} (written on {}; now {})",
+        manifest.step,
+        dir.display(),
+        super::resume_check::layout_words(&manifest.layout),
+        super::resume_check::layout_words(&serde_json::to_value(&program.plan).unwrap_or_default())
+    );
+    tracing::info!("{line}");
+    eprintln!("{line}");
     Ok(StartPoint {
         restore: Some(Arc::new(reader)),
         first_step: manifest.next_step,

@@ -156,6 +156,7 @@ async fn save_checkpoint<G: Gang>(
         model: program.model.name.clone(),
         seed: program.seed,
         layout: serde_json::to_value(&program.plan).unwrap_or_default(),
+        run: Some(super::resume_check::record(program, options.steps)),
         files,
     };
     checkpoint::write_manifest(&dir, &manifest).map_err(JobError::Runtime)

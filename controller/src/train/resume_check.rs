@@ -1,0 +1,216 @@
+//! A resume that cannot silently change the run. A checkpoint's manifest records what decided
+//! the run's next steps beside its model and seed ([`RunRecord`]: optimizer and hyper-parameters,
+//! learning-rate schedule, clipping, total steps, data source, precision); a resume whose program
+//! differs in any of them is refused, naming each difference and the flag that allows it
+//! (`--resume-override`), and one that starts at or past the job's last step is refused with the
+//! fix. (DeepSpeed and torchtitan keep the optimizer and scheduler state in the checkpoint and
+//! load them over whatever the new run says; here the new run must say the same, or say that it
+//! changes it.)
+
+use archipelago_actors::checkpoint::{Manifest, RunRecord};
+use archipelago_dataflow::{DType, LrDecay, LrSchedule, Program};
+
+/// The names `--resume-override` takes, one per recorded setting.
+pub const OVERRIDABLE: [&str; 6] = ["optimizer", "lr-schedule", "clip", "steps", "data", "precision"];
+
+/// What `program`, run to step `total_steps`, records in its checkpoints.
+pub fn record(program: &Program, total_steps: u64) -> RunRecord {
+    RunRecord {
+        optimizer: program.optimizer,
+        lr_schedule: program.lr_schedule,
+        clip_grad_norm: program.clip_grad_norm,
+        total_steps,
+        data: program.data.clone(),
+        // Mixed precision (issue 38) makes this a program setting.
+        precision: DType::F32,
+    }
+}
+
+/// Whether two schedules give every step the same rate: a constant rate without warmup does not
+/// depend on the total steps.
+fn same_schedule(a: &LrSchedule, b: &LrSchedule) -> bool {
+    let flat = |s: &LrSchedule| s.warmup_steps == 0 && s.decay == LrDecay::Constant;
+    if flat(a) && flat(b) {
+        return true;
+    }
+    a == b
+}
+
+/// The recorded settings that `now` changes: (name, the checkpoint's, this run's).
+pub fn differences(was: &RunRecord, now: &RunRecord) -> Vec<(&'static str, String, String)> {
+    let mut out = Vec::new();
+    let mut differ = |name: &'static str, same: bool, a: String, b: String| {
+        if !same {
+            out.push((name, a, b));
+        }
+    };
+    differ(
+        "optimizer",
+        was.optimizer == now.optimizer,
+        format!("{:?}", was.optimizer),
+        format!("{:?}", now.optimizer),
+    );
+    differ(
+        "lr-schedule",
+        same_schedule(&was.lr_schedule, &now.lr_schedule),
+        format!("{:?}", was.lr_schedule),
+        format!("{:?}", now.lr_schedule),
+    );
+    differ(
+        "clip",
+        was.clip_grad_norm == now.clip_grad_norm,
+        format!("{:?}", was.clip_grad_norm),
+        format!("{:?}", now.clip_grad_norm),
+    );
+    differ(
+        "steps",
+        was.total_steps == now.total_steps,
+        was.total_steps.to_string(),
+        now.total_steps.to_string(),
+    );
+    differ(
+        "data",
+        was.data == now.data,
+        format!("{:?}", was.data),
+        format!("{:?}", now.data),
+    );
+    differ(
+        "precision",
+        was.precision == now.precision,
+        was.precision.to_string(),
+        now.precision.to_string(),
+    );
+    out
+}
+
+/// Checks a resume of `program` to step `total_steps` from the checkpoint `manifest` (in
+/// `dir`), letting the settings named in `overrides` differ. A checkpoint written before runs
+/// were recorded is checked for its step only.
+pub fn check(
+    manifest: &Manifest,
+    dir: &std::path::Path,
+    program: &Program,
+    total_steps: u64,
+    overrides: &[String],
+) -> Result<(), String> {
+    if let Some(unknown) = overrides.iter().find(|o| !OVERRIDABLE.contains(&o.as_str())) {
+        return Err(format!(
+            "--resume-override `{unknown}` is not a recorded setting; the settings are {}",
+            OVERRIDABLE.join(", ")
+        ));
+    }
+    if manifest.next_step > total_steps {
+        return Err(format!(
+            "the checkpoint in {} holds step {} and this job runs to step {total_steps} (--steps is the \
+             total, not the steps to add): pass --steps {} or more to go on, with --resume-override steps \
+             if the schedule may change",
+            dir.display(),
+            manifest.step,
+            manifest.next_step
+        ));
+    }
+    let Some(was) = &manifest.run else {
+        return Ok(());
+    };
+    let now = record(program, total_steps);
+    let refused: Vec<String> = differences(was, &now)
+        .into_iter()
+        .filter(|(name, _, _)| !overrides.iter().any(|o| o == name))
+        .map(|(name, a, b)| format!("{name}: the checkpoint's run had {a}, this run has {b}"))
+        .collect();
+    if refused.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "resuming from {} would change the run — {}; run with the checkpoint's settings, or pass \
+         --resume-override {} to change them knowingly",
+        dir.display(),
+        refused.join("; "),
+        differences(was, &now)
+            .iter()
+            .filter(|(name, _, _)| !overrides.iter().any(|o| o == name))
+            .map(|d| d.0)
+            .collect::<Vec<_>>()
+            .join(",")
+    ))
+}
+
+/// A layout recorded as the parallel plan's JSON, in the words of the flags (`dp=2 pp=1 zero=3`).
+pub fn layout_words(layout: &serde_json::Value) -> String {
+    let field = |k: &str| layout.get(k).map_or("?".to_string(), |v| v.to_string());
+    format!("dp={} pp={} zero={}", field("dp"), field("pp"), field("zero"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use archipelago_dataflow::{ModelSpec, OptimizerSpec};
+
+    fn manifest(run: Option<RunRecord>, step: u64) -> Manifest {
+        Manifest {
+            job: "t".into(),
+            step,
+            next_step: step + 1,
+            model: "mlp".into(),
+            seed: 0,
+            layout: serde_json::Value::Null,
+            run,
+            files: Vec::new(),
+        }
+    }
+
+    fn program(optimizer: OptimizerSpec, schedule: LrSchedule) -> Program {
+        let mut p = Program::new(ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3").unwrap())
+            .with_optimizer(optimizer);
+        p.lr_schedule = schedule;
+        p
+    }
+
+    /// The same run resumes; another optimizer, schedule or total is refused naming each, and
+    /// passes when overridden; a constant rate does not depend on the total; a checkpoint past
+    /// the last step is refused with the fix.
+    #[test]
+    fn a_resume_that_changes_the_run_is_refused_naming_what() {
+        let dir = std::path::Path::new("/ck");
+        let cosine = |total| LrSchedule {
+            warmup_steps: 2,
+            decay: LrDecay::Cosine,
+            total_steps: total,
+            final_fraction: 0.1,
+        };
+        let adamw = OptimizerSpec::adamw(1e-3);
+        let written = manifest(Some(record(&program(adamw, cosine(30)), 30)), 10);
+        check(&written, dir, &program(adamw, cosine(30)), 30, &[]).unwrap();
+        let sgd = program(OptimizerSpec::sgd(1e-3), cosine(20));
+        let refused = check(&written, dir, &sgd, 20, &[]).unwrap_err();
+        for name in [
+            "optimizer:",
+            "lr-schedule:",
+            "steps:",
+            "--resume-override optimizer,lr-schedule,steps",
+        ] {
+            assert!(refused.contains(name), "{name} not in: {refused}");
+        }
+        let overrides: Vec<String> = ["optimizer", "lr-schedule", "steps"].map(String::from).to_vec();
+        check(&written, dir, &sgd, 20, &overrides).unwrap();
+        let unknown = check(&written, dir, &sgd, 20, &["lr".into()]).unwrap_err();
+        assert!(unknown.contains("not a recorded setting"), "{unknown}");
+        // A constant rate: a longer run changes nothing but the total, which must be said.
+        let constant = |total| LrSchedule {
+            total_steps: total,
+            ..LrSchedule::constant()
+        };
+        let flat = manifest(Some(record(&program(adamw, constant(30)), 30)), 10);
+        let longer = check(&flat, dir, &program(adamw, constant(60)), 60, &[]).unwrap_err();
+        assert!(
+            longer.contains("steps:") && !longer.contains("lr-schedule"),
+            "{longer}"
+        );
+        check(&flat, dir, &program(adamw, constant(60)), 60, &["steps".into()]).unwrap();
+        // At or past the last step.
+        let past = check(&written, dir, &program(adamw, cosine(30)), 10, &[]).unwrap_err();
+        assert!(past.contains("--steps 11 or more"), "{past}");
+        // Written before runs were recorded: the step only.
+        check(&manifest(None, 10), dir, &sgd, 20, &[]).unwrap();
+    }
+}
