@@ -217,6 +217,12 @@ def check_export(path, gpt_class, spec=None):
     shapes describe); runs one forward on a random batch."""
     state = load_file(path)
     if spec is None:
+        # An `archipelago export` names its model in the file's metadata (a gpt's heads are
+        # not in its weights); older files are described from their names and shapes.
+        from safetensors import safe_open
+        with safe_open(path, framework="pt") as f:
+            spec = (f.metadata() or {}).get("archipelago_model")
+    if spec is None:
         spec = infer_spec(state, heads=None)
     kind, model, kv = build(spec, gpt_class)
     model.load_state_dict(state, strict=True)

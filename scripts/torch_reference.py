@@ -17,7 +17,7 @@ scripts/torch_fixture.py):
 
     /work/peers-venv/bin/python scripts/torch_reference.py --fixture integration-tests/fixtures/torch
     /work/peers-venv/bin/python scripts/torch_reference.py --check-export model.safetensors \
-        [--export-model gpt:vocab=16,ctx=8,d=16,layers=2,heads=2]  # a gpt's heads are not in its weights
+        [--export-model gpt:vocab=16,ctx=8,d=16,layers=2,heads=2]  # default: the file's metadata
 """
 
 import argparse
@@ -180,7 +180,7 @@ def main():
     p.add_argument("--port", type=int, default=29571)
     p.add_argument("--fixture", metavar="DIR", help="write the reference fixture (tiny mlp and gpt, SGD and AdamW) to DIR")
     p.add_argument("--check-export", metavar="FILE", help="load an `archipelago export` file (strict) and run a forward")
-    p.add_argument("--export-model", metavar="SPEC", help="with --check-export: the model spec (a gpt's heads are not in its weights)")
+    p.add_argument("--export-model", metavar="SPEC", help="with --check-export: the model spec (default: the one the file's metadata names)")
     args = p.parse_args()
     if args.fixture or args.check_export:
         import torch_fixture

@@ -29,6 +29,8 @@ pub struct TensorFile {
     /// Where the data section starts in the file.
     data_start: u64,
     tensors: HashMap<String, TensorInfo>,
+    /// The header's `__metadata__` (string to string).
+    meta: HashMap<String, String>,
 }
 
 impl TensorFile {
@@ -68,12 +70,19 @@ impl TensorFile {
             .into_iter()
             .map(|(name, info)| (name, info.clone()))
             .collect();
+        let meta = metadata.metadata().clone().unwrap_or_default();
         Ok(TensorFile {
             path: path.to_path_buf(),
             file,
             data_start,
             tensors,
+            meta,
         })
+    }
+
+    /// The header's metadata (`__metadata__`: what wrote it, say, and of which model).
+    pub fn meta(&self) -> &HashMap<String, String> {
+        &self.meta
     }
 
     /// The file's path.

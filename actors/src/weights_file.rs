@@ -103,6 +103,16 @@ impl InitWeights {
     pub fn open(path: &Path, model: &ModelDesc) -> Result<InitWeights, String> {
         let spec = zoo_spec(model, "--init")?;
         let file = TensorFile::open(path).map_err(|e| format!("--init: {e}"))?;
+        // A file that says which model it holds must hold this one (the shapes alone cannot
+        // tell, say, a gpt's heads).
+        let other = |m: &&String| ModelSpec::parse(m).map_or(true, |held| held != spec);
+        if let Some(held) = file.meta().get("archipelago_model").filter(other) {
+            return Err(format!(
+                "--init: {} holds the weights of `{held}`, this job trains `{spec}`: train `{held}`, or \
+                 give the weights of `{spec}`",
+                path.display()
+            ));
+        }
         let blocks = block_params(&spec);
         let all: Vec<NamedParam> = blocks.iter().flatten().cloned().collect();
         check_weights(&file, &all).map_err(|e| format!("--init: {e}"))?;
@@ -186,7 +196,13 @@ pub fn write_weights(path: &Path, model: &ModelSpec, blocks: &[Vec<f32>]) -> Res
             ));
         }
     }
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    // What the file holds, for a reader who has only the file (`config.json` beside an export
+    // holds the same).
+    let metadata = HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("archipelago_model".to_string(), crate::zoo::explicit_spec(model)),
+        ("config".to_string(), crate::zoo::model_config(model).to_string()),
+    ]);
     safetensors::serialize_to_file(
         tensors.iter().map(|(name, t)| (name.as_str(), t)),
         Some(metadata),

@@ -3,8 +3,11 @@
 //!
 //! Whatever layout wrote the checkpoint (dp, pp, ZeRO shards, offload), every block is read whole
 //! through [`CheckpointReader`] and written by [`write_weights`], which names and transposes each
-//! parameter as [`archipelago_dataflow::param_names`] says. Reading it back with `--init` starts a
-//! run from exactly these weights.
+//! parameter as [`archipelago_dataflow::param_names`] says. The file's metadata names the model
+//! and its architecture, and `config.json` beside it holds the same facts (heads, activation,
+//! LayerNorm ε, tying: what the weights cannot tell). Reading it back with `--init` starts a
+//! run from exactly these weights (and refuses them for another model). Newer checkpoints passed
+//! over are named.
 
 use std::path::{Path, PathBuf};
 
@@ -36,15 +39,21 @@ pub struct Exported {
     pub step: u64,
     /// Parameters written.
     pub params: u64,
+    /// The `config.json` written beside the weights (the architecture's facts).
+    pub config: PathBuf,
+    /// Newer checkpoints passed over (incomplete or corrupt), each with why.
+    pub skipped: Vec<String>,
 }
 
-/// The checkpoint in `dir`: `dir` itself when it holds a manifest, else its newest complete one.
-fn checkpoint_in(dir: &Path) -> Result<PathBuf, String> {
+/// The checkpoint in `dir`: `dir` itself when it holds a manifest, else its newest complete one,
+/// with the newer ones passed over and why.
+fn checkpoint_in(dir: &Path) -> Result<(PathBuf, Vec<String>), String> {
     if dir.join(MANIFEST).exists() {
-        return Ok(dir.to_path_buf());
+        return Ok((dir.to_path_buf(), Vec::new()));
     }
     let (latest, skipped) = checkpoint::latest_complete(dir);
-    latest.map(|(step_dir, _)| step_dir).ok_or_else(|| {
+    let passed = skipped.clone();
+    latest.map(|(step_dir, _)| (step_dir, passed)).ok_or_else(|| {
         format!(
             "no complete checkpoint in {} (give a `step-N` directory or the --checkpoint-dir of a run){}",
             dir.display(),
@@ -59,7 +68,7 @@ fn checkpoint_in(dir: &Path) -> Result<PathBuf, String> {
 
 /// Writes the model of the checkpoint in `dir` to `out` (see the module docs).
 pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
-    let checkpoint = checkpoint_in(dir)?;
+    let (checkpoint, skipped) = checkpoint_in(dir)?;
     let reader = CheckpointReader::open(&checkpoint)?;
     let manifest = reader.manifest();
     let model = ModelSpec::parse(&manifest.model).map_err(|e| {
@@ -80,24 +89,34 @@ pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
         })
         .collect::<Result<Vec<_>, String>>()?;
     write_weights(out, &model, &blocks)?;
+    let config = out.with_file_name("config.json");
+    let text = serde_json::to_string_pretty(&archipelago_actors::zoo::model_config(&model))
+        .map_err(|e| e.to_string())?;
+    std::fs::write(&config, text).map_err(|e| format!("cannot write {}: {e}", config.display()))?;
     Ok(Exported {
         step: manifest.step,
         checkpoint,
         params: desc.params(),
         model,
+        config,
+        skipped,
     })
 }
 
 /// Runs `archipelago export`.
 pub fn run(args: &ExportArgs) -> anyhow::Result<()> {
     let done = export(&args.checkpoint_dir, &args.out).map_err(anyhow::Error::msg)?;
+    for why in &done.skipped {
+        eprintln!("passed over a newer checkpoint: {why}");
+    }
     println!(
-        "exported {} ({} parameters, step {}) from {} to {}",
+        "exported {} ({} parameters, step {}) from {} to {} (its architecture in {})",
         done.model,
         done.params,
         done.step,
         done.checkpoint.display(),
-        args.out.display()
+        args.out.display(),
+        done.config.display()
     );
     Ok(())
 }

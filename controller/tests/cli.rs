@@ -601,8 +601,27 @@ fn weights_and_batch_files_are_checked_before_launch_and_export_writes_the_model
     assert!(ok, "{text}");
     let (ok, text) = archipelago(&["export", ckpt, "--out", out]);
     assert!(ok && text.contains("7232 parameters, step 2"), "{text}");
+    // The export says what it holds: its metadata and a config.json beside it name the model
+    // and the facts its weights cannot (heads, activation, LayerNorm ε).
+    let file_meta = archipelago_actors::tensor_file::TensorFile::open(std::path::Path::new(out)).unwrap();
+    assert_eq!(
+        file_meta.meta().get("archipelago_model").map(String::as_str),
+        Some(gpt)
+    );
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (config["n_head"].as_u64(), config["layer_norm_epsilon"].as_f64()),
+        (Some(2), Some(1e-5))
+    );
     let (ok, text) = archipelago(&["train", "--model", gpt, "--steps", "1", "--init", out]);
     assert!(ok, "{text}");
+    // Weights of one gpt refused for another of the same shapes but other heads.
+    let other = "gpt:vocab=16,ctx=8,d=16,layers=2,heads=4";
+    refused(
+        &["train", "--model", other, "--steps", "1", "--init", out],
+        &["holds the weights of", "heads=2"],
+    );
     refused(
         &["export", dir.path().to_str().unwrap(), "--out", out],
         &["no complete checkpoint"],

@@ -7,8 +7,11 @@
 //! weights of dp=1. The zoo's parameters are described by [`archipelago_dataflow::ModelSpec::desc`]
 //! (PyTorch's names, burn's shapes).
 
+mod config;
 mod gpt;
 mod mlp;
+
+pub use config::{explicit_spec, model_config};
 
 pub use gpt::{GptEmbedding, GptHead, TransformerLayer};
 pub use mlp::{LinearBlock, LinearReluBlock};
