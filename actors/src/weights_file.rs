@@ -103,8 +103,11 @@ impl InitWeights {
     pub fn open(path: &Path, model: &ModelDesc) -> Result<InitWeights, String> {
         let spec = zoo_spec(model, "--init")?;
         let file = TensorFile::open(path).map_err(|e| format!("--init: {e}"))?;
-        // A file that says which model it holds must hold this one (the shapes alone cannot
-        // tell, say, a gpt's heads).
+        let blocks = block_params(&spec);
+        let all: Vec<NamedParam> = blocks.iter().flatten().cloned().collect();
+        check_weights(&file, &all).map_err(|e| format!("--init: {e}"))?;
+        // Tensors that fit may still be another model's: a file that says which model it holds
+        // must hold this one (the shapes alone cannot tell, say, a gpt's heads).
         let other = |m: &&String| ModelSpec::parse(m).map_or(true, |held| held != spec);
         if let Some(held) = file.meta().get("archipelago_model").filter(other) {
             return Err(format!(
@@ -113,9 +116,6 @@ impl InitWeights {
                 path.display()
             ));
         }
-        let blocks = block_params(&spec);
-        let all: Vec<NamedParam> = blocks.iter().flatten().cloned().collect();
-        check_weights(&file, &all).map_err(|e| format!("--init: {e}"))?;
         Ok(InitWeights { file, blocks })
     }
 
