@@ -321,7 +321,19 @@ impl ModelSpec {
             _ => return Err(bad("the kind must be `mlp` or `gpt`")),
         };
         if let Some(k) = kv.keys().next() {
-            return Err(bad(&format!("unknown option `{k}`")));
+            let known: &[&str] = match model {
+                ModelSpec::Mlp { .. } => &["in", "hidden", "layers", "out"],
+                ModelSpec::Gpt { .. } => &["vocab", "ctx", "d", "layers", "heads"],
+            };
+            let guess = (known.iter())
+                .map(|&key| (edit_distance(k, key), key))
+                .filter(|&(distance, _)| distance <= 2)
+                .min()
+                .map_or(String::new(), |(_, key)| format!(" (did you mean `{key}`?)"));
+            return Err(bad(&format!(
+                "unknown option `{k}`{guess}; `{kind}` takes {}",
+                known.join(", ")
+            )));
         }
         if let ModelSpec::Gpt { d, heads, .. } = model
             && !d.is_multiple_of(heads)
@@ -439,6 +451,22 @@ impl fmt::Display for ModelSpec {
     }
 }
 
+/// Levenshtein distance between `a` and `b` (for "did you mean").
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1).min(row[j] + 1).min(diagonal + usize::from(ca != cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -514,5 +542,15 @@ mod tests {
             let err = ModelSpec::parse(bad).unwrap_err().to_string();
             assert!(err.contains(bad), "{err}");
         }
+        // A near miss is named; a far one lists the options.
+        let err = ModelSpec::parse("mlp:layer=4").unwrap_err().to_string();
+        assert!(err.contains("did you mean `layers`?"), "{err}");
+        let err = ModelSpec::parse("gpt:head=2").unwrap_err().to_string();
+        assert!(err.contains("did you mean `heads`?"), "{err}");
+        let err = ModelSpec::parse("mlp:width=3").unwrap_err().to_string();
+        assert!(
+            !err.contains("did you mean") && err.contains("takes in, hidden, layers, out"),
+            "{err}"
+        );
     }
 }

@@ -16,12 +16,12 @@ impl Plan {
         let p = &self.program;
         let pl = &p.plan;
         let mut out = format!(
-            "model {} ({} parameters, {} blocks)\nmesh {} ({} actors)   global batch {}   micro-batches {}   zero {}   buckets {}\n",
+            "model {} ({} parameters, {} blocks)\nmesh {} ({})   global batch {}   micro-batches {}   zero {}   buckets {}\n",
             p.model.name,
             p.model.params(),
             p.model.blocks.len(),
             self.mesh,
-            self.actors.len(),
+            count(self.actors.len(), "actor"),
             pl.batch,
             pl.microbatches,
             match (&pl.offload, pl.offload_params) {
@@ -99,5 +99,14 @@ impl Plan {
             }
         }
         out
+    }
+}
+
+/// `n` and `noun`, the noun in the plural unless `n` is 1 ("1 actor", "2 actors").
+fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
     }
 }
