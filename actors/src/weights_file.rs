@@ -203,12 +203,39 @@ pub fn write_weights(path: &Path, model: &ModelSpec, blocks: &[Vec<f32>]) -> Res
         ("archipelago_model".to_string(), crate::zoo::explicit_spec(model)),
         ("config".to_string(), crate::zoo::model_config(model).to_string()),
     ]);
-    safetensors::serialize_to_file(
-        tensors.iter().map(|(name, t)| (name.as_str(), t)),
-        Some(metadata),
-        path,
-    )
-    .map_err(|e| format!("cannot write {}: {e}", path.display()))
+    let bytes = safetensors::serialize(tensors.iter().map(|(name, t)| (name.as_str(), t)), Some(metadata))
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    let bytes = with_sorted_header(bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    std::fs::write(path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// A safetensors file's bytes with its header's keys in sorted order (the crate writes the
+/// metadata map in a hash map's order, which differs from process to process): the same model
+/// gives the same bytes. The header stays padded with spaces to a multiple of 8 bytes.
+fn with_sorted_header(bytes: Vec<u8>) -> Result<Vec<u8>, String> {
+    let len = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
+        .ok_or("no header")?;
+    let header = bytes.get(8..8 + len).ok_or("a header past the end")?;
+    let sorted: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(header).map_err(|e| format!("the header written is not JSON: {e}"))?;
+    let sorted: std::collections::BTreeMap<String, serde_json::Value> = (sorted.into_iter())
+        .map(|(k, v)| match v {
+            serde_json::Value::Object(map) => {
+                let inner: std::collections::BTreeMap<String, serde_json::Value> = map.into_iter().collect();
+                (k, serde_json::to_value(inner).expect("a map of JSON values"))
+            }
+            other => (k, other),
+        })
+        .collect();
+    let mut text = serde_json::to_vec(&sorted).map_err(|e| e.to_string())?;
+    text.resize(text.len().div_ceil(8) * 8, b' ');
+    let mut out = Vec::with_capacity(8 + text.len() + bytes.len() - 8 - len);
+    out.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + len..]);
+    Ok(out)
 }
 
 #[cfg(test)]
