@@ -200,7 +200,7 @@ pub fn write_weights(path: &Path, model: &ModelSpec, blocks: &[Vec<f32>]) -> Res
     // holds the same).
     let metadata = HashMap::from([
         ("format".to_string(), "pt".to_string()),
-        ("archipelago_model".to_string(), crate::zoo::explicit_spec(model)),
+        ("archipelago_model".to_string(), model.explicit()),
         ("config".to_string(), crate::zoo::model_config(model).to_string()),
     ]);
     let bytes = safetensors::serialize(tensors.iter().map(|(name, t)| (name.as_str(), t)), Some(metadata))

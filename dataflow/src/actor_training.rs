@@ -141,6 +141,13 @@ pub struct SegmentPlan {
 }
 
 impl SegmentPlan {
+    /// Where elements `range` of the segment (within its held part) lie among the actor's held
+    /// parameters.
+    pub fn in_held(&self, range: &Range<usize>) -> Range<usize> {
+        let at = self.held_at + range.start - self.held.start;
+        at..at + range.len()
+    }
+
     /// The segment's parts under ZeRO stage `zero`, for replica `replica` whose shard is `own`
     /// (of `params` elements), its held part starting at `held_at` and its state at `state_at`.
     fn parts(

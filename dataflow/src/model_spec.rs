@@ -418,7 +418,30 @@ impl ModelSpec {
     }
 }
 
+impl ModelSpec {
+    /// The spec spelled out (`gpt:vocab=…,ctx=…,d=…,layers=…,heads=…`), never a preset's name:
+    /// what a reader outside this workspace can parse (an export's metadata).
+    pub fn explicit(&self) -> String {
+        match *self {
+            ModelSpec::Mlp {
+                input,
+                hidden,
+                layers,
+                out,
+            } => format!("mlp:in={input},hidden={hidden},layers={layers},out={out}"),
+            ModelSpec::Gpt {
+                vocab,
+                ctx,
+                d,
+                layers,
+                heads,
+            } => format!("gpt:vocab={vocab},ctx={ctx},d={d},layers={layers},heads={heads}"),
+        }
+    }
+}
+
 impl fmt::Display for ModelSpec {
+    /// A preset's name where the spec is one, else [`ModelSpec::explicit`].
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if *self == Self::mlp_8x1024() {
             return write!(f, "mlp-8x1024");
@@ -426,28 +449,7 @@ impl fmt::Display for ModelSpec {
         if *self == Self::gpt_tiny() {
             return write!(f, "gpt-tiny");
         }
-        match self {
-            ModelSpec::Mlp {
-                input,
-                hidden,
-                layers,
-                out,
-            } => {
-                write!(f, "mlp:in={input},hidden={hidden},layers={layers},out={out}")
-            }
-            ModelSpec::Gpt {
-                vocab,
-                ctx,
-                d,
-                layers,
-                heads,
-            } => {
-                write!(
-                    f,
-                    "gpt:vocab={vocab},ctx={ctx},d={d},layers={layers},heads={heads}"
-                )
-            }
-        }
+        f.write_str(&self.explicit())
     }
 }
 

@@ -219,7 +219,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let segments: Vec<SegmentPlan> = self.state.sharding.segments.values().cloned().collect();
         for segment in &segments {
             let (values, _) = self.read_segment(checkpoint, segment, &segment.held, &[])?;
-            let at = segment.held_at..segment.held_at + segment.held.len();
+            let at = segment.in_held(&segment.held);
             if let Some(into) = self.state.store.held_mut(&mut self.state.held, at) {
                 into.copy_from_slice(&values);
             }

@@ -219,11 +219,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                 continue;
             }
             let in_updated = piece.start - updated.start..piece.end - updated.start;
-            let held = segment.held_at + piece.start - segment.held.start;
+            let held = segment.in_held(&piece);
             let sink = if counted { Some(&mut sums[..]) } else { None };
             self.state.optimizer.accumulate_norms(
                 segment.state_at + in_updated.start,
-                &self.state.held[held..held + piece.len()],
+                &self.state.held[held],
                 &grads[in_updated],
                 sink,
             );

@@ -59,12 +59,6 @@ pub(super) enum Gathered<B: Backend> {
     OnHost(TypedTensor),
 }
 
-/// `range` of a segment's part that starts at `part.start` and lies at `at` in its
-/// concatenation: the same elements there.
-fn within(part: &Range<usize>, at: usize, range: &Range<usize>) -> Range<usize> {
-    at + range.start - part.start..at + range.end - part.start
-}
-
 /// What spawning an offload actor takes beside the plan: the actor it serves, the optimizer,
 /// and each segment's parameter layout over its updated part.
 pub(super) type OffloadSpawn<'a> = (
@@ -91,7 +85,7 @@ impl<B: Backend> Store<B> {
         let mut layouts = HashMap::new();
         for s in sharding.segments.values() {
             layouts.insert(s.start, layout(s)?);
-            shards.insert(s.start, held[within(&s.held, s.held_at, &s.updated)].to_vec());
+            shards.insert(s.start, held[s.in_held(&s.updated)].to_vec());
         }
         let actor = OffloadActor::spawn(&training.offload, actor, optimizer, shards, layouts)?;
         let params_in_tier = training.offload_params;
@@ -231,9 +225,7 @@ impl<B: Backend> Store<B> {
                 let values = o.actor.read_params(segment.start, vec![0.0; len], 0..len)?;
                 Ok(Cow::Owned(values))
             }
-            _ => Ok(Cow::Borrowed(
-                &held[segment.held_at..segment.held_at + segment.held.len()],
-            )),
+            _ => Ok(Cow::Borrowed(&held[segment.in_held(&segment.held)])),
         }
     }
 
@@ -259,7 +251,7 @@ impl<B: Backend> Store<B> {
                 Ok(full)
             }
             _ => {
-                full[own.clone()].copy_from_slice(&held[within(&segment.held, segment.held_at, &own)]);
+                full[own.clone()].copy_from_slice(&held[segment.in_held(&own)]);
                 Ok(full)
             }
         }
@@ -292,7 +284,7 @@ impl<B: Backend> Store<B> {
             }
             // The device's state was read into the host copies first (`sync_host`).
             _ => {
-                let params = held[within(&segment.held, segment.held_at, range)].to_vec();
+                let params = held[segment.in_held(range)].to_vec();
                 let at = segment.state_at + in_updated.start..segment.state_at + in_updated.end;
                 let (m, v) = optimizer.state(at);
                 let state = [m, v]

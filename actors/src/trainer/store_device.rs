@@ -63,7 +63,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             &segments,
             |place| {
                 let s = &by_start[&place.start];
-                held[s.held_at..s.held_at + s.held.len()].to_vec()
+                held[s.in_held(&s.held)].to_vec()
             },
             |range| {
                 let (m, v) = optimizer.state(range);

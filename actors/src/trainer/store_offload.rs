@@ -96,8 +96,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             let (start, params) = self.state.store.offload()?.actor.next_updated()?;
             self.step.offload_traffic.from_tier += 4 * params.len() as u64;
             let segment = self.state.sharding.segment(start)?.clone();
-            let at = segment.held_at + segment.updated.start - segment.held.start;
-            if let Some(into) = (self.state.store).held_mut(&mut self.state.held, at..at + params.len()) {
+            let at = segment.in_held(&segment.updated);
+            if let Some(into) = (self.state.store).held_mut(&mut self.state.held, at) {
                 into.copy_from_slice(&params);
             }
             let k = starts

@@ -206,8 +206,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .filter(|_| scope != UpdateScope::Whole)
                 .and_then(|f| f.shard_gradient(grads));
             let grads = shifted.as_deref().unwrap_or(grads);
-            let at = segment.held_at + updated.start - segment.held.start;
-            let params = &mut self.state.held[at..at + updated.len()];
+            let params = &mut self.state.held[segment.in_held(&updated)];
             self.state.optimizer.update(segment.state_at, params, grads);
             self.step.optimizer_grad_bytes += grad.byte_len() as u64;
             self.after_update(scope, &segment, k, outputs, table)?;
@@ -234,9 +233,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             UpdateScope::Whole => self.reload(segment.start..segment.end),
             UpdateScope::ShardThenGather => {
                 let updated = segment.updated.clone();
-                let at = segment.held_at + updated.start - segment.held.start;
                 let mut gathered = self.gather_buffer(segment.params);
-                gathered[updated.clone()].copy_from_slice(&self.state.held[at..at + updated.len()]);
+                gathered[updated.clone()].copy_from_slice(&self.state.held[segment.in_held(&updated)]);
                 let out = outputs.get(k).ok_or_else(|| {
                     let (start, end) = (segment.start, segment.end);
                     format!("the sharded optimizer step names no output for blocks {start}..{end}")
@@ -305,7 +303,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             Gathered::OnDevice(master) => return self.load_modules_from(blocks, master),
             Gathered::OnHost(params) => params,
         };
-        let held = segment.held_at..segment.held_at + segment.held.len();
+        let held = segment.in_held(&segment.held);
         if let Some(into) = self.state.store.held_mut(&mut self.state.held, held) {
             into.copy_from_slice(&params.f32s()[segment.held.clone()]);
         }

@@ -6,26 +6,6 @@
 use archipelago_dataflow::ModelSpec;
 use serde_json::{Value, json};
 
-/// `spec` spelled out (`gpt:vocab=…,ctx=…,d=…,layers=…,heads=…`), never a preset's name: what
-/// a reader outside this workspace can parse.
-pub fn explicit_spec(spec: &ModelSpec) -> String {
-    match *spec {
-        ModelSpec::Mlp {
-            input,
-            hidden,
-            layers,
-            out,
-        } => format!("mlp:in={input},hidden={hidden},layers={layers},out={out}"),
-        ModelSpec::Gpt {
-            vocab,
-            ctx,
-            d,
-            layers,
-            heads,
-        } => format!("gpt:vocab={vocab},ctx={ctx},d={d},layers={layers},heads={heads}"),
-    }
-}
-
 /// The facts of `spec`'s architecture, with the spec itself under `archipelago_model`.
 pub fn model_config(spec: &ModelSpec) -> Value {
     match *spec {
@@ -35,7 +15,7 @@ pub fn model_config(spec: &ModelSpec) -> Value {
             layers,
             out,
         } => json!({
-            "archipelago_model": explicit_spec(spec),
+            "archipelago_model": spec.explicit(),
             "family": "mlp",
             "in_features": input,
             "hidden": hidden,
@@ -51,7 +31,7 @@ pub fn model_config(spec: &ModelSpec) -> Value {
             layers,
             heads,
         } => json!({
-            "archipelago_model": explicit_spec(spec),
+            "archipelago_model": spec.explicit(),
             "family": "gpt",
             "vocab_size": vocab,
             "n_positions": ctx,

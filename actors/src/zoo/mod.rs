@@ -11,7 +11,7 @@ mod config;
 mod gpt;
 mod mlp;
 
-pub use config::{explicit_spec, model_config};
+pub use config::model_config;
 
 pub use gpt::{GptEmbedding, GptHead, TransformerLayer};
 pub use mlp::{LinearBlock, LinearReluBlock};

@@ -104,7 +104,10 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
         manifest.step,
         dir.display(),
         super::resume_check::layout_words(&manifest.layout),
-        super::resume_check::layout_words(&serde_json::to_value(&program.plan).unwrap_or_default())
+        format!(
+            "dp={} pp={} zero={}",
+            program.plan.dp, program.plan.pp, program.plan.zero
+        )
     );
     tracing::info!("{line}");
     eprintln!("{line}");

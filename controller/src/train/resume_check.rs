@@ -38,49 +38,44 @@ fn same_schedule(a: &LrSchedule, b: &LrSchedule) -> bool {
 
 /// The recorded settings that `now` changes: (name, the checkpoint's, this run's).
 pub fn differences(was: &RunRecord, now: &RunRecord) -> Vec<(&'static str, String, String)> {
-    let mut out = Vec::new();
-    let mut differ = |name: &'static str, same: bool, a: String, b: String| {
-        if !same {
-            out.push((name, a, b));
-        }
-    };
-    differ(
-        "optimizer",
-        was.optimizer == now.optimizer,
-        format!("{:?}", was.optimizer),
-        format!("{:?}", now.optimizer),
-    );
-    differ(
-        "lr-schedule",
-        same_schedule(&was.lr_schedule, &now.lr_schedule),
-        format!("{:?}", was.lr_schedule),
-        format!("{:?}", now.lr_schedule),
-    );
-    differ(
-        "clip",
-        was.clip_grad_norm == now.clip_grad_norm,
-        format!("{:?}", was.clip_grad_norm),
-        format!("{:?}", now.clip_grad_norm),
-    );
-    differ(
-        "steps",
-        was.total_steps == now.total_steps,
-        was.total_steps.to_string(),
-        now.total_steps.to_string(),
-    );
-    differ(
-        "data",
-        was.data == now.data,
-        format!("{:?}", was.data),
-        format!("{:?}", now.data),
-    );
-    differ(
-        "precision",
-        was.precision == now.precision,
-        was.precision.to_string(),
-        now.precision.to_string(),
-    );
-    out
+    let shown = |v: &dyn std::fmt::Debug| format!("{v:?}");
+    let settings = [
+        (
+            "optimizer",
+            was.optimizer == now.optimizer,
+            shown(&was.optimizer),
+            shown(&now.optimizer),
+        ),
+        (
+            "lr-schedule",
+            same_schedule(&was.lr_schedule, &now.lr_schedule),
+            shown(&was.lr_schedule),
+            shown(&now.lr_schedule),
+        ),
+        (
+            "clip",
+            was.clip_grad_norm == now.clip_grad_norm,
+            shown(&was.clip_grad_norm),
+            shown(&now.clip_grad_norm),
+        ),
+        (
+            "steps",
+            was.total_steps == now.total_steps,
+            shown(&was.total_steps),
+            shown(&now.total_steps),
+        ),
+        ("data", was.data == now.data, shown(&was.data), shown(&now.data)),
+        (
+            "precision",
+            was.precision == now.precision,
+            shown(&was.precision),
+            shown(&now.precision),
+        ),
+    ];
+    (settings.into_iter())
+        .filter(|(_, same, _, _)| !same)
+        .map(|(name, _, a, b)| (name, a, b))
+        .collect()
 }
 
 /// Checks a resume of `program` to step `total_steps` from the checkpoint `manifest` (in
@@ -113,25 +108,23 @@ pub fn check(
         return Ok(());
     };
     let now = record(program, total_steps);
-    let refused: Vec<String> = differences(was, &now)
+    let refused: Vec<(&str, String, String)> = differences(was, &now)
         .into_iter()
         .filter(|(name, _, _)| !overrides.iter().any(|o| o == name))
-        .map(|(name, a, b)| format!("{name}: the checkpoint's run had {a}, this run has {b}"))
         .collect();
     if refused.is_empty() {
         return Ok(());
     }
+    let said: Vec<String> = (refused.iter())
+        .map(|(name, a, b)| format!("{name}: the checkpoint's run had {a}, this run has {b}"))
+        .collect();
+    let names: Vec<&str> = refused.iter().map(|d| d.0).collect();
     Err(format!(
         "resuming from {} would change the run — {}; run with the checkpoint's settings, or pass \
          --resume-override {} to change them knowingly",
         dir.display(),
-        refused.join("; "),
-        differences(was, &now)
-            .iter()
-            .filter(|(name, _, _)| !overrides.iter().any(|o| o == name))
-            .map(|d| d.0)
-            .collect::<Vec<_>>()
-            .join(",")
+        said.join("; "),
+        names.join(",")
     ))
 }
 
