@@ -99,15 +99,15 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
     super::resume_check::check(&manifest, &dir, program, options.steps, &options.resume_override)
         .map_err(JobError::Runtime)?;
     let reader = CheckpointReader::open(&dir).map_err(JobError::Runtime)?;
+    let plan = &program.plan;
     let line = format!(
-        "resuming from step {} of {} (written on {}; now {})",
+        "resuming from step {} of {} (written on {}; now dp={} pp={} zero={})",
         manifest.step,
         dir.display(),
         super::resume_check::layout_words(&manifest.layout),
-        format!(
-            "dp={} pp={} zero={}",
-            program.plan.dp, program.plan.pp, program.plan.zero
-        )
+        plan.dp,
+        plan.pp,
+        plan.zero
     );
     tracing::info!("{line}");
     eprintln!("{line}");
