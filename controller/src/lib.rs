@@ -23,6 +23,7 @@
 
 mod actor_gang;
 pub mod bench;
+pub mod calibrate;
 pub mod cli;
 pub mod cluster;
 pub mod controller;
@@ -33,6 +34,7 @@ pub mod fabric_check;
 pub mod gang;
 pub mod hang;
 pub mod host_devices;
+pub mod plan_table;
 pub mod preemption;
 pub mod prelude;
 pub mod process_stats;

@@ -39,7 +39,9 @@ impl Telemetry {
     /// `archipelago-host`), logging at `level` unless `RUST_LOG` says otherwise.
     pub fn init(service: &str, level: &str) -> Telemetry {
         let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+        // Colour codes only on a terminal: a log file or a pipe gets plain text.
         let logs = tracing_subscriber::fmt::layer()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_writer(std::io::stderr)
             .with_filter(filter);
         let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").unwrap_or_default();

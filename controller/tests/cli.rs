@@ -31,9 +31,10 @@ fn a_batch_that_dp_does_not_divide_is_refused_by_plan_and_train() {
 
 #[test]
 fn plan_prints_mesh_streams_and_memory() {
-    let (ok, text) = archipelago(&["plan", "--model", "mlp-8x1024", "--dp", "2"]);
+    let (ok, text) = archipelago(&["plan", "--model", "mlp-8x1024", "--dp", "2", "--streams"]);
     assert!(ok, "{text}");
     for needle in [
+        "rates: measured",
         "mesh dp=2",
         "actor 1 on cpu:1",
         "AllReduceSum(grad.",
@@ -195,6 +196,7 @@ fn plan_prints_each_stage_schedule_bubble_and_peak() {
         "8",
         "--schedule",
         "gpipe",
+        "--streams",
     ]);
     assert!(ok, "{text}");
     for needle in [

@@ -1,10 +1,15 @@
 //! The dashboard in a real browser: `archipelago train --dashboard` serves the page, headless
 //! Chromium (Debian's `chromium`, which `scripts/test.sh` — the README's test command — installs
 //! when missing; the test prints its version; without it the test fails under CI and is skipped
-//! elsewhere, saying so) loads it while the job runs and
-//! after it ends, and the DOM has one timeline lane per actor and a drawn loss curve;
-//! the server-sent events and the JSON endpoints carry the same state. `access` (in
-//! `dashboard/access.rs`): nothing listens openly (loopback open, other addresses need the token).
+//! elsewhere, saying so) loads it while the job runs and after it ends, and the DOM has the loss
+//! chart with its step, loss and learning-rate axes (ticks with values) and a point per step
+//! whose hover text gives the step's loss and learning rate as `/api/job` has them; the timeline
+//! with one lane per actor named host/device, a legend of the colours it draws and a time axis;
+//! the cluster table with each device's memory. The server-sent events and the JSON endpoints
+//! carry the same state. `cluster` (in `dashboard/cluster.rs`): two host processes of a
+//! controller, lanes named by each host, one host killed: it stays in the table marked lost,
+//! with when, and the restart is marked on the chart. `access` (in `dashboard/access.rs`):
+//! nothing listens openly (loopback open, other addresses need the token).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -15,7 +20,11 @@ const BIN: &str = env!("CARGO_BIN_EXE_archipelago");
 
 #[path = "dashboard/access.rs"]
 mod access;
+#[path = "dashboard/cluster.rs"]
+mod cluster;
 mod common;
+#[path = "dashboard/dom.rs"]
+mod dom;
 
 use common::{chromium, dump_dom};
 
@@ -94,6 +103,87 @@ fn assert_rendered(dom: &str, state: &str, when: &str) {
         dom.contains("<td>cpu:0, cpu:1, cpu:2, cpu:3</td>"),
         "{when}: no cluster table"
     );
+    let lanes = dom::lane_names(dom);
+    assert_eq!(
+        lanes,
+        ["local/cpu:0", "local/cpu:1", "local/cpu:2", "local/cpu:3"],
+        "{when}: the lanes are not named host/device"
+    );
+    let legend = dom::legend(dom);
+    for cat in ["forward", "backward", "send", "recv", "all-reduce", "optimizer"] {
+        assert!(
+            legend.iter().any(|c| c == cat),
+            "{when}: no {cat} in the legend {legend:?}"
+        );
+    }
+    let ms = dom::ticks(dom, "timeline-axis");
+    assert_eq!(ms[0], 0.0, "{when}: the time axis starts at {}", ms[0]);
+    assert!(
+        dom::part(dom, "id=\"timeline-axis\"", "</g>").contains("(ms)"),
+        "{when}: the time axis does not say its unit"
+    );
+    let memory = dom::host_row(dom, "local");
+    for device in 0..4 {
+        assert!(
+            memory.contains(&format!("data-device=\"cpu:{device}\">cpu:{device}: ")),
+            "{when}: no memory for cpu:{device} in {memory}"
+        );
+    }
+}
+
+/// Whether `a` and `b` agree to the 5 significant digits the page prints.
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-4 * b.abs().max(1e-12)
+}
+
+/// The loss chart has step, loss and learning-rate axes with ticks, and its points' hover texts
+/// give `job`'s (`/api/job`, read after the page) losses and learning rates, inside the axes.
+fn assert_chart(dom: &str, job: &serde_json::Value, when: &str) {
+    let steps = dom::ticks(dom, "loss-x-axis");
+    let total = job["steps"].as_f64().unwrap();
+    assert!(
+        steps[0] <= 1.0 && *steps.last().unwrap() >= total,
+        "{when}: the step axis {steps:?} does not span the job's {total} steps"
+    );
+    let loss_axis = dom::ticks(dom, "loss-y-axis");
+    let lr_axis = dom::ticks(dom, "lr-axis");
+    let points = dom::points(dom);
+    assert!(points.len() >= 3, "{when}: {} points on the chart", points.len());
+    let losses = job["losses"].as_array().unwrap();
+    let lrs = job["lrs"].as_array().unwrap();
+    for p in &points {
+        let i = losses
+            .iter()
+            .position(|l| l[0].as_u64() == Some(p.step))
+            .unwrap_or_else(|| panic!("{when}: step {} is on the chart, not in /api/job", p.step));
+        let (loss, lr) = (losses[i][1].as_f64().unwrap(), lrs[i].as_f64().unwrap());
+        assert!(
+            close(p.loss, loss),
+            "{when}: step {}: loss {} on the chart, {loss} in /api/job",
+            p.step,
+            p.loss
+        );
+        assert!(
+            p.lr.is_some_and(|v| close(v, lr)),
+            "{when}: step {}: lr {:?}, {lr} in /api/job",
+            p.step,
+            p.lr
+        );
+        let inside = |v: f64, axis: &[f64]| axis[0] <= v && v <= axis[axis.len() - 1];
+        assert!(
+            inside(p.loss, &loss_axis),
+            "{when}: loss {} outside the axis {loss_axis:?}",
+            p.loss
+        );
+        assert!(
+            inside(lr, &lr_axis),
+            "{when}: lr {lr} outside the axis {lr_axis:?}"
+        );
+    }
+    assert!(
+        (points.windows(2)).any(|w| w[0].lr != w[1].lr),
+        "{when}: the cosine schedule's learning rate does not change along the chart"
+    );
 }
 
 #[test]
@@ -112,6 +202,7 @@ fn the_dashboard_renders_lanes_and_the_loss_curve_while_the_job_runs_and_after()
             "2",
         ])
         .args(["--microbatches", "4", "--steps", "300", "--quiet"])
+        .args(["--lr-schedule", "cosine", "--warmup-steps", "10"])
         .args(["--dashboard", "127.0.0.1:0", "--dashboard-linger-s", "60"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -139,12 +230,20 @@ fn the_dashboard_renders_lanes_and_the_loss_curve_while_the_job_runs_and_after()
     assert_eq!(event["timeline"]["lanes"].as_array().map(Vec::len), Some(4));
     let running = dump_dom(&browser, &url);
     assert_rendered(&running, "running", "while running");
+    assert_chart(&running, &job_state(&addr), "while running");
 
     wait_until("the end of the job", Duration::from_secs(240), || {
         job_state(&addr)["state"] == "finished"
     });
     let finished = dump_dom(&browser, &url);
     assert_rendered(&finished, "finished", "after the end");
+    let job = job_state(&addr);
+    assert_chart(&finished, &job, "after the end");
+    assert_eq!(
+        dom::points(&finished).len(),
+        300,
+        "after the end: a point per step"
+    );
     assert!(
         finished.contains("step 300 / 300"),
         "after the end: the last step is not shown"

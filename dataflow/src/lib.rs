@@ -77,6 +77,7 @@ pub use optimizer::{LrDecay, LrSchedule, OptimizerSpec, ParamGroups};
 pub use param_desc::{ParamDesc, ParamInit, Split};
 pub use plan::{ActorPlan, Bucket, Plan, compile};
 pub use program::{Offload, ParallelPlan, Program, StatePlacement, TestFault};
+pub use simulate::CostModel;
 pub use state_layout::{SliceState, Tier};
 pub use tensor_id::{GatherFor, TensorId};
 pub use trained_layout::TrainedLayout;

@@ -10,7 +10,7 @@ use crate::passes::partition::{self, Chunk};
 use crate::passes::pipeline::Layout;
 use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
 use crate::program::{Offload, Program};
-use crate::simulate::{CostModel, Prediction, simulate, simulate_with_comm};
+use crate::simulate::{Prediction, simulate, simulate_with_comm};
 use crate::simulate_comm::StageComm;
 use crate::verify::verify;
 use crate::{ActorId, ActorTraining, DeviceSpec, PlanError};
@@ -132,79 +132,118 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
     compile_with(program, true)
 }
 
-/// The remedies tried when a plan does not fit its memory budget, as flags and programs.
-fn remedies(program: &Program) -> Vec<(String, Program)> {
+/// A change that may make a plan fit: its flags, the knobs it turns (two remedies combine only
+/// when they turn different knobs) and the change itself.
+struct Remedy {
+    flags: String,
+    knobs: &'static [&'static str],
+    apply: Box<dyn Fn(&mut Program)>,
+}
+
+impl Remedy {
+    fn new(flags: String, knobs: &'static [&'static str], apply: impl Fn(&mut Program) + 'static) -> Remedy {
+        Remedy {
+            flags,
+            knobs,
+            apply: Box::new(apply),
+        }
+    }
+}
+
+/// The remedies tried when a plan does not fit its memory budget.
+fn remedies(program: &Program) -> Vec<Remedy> {
     let plan = &program.plan;
     let mut out = Vec::new();
-    // Each remedy is compiled on as many devices of the same kind as it needs (a GPU plan's
-    // estimate counts GPU-only terms), and decides its state placement afresh (`Auto` with
-    // offload is `Host`; a placement the user named stays).
-    let kind = program.devices.first().copied();
-    let with = |f: &dyn Fn(&mut Program)| {
-        let mut p = program.clone();
-        f(&mut p);
-        let actors = (p.plan.dp * p.plan.pp).max(1);
-        p.devices = match kind {
-            Some(DeviceSpec::Cuda(_)) => (0..actors as u32).map(DeviceSpec::Cuda).collect(),
-            _ => Vec::new(),
-        };
-        p
-    };
     if plan.dp > 1 {
         for z in plan.zero + 1..=3 {
-            out.push((format!("--zero {z}"), with(&|p| p.plan.zero = z)));
+            out.push(Remedy::new(format!("--zero {z}"), &["zero"], move |p| {
+                p.plan.zero = z
+            }));
         }
     }
     if !plan.offload.is_some() {
-        let dirs = [Offload::Cpu, Offload::Nvme { dir: "DIR".into() }];
-        for offload in dirs {
-            out.push((
+        for offload in [Offload::Cpu, Offload::Nvme { dir: "DIR".into() }] {
+            out.push(Remedy::new(
                 format!("--offload {offload}"),
-                with(&|p| p.plan.offload = offload.clone()),
+                &["offload"],
+                move |p| p.plan.offload = offload.clone(),
             ));
         }
     }
     if plan.dp > 1 && !plan.offload_params {
         // ZeRO-3 with the parameter shards offloaded too (ZeRO-Infinity).
-        for offload in [Offload::Cpu, Offload::Nvme { dir: "DIR".into() }] {
-            let tier = if plan.offload.is_some() {
-                plan.offload.clone()
-            } else {
-                offload
-            };
-            out.push((
-                format!("--zero 3 --offload {tier} --offload-params"),
-                with(&|p| {
-                    p.plan.zero = 3;
-                    p.plan.offload = tier.clone();
-                    p.plan.offload_params = true;
-                }),
-            ));
-            if plan.offload.is_some() {
-                break;
-            }
+        let tiers = if plan.offload.is_some() {
+            vec![plan.offload.clone()]
+        } else {
+            vec![Offload::Cpu, Offload::Nvme { dir: "DIR".into() }]
+        };
+        for tier in tiers {
+            let flags = format!("--zero 3 --offload {tier} --offload-params");
+            out.push(Remedy::new(flags, &["zero", "offload"], move |p| {
+                p.plan.zero = 3;
+                p.plan.offload = tier.clone();
+                p.plan.offload_params = true;
+            }));
         }
     }
     if !plan.checkpoint_activations {
-        out.push((
+        out.push(Remedy::new(
             "--checkpoint-activations".into(),
-            with(&|p| p.plan.checkpoint_activations = true),
+            &["checkpoint"],
+            |p| p.plan.checkpoint_activations = true,
         ));
     }
     for pp in [plan.pp * 2, plan.pp * 4] {
         if pp * plan.virtual_stages <= program.model.blocks.len() {
             let m = plan.microbatches.max(pp);
-            out.push((
-                format!("--pp {pp} --microbatches {m} ({} devices)", plan.dp * pp),
-                with(&|p| {
-                    p.plan.pp = pp;
-                    p.plan.microbatches = m;
-                    p.plan.stages = None;
-                }),
-            ));
+            let flags = format!("--pp {pp} --microbatches {m} ({} devices)", plan.dp * pp);
+            out.push(Remedy::new(flags, &["pp"], move |p| {
+                p.plan.pp = pp;
+                p.plan.microbatches = m;
+                p.plan.stages = None;
+            }));
         }
     }
     out
+}
+
+/// `program` changed by `remedies`, compiled on as many devices of the same kind as it needs (a
+/// GPU plan's estimate counts GPU-only terms), deciding its state placement afresh (`Auto` with
+/// offload is `Host`; a placement the user named stays).
+fn remedied(program: &Program, remedies: &[&Remedy]) -> Program {
+    let mut p = program.clone();
+    for r in remedies {
+        (r.apply)(&mut p);
+    }
+    let actors = (p.plan.dp * p.plan.pp).max(1);
+    p.devices = match program.devices.first() {
+        Some(DeviceSpec::Cuda(_)) => (0..actors as u32).map(DeviceSpec::Cuda).collect(),
+        _ => Vec::new(),
+    };
+    p
+}
+
+/// The flags that make `program` fit: every single remedy that does; when none does, every pair
+/// of remedies on different knobs that does (e.g. `--checkpoint-activations` with `--pp 4`).
+fn fitting_remedies(program: &Program) -> Vec<String> {
+    let all = remedies(program);
+    let fits = |rs: &[&Remedy]| compile_with(&remedied(program, rs), false).is_ok();
+    let singles: Vec<String> = (all.iter())
+        .filter(|r| fits(&[r]))
+        .map(|r| r.flags.clone())
+        .collect();
+    if !singles.is_empty() {
+        return singles;
+    }
+    let mut pairs = Vec::new();
+    for (i, a) in all.iter().enumerate() {
+        for b in &all[i + 1..] {
+            if a.knobs.iter().all(|k| !b.knobs.contains(k)) && fits(&[a, b]) {
+                pairs.push(format!("{} {}", a.flags, b.flags));
+            }
+        }
+    }
+    pairs
 }
 
 fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
@@ -317,7 +356,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     }
     let shape = PipelineShape { pp, v, m };
     let microbatch_rows = per_replica / m;
-    let cost_model = CostModel::default();
+    let cost_model = program.cost_model.unwrap_or_default();
     let costs = cost_model.pass_costs(&program.model, &chunks, microbatch_rows);
     let orders = schedule::orders(plan.schedule, shape, &costs);
     let mut layout = Layout::new(
@@ -394,18 +433,14 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     if let Some(budget) = plan.device_memory
         && let Some(m) = memory.iter().find(|m| m.total() > budget)
     {
-        let fits: Vec<String> = if suggest {
-            remedies(given)
-                .into_iter()
-                .filter(|(_, p)| compile_with(p, false).is_ok())
-                .map(|(flags, _)| flags)
-                .collect()
+        let fits = if suggest {
+            fitting_remedies(given)
         } else {
             Vec::new()
         };
         let fixes = if fits.is_empty() {
             "neither a higher --zero, offload, --checkpoint-activations nor more pipeline stages make it \
-             fit: lower --batch, raise --device-memory or use more devices"
+             fit, alone or two together: lower --batch, raise --device-memory or use more devices"
                 .to_string()
         } else {
             format!("it fits with {}", fits.join(", or "))
@@ -442,6 +477,8 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         &optimizer_s,
         &comm,
     );
+    plan.prediction
+        .share_cores(plan.program.plan.dp, cost_model.cpu_cores);
     Ok(plan)
 }
 

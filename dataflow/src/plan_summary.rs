@@ -1,17 +1,17 @@
 //! `archipelago plan`'s printout of a [`Plan`]: mesh, placement, schedule, prediction (with its
-//! communication term), and per actor its memory, the bytes it reads from its peers, its
-//! offload traffic and its instruction stream.
+//! communication term and the rates it assumed), and per actor its memory, the bytes it reads
+//! from its peers and its offload traffic ([`Plan::summary`]); the instruction streams apart
+//! ([`Plan::streams`]).
 
 use crate::memory;
 use crate::passes::partition;
 use crate::plan::Plan;
 use crate::program::Offload;
-use crate::simulate::CostModel;
 use crate::simulate_comm;
 use crate::state_layout;
 
 impl Plan {
-    /// A human-readable summary: mesh, placement, schedule, prediction, streams and memory.
+    /// A human-readable summary: mesh, placement, schedule, prediction and memory.
     pub fn summary(&self) -> String {
         let p = &self.program;
         let pl = &p.plan;
@@ -48,11 +48,6 @@ impl Plan {
                     ""
                 }
             ));
-            out.push_str(&format!(
-                "predicted step {:.1} ms (cost model: {} GFLOP/s per device)\n",
-                1e3 * self.prediction.step_s,
-                CostModel::default().flops_per_s / 1e9
-            ));
             for (s, order) in self.schedule.iter().enumerate() {
                 out.push_str(&format!(
                     "  stage {s}: bubble {:.3}, peak micro-batches held {}: {}\n",
@@ -66,8 +61,22 @@ impl Plan {
                 ));
             }
         }
+        let rates = p.cost_model.unwrap_or_default();
+        out.push_str(&format!(
+            "predicted step {:.1} ms (cost model: {:.1} GFLOP/s per device{}, backward {:.2}× its forward, \
+             optimizer {:.0}M parameters/s)\n",
+            1e3 * self.prediction.step_s,
+            rates.flops_per_s / 1e9,
+            if p.cost_model.is_some() {
+                ""
+            } else {
+                ", the project machine's default"
+            },
+            rates.backward_over_forward,
+            rates.optimizer_params_per_s / 1e6
+        ));
         if self.prediction.comm_s.iter().any(|c| *c > 0.0) {
-            let line = simulate_comm::describe(&self.prediction, &CostModel::default());
+            let line = simulate_comm::describe(&self.prediction, &rates);
             out.push_str(&format!("{line}\n"));
         }
         for (a, m) in self.actors.iter().zip(&self.memory) {
@@ -94,6 +103,21 @@ impl Plan {
             if let Some(t) = self.offload_traffic.get(a.actor).filter(|t| t.total() > 0) {
                 out.push_str(&format!("  offload traffic per step: {t}\n"));
             }
+        }
+        out
+    }
+
+    /// Every actor's instruction stream, numbered.
+    pub fn streams(&self) -> String {
+        let mut out = String::new();
+        for a in &self.actors {
+            out.push_str(&format!(
+                "\nactor {} on {} {:?}: {} instructions\n",
+                a.actor,
+                a.device,
+                a.coords,
+                a.stream.instructions.len()
+            ));
             for (i, instruction) in a.stream.instructions.iter().enumerate() {
                 out.push_str(&format!("  {i:>3}  {instruction}\n"));
             }

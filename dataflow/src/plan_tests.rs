@@ -123,6 +123,35 @@ fn memory_budget_is_enforced() {
     assert_eq!(m.model_state(), 16 * 8_407_050);
 }
 
+/// When no single remedy fits, pairs on different knobs are tried: gpt-tiny at batch 64 under
+/// 100 MiB fits neither with activation checkpointing alone nor with more stages alone, but with
+/// both; under 40 MiB nothing of two remedies fits, and the refusal says so.
+#[test]
+fn remedies_combine_when_none_fits_alone() {
+    let gpt = |budget: u64| {
+        let mut p = Program::new(ModelSpec::parse("gpt-tiny").unwrap());
+        p.plan.batch = 64;
+        p.plan.device_memory = Some(budget << 20);
+        p
+    };
+    let err = compile(&gpt(100)).unwrap_err().to_string();
+    let fixes: Vec<&str> = err
+        .split("it fits with ")
+        .nth(1)
+        .unwrap()
+        .split(", or ")
+        .collect();
+    assert!(
+        fixes.contains(&"--checkpoint-activations --pp 4 --microbatches 4 (4 devices)"),
+        "{err}"
+    );
+    // Negative control: neither half of the pair is offered alone.
+    assert!(!fixes.contains(&"--checkpoint-activations"), "{err}");
+    assert!(!fixes.iter().any(|f| f.starts_with("--pp")), "{err}");
+    let err = compile(&gpt(40)).unwrap_err().to_string();
+    assert!(err.contains("alone or two together"), "{err}");
+}
+
 fn pipeline(pp: usize, m: usize, schedule: Schedule) -> Program {
     let mut p = program(1, 64);
     p.plan.pp = pp;

@@ -243,6 +243,10 @@ pub struct Program {
     /// layouts, see [`crate::param_names`]) instead of the seeded initialisation.
     #[serde(default)]
     pub init: Option<String>,
+    /// The rates the step simulator predicts with ([`CostModel::default`]: those measured on the
+    /// project's 2-core CPU machine); `archipelago plan` measures this machine's matmul rate.
+    #[serde(default)]
+    pub cost_model: Option<crate::simulate::CostModel>,
     /// Test hook, not an option: a fault the trainer injects so that the equivalence tests can
     /// show their comparison catches it. `None` (always, outside those tests) costs nothing.
     #[doc(hidden)]
@@ -311,6 +315,7 @@ impl Program {
             devices: Vec::new(),
             islands: Vec::new(),
             init: None,
+            cost_model: None,
             test_fault: None,
         }
     }
@@ -329,6 +334,7 @@ impl Program {
             devices: Vec::new(),
             islands: Vec::new(),
             init: None,
+            cost_model: None,
             test_fault: None,
         }
     }

@@ -41,6 +41,11 @@ pub struct CostModel {
     /// Between islands (hosts): [`LinkRate::NETWORK`].
     #[serde(default = "LinkRate::network")]
     pub network: LinkRate,
+    /// CPU cores the plan's actors share (`None`: a core, or a GPU, each). Where the actors
+    /// outnumber them, the step is at least their total busy time over the cores (they take
+    /// turns; one's idle time in the pipeline is another's turn): [`Prediction::share_cores`].
+    #[serde(default)]
+    pub cpu_cores: Option<usize>,
 }
 
 impl Default for CostModel {
@@ -53,6 +58,7 @@ impl Default for CostModel {
             optimizer_params_per_s: 2e8,
             in_process: LinkRate::IN_PROCESS,
             network: LinkRate::NETWORK,
+            cpu_cores: None,
         }
     }
 }
@@ -105,6 +111,29 @@ pub struct Prediction {
     /// hand-offs and data-parallel traffic); empty in predictions made before it was modelled.
     #[serde(default)]
     pub comm_s: Vec<f64>,
+}
+
+impl Prediction {
+    /// The step when `replicas` copies of the pipeline's devices share `cores` CPU cores: at least
+    /// their total busy time over the cores (a work-conserving bound; the replay's own step when
+    /// that is longer). Each stage's bubble is then the share of the longer step it is idle.
+    pub fn share_cores(&mut self, replicas: usize, cores: Option<usize>) {
+        let Some(cores) = cores.filter(|c| *c > 0) else {
+            return;
+        };
+        let devices = replicas * self.busy_s.len();
+        if devices <= cores {
+            return;
+        }
+        let busy: f64 = replicas as f64 * self.busy_s.iter().sum::<f64>();
+        let shared = busy / cores as f64;
+        if shared > self.step_s {
+            self.step_s = shared;
+            self.bubble = (self.busy_s.iter())
+                .map(|b| (1.0 - b / shared).max(0.0))
+                .collect();
+        }
+    }
 }
 
 /// Replays `orders` (one per pipeline device) under `costs`; `optimizer_s[s]` is device `s`'s
@@ -239,5 +268,26 @@ mod tests {
         let zb_mean = zb.bubble.iter().sum::<f64>() / 4.0;
         assert!(zb_mean < 0.7 * base, "zb-h1 {zb:?} vs 1f1b {base}");
         assert!(zb.peak_in_flight.iter().all(|p| *p <= 4), "{zb:?}");
+    }
+
+    #[test]
+    fn actors_sharing_cores_take_at_least_their_total_work_over_the_cores() {
+        // 1F1B, pp=2, m=4: each device busy 12 s of a 15 s step (bubble 0.2).
+        let alone = predict(Schedule::OneFOneB, 2, 1, 4);
+        let mut shared = alone.clone();
+        // dp=2 × pp=2 on 2 cores: 4 devices × 12 s of work over 2 cores = 24 s.
+        shared.share_cores(2, Some(2));
+        assert!((shared.step_s - 24.0).abs() < 1e-9, "{shared:?}");
+        assert!((shared.bubble[0] - 0.5).abs() < 1e-9, "{shared:?}");
+        // Enough cores, or none given: the replay's step stands.
+        for cores in [Some(4), Some(8), None] {
+            let mut p = alone.clone();
+            p.share_cores(2, cores);
+            assert_eq!(p, alone, "{cores:?}");
+        }
+        // Negative control: a bound that ignored the replicas would miss half the work.
+        let mut one_replica = alone.clone();
+        one_replica.share_cores(1, Some(2));
+        assert_ne!(one_replica.step_s, shared.step_s);
     }
 }

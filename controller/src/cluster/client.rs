@@ -72,6 +72,8 @@ pub async fn submit(
                         steps: p.steps,
                         loss: p.loss,
                         time_s: p.time_s,
+                        lr: p.lr,
+                        grad_norm: p.grad_norm,
                     });
                 }
             }

@@ -192,10 +192,10 @@ impl Registry {
         };
         tracing::error!(host = %h.info.name, "host lost: {why}");
         if let Some(d) = &self.dashboard {
-            d.failure(&format!(
-                "host `{}` (pid {}) lost: {why}",
-                h.info.name, h.info.pid
-            ));
+            d.host_lost(
+                &h.info.name,
+                &format!("host `{}` (pid {}) lost: {why}", h.info.name, h.info.pid),
+            );
         }
         if let Some(job) = &inner.job {
             let _ = job.send(HostEvent::Gone(h.info, why.to_string(), h.actors));

@@ -24,6 +24,9 @@ use crate::train::preflight::preflight;
 use crate::train::step_loop::drive;
 use crate::train::{ProgressFn, StepProgress, TrainOptions};
 
+/// How often a job waiting for devices tells its client so.
+const WAIT_REPORT: Duration = Duration::from_secs(5);
+
 /// How many times a job is restarted after host losses before it gives up.
 const MAX_RESTARTS: usize = 3;
 
@@ -184,6 +187,36 @@ impl ClusterJob<'_> {
         }
     }
 
+    /// The hosts registered once they offer `needed` devices, or when the controller's wait for
+    /// hosts runs out; every [`WAIT_REPORT`] until then the client is told how many devices the
+    /// job waits for and how many the hosts offer.
+    async fn wait_for_devices(&self, job: &str, needed: usize) -> Vec<HostInfo> {
+        let began = std::time::Instant::now();
+        let deadline = began + self.config.wait_for_hosts;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let hosts = (self.registry)
+                .wait_for_devices(needed, left.min(WAIT_REPORT), false)
+                .await;
+            let offered: usize = hosts.iter().map(|h| h.devices.len()).sum();
+            if offered >= needed || left <= WAIT_REPORT {
+                return hosts;
+            }
+            let line = format!(
+                "job {job}: waiting for {needed} devices; {} offer {offered} ({:.0} s of the controller's \
+                 --wait-for-hosts-s {:.0} s)",
+                match hosts.len() {
+                    1 => "1 host".to_string(),
+                    n => format!("{n} hosts"),
+                },
+                began.elapsed().as_secs_f64(),
+                self.config.wait_for_hosts.as_secs_f64()
+            );
+            tracing::info!("{line}");
+            self.tell(job_event::Kind::Info(line));
+        }
+    }
+
     /// One launch: places the job on the hosts registered now, checks it, starts every host's
     /// part and drives the steps (`history` keeps the step records across launches).
     async fn attempt(
@@ -194,9 +227,7 @@ impl ClusterJob<'_> {
     ) -> Result<TrainReport, JobError> {
         let restarts = restart_log.len();
         let needed = self.program.plan.dp * self.program.plan.pp;
-        let hosts = (self.registry)
-            .wait_for_devices(needed, self.config.wait_for_hosts, false)
-            .await;
+        let hosts = self.wait_for_devices(&train.job, needed).await;
         let (plan, placement) = place(&self.program, &hosts, restarts > 0)?;
         let plan = Arc::new(plan);
         let line = format!(
@@ -227,6 +258,9 @@ impl ClusterJob<'_> {
             grace: self.config.host_timeout + Duration::from_secs(1),
             credentials: self.credentials,
         };
+        if let Some(d) = &self.config.dashboard {
+            d.set_actor_hosts(placement.iter().map(|h| h.name.clone()).collect());
+        }
         let mut gang = RemoteGang::launch(&launch, self.registry.clone(), plan.clone(), spec).await?;
         let result = drive(&mut gang, &plan, train, start.first_step, history).await;
         gang.stop();
@@ -263,7 +297,7 @@ impl ClusterJob<'_> {
         );
         tracing::warn!("{line}");
         if let Some(d) = &self.config.dashboard {
-            d.failure(&line);
+            d.restart(restart_log.last().map_or(0, |r| r.failed_after_step), &line);
         }
         self.tell(job_event::Kind::Info(line));
         Ok(())
@@ -278,6 +312,8 @@ fn progress_events(events: UnboundedSender<Result<JobEvent, Status>>) -> Progres
             steps: p.steps,
             loss: p.loss,
             time_s: p.time_s,
+            lr: p.lr,
+            grad_norm: p.grad_norm,
         };
         let _ = events.send(Ok(JobEvent {
             kind: Some(job_event::Kind::Progress(event)),

@@ -1,10 +1,13 @@
 //! `--dashboard ADDR`: a live web page of the cluster and the running job, served with axum.
 //!
-//! The page (`page.html`, bundled into the binary: nothing is loaded from the network) shows the
-//! cluster (islands, hosts, devices, memory per device), the job (step, loss curve, throughput,
-//! step time), a timeline of the last steps with one lane per actor (pipeline bubbles are the
-//! gaps), and failures as they happen. It renders the state embedded in the page at request time,
-//! then every server-sent event (`/events`), each carrying the whole state. JSON endpoints serve the same data:
+//! The page (`page.html` with `page.css`, `chart.js`, `timeline.js` and `page.js` put in, all
+//! bundled into the binary: nothing is loaded from the network) shows the job (step, loss and
+//! learning rate by step on axes with values on hover, restarts marked, throughput, step time),
+//! a timeline of the last steps with one lane per actor named by host and device, a legend of
+//! its colours and a time axis (pipeline bubbles are the gaps), the cluster (islands, hosts —
+//! lost ones marked lost, with when —, devices, memory per device) and failures as they
+//! happen. It renders the state embedded in the page at request time, then every server-sent
+//! event (`/events`), each carrying the whole state. JSON endpoints serve the same data:
 //! `/api/state`, `/api/cluster`, `/api/job`, `/api/timeline`, `/api/failures`, `/api/actors`
 //! (the actors of a program on the runtime API, with their message rates and failures).
 //!
@@ -13,7 +16,10 @@
 //! ([`Dashboard::require_token`]), and serving there without one is refused.
 
 pub mod access;
+mod cluster;
 pub mod history;
+mod timeline;
+mod views;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -24,7 +30,6 @@ use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Json};
 use axum::routing::get;
-use serde::Serialize;
 use tokio::sync::broadcast;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::BroadcastStream;
@@ -32,148 +37,22 @@ use tokio_stream::wrappers::BroadcastStream;
 use archipelago_actors::executor::StepReport;
 use archipelago_dataflow::Plan;
 
-use crate::trace::classify_label;
+use crate::report::StepRecord;
+pub use views::{
+    ActorView, DashboardView, DeviceMemoryView, FailureView, HostRow, HostView, JobView, LaneView,
+    RestartView, SpanView, TimelineView,
+};
 
+/// The page; its style sheet and scripts are put in where it names them.
 const PAGE: &str = include_str!("page.html");
+const STYLE: &str = include_str!("page.css");
+const SCRIPTS: [(&str, &str); 3] = [
+    ("/*CHART_JS*/", include_str!("chart.js")),
+    ("/*TIMELINE_JS*/", include_str!("timeline.js")),
+    ("/*PAGE_JS*/", include_str!("page.js")),
+];
 /// Steps kept in the timeline.
 const TIMELINE_STEPS: usize = 3;
-
-/// A host as the page shows it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct HostView {
-    /// Its name.
-    pub name: String,
-    /// Its island.
-    pub island: String,
-    /// Its devices.
-    pub devices: Vec<String>,
-    /// Memory per device in bytes (0: not given).
-    pub device_memory: u64,
-}
-
-/// The job as the page shows it.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct JobView {
-    /// Job name.
-    pub name: String,
-    /// Model spec.
-    pub model: String,
-    /// Parameters.
-    pub params: u64,
-    /// Mesh, printed.
-    pub mesh: String,
-    /// Global batch.
-    pub batch: usize,
-    /// Steps in the run.
-    pub steps: u64,
-    /// Last step finished.
-    pub step: u64,
-    /// `running`, `finished` or `failed`.
-    pub state: String,
-    /// `(step, loss)` of every `history_stride`-th step so far and of the newest (at most
-    /// [`history::MAX_POINTS`] + 1 points, however long the job).
-    pub losses: Vec<(u64, f32)>,
-    /// Wall time of the same steps.
-    pub step_times: Vec<f64>,
-    /// One step in this many is on the curve (1 until the curve is full).
-    pub history_stride: u64,
-    /// Samples per second of the last step.
-    pub samples_per_s: f64,
-    /// Estimated device bytes per actor.
-    pub device_bytes: Vec<u64>,
-}
-
-/// One instruction on the timeline.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct SpanView {
-    /// The step.
-    pub step: u64,
-    /// Short name.
-    pub name: String,
-    /// Category (forward, backward, send, recv, all-reduce, optimizer, …).
-    pub cat: String,
-    /// Start, seconds after the first step shown began.
-    pub start_s: f64,
-    /// Duration in seconds.
-    pub dur_s: f64,
-}
-
-/// One actor's lane.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct LaneView {
-    /// The actor.
-    pub actor: usize,
-    /// Its device.
-    pub device: String,
-    /// Its pipeline stage.
-    pub stage: usize,
-    /// Its replica.
-    pub replica: usize,
-    /// Its spans.
-    pub spans: Vec<SpanView>,
-}
-
-/// The timeline of the last steps.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct TimelineView {
-    /// The steps shown.
-    pub steps: Vec<u64>,
-    /// Seconds from the first span's start to the last span's end.
-    pub span_s: f64,
-    /// One lane per actor.
-    pub lanes: Vec<LaneView>,
-}
-
-/// A failure or hang report.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct FailureView {
-    /// When, seconds since the Unix epoch.
-    pub unix_s: f64,
-    /// The report.
-    pub message: String,
-}
-
-/// An actor of a program on the runtime API, as the page shows it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ActorView {
-    /// Its id on its host.
-    pub id: usize,
-    /// Its name.
-    pub name: String,
-    /// Its Rust type.
-    pub type_name: String,
-    /// Its device.
-    pub device: String,
-    /// Its host.
-    pub host: String,
-    /// Messages handled so far.
-    pub handled: u64,
-    /// Messages handled per second over the last sampling period.
-    pub calls_per_s: f64,
-    /// Messages waiting.
-    pub queue_depth: u64,
-    /// Restarts after panics.
-    pub restarts: u32,
-    /// Handler panics.
-    pub failures: u64,
-    /// `running`, or how it ended.
-    pub state: String,
-}
-
-/// Everything the page shows.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct DashboardView {
-    /// The actors of a program on the runtime API (empty for training jobs).
-    pub actors: Vec<ActorView>,
-    /// The hosts.
-    pub cluster: Vec<HostView>,
-    /// The running (or last) job.
-    pub job: Option<JobView>,
-    /// Its last steps.
-    pub timeline: TimelineView,
-    /// Failures so far.
-    pub failures: Vec<FailureView>,
-}
 
 /// Failures the page keeps (the newest).
 const FAILURES_KEPT: usize = 100;
@@ -193,6 +72,9 @@ pub struct Dashboard {
     view: Mutex<DashboardView>,
     /// Raw step reports of the last steps, for the timeline.
     recent: Mutex<Vec<(u64, Vec<StepReport>)>>,
+    /// The host of each actor of the job, where the cluster placed it (see
+    /// [`Dashboard::set_actor_hosts`]).
+    actor_hosts: Mutex<Vec<String>>,
     events: broadcast::Sender<String>,
     /// The cluster token a request must carry when the page is served on a non-loopback address.
     token: Mutex<Option<String>>,
@@ -204,6 +86,10 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Dashboard {
     /// An empty dashboard.
     pub fn new() -> Arc<Dashboard> {
@@ -211,6 +97,7 @@ impl Dashboard {
         Arc::new(Dashboard {
             view: Mutex::default(),
             recent: Mutex::default(),
+            actor_hosts: Mutex::default(),
             events,
             token: Mutex::default(),
         })
@@ -219,7 +106,7 @@ impl Dashboard {
     /// Every request must carry `token` (the cluster token) when this dashboard is served on an
     /// address other than loopback; without one, [`serve`] refuses such an address.
     pub fn require_token(&self, token: &str) {
-        *self.token.lock().unwrap_or_else(|p| p.into_inner()) = Some(token.to_string());
+        *lock(&self.token) = Some(token.to_string());
     }
 
     /// Shows these actors (a program on the runtime API).
@@ -229,11 +116,11 @@ impl Dashboard {
 
     /// A copy of what the page shows.
     pub fn view(&self) -> DashboardView {
-        self.view.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.view).clone()
     }
 
     fn update(&self, change: impl FnOnce(&mut DashboardView)) {
-        let mut view = self.view.lock().unwrap_or_else(|p| p.into_inner());
+        let mut view = lock(&self.view);
         change(&mut view);
         if let Ok(json) = serde_json::to_string(&*view) {
             // No page open: nobody receives, nothing is kept beyond the channel's 64 slots.
@@ -241,14 +128,30 @@ impl Dashboard {
         }
     }
 
-    /// The hosts of the cluster changed.
+    /// The live hosts of the cluster are now `hosts`; a host no longer among them stays in the
+    /// table, marked lost.
     pub fn set_cluster(&self, hosts: Vec<HostView>) {
-        self.update(|v| v.cluster = hosts);
+        self.update(|v| cluster::set_hosts(&mut v.cluster, hosts, unix_now()));
+    }
+
+    /// Host `name` was lost (`message` says how): marked lost in the table, with the time, and
+    /// the message added to the failures.
+    pub fn host_lost(&self, name: &str, message: &str) {
+        self.update(|v| {
+            cluster::mark_lost(&mut v.cluster, name, unix_now(), message);
+            push_failure(v, message.to_string());
+        });
+    }
+
+    /// The next job's actors run on these hosts (one name per actor, in actor order); a job
+    /// in this process needs none (its actors are on the one host of the table).
+    pub fn set_actor_hosts(&self, hosts: Vec<String>) {
+        *lock(&self.actor_hosts) = hosts;
     }
 
     /// A job starts on `plan`.
     pub fn job_started(&self, plan: &Plan, name: &str, steps: u64) {
-        self.recent.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        lock(&self.recent).clear();
         let p = &plan.program;
         let job = JobView {
             name: name.to_string(),
@@ -262,13 +165,16 @@ impl Dashboard {
             ..JobView::default()
         };
         self.update(|v| {
-            // A restart of the same job keeps its loss curve.
+            // A restart of the same job keeps its curves and its restarts.
             let kept = v.job.take().filter(|old| old.name == name);
             v.job = Some(match kept {
                 Some(old) => JobView {
                     losses: old.losses,
                     step_times: old.step_times,
+                    lrs: old.lrs,
+                    grad_norms: old.grad_norms,
                     history_stride: old.history_stride,
+                    restarts: old.restarts,
                     ..job
                 },
                 None => job,
@@ -277,24 +183,51 @@ impl Dashboard {
         });
     }
 
-    /// Step `step` finished with `reports` (one per actor).
-    pub fn step_done(&self, plan: &Plan, step: u64, loss: f32, time_s: f64, reports: &[StepReport]) {
-        let timeline = {
-            let mut recent = self.recent.lock().unwrap_or_else(|p| p.into_inner());
-            recent.retain(|(s, _)| *s < step);
-            recent.push((step, reports.to_vec()));
-            let keep = recent.len().saturating_sub(TIMELINE_STEPS);
-            recent.drain(..keep);
-            timeline(plan, &recent)
-        };
+    /// The step of `record` finished with `reports` (one per actor).
+    pub fn step_done(&self, plan: &Plan, record: &StepRecord, reports: &[StepReport]) {
+        let step = record.step;
+        let mut recent = lock(&self.recent);
+        recent.retain(|(s, _)| *s < step);
+        recent.push((step, reports.to_vec()));
+        let keep = recent.len().saturating_sub(TIMELINE_STEPS);
+        recent.drain(..keep);
+        let named = lock(&self.actor_hosts).clone();
+        self.update(|v| {
+            let hosts = cluster::actor_hosts(plan, &named, &v.cluster);
+            v.timeline = timeline::timeline(plan, &recent, &hosts);
+            cluster::set_memory(&mut v.cluster, plan, reports, &hosts);
+            let Some(job) = &mut v.job else {
+                return;
+            };
+            let point = history::Point {
+                step,
+                loss: record.loss,
+                time_s: record.time_s,
+                lr: record.lr,
+                grad_norm: record.grad_norm,
+            };
+            history::record(job, point);
+            job.step = step;
+            job.samples_per_s = job.batch as f64 / record.time_s.max(1e-9);
+            if let Some(restart) = job.restarts.last_mut() {
+                restart.resumed_at_step.get_or_insert(step);
+            }
+        });
+    }
+
+    /// The job restarts after a host loss; `after_step` was the last step finished, `message`
+    /// says what happened and where it goes on from (also added to the failures).
+    pub fn restart(&self, after_step: u64, message: &str) {
         self.update(|v| {
             if let Some(job) = &mut v.job {
-                let (losses, times, stride) = (&mut job.losses, &mut job.step_times, &mut job.history_stride);
-                history::record(losses, times, stride, step, loss, time_s);
-                job.step = step;
-                job.samples_per_s = job.batch as f64 / time_s.max(1e-9);
+                job.restarts.push(RestartView {
+                    after_step,
+                    resumed_at_step: None,
+                    unix_s: unix_now(),
+                    message: message.to_string(),
+                });
             }
-            v.timeline = timeline;
+            push_failure(v, message.to_string());
         });
     }
 
@@ -310,57 +243,21 @@ impl Dashboard {
         });
     }
 
-    /// A failure or hang report that did not (yet) end the job, e.g. a lost host.
+    /// A failure or hang report that did not (yet) end the job.
     pub fn failure(&self, message: &str) {
         self.update(|v| push_failure(v, message.to_string()));
     }
 }
 
-fn timeline(plan: &Plan, recent: &[(u64, Vec<StepReport>)]) -> TimelineView {
-    let origin = recent
-        .iter()
-        .flat_map(|(_, rs)| rs.iter().map(|r| r.began_unix_s))
-        .fold(f64::INFINITY, f64::min);
-    let mut lanes: Vec<LaneView> = plan
-        .actors
-        .iter()
-        .map(|a| LaneView {
-            actor: a.actor,
-            device: a.device.to_string(),
-            stage: a.stage,
-            replica: a.replica,
-            spans: Vec::new(),
-        })
-        .collect();
-    let mut end: f64 = 0.0;
-    for (step, reports) in recent {
-        for r in reports {
-            let Some(lane) = lanes.get_mut(r.actor) else {
-                continue;
-            };
-            let stream = &plan.actors[r.actor].stream.instructions;
-            for t in &r.timings {
-                let Some(instruction) = stream.get(t.index) else {
-                    continue;
-                };
-                let (cat, name) = classify_label(instruction);
-                let start_s = r.began_unix_s - origin + t.start_s;
-                end = end.max(start_s + t.seconds);
-                lane.spans.push(SpanView {
-                    step: *step,
-                    name,
-                    cat: cat.to_string(),
-                    start_s,
-                    dur_s: t.seconds,
-                });
-            }
-        }
-    }
-    TimelineView {
-        steps: recent.iter().map(|(s, _)| *s).collect(),
-        span_s: end,
-        lanes,
-    }
+/// The page with its style sheet and scripts put in.
+fn assembled_page() -> &'static str {
+    static ASSEMBLED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ASSEMBLED.get_or_init(|| {
+        let page = PAGE.replace("/*PAGE_CSS*/", STYLE);
+        SCRIPTS
+            .iter()
+            .fold(page, |page, (mark, js)| page.replace(mark, js))
+    })
 }
 
 /// The page with the current state embedded (rendered before the page's load event).
@@ -368,7 +265,7 @@ async fn page(State(d): State<Arc<Dashboard>>) -> Html<String> {
     let state = serde_json::to_string(&d.view())
         .unwrap_or_else(|_| "null".into())
         .replace("</", "<\\/");
-    Html(PAGE.replace("/*INITIAL_STATE*/null", &state))
+    Html(assembled_page().replace("/*INITIAL_STATE*/null", &state))
 }
 
 async fn state(State(d): State<Arc<Dashboard>>) -> Json<DashboardView> {

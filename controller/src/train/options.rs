@@ -22,6 +22,11 @@ pub struct StepProgress {
     pub loss: f32,
     /// Wall time of the step.
     pub time_s: f64,
+    /// The learning rate the step's update used.
+    pub lr: Option<f32>,
+    /// The global gradient L2 norm before clipping (when the step computed it: with
+    /// --clip-grad-norm or lamb).
+    pub grad_norm: Option<f32>,
 }
 
 /// Called after every step.

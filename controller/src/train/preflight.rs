@@ -71,19 +71,21 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
         });
     };
     let (latest, skipped) = checkpoint::latest_complete(root);
+    // Said once, on stderr (the log keeps it at info level, below a job's default `warn`).
     for why in &skipped {
-        tracing::warn!("{why}");
-        eprintln!("checkpoint {why}");
+        tracing::info!("checkpoint {why}");
+        eprintln!("warning: checkpoint {why}");
     }
     let Some((dir, manifest)) = latest else {
+        let why = if skipped.is_empty() {
+            " (it holds no `step-N` directory: pass the --checkpoint-dir of the run to go on from)"
+                .to_string()
+        } else {
+            format!(" ({})", skipped.join("; "))
+        };
         return Err(JobError::Runtime(format!(
-            "no complete checkpoint under {} to resume from{}",
-            root.display(),
-            if skipped.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", skipped.join("; "))
-            }
+            "no complete checkpoint under {} to resume from{why}",
+            root.display()
         )));
     };
     if manifest.model != program.model.name || manifest.seed != program.seed {

@@ -43,14 +43,14 @@ pub fn differences(was: &RunRecord, now: &RunRecord) -> Vec<(&'static str, Strin
         (
             "optimizer",
             was.optimizer == now.optimizer,
-            shown(&was.optimizer),
-            shown(&now.optimizer),
+            was.optimizer.to_string(),
+            now.optimizer.to_string(),
         ),
         (
             "lr-schedule",
             same_schedule(&was.lr_schedule, &now.lr_schedule),
-            shown(&was.lr_schedule),
-            shown(&now.lr_schedule),
+            was.lr_schedule.to_string(),
+            now.lr_schedule.to_string(),
         ),
         (
             "clip",

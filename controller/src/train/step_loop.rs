@@ -90,7 +90,7 @@ async fn run_step<G: Gang>(
 /// Tells the dashboard and the progress callback that a step is done.
 fn tell_step_done(plan: &Plan, options: &TrainOptions, record: &StepRecord, reports: &[StepReport]) {
     if let Some(d) = &options.dashboard {
-        d.step_done(plan, record.step, record.loss, record.time_s, reports);
+        d.step_done(plan, record, reports);
     }
     if let Some(callback) = &options.on_step {
         callback(&StepProgress {
@@ -98,6 +98,8 @@ fn tell_step_done(plan: &Plan, options: &TrainOptions, record: &StepRecord, repo
             steps: options.steps,
             loss: record.loss,
             time_s: record.time_s,
+            lr: record.lr,
+            grad_norm: record.grad_norm,
         });
     }
 }

@@ -48,7 +48,7 @@ fn plan() -> &'static (Plan, Vec<u8>) {
         let Command::Plan(args) = cli.command else {
             unreachable!()
         };
-        let program = args.job.program().unwrap();
+        let program = args.train.job.program().unwrap();
         let plan = Controller::local(program.devices.clone()).plan(&program).unwrap();
         let bytes = codec::encode(&plan).unwrap();
         (plan, bytes)

@@ -64,6 +64,25 @@ pub struct LrSchedule {
     pub final_fraction: f32,
 }
 
+impl fmt::Display for LrSchedule {
+    /// `constant`, or e.g. `cosine to 0.1×lr at step 30, warmup 5` (the banner's and a refused
+    /// resume's words).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.decay {
+            LrDecay::Constant => f.write_str("constant")?,
+            decay => write!(
+                f,
+                "{decay} to {}×lr at step {}",
+                self.final_fraction, self.total_steps
+            )?,
+        }
+        if self.warmup_steps > 0 {
+            write!(f, ", warmup {}", self.warmup_steps)?;
+        }
+        Ok(())
+    }
+}
+
 impl Default for LrSchedule {
     /// The optimizer's rate at every step.
     fn default() -> Self {

@@ -303,6 +303,59 @@ impl OptimizerSpec {
     }
 }
 
+impl std::fmt::Display for OptimizerSpec {
+    /// The rule and every hyper-parameter, e.g. `adamw lr 0.001 betas (0.9, 0.999) eps 1e-8
+    /// weight decay 0.01` (the banner's and a refused resume's words).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            OptimizerSpec::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            }
+            | OptimizerSpec::AdamW {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            }
+            | OptimizerSpec::Lamb {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => write!(
+                f,
+                "{} lr {lr} betas ({beta1}, {beta2}) eps {eps:e} weight decay {weight_decay}",
+                self.name()
+            ),
+            OptimizerSpec::Sgd {
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+            } => {
+                write!(f, "sgd lr {lr}")?;
+                if momentum != 0.0 {
+                    write!(f, " momentum {momentum}")?;
+                    if dampening != 0.0 {
+                        write!(f, " dampening {dampening}")?;
+                    }
+                    if nesterov {
+                        f.write_str(" nesterov")?;
+                    }
+                }
+                write!(f, " weight decay {weight_decay}")
+            }
+        }
+    }
+}
+
 /// Which parameters take weight decay.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ParamGroups {

@@ -1,0 +1,244 @@
+//! The flags that describe a job, shared by `train` and `plan`, and the [`Program`] they make:
+//! model, data, layout, optimizer and its schedule, devices.
+
+use std::path::PathBuf;
+
+use clap::Args;
+use serde::Serialize;
+
+use archipelago_dataflow::data::DataSpec;
+use archipelago_dataflow::passes::partition::parse_stages;
+use archipelago_dataflow::passes::schedule::Schedule;
+use archipelago_dataflow::{
+    DeviceSpec, InputKind, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, ParamGroups, Program,
+};
+
+/// The flags that describe a job (shared by `train` and `plan`).
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct JobArgs {
+    /// Model: `mlp-8x1024`, `gpt-tiny`, `mlp:in=I,hidden=H,layers=L,out=O` or
+    /// `gpt:vocab=V,ctx=C,d=D,layers=L,heads=H`.
+    #[arg(long, default_value = "mlp-8x1024")]
+    pub model: String,
+    /// Data-parallel replicas (one CPU device each).
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Global batch per step (default: 64 rows for mlp, 16 sequences for gpt).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// The run's total steps, counted from its start: a `--resume` goes on from its checkpoint's
+    /// step to this one (not this many more).
+    #[arg(long, default_value_t = 30)]
+    pub steps: u64,
+    /// Learning rate (the peak under --lr-schedule).
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f32,
+    /// Update rule: adam, adamw (decoupled weight decay), sgd (plain, or with --momentum and
+    /// --nesterov) or lamb (per-parameter trust ratio), each with PyTorch's defaults.
+    #[arg(long, default_value = "adam")]
+    pub optimizer: String,
+    /// SGD's momentum factor (default 0: plain SGD, `p -= lr·g`).
+    #[arg(long)]
+    pub momentum: Option<f32>,
+    /// SGD with Nesterov momentum (needs --momentum > 0).
+    #[arg(long)]
+    pub nesterov: bool,
+    /// Weight decay: an L2 term in the gradient for adam and sgd, decoupled for adamw and lamb
+    /// (default: PyTorch's, 0 for adam and sgd, 0.01 for adamw and lamb). Biases and LayerNorm
+    /// parameters take none unless --weight-decay-all.
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// Apply weight decay to every parameter, biases and LayerNorm included.
+    #[arg(long)]
+    pub weight_decay_all: bool,
+    /// Clip the gradients to this global L2 norm (over every actor's gradients) before each
+    /// update, as torch.nn.utils.clip_grad_norm_.
+    #[arg(long)]
+    pub clip_grad_norm: Option<f32>,
+    /// Learning-rate schedule after the warmup: constant, cosine or linear (decaying to
+    /// --lr-final-fraction of --lr at the last step).
+    #[arg(long, default_value = "constant")]
+    pub lr_schedule: String,
+    /// Updates of linear warmup from lr/warmup to lr.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: u64,
+    /// The rate the cosine or linear decay ends at, as a fraction of --lr.
+    #[arg(long, default_value_t = 0.1)]
+    pub lr_final_fraction: f32,
+    /// Seed of initialisation and synthetic data.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Train on this file instead of the synthetic data: the bytes of a text file (a gpt), or a
+    /// `.safetensors` file of `inputs` `[n, in]` f32 and `targets` `[n]` integers (an mlp) or
+    /// `tokens` `[n, ctx+1]` integers (a gpt).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Start from the weights in this safetensors file (PyTorch's names and layouts, as
+    /// `archipelago export` writes them) instead of the seeded initialisation.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Gradient bucket size in MiB (an all-reduce starts as each bucket's gradients are ready).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_mb: f64,
+    /// Memory budget per device in bytes; plans that do not fit are refused.
+    #[arg(long)]
+    pub device_memory: Option<u64>,
+    /// Pipeline stages (devices along the pp axis; the mesh is dp × pp).
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: String,
+    /// Micro-batches per step (each replica's batch is split into this many).
+    #[arg(long, default_value_t = 1)]
+    pub microbatches: usize,
+    /// Model chunks per pipeline device (with --schedule interleaved).
+    #[arg(long, default_value_t = 1)]
+    pub virtual_stages: usize,
+    /// Keep only segment inputs in forward; recompute the forward inside backward.
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+    /// ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state sharded), 2 (also
+    /// gradients), 3 (also parameters; implies --checkpoint-activations).
+    #[arg(long, default_value_t = 0)]
+    pub zero: u8,
+    /// Keep the master parameter shard and the optimizer state off the device: `cpu` (host
+    /// memory, optimizer on the CPU, ZeRO-Offload) or `nvme:DIR` (preallocated files under DIR,
+    /// read ahead and written behind, ZeRO-Infinity).
+    #[arg(long, default_value = "none")]
+    pub offload: String,
+    /// With --zero 3 and --offload: keep the parameter shards in the offload tier too.
+    #[arg(long)]
+    pub offload_params: bool,
+    /// Where the master parameters, gradient buckets and optimizer state live when not
+    /// offloaded: `host` (flat vectors, every step reads the gradients off the device and writes
+    /// the parameters back), `device` (tensors on the device, updated there) or `auto`: decided
+    /// when the plan is compiled for the devices its actors get — `device` when every one is a
+    /// GPU and nothing is offloaded, else `host`. Each step's host ⇄ device bytes are in the
+    /// report.
+    #[arg(long, default_value = "auto")]
+    pub state: String,
+    /// Devices to place the actors on, in mesh order: e.g. `cuda:0,cuda:1` (a `cuda` build) or
+    /// `cpu:0,cpu:1`; default `cpu:0..` (one per dp × pp actor). `archipelago devices` lists them.
+    #[arg(long)]
+    pub devices: Option<String>,
+    /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.
+    #[arg(long)]
+    pub stages: Option<String>,
+}
+
+impl JobArgs {
+    /// The program these flags describe.
+    pub fn program(&self) -> anyhow::Result<Program> {
+        let spec = ModelSpec::parse(&self.model)?;
+        let mut program = Program::new(spec).with_seed(self.seed);
+        if let Some(path) = self.data.as_ref().filter(|p| is_safetensors(p)) {
+            program.data = DataSpec::TensorFile {
+                path: path.display().to_string(),
+            };
+        } else if let Some(path) = &self.data {
+            if !matches!(program.model.input, InputKind::Tokens { .. }) {
+                anyhow::bail!("--data trains a gpt on text; `{}` is not a gpt model", self.model);
+            }
+            program.data = DataSpec::TextFile {
+                path: path.display().to_string(),
+            };
+        }
+        program.init = self.init.as_ref().map(|p| p.display().to_string());
+        let blocks = program.model.blocks.len();
+        program.plan = ParallelPlan {
+            dp: self.dp,
+            batch: self.batch.unwrap_or(program.plan.batch),
+            bucket_bytes: (self.bucket_mb * (1u64 << 20) as f64).max(1.0) as u64,
+            device_memory: self.device_memory,
+            pp: self.pp,
+            microbatches: self.microbatches,
+            schedule: self.schedule.parse::<Schedule>().map_err(anyhow::Error::msg)?,
+            virtual_stages: self.virtual_stages,
+            checkpoint_activations: self.checkpoint_activations,
+            zero: self.zero,
+            offload: self.offload.parse().map_err(anyhow::Error::msg)?,
+            offload_params: self.offload_params,
+            state: self.state.parse().map_err(anyhow::Error::msg)?,
+            stages: self
+                .stages
+                .as_deref()
+                .map(|s| parse_stages(s, blocks))
+                .transpose()?,
+        };
+        self.set_optimizer(&mut program)?;
+        program.devices = match &self.devices {
+            Some(list) => DeviceSpec::parse_list(list)?,
+            None => DeviceSpec::cpus(self.dp * self.pp),
+        };
+        if program.plan.device_memory.is_none() {
+            program.plan.device_memory = archipelago_actors::gpus::smallest_memory(
+                &program.devices[..program.devices.len().min(self.dp * self.pp)],
+            );
+        }
+        Ok(program)
+    }
+}
+
+impl JobArgs {
+    /// The flags with every default that `program` (made from them) resolved filled in: the
+    /// batch, the weight decay, SGD's momentum, the devices and the memory budget. What stays
+    /// `None` is a setting that is off (no clipping, no `--data`, no `--init`, no `--stages`).
+    pub fn resolved(&self, program: &Program) -> JobArgs {
+        let mut flags = self.clone();
+        flags.batch = Some(program.plan.batch);
+        flags.weight_decay = Some(program.optimizer.weight_decay());
+        if let OptimizerSpec::Sgd { momentum, .. } = program.optimizer {
+            flags.momentum = Some(momentum);
+        }
+        let actors = (self.dp * self.pp).min(program.devices.len());
+        flags.devices = Some(
+            (program.devices[..actors].iter())
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        flags.device_memory = program.plan.device_memory;
+        flags
+    }
+}
+
+/// Whether `path` names a safetensors file (by its extension).
+fn is_safetensors(path: &std::path::Path) -> bool {
+    path.extension().is_some_and(|e| e == "safetensors")
+}
+
+impl JobArgs {
+    /// The optimizer, its schedule, clipping and parameter groups from the flags.
+    fn set_optimizer(&self, program: &mut Program) -> anyhow::Result<()> {
+        let mut spec = OptimizerSpec::named(&self.optimizer, self.lr).map_err(anyhow::Error::msg)?;
+        if self.momentum.is_some() || self.nesterov {
+            spec = spec
+                .with_momentum(self.momentum.unwrap_or(0.0), self.nesterov)
+                .map_err(anyhow::Error::msg)?;
+        }
+        if let Some(wd) = self.weight_decay {
+            spec = spec.with_weight_decay(wd);
+        }
+        spec.check().map_err(anyhow::Error::msg)?;
+        let decay: LrDecay = self.lr_schedule.parse().map_err(anyhow::Error::msg)?;
+        program.optimizer = spec;
+        program.lr_schedule = LrSchedule {
+            warmup_steps: self.warmup_steps,
+            decay,
+            total_steps: self.steps,
+            final_fraction: if decay == LrDecay::Constant {
+                1.0
+            } else {
+                self.lr_final_fraction
+            },
+        };
+        program.clip_grad_norm = self.clip_grad_norm;
+        program.param_groups = if self.weight_decay_all {
+            ParamGroups::DecayAll
+        } else {
+            ParamGroups::NoDecayForVectors
+        };
+        Ok(())
+    }
+}
