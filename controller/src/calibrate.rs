@@ -16,7 +16,7 @@ use crate::Controller;
 use crate::train::TrainOptions;
 
 /// Steps of the calibration run (the first is not timed).
-const STEPS: u64 = 4;
+const STEPS: u64 = 8;
 /// Models larger than this are not run for calibration (parameters).
 const MAX_PARAMS: u64 = 200_000_000;
 

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use archipelago_actors::runtime::compiled::Recorder;
-use archipelago_actors::runtime::remote::{Liveness, serve_actor_port};
+use archipelago_actors::runtime::remote::{ActorPort, Liveness, serve_actor_port};
 use archipelago_actors::runtime::{
     Actor, ActorRef, Context, Handler, Message, Registry, Runtime, Slot, SpawnOptions, TensorRef,
 };
@@ -263,6 +263,12 @@ fn compiled_chain(
 
 /// The same between this process (the driver) and a host process of this binary over its
 /// actor port on 127.0.0.1; `fabric_round_trips` is the raw-TCP fabric's between 2 processes.
+///
+/// Each process holds a connection to the other's actor port (the host fetches the program's
+/// tensor from this process's), and a connection whose far end goes away while it is open is a
+/// lost host, logged as an error. So the two end in order: this process's runtime (and its
+/// connection to the host) first, then the host process (and its connection to this process's
+/// port, which runs on an executor of its own), then that port.
 pub fn between_processes(
     round_trips: usize,
     batches: usize,
@@ -270,20 +276,53 @@ pub fn between_processes(
 ) -> anyhow::Result<Value> {
     registry().install();
     let (mut child, mut stdout, addr) = start_peer(&["bench-actor-host"], "actor port ")?;
+    let port_executor = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("bench-actor-port")
+        .enable_all()
+        .build()?;
+    let measured = drive_host(&addr, port_executor.handle(), round_trips, batches);
+    drop(child.stdin.take());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest)?;
+    child.wait()?;
+    let (figures, chain, port) = measured?;
+    drop(port);
+    drop(port_executor);
+    let mut out = figures_json(
+        &figures,
+        round_trips,
+        batches,
+        fabric_round_trips,
+        "actor_port_tcp_2_processes",
+    );
+    out["peak_rss_bytes_host_process"] = json!(peer_peak_rss(&rest));
+    out["compiled_chain"] = chain;
+    Ok(out)
+}
+
+/// Measures against the host at `addr` from a runtime on its devices, with the program's own
+/// tensors served from an actor port of this process on `port_executor` (returned open). The
+/// runtime, with its connection to the host, is shut down on return.
+fn drive_host(
+    addr: &str,
+    port_executor: &tokio::runtime::Handle,
+    round_trips: usize,
+    batches: usize,
+) -> anyhow::Result<(Figures, Value, ActorPort)> {
     let slots = DeviceSpec::cpus(1 + FAN_OUT)
         .into_iter()
         .map(|device| Slot {
             host: "bench-host".into(),
             island: "bench".into(),
-            addr: addr.clone(),
+            addr: addr.to_string(),
             device,
         })
         .collect();
     let runtime =
         Runtime::on_cluster("bench", slots, TOKEN, Liveness::default()).map_err(anyhow::Error::msg)?;
-    // The program's own tensors are served from this process's actor port.
     let handle = runtime.handle().clone();
-    let _port = runtime.block_on(async {
+    let port = port_executor.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         serve_actor_port(listener, handle, TOKEN)
     })?;
@@ -294,19 +333,7 @@ pub fn between_processes(
     let figures = measure(&runtime, &echo, &callees, round_trips, batches)?;
     let placement = "A and B on two device threads of the other process (raw TCP to it and back)";
     let chain = compiled_chain(&runtime, &echo, &callees[0], CHAIN_ITERATIONS, placement)?;
-    drop(child.stdin.take());
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut stdout, &mut rest)?;
-    child.wait()?;
-    let peer_rss = peer_peak_rss(&rest);
-    let mut out = figures_json(
-        &figures,
-        round_trips,
-        batches,
-        fabric_round_trips,
-        "actor_port_tcp_2_processes",
-    );
-    out["peak_rss_bytes_host_process"] = json!(peer_rss);
-    out["compiled_chain"] = chain;
-    Ok(out)
+    drop((echo, callees));
+    drop(runtime);
+    Ok((figures, chain, port))
 }

@@ -497,11 +497,15 @@ pub fn plain_vs_tls(args: &PeerArgs) -> anyhow::Result<Value> {
 pub fn data_paths(args: &PeerArgs) -> anyhow::Result<Value> {
     let mut out = serde_json::Map::new();
     for path in [DataPath::Shm, DataPath::Tcp, DataPath::Grpc] {
+        let started = std::time::Instant::now();
         let figures = between_processes(&PeerArgs {
             data_path: path,
             ..args.clone()
         })?;
-        eprintln!("{path}: {figures}");
+        eprintln!(
+            "bench: {path} between 2 processes done in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
         out.insert(format!("{path}_2_processes"), figures);
     }
     let all_reduce = |p: &str| {

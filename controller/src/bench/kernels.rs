@@ -231,7 +231,8 @@ pub fn kernels(settings: Settings) -> Value {
                 for x in order {
                     let run = run_child(&variants[x], (model, dp), steps);
                     let step = run.as_ref().ok().map(|r| median(&mut r.steps.clone()));
-                    eprintln!("kernels: {model} dp={dp} {}: {step:?}", variants[x].name);
+                    let said = step.map_or_else(|| "failed".into(), |s| format!("{s:.3} s a step"));
+                    eprintln!("bench: kernels, {model} dp={dp} {}: {said}", variants[x].name);
                     medians[usize::from(x != 0)] = step;
                     tallies[w][x].add(run);
                 }

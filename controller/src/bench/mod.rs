@@ -1,6 +1,7 @@
-//! `archipelago bench`: figures as JSON, each with its unit, configuration and the load average,
-//! and the physical limit measured in the same run where there is one (memcpy for collectives,
-//! sequential file I/O for the NVMe offload tier).
+//! `archipelago bench`: figures as JSON (to `--json FILE`), each with its unit, configuration
+//! and the load average, and the physical limit measured in the same run where there is one
+//! (memcpy for collectives, sequential file I/O for the NVMe offload tier); a summary table of
+//! the headline figures on stdout ([`summary`]) and a line per section done on stderr.
 
 pub mod actor_api;
 mod collectives;
@@ -13,12 +14,14 @@ pub mod parameter_server;
 mod peers;
 mod scale;
 mod soak;
+pub mod summary;
 mod training;
 
 use std::path::PathBuf;
+use std::time::Instant;
 
 use clap::Args;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use archipelago_actors::fabric::DataPath;
 
@@ -30,7 +33,8 @@ pub struct BenchArgs {
     /// Fewer repetitions (under two minutes).
     #[arg(long)]
     pub quick: bool,
-    /// Also write the JSON here.
+    /// Write every figure, with its configuration, as JSON here (stdout gets a summary of the
+    /// headline figures).
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Run only the training throughput on this device (`cuda:0` with a `cuda` build, or
@@ -84,84 +88,121 @@ pub struct BenchArgs {
     pub peers: Option<PathBuf>,
 }
 
-/// Runs the suite and prints its JSON.
+/// Runs the suite (or the sub-suite a flag picks), writes its JSON to `--json FILE` (only
+/// there) and prints its summary on stdout; stderr gets a line as each section is done.
 pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
-    let started = std::time::Instant::now();
-    if let Some(device) = args.device {
-        let out = json!({
-            "suite": "device",
-            "quick": args.quick,
-            "device_training": device::gpt_on_device(device, args.quick)?,
-            "peak_rss_bytes_bench_process": crate::process_stats::peak_rss_bytes(),
-            "wall_s": started.elapsed().as_secs_f64(),
-        });
-        return write_out(&out, args);
-    }
-    let ps_clocks = if args.quick { 8 } else { 30 };
-    if args.ps_only {
-        let ps = parameter_server::sparse_scaling(&[1, 2, 4], 2, 1024, ps_clocks)?;
-        let out = json!({ "suite": "parameter_server", "quick": args.quick, "parameter_server": ps, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() });
-        return write_out(&out, args);
-    }
-    let soak_steps = if args.quick { 2_000 } else { 10_000 };
-    if args.soak_only {
-        let out = json!({ "suite": "soak", "soak": soak::soak(soak_steps)?, "wall_s": started.elapsed().as_secs_f64() });
-        return write_out(&out, args);
-    }
-    if args.scale_only {
-        let steps = if args.quick { 20 } else { 100 };
-        let scale = json!({
-            "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,
-            "dispatch": scale::noop_step(1024, steps)?,
-            "dispatch_working": scale::working_step(1024, steps)?,
-            "dispatch_4096": scale::noop_step(4096, steps / 4)?,
-        });
-        let out = json!({ "suite": "scale", "scale": scale, "wall_s": started.elapsed().as_secs_f64() });
-        return write_out(&out, args);
-    }
-    let reps = if args.quick { 5 } else { 15 };
-    if args.tls_only {
-        let tcp = peer_args(args, reps, DataPath::Tcp);
-        let out = json!({ "suite": "tls", "tcp_2_processes": cross_process::plain_vs_tls(&tcp)?, "wall_s": started.elapsed().as_secs_f64() });
-        return write_out(&out, args);
-    }
-    if args.data_paths_only {
-        let peer = peer_args(args, reps, DataPath::Shm);
-        let paths = cross_process::data_paths(&peer)?;
-        let peers = args.peers.as_deref().map(|python| {
-            let gloo = peers::gloo(python, peer.bytes, reps);
-            let ours = (paths["shm_2_processes"]["collectives"].as_array())
-                .and_then(|c| c.iter().find(|r| r["name"] == "all_reduce_shm_2_processes"))
-                .and_then(|r| r["algbw_gb_per_s"].as_f64());
-            let ratio = ours
-                .zip(peers::gloo_gb_per_s(&gloo, "all_reduce"))
-                .map(|(o, g)| o / g);
-            json!({ "gloo": gloo, "all_reduce_shm_over_gloo": ratio, "aim": 3.0 })
-        });
-        let out = json!({ "suite": "data_paths", "data_paths": paths, "peers": peers, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() });
-        return write_out(&out, args);
-    }
-    if args.kernels_only {
-        return write_out(&kernels_only(args), args);
-    }
-    if args.actor_api_only {
-        let peer = cross_process::PeerArgs {
-            bytes: 1 << 20,
-            ..peer_args(args, 1, DataPath::Grpc)
-        };
-        let fabric = cross_process::in_process(&peer);
-        let tcp = cross_process::between_processes(&cross_process::PeerArgs {
-            data_path: DataPath::Tcp,
-            ..peer.clone()
-        })?;
-        let api = json!({
-            "in_process": actor_api::in_process(peer.round_trips, peer.batches, &fabric["round_trips"])?,
-            "two_processes": actor_api::between_processes(peer.round_trips, peer.batches, &tcp["round_trips"])?,
-        });
-        let out = json!({ "suite": "actor_api", "fabric_in_process": fabric["round_trips"], "fabric_tcp_2_processes": tcp["round_trips"], "actor_api": api, "wall_s": started.elapsed().as_secs_f64() });
-        return write_out(&out, args);
-    }
-    let mut ring: Vec<serde_json::Value> = Vec::new();
+    let out = match sub_suite(args)? {
+        Some(out) => out,
+        None => full_suite(args)?,
+    };
+    write_out(&out, args)
+}
+
+/// Repetitions of the 64 MiB collectives.
+fn reps(args: &BenchArgs) -> usize {
+    if args.quick { 5 } else { 15 }
+}
+
+/// Clocks of the parameter server's runs.
+fn ps_clocks(args: &BenchArgs) -> u64 {
+    if args.quick { 8 } else { 30 }
+}
+
+/// Steps of the soak.
+fn soak_steps(args: &BenchArgs) -> u64 {
+    if args.quick { 2_000 } else { 10_000 }
+}
+
+/// The JSON of the sub-suite `--device` or a `--*-only` flag picks (`None`: the full suite).
+fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
+    let started = Instant::now();
+    let wall = || started.elapsed().as_secs_f64();
+    let out = if let Some(device) = args.device {
+        let training = device::gpt_on_device(device, args.quick)?;
+        json!({ "suite": "device", "quick": args.quick, "device_training": training, "peak_rss_bytes_bench_process": crate::process_stats::peak_rss_bytes(), "wall_s": wall() })
+    } else if args.ps_only {
+        let ps = parameter_server::sparse_scaling(&[1, 2, 4], 2, 1024, ps_clocks(args))?;
+        json!({ "suite": "parameter_server", "quick": args.quick, "parameter_server": ps, "load_avg_end": load_avg(), "wall_s": wall() })
+    } else if args.soak_only {
+        let soak = soak::soak(soak_steps(args))?;
+        json!({ "suite": "soak", "soak": soak, "wall_s": wall() })
+    } else if args.scale_only {
+        json!({ "suite": "scale", "scale": scale_only(args)?, "wall_s": wall() })
+    } else if args.tls_only {
+        let tcp = cross_process::plain_vs_tls(&peer_args(args, reps(args), DataPath::Tcp))?;
+        json!({ "suite": "tls", "tcp_2_processes": tcp, "wall_s": wall() })
+    } else if args.data_paths_only {
+        data_paths_only(args, started)?
+    } else if args.kernels_only {
+        kernels_only(args)
+    } else if args.actor_api_only {
+        actor_api_only(args, started)?
+    } else if args.collectives_only {
+        json!({ "suite": "collectives", "collectives": ring(reps(args)), "wall_s": wall() })
+    } else {
+        return Ok(None);
+    };
+    Ok(Some(out))
+}
+
+/// `--scale-only`: the plan, and one step dispatched to 1024 no-op and working actors and to
+/// 4096 no-op ones.
+fn scale_only(args: &BenchArgs) -> anyhow::Result<Value> {
+    let steps = if args.quick { 20 } else { 100 };
+    Ok(json!({
+        "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,
+        "dispatch": scale::noop_step(1024, steps)?,
+        "dispatch_working": scale::working_step(1024, steps)?,
+        "dispatch_4096": scale::noop_step(4096, steps / 4)?,
+    }))
+}
+
+/// `--data-paths-only`: shared memory, raw TCP and gRPC between two processes, and (with
+/// `--peers`) gloo's collectives right after, with shared memory's all-reduce over gloo's.
+fn data_paths_only(args: &BenchArgs, started: Instant) -> anyhow::Result<Value> {
+    let reps = reps(args);
+    let peer = peer_args(args, reps, DataPath::Shm);
+    let paths = cross_process::data_paths(&peer)?;
+    let peers = args.peers.as_deref().map(|python| {
+        let gloo = peers::gloo(python, peer.bytes, reps);
+        let ours = (paths["shm_2_processes"]["collectives"].as_array())
+            .and_then(|c| c.iter().find(|r| r["name"] == "all_reduce_shm_2_processes"))
+            .and_then(|r| r["algbw_gb_per_s"].as_f64());
+        let ratio = ours
+            .zip(peers::gloo_gb_per_s(&gloo, "all_reduce"))
+            .map(|(o, g)| o / g);
+        json!({ "gloo": gloo, "all_reduce_shm_over_gloo": ratio, "aim": 3.0 })
+    });
+    Ok(
+        json!({ "suite": "data_paths", "data_paths": paths, "peers": peers, "load_avg_end": load_avg(), "wall_s": started.elapsed().as_secs_f64() }),
+    )
+}
+
+/// `--actor-api-only`: the runtime API's actor calls beside the fabric's round trips, in one
+/// process and between two.
+fn actor_api_only(args: &BenchArgs, started: Instant) -> anyhow::Result<Value> {
+    let peer = cross_process::PeerArgs {
+        bytes: 1 << 20,
+        ..peer_args(args, 1, DataPath::Grpc)
+    };
+    let fabric = cross_process::in_process(&peer);
+    let tcp = cross_process::between_processes(&cross_process::PeerArgs {
+        data_path: DataPath::Tcp,
+        ..peer.clone()
+    })?;
+    let api = json!({
+        "in_process": actor_api::in_process(peer.round_trips, peer.batches, &fabric["round_trips"])?,
+        "two_processes": actor_api::between_processes(peer.round_trips, peer.batches, &tcp["round_trips"])?,
+    });
+    Ok(
+        json!({ "suite": "actor_api", "fabric_in_process": fabric["round_trips"], "fabric_tcp_2_processes": tcp["round_trips"], "actor_api": api, "wall_s": started.elapsed().as_secs_f64() }),
+    )
+}
+
+/// The in-process collectives (shared buffers, ring in one process, ring over gRPC on
+/// 127.0.0.1), 64 MiB between 2 members `reps` times, each beside a memcpy of the same bytes.
+fn ring(reps: usize) -> Vec<Value> {
+    let mut ring = Vec::new();
     for transport in [
         collectives::Transport::SharedBuffers,
         collectives::Transport::InProcess,
@@ -175,56 +216,128 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
             ring.push(collectives::ring_vs_memcpy(kind, transport, 64 << 20, 2, reps));
         }
     }
-    eprintln!("collectives: {}", serde_json::Value::from(ring.clone()));
-    if args.collectives_only {
-        let out =
-            json!({ "suite": "collectives", "collectives": ring, "wall_s": started.elapsed().as_secs_f64() });
-        return write_out(&out, args);
+    ring
+}
+
+/// Times the sections of a suite: one line on stderr as each is done.
+struct Progress(Instant);
+
+impl Progress {
+    fn start() -> Progress {
+        Progress(Instant::now())
     }
+
+    /// Says that `section` is done, and in how long; times the next one from now.
+    fn done(&mut self, section: &str) {
+        eprintln!("bench: {section} done in {:.1} s", self.0.elapsed().as_secs_f64());
+        self.0 = Instant::now();
+    }
+}
+
+/// The full suite, section after section in one window.
+fn full_suite(args: &BenchArgs) -> anyhow::Result<Value> {
+    let started = Instant::now();
+    let mut progress = Progress::start();
+    let reps = reps(args);
+    let ring = ring(reps);
+    progress.done("collectives");
     let peer = peer_args(args, reps, DataPath::Grpc);
-    let tcp = cross_process::PeerArgs {
-        data_path: DataPath::Tcp,
-        ..peer.clone()
-    };
-    let tcp_tls = cross_process::plain_vs_tls(&tcp)?;
-    let processes = json!({
-        "in_process": cross_process::in_process(&peer),
-        "grpc_2_processes": cross_process::between_processes(&peer)?,
-        "shm_2_processes": cross_process::between_processes(&cross_process::PeerArgs { data_path: DataPath::Shm, ..peer.clone() })?,
-        "tcp_2_processes": tcp_tls["plain"],
-        "tcp_tls_2_processes": tcp_tls["tls"],
-        "tcp_all_reduce_tls_over_plain": tcp_tls["all_reduce_tls_over_plain"],
-    });
-    eprintln!("cross_process: {processes}");
+    let processes = data_paths(&peer)?;
+    progress.done("cross_process");
     let api = json!({
         "in_process": actor_api::in_process(peer.round_trips, peer.batches, &processes["in_process"]["round_trips"])?,
         "two_processes": actor_api::between_processes(peer.round_trips, peer.batches, &processes["tcp_2_processes"]["round_trips"])?,
     });
-    eprintln!("actor_api: {api}");
+    progress.done("actor_api");
     let scale = json!({
         "plan": scale::plan_4096_devices(if args.quick { 1 } else { 3 })?,
         "dispatch": scale::noop_step(1024, if args.quick { 20 } else { 100 })?,
         "hang_report": hang::hang_to_report()?,
     });
-    eprintln!("scale: {scale}");
+    progress.done("controller_at_scale");
+    let mut out = training_sections(args, &peer, &mut progress)?;
+    // One round of fewer steps here; `--kernels-only` runs two of WORKLOADS.md's length.
+    let cpu_kernels = kernels::kernels(kernels::Settings::new(true));
+    progress.done("kernels");
+    let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
+    let dir = args.nvme_dir.clone().unwrap_or_else(std::env::temp_dir);
+    let offload = offload::mlp_offload(warmup, timed, &dir)?;
+    progress.done("offload");
+    let soak = soak::soak(soak_steps(args))?;
+    progress.done("soak");
+    let ps = parameter_server::sparse_scaling(&[1, 2, 4], 2, 1024, ps_clocks(args))?;
+    progress.done("parameter_server");
+    let physical = physical_limits(args);
+    progress.done("physical_limits");
+    let rest = json!({
+        "physical_limits": physical,
+        "suite": "foundation+pipeline+zero+offload+multi_host",
+        "quick": args.quick,
+        "collectives": ring,
+        "cross_process": processes,
+        "actor_api": api,
+        "controller_at_scale": scale,
+        "kernels": cpu_kernels,
+        "offload": offload,
+        "soak": soak,
+        "parameter_server": ps,
+        "load_avg_end": load_avg(),
+        // VmHWM of this process over the whole suite (every in-process run shares it); the peer
+        // process's is under cross_process.*_2_processes.peak_rss_bytes.
+        "peak_rss_bytes_bench_process": crate::process_stats::peak_rss_bytes(),
+        "wall_s": started.elapsed().as_secs_f64(),
+    });
+    merge(&mut out, rest);
+    Ok(out)
+}
+
+/// The data paths of the full suite: in one process, and between two over gRPC, shared
+/// memory, and raw TCP in clear and under TLS.
+fn data_paths(peer: &cross_process::PeerArgs) -> anyhow::Result<Value> {
+    let tcp = cross_process::PeerArgs {
+        data_path: DataPath::Tcp,
+        ..peer.clone()
+    };
+    let tcp_tls = cross_process::plain_vs_tls(&tcp)?;
+    let shm = cross_process::PeerArgs {
+        data_path: DataPath::Shm,
+        ..peer.clone()
+    };
+    Ok(json!({
+        "in_process": cross_process::in_process(peer),
+        "grpc_2_processes": cross_process::between_processes(peer)?,
+        "shm_2_processes": cross_process::between_processes(&shm)?,
+        "tcp_2_processes": tcp_tls["plain"],
+        "tcp_tls_2_processes": tcp_tls["tls"],
+        "tcp_all_reduce_tls_over_plain": tcp_tls["all_reduce_tls_over_plain"],
+    }))
+}
+
+/// The full suite's training runs (mlp data-parallel, pipelined, ZeRO; gpt-tiny) and, with
+/// `--peers`, PyTorch's steps and gloo's collectives right after, with the ratios.
+fn training_sections(
+    args: &BenchArgs,
+    peer: &cross_process::PeerArgs,
+    progress: &mut Progress,
+) -> anyhow::Result<Value> {
     let (warmup, timed) = if args.quick { (2, 8) } else { (5, 30) };
     let training = training::mlp_dp_scaling(warmup, timed)?;
-    eprintln!("training: {training}");
+    progress.done("training");
     let pipeline = training::mlp_pipeline(warmup, timed)?;
-    eprintln!("pipeline: {pipeline}");
+    progress.done("pipeline");
     let zero = training::mlp_zero(warmup, timed)?;
+    progress.done("zero");
     // WORKLOADS.md: warm up 5 steps, time 30 (gpt-tiny takes ~2 s a step here: fewer when quick).
     let gpt = if args.quick {
         training::gpt_tiny(2, 3)?
     } else {
         training::gpt_tiny(warmup, timed)?
     };
-    eprintln!("gpt_tiny: {gpt}");
-    eprintln!("zero: {zero}");
+    progress.done("gpt_tiny");
     let peers = args.peers.as_deref().map(|python| {
         let (warmup, timed) = if args.quick { (2, 5) } else { (warmup, timed) };
         let torch = peers::torch_training(python, "gpt-tiny,mlp-8x1024", warmup, timed);
-        let gloo = peers::gloo(python, peer.bytes, reps);
+        let gloo = peers::gloo(python, peer.bytes, peer.reps);
         let mut ratios = peers::throughput_ratios(&training, &torch);
         if let (Some(all), Some(more)) = (
             ratios.as_array_mut(),
@@ -234,55 +347,35 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<()> {
         }
         json!({ "torch_training": torch, "gloo": gloo, "training_ours_over_torch": ratios })
     });
-    eprintln!("peers: {}", peers.clone().unwrap_or_default());
-    // One round of fewer steps here; `--kernels-only` runs two of WORKLOADS.md's length.
-    let cpu_kernels = kernels::kernels(kernels::Settings::new(true));
-    eprintln!("kernels: {cpu_kernels}");
-    let dir = args.nvme_dir.clone().unwrap_or_else(std::env::temp_dir);
-    let offload = offload::mlp_offload(warmup, timed, &dir)?;
-    eprintln!("offload: {offload}");
-    let soak = soak::soak(soak_steps)?;
-    eprintln!("soak: {soak}");
-    let ps = parameter_server::sparse_scaling(&[1, 2, 4], 2, 1024, ps_clocks)?;
-    eprintln!("parameter_server: {ps}");
-    let physical = json!({
-        "matmul_gflops_one_thread": archipelago_actors::peak::matmul_gflops(512, if args.quick { 5 } else { 20 }),
+    if peers.is_some() {
+        progress.done("peers");
+    }
+    Ok(json!({ "training": training, "pipeline": pipeline, "zero": zero, "gpt_tiny": gpt, "peers": peers }))
+}
+
+/// The matmul rate of one core (burn's Flex and the CPU kernel the runs use).
+fn physical_limits(args: &BenchArgs) -> Value {
+    let reps = if args.quick { 5 } else { 20 };
+    json!({
+        "matmul_gflops_one_thread": archipelago_actors::peak::matmul_gflops(512, reps),
         "config": { "n": 512, "dtype": "f32", "backend": "burn Flex, one thread (one actor's core)" },
-        "cpu_matmul_gflops_one_thread": archipelago_actors::peak::cpu_kernel_matmul_gflops(512, if args.quick { 5 } else { 20 }),
+        "cpu_matmul_gflops_one_thread": archipelago_actors::peak::cpu_kernel_matmul_gflops(512, reps),
         "cpu_matmul": archipelago_actors::kernels::describe(),
         "load_avg": load_avg(),
-    });
-    eprintln!("physical_limits: {physical}");
-    let out = json!({
-        "physical_limits": physical,
-        "suite": "foundation+pipeline+zero+offload+multi_host",
-        "quick": args.quick,
-        "collectives": ring,
-        "cross_process": processes,
-        "actor_api": api,
-        "controller_at_scale": scale,
-        "training": training,
-        "pipeline": pipeline,
-        "zero": zero,
-        "gpt_tiny": gpt,
-        "kernels": cpu_kernels,
-        "offload": offload,
-        "soak": soak,
-        "parameter_server": ps,
-        "peers": peers,
-        "load_avg_end": load_avg(),
-        // VmHWM of this process over the whole suite (every in-process run shares it); the peer
-        // process's is under cross_process.*_2_processes.peak_rss_bytes.
-        "peak_rss_bytes_bench_process": crate::process_stats::peak_rss_bytes(),
-        "wall_s": started.elapsed().as_secs_f64(),
-    });
-    write_out(&out, args)
+    })
+}
+
+/// Adds the fields of the object `more` to the object `out`.
+fn merge(out: &mut Value, more: Value) {
+    if let (Some(out), Value::Object(more)) = (out.as_object_mut(), more) {
+        out.extend(more);
+    }
 }
 
 /// `--kernels-only`: the kernels' section, then (with `--peers`) PyTorch's steps of the same
 /// workloads and auto's throughput over PyTorch's.
-fn kernels_only(args: &BenchArgs) -> serde_json::Value {
-    let started = std::time::Instant::now();
+fn kernels_only(args: &BenchArgs) -> Value {
+    let started = Instant::now();
     let settings = kernels::Settings::new(args.quick);
     let section = kernels::kernels(settings);
     let peers = args.peers.as_deref().map(|python| {
@@ -315,11 +408,13 @@ fn peer_args(args: &BenchArgs, reps: usize, path: DataPath) -> cross_process::Pe
     }
 }
 
-fn write_out(out: &serde_json::Value, args: &BenchArgs) -> anyhow::Result<()> {
-    let text = serde_json::to_string_pretty(out)?;
-    println!("{text}");
+/// Writes the suite's JSON to `--json FILE` (if given) and prints its summary on stdout.
+fn write_out(out: &Value, args: &BenchArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
-        std::fs::write(path, &text)?;
+        std::fs::write(path, serde_json::to_string_pretty(out)?)?;
+    }
+    for line in summary::summary(out, args.json.as_deref()) {
+        println!("{line}");
     }
     Ok(())
 }
