@@ -33,6 +33,7 @@ pub enum Start<'a> {
 pub fn banner(program: &Program, plan: &Plan, steps: u64, start: Start<'_>) -> Vec<String> {
     let pl = &program.plan;
     let decay = match program.param_groups {
+        _ if program.optimizer.weight_decay() == 0.0 => "",
         ParamGroups::NoDecayForVectors => " (none on biases and LayerNorm)",
         ParamGroups::DecayAll => " (on every parameter)",
     };
