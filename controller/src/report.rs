@@ -138,7 +138,8 @@ pub struct TrainReport {
     pub params: u64,
     /// Every step.
     pub steps: Vec<StepRecord>,
-    /// Loss of the last step.
+    /// The last step's global mean loss on its batch, computed in its forward pass, before that
+    /// step's update (not an evaluation of the final parameters).
     pub final_loss: f32,
     /// L2 norm of all final parameters.
     pub param_l2: f64,

@@ -243,7 +243,7 @@ pub struct Program {
     /// layouts, see [`crate::param_names`]) instead of the seeded initialisation.
     #[serde(default)]
     pub init: Option<String>,
-    /// The rates the step simulator predicts with ([`CostModel::default`]: those measured on the
+    /// The rates the step simulator predicts with ([`crate::CostModel::default`]: those measured on the
     /// project's 2-core CPU machine); `archipelago plan` measures this machine's matmul rate.
     #[serde(default)]
     pub cost_model: Option<crate::simulate::CostModel>,

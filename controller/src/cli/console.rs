@@ -56,13 +56,13 @@ pub fn banner(program: &Program, plan: &Plan, steps: u64, start: Start<'_>) -> V
     };
     vec![
         format!(
-            "training {} ({} parameters) on {} [{}], global batch {}, {} steps",
+            "training {} ({} parameters) on {} [{}], global batch {}, {}",
             program.model.name,
             program.model.params(),
             count(plan.actors.len(), "actor"),
             plan.mesh,
             pl.batch,
-            steps
+            count(steps as usize, "step")
         ),
         format!(
             "  optimizer {}{decay}; lr schedule {}; {clip}",
