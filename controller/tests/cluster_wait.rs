@@ -29,7 +29,7 @@ fn a_job_too_big_for_the_hosts_says_what_it_waits_for() {
         "a dp=2 job ran on one device:\n{stdout}{stderr}"
     );
     assert!(
-        stdout.contains("waiting for 2 devices; 1 host offer 1"),
+        stdout.contains("waiting for 2 devices; 1 host offers 1"),
         "no word while waiting:\n{stdout}{stderr}"
     );
     assert!(

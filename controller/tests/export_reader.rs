@@ -277,6 +277,8 @@ fn an_export_read_from_its_config_alone_gives_archipelagos_loss() {
         "gpt:vocab={},ctx={},d={},layers={},heads={}",
         config.vocab, config.ctx, config.d, config.layers, config.heads
     );
+    // The file's own metadata names the same model.
+    assert_eq!(file.meta().get("archipelago_model"), Some(&spec));
     let report = dir.path().join("report.json");
     let run = [
         "train",

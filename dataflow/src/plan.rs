@@ -243,8 +243,16 @@ fn fitting_remedies(program: &Program) -> Vec<String> {
             }
         }
     }
+    if pairs.len() > MAX_PAIRS_SHOWN {
+        let more = pairs.len() - MAX_PAIRS_SHOWN;
+        pairs.truncate(MAX_PAIRS_SHOWN);
+        pairs.push(format!("{more} other pairs of these"));
+    }
     pairs
 }
+
+/// Fitting pairs of remedies named in a refusal; the rest are counted.
+const MAX_PAIRS_SHOWN: usize = 4;
 
 fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     let given = program;

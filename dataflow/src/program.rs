@@ -244,7 +244,8 @@ pub struct Program {
     #[serde(default)]
     pub init: Option<String>,
     /// The rates the step simulator predicts with ([`crate::CostModel::default`]: those measured on the
-    /// project's 2-core CPU machine); `archipelago plan` measures this machine's matmul rate.
+    /// project's 2-core CPU machine); `archipelago plan` measures them with a few real steps
+    /// of the model on one actor (`controller/src/calibrate.rs`).
     #[serde(default)]
     pub cost_model: Option<crate::simulate::CostModel>,
     /// Test hook, not an option: a fault the trainer injects so that the equivalence tests can

@@ -285,9 +285,10 @@ mod tests {
             p.share_cores(2, cores);
             assert_eq!(p, alone, "{cores:?}");
         }
-        // Negative control: a bound that ignored the replicas would miss half the work.
-        let mut one_replica = alone.clone();
-        one_replica.share_cores(1, Some(2));
-        assert_ne!(one_replica.step_s, shared.step_s);
+        // 4 devices on 3 cores: 48 s of work over 3 = 16 s (a bound that forgot the second
+        // replica would say 8 s and leave the replay's 15 s standing).
+        let mut three = alone.clone();
+        three.share_cores(2, Some(3));
+        assert!((three.step_s - 16.0).abs() < 1e-9, "{three:?}");
     }
 }

@@ -28,7 +28,6 @@ mod gelu;
 mod layer_norm;
 pub mod openblas;
 mod openblas_check;
-pub mod rate;
 #[cfg(test)]
 mod tests;
 

@@ -141,7 +141,7 @@ pub fn progress(
                 line.split_once("  ")
                     .map_or(line.clone(), |(_, rest)| rest.to_string()),
             );
-            if p.step.is_multiple_of(every) {
+            if p.step.is_multiple_of(every) || p.step == 1 || p.step == p.steps {
                 bar.println(line);
             }
         } else if !quiet && (p.step.is_multiple_of(every) || p.step == 1 || p.step == p.steps) {

@@ -30,12 +30,14 @@ pub struct Cli {
 pub enum Command {
     /// Train a model on the embedded controller (this process, one CPU actor per device).
     Train(Box<TrainArgs>),
-    /// Compile and verify a job without starting any actor; print mesh, streams and memory.
+    /// Compile and verify a job without starting any actor; print a summary (mesh, schedule,
+    /// predicted step, memory and bytes per actor), the streams with --streams, or layouts side
+    /// by side with --compare.
     Plan(Box<PlanArgs>),
     /// Train with a parameter server (Li et al., OSDI 2014): server actors hold the model's key
     /// ranges on a consistent-hash ring, workers pull and push under a consistency model.
     Ps(Box<crate::ps_job::cli::PsArgs>),
-    /// Run the benchmarks and print JSON.
+    /// Run the benchmarks: a summary table to stdout, every figure as JSON to --json FILE.
     Bench(crate::bench::BenchArgs),
     /// Serve the controller of a cluster: hosts register here, clients submit jobs here.
     Controller(crate::cluster::commands::ControllerArgs),

@@ -31,9 +31,10 @@ pub struct PlanArgs {
     /// Give it last: every word after it is a layout.
     #[arg(long, num_args = 1.., allow_hyphen_values = true, value_name = "FLAGS")]
     pub compare: Vec<String>,
-    /// The cost model's compute rate: `measure` (time a matmul of the model's shape on this
-    /// machine's CPU, as its actors would run it), `default` (the fixed rates of the project's
-    /// 2-core CPU machine) or a rate in GFLOP/s.
+    /// The cost model's rates: `measure` (a few real training steps of the model on one CPU
+    /// actor of this process at the plan's micro-batch size give the forward's flop rate, the
+    /// backward over the forward and the optimizer's rate), `default` (the fixed rates of the
+    /// project's 2-core CPU machine) or a compute rate in GFLOP/s (the other rates default).
     #[arg(long, default_value = "measure")]
     pub rate: String,
 }
@@ -112,8 +113,8 @@ fn compare(args: &PlanArgs) -> anyhow::Result<()> {
     let base = base_words();
     let mut rows = Vec::new();
     for flags in &args.compare {
-        let train = with_flags(&base, flags)?;
-        let row = match compile(args, &train) {
+        let compiled = with_flags(&base, flags).and_then(|train| compile(args, &train));
+        let row = match compiled {
             Ok((plan, _)) => crate::plan_table::Row::of(flags, &plan),
             Err(e) => crate::plan_table::Row::refused(flags, &format!("{e:#}")),
         };
@@ -125,8 +126,10 @@ fn compare(args: &PlanArgs) -> anyhow::Result<()> {
 
 /// The job of `base` (the words after `plan`, up to `--compare`) with `layout`'s flags in place
 /// of the same flags there.
-fn with_flags(base: &[String], layout: &str) -> anyhow::Result<TrainArgs> {
-    let cli = <super::Cli as clap::CommandFactory>::command();
+pub(super) fn with_flags(base: &[String], layout: &str) -> anyhow::Result<TrainArgs> {
+    let mut cli = <super::Cli as clap::CommandFactory>::command();
+    // Built, so that every argument's action (and so whether it takes a value) is final.
+    cli.build();
     let plan = cli.find_subcommand("plan").expect("plan is a subcommand");
     let layout: Vec<String> = layout.split_whitespace().map(String::from).collect();
     let replaced: Vec<&str> = (layout.iter())
@@ -163,9 +166,10 @@ fn with_flags(base: &[String], layout: &str) -> anyhow::Result<TrainArgs> {
 
 /// The words after `plan` on this process's command line, up to `--compare`.
 fn base_words() -> Vec<String> {
-    std::env::args()
+    std::env::args_os()
+        .map(|w| w.to_string_lossy().into_owned())
         .skip_while(|w| w != "plan")
         .skip(1)
-        .take_while(|w| w != "--compare")
+        .take_while(|w| w != "--compare" && !w.starts_with("--compare="))
         .collect()
 }

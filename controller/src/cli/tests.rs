@@ -95,3 +95,36 @@ fn state_auto_puts_the_training_state_on_gpus_only() {
         assert!(plan.actors.iter().all(|a| a.training.state == want), "{args:?}");
     }
 }
+
+/// `plan --compare`: a layout's flags replace the same flags of the base line (with a value,
+/// as `--x=v`, or a switch), the others stay; an unknown flag is refused naming the layout.
+#[test]
+fn compare_layouts_replace_the_base_flags_they_name() {
+    use super::plan_cmd::with_flags;
+    let base: Vec<String> = [
+        "--model",
+        "gpt-tiny",
+        "--dp=2",
+        "--checkpoint-activations",
+        "--zero",
+        "1",
+        "--seed",
+        "7",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    let args = with_flags(&base, "--dp 4 --zero 2").unwrap();
+    assert_eq!((args.job.dp, args.job.zero, args.job.seed), (4, 2, 7));
+    assert!(args.job.checkpoint_activations, "a base switch not named stays");
+    // A replaced switch takes no value: the word after it in the base is kept.
+    let args = with_flags(&base, "--checkpoint-activations --pp 2").unwrap();
+    assert_eq!((args.job.dp, args.job.zero, args.job.pp), (2, 1, 2));
+    assert_eq!(args.job.model, "gpt-tiny");
+    // A flag no subcommand has is refused, naming the layout.
+    let err = with_flags(&base, "--no-such-flag 3").unwrap_err().to_string();
+    assert!(
+        err.contains("--compare layout") && err.contains("--no-such-flag"),
+        "{err}"
+    );
+}

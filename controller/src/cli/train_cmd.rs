@@ -26,7 +26,7 @@ pub struct TrainArgs {
     /// Seconds a receive may wait for a peer before the run stops with a hang report.
     #[arg(long, default_value_t = 120)]
     pub patience_s: u64,
-    /// Print only the summary.
+    /// Print no progress lines: the banner and the summary only.
     #[arg(long)]
     pub quiet: bool,
     /// Print a progress line every this many steps (and at the first and the last); 0: a tenth
@@ -158,13 +158,18 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
     print_outcome(args, &program, &result?)
 }
 
-/// Refuses paths that cannot work before anything starts: `--checkpoint-dir` beside a different
-/// `--resume`, a `--resume` that is not a directory, and (for a job run here) a `--data` or
-/// `--init` file that does not exist.
+/// Refuses what cannot work before anything starts: `--dashboard` with `--controller`,
+/// `--checkpoint-dir` beside a different `--resume`, a `--resume` that is not a directory, and
+/// (for a job run here) a `--data` or `--init` file that does not exist.
 fn check_paths(args: &TrainArgs) -> anyhow::Result<()> {
     if args.resume.is_some() && args.checkpoint_dir.is_some() && args.checkpoint_dir != args.resume {
         anyhow::bail!(
             "--resume DIR writes its checkpoints into DIR; drop --checkpoint-dir or make it the same"
+        );
+    }
+    if args.controller.is_some() && args.dashboard.is_some() {
+        anyhow::bail!(
+            "with --controller the dashboard is the controller's: start it with `archipelago controller --dashboard ADDR`"
         );
     }
     if let Some(dir) = args.resume.as_ref().filter(|d| !d.is_dir()) {
@@ -214,11 +219,6 @@ fn serve_dashboard(
     controller: &Controller,
     program: &Program,
 ) -> anyhow::Result<std::sync::Arc<crate::dashboard::Dashboard>> {
-    if args.controller.is_some() {
-        anyhow::bail!(
-            "with --controller the dashboard is the controller's: start it with `archipelago controller --dashboard ADDR`"
-        );
-    }
     // Nothing listens openly: refused here, before the job, when the address needs a token.
     crate::dashboard::access::check_bind(addr, args.token_file.is_some())?;
     let dashboard = crate::dashboard::Dashboard::new();

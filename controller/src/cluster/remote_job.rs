@@ -203,11 +203,11 @@ impl ClusterJob<'_> {
                 return hosts;
             }
             let line = format!(
-                "job {job}: waiting for {needed} devices; {} offer {offered} ({:.0} s of the controller's \
+                "job {job}: waiting for {needed} devices; {} {offered} ({:.0} s of the controller's \
                  --wait-for-hosts-s {:.0} s)",
                 match hosts.len() {
-                    1 => "1 host".to_string(),
-                    n => format!("{n} hosts"),
+                    1 => "1 host offers".to_string(),
+                    n => format!("{n} hosts offer"),
                 },
                 began.elapsed().as_secs_f64(),
                 self.config.wait_for_hosts.as_secs_f64()
@@ -240,6 +240,9 @@ impl ClusterJob<'_> {
         tracing::info!("{line}");
         self.tell(job_event::Kind::Info(line));
         let start = preflight(&plan.program, train)?;
+        for note in &start.notes {
+            self.tell(job_event::Kind::Info(note.clone()));
+        }
         if let Some(last) = restart_log.last_mut() {
             last.resumed_at_step = start.first_step;
             last.mesh = plan.mesh.to_string();

@@ -22,6 +22,9 @@ pub(crate) async fn run_local(
     options: &TrainOptions,
 ) -> Result<TrainReport, JobError> {
     let start = preflight(&plan.program, options)?;
+    for note in &start.notes {
+        eprintln!("{note}");
+    }
     let n = plan.actors.len();
     let fabric = Arc::new(InProcessFabric::with_collectives(
         n,

@@ -20,6 +20,10 @@ pub(crate) struct StartPoint {
     pub restore: Option<Arc<CheckpointReader>>,
     /// The first step to run (1 when starting fresh).
     pub first_step: u64,
+    /// What the user is told before the job starts: newer checkpoints passed over (each a
+    /// warning) and where the run resumes. The caller says them where the user sees them (this
+    /// process's stderr, or a cluster job's client).
+    pub notes: Vec<String>,
 }
 
 /// Checks `options` and `program`'s data and weights, then finds where the job starts.
@@ -68,14 +72,13 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
         return Ok(StartPoint {
             restore: None,
             first_step: 1,
+            notes: Vec::new(),
         });
     };
     let (latest, skipped) = checkpoint::latest_complete(root);
-    // Said once, on stderr (the log keeps it at info level, below a job's default `warn`).
-    for why in &skipped {
-        tracing::info!("checkpoint {why}");
-        eprintln!("warning: checkpoint {why}");
-    }
+    let mut notes: Vec<String> = (skipped.iter())
+        .map(|why| format!("warning: checkpoint {why}"))
+        .collect();
     let Some((dir, manifest)) = latest else {
         let why = if skipped.is_empty() {
             " (it holds no `step-N` directory: pass the --checkpoint-dir of the run to go on from)"
@@ -111,10 +114,13 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
         plan.pp,
         plan.zero
     );
-    tracing::info!("{line}");
-    eprintln!("{line}");
+    notes.push(line);
+    for note in &notes {
+        tracing::info!("{note}");
+    }
     Ok(StartPoint {
         restore: Some(Arc::new(reader)),
         first_step: manifest.next_step,
+        notes,
     })
 }
