@@ -64,6 +64,9 @@ pub struct TrialResult {
     pub steps: u64,
     /// Its loss at the last step.
     pub loss: f32,
+    /// The mean loss of the last tenth of the steps this call trained (at least one): a steadier
+    /// figure than one batch's loss, which the scaling ladder fits.
+    pub tail_loss: f32,
     /// Its model's parameter count.
     pub params: u64,
 }
@@ -107,10 +110,13 @@ impl Handler<TrainTo> for Trial {
         .await
         .map_err(|e| e.to_string())??;
         self.trained = steps;
+        let tail = report.steps.len().div_ceil(10).max(1);
+        let tail_losses = &report.steps[report.steps.len().saturating_sub(tail)..];
         Ok(TrialResult {
             name: self.config.name.clone(),
             steps,
             loss: report.final_loss,
+            tail_loss: tail_losses.iter().map(|s| s.loss).sum::<f32>() / tail_losses.len().max(1) as f32,
             params: report.params,
         })
     }
@@ -195,6 +201,26 @@ pub struct PowerLaw {
     pub r2: f64,
 }
 
+impl PowerLaw {
+    /// The law in words, or — when the losses did not fall with size (α ≤ 0) — why no law is
+    /// given: a fit with a negative exponent says the ladder trained too little, not that bigger
+    /// models are worse.
+    pub fn describe(&self) -> String {
+        if self.alpha > 0.0 {
+            format!(
+                "L(N) = (N_c / N)^alpha: alpha {:.4}, N_c {:.3e}, R^2 {:.4}",
+                self.alpha, self.n_c, self.r2
+            )
+        } else {
+            format!(
+                "no scaling seen (the fit's alpha is {:.4}: bigger models did not reach lower loss): train longer, \
+                 or tune the learning rate per size",
+                self.alpha
+            )
+        }
+    }
+}
+
 /// Fits [`PowerLaw`] to `points` (`(parameters, loss)`, at least two distinct sizes).
 pub fn fit_power_law(points: &[(f64, f64)]) -> PowerLaw {
     let xs: Vec<f64> = points.iter().map(|(n, _)| n.ln()).collect();
@@ -220,7 +246,7 @@ pub fn fit_power_law(points: &[(f64, f64)]) -> PowerLaw {
 }
 
 /// Trains every config of a ladder of model sizes for `steps` steps in parallel and fits their
-/// final losses to a power law of the parameter count.
+/// tail losses (the mean of each run's last tenth) to a power law of the parameter count.
 pub fn scaling_ladder(
     runtime: &Runtime,
     configs: Vec<TrialConfig>,
@@ -240,6 +266,8 @@ pub fn scaling_ladder(
     for call in calls {
         results.push(call.get()?.map_err(anyhow::Error::msg)?);
     }
-    let points: Vec<(f64, f64)> = results.iter().map(|r| (r.params as f64, r.loss as f64)).collect();
+    let points: Vec<(f64, f64)> = (results.iter())
+        .map(|r| (r.params as f64, r.tail_loss as f64))
+        .collect();
     Ok((results, fit_power_law(&points)))
 }
