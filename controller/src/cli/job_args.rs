@@ -30,9 +30,10 @@ pub struct JobArgs {
     /// step to this one (not this many more).
     #[arg(long, default_value_t = 30)]
     pub steps: u64,
-    /// Learning rate (the peak under --lr-schedule).
-    #[arg(long, default_value_t = 1e-3)]
-    pub lr: f32,
+    /// Learning rate (the peak under --lr-schedule; default 1e-3, and 0.03 for `ps --model
+    /// sparse-lr`).
+    #[arg(long)]
+    pub lr: Option<f32>,
     /// Update rule: adam, adamw (decoupled weight decay), sgd (plain, or with --momentum and
     /// --nesterov) or lamb (per-parameter trust ratio), each with PyTorch's defaults.
     #[arg(long, default_value = "adam")]
@@ -187,6 +188,7 @@ impl JobArgs {
     pub fn resolved(&self, program: &Program) -> JobArgs {
         let mut flags = self.clone();
         flags.batch = Some(program.plan.batch);
+        flags.lr = Some(program.optimizer.lr());
         flags.weight_decay = Some(program.optimizer.weight_decay());
         if let OptimizerSpec::Sgd { momentum, .. } = program.optimizer {
             flags.momentum = Some(momentum);
@@ -203,6 +205,9 @@ impl JobArgs {
     }
 }
 
+/// `--lr` when not given (a model may have its own: see `ps`).
+pub const DEFAULT_LR: f32 = 1e-3;
+
 /// Whether `path` names a safetensors file (by its extension).
 fn is_safetensors(path: &std::path::Path) -> bool {
     path.extension().is_some_and(|e| e == "safetensors")
@@ -211,7 +216,8 @@ fn is_safetensors(path: &std::path::Path) -> bool {
 impl JobArgs {
     /// The optimizer, its schedule, clipping and parameter groups from the flags.
     fn set_optimizer(&self, program: &mut Program) -> anyhow::Result<()> {
-        let mut spec = OptimizerSpec::named(&self.optimizer, self.lr).map_err(anyhow::Error::msg)?;
+        let lr = self.lr.unwrap_or(DEFAULT_LR);
+        let mut spec = OptimizerSpec::named(&self.optimizer, lr).map_err(anyhow::Error::msg)?;
         if self.momentum.is_some() || self.nesterov {
             spec = spec
                 .with_momentum(self.momentum.unwrap_or(0.0), self.nesterov)

@@ -6,7 +6,7 @@
 //! grow.
 
 mod console;
-mod job_args;
+pub mod job_args;
 mod plan_cmd;
 mod train_cmd;
 

@@ -18,6 +18,10 @@ use archipelago_dataflow::{DeviceSpec, LrDecay, ModelSpec, OptimizerSpec};
 use super::report::{PsReport, SparseSummary};
 use super::{FinalModel, PsJob, PsModel, run};
 use crate::cli::JobArgs;
+use crate::cli::job_args::DEFAULT_LR;
+
+/// `--lr` of `ps --model sparse-lr` when not given.
+const SPARSE_LR_DEFAULT_LR: f32 = 0.03;
 
 /// Flags of `archipelago ps`.
 #[derive(Debug, Args)]
@@ -147,7 +151,16 @@ impl PsArgs {
     pub fn job(&self) -> anyhow::Result<PsJob<BuiltinUpdate>> {
         self.refuse_training_flags()?;
         let consistency: Consistency = self.staleness.parse().map_err(anyhow::Error::msg)?;
-        let spec = OptimizerSpec::named(&self.job.optimizer, self.job.lr).map_err(anyhow::Error::msg)?;
+        // Sparse logistic regression's updates touch each key rarely: at `train`'s 1e-3 it barely
+        // moves in a run of the default length (held-out objective 0.693 → 0.683 in 30 clocks),
+        // at 0.03 it goes to 0.532 (the true weights' 0.462).
+        let default_lr = if self.job.model == "sparse-lr" {
+            SPARSE_LR_DEFAULT_LR
+        } else {
+            DEFAULT_LR
+        };
+        let lr = self.job.lr.unwrap_or(default_lr);
+        let spec = OptimizerSpec::named(&self.job.optimizer, lr).map_err(anyhow::Error::msg)?;
         let (model, batch) = if self.job.model == "sparse-lr" {
             anyhow::ensure!(
                 self.job.data.is_none(),
