@@ -10,7 +10,7 @@
 //! default rates (those of the project's 2-core machine), and says so.
 
 use archipelago_dataflow::data::DataSpec;
-use archipelago_dataflow::{CostModel, InputKind, ParallelPlan, Program, StatePlacement};
+use archipelago_dataflow::{CostModel, ParallelPlan, Program, StatePlacement};
 
 use crate::Controller;
 use crate::train::TrainOptions;
@@ -94,10 +94,7 @@ struct Timed {
 /// times from the report.
 fn time_one_actor(program: &Program, rows: usize) -> Result<Timed, String> {
     let mut one = program.clone();
-    one.data = match one.model.input {
-        InputKind::Dense { .. } => DataSpec::Clusters { seed: 0 },
-        InputKind::Tokens { .. } => DataSpec::SyntheticBytes { seed: 0 },
-    };
+    one.data = DataSpec::synthetic_for(one.model.input);
     (one.init, one.cost_model, one.islands) = (None, None, Vec::new());
     one.plan = ParallelPlan {
         batch: rows,

@@ -2,20 +2,9 @@
 //! (every refusal listed in issue 19 pinned), `plan` prints the streams without starting actors,
 //! and `train` writes the report's stable keys.
 
-use std::process::Command;
+mod common;
 
-fn archipelago(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_archipelago"))
-        .args(args)
-        .output()
-        .expect("run archipelago");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
+use common::{archipelago, refused};
 
 #[test]
 fn a_batch_that_dp_does_not_divide_is_refused_by_plan_and_train() {
@@ -384,14 +373,6 @@ fn optimizer_flags_train_and_refuse_conflicts() {
 // Every refusal of bad input made before any actor starts (issue 19's list: `--zero 4`,
 // `--offload-params` without `--zero 3`, `--dp 0`, a missing or empty token file, `--resume` with
 // no checkpoint or another model's): each exits non-zero naming what to change.
-
-fn refused(args: &[&str], needles: &[&str]) {
-    let (ok, text) = archipelago(args);
-    assert!(!ok, "{args:?} was accepted: {text}");
-    for needle in needles {
-        assert!(text.contains(needle), "{args:?}: `{needle}` not in: {text}");
-    }
-}
 
 #[test]
 fn plan_flags_that_cannot_work_are_refused_naming_the_fix() {

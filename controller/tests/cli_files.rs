@@ -2,28 +2,9 @@
 //! batch files (missing, extra or misshapen tensors named), and `export` of what was trained
 //! (its metadata and `config.json`), which `--init` accepts again.
 
-use std::process::Command;
+mod common;
 
-fn archipelago(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_archipelago"))
-        .args(args)
-        .output()
-        .expect("run archipelago");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
-fn refused(args: &[&str], needles: &[&str]) {
-    let (ok, text) = archipelago(args);
-    assert!(!ok, "{args:?} was accepted: {text}");
-    for needle in needles {
-        assert!(text.contains(needle), "{args:?}: `{needle}` not in: {text}");
-    }
-}
+use common::{archipelago, refused};
 
 /// `--init` and `--data FILE.safetensors` are checked before any actor starts, naming the
 /// missing, extra or misshapen tensors; `train --init --data` then `export` writes the trained

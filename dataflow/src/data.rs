@@ -37,6 +37,17 @@ pub enum DataSpec {
     },
 }
 
+impl DataSpec {
+    /// The workload's seeded synthetic data for a model eating `input` (seed 0): Gaussian
+    /// clusters for dense rows, the byte stream for tokens.
+    pub fn synthetic_for(input: crate::InputKind) -> DataSpec {
+        match input {
+            crate::InputKind::Dense { .. } => DataSpec::Clusters { seed: 0 },
+            crate::InputKind::Tokens { .. } => DataSpec::SyntheticBytes { seed: 0 },
+        }
+    }
+}
+
 /// A slice of a batch of dense rows.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DenseBatch {

@@ -52,6 +52,7 @@ pub mod param_names;
 pub mod passes;
 pub mod plan;
 mod plan_summary;
+pub use plan_summary::count;
 pub mod program;
 /// The property tests' seed (test support: fixed under CI, random and printed elsewhere).
 #[doc(hidden)]

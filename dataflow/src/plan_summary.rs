@@ -127,7 +127,7 @@ impl Plan {
 }
 
 /// `n` and `noun`, the noun in the plural unless `n` is 1 ("1 actor", "2 actors").
-fn count(n: usize, noun: &str) -> String {
+pub fn count(n: usize, noun: &str) -> String {
     if n == 1 {
         format!("1 {noun}")
     } else {

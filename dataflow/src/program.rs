@@ -297,9 +297,10 @@ impl Program {
     /// A program for a zoo model with its workload's data, batch and Adam at lr 1e-3.
     pub fn new(model: ModelSpec) -> Program {
         let desc = model.desc();
-        let (data, batch) = match desc.input {
-            InputKind::Dense { .. } => (DataSpec::Clusters { seed: 0 }, 64),
-            InputKind::Tokens { .. } => (DataSpec::SyntheticBytes { seed: 0 }, 16),
+        let data = DataSpec::synthetic_for(desc.input);
+        let batch = match desc.input {
+            InputKind::Dense { .. } => 64,
+            InputKind::Tokens { .. } => 16,
         };
         Program {
             model: desc,

@@ -7,19 +7,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use archipelago_dataflow::data::DataSpec;
-use archipelago_dataflow::{InputKind, ParamGroups, Plan, Program};
+use archipelago_dataflow::{InputKind, ParamGroups, Plan, Program, count};
 
 use crate::report::TrainReport;
 use crate::train::{ProgressFn, StepProgress};
-
-/// `n` and `noun`, the noun in the plural unless `n` is 1 ("1 actor", "2 actors").
-pub fn count(n: usize, noun: &str) -> String {
-    if n == 1 {
-        format!("1 {noun}")
-    } else {
-        format!("{n} {noun}s")
-    }
-}
 
 /// Where the run starts, for the banner.
 pub enum Start<'a> {
@@ -202,10 +193,11 @@ pub fn pipeline_lines(report: &TrainReport) -> Vec<String> {
         .collect()
 }
 
-/// A warning when `actors` CPU actors in this process outnumber this machine's cores: they share
-/// them, so each runs slower than alone and step times are not what a machine with a core per
-/// actor would see.
-pub fn cores_warning(actors: usize) -> Option<String> {
+/// A warning when the plan's CPU actors (all in this process when it runs here) outnumber this
+/// machine's cores: they share them, so each runs slower than alone and step times are not what
+/// a machine with a core per actor would see.
+pub fn cores_warning(plan: &Plan) -> Option<String> {
+    let actors = cpu_actors(plan);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (actors > cores).then(|| {
         format!(
@@ -215,4 +207,11 @@ pub fn cores_warning(actors: usize) -> Option<String> {
             count(cores, "core")
         )
     })
+}
+
+/// The plan's actors on CPU devices.
+pub fn cpu_actors(plan: &Plan) -> usize {
+    (plan.actors.iter())
+        .filter(|a| a.device.cuda_ordinal().is_none())
+        .count()
 }

@@ -51,7 +51,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<()> {
     }
     print!("{}", plan.summary());
     println!("rates: {how}");
-    if let Some(warning) = cores_warning(&plan) {
+    if let Some(warning) = console::cores_warning(&plan) {
         println!("\n{warning}");
     }
     if args.streams {
@@ -96,16 +96,6 @@ fn cost_model(rate: &str, program: &archipelago_dataflow::Program) -> anyhow::Re
             }
         }
     })
-}
-
-/// The cores warning for the plan's CPU actors (they run in this process when trained here).
-fn cores_warning(plan: &Plan) -> Option<String> {
-    let cpu_actors = plan
-        .actors
-        .iter()
-        .filter(|a| a.device.cuda_ordinal().is_none())
-        .count();
-    console::cores_warning(cpu_actors)
 }
 
 /// `--compare`: each layout compiled from the base flags with its own flags added, then one table.

@@ -199,13 +199,8 @@ fn print_banner(args: &TrainArgs, program: &Program, plan: &Plan) {
     for line in console::banner(program, plan, args.job.steps, start) {
         println!("{line}");
     }
-    let cpu_actors = plan
-        .actors
-        .iter()
-        .filter(|a| a.device.cuda_ordinal().is_none())
-        .count();
-    if args.controller.is_none() && cpu_actors > 0 {
-        if let Some(warning) = console::cores_warning(cpu_actors) {
+    if args.controller.is_none() && console::cpu_actors(plan) > 0 {
+        if let Some(warning) = console::cores_warning(plan) {
             println!("{warning}");
         }
         println!("cpu matmul: {}", archipelago_actors::kernels::describe());

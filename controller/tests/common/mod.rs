@@ -266,3 +266,23 @@ pub fn dump_dom(browser: &str, url: &str) -> String {
     assert!(out.status.success(), "chromium failed: {:?}", out.status);
     String::from_utf8(out.stdout).unwrap()
 }
+
+/// Runs the `archipelago` binary with `args`: whether it succeeded, and its stdout and stderr.
+pub fn archipelago(args: &[&str]) -> (bool, String) {
+    let out = Command::new(BIN).args(args).output().expect("run archipelago");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Runs `archipelago args` and asserts it fails saying every one of `needles`.
+pub fn refused(args: &[&str], needles: &[&str]) {
+    let (ok, text) = archipelago(args);
+    assert!(!ok, "{args:?} was accepted: {text}");
+    for needle in needles {
+        assert!(text.contains(needle), "{args:?}: `{needle}` not in: {text}");
+    }
+}
