@@ -39,6 +39,7 @@
 #   ... "" parallel    # the second round, same folder: parallel plans, the full bench, TF32,
 #                      # PyTorch's autocast bf16/f16 (the mixed-precision peer)
 #   ... "" memory      # the device's memory pool against the plan's estimate
+#   ... "" calibrate   # plan --rate measure on the GPU against the step train measures
 set -u
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
 
@@ -82,7 +83,7 @@ BIN=${1:-target/release/archipelago}
 OUT_ARG=${2:-auto}
 ROUND=${3:-first}
 
-case "$ROUND" in first | parallel | memory) ;; *) die "unknown round '$ROUND' (first, parallel or memory)";; esac
+case "$ROUND" in first | parallel | memory | calibrate) ;; *) die "unknown round '$ROUND' (first, parallel, memory or calibrate)";; esac
 [ -x "$BIN" ] || die "no executable archipelago binary at '$BIN' (build it with --features cuda and carry it)"
 BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
 command -v nvidia-smi > /dev/null \
@@ -210,6 +211,24 @@ if [ "$ROUND" = memory ]; then
     shift
     run "train $job, 4 steps" 60 -- "$BIN" train --model "$model" --steps 4 "$@" \
       --report "$OUTDIR/memory_$i.json"
+  done
+elif [ "$ROUND" = calibrate ]; then
+  # The cost model calibrated on the device (issue 46): `plan --rate measure` times a few steps of
+  # the model on one actor of the GPU, then the same layout trains and the plan's predicted step is
+  # compared with the measured median step (scripts/plan_vs_measured.py: PASS within 20 %).
+  i=0
+  for job in "gpt-tiny --devices cuda:0" "gpt-tiny --dp 2 --devices cuda:0,cuda:0" \
+      "gpt-tiny --pp 2 --microbatches 4 --devices cuda:0,cuda:0" "$big --devices cuda:0 --batch 8"; do
+    i=$((i + 1))
+    set -- $job
+    model=$1
+    shift
+    run "plan --rate measure $job" 90 --stdout "$OUTDIR/plan_$i.json" -- \
+      "$BIN" plan --model "$model" "$@" --rate measure --json
+    run "train $job, 12 steps" 90 -- "$BIN" train --model "$model" "$@" --steps 12 \
+      --report "$OUTDIR/train_$i.json"
+    run "compare plan with train: $job" 30 -- \
+      python3 "$ROOT/scripts/plan_vs_measured.py" "$OUTDIR/plan_$i.json" "$OUTDIR/train_$i.json"
   done
 elif [ "$ROUND" = parallel ]; then
   # Parallel plans with two actors on the one GPU (compared with the same flags on cpu:0,cpu:1

@@ -3,14 +3,16 @@
 //! The rates come from a short real run of the job's own model on one actor of this process at
 //! the plan's micro-batch size (a few steps, the first untimed): the forward's flop rate (the cost
 //! model's `2 · params` flops per token over the forward's median time), the backward over the
-//! forward, and the optimizer's parameters per second. Where the plan's CPU actors outnumber this
-//! machine's cores they take turns on them: the step is then at least their total busy time over
-//! the cores (`Prediction::share_cores`). A
-//! model too large to run here for a few steps, or a plan for GPUs (not measured here), keeps the
-//! default rates (those of the project's 2-core machine), and says so.
+//! forward, and the optimizer's parameters per second. A CPU plan is timed on one CPU actor; a GPU
+//! plan on one actor of its first GPU, with the plan's state placement (the GPU's own rates). The
+//! plan's actors take turns on the compute units they share (this machine's cores; the plan's
+//! distinct GPUs where several actors sit on one): the step is then at least their total busy time
+//! over the units (`Prediction::share_cores`). A model too large to run here for a few steps, or a
+//! plan that mixes CPUs and GPUs, keeps the default rates (those of the project's 2-core machine),
+//! and says so.
 
 use archipelago_dataflow::data::DataSpec;
-use archipelago_dataflow::{CostModel, ParallelPlan, Program, StatePlacement};
+use archipelago_dataflow::{CostModel, DeviceSpec, ParallelPlan, Program, StatePlacement};
 
 use crate::Controller;
 use crate::train::TrainOptions;
@@ -36,19 +38,19 @@ pub fn cost_model(program: &Program) -> Calibration {
         cost_model: base,
         how: format!("the default rates of the project's 2-core CPU machine ({why})"),
     };
-    if program.devices.iter().any(|d| d.cuda_ordinal().is_some()) {
-        return default("GPU rates are not measured by plan");
-    }
+    let Some(target) = timing_target(&program.devices) else {
+        return default("the plan mixes CPU and GPU devices");
+    };
     if program.model.params() > MAX_PARAMS {
         return default("the model is too large to time here");
     }
     let rows = micro_batch_rows(&program.plan);
-    let timed = match time_one_actor(program, rows) {
+    let timed = match time_one_actor(program, rows, &target) {
         Ok(timed) => timed,
         Err(why) => return default(&format!("the timing run failed: {why}")),
     };
     let actors = program.plan.dp * program.plan.pp;
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let units = target.units;
     let tokens = (rows * program.model.input.tokens_per_sample()) as f64;
     let flops = 2.0 * program.model.params() as f64 * tokens;
     let trained: u64 = program.model.blocks.iter().map(|b| b.trained_params()).sum();
@@ -56,25 +58,69 @@ pub fn cost_model(program: &Program) -> Calibration {
         flops_per_s: flops / timed.forward_s.max(1e-9),
         backward_over_forward: timed.backward_s / timed.forward_s.max(1e-9),
         optimizer_params_per_s: trained as f64 / timed.optimizer_s.max(1e-9),
-        cpu_cores: Some(cores),
+        compute_units: Some(units),
         ..base
     };
-    let shared = if actors > cores {
-        format!("; {actors} CPU actors take turns on {cores} cores")
+    let shared = if actors > units {
+        format!("; {actors} actors take turns on {units} {}", target.unit_name)
     } else {
         String::new()
     };
     Calibration {
         cost_model,
         how: format!(
-            "measured: {} steps of this model on one actor at {rows} rows a micro-batch (forward {:.1} ms, \
-             backward {:.1} ms, optimizer {:.1} ms){shared}",
+            "measured: {} steps of this model on one actor of {} at {rows} rows a micro-batch (forward \
+             {:.1} ms, backward {:.1} ms, optimizer {:.1} ms){shared}",
             STEPS,
+            target.device,
             1e3 * timed.forward_s,
             1e3 * timed.backward_s,
             1e3 * timed.optimizer_s
         ),
     }
+}
+
+/// Where the calibration runs and what the plan's actors share.
+struct TimingTarget {
+    /// The device the one timing actor runs on.
+    device: DeviceSpec,
+    /// The timing run's state placement (the host for a CPU; the plan's own for a GPU).
+    state: Option<StatePlacement>,
+    /// Compute units the plan's actors share.
+    units: usize,
+    /// Their name, plural.
+    unit_name: &'static str,
+}
+
+/// A CPU plan is timed on `cpu:0` and shares this machine's cores; a GPU plan on its first GPU,
+/// sharing its distinct GPUs. `None` for a plan that mixes the two.
+fn timing_target(devices: &[DeviceSpec]) -> Option<TimingTarget> {
+    let mut gpus: Vec<DeviceSpec> = devices
+        .iter()
+        .copied()
+        .filter(|d| d.cuda_ordinal().is_some())
+        .collect();
+    if gpus.is_empty() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        return Some(TimingTarget {
+            device: DeviceSpec::Cpu(0),
+            state: Some(StatePlacement::Host),
+            units: cores,
+            unit_name: "CPU cores",
+        });
+    }
+    if gpus.len() != devices.len() {
+        return None;
+    }
+    let device = gpus[0];
+    gpus.sort_by_key(|d| d.cuda_ordinal());
+    gpus.dedup();
+    Some(TimingTarget {
+        device,
+        state: None,
+        units: gpus.len(),
+        unit_name: if gpus.len() == 1 { "GPU" } else { "GPUs" },
+    })
 }
 
 /// Rows of one micro-batch on one replica.
@@ -89,19 +135,19 @@ struct Timed {
     optimizer_s: f64,
 }
 
-/// Trains `program`'s model on one CPU actor of this process at `rows` rows a step, for
-/// [`STEPS`] steps on its synthetic data, and reads the median forward, backward and optimizer
-/// times from the report.
-fn time_one_actor(program: &Program, rows: usize) -> Result<Timed, String> {
+/// Trains `program`'s model on one actor of this process on `target`'s device at `rows` rows a
+/// step, for [`STEPS`] steps on its synthetic data, and reads the median forward, backward and
+/// optimizer times from the report.
+fn time_one_actor(program: &Program, rows: usize, target: &TimingTarget) -> Result<Timed, String> {
     let mut one = program.clone();
     one.data = DataSpec::synthetic_for(one.model.input);
     (one.init, one.cost_model, one.islands) = (None, None, Vec::new());
     one.plan = ParallelPlan {
         batch: rows,
-        state: StatePlacement::Host,
+        state: target.state.unwrap_or(program.plan.state),
         ..ParallelPlan::default()
     };
-    one.devices = archipelago_dataflow::DeviceSpec::cpus(1);
+    one.devices = vec![target.device];
     let options = TrainOptions {
         steps: STEPS,
         job: "plan-calibration".into(),
@@ -126,4 +172,29 @@ fn time_one_actor(program: &Program, rows: usize) -> Result<Timed, String> {
         return Err("no forward was timed".into());
     }
     Ok(timed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_plans_are_timed_on_their_first_gpu_and_share_their_distinct_gpus() {
+        let list = |s: &str| DeviceSpec::parse_list(s).unwrap();
+        let one_gpu = timing_target(&list("cuda:0,cuda:0")).unwrap();
+        assert_eq!((one_gpu.device, one_gpu.units), (DeviceSpec::Cuda(0), 1));
+        assert_eq!(
+            one_gpu.state, None,
+            "a GPU is timed with the plan's own state placement"
+        );
+        let two = timing_target(&list("cuda:1,cuda:0,cuda:1")).unwrap();
+        assert_eq!((two.device, two.units), (DeviceSpec::Cuda(1), 2));
+        let cpu = timing_target(&list("cpu:0,cpu:1")).unwrap();
+        assert_eq!(cpu.device, DeviceSpec::Cpu(0));
+        assert_eq!(cpu.state, Some(StatePlacement::Host));
+        assert!(
+            timing_target(&list("cpu:0,cuda:0")).is_none(),
+            "a mixed plan keeps the default rates"
+        );
+    }
 }

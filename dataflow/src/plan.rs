@@ -486,7 +486,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         &comm,
     );
     plan.prediction
-        .share_cores(plan.program.plan.dp, cost_model.cpu_cores);
+        .share_cores(plan.program.plan.dp, cost_model.compute_units);
     Ok(plan)
 }
 

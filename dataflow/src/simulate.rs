@@ -41,11 +41,12 @@ pub struct CostModel {
     /// Between islands (hosts): [`LinkRate::NETWORK`].
     #[serde(default = "LinkRate::network")]
     pub network: LinkRate,
-    /// CPU cores the plan's actors share (`None`: a core, or a GPU, each). Where the actors
-    /// outnumber them, the step is at least their total busy time over the cores (they take
-    /// turns; one's idle time in the pipeline is another's turn): [`Prediction::share_cores`].
-    #[serde(default)]
-    pub cpu_cores: Option<usize>,
+    /// The compute units the plan's actors share: CPU cores for a CPU plan, GPUs for a GPU plan
+    /// (`None`: one each). Where the actors outnumber them, the step is at least their total busy
+    /// time over the units (they take turns; one's idle time in the pipeline is another's turn):
+    /// [`Prediction::share_cores`].
+    #[serde(default, alias = "cpu_cores")]
+    pub compute_units: Option<usize>,
 }
 
 impl Default for CostModel {
@@ -58,7 +59,7 @@ impl Default for CostModel {
             optimizer_params_per_s: 2e8,
             in_process: LinkRate::IN_PROCESS,
             network: LinkRate::NETWORK,
-            cpu_cores: None,
+            compute_units: None,
         }
     }
 }
@@ -114,9 +115,9 @@ pub struct Prediction {
 }
 
 impl Prediction {
-    /// The step when `replicas` copies of the pipeline's devices share `cores` CPU cores: at least
-    /// their total busy time over the cores (a work-conserving bound; the replay's own step when
-    /// that is longer). Each stage's bubble is then the share of the longer step it is idle.
+    /// The step when `replicas` copies of the pipeline's devices share `cores` compute units (CPU
+    /// cores, or GPUs where several actors sit on one): at least their total busy time over the
+    /// units (a work-conserving bound; the replay's own step when that is longer). Each stage's bubble is then the share of the longer step it is idle.
     pub fn share_cores(&mut self, replicas: usize, cores: Option<usize>) {
         let Some(cores) = cores.filter(|c| *c > 0) else {
             return;

@@ -336,7 +336,7 @@ mod tests {
             bytes_per_s: 1e5,
             latency_s: 1e-2,
         },
-        cpu_cores: None,
+        compute_units: None,
     };
 
     fn plan(dp: usize, pp: usize, islands: &[&str]) -> Plan {

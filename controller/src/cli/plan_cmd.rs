@@ -31,10 +31,11 @@ pub struct PlanArgs {
     /// Give it last: every word after it is a layout.
     #[arg(long, num_args = 1.., allow_hyphen_values = true, value_name = "FLAGS")]
     pub compare: Vec<String>,
-    /// The cost model's rates: `measure` (a few real training steps of the model on one CPU
-    /// actor of this process at the plan's micro-batch size give the forward's flop rate, the
-    /// backward over the forward and the optimizer's rate), `default` (the fixed rates of the
-    /// project's 2-core CPU machine) or a compute rate in GFLOP/s (the other rates default).
+    /// The cost model's rates: `measure` (a few real training steps of the model on one actor of
+    /// this process, on a CPU or on the plan's first GPU, at the plan's micro-batch size give the
+    /// forward's flop rate, the backward over the forward and the optimizer's rate), `default`
+    /// (the fixed rates of the project's 2-core CPU machine) or a compute rate in GFLOP/s (the
+    /// other rates default).
     #[arg(long, default_value = "measure")]
     pub rate: String,
 }
@@ -47,6 +48,7 @@ pub fn plan(args: &PlanArgs) -> anyhow::Result<()> {
     let (plan, how) = compile(args, &args.train)?;
     if args.json {
         println!("{}", plan.to_json());
+        eprintln!("rates: {how}");
         return Ok(());
     }
     print!("{}", plan.summary());
