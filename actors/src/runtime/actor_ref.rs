@@ -270,15 +270,30 @@ impl<A: Actor> ActorRef<A> {
         }
     }
 
-    /// Stops the actor after the message it is handling; messages still queued fail with
-    /// [`CallError::Stopped`].
+    /// Stops the actor gracefully: it finishes the message it is handling, runs
+    /// [`Actor::stopping`], and ends with [`ActorEnd::Stopped`] and `reason`; messages still
+    /// queued fail with [`CallError::Stopped`].
     pub fn stop(&self, reason: &str) {
         self.shared.set_end(ActorEnd::Stopped {
             reason: reason.to_string(),
         });
         match &self.port {
             Port::Local(port) => port.stop(Some(reason.to_string())),
-            Port::Remote(connection) => connection.stop(self.shared.info.id, reason),
+            Port::Remote(connection) => connection.stop(self.shared.info.id, reason, false),
+        }
+    }
+
+    /// Kills the actor at once: the handler it is running is dropped at its next `.await` (a
+    /// kernel already running on the device thread finishes first), [`Actor::stopping`] does not
+    /// run, and it ends with [`ActorEnd::Stopped`] and `killed: {reason}`; the call being handled
+    /// and every queued one fail with [`CallError::Stopped`], its tensors are freed.
+    pub fn kill(&self, reason: &str) {
+        self.shared.set_end(ActorEnd::Stopped {
+            reason: format!("killed: {reason}"),
+        });
+        match &self.port {
+            Port::Local(port) => port.kill(),
+            Port::Remote(connection) => connection.stop(self.shared.info.id, reason, true),
         }
     }
 

@@ -144,12 +144,21 @@ impl<A: Actor> ractor::Actor for Cell<A> {
         if let Some(actor) = state.actor.as_mut() {
             let _ = AssertUnwindSafe(actor.stopping(&state.ctx)).catch_unwind().await;
         }
-        let shared = state.ctx.myself().shared();
+        // The end is published when the state drops (below), after a kill as well.
+        Ok(())
+    }
+}
+
+/// The end of every actor that started, however it ended: a stop (after `post_stop`), a final
+/// panic, or a kill (which runs no `post_stop`: the handler's future is dropped at its `.await`
+/// and the state with it). Its runtime forgets it, its tensors are freed, and `ended()` resolves.
+impl<A: Actor> Drop for CellState<A> {
+    fn drop(&mut self) {
+        let shared = self.ctx.myself().shared().clone();
         shared.set_end(ActorEnd::Stopped {
             reason: "stopped".into(),
         });
-        state.ctx.runtime().actor_ended(shared);
+        self.ctx.runtime().actor_ended(&shared);
         shared.publish_end();
-        Ok(())
     }
 }

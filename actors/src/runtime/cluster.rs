@@ -37,6 +37,8 @@ pub struct Slot {
 pub(crate) struct Cluster {
     pub(crate) slots: Vec<Slot>,
     pub(crate) connections: HashMap<String, Arc<HostConnection>>,
+    /// Actors this program placed on each slot (what [`Placement`](super::Placement) balances).
+    pub(crate) placed: std::sync::Mutex<Vec<usize>>,
 }
 
 impl Runtime {
@@ -70,7 +72,12 @@ impl Runtime {
                 connections.insert(slot.addr.clone(), connection);
             }
         }
-        let cluster = Cluster { slots, connections };
+        let placed = std::sync::Mutex::new(vec![0; slots.len()]);
+        let cluster = Cluster {
+            slots,
+            connections,
+            placed,
+        };
         Ok(Runtime::assemble(
             job,
             "driver",
@@ -79,6 +86,22 @@ impl Runtime {
             Some(cluster),
         ))
     }
+}
+
+/// The slots as `host h1: cpu:0, cpu:1; host h2: cuda:0`.
+pub(crate) fn slot_list(slots: &[Slot]) -> String {
+    let mut hosts: Vec<(&str, Vec<String>)> = Vec::new();
+    for slot in slots {
+        let device = slot.device.to_string();
+        match hosts.iter_mut().find(|(h, _)| *h == slot.host) {
+            Some((_, devices)) => devices.push(device),
+            None => hosts.push((&slot.host, vec![device])),
+        }
+    }
+    let parts: Vec<String> = (hosts.iter())
+        .map(|(host, devices)| format!("host {host}: {}", devices.join(", ")))
+        .collect();
+    parts.join("; ")
 }
 
 impl RuntimeHandle {
@@ -119,6 +142,36 @@ impl RuntimeHandle {
         )
     }
 
+    /// On a cluster, spawns an actor on a device of `device`'s kind chosen by the options'
+    /// [`Placement`](super::Placement).
+    pub(crate) fn spawn_placed<A: Actor>(
+        &self,
+        cluster: &Cluster,
+        device: DeviceSpec,
+        params: A::Params,
+        options: SpawnOptions,
+    ) -> Pending<Result<ActorRef<A>, SpawnError>> {
+        let placed = cluster.placed.lock().expect("placed actors").clone();
+        match super::placement::choose_slot(&cluster.slots, &placed, device, options.placement) {
+            Some(slot) => self.spawn_at(slot, params, options),
+            None => {
+                let error = SpawnError::NoSuchDevice {
+                    device,
+                    devices: format!(
+                        "no {} device on any host: {}",
+                        if device.cuda_ordinal().is_some() {
+                            "GPU"
+                        } else {
+                            "CPU"
+                        },
+                        slot_list(&cluster.slots)
+                    ),
+                };
+                Pending::new(std::future::ready(Err(error)), self.inner.driver.clone())
+            }
+        }
+    }
+
     /// Spawns an actor on the `slot`-th of [`RuntimeHandle::slots`] (on a cluster, on that
     /// slot's host: `A` and its parameters must be registered).
     pub fn spawn_at<A: Actor>(
@@ -131,7 +184,7 @@ impl RuntimeHandle {
         let Some(cluster) = &self.inner.cluster else {
             return self.spawn_on_thread(slot, params, options);
         };
-        let Some(slot) = cluster.slots.get(slot).cloned() else {
+        let Some(chosen) = cluster.slots.get(slot).cloned() else {
             let error = SpawnError::MeshTooLarge {
                 mesh: format!("slot {slot}"),
                 needed: slot + 1,
@@ -139,6 +192,8 @@ impl RuntimeHandle {
             };
             return Pending::new(std::future::ready(Err(error)), driver);
         };
+        cluster.placed.lock().expect("placed actors")[slot] += 1;
+        let slot = chosen;
         let actor_type = std::any::type_name::<A>();
         let failed = |reason: String| {
             let error = spawn_failed(actor_type, &slot.host, reason);

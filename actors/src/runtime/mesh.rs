@@ -5,8 +5,10 @@ use archipelago_dataflow::Mesh;
 
 use super::actor::{Actor, Handler, Message};
 use super::actor_ref::ActorRef;
-use super::call::Call;
-use super::supervision::CallError;
+use super::call::{Call, Pending};
+use super::placement::{MeshPlacement, mesh_slots};
+use super::supervision::{CallError, SpawnOptions};
+use super::system::{RuntimeHandle, SpawnError, short_type_name};
 
 /// Actors of type `A` laid out on a mesh.
 pub struct ActorMesh<A: Actor> {
@@ -74,10 +76,112 @@ impl<A: Actor> ActorMesh<A> {
         self.members.iter().try_for_each(|m| m.cast(message.clone()))
     }
 
-    /// Stops every member.
+    /// Stops every member gracefully ([`ActorRef::stop`]).
     pub fn stop(&self, reason: &str) {
         for member in &self.members {
             member.stop(reason);
         }
     }
+
+    /// Kills every member at once ([`ActorRef::kill`]).
+    pub fn kill(&self, reason: &str) {
+        for member in &self.members {
+            member.kill(reason);
+        }
+    }
+}
+
+impl RuntimeHandle {
+    /// Spawns one actor per member of `mesh`, member `r` (row-major over the axes) on the
+    /// runtime's `r`-th slot (device), built from `params(coords)`.
+    pub fn spawn_mesh<A: Actor>(
+        &self,
+        mesh: Mesh,
+        params: impl Fn(&[usize]) -> A::Params,
+    ) -> Pending<Result<ActorMesh<A>, SpawnError>> {
+        self.spawn_mesh_with(mesh, params, |_| SpawnOptions::default())
+    }
+
+    /// [`spawn_mesh`](Self::spawn_mesh) with each member's name and restart budget from
+    /// `options(coords)`.
+    pub fn spawn_mesh_with<A: Actor>(
+        &self,
+        mesh: Mesh,
+        params: impl Fn(&[usize]) -> A::Params,
+        options: impl Fn(&[usize]) -> SpawnOptions,
+    ) -> Pending<Result<ActorMesh<A>, SpawnError>> {
+        self.spawn_mesh_placed(mesh, MeshPlacement::InOrder, params, options)
+    }
+
+    /// [`spawn_mesh_with`](Self::spawn_mesh_with) with the members laid on the slots by
+    /// `placement`: in order, all on one host, or spread across hosts. A member without a name
+    /// in its options is named by its type and coordinates (`Shard[dp=1,pp=0]`), the same on
+    /// every host and in every run. All or nothing: if one member cannot start, those that did
+    /// are stopped and the first error is returned.
+    pub fn spawn_mesh_placed<A: Actor>(
+        &self,
+        mesh: Mesh,
+        placement: MeshPlacement,
+        params: impl Fn(&[usize]) -> A::Params,
+        options: impl Fn(&[usize]) -> SpawnOptions,
+    ) -> Pending<Result<ActorMesh<A>, SpawnError>> {
+        let driver = self.driver().clone();
+        let slots = self.slots();
+        if mesh.size() > slots.len() {
+            let error = SpawnError::MeshTooLarge {
+                mesh: mesh.to_string(),
+                needed: mesh.size(),
+                available: slots.len(),
+            };
+            return Pending::new(std::future::ready(Err(error)), driver);
+        }
+        let chosen = match mesh_slots(&slots, mesh.size(), placement) {
+            Ok(chosen) => chosen,
+            Err(reason) => {
+                let error = SpawnError::Placement {
+                    what: format!("a mesh {mesh} of `{}`", short_type_name::<A>()),
+                    reason,
+                };
+                return Pending::new(std::future::ready(Err(error)), driver);
+            }
+        };
+        let spawns: Vec<_> = (chosen.iter().enumerate())
+            .map(|(rank, &slot)| {
+                let coords = mesh.coords(rank);
+                let mut member = options(&coords);
+                member.name = member.name.or_else(|| Some(member_name::<A>(&mesh, &coords)));
+                self.spawn_at::<A>(slot, params(&coords), member)
+            })
+            .collect();
+        Pending::new(
+            async move {
+                let mut members = Vec::with_capacity(spawns.len());
+                let mut failed = None;
+                for spawn in spawns {
+                    match spawn.await {
+                        Ok(member) => members.push(member),
+                        Err(e) => failed = failed.or(Some(e)),
+                    }
+                }
+                match failed {
+                    None => Ok(ActorMesh::new(mesh, members)),
+                    Some(e) => {
+                        members
+                            .iter()
+                            .for_each(|m| m.stop("another member of its mesh failed to start"));
+                        Err(e)
+                    }
+                }
+            },
+            driver,
+        )
+    }
+}
+
+/// A member's default name: its type and its coordinates on the mesh's axes.
+fn member_name<A>(mesh: &Mesh, coords: &[usize]) -> String {
+    let at: Vec<String> = (mesh.axes.iter().zip(coords))
+        .map(|((axis, _), c)| format!("{axis}={c}"))
+        .collect();
+    format!("{}[{}]", short_type_name::<A>(), at.join(","))
 }

@@ -28,7 +28,10 @@
 //!   not started; `queue_depth` and `restarts` of a remote reference are the caller's view (see
 //!   the host's `actor_stats` for the actor's own).
 //! - **Placement**: each device of the runtime is one OS thread running its actors; actors on
-//!   different devices run in parallel, actors on one device take turns.
+//!   different devices run in parallel, actors on one device take turns. Locally `spawn_with`
+//!   places on the device named; on a cluster the device names a kind (CPU or GPU) and
+//!   [`Placement`] picks the slot ([`RuntimeHandle::spawn_at`] places exactly; meshes follow
+//!   [`MeshPlacement`]).
 
 mod actor;
 mod actor_ref;
@@ -40,6 +43,7 @@ pub mod compiled;
 mod context;
 mod envelope;
 mod mesh;
+mod placement;
 pub mod remote;
 pub(crate) mod supervision;
 mod system;
@@ -51,6 +55,7 @@ pub use call::{Call, Pending, Waited, wait};
 pub use cluster::Slot;
 pub use context::Context;
 pub use mesh::ActorMesh;
+pub use placement::{MeshPlacement, Placement};
 pub use remote::Registry;
 pub use supervision::{ActorEnd, ActorInfo, ActorStats, CallError, SpawnOptions};
 pub use system::{Runtime, RuntimeHandle, SpawnError};
@@ -61,3 +66,6 @@ mod tests;
 
 #[cfg(test)]
 mod remote_tests;
+
+#[cfg(test)]
+mod lifetime_tests;

@@ -50,6 +50,9 @@ pub struct SpawnOptions {
     /// How many times a panicking actor is rebuilt (constructor re-run with the same
     /// parameters) before it ends; 0 = never restart.
     pub max_restarts: u32,
+    /// On a cluster, how `spawn_with` picks a device of the kind it names (locally the device
+    /// named is used).
+    pub placement: super::Placement,
 }
 
 impl SpawnOptions {
@@ -64,6 +67,19 @@ impl SpawnOptions {
     /// The same options with `max_restarts`.
     pub fn restarts(mut self, max_restarts: u32) -> SpawnOptions {
         self.max_restarts = max_restarts;
+        self
+    }
+
+    /// The same options placing the actor where this program placed the fewest actors, across
+    /// hosts first (the default; Ray's `SPREAD`).
+    pub fn spread(mut self) -> SpawnOptions {
+        self.placement = super::Placement::Spread;
+        self
+    }
+
+    /// The same options filling hosts in slot order (Ray's `PACK`).
+    pub fn pack(mut self) -> SpawnOptions {
+        self.placement = super::Placement::Pack;
         self
     }
 }

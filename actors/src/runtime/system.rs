@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use archipelago_dataflow::{ActorId, DeviceSpec, Mesh};
+use archipelago_dataflow::{ActorId, DeviceSpec};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
@@ -39,7 +39,6 @@ use super::actor_ref::ActorRef;
 use super::call::{Call, Pending, Waited, wait};
 use super::cell::{Cell, CellArgs};
 use super::cluster::Cluster;
-use super::mesh::ActorMesh;
 use super::supervision::{ActorInfo, ActorShared, ActorStats, SpawnOptions};
 use super::tensor_store::TensorStores;
 
@@ -76,6 +75,14 @@ pub enum SpawnError {
         needed: usize,
         /// The devices there are.
         available: usize,
+    },
+    /// The placement asked for cannot be met by the runtime's slots.
+    #[error("{what} cannot be placed: {reason}")]
+    Placement {
+        /// What was to be spawned.
+        what: String,
+        /// Why, with the fix.
+        reason: String,
     },
     /// The constructor returned an error or panicked.
     #[error("{actor} could not start: {reason}")]
@@ -408,7 +415,11 @@ impl RuntimeHandle {
         self.spawn_with(device, params, SpawnOptions::default())
     }
 
-    /// Spawns an actor with a name and a restart policy.
+    /// Spawns an actor with a name, a restart policy and a placement: locally on `device`
+    /// itself; on a cluster on a device of its kind (CPU or GPU) that the options'
+    /// [`Placement`](super::Placement) picks (spread across hosts by default). To place on one
+    /// slot exactly, use [`spawn_at`](Self::spawn_at) with an index into
+    /// [`slots`](Self::slots).
     pub fn spawn_with<A: Actor>(
         &self,
         device: DeviceSpec,
@@ -416,14 +427,8 @@ impl RuntimeHandle {
         options: SpawnOptions,
     ) -> Pending<Result<ActorRef<A>, SpawnError>> {
         let driver = self.inner.driver.clone();
-        if self.inner.cluster.is_some() {
-            let error = SpawnError::Constructor {
-                actor: format!("an actor of type `{}`", short_type_name::<A>()),
-                reason: format!(
-                    "on a cluster a device ({device}) does not say which host; place by slot with `spawn_at` (see `slots()`) or spawn a mesh"
-                ),
-            };
-            return Pending::new(std::future::ready(Err(error)), driver);
+        if let Some(cluster) = &self.inner.cluster {
+            return self.spawn_placed(cluster, device, params, options);
         }
         match self.inner.devices.iter().position(|d| d.device == device) {
             Some(thread) => self.spawn_on_thread(thread, params, options),
@@ -513,69 +518,10 @@ impl RuntimeHandle {
             driver,
         )
     }
-
-    /// Spawns one actor per member of `mesh`, member `r` (row-major over the axes) on the
-    /// runtime's `r`-th slot (device), built from `params(coords)`.
-    pub fn spawn_mesh<A: Actor>(
-        &self,
-        mesh: Mesh,
-        params: impl Fn(&[usize]) -> A::Params,
-    ) -> Pending<Result<ActorMesh<A>, SpawnError>> {
-        self.spawn_mesh_with(mesh, params, |_| SpawnOptions::default())
-    }
-
-    /// [`spawn_mesh`](Self::spawn_mesh) with each member's name and restart budget from
-    /// `options(coords)`.
-    pub fn spawn_mesh_with<A: Actor>(
-        &self,
-        mesh: Mesh,
-        params: impl Fn(&[usize]) -> A::Params,
-        options: impl Fn(&[usize]) -> SpawnOptions,
-    ) -> Pending<Result<ActorMesh<A>, SpawnError>> {
-        let driver = self.inner.driver.clone();
-        let devices = self.devices();
-        if mesh.size() > devices.len() {
-            let error = SpawnError::MeshTooLarge {
-                mesh: mesh.to_string(),
-                needed: mesh.size(),
-                available: devices.len(),
-            };
-            return Pending::new(std::future::ready(Err(error)), driver);
-        }
-        let spawns: Vec<_> = (0..mesh.size())
-            .map(|rank| {
-                let coords = mesh.coords(rank);
-                self.spawn_at::<A>(rank, params(&coords), options(&coords))
-            })
-            .collect();
-        Pending::new(
-            async move {
-                let mut members = Vec::with_capacity(spawns.len());
-                let mut failed = None;
-                for spawn in spawns {
-                    match spawn.await {
-                        Ok(member) => members.push(member),
-                        Err(e) => failed = failed.or(Some(e)),
-                    }
-                }
-                match failed {
-                    None => Ok(ActorMesh::new(mesh, members)),
-                    // All or nothing: the members that did start are stopped.
-                    Some(e) => {
-                        members
-                            .iter()
-                            .for_each(|m| m.stop("another member of its mesh failed to start"));
-                        Err(e)
-                    }
-                }
-            },
-            driver,
-        )
-    }
 }
 
 /// `Counter` for `my_crate::actors::Counter` (generic arguments kept whole).
-fn short_type_name<A>() -> String {
+pub(crate) fn short_type_name<A>() -> String {
     short_name(std::any::type_name::<A>()).to_string()
 }
 

@@ -555,11 +555,12 @@ impl HostConnection {
         Ok(())
     }
 
-    /// Asks the host to stop `actor`.
-    pub(crate) fn stop(&self, actor: ActorId, reason: &str) {
+    /// Asks the host to stop `actor` (to kill it, with `kill`).
+    pub(crate) fn stop(&self, actor: ActorId, reason: &str, kill: bool) {
         self.send(Frame::Stop {
             actor,
             reason: reason.to_string(),
+            kill,
         });
     }
 }

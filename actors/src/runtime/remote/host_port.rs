@@ -274,7 +274,11 @@ async fn serve_connection(
                 name,
                 max_restarts,
             } => {
-                let options = SpawnOptions { name, max_restarts };
+                let options = SpawnOptions {
+                    name,
+                    max_restarts,
+                    ..SpawnOptions::default()
+                };
                 let spawning = Registry::spawn(&runtime, &actor_type, device, &params, options);
                 let (out, reachable, owned) = (out.clone(), reachable.clone(), owned.0.clone());
                 tokio::spawn(async move {
@@ -344,9 +348,12 @@ async fn serve_connection(
                 programs.0.retain(|(p, _)| *p != program);
                 compiled::routes::end_participants(program, &ended);
             }
-            Frame::Stop { actor, reason } => {
+            Frame::Stop { actor, reason, kill } => {
                 if let Some(target) = reachable.lock().expect("reachable actors").get(&actor) {
-                    target.stop(&reason);
+                    match kill {
+                        true => target.kill(&reason),
+                        false => target.stop(&reason),
+                    }
                 }
             }
             Frame::Ping => send(&out, Frame::Pong),

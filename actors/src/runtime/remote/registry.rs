@@ -45,6 +45,8 @@ pub trait ErasedActor: Send + Sync {
     fn info(&self) -> ActorInfo;
     /// Stops it.
     fn stop(&self, reason: &str);
+    /// Kills it.
+    fn kill(&self, reason: &str);
     /// Resolves when it ends.
     fn ended(&self) -> Pending<ActorEnd>;
     /// The typed reference, for the registered handlers to downcast.
@@ -61,6 +63,9 @@ impl<A: Actor> ErasedActor for ActorRef<A> {
     }
     fn stop(&self, reason: &str) {
         ActorRef::stop(self, reason);
+    }
+    fn kill(&self, reason: &str) {
+        ActorRef::kill(self, reason);
     }
     fn ended(&self) -> Pending<ActorEnd> {
         ActorRef::ended(self)

@@ -214,12 +214,14 @@ pub enum Frame {
         /// The reply.
         result: Result<Vec<u8>, CallError>,
     },
-    /// Stop an actor.
+    /// Stop an actor (gracefully, or kill it at once).
     Stop {
         /// The actor.
         actor: ActorId,
         /// Why.
         reason: String,
+        /// Kill rather than stop.
+        kill: bool,
     },
     /// An actor spawned over this connection ended.
     Ended {
