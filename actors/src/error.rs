@@ -2,13 +2,17 @@
 
 use archipelago_dataflow::{ActorId, DeviceSpec};
 
-/// Why an actor could not finish a step (or could not start).
+/// Why an actor could not finish a step (or could not start), or why an actor of the runtime
+/// API failed a message. A training device actor's failure names job, step, actor, device and
+/// instruction; a runtime actor's (its `actor_type` set) speaks of actors and messages only:
+/// actor, type, device, host and the message, counted from 1 (`step` holds that number).
 #[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
-#[error("job {job}, step {step}, actor {actor}{} on {device}{}, {}: {message}", type_label(actor_type), host_label(host), instruction_label(*index, instruction))]
+#[error("{}actor {actor}{} on {device}{}, {}: {message}", job_step(job, *step, actor_type), type_label(actor_type), host_label(host), instruction_label(*index, instruction))]
 pub struct ActorFailure {
     /// The job's name.
     pub job: String,
-    /// The step (0 while starting).
+    /// The step (0 while starting); for a runtime actor, the message's number (from 1; 0 when
+    /// no message was running).
     pub step: u64,
     /// The actor.
     pub actor: ActorId,
@@ -28,6 +32,15 @@ pub struct ActorFailure {
     /// The host it ran on, when known.
     #[serde(default)]
     pub host: String,
+}
+
+/// `job J, step S, ` for a training device actor; nothing for a runtime actor.
+fn job_step(job: &str, step: u64, actor_type: &str) -> String {
+    if actor_type.is_empty() {
+        format!("job {job}, step {step}, ")
+    } else {
+        String::new()
+    }
 }
 
 fn type_label(actor_type: &str) -> String {

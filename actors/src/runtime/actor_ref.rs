@@ -143,6 +143,9 @@ impl<A: Actor> ActorRef<A> {
         let (tx, rx) = oneshot::channel();
         let cancel = match &self.port {
             Port::Local(port) => {
+                if let Err(error) = self.strict_check(&message) {
+                    return Call::failed(error, self.driver.clone());
+                }
                 let flag = Arc::new(AtomicBool::new(false));
                 let letter = Letter {
                     message: Some(message),
@@ -241,6 +244,28 @@ impl<A: Actor> ActorRef<A> {
         Ok((codec, payload))
     }
 
+    /// In strict registration mode, refuses a message to this process's actor that a cluster
+    /// would refuse: its type not registered for `A`, or its bytes not encoding.
+    fn strict_check<M: Message>(&self, message: &M) -> Result<(), CallError> {
+        if !self.shared.strict.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.encode(message)?;
+        let (actor, message_type) = (std::any::type_name::<A>(), std::any::type_name::<M>());
+        if Registry::handles_registered(actor, message_type) {
+            return Ok(());
+        }
+        let short = super::system::short_name(message_type);
+        Err(CallError::NotRemote {
+            actor: self.shared.label(),
+            message: short.to_string(),
+            reason: format!(
+                "the message is not registered for `{0}`; add `.handles::<{0}, {short}>()` to the Registry",
+                self.shared.info.type_name
+            ),
+        })
+    }
+
     /// Sends `message` without waiting for (or getting) its reply. Fails only when the actor
     /// has already ended.
     pub fn cast<M: Message>(&self, message: M) -> Result<(), CallError>
@@ -250,6 +275,7 @@ impl<A: Actor> ActorRef<A> {
         let message_type = super::system::short_name(std::any::type_name::<M>());
         match &self.port {
             Port::Local(port) => {
+                self.strict_check(&message)?;
                 let letter = Letter {
                     message: Some(message),
                     reply: None,

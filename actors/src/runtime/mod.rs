@@ -58,7 +58,7 @@ pub use mesh::ActorMesh;
 pub use placement::{MeshPlacement, Placement};
 pub use remote::Registry;
 pub use supervision::{ActorEnd, ActorInfo, ActorStats, CallError, SpawnOptions};
-pub use system::{Runtime, RuntimeHandle, SpawnError};
+pub use system::{Runtime, RuntimeHandle, STRICT_REGISTRY_VAR, SpawnError, strict_registry_from_env};
 pub use tensor_store::{BorrowKey, TensorError, TensorId, TensorRef};
 
 #[cfg(test)]
@@ -69,3 +69,6 @@ mod remote_tests;
 
 #[cfg(test)]
 mod lifetime_tests;
+
+#[cfg(test)]
+mod strict_tests;

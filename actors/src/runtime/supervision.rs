@@ -191,6 +191,9 @@ pub(crate) struct ActorShared {
     pub(crate) home: std::sync::OnceLock<std::sync::Weak<super::system::RuntimeInner>>,
     /// The device thread it runs on, in its runtime (a device named twice has two).
     pub(crate) thread: std::sync::OnceLock<usize>,
+    /// Whether calls to this actor of this process are checked as if they crossed a process
+    /// (its runtime's strict registration mode when it was spawned).
+    pub(crate) strict: std::sync::atomic::AtomicBool,
     /// Sequence number of the next message sent (calls and casts).
     next_seq: AtomicU64,
     /// Messages taken off the queue.
@@ -213,6 +216,7 @@ impl ActorShared {
             job,
             home: std::sync::OnceLock::new(),
             thread: std::sync::OnceLock::new(),
+            strict: std::sync::atomic::AtomicBool::new(false),
             next_seq: AtomicU64::new(0),
             handled: AtomicU64::new(0),
             restarts: AtomicU32::new(0),
@@ -330,15 +334,16 @@ impl ActorShared {
         }
     }
 
-    /// The failure of a handler of `message` (sequence `seq`) that panicked with `text`.
+    /// The failure of a handler of `message` (sequence `seq`, from 0) that panicked with `text`:
+    /// message `seq + 1` of the actor, as a user counts.
     pub(crate) fn failure(&self, message: &str, seq: u64, text: String) -> Box<ActorFailure> {
         Box::new(ActorFailure {
             job: self.job.clone(),
-            step: seq,
+            step: seq + 1,
             actor: self.info.id,
             device: self.info.device,
             index: None,
-            instruction: format!("\"{}\" handling message #{seq} `{message}`", self.info.name),
+            instruction: format!("\"{}\" handling message {} `{message}`", self.info.name, seq + 1),
             message: text,
             secondary: false,
             actor_type: self.info.type_name.clone(),

@@ -176,6 +176,21 @@ pub(crate) struct RuntimeInner {
     pub(crate) cluster: Option<Cluster>,
     /// What runs when the runtime shuts down (`None` once it has begun).
     shutdown_hooks: Mutex<Option<Vec<ShutdownHook>>>,
+    /// Strict registration mode: see [`RuntimeHandle::set_strict_registry`].
+    pub(crate) strict: std::sync::atomic::AtomicBool,
+}
+
+/// The environment variable that turns strict registration mode on (`1`) or off (`0`) for every
+/// runtime of the process (see [`RuntimeHandle::set_strict_registry`]).
+pub const STRICT_REGISTRY_VAR: &str = "ARCHIPELAGO_STRICT_REGISTRY";
+
+/// Strict mode as [`STRICT_REGISTRY_VAR`] sets it, if it does.
+pub fn strict_registry_from_env() -> Option<bool> {
+    match std::env::var(STRICT_REGISTRY_VAR).ok()?.trim() {
+        "1" | "true" | "on" => Some(true),
+        "0" | "false" | "off" => Some(false),
+        _ => None,
+    }
 }
 
 /// Work to do when a runtime shuts down (see [`RuntimeHandle::on_shutdown`]).
@@ -236,6 +251,7 @@ impl Runtime {
             tensors: TensorStores::default(),
             cluster,
             shutdown_hooks: Mutex::new(Some(Vec::new())),
+            strict: std::sync::atomic::AtomicBool::new(strict_registry_from_env().unwrap_or(false)),
         };
         Runtime {
             handle: RuntimeHandle {
@@ -352,6 +368,21 @@ impl RuntimeHandle {
         &self.inner.job
     }
 
+    /// Strict registration mode, for actors spawned from now on in this process: every spawn
+    /// and every message that would cross a process on a cluster is checked against the
+    /// installed [`Registry`](super::Registry) (and encoded) here too, so a missing `.actor`,
+    /// `.handles` or `.compiled` line fails on the first local run with the cluster's error,
+    /// not on the first cluster run. Off for [`Runtime::local`] unless the environment sets
+    /// [`STRICT_REGISTRY_VAR`]; `archipelago_controller::runtime::init` turns it on.
+    pub fn set_strict_registry(&self, on: bool) {
+        self.inner.strict.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether strict registration mode is on.
+    pub fn strict_registry(&self) -> bool {
+        self.inner.strict.load(Ordering::Relaxed)
+    }
+
     /// Whether `self` and `other` are handles to the same runtime.
     pub fn same_runtime(&self, other: &RuntimeHandle) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -465,6 +496,17 @@ impl RuntimeHandle {
             return Pending::new(std::future::ready(Err(error)), driver);
         };
         let device = thread.device;
+        let strict = self.strict_registry();
+        if strict && let Err(reason) = super::Registry::encode_params::<A>(&params) {
+            let error = SpawnError::Constructor {
+                actor: format!(
+                    "an actor of type `{}` (strict registration mode)",
+                    short_type_name::<A>()
+                ),
+                reason,
+            };
+            return Pending::new(std::future::ready(Err(error)), driver);
+        }
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
         let type_name = short_type_name::<A>();
@@ -478,6 +520,7 @@ impl RuntimeHandle {
         let shared = Arc::new(ActorShared::new(info, self.inner.job.clone()));
         let _ = shared.home.set(Arc::downgrade(&self.inner));
         let _ = shared.thread.set(index);
+        shared.strict.store(strict, Ordering::Relaxed);
         let args = CellArgs::<A> {
             params,
             shared: shared.clone(),

@@ -143,9 +143,15 @@ fn a_panic_fails_the_pending_calls_with_a_named_error_and_ends_the_actor() {
         "host local",
         "Boom",
         "boom after 1 entries",
-        "job local",
+        "handling message 2 `Boom`",
     ] {
         assert!(text.contains(part), "`{part}` missing from: {text}");
+    }
+    for training_word in ["job ", "step "] {
+        assert!(
+            !text.contains(training_word),
+            "`{training_word}` in a runtime error: {text}"
+        );
     }
     for call in queued {
         assert_eq!(

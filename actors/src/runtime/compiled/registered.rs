@@ -58,11 +58,12 @@ impl Registry {
     /// Lets compiled programs record calls `make(value)` of message `M` built from a value of
     /// type `T` to actors of type `A` on other hosts. Every host runs the same binary, so the
     /// `make` registered here is the one the host applies: record the same constructor.
-    /// Registers the codecs of `T` and of `M`'s reply, the values that travel between actors.
+    /// Registers the codecs of `T` and of `M`'s reply, the values that travel between actors,
+    /// and `M` itself for eager calls (as [`handles`](Registry::handles) does).
     pub fn compiled<A, M, T>(mut self, make: fn(T) -> M) -> Registry
     where
         A: Handler<M>,
-        M: Message,
+        M: Message + Serialize + DeserializeOwned,
         M::Reply: Clone + Sync + Serialize + DeserializeOwned,
         T: Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
     {
@@ -84,7 +85,7 @@ impl Registry {
             })
         });
         self.program_calls.insert(node_key::<A, M, T>(), node);
-        self.program_value::<T>().program_value::<M::Reply>()
+        (self.program_value::<T>().program_value::<M::Reply>()).handles::<A, M>()
     }
 
     /// Lets values of type `T` travel between the processes of a compiled program (the input

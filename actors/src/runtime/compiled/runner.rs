@@ -133,6 +133,16 @@ pub(crate) fn dispatch<I, R>(
         let nodes = nodes_of(&streams[p]);
         match &participant.connection {
             None => {
+                if runtime.strict_registry()
+                    && let Some(key) = nodes
+                        .iter()
+                        .map(|&n| &recorded.keys[n])
+                        .find(|k| node(k).is_none())
+                {
+                    return Err(refused(format!(
+                        "recorded call `{key}` is not registered (strict registration mode: a cluster would refuse it); add `.compiled::<A, M, T>(make)` with the same constructor to the Registry"
+                    )));
+                }
                 let executor = runtime.inner().executor_of(participant.thread, participant.device).ok_or_else(|| refused(format!(
                     "actor {} is on device {}, which is not one of this runtime's; record calls to actors of the runtime the program runs on",
                     participant.id, participant.device

@@ -323,6 +323,15 @@ impl Registry {
         encode(params).map_err(|e| e.to_string())
     }
 
+    /// Whether message type `message` is registered for actor type `actor` (full type names).
+    pub(crate) fn handles_registered(actor: &'static str, message: &'static str) -> bool {
+        GLOBAL
+            .read()
+            .expect("registry")
+            .handlers
+            .contains_key(&(actor, message))
+    }
+
     pub(crate) fn codec<M: 'static>() -> Option<MessageCodec> {
         GLOBAL
             .read()
