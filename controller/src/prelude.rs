@@ -10,6 +10,7 @@
 //!     type Params = i64; // cloned for every restart
 //!     async fn new(start: i64, _ctx: &Context<Self>) -> Result<Self, String> { Ok(Counter { total: start }) }
 //! }
+//! #[derive(serde::Serialize, serde::Deserialize)] // messages cross processes as bincode
 //! struct Add(i64);
 //! impl Message for Add { type Reply = i64; }
 //! impl Handler<Add> for Counter {
@@ -17,7 +18,8 @@
 //! }
 //!
 //! fn main() -> Result<(), Box<dyn std::error::Error>> {
-//!     let runtime = Runtime::local(DeviceSpec::cpus(2));
+//!     let registry = Registry::new().actor::<Counter>().handles::<Counter, Add>();
+//!     let runtime = archipelago_controller::runtime::init(registry, DeviceSpec::cpus(2))?; // or a cluster
 //!     let options = SpawnOptions::named("counter").restarts(3);
 //!     let counter = runtime.spawn_with::<Counter>(DeviceSpec::Cpu(1), 10, options).get()?;
 //!     counter.cast(Add(1))?;                                             // no reply
@@ -27,12 +29,18 @@
 //! }
 //! ```
 
+/// The program itself in `runtime.link_bytes()` (the bytes it fetched or sent).
+pub use archipelago_actors::fabric::DRIVER;
 /// The id of a tensor an actor holds (its owner and number), as a [`TensorRef`] carries it;
 /// `archipelago_dataflow::TensorId` is another thing: a tensor an instruction names.
 pub use archipelago_actors::runtime::TensorId as TensorRefId;
+/// Records a chain (or graph) of calls once and runs it as a compiled program (README "Compiled
+/// programs").
+pub use archipelago_actors::runtime::compiled::Recorder;
 pub use archipelago_actors::runtime::{
-    Actor, ActorEnd, ActorInfo, ActorMesh, ActorRef, Call, CallError, Context, Handler, Message, Pending,
-    Registry, Runtime, RuntimeHandle, Slot, SpawnError, SpawnOptions, TensorError, TensorRef, Waited, wait,
+    Actor, ActorEnd, ActorInfo, ActorMesh, ActorRef, Call, CallError, Context, Handler, MeshPlacement,
+    Message, Pending, Placement, Registry, Runtime, RuntimeHandle, Slot, SpawnError, SpawnOptions,
+    TensorError, TensorRef, Waited, wait,
 };
 pub use archipelago_actors::typed_tensor::TypedTensor;
 /// The element type of a [`TypedTensor`] (f32, bf16, f16, i8, u8, i32, i64), the workspace's one

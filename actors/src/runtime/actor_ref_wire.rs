@@ -31,6 +31,7 @@ impl<A: Actor> Serialize for ActorRef<A> {
         let shared = self.shared();
         let addr = match self.remote_addr() {
             Some(addr) => addr.to_string(),
+            None if super::dry_run::is_dry_run() => String::new(),
             None => shared
                 .home
                 .get()

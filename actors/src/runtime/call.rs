@@ -7,8 +7,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context as TaskContext, Poll};
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,7 @@ use futures::future::BoxFuture;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
+use super::remote::HostConnection;
 use super::supervision::{ActorShared, CallError};
 
 /// The future reply of a call.
@@ -29,15 +30,48 @@ pub struct Call<R> {
 pub(crate) enum Canceller {
     /// The local letter's flag.
     Flag(Arc<AtomicBool>),
-    /// Call `id` on a host's connection.
-    Remote(Arc<super::remote::HostConnection>, u64),
+    /// A call to an actor of another host.
+    Remote(Arc<RemoteCall>),
 }
 
 impl Canceller {
     fn cancel(&self) {
         match self {
             Canceller::Flag(flag) => flag.store(true, Ordering::Release),
-            Canceller::Remote(connection, call) => connection.cancel(*call),
+            Canceller::Remote(call) => call.cancel(),
+        }
+    }
+}
+
+/// A call to an actor of another host: waiting to be sent (while the actor is re-placed after
+/// its host was lost), sent as a numbered call on a connection, or cancelled before it was.
+#[derive(Default)]
+pub(crate) struct RemoteCall(Mutex<RemoteCallState>);
+
+#[derive(Default)]
+enum RemoteCallState {
+    #[default]
+    Waiting,
+    Sent(Arc<HostConnection>, u64),
+    Cancelled,
+}
+
+impl RemoteCall {
+    /// Sends the call with `send` (which gives its number on `connection`), unless it was
+    /// cancelled first.
+    pub(crate) fn send(&self, connection: &Arc<HostConnection>, send: impl FnOnce() -> u64) {
+        let mut state = self.0.lock().expect("remote call");
+        if matches!(*state, RemoteCallState::Waiting) {
+            *state = RemoteCallState::Sent(connection.clone(), send());
+        }
+    }
+
+    fn cancel(&self) {
+        let mut state = self.0.lock().expect("remote call");
+        if let RemoteCallState::Sent(connection, call) =
+            std::mem::replace(&mut *state, RemoteCallState::Cancelled)
+        {
+            connection.cancel(call);
         }
     }
 }

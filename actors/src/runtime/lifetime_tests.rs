@@ -166,7 +166,7 @@ fn spawn_with_places_by_device_kind_on_a_cluster_and_meshes_follow_their_placeme
     let refused = driver
         .spawn_with::<Sleeper>(DeviceSpec::Cuda(0), (), SpawnOptions::default())
         .get();
-    let text = refused.err().expect("no GPU on the cluster").to_string();
+    let text = refused.expect_err("no GPU on the cluster").to_string();
     assert!(
         text.contains("no GPU device on any host: host host-1: cpu:0, cpu:1; host host-2"),
         "{text}"
@@ -195,7 +195,7 @@ fn spawn_with_places_by_device_kind_on_a_cluster_and_meshes_follow_their_placeme
         |_| SpawnOptions::default(),
     ))
     .get();
-    let text = refused.err().expect("no host has 4 devices").to_string();
+    let text = refused.expect_err("no host has 4 devices").to_string();
     assert!(
         text.contains("no host has 4 devices") && text.contains("the largest has 3"),
         "{text}"

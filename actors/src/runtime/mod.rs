@@ -22,7 +22,8 @@
 //!   (queued behind it) with an [`ActorFailure`](crate::ActorFailure) naming job, actor, type,
 //!   host, device and message; with [`SpawnOptions::max_restarts`] the constructor runs again,
 //!   otherwise the actor ends and [`ActorRef::ended`] resolves. Calls to an ended actor fail at
-//!   once; calls it had queued are answered with its end, across processes too.
+//!   once; calls it had queued are answered with its end, across processes too. On a cluster an
+//!   actor with restarts left whose host is lost is re-placed on another host (see `cluster`).
 //! - **Across processes** the order per caller holds (one connection per caller and host); a
 //!   timeout or cancel reaches the host (a `Cancel` frame), which skips the message if it has
 //!   not started; `queue_depth` and `restarts` of a remote reference are the caller's view (see
@@ -41,6 +42,7 @@ mod cell;
 mod cluster;
 pub mod compiled;
 mod context;
+mod dry_run;
 mod envelope;
 mod mesh;
 mod placement;
@@ -72,3 +74,6 @@ mod lifetime_tests;
 
 #[cfg(test)]
 mod strict_tests;
+
+#[cfg(test)]
+mod restart_tests;

@@ -6,15 +6,20 @@
 //! panicked. With restarts left ([`SpawnOptions::max_restarts`]) the constructor runs again with
 //! the same parameters and later messages go to the new instance; without, the actor ends and
 //! [`ActorRef::ended`](super::ActorRef::ended) resolves to [`ActorEnd::Failed`].
+//!
+//! An actor on another host is a [`RemoteActor`]: a chain of [`Incarnation`]s. When the host of
+//! an actor the driver spawned with restarts left is lost, the driver re-places it on a live host
+//! (`cluster.rs`); meanwhile calls and casts wait in order, then go to the new incarnation.
 
 use std::fmt;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use archipelago_dataflow::{ActorId, DeviceSpec};
 use tokio::sync::watch;
 
+use super::remote::HostConnection;
 use crate::error::ActorFailure;
 
 /// Who an actor is: enough to name it in every error.
@@ -334,6 +339,22 @@ impl ActorShared {
         }
     }
 
+    /// The failure of this actor because its host was lost (`why`) while it was `doing` something.
+    pub(crate) fn host_lost(&self, doing: &str, why: &str) -> Box<ActorFailure> {
+        Box::new(ActorFailure {
+            job: self.job.clone(),
+            step: 0,
+            actor: self.info.id,
+            device: self.info.device,
+            index: None,
+            instruction: format!("\"{}\" {doing}", self.info.name),
+            message: why.to_string(),
+            secondary: false,
+            actor_type: self.info.type_name.clone(),
+            host: self.info.host.clone(),
+        })
+    }
+
     /// The failure of a handler of `message` (sequence `seq`, from 0) that panicked with `text`:
     /// message `seq + 1` of the actor, as a user counts.
     pub(crate) fn failure(&self, message: &str, seq: u64, text: String) -> Box<ActorFailure> {
@@ -349,5 +370,138 @@ impl ActorShared {
             actor_type: self.info.type_name.clone(),
             host: self.info.host.clone(),
         })
+    }
+}
+
+/// One incarnation of an actor of another host: the connection to its host and its state as
+/// this process sees it. Set once, the link to the incarnation that replaced it never changes,
+/// so references borrow the latest one from the chain.
+pub(crate) struct Incarnation {
+    pub(crate) connection: Arc<HostConnection>,
+    pub(crate) shared: Arc<ActorShared>,
+    next: OnceLock<Arc<Incarnation>>,
+}
+
+impl Incarnation {
+    pub(crate) fn new(connection: Arc<HostConnection>, shared: Arc<ActorShared>) -> Arc<Incarnation> {
+        Arc::new(Incarnation {
+            connection,
+            shared,
+            next: OnceLock::new(),
+        })
+    }
+
+    /// The incarnation that replaced this one, once there is one.
+    pub(crate) fn next(&self) -> Option<&Arc<Incarnation>> {
+        self.next.get()
+    }
+}
+
+/// A message waiting for the incarnation it goes to.
+type Waiting = Box<dyn FnOnce(&Incarnation) + Send>;
+
+/// Where a remote actor's messages go now.
+enum Phase {
+    /// To its latest incarnation.
+    Serving,
+    /// Its host was lost and it is being re-placed: they wait, in the order sent.
+    Replacing(Vec<Waiting>),
+}
+
+/// An actor of another host as every reference to it sees it: its incarnations, in order.
+pub(crate) struct RemoteActor {
+    first: Arc<Incarnation>,
+    phase: Mutex<Phase>,
+    /// How the driver spawns it again when its host is lost (`None`: never — no restarts, or a
+    /// reference that arrived in a message).
+    pub(crate) respawn: Option<super::cluster::Respawn>,
+}
+
+impl RemoteActor {
+    pub(crate) fn new(first: Arc<Incarnation>, respawn: Option<super::cluster::Respawn>) -> Arc<RemoteActor> {
+        Arc::new(RemoteActor {
+            first,
+            phase: Mutex::new(Phase::Serving),
+            respawn,
+        })
+    }
+
+    /// Its first incarnation (the chain's start).
+    pub(crate) fn first(&self) -> &Arc<Incarnation> {
+        &self.first
+    }
+
+    /// Its latest incarnation (while it is re-placed: the one whose host was lost).
+    pub(crate) fn current(&self) -> &Incarnation {
+        let mut incarnation = &*self.first;
+        while let Some(next) = incarnation.next() {
+            incarnation = next;
+        }
+        incarnation
+    }
+
+    /// Runs `op` on the latest incarnation now, or — while the actor is re-placed — keeps it
+    /// for the new incarnation (`None`); messages keep the order they were sent in.
+    pub(crate) fn send<R>(&self, op: impl FnOnce(&Incarnation) -> R + Send + 'static) -> Option<R> {
+        let mut phase = self.phase.lock().expect("remote actor");
+        if let Phase::Replacing(waiting) = &mut *phase {
+            waiting.push(Box::new(move |incarnation| {
+                op(incarnation);
+            }));
+            return None;
+        }
+        Some(op(self.current()))
+    }
+
+    /// Starts re-placing the actor whose incarnation `lost` was on a lost host; `false` when
+    /// that is not its latest incarnation, or it is already ending or being re-placed.
+    pub(crate) fn begin_replacing(&self, lost: &Arc<ActorShared>) -> bool {
+        let mut phase = self.phase.lock().expect("remote actor");
+        let current = &self.current().shared;
+        let serving = matches!(*phase, Phase::Serving);
+        if !serving || !Arc::ptr_eq(current, lost) || current.end().is_some() {
+            return false;
+        }
+        *phase = Phase::Replacing(Vec::new());
+        true
+    }
+
+    /// Ends the re-placing: links `next` (the new incarnation) after the lost one, whose end
+    /// is `lost_end`, or without `next` ends the actor with `lost_end`; then sends the messages
+    /// that waited. When the actor was stopped meanwhile, `next` is stopped too.
+    pub(crate) fn replaced(&self, next: Option<Arc<Incarnation>>, lost_end: ActorEnd) {
+        let mut phase = self.phase.lock().expect("remote actor");
+        let Phase::Replacing(waiting) = std::mem::replace(&mut *phase, Phase::Serving) else {
+            if let Some(next) = next {
+                let reason = "its reference was stopped while it was re-placed";
+                next.connection.stop(next.shared.info.id, reason, false);
+            }
+            return;
+        };
+        let lost = self.current();
+        if let Some(next) = next {
+            let restarts = lost.shared.restarts.load(Ordering::Relaxed) + 1;
+            next.shared.restarts.store(restarts, Ordering::Relaxed);
+            let _ = lost.next.set(next);
+        }
+        lost.shared.set_end(lost_end);
+        lost.shared.publish_end();
+        let latest = self.current();
+        waiting.into_iter().for_each(|op| op(latest));
+    }
+
+    /// Stops (or kills) the actor; while it is re-placed, it ends at once with `end` and the
+    /// messages that waited fail.
+    pub(crate) fn stop(&self, end: ActorEnd, reason: &str, kill: bool) {
+        let mut phase = self.phase.lock().expect("remote actor");
+        let current = self.current();
+        current.shared.set_end(end);
+        match std::mem::replace(&mut *phase, Phase::Serving) {
+            Phase::Replacing(waiting) => {
+                current.shared.publish_end();
+                waiting.into_iter().for_each(|op| op(current));
+            }
+            Phase::Serving => current.connection.stop(current.shared.info.id, reason, kill),
+        }
     }
 }

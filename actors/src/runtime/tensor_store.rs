@@ -341,6 +341,15 @@ impl Serialize for TensorRef {
     /// Adds a borrow for the receiving process (before the message leaves).
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let meta = self.inner.meta.clone();
+        if super::dry_run::is_dry_run() {
+            let placeholder = WireRef {
+                meta,
+                owner_host: String::new(),
+                owner_addr: String::new(),
+                in_flight: BorrowKey::InFlight(0, 0),
+            };
+            return placeholder.serialize(serializer);
+        }
         let wire = match &self.inner.holder {
             Holder::Owner(stores) | Holder::HomeBorrow(stores) => {
                 let stores = stores.upgrade().ok_or_else(|| {

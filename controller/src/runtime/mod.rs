@@ -98,7 +98,12 @@ pub fn init(registry: Registry, devices: Vec<DeviceSpec>) -> anyhow::Result<Runt
         );
     }
     let runtime = match std::env::var(CONTROLLER_ENV) {
-        Ok(addr) => connect(&addr, read_credentials()?, devices.len())?,
+        // `auto`: the address the Slurm job implies, as hosts resolve it.
+        Ok(addr) => connect(
+            &crate::cluster::commands::controller_addr(&addr)?,
+            read_credentials()?,
+            devices.len(),
+        )?,
         Err(_) => {
             let runtime = Runtime::new(&job_name(), "local", devices);
             let strict = archipelago_actors::runtime::strict_registry_from_env();

@@ -1,8 +1,9 @@
 //! A cluster for the tests: a controller served on 127.0.0.1 by this test process, and host
 //! processes of an example's own binary (`ARCHIPELAGO_ROLE=host`), as `examples/multi_host.sh`
-//! starts them; drivers connect to it with [`TestCluster::connect`].
+//! starts them; drivers connect to it with [`TestCluster::connect`] (or run as processes of the
+//! same binary, given the controller's address and a file holding [`TOKEN`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -39,6 +40,11 @@ impl TestCluster {
     pub fn start(example: &str, hosts: &[&str], devices: &str) -> TestCluster {
         let binary = example_binary(example);
         assert!(binary.exists(), "{} is built by `cargo test`", binary.display());
+        TestCluster::start_binary(&binary, hosts, devices, &[])
+    }
+
+    /// [`TestCluster::start`] with hosts of any program's `binary`, each also given `env`.
+    pub fn start_binary(binary: &Path, hosts: &[&str], devices: &str, env: &[(&str, &str)]) -> TestCluster {
         let dir = tempfile::tempdir().unwrap();
         let token_file = dir.path().join("token");
         std::fs::write(&token_file, TOKEN).unwrap();
@@ -57,7 +63,8 @@ impl TestCluster {
         let hosts = hosts
             .iter()
             .map(|name| {
-                let child = Command::new(&binary)
+                let child = Command::new(binary)
+                    .envs(env.iter().copied())
                     .env(ROLE_ENV, "host")
                     .env(CONTROLLER_ENV, addr.to_string())
                     .env(TOKEN_FILE_ENV, &token_file)
@@ -66,7 +73,7 @@ impl TestCluster {
                     .env(ISLAND_ENV, "island-a")
                     .stdout(Stdio::null())
                     .spawn()
-                    .unwrap();
+                    .unwrap_or_else(|e| panic!("cannot start host {name} ({}): {e}", binary.display()));
                 (name.to_string(), child)
             })
             .collect();

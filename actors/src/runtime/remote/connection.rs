@@ -2,7 +2,8 @@
 //! come back matched by number. The connection watches the host: a closed socket (the host
 //! process died) or silence past its patience (the host is stopped or cut off) loses the host,
 //! which fails every pending call and ends every actor of that host seen through this
-//! connection, each with an [`ActorFailure`] naming the host.
+//! connection, each with an [`ActorFailure`](crate::error::ActorFailure) naming the host; an actor
+//! with a hook for it ([`OnLost`]) is re-placed instead.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,11 +18,10 @@ use tokio::sync::oneshot;
 
 use super::links::unreachable;
 use super::wire::{Frame, FrameView, Outgoing, read_frame_bytes, view_frame};
-use crate::error::ActorFailure;
 use crate::runtime::TensorError;
 use crate::runtime::supervision::{ActorEnd, ActorShared, CallError};
 use crate::runtime::tensor_store::Meta;
-use crate::runtime::{ActorInfo, ActorStats, SpawnError};
+use crate::runtime::{ActorInfo, ActorStats};
 use crate::trust::Credentials;
 use crate::typed_tensor::{DType, TypedTensor};
 
@@ -59,6 +59,16 @@ struct PendingCall {
     message: &'static str,
 }
 
+/// Takes an actor over when its host is lost (`why`): re-places it, or gives `false` and the
+/// actor ends.
+pub(crate) type OnLost = Box<dyn FnOnce(&str) -> bool + Send>;
+
+/// An actor spawned through here, followed until it ends.
+struct Tracked {
+    actor: Weak<ActorShared>,
+    on_lost: Option<OnLost>,
+}
+
 /// A fetch waiting for its tensor.
 type PendingFetch = (Meta, oneshot::Sender<Result<TypedTensor, TensorError>>);
 
@@ -66,7 +76,7 @@ type PendingFetch = (Meta, oneshot::Sender<Result<TypedTensor, TensorError>>);
 struct State {
     calls: HashMap<u64, PendingCall>,
     spawns: HashMap<u64, oneshot::Sender<Result<ActorInfo, String>>>,
-    actors: HashMap<ActorId, Weak<ActorShared>>,
+    actors: HashMap<ActorId, Tracked>,
     fetches: HashMap<u64, PendingFetch>,
     stats: HashMap<u64, oneshot::Sender<Vec<ActorStats>>>,
     /// Compiled programs' streams being installed on the host, by (program, participant).
@@ -276,16 +286,10 @@ impl HostConnection {
                 }
             }
             Frame::Ended { actor, end } => {
-                let shared = state.actors.remove(&actor).and_then(|w| w.upgrade());
+                let shared = state.actors.remove(&actor).and_then(|t| t.actor.upgrade());
                 // Calls still pending on the ended actor will not be answered by it.
-                let orphans: Vec<u64> = state
-                    .calls
-                    .iter()
-                    .filter(|(_, c)| c.actor.info.id == actor)
-                    .map(|(id, _)| *id)
-                    .collect();
-                let orphans: Vec<PendingCall> =
-                    orphans.iter().filter_map(|id| state.calls.remove(id)).collect();
+                let orphans = state.calls.extract_if(|_, c| c.actor.info.id == actor);
+                let orphans: Vec<PendingCall> = orphans.map(|(_, c)| c).collect();
                 drop(state);
                 if let Some(shared) = &shared {
                     shared.set_end(end);
@@ -375,7 +379,9 @@ impl HostConnection {
         self.send(Frame::Fetch { request, tensor });
     }
 
-    /// The host is lost: every pending call fails, every actor seen through here ends.
+    /// The host is lost: every pending call fails, every actor seen through here ends — but
+    /// those re-placed elsewhere, taken over first, so that a caller's next call already waits
+    /// for the new incarnation.
     fn lose(&self, reason: &str) {
         let mut state = self.state.lock().expect("connection");
         if state.lost.is_some() {
@@ -388,12 +394,13 @@ impl HostConnection {
         let _ = self.close.send(true);
         let calls: Vec<PendingCall> = state.calls.drain().map(|(_, c)| c).collect();
         let spawns: Vec<_> = state.spawns.drain().map(|(_, s)| s).collect();
-        let actors: Vec<_> = state.actors.drain().filter_map(|(_, w)| w.upgrade()).collect();
+        let tracked: Vec<Tracked> = state.actors.drain().map(|(_, t)| t).collect();
         let fetches: Vec<PendingFetch> = state.fetches.drain().map(|(_, f)| f).collect();
         state.stats.clear();
         let installs: Vec<_> = state.installs.drain().map(|(_, tx)| tx).collect();
         let programs = std::mem::take(&mut state.programs);
         drop(state);
+        let (replaced, ending) = take_over(tracked, &why);
         for install in installs {
             let _ = install.send(Err(why.clone()));
         }
@@ -404,19 +411,25 @@ impl HostConnection {
         for (meta, reply) in fetches {
             let _ = reply.send(Err(unreachable(&meta, &self.host, &why)));
         }
+        let again = format!(
+            "{why}; the call is not retried, and the actor is being re-placed on another host: call it again"
+        );
         for pending in calls {
-            let failure = host_lost(
-                &pending.actor,
-                &format!("waiting for `{}`", pending.message),
-                &why,
-            );
+            let why = if replaced.contains(&pending.actor.info.id) {
+                &again
+            } else {
+                &why
+            };
+            let failure = pending
+                .actor
+                .host_lost(&format!("waiting for `{}`", pending.message), why);
             (pending.deliver)(Err(CallError::Failed(failure)));
         }
         for spawn in spawns {
             let _ = spawn.send(Err(why.clone()));
         }
-        for actor in actors {
-            actor.set_end(ActorEnd::Failed(host_lost(&actor, "running", &why)));
+        for actor in ending {
+            actor.set_end(ActorEnd::Failed(actor.host_lost("running", &why)));
             actor.publish_end();
         }
     }
@@ -483,10 +496,19 @@ impl HostConnection {
         rx
     }
 
-    /// Follows `actor` (spawned through here) so that its end and the host's loss reach it.
-    pub(crate) fn track(&self, actor: &Arc<ActorShared>) {
-        let mut state = self.state.lock().expect("connection");
-        state.actors.insert(actor.info.id, Arc::downgrade(actor));
+    /// Follows `actor` (spawned through here) so that its end and the host's loss reach it;
+    /// `on_lost` takes it over if the host is lost.
+    pub(crate) fn track(&self, actor: &Arc<ActorShared>, on_lost: Option<OnLost>) {
+        let actor_id = actor.info.id;
+        let tracked = Tracked {
+            actor: Arc::downgrade(actor),
+            on_lost,
+        };
+        self.state
+            .lock()
+            .expect("connection")
+            .actors
+            .insert(actor_id, tracked);
     }
 
     /// Sends a call; `deliver` gets the reply bytes or the error.
@@ -502,11 +524,9 @@ impl HostConnection {
         let mut state = self.state.lock().expect("connection");
         if let Some(lost) = state.lost.clone() {
             drop(state);
-            deliver(Err(CallError::Failed(host_lost(
-                actor,
-                &format!("sending `{message}`"),
-                &lost,
-            ))));
+            deliver(Err(CallError::Failed(
+                actor.host_lost(&format!("sending `{message}`"), &lost),
+            )));
             return call;
         }
         state.calls.insert(
@@ -543,11 +563,9 @@ impl HostConnection {
         payload: Vec<u8>,
     ) -> Result<(), CallError> {
         if let Some(lost) = self.lost() {
-            return Err(CallError::Failed(host_lost(
-                actor,
-                &format!("sending `{message}`"),
-                &lost,
-            )));
+            return Err(CallError::Failed(
+                actor.host_lost(&format!("sending `{message}`"), &lost),
+            ));
         }
         let _ = self
             .out
@@ -565,26 +583,16 @@ impl HostConnection {
     }
 }
 
-/// The failure of `actor` because its host was lost.
-fn host_lost(actor: &ActorShared, doing: &str, why: &str) -> Box<ActorFailure> {
-    Box::new(ActorFailure {
-        job: actor.job.clone(),
-        step: 0,
-        actor: actor.info.id,
-        device: actor.info.device,
-        index: None,
-        instruction: format!("\"{}\" {doing}", actor.info.name),
-        message: why.to_string(),
-        secondary: false,
-        actor_type: actor.info.type_name.clone(),
-        host: actor.info.host.clone(),
-    })
-}
-
-/// The error of a remote spawn that did not happen.
-pub(crate) fn spawn_failed(actor_type: &str, host: &str, reason: String) -> SpawnError {
-    SpawnError::Constructor {
-        actor: format!("an actor of type `{actor_type}` on host {host}"),
-        reason,
+/// Hands each actor followed on a lost host (`why`) to its hook: the ids of those re-placed,
+/// and the actors that end.
+fn take_over(tracked: Vec<Tracked>, why: &str) -> (Vec<ActorId>, Vec<Arc<ActorShared>>) {
+    let (mut replaced, mut ending) = (Vec::new(), Vec::new());
+    for Tracked { actor, on_lost } in tracked {
+        let Some(actor) = actor.upgrade() else { continue };
+        match on_lost.is_some_and(|take_over| take_over(why)) {
+            true => replaced.push(actor.info.id),
+            false => ending.push(actor),
+        }
     }
+    (replaced, ending)
 }
