@@ -3,7 +3,7 @@
 //! process died) or silence past its patience (the host is stopped or cut off) loses the host,
 //! which fails every pending call and ends every actor of that host seen through this
 //! connection, each with an [`ActorFailure`](crate::error::ActorFailure) naming the host; an actor
-//! with a hook for it ([`OnLost`]) is re-placed instead.
+//! with a hook for it (`OnLost`) is re-placed instead.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
