@@ -32,10 +32,16 @@ fn plan_prints_mesh_streams_and_memory() {
     ] {
         assert!(text.contains(needle), "`{needle}` missing:\n{text}");
     }
-    let (ok, json) = archipelago(&["plan", "--model", "gpt-tiny", "--dp", "2", "--json"]);
-    assert!(ok, "{json}");
-    let plan: serde_json::Value = serde_json::from_str(&json).expect("plan JSON");
+    // `--json`: the plan alone on stdout; where its rates came from on stderr.
+    let out = std::process::Command::new(common::BIN)
+        .args(["plan", "--model", "gpt-tiny", "--dp", "2", "--json"])
+        .output()
+        .expect("run archipelago");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan JSON alone on stdout");
     assert_eq!(plan["actors"].as_array().unwrap().len(), 2);
+    assert!(said.contains("rates: measured"), "{said}");
 }
 
 #[test]
