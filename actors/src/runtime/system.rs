@@ -372,8 +372,8 @@ impl RuntimeHandle {
     /// and every message that would cross a process on a cluster is checked against the
     /// installed [`Registry`](super::Registry) (and encoded) here too, so a missing `.actor`,
     /// `.handles` or `.compiled` line fails on the first local run with the cluster's error,
-    /// not on the first cluster run. Off for [`Runtime::local`] unless the environment sets
-    /// [`STRICT_REGISTRY_VAR`]; `archipelago_controller::runtime::init` turns it on.
+    /// not on the first cluster run. Off unless the environment sets [`STRICT_REGISTRY_VAR`] to
+    /// `1` (or this is called).
     pub fn set_strict_registry(&self, on: bool) {
         self.inner.strict.store(on, Ordering::Relaxed);
     }

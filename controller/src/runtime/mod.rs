@@ -3,10 +3,9 @@
 //! A program calls [`init`] once in its `main` with its [`Registry`] and the devices it wants;
 //! the environment decides what the process becomes:
 //!
-//! - nothing set: the **embedded default**, a runtime on this process's own devices, in strict
-//!   registration mode (every spawn and message is checked against the registry as a cluster
-//!   would check it, so a missing registration fails here first; `ARCHIPELAGO_STRICT_REGISTRY=0`
-//!   turns it off);
+//! - nothing set: the **embedded default**, a runtime on this process's own devices
+//!   (`ARCHIPELAGO_STRICT_REGISTRY=1` checks every spawn and message against the registry as a
+//!   cluster would, so a missing registration fails here first);
 //! - `ARCHIPELAGO_CONTROLLER` (and `ARCHIPELAGO_TOKEN_FILE`; with `ARCHIPELAGO_TLS_CERT`,
 //!   `ARCHIPELAGO_TLS_KEY` and `ARCHIPELAGO_TLS_CA`, mutual TLS on every connection): the
 //!   **driver** of a cluster — the
@@ -104,12 +103,7 @@ pub fn init(registry: Registry, devices: Vec<DeviceSpec>) -> anyhow::Result<Runt
             read_credentials()?,
             devices.len(),
         )?,
-        Err(_) => {
-            let runtime = Runtime::new(&job_name(), "local", devices);
-            let strict = archipelago_actors::runtime::strict_registry_from_env();
-            runtime.set_strict_registry(strict.unwrap_or(true));
-            runtime
-        }
+        Err(_) => Runtime::new(&job_name(), "local", devices),
     };
     crate::telemetry::export_actor_metrics(&runtime);
     Ok(runtime)
