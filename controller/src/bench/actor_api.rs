@@ -2,7 +2,9 @@
 //! through typed actor calls — one caller → one actor synchronous and with 1000 calls in
 //! flight, one caller → 8 actors, a 64 MiB tensor argument — in one process and between two
 //! processes (the other one a host serving its actor port), each beside the raw fabric's round
-//! trips measured in the same run, so the API's overhead is a ratio.
+//! trips measured in the same run, so the API's overhead is a ratio; and the driver → A → B →
+//! driver chain, classic against compiled ([`chain`]), in one process, on one host process and
+//! with A and B on two host processes.
 
 use std::io::Write;
 use std::time::Instant;
@@ -11,7 +13,6 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use archipelago_actors::runtime::compiled::Recorder;
 use archipelago_actors::runtime::remote::{ActorPort, Liveness, serve_actor_port};
 use archipelago_actors::runtime::{
     Actor, ActorRef, Context, Handler, Message, Registry, Runtime, Slot, SpawnOptions, TensorRef,
@@ -20,6 +21,9 @@ use archipelago_actors::typed_tensor::{DType, TypedTensor};
 use archipelago_dataflow::DeviceSpec;
 
 use super::cross_process::{IN_FLIGHT_ROUNDS, peer_peak_rss, start_peer};
+use chain::{CHAIN_ITERATIONS, compiled_chain};
+
+mod chain;
 use crate::process_stats::load_avg;
 use crate::report::median;
 
@@ -75,12 +79,15 @@ pub struct ActorHostArgs {
     /// Devices (one per callee, plus one).
     #[arg(long, default_value_t = 1 + FAN_OUT)]
     pub devices: usize,
+    /// The host's name (in the actors' identities and errors).
+    #[arg(long, default_value = "bench-host")]
+    pub name: String,
 }
 
 /// Serves the bench's actors on an actor port until standard input closes.
 pub fn host_main(args: &ActorHostArgs) -> anyhow::Result<()> {
     registry().install();
-    let runtime = Runtime::new("bench", "bench-host", DeviceSpec::cpus(args.devices));
+    let runtime = Runtime::new("bench", &args.name, DeviceSpec::cpus(args.devices));
     let handle = runtime.handle().clone();
     let port = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -219,46 +226,8 @@ pub fn in_process(round_trips: usize, batches: usize, fabric_round_trips: &Value
     let figures = measure(&runtime, &echo, &callees, round_trips, batches)?;
     let mut out = figures_json(&figures, round_trips, batches, fabric_round_trips, "in_process");
     let placement = "A and B on two device threads of this process";
-    out["compiled_chain"] = compiled_chain(&runtime, &echo, &callees[0], CHAIN_ITERATIONS, placement)?;
+    out["compiled_chain"] = compiled_chain(&runtime, (&echo, &callees[0]), CHAIN_ITERATIONS, placement, &[])?;
     Ok(out)
-}
-
-/// Iterations of the driver → A → B → driver chain (Ray's compiled-graph microbenchmark).
-const CHAIN_ITERATIONS: usize = 10_000;
-
-/// The chain driver → `a` → `b` → driver of tiny calls, one iteration at a time: as two
-/// classic calls from the program, and recorded once as a compiled program.
-fn compiled_chain(
-    runtime: &Runtime,
-    a: &ActorRef<Echo>,
-    b: &ActorRef<Echo>,
-    iterations: usize,
-    placement: &str,
-) -> anyhow::Result<Value> {
-    let t = Instant::now();
-    for i in 0..iterations as u64 {
-        let x = a.call(Ping(i)).get()?;
-        anyhow::ensure!(b.call(Ping(x)).get()? == i, "the chain lost its value");
-    }
-    let classic_us = t.elapsed().as_secs_f64() / iterations as f64 * 1e6;
-    let mut recorder = Recorder::<u64>::new();
-    let input = recorder.input();
-    let x = recorder.call(a, &input, Ping);
-    let y = recorder.call(b, &x, Ping);
-    let program = recorder.compile(runtime, &y)?;
-    let t = Instant::now();
-    for i in 0..iterations as u64 {
-        anyhow::ensure!(program.run(i).get()? == i, "the compiled chain lost its value");
-    }
-    let compiled_us = t.elapsed().as_secs_f64() / iterations as f64 * 1e6;
-    Ok(json!({
-        "config": { "iterations": iterations, "chain": format!("driver -> A -> B -> driver, one u64, {placement}") },
-        "classic_calls_us_per_iteration": classic_us,
-        "compiled_us_per_iteration": compiled_us,
-        "compiled_speedup": classic_us / compiled_us,
-        "ray_2_60_same_machine_kind_us": { "compiled": 604.0, "classic": 3666.0, "note": "issue 16, 2026-11-23; another day's machine gave 241 and 1,363" },
-        "load_avg": load_avg(),
-    }))
 }
 
 /// The same between this process (the driver) and a host process of this binary over its
@@ -281,7 +250,7 @@ pub fn between_processes(
         .thread_name("bench-actor-port")
         .enable_all()
         .build()?;
-    let measured = drive_host(&addr, port_executor.handle(), round_trips, batches);
+    let measured = drive_host(&addr, child.id(), port_executor.handle(), round_trips, batches);
     drop(child.stdin.take());
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut stdout, &mut rest)?;
@@ -298,6 +267,7 @@ pub fn between_processes(
     );
     out["peak_rss_bytes_host_process"] = json!(peer_peak_rss(&rest));
     out["compiled_chain"] = chain;
+    out["compiled_chain_across_hosts"] = chain::across_hosts(CHAIN_ITERATIONS)?;
     Ok(out)
 }
 
@@ -306,6 +276,7 @@ pub fn between_processes(
 /// runtime, with its connection to the host, is shut down on return.
 fn drive_host(
     addr: &str,
+    host_pid: u32,
     port_executor: &tokio::runtime::Handle,
     round_trips: usize,
     batches: usize,
@@ -332,7 +303,13 @@ fn drive_host(
         .collect::<Result<Vec<_>, _>>()?;
     let figures = measure(&runtime, &echo, &callees, round_trips, batches)?;
     let placement = "A and B on two device threads of the other process (raw TCP to it and back)";
-    let chain = compiled_chain(&runtime, &echo, &callees[0], CHAIN_ITERATIONS, placement)?;
+    let chain = compiled_chain(
+        &runtime,
+        (&echo, &callees[0]),
+        CHAIN_ITERATIONS,
+        placement,
+        &[host_pid],
+    )?;
     drop((echo, callees));
     drop(runtime);
     Ok((figures, chain, port))

@@ -9,8 +9,7 @@ use std::sync::Arc;
 use archipelago_dataflow::{ActorId, Instruction};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::Invoke;
-use super::interpreter::interpret;
+use super::interpreter;
 use super::registered::{node, value_codec};
 use super::routes::{self, Outbox, Route};
 use crate::runtime::RuntimeHandle;
@@ -44,15 +43,16 @@ pub(crate) fn install(
             part.peers.len()
         ));
     }
-    let mut invokers: HashMap<usize, Invoke> = HashMap::new();
+    let (mut invokers, mut binders) = (HashMap::new(), HashMap::new());
     for (n, key) in &part.nodes {
         let call = node(key).ok_or_else(|| {
             format!(
                 "the recorded call `{key}` is not registered on host {host}; add `.compiled::<A, M, T>(make)` to the Registry the program installs (hosts run the same binary)"
             )
         })?;
-        let target = actor.clone();
-        invokers.insert(*n, Arc::new(move |value| call(&target, value)));
+        let bound = call(&actor)?;
+        invokers.insert(*n, bound.invoke);
+        binders.insert(*n, bound.bind);
     }
     let mut codecs = HashMap::new();
     for (name, value_type) in part.sends {
@@ -73,7 +73,7 @@ pub(crate) fn install(
             q,
             match peer {
                 Peer::Caller => Route::Caller(caller.clone()),
-                Peer::Here => Route::Local(routes::inbox_sender(part.program, q)),
+                Peer::Here => Route::Local(routes::door(part.program, q)),
                 Peer::Host { host, addr } => {
                     let executor = Some(runtime.driver().clone());
                     Route::Host(crate::runtime::remote::links::actor_port_on(host, addr, executor)?.0)
@@ -86,18 +86,13 @@ pub(crate) fn install(
         .inner()
         .executor_of(actor.thread(), device)
         .ok_or_else(|| format!("device {device} is not one of host {host}'s"))?;
-    let inbox = routes::claim_inbox(part.program, part.me).ok_or_else(|| {
-        format!(
-            "participant {} of program {} was installed twice",
-            part.me, part.program
-        )
-    })?;
     let outbox = Outbox {
         program: part.program,
         me: part.me,
         routes,
         codecs,
     };
-    executor.spawn(interpret(part.stream, inbox, outbox, invokers));
-    Ok(())
+    let bind = |n: usize| binders.get(&n).and_then(|bind| bind(runtime.inner(), n));
+    let me = (part.program, part.me);
+    interpreter::start(me, &part.stream, &outbox, &invokers, bind, &executor)
 }

@@ -1,16 +1,18 @@
 //! One participant's interpreter: spawned once on its actor's device thread (in whichever
-//! process holds the actor), it walks the participant's stream every iteration — `Recv` waits
-//! for a value from a peer, `Compute` calls the actor's handler (a local call on the same
-//! thread), `Send` hands the value to the next interpreter (see [`routes`](super::routes)). A
-//! failed call travels down the stream as an error value, so an iteration always ends, with the
-//! error naming the actor.
+//! process holds the actor), it walks the participant's stream, lowered once into a
+//! [`Plan`], every iteration — `Recv` waits for a value from a peer, `Compute` calls the actor's
+//! handler (a local call on the same thread), `Send` hands the value to the next interpreter
+//! (see [`routes`](super::routes)). A failed call travels down the stream as an error value, so
+//! an iteration always ends, with the error naming the actor.
 
-use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use archipelago_dataflow::{ComputeOp, Instruction};
 
-use super::routes::{Inbox, Outbox};
+use super::direct::{Deliver, Direct, Onward};
+use super::plan::{Plan, Resolve, Step, Table};
+use super::routes::{self, Inbox, Outbox};
 use super::{Invoke, Shared};
 use crate::runtime::CallError;
 
@@ -37,54 +39,100 @@ async fn invoke_caught(invoke: &Invoke, value: Shared, node: usize) -> Result<Sh
     }
 }
 
-/// One actor's interpreter: its stream, every iteration, until the program is dropped.
-pub(crate) async fn interpret(
-    stream: Vec<Instruction>,
-    mut inbox: Inbox,
-    outbox: Outbox,
-    invokers: HashMap<usize, Invoke>,
-) {
-    loop {
-        let mut table: HashMap<&TensorId, Result<Shared, CallError>> = HashMap::new();
-        for instruction in &stream {
-            match instruction {
-                Instruction::Recv { tensor, from, tag } => {
-                    let Some(value) = inbox.take(*from, *tag).await else {
-                        return;
-                    };
-                    // A lost process ends the program: the program's own stream reports it,
-                    // interpreters stop instead of cycling on the error.
-                    if inbox.broken().is_some() {
-                        return;
-                    }
-                    table.insert(tensor, value);
-                }
-                Instruction::Compute { op, inputs, outputs } => {
-                    let (Some(node), Some(input), Some(output)) =
-                        (node_of(op), inputs.first(), outputs.first())
-                    else {
-                        continue;
-                    };
-                    let value = match (table.get(input).cloned(), invokers.get(&node)) {
-                        (Some(Ok(value)), Some(invoke)) => invoke_caught(invoke, value, node).await,
-                        (Some(Err(error)), _) => Err(error),
-                        (Some(Ok(_)), None) => Err(CallError::Program {
-                            reason: format!("recorded call {node} has no handler in this stream"),
-                        }),
-                        (None, _) => continue,
-                    };
-                    table.insert(output, value);
-                }
-                Instruction::Send { tensor, to, tag } => {
-                    let Some(value) = table.get(tensor).cloned() else {
-                        continue;
-                    };
-                    if outbox.send(tensor, *to, *tag, value).is_err() {
-                        return;
-                    }
-                }
-                _ => {}
+/// Starts participant `me` of `program` (its stream `stream`, sending through `outbox`, its
+/// calls `invokers`): on the [`direct`](super::direct) path when its stream has that shape and
+/// `bind` gives its call's [`Deliver`], else as an interpreter on `executor` (the actor's
+/// thread). Fails when the participant was started already.
+pub(crate) fn start(
+    (program, me): (u64, usize),
+    stream: &[Instruction],
+    outbox: &Outbox,
+    invokers: &HashMap<usize, Invoke>,
+    bind: impl FnOnce(usize) -> Option<Deliver>,
+    executor: &tokio::runtime::Handle,
+) -> Result<(), String> {
+    let resolve = Resolve {
+        invokers: Some(invokers),
+        gathers: None,
+    };
+    let plan = Plan::lower(stream, outbox, resolve);
+    let direct = plan.shape_node().and_then(bind);
+    let inbox = routes::claim_inbox(program, me)
+        .ok_or_else(|| format!("participant {me} of program {program} was installed twice"))?;
+    let plan = match direct {
+        Some(deliver) => match plan.into_shape() {
+            Ok(shape) => {
+                let onward = Arc::new(Onward(shape.onward));
+                let (from, tag) = (shape.from, shape.tag);
+                routes::set_direct(
+                    program,
+                    me,
+                    Direct {
+                        from,
+                        tag,
+                        deliver,
+                        onward,
+                    },
+                );
+                return Ok(());
             }
+            Err(plan) => plan,
+        },
+        None => plan,
+    };
+    executor.spawn(interpret(plan, inbox));
+    Ok(())
+}
+
+/// One actor's interpreter: its plan, every iteration, until the program is dropped.
+async fn interpret(plan: Plan, mut inbox: Inbox) {
+    let mut table = Table::new(plan.slots);
+    while iteration(&plan, &mut inbox, &mut table).await {
+        table.clear();
+    }
+}
+
+/// One iteration of a participant's plan; `false` once the program is dropped or broken.
+async fn iteration(plan: &Plan, inbox: &mut Inbox, table: &mut Table) -> bool {
+    for step in &plan.steps {
+        match step {
+            Step::Recv { slot, from, tag, .. } => {
+                let Some(value) = inbox.take(*from, *tag).await else {
+                    return false;
+                };
+                // A lost process ends the program: the program's own stream reports it,
+                // interpreters stop instead of cycling on the error.
+                if inbox.broken().is_some() {
+                    return false;
+                }
+                table.put(*slot, value);
+            }
+            Step::Call {
+                node,
+                input,
+                output,
+                invoke,
+            } => {
+                let value = match (table.read(*input), invoke) {
+                    (Some(Ok(value)), Some(invoke)) => invoke_caught(invoke, value, *node).await,
+                    (Some(Err(error)), _) => Err(error),
+                    (Some(Ok(_)), None) => Err(CallError::Program {
+                        reason: format!("recorded call {node} has no handler in this stream"),
+                    }),
+                    (None, _) => continue,
+                };
+                table.put(*output, value);
+            }
+            Step::Send { value, tag, port } => {
+                let Some(value) = table.read(*value) else {
+                    continue;
+                };
+                if port.send(*tag, value).is_err() {
+                    return false;
+                }
+            }
+            Step::Gather { .. } | Step::Return { .. } => {}
         }
     }
+    true
 }

@@ -30,16 +30,22 @@
 //! assert_eq!(program.run(40).get().unwrap(), 42);
 //! ```
 //!
-//! Values are shared (`Arc`) between the actors of one process; a value a call needs is cloned
-//! into its message. Actors of other hosts take part the same way: their streams are installed
-//! on their hosts' interpreters, and a value crossing processes travels straight from one
-//! interpreter to the next (host to host, never through the program) in the bincode of its
-//! type. Such calls and values must be registered ([`Registry::compiled`](crate::runtime::Registry::compiled)),
-//! since the host builds the message with its own binary's constructor; compiling checks that
+//! Values are shared (`Arc`) between the actors of one process; a value a call needs is moved
+//! into its message when nothing else reads it, cloned otherwise. A participant whose stream is
+//! one call (receive, call, send the reply on — a chain's link, a device actor's part of a step)
+//! runs no interpreter: its calls go straight into the actor's mailbox and the actor's thread
+//! sends each reply on. Actors of other hosts take part the same way: their streams are
+//! installed on their hosts, and a value crossing processes travels straight from one host to
+//! the next (never through the program) in the bincode of its type. Such calls and values must
+//! be registered ([`Registry::compiled`](crate::runtime::Registry::compiled)), since the host
+//! builds the message with its own binary's constructor; compiling checks that
 //! before anything runs.
 
+mod direct;
 mod hosted;
 mod interpreter;
+mod own;
+mod plan;
 mod registered;
 #[cfg(test)]
 mod remote_tests;
@@ -64,6 +70,7 @@ use futures::future::BoxFuture;
 pub use runner::CompiledProgram;
 
 use super::remote::HostConnection;
+use super::system::RuntimeInner;
 use super::{Actor, ActorRef, CallError, Handler, Message, RuntimeHandle};
 
 /// A value in flight between the actors of a compiled program.
@@ -121,6 +128,8 @@ pub struct Recorder<I> {
     flow_calls: Vec<(usize, Vec<FlowValue>, String)>,
     participants: Vec<Participant>,
     nodes: Vec<Invoke>,
+    /// Each node's direct path (see [`direct`]).
+    binders: Vec<direct::Binder>,
     /// Each node's registry key (for actors of other hosts).
     keys: Vec<String>,
     /// Each recorded value's type name, by its name (`input`, `v{n}`).
@@ -136,6 +145,7 @@ impl<I: Clone + Send + Sync + 'static> Default for Recorder<I> {
             flow_calls: Vec::new(),
             participants: Vec::new(),
             nodes: Vec::new(),
+            binders: Vec::new(),
             keys: Vec::new(),
             value_types: HashMap::from([("input".to_string(), std::any::type_name::<I>())]),
             gathers: HashMap::new(),
@@ -176,16 +186,8 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
     {
         let participant = self.participant(actor);
         let index = self.nodes.len();
-        let target = actor.clone();
-        let invoke: Invoke = Arc::new(move |value: Shared| {
-            let input = value
-                .downcast_ref::<T>()
-                .expect("the recorded value type")
-                .clone();
-            let call = target.call(make(input));
-            Box::pin(async move { Ok(Arc::new(call.await?) as Shared) })
-        });
-        self.nodes.push(invoke);
+        self.binders.push(direct::binder(actor, make));
+        self.nodes.push(registered::invoke(actor.clone(), make));
         self.keys.push(registered::node_key::<A, M, T>());
         let output = format!("v{index}");
         self.value_types
@@ -215,6 +217,7 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
             })
         }));
         self.keys.push("gather".into());
+        self.binders.push(Arc::new(|_: &RuntimeInner, _| None));
         let output = format!("v{index}");
         self.value_types
             .insert(output.clone(), std::any::type_name::<Vec<T>>());
@@ -289,6 +292,7 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
         let recorded = runner::Recorded {
             participants: self.participants,
             invokers: self.nodes,
+            binders: self.binders,
             keys: self.keys,
             value_types: self.value_types,
             gathers: self.gathers,

@@ -24,18 +24,49 @@
 use std::any::{Any, type_name};
 use std::sync::Arc;
 
-use futures::future::BoxFuture;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::Shared;
+use super::direct::{Binder, binder};
+use super::{Invoke, Shared};
 use crate::codec::{self, CodecError};
 use crate::runtime::remote::ErasedActor;
-use crate::runtime::{ActorRef, CallError, Handler, Message, Registry};
+use crate::runtime::{ActorRef, Handler, Message, Registry};
 
-/// One recorded call as a host runs it: the actor, the input value → the reply value.
-pub(crate) type NodeFn =
-    Arc<dyn Fn(&Arc<dyn ErasedActor>, Shared) -> BoxFuture<'static, Result<Shared, CallError>> + Send + Sync>;
+/// One recorded call as a host runs it: resolved once, when the program is installed, against
+/// the host's actor (or why that actor cannot take it).
+pub(crate) type NodeFn = Arc<dyn Fn(&Arc<dyn ErasedActor>) -> Result<Node, String> + Send + Sync>;
+
+/// A recorded call bound to its actor: as an interpreter makes it, and as the direct path does.
+pub(crate) struct Node {
+    pub(crate) invoke: Invoke,
+    pub(crate) bind: Binder,
+}
+
+/// The value as a `T`, moved out of its `Arc` when nothing else holds it (cloned otherwise).
+///
+/// # Panics
+/// When it is no `T` (the recording's types make it one).
+pub(crate) fn take<T: Clone + Send + Sync + 'static>(value: Shared) -> T {
+    let value = value.downcast::<T>().expect("the recorded value type");
+    Arc::try_unwrap(value).unwrap_or_else(|shared| (*shared).clone())
+}
+
+/// The call `make(value)` to `actor`, as a compiled program runs it: the value is moved out of
+/// its `Arc` into the message when nothing else holds it (cloned otherwise), and the reply is
+/// the next value.
+pub(crate) fn invoke<A, M, T>(actor: ActorRef<A>, make: fn(T) -> M) -> Invoke
+where
+    A: Handler<M>,
+    M: Message,
+    M::Reply: Sync,
+    T: Clone + Send + Sync + 'static,
+{
+    Arc::new(move |value: Shared| {
+        let call = actor.call(make(take(value)));
+        Box::pin(async move { Ok(Arc::new(call.await?) as Shared) })
+    })
+}
 
 /// How a value crosses processes between interpreters.
 #[derive(Clone, Copy)]
@@ -67,21 +98,18 @@ impl Registry {
         M::Reply: Clone + Sync + Serialize + DeserializeOwned,
         T: Clone + Send + Sync + Serialize + DeserializeOwned + 'static,
     {
-        let node: NodeFn = Arc::new(move |actor: &Arc<dyn ErasedActor>, value: Shared| {
+        let node: NodeFn = Arc::new(move |actor: &Arc<dyn ErasedActor>| {
             let typed = actor.as_any().downcast_ref::<ActorRef<A>>().cloned();
-            let input = value.downcast_ref::<T>().cloned();
-            let actor_type = actor.type_key();
-            Box::pin(async move {
-                let (Some(actor), Some(input)) = (typed, input) else {
-                    return Err(CallError::Program {
-                        reason: format!(
-                            "a recorded call to a `{}` with a `{}` reached a `{actor_type}` or another value type",
-                            type_name::<A>(),
-                            type_name::<T>()
-                        ),
-                    });
-                };
-                Ok(Arc::new(actor.call(make(input)).await?) as Shared)
+            let typed = typed.ok_or_else(|| {
+                format!(
+                    "a recorded call to a `{}` reached a `{}`",
+                    type_name::<A>(),
+                    actor.type_key()
+                )
+            })?;
+            Ok(Node {
+                bind: binder(&typed, make),
+                invoke: invoke(typed, make),
             })
         });
         self.program_calls.insert(node_key::<A, M, T>(), node);

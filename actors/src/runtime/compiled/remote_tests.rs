@@ -95,6 +95,19 @@ fn a_program_over_two_hosts_equals_its_calls_and_names_a_failure_and_a_lost_host
         .collect();
     assert_eq!((sends, recvs), (vec![0], vec![2]));
 
+    // An actor called twice (its part an interpreter on host-a) beside parts on the direct path.
+    let twice = [&chain[0], &chain[1], &chain[0]];
+    let mut recorder = Recorder::<i64>::new();
+    let mut value = recorder.input();
+    for actor in twice {
+        value = recorder.call(actor, &value, Apply);
+    }
+    let interpreted = recorder.compile(&driver, &value).unwrap();
+    for x in 0..50 {
+        let classic = twice.iter().fold(x, |v, a| a.call(Apply(v)).get().unwrap());
+        assert_eq!(interpreted.run(x).get().unwrap(), classic);
+    }
+
     // A panic on host-a ends that run with the actor's failure, naming its host.
     let error = program.run(-5).get().unwrap_err().to_string();
     assert!(

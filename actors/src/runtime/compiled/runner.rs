@@ -1,21 +1,22 @@
-//! Dispatches a compiled program once — each participant's stream to an interpreter on its
-//! actor's device thread, in this process or installed on the actor's host (a
-//! [`Frame::Program`], answered once the host has resolved the registered calls and codecs) —
-//! and runs it: the program's own stream (the last) sends the input and waits for the output.
+//! Dispatches a compiled program once — each participant's stream, in this process or
+//! installed on the actor's host (a [`Frame::Program`], answered once the host has resolved the
+//! registered calls and codecs), to an interpreter on its actor's device thread or, for a
+//! stream of one call, to the [`direct`](super::direct) path — and runs it: the program's own
+//! stream (the last, [`Own`]) sends the input and waits for the output.
 
-use archipelago_dataflow::TensorId;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use archipelago_dataflow::{ComputeOp, Instruction};
-use tokio::sync::Mutex;
+use archipelago_dataflow::Instruction;
 
-use super::interpreter::{interpret, node_of};
+use super::interpreter::{self, node_of};
+use super::own::Own;
+use super::plan::{Plan, Resolve};
 use super::registered::{node, value_codec};
-use super::routes::{self, Inbox, Outbox, Route, value_name};
-use super::{Invoke, Participant, Shared};
+use super::routes::{self, Outbox, Route, value_name};
+use super::{Invoke, Participant};
 use crate::runtime::remote::HostConnection;
 use crate::runtime::remote::wire::{Frame, Peer};
 use crate::runtime::{CallError, Pending, RuntimeHandle};
@@ -24,23 +25,12 @@ use crate::runtime::{CallError, Pending, RuntimeHandle};
 pub struct CompiledProgram<I, R> {
     program: u64,
     streams: Vec<Vec<Instruction>>,
-    /// The program's own stream (the last), shared by its runs.
-    own: Arc<Vec<Instruction>>,
-    /// Set when a run was dropped midway through a stream that sends after it receives: later
-    /// runs would wait for a value that depends on an unsent one, so they fail instead.
-    abandoned: Arc<std::sync::atomic::AtomicBool>,
-    sends_after_recv: bool,
-    /// The values its own stream's instructions read more than once (kept in a run's table, not
-    /// moved out by their first reader).
-    reused: Arc<std::collections::HashSet<TensorId>>,
-    outbox: Arc<Outbox>,
-    inbox: Arc<Mutex<Inbox>>,
+    /// The program's own stream (the last), lowered, shared by its runs.
+    own: Arc<Own>,
     /// The hosts with interpreters of this program, told when it is dropped.
     hosts: Vec<Arc<HostConnection>>,
     /// The participants whose interpreters run in this process (its own stream included).
     here: Vec<usize>,
-    /// The gathers its own stream makes, by value name.
-    gathers: Arc<HashMap<String, super::GatherFn>>,
     runtime: RuntimeHandle,
     _types: PhantomData<fn(I) -> R>,
 }
@@ -50,6 +40,8 @@ pub struct CompiledProgram<I, R> {
 pub(crate) struct Recorded {
     pub(crate) participants: Vec<Participant>,
     pub(crate) invokers: Vec<Invoke>,
+    /// Each node's direct path.
+    pub(crate) binders: Vec<super::direct::Binder>,
     pub(crate) keys: Vec<String>,
     pub(crate) value_types: HashMap<String, &'static str>,
     pub(crate) gathers: HashMap<String, super::GatherFn>,
@@ -115,7 +107,7 @@ pub(crate) fn dispatch<I, R>(
     let outbox_here = |p: usize| -> Result<Outbox, CallError> {
         let routes = (routes::destinations(&streams[p]).into_iter())
             .map(|q| match &place[q] {
-                None => (q, Route::Local(routes::inbox_sender(program, q))),
+                None => (q, Route::Local(routes::door(program, q))),
                 Some(connection) => (q, Route::Host(connection.clone())),
             })
             .collect();
@@ -207,34 +199,15 @@ pub(crate) fn dispatch<I, R>(
     }
     let inbox = routes::claim_inbox(program, own).expect("a new program's inbox");
     let own_stream = streams.last().cloned().unwrap_or_default();
-    let mut reads: HashMap<TensorId, usize> = HashMap::new();
-    for instruction in &own_stream {
-        for input in instruction.reads() {
-            *reads.entry(input.clone()).or_default() += 1;
-        }
-    }
-    // A Send after a receive: a run dropped in between would leave a value unsent that a
-    // later receive of this stream depends on, and the next run would wait for it.
-    let first_recv = own_stream
-        .iter()
-        .position(|i| matches!(i, Instruction::Recv { .. }));
-    let sends_after_recv =
-        first_recv.is_some_and(|r| (own_stream[r..].iter()).any(|i| matches!(i, Instruction::Send { .. })));
+    let resolve = Resolve {
+        invokers: None,
+        gathers: Some(&recorded.gathers),
+    };
+    let plan = Plan::lower(&own_stream, &own_outbox, resolve);
     let compiled = CompiledProgram {
         program,
-        abandoned: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-        sends_after_recv,
-        reused: Arc::new(
-            reads
-                .into_iter()
-                .filter(|(_, n)| *n > 1)
-                .map(|(t, _)| t)
-                .collect(),
-        ),
-        own: Arc::new(own_stream),
+        own: Arc::new(Own::new(&own_stream, plan, inbox)),
         streams,
-        outbox: Arc::new(own_outbox),
-        inbox: Arc::new(Mutex::new(inbox)),
         hosts,
         here: place
             .iter()
@@ -242,13 +215,20 @@ pub(crate) fn dispatch<I, R>(
             .filter(|(_, at)| at.is_none())
             .map(|(p, _)| p)
             .collect(),
-        gathers: Arc::new(recorded.gathers),
         runtime: runtime.clone(),
         _types: PhantomData,
     };
     for (p, executor, invokers, outbox) in local {
-        let inbox = routes::claim_inbox(program, p).expect("a new program's inbox");
-        executor.spawn(interpret(compiled.streams[p].clone(), inbox, outbox, invokers));
+        let bind = |node: usize| (recorded.binders[node])(runtime.inner(), node);
+        interpreter::start(
+            (program, p),
+            &compiled.streams[p],
+            &outbox,
+            &invokers,
+            bind,
+            &executor,
+        )
+        .map_err(refused)?;
     }
     // A refusal drops `compiled`, which stops whatever did start.
     for (host, answer) in answers {
@@ -267,117 +247,16 @@ where
     /// Runs the program once on `input`: the input goes to the first actors, the values move
     /// actor to actor, and the output comes back. Runs are handled in order.
     pub fn run(&self, input: I) -> Pending<Result<R, CallError>> {
-        let stream = self.own.clone();
-        let (outbox, inbox, gathers) = (self.outbox.clone(), self.inbox.clone(), self.gathers.clone());
-        let reused = self.reused.clone();
-        let abandoned = self.abandoned.clone();
-        let guard_armed = self.sends_after_recv;
-        let run = async move {
-            let mut inbox = inbox.lock().await;
-            if abandoned.load(Ordering::Acquire) {
-                return Err(CallError::Program {
-                    reason: "an earlier run was abandoned between a receive and a later send; compile the program again".into(),
-                });
-            }
-            // Marks the program abandoned unless this run reaches its end.
-            let mut guard = AbandonGuard {
-                flag: abandoned,
-                armed: guard_armed,
-            };
-            // Counted until this run's values are taken: a run whose future is dropped midway
-            // leaves its values to be skipped by the next run.
-            for instruction in stream.iter() {
-                if let Instruction::Recv { from, tag, .. } = instruction {
-                    *inbox.unclaimed.entry((*from, *tag)).or_default() += 1;
-                }
-            }
-            if let Some(error) = inbox.broken() {
-                return Err(error.clone());
-            }
-            let input_id = TensorId::named("input");
-            let mut table: HashMap<&TensorId, Result<Shared, CallError>> = HashMap::new();
-            table.insert(&input_id, Ok(Arc::new(input) as Shared));
-            let stopped = || {
-                CallError::Program {
-                reason: "its interpreters have stopped (the runtime shut down); compile it again on a live runtime"
-                    .into(),
-            }
-            };
-            for instruction in stream.iter() {
-                match instruction {
-                    Instruction::Send { tensor, to, tag } => {
-                        let value = table.get(tensor).cloned().unwrap_or_else(|| Err(stopped()));
-                        outbox.send(tensor, *to, *tag, value)?;
-                    }
-                    Instruction::Recv { tensor, from, tag } => {
-                        let value = loop {
-                            let value = inbox.take(*from, *tag).await.ok_or_else(stopped)?;
-                            let unclaimed = inbox.unclaimed.entry((*from, *tag)).or_default();
-                            *unclaimed = unclaimed.saturating_sub(1);
-                            if *unclaimed == 0 {
-                                break value;
-                            }
-                        };
-                        table.insert(tensor, value);
-                    }
-                    Instruction::Compute {
-                        op: ComputeOp::User { name },
-                        inputs,
-                        outputs,
-                    } if name == "gather" => {
-                        let Some(output) = outputs.first() else { continue };
-                        let values: Result<Vec<Shared>, CallError> = (inputs.iter())
-                            .map(|i| {
-                                let value = if reused.contains(i) {
-                                    table.get(i).cloned()
-                                } else {
-                                    table.remove(i)
-                                };
-                                value.unwrap_or_else(|| Err(stopped()))
-                            })
-                            .collect();
-                        let gather = gathers.get(value_name(output)).ok_or_else(stopped)?;
-                        table.insert(output, values.map(gather));
-                    }
-                    Instruction::Compute {
-                        op: ComputeOp::User { name },
-                        inputs,
-                        ..
-                    } if name == "return" => {
-                        let value = inputs
-                            .first()
-                            .and_then(|i| table.remove(i))
-                            .unwrap_or_else(|| Err(stopped()))?;
-                        // Moved out when this run holds the only reference (a gathered value).
-                        guard.armed = false;
-                        let typed = value.downcast::<R>().expect("the recorded output type");
-                        return Ok(Arc::try_unwrap(typed).unwrap_or_else(|shared| (*shared).clone()));
-                    }
-                    _ => {}
-                }
-            }
-            Err(stopped())
-        };
-        Pending::new(run, self.runtime.driver().clone())
+        let own = self.own.clone();
+        Pending::new(
+            async move { own.run::<R>(Arc::new(input)).await },
+            self.runtime.driver().clone(),
+        )
     }
 
     /// The per-actor streams (the program's own last), as compiled: data to print or check.
     pub fn streams(&self) -> &[Vec<Instruction>] {
         &self.streams
-    }
-}
-
-/// Sets its flag when dropped armed (see `CompiledProgram::abandoned`).
-struct AbandonGuard {
-    flag: Arc<std::sync::atomic::AtomicBool>,
-    armed: bool,
-}
-
-impl Drop for AbandonGuard {
-    fn drop(&mut self) {
-        if self.armed {
-            self.flag.store(true, Ordering::Release);
-        }
     }
 }
 

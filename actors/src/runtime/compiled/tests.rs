@@ -294,3 +294,81 @@ fn a_run_dropped_before_a_later_send_fails_the_next_run_instead_of_hanging() {
     let error = next.unwrap_err();
     assert!(error.to_string().contains("abandoned"), "{error}");
 }
+
+/// Counts its clones (a value that would be costly to copy).
+struct Counted(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Clone for Counted {
+    fn clone(&self) -> Self {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Counted(self.0.clone())
+    }
+}
+
+/// Hands its value on.
+struct Pass(Counted);
+impl Message for Pass {
+    type Reply = Counted;
+}
+impl Handler<Pass> for Affine {
+    async fn handle(&mut self, Pass(value): Pass, _ctx: &Context<Self>) -> Counted {
+        value
+    }
+}
+
+/// A value read once on each actor is moved from the input through every message (and a
+/// gather) to the output, never copied.
+#[test]
+fn a_value_moves_actor_to_actor_without_a_copy() {
+    let (runtime, actors) = affines(&[(1, 0), (1, 0)]);
+    let clones = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = || clones.load(std::sync::atomic::Ordering::Relaxed);
+    let mut recorder = Recorder::<Counted>::new();
+    let input = recorder.input();
+    let x = recorder.call(&actors[0], &input, Pass);
+    let y = recorder.call(&actors[1], &x, Pass);
+    let chain = recorder.compile(&runtime, &y).unwrap();
+    for _ in 0..20 {
+        chain.run(Counted(clones.clone())).get().unwrap();
+    }
+    assert_eq!(count(), 0, "a chain copied its value");
+    let mut recorder = Recorder::<Counted>::new();
+    let input = recorder.input();
+    let x = recorder.call(&actors[0], &input, Pass);
+    let gathered = recorder.gather(&[x]);
+    let program = recorder.compile(&runtime, &gathered).unwrap();
+    assert_eq!(program.run(Counted(clones.clone())).get().unwrap().len(), 1);
+    assert_eq!(count(), 0, "a gathered value was copied");
+}
+
+/// An actor called twice in one run (a → b → a) runs its part as an interpreter (its stream
+/// receives twice), beside b on the direct path: the same results as the calls one by one, and
+/// a failure in either part ends the run with its error.
+#[test]
+fn an_actor_called_twice_runs_as_an_interpreter_beside_direct_ones() {
+    let (runtime, actors) = affines(&[(2, 1), (3, -20)]);
+    let mut recorder = Recorder::<i64>::new();
+    let mut value = recorder.input();
+    for actor in [&actors[0], &actors[1], &actors[0]] {
+        value = recorder.call(actor, &value, Apply);
+    }
+    let program = recorder.compile(&runtime, &value).unwrap();
+    let receives = |stream: &[Instruction]| {
+        (stream.iter())
+            .filter(|i| matches!(i, Instruction::Recv { .. }))
+            .count()
+    };
+    assert_eq!(receives(&program.streams()[0]), 2, "{:?}", program.streams()[0]);
+    for x in 7..60 {
+        let classic = [&actors[0], &actors[1], &actors[0]]
+            .iter()
+            .fold(x, |v, a| a.call(Apply(v)).get().unwrap());
+        assert_eq!(program.run(x).get().unwrap(), classic);
+    }
+    // x = 2: a gives 5, b gives 3·5 − 20 = −5, on which a panics.
+    let error = program.run(2).get().unwrap_err();
+    assert!(
+        matches!(&error, CallError::Failed(f) if f.message.contains("negative input -5")),
+        "{error}"
+    );
+}
