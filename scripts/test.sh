@@ -64,7 +64,11 @@ if command -v chromium > /dev/null; then chromium --version || true; fi
 skip_log=$(mktemp "${TMPDIR:-/tmp}/archipelago-skipped.XXXXXX")
 trap 'rm -f "$skip_log"' EXIT
 status=0
-ARCHIPELAGO_SKIP_LOG="$skip_log" cargo test --workspace "$@" || status=$?
+# Strict registration mode (ARCHIPELAGO_STRICT_REGISTRY, actors/src/runtime/system.rs): every spawn
+# and message that would cross a process is checked against the registry and encoded, also in one
+# process, so a missing `.actor`/`.handles`/`.compiled` line fails here, in the tests, and not on
+# a user's first cluster run. Deliberately local-only programs and tests turn it off on their runtime.
+ARCHIPELAGO_STRICT_REGISTRY=1 ARCHIPELAGO_SKIP_LOG="$skip_log" cargo test --workspace "$@" || status=$?
 
 echo
 if [ -s "$skip_log" ]; then

@@ -89,6 +89,10 @@ impl ActorGang {
     ) -> Result<ActorGang, JobError> {
         let (devices, slots) = device_threads(&streams);
         let runtime = Runtime::new(job, "local", devices);
+        // Local-only by construction: the gang's actors are this process's threads (their
+        // parameters hold the fabric and the computation) and the steps' data moves over the
+        // fabric, never as actor messages, so strict registration mode has nothing to check.
+        runtime.set_strict_registry(false);
         let params: Vec<DeviceActorParams> = (streams.iter().zip(factories))
             .map(|(stream, factory)| DeviceActorParams {
                 job: job.to_string(),

@@ -38,9 +38,9 @@ pub use archipelago_actors::runtime::TensorId as TensorRefId;
 /// programs").
 pub use archipelago_actors::runtime::compiled::Recorder;
 pub use archipelago_actors::runtime::{
-    Actor, ActorEnd, ActorInfo, ActorMesh, ActorRef, Call, CallError, Context, Handler, MeshPlacement,
-    Message, Pending, Placement, Registry, Runtime, RuntimeHandle, Slot, SpawnError, SpawnOptions,
-    TensorError, TensorRef, Waited, wait,
+    Actor, ActorEnd, ActorInfo, ActorMesh, ActorRef, Call, CallError, Context, FindError, Handler,
+    MeshPlacement, Message, Pending, Placement, RELEASED, Registry, Runtime, RuntimeHandle, Slot, SpawnError,
+    SpawnOptions, TensorError, TensorRef, Waited, wait,
 };
 pub use archipelago_actors::typed_tensor::TypedTensor;
 /// The element type of a [`TypedTensor`] (f32, bf16, f16, i8, u8, i32, i64), the workspace's one

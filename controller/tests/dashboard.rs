@@ -262,6 +262,7 @@ mod runtime_actors {
 
     use archipelago_controller::prelude::*;
     use archipelago_controller::runtime::serve_dashboard;
+    use serde::{Deserialize, Serialize};
 
     use super::{chromium, dump_dom, get, wait_until};
 
@@ -272,6 +273,7 @@ mod runtime_actors {
             Ok(Pinger)
         }
     }
+    #[derive(Serialize, Deserialize)]
     struct Ping(u64);
     impl Message for Ping {
         type Reply = u64;
@@ -281,6 +283,7 @@ mod runtime_actors {
             n
         }
     }
+    #[derive(Serialize, Deserialize)]
     struct Crash;
     impl Message for Crash {
         type Reply = ();
@@ -296,6 +299,12 @@ mod runtime_actors {
         let Some(browser) = chromium() else {
             return;
         };
+        // The program's types, as a cluster needs them (strict registration mode checks them).
+        Registry::new()
+            .actor::<Pinger>()
+            .handles::<Pinger, Ping>()
+            .handles::<Pinger, Crash>()
+            .install();
         let runtime = Runtime::local(DeviceSpec::cpus(2));
         let busy = runtime
             .spawn_with::<Pinger>(DeviceSpec::Cpu(0), (), SpawnOptions::named("busy").restarts(1))

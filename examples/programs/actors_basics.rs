@@ -146,6 +146,9 @@ pub struct Outcome {
 /// Runs the example on a runtime of 4 CPU devices.
 pub fn run(rows: usize, d_in: usize, d_out: usize) -> anyhow::Result<Outcome> {
     let runtime = Runtime::local(DeviceSpec::cpus(4));
+    // A one-process example: its types are not registered (`tensor_exchange` has registered
+    // ones, a `Call` passed across hosts included), so strict registration mode is off for it.
+    runtime.set_strict_registry(false);
     let params = |seed| ProjectorParams { d_in, d_out, seed };
     let projectors = [
         runtime.spawn::<Projector>(DeviceSpec::Cpu(0), params(1)).get()?,

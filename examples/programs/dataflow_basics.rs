@@ -11,6 +11,7 @@
 use burn::backend::Flex;
 use burn::backend::flex::FlexDevice;
 use burn::tensor::{Tensor, TensorData};
+use serde::{Deserialize, Serialize};
 
 use archipelago_actors::runtime::compiled::Recorder;
 use archipelago_controller::prelude::*;
@@ -36,7 +37,7 @@ impl Actor for Shard {
 }
 
 /// Σ x² over the shard's slice.
-#[derive(Clone)]
+#[derive(Clone, Serialize, Deserialize)]
 pub struct SquareSum;
 
 impl Message for SquareSum {
@@ -50,9 +51,22 @@ impl Handler<SquareSum> for Shard {
     }
 }
 
+/// The types both computations would send across processes on a cluster (installed by each, so
+/// that strict registration mode checks them in this one process too).
+pub fn registry() -> Registry {
+    Registry::new()
+        .actor::<Shard>()
+        .handles::<Shard, SquareSum>()
+        .actor::<Producer>()
+        .compiled::<Producer, Produce, u64>(Produce)
+        .actor::<Consumer>()
+        .compiled::<Consumer, Accumulate, Vec<f32>>(Accumulate)
+}
+
 /// Σ x² over `0..n`, as [`SHARDS`] shards on as many actors: each squares and sums its slice
 /// with burn, and the program adds the partial sums.
 pub fn sharded_sum_of_squares(n: usize) -> anyhow::Result<f32> {
+    registry().install();
     let runtime = Runtime::local(DeviceSpec::cpus(SHARDS));
     let mesh = Mesh::new(&[("shard", SHARDS)])?;
     let shards = runtime
@@ -79,6 +93,7 @@ impl Actor for Producer {
 }
 
 /// Produce run `k`'s vector.
+#[derive(Serialize, Deserialize)]
 pub struct Produce(pub u64);
 
 impl Message for Produce {
@@ -105,6 +120,7 @@ impl Actor for Consumer {
 }
 
 /// Add a vector to the accumulator; replies with the running total.
+#[derive(Serialize, Deserialize)]
 pub struct Accumulate(pub Vec<f32>);
 
 impl Message for Accumulate {
@@ -127,6 +143,7 @@ impl Handler<Accumulate> for Consumer {
 /// Records producer → consumer once, compiles it, and runs it `runs` times (run `k` hands the
 /// producer `k`, from 1). Returns the consumer's running total after each run.
 pub fn producer_consumer(runs: u64) -> anyhow::Result<Vec<Vec<f32>>> {
+    registry().install();
     let runtime = Runtime::local(DeviceSpec::cpus(2));
     let producer = runtime.spawn::<Producer>(DeviceSpec::Cpu(0), ()).get()?;
     let consumer = runtime.spawn::<Consumer>(DeviceSpec::Cpu(1), ()).get()?;

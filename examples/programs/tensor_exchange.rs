@@ -1,7 +1,9 @@
 //! Tensors that stay with their owner, across hosts: a `Holder` actor keeps the tensors it
 //! makes and hands out references; a holder on another host is given a reference and fetches
 //! the bytes straight from the owner's host (the program in between never touches them); the
-//! owner frees a tensor once every holder of a reference has dropped it.
+//! owner frees a tensor once every holder of a reference has dropped it. A holder can also be
+//! handed a call still pending (its tensor comes from the owner when the call resolves), and
+//! find another holder by name anywhere in the cluster.
 
 use serde::{Deserialize, Serialize};
 
@@ -68,6 +70,44 @@ impl Handler<SumOf> for Holder {
     }
 }
 
+/// Sums the tensor of a call still pending elsewhere (a future passed across hosts: the reply
+/// comes from the caller, the bytes from the tensor's owner).
+#[derive(Serialize, Deserialize)]
+pub struct SumOfCall(pub Call<TensorRef>);
+impl Message for SumOfCall {
+    type Reply = Result<f64, String>;
+}
+impl Handler<SumOfCall> for Holder {
+    async fn handle(&mut self, SumOfCall(pending): SumOfCall, ctx: &Context<Self>) -> Result<f64, String> {
+        let tensor = pending.await.map_err(|e| e.to_string())?;
+        let values = ctx.fetch(&tensor).await.map_err(|e| e.to_string())?;
+        Ok(values.values::<f32>().iter().map(|v| *v as f64).sum())
+    }
+}
+
+/// Finds the holder of this name anywhere in the cluster and asks it for its held bytes:
+/// `(its host, its bytes)`.
+#[derive(Serialize, Deserialize)]
+pub struct AskByName(pub String);
+impl Message for AskByName {
+    type Reply = Result<(String, u64), String>;
+}
+impl Handler<AskByName> for Holder {
+    async fn handle(
+        &mut self,
+        AskByName(name): AskByName,
+        ctx: &Context<Self>,
+    ) -> Result<(String, u64), String> {
+        let found = ctx
+            .runtime()
+            .find::<Holder>(&name)
+            .await
+            .map_err(|e| e.to_string())?;
+        let held = found.call(HeldBytes).await.map_err(|e| e.to_string())?;
+        Ok((found.info().host.clone(), held))
+    }
+}
+
 /// Bytes this holder keeps for live references.
 #[derive(Serialize, Deserialize)]
 pub struct HeldBytes;
@@ -88,4 +128,6 @@ pub fn registry() -> Registry {
         .handles::<Holder, MakeRamp>()
         .handles::<Holder, SumOf>()
         .handles::<Holder, HeldBytes>()
+        .handles::<Holder, SumOfCall>()
+        .handles::<Holder, AskByName>()
 }

@@ -19,7 +19,7 @@ mod actors_cluster {
     use archipelago_controller::runtime::connect;
     use archipelago_examples::programs::sharded_store::{Busy, Get, PutVia, registry, run};
     use archipelago_examples::programs::tensor_exchange::{
-        self, HeldBytes, Holder, MakeEvery, MakeRamp, SumOf, every_dtype,
+        self, AskByName, HeldBytes, Holder, MakeEvery, MakeRamp, SumOf, SumOfCall, every_dtype,
     };
 
     use crate::support::cluster::{TOKEN, TestCluster};
@@ -99,6 +99,48 @@ mod actors_cluster {
         assert!(error.contains("its work is done"), "{error}");
     }
 
+    /// A call still pending here, passed to an actor of the other host process, resolves there
+    /// (the tensor's bytes go owner → consumer, none through here, and are freed after); a
+    /// detached named holder outlives this process's handles and is found by name from the
+    /// other host process (which asks the controller for its peers); a released one is not.
+    fn futures_and_names_between_processes(cluster: &Runtime) {
+        let named = SpawnOptions::named("directory").detached();
+        let owner = cluster.spawn_at::<Holder>(0, (), named).get().unwrap();
+        let other = cluster
+            .spawn_at::<Holder>(2, (), SpawnOptions::default())
+            .get()
+            .unwrap();
+        assert_ne!(owner.info().host, other.info().host);
+        let through_here = || cluster.link_bytes().touching(archipelago_actors::fabric::DRIVER);
+        let before = through_here();
+        let n = 1 << 16;
+        let pending = owner.call(MakeRamp(n));
+        let sum = other.call(SumOfCall(pending)).get().unwrap().unwrap();
+        assert_eq!(sum, (n as f64) * (n as f64 - 1.0) / 2.0);
+        assert_eq!(through_here(), before, "a tensor byte came through the driver");
+        assert_eq!(eventually(0, || owner.call(HeldBytes).get().unwrap()), 0);
+
+        let owner_host = owner.info().host.clone();
+        drop(owner);
+        std::thread::sleep(Duration::from_millis(300));
+        let asked = other.call(AskByName("directory".into())).get().unwrap();
+        assert_eq!(
+            asked,
+            Ok((owner_host, 0)),
+            "the detached holder, found from the other host"
+        );
+        let temporary = SpawnOptions::named("temporary");
+        drop(cluster.spawn_at::<Holder>(1, (), temporary).get().unwrap());
+        let gone = eventually(1, || {
+            let asked = other.call(AskByName("temporary".into())).get().unwrap();
+            u64::from(asked.is_err_and(|e| e.contains("no live actor")))
+        });
+        assert_eq!(gone, 1, "a holder whose last handle was dropped is still found");
+        let found = cluster.find::<Holder>("directory").get().unwrap();
+        found.stop("done");
+        found.ended().get();
+    }
+
     #[test]
     fn the_same_program_runs_on_two_host_processes_and_a_killed_host_is_named() {
         let mut hosts = TestCluster::start("actors_cluster", &["h1", "h2"], "cpu:0,cpu:1");
@@ -118,6 +160,7 @@ mod actors_cluster {
         let victim = hosts_used[3].to_string();
 
         tensors_between_processes(&cluster);
+        futures_and_names_between_processes(&cluster);
 
         // An actor reference in a message: shard 0 (one host) puts a key into shard 3 (the
         // other host) by calling it itself.

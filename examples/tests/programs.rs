@@ -69,7 +69,7 @@ mod dataflow_basics {
 /// bounded delay 2 no worker may start more than 2 clocks ahead of the slowest.
 mod parameter_server {
     use archipelago_controller::prelude::*;
-    use archipelago_examples::programs::parameter_server::{Fault, run};
+    use archipelago_examples::programs::parameter_server::{Fault, registry, run};
 
     use crate::support::parameter_server::{
         bounded, check_bounded_delay, config, data_parallel, max_diff, run_local,
@@ -110,6 +110,7 @@ mod parameter_server {
     #[test]
     fn a_failing_worker_loop_ends_the_run_with_its_error_instead_of_a_hang() {
         let failing = config(3, 0, Fault::FailAt(1, 4));
+        registry().install();
         let runtime = Runtime::local(DeviceSpec::cpus(failing.devices()));
         let error = format!("{:#}", run(&runtime, &failing).unwrap_err());
         assert!(

@@ -61,6 +61,8 @@ fn dense_job(
 }
 
 fn run_local(job: &PsJob<BuiltinUpdate>) -> PsOutcome {
+    // The job's types, as a cluster needs them (strict registration mode checks them here).
+    archipelago_controller::ps_job::cli::registry().install();
     run(&Runtime::local(DeviceSpec::cpus(job.devices())), job).unwrap()
 }
 

@@ -19,6 +19,8 @@ const KEYS: u64 = 300;
 const GRADS: [f32; 2] = [1.0, 10.0];
 
 fn servers(runtime: &Runtime, ring: &Ring, fault: ServerFault) -> Vec<ActorRef<PsServer<Sgd>>> {
+    // The server's types, as a cluster needs them (strict registration mode checks them here).
+    super::server::register_server::<Sgd>(crate::runtime::Registry::new()).install();
     (0..3)
         .map(|index| {
             let params = ServerParams {

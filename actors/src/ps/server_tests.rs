@@ -11,6 +11,8 @@ use super::update::Sgd;
 use crate::runtime::{ActorRef, Runtime};
 
 fn server(runtime: &Runtime, ring: &Ring, consistency: Consistency) -> ActorRef<PsServer<Sgd>> {
+    // The server's types, as a cluster needs them (strict registration mode checks them here).
+    super::server::register_server::<Sgd>(crate::runtime::Registry::new()).install();
     let params = ServerParams {
         index: 0,
         workers: 2,

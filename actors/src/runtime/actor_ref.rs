@@ -15,6 +15,7 @@ use tokio::sync::oneshot;
 use super::actor::{Actor, Handler, Message};
 use super::call::{Call, Canceller, Pending, RemoteCall};
 use super::envelope::{EncodeFn, EncodedReply, Letter, Mail, ReplyTo};
+use super::keeper::Keeper;
 use super::remote::HostConnection;
 use super::remote::connection::Deliver;
 use super::remote::registry::{MessageCodec, Registry, RemoteReply};
@@ -48,6 +49,9 @@ pub struct ActorRef<A: Actor> {
     port: Port<A>,
     key: u64,
     driver: Handle,
+    /// Shared by the clones of the reference a spawn returned: the actor ends when the last
+    /// drops (`None`: this reference does not keep the actor alive).
+    keeper: Option<Arc<Keeper>>,
 }
 
 impl<A: Actor> Clone for ActorRef<A> {
@@ -56,6 +60,7 @@ impl<A: Actor> Clone for ActorRef<A> {
             port: self.port.clone(),
             key: self.key,
             driver: self.driver.clone(),
+            keeper: self.keeper.clone(),
         }
     }
 }
@@ -77,6 +82,7 @@ impl<A: Actor> ActorRef<A> {
             port: Port::Local(port, shared),
             key,
             driver,
+            keeper: None,
         }
     }
 
@@ -99,6 +105,25 @@ impl<A: Actor> ActorRef<A> {
             port: Port::Remote(remote),
             key,
             driver,
+            keeper: None,
+        }
+    }
+
+    /// The same reference, keeping its actor alive while it or a clone of it lives (what a
+    /// spawn that is not detached returns).
+    pub(crate) fn keeping(mut self) -> Self {
+        self.keeper = Some(match &self.port {
+            Port::Local(port, shared) => Keeper::local(port.clone(), shared.clone()),
+            Port::Remote(remote) => Keeper::remote(remote.clone()),
+        });
+        self
+    }
+
+    /// Ends this process's actor once the messages already sent to it are handled (a host's
+    /// answer to the `Release` of the process holding the actor's handles).
+    pub(crate) fn release(&self) {
+        if let Port::Local(port, shared) = &self.port {
+            super::keeper::release_local(port, shared);
         }
     }
 

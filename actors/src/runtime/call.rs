@@ -78,7 +78,9 @@ impl RemoteCall {
 
 enum CallState<R> {
     Waiting {
-        reply: oneshot::Receiver<Result<R, CallError>>,
+        /// Locked only to pass the call to another process (see `call_wire`); polled through
+        /// `get_mut`.
+        reply: Mutex<oneshot::Receiver<Result<R, CallError>>>,
         cancel: Canceller,
         actor: Arc<ActorShared>,
         message: &'static str,
@@ -98,7 +100,7 @@ impl<R> Call<R> {
     ) -> Call<R> {
         Call {
             state: CallState::Waiting {
-                reply,
+                reply: Mutex::new(reply),
                 cancel,
                 actor,
                 message,
@@ -114,6 +116,38 @@ impl<R> Call<R> {
             state: CallState::Done(Some(error)),
             driver,
         }
+    }
+
+    /// The actor called, while the call waits.
+    pub(crate) fn callee(&self) -> Option<&Arc<ActorShared>> {
+        match &self.state {
+            CallState::Waiting { actor, .. } => Some(actor),
+            CallState::Done(_) => None,
+        }
+    }
+
+    /// The reply, taken from this call (which then resolves as if its actor had ended), or the
+    /// error it already resolved to: how a call passed to another process leaves its sender.
+    /// `None` once it has been awaited.
+    pub(crate) fn take_reply(&self) -> Option<BoxFuture<'static, Result<R, CallError>>>
+    where
+        R: Send + 'static,
+    {
+        let (reply, actor, message) = match &self.state {
+            CallState::Waiting {
+                reply,
+                actor,
+                message,
+                ..
+            } => (reply, actor.clone(), *message),
+            CallState::Done(Some(error)) => return Some(Box::pin(std::future::ready(Err(error.clone())))),
+            CallState::Done(None) => return None,
+        };
+        let (_, closed) = oneshot::channel();
+        let reply = std::mem::replace(&mut *reply.lock().expect("call reply"), closed);
+        Some(Box::pin(async move {
+            reply.await.unwrap_or_else(|_| Err(actor.ended_error(message)))
+        }))
     }
 
     /// The same call, failing with [`CallError::Timeout`] when no reply came within `after` of
@@ -161,7 +195,7 @@ impl<R> Call<R> {
             ..
         } = &mut self.state
         {
-            match reply.try_recv() {
+            match reply.get_mut().expect("call reply").try_recv() {
                 Ok(result) => return result,
                 Err(oneshot::error::TryRecvError::Closed) => return Err(actor.ended_error(message)),
                 Err(oneshot::error::TryRecvError::Empty) => {}
@@ -193,7 +227,7 @@ impl<R> Future for Call<R> {
             };
             return Poll::Ready(Err(error.take().expect("a Call polled after it completed")));
         };
-        match Pin::new(reply).poll(cx) {
+        match Pin::new(reply.get_mut().expect("call reply")).poll(cx) {
             Poll::Ready(Ok(result)) => return Poll::Ready(result),
             // The reply channel closed without a reply: the actor ended first.
             Poll::Ready(Err(_)) => return Poll::Ready(Err(actor.ended_error(message))),

@@ -220,7 +220,9 @@ impl RuntimeHandle {
             params,
             name: options.name,
             max_restarts: options.max_restarts,
+            detached: options.detached,
         });
+        let detached = options.detached;
         let (job, key) = (self.inner.job.clone(), NEXT_KEY.fetch_add(1, Ordering::Relaxed));
         let spawned_driver = driver.clone();
         Pending::new(
@@ -230,7 +232,8 @@ impl RuntimeHandle {
                         let shared = Arc::new(ActorShared::new(info, job));
                         let remote = RemoteActor::new(Incarnation::new(connection, shared), respawn);
                         follow(&remote, remote.first());
-                        Ok(ActorRef::following(remote, key, spawned_driver))
+                        let actor = ActorRef::following(remote, key, spawned_driver);
+                        Ok(if detached { actor } else { actor.keeping() })
                     }
                     Ok(Err(reason)) => Err(spawn_failed(actor_type, &slot.host, reason)),
                     Err(_) => Err(spawn_failed(
@@ -269,6 +272,7 @@ pub(crate) struct Respawn {
     params: Vec<u8>,
     max_restarts: u32,
     placement: Placement,
+    detached: bool,
     runtime: Weak<RuntimeInner>,
     /// Where the re-placing runs (the runtime's driver executor).
     driver: tokio::runtime::Handle,
@@ -338,6 +342,7 @@ async fn respawn_elsewhere(remote: &RemoteActor, lost: &ActorShared) -> Result<A
             params: respawn.params.clone(),
             name: Some(lost.info.name.clone()),
             max_restarts: restarts_left,
+            detached: respawn.detached,
         });
         match answer.await {
             Ok(Ok(info)) => {
@@ -365,6 +370,7 @@ impl Respawn {
             params: params.to_vec(),
             max_restarts: options.max_restarts,
             placement: options.placement,
+            detached: options.detached,
             runtime: Arc::downgrade(runtime),
             driver: runtime.driver.clone(),
         })

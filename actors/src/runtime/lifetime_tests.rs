@@ -93,6 +93,7 @@ fn kill_while_busy(actor: &ActorRef<Sleeper>) -> Duration {
 
 #[test]
 fn kill_ends_an_actor_busy_in_a_long_handler_at_once_and_frees_its_tensors() {
+    registry().install();
     let runtime = Runtime::local(DeviceSpec::cpus(1));
     let actor = runtime.spawn::<Sleeper>(DeviceSpec::Cpu(0), ()).get().unwrap();
     let kept = actor.call(Keep).get().unwrap();

@@ -28,6 +28,10 @@
 //!   timeout or cancel reaches the host (a `Cancel` frame), which skips the message if it has
 //!   not started; `queue_depth` and `restarts` of a remote reference are the caller's view (see
 //!   the host's `actor_stats` for the actor's own).
+//! - **Lifetimes**: an actor ends when the last clone of the reference its spawn returned is
+//!   dropped (after the messages already sent to it), unless spawned
+//!   [`SpawnOptions::detached`]; [`ActorRef::stop`] and [`ActorRef::kill`] end it at once (see
+//!   `keeper` for the references that do not count).
 //! - **Placement**: each device of the runtime is one OS thread running its actors; actors on
 //!   different devices run in parallel, actors on one device take turns. Locally `spawn_with`
 //!   places on the device named; on a cluster the device names a kind (CPU or GPU) and
@@ -38,12 +42,15 @@ mod actor;
 mod actor_ref;
 mod actor_ref_wire;
 mod call;
+pub(crate) mod call_wire;
 mod cell;
 mod cluster;
 pub mod compiled;
 mod context;
 mod dry_run;
 mod envelope;
+mod find;
+mod keeper;
 mod mesh;
 mod placement;
 pub mod remote;
@@ -56,6 +63,8 @@ pub use actor_ref::ActorRef;
 pub use call::{Call, Pending, Waited, wait};
 pub use cluster::Slot;
 pub use context::Context;
+pub use find::{FindError, PeerHosts};
+pub use keeper::RELEASED;
 pub use mesh::ActorMesh;
 pub use placement::{MeshPlacement, Placement};
 pub use remote::Registry;
@@ -77,3 +86,9 @@ mod strict_tests;
 
 #[cfg(test)]
 mod restart_tests;
+
+#[cfg(test)]
+mod release_tests;
+
+#[cfg(test)]
+mod passed_call_tests;

@@ -58,6 +58,10 @@ pub struct SpawnOptions {
     /// On a cluster, how `spawn_with` picks a device of the kind it names (locally the device
     /// named is used).
     pub placement: super::Placement,
+    /// Whether it lives on when every handle to it is dropped (until stopped, killed, failed,
+    /// or its runtime ends; on a cluster, until its host ends); otherwise it ends once the last
+    /// clone of the reference its spawn returned is dropped.
+    pub detached: bool,
 }
 
 impl SpawnOptions {
@@ -79,6 +83,13 @@ impl SpawnOptions {
     /// hosts first (the default; Ray's `SPREAD`).
     pub fn spread(mut self) -> SpawnOptions {
         self.placement = super::Placement::Spread;
+        self
+    }
+
+    /// The same options for an actor that outlives its handles (Ray's `lifetime="detached"`):
+    /// give it a name to find it again with [`RuntimeHandle::find`](super::RuntimeHandle::find).
+    pub fn detached(mut self) -> SpawnOptions {
+        self.detached = true;
         self
     }
 

@@ -4,7 +4,7 @@
 //! and for blocking waits from plain threads, and the registry of live actors.
 //!
 //! ```
-//! use archipelago_actors::runtime::{Actor, Context, Handler, Message, Runtime};
+//! use archipelago_actors::runtime::{Actor, Context, Handler, Message, Registry, Runtime};
 //! use archipelago_dataflow::DeviceSpec;
 //!
 //! struct Echo;
@@ -12,12 +12,15 @@
 //!     type Params = ();
 //!     async fn new(_: (), _ctx: &Context<Self>) -> Result<Self, String> { Ok(Echo) }
 //! }
+//! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct Ping(u32);
 //! impl Message for Ping { type Reply = u32; }
 //! impl Handler<Ping> for Echo {
 //!     async fn handle(&mut self, Ping(n): Ping, _ctx: &Context<Self>) -> u32 { n + 1 }
 //! }
 //!
+//! // What may cross processes (strict mode checks it here too, as a cluster would).
+//! Registry::new().actor::<Echo>().handles::<Echo, Ping>().install();
 //! let runtime = Runtime::local(DeviceSpec::cpus(1));
 //! let echo = runtime.spawn::<Echo>(DeviceSpec::Cpu(0), ()).get().unwrap();
 //! assert_eq!(echo.call(Ping(41)).get().unwrap(), 42);
@@ -178,6 +181,8 @@ pub(crate) struct RuntimeInner {
     shutdown_hooks: Mutex<Option<Vec<ShutdownHook>>>,
     /// Strict registration mode: see [`RuntimeHandle::set_strict_registry`].
     pub(crate) strict: std::sync::atomic::AtomicBool,
+    /// The other hosts a host asks when an actor is looked up by name (see `find`).
+    pub(crate) peer_hosts: std::sync::OnceLock<super::find::PeerHosts>,
 }
 
 /// The environment variable that turns strict registration mode on (`1`) or off (`0`) for every
@@ -252,6 +257,7 @@ impl Runtime {
             cluster,
             shutdown_hooks: Mutex::new(Some(Vec::new())),
             strict: std::sync::atomic::AtomicBool::new(strict_registry_from_env().unwrap_or(false)),
+            peer_hosts: std::sync::OnceLock::new(),
         };
         Runtime {
             handle: RuntimeHandle {
@@ -496,6 +502,7 @@ impl RuntimeHandle {
             return Pending::new(std::future::ready(Err(error)), driver);
         };
         let device = thread.device;
+        let detached = options.detached;
         let strict = self.strict_registry();
         if strict && let Err(reason) = super::Registry::encode_params::<A>(&params) {
             let error = SpawnError::Constructor {
@@ -544,7 +551,10 @@ impl RuntimeHandle {
         Pending::new(
             async move {
                 match task.await {
-                    Ok(Ok((port, shared))) => Ok(ActorRef::new(port, shared, key, spawned_driver)),
+                    Ok(Ok((port, shared))) => {
+                        let actor = ActorRef::new(port, shared, key, spawned_driver);
+                        Ok(if detached { actor } else { actor.keeping() })
+                    }
                     Ok(Err(e)) => Err(SpawnError::Constructor {
                         actor: format!("actor {id} (`{}`) on {device}", short_type_name::<A>()),
                         reason: match e {

@@ -24,6 +24,7 @@ use super::cross_process::{IN_FLIGHT_ROUNDS, peer_peak_rss, start_peer};
 use chain::{CHAIN_ITERATIONS, compiled_chain};
 
 mod chain;
+mod threads;
 use crate::process_stats::load_avg;
 use crate::report::median;
 
@@ -218,6 +219,7 @@ fn figures_json(
 /// Actor-call figures in one process; `fabric_round_trips` is the in-process fabric's
 /// `round_trips` object from the same run (for the ratios).
 pub fn in_process(round_trips: usize, batches: usize, fabric_round_trips: &Value) -> anyhow::Result<Value> {
+    registry().install();
     let runtime = Runtime::local(DeviceSpec::cpus(1 + FAN_OUT));
     let echo = runtime.spawn::<Echo>(DeviceSpec::Cpu(0), ()).get()?;
     let callees = (1..=FAN_OUT as u32)

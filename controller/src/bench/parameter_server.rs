@@ -24,7 +24,7 @@ pub fn sparse_scaling(
     let mut rows = Vec::new();
     for &s in servers {
         let job = sparse_job(s, workers, local_batch, clocks, Consistency::BoundedDelay(1))?;
-        let outcome = run(&Runtime::local(DeviceSpec::cpus(job.devices())), &job)?;
+        let outcome = run(&local(job.devices()), &job)?;
         let wall = outcome.wall_s.max(1e-9);
         let figures: Vec<_> = outcome.servers.iter().map(|r| &r.figures).collect();
         let pushes: u64 = figures.iter().map(|f| f.pushes).sum();
@@ -80,7 +80,7 @@ pub fn convergence(
             Consistency::BoundedDelay(1),
         )?
     };
-    let outcome = run(&Runtime::local(DeviceSpec::cpus(job.devices())), &job)?;
+    let outcome = run(&local(job.devices()), &job)?;
     let crate::ps_job::FinalModel::Sparse(weights) = &outcome.model else {
         anyhow::bail!("sparse-lr ended without a sparse model")
     };
@@ -98,6 +98,13 @@ pub fn convergence(
 
 /// The L1 weight of the bench's jobs.
 const L1: f32 = 1e-3;
+
+/// A runtime on `devices` CPU devices of this process, with the job's types registered (as
+/// `archipelago ps` runs it: strict mode, when on, checks them).
+fn local(devices: usize) -> Runtime {
+    crate::ps_job::cli::registry().install();
+    Runtime::local(DeviceSpec::cpus(devices))
+}
 
 fn ctr_spec() -> CtrSpec {
     CtrSpec {
@@ -166,7 +173,7 @@ pub fn slowed_worker(
         first >= 1 && first + SLOWED_CLOCKS < clocks,
         "{clocks} clocks leave no room for {SLOWED_CLOCKS} slowed clocks; use at least 6"
     );
-    let runtime = Runtime::local(DeviceSpec::cpus(servers + workers));
+    let runtime = local(servers + workers);
     let mut rows = Vec::new();
     for k in [0u64, 2, 12] {
         let job = sparse_job(

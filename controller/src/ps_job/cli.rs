@@ -258,13 +258,15 @@ pub fn ps(args: &PsArgs) -> anyhow::Result<PsReport> {
         unreachable!("a host serves until its controller goes away, then exits");
     }
     let job = args.job()?;
+    // The types a cluster needs, installed in one process too, where strict registration mode
+    // (ARCHIPELAGO_STRICT_REGISTRY=1) checks every spawn and message against them.
+    registry().install();
     let runtime = match &args.controller {
         Some(addr) => {
             let Some(token_file) = &args.token_file else {
                 anyhow::bail!("--controller needs --token-file (the cluster's token)");
             };
             let credentials = args.tls.credentials(token_file)?;
-            registry().install();
             let addr = crate::cluster::commands::controller_addr(addr)?;
             crate::runtime::connect(&addr, credentials, job.devices())?
         }

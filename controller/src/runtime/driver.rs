@@ -26,7 +26,8 @@ pub fn connect(
         .map_err(anyhow::Error::msg)
 }
 
-async fn ask_for_slots(
+/// The cluster's slots, as the controller at `addr` gives them once it has `min_devices`.
+pub(super) async fn ask_for_slots(
     addr: &str,
     credentials: &Credentials,
     min_devices: usize,

@@ -2,6 +2,7 @@
 //! actor port, and a session with the controller (registration with the port's address,
 //! heartbeats). It runs until the controller ends the session, then stops its actors.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail};
@@ -11,8 +12,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use archipelago_actors::fabric::grpc::with_token;
 use archipelago_actors::proto::controller_client::ControllerClient;
 use archipelago_actors::proto::{HostMessage, Register, controller_message, host_message};
-use archipelago_actors::runtime::Runtime;
 use archipelago_actors::runtime::remote::serve_actor_port;
+use archipelago_actors::runtime::{PeerHosts, Runtime};
 use archipelago_actors::trust::Credentials;
 use archipelago_dataflow::DeviceSpec;
 
@@ -77,7 +78,8 @@ pub fn serve_as_host(settings: &HostSettings) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&settings.listen)
             .await
             .with_context(|| format!("cannot listen for actors on {}", settings.listen))?;
-        let port = serve_actor_port(listener, handle, settings.credentials.clone())?;
+        let port = serve_actor_port(listener, handle.clone(), settings.credentials.clone())?;
+        handle.set_peer_hosts(peer_hosts(settings));
         let channel = connect(
             &settings.controller,
             &settings.credentials,
@@ -132,5 +134,19 @@ pub fn serve_as_host(settings: &HostSettings) -> anyhow::Result<()> {
         }
         port.close();
         Ok(())
+    })
+}
+
+/// The other hosts, as the controller lists them when this host looks an actor up by name.
+fn peer_hosts(settings: &HostSettings) -> PeerHosts {
+    let (controller, credentials) = (settings.controller.clone(), settings.credentials.clone());
+    Arc::new(move || {
+        let (controller, credentials) = (controller.clone(), credentials.clone());
+        Box::pin(async move {
+            let slots = super::driver::ask_for_slots(&controller, &credentials, 1)
+                .await
+                .map_err(|e| format!("{e:#}"))?;
+            Ok(slots.into_iter().map(|s| (s.host, s.addr)).collect())
+        })
     })
 }

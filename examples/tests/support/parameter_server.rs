@@ -8,7 +8,7 @@ use archipelago_controller::ps_job::PsOutcome;
 use archipelago_controller::{Controller, TrainOptions};
 use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Program};
 use archipelago_examples::programs::parameter_server::{
-    ClockEvent, Fault, PsConfig, clock_log, run, worker_steps,
+    ClockEvent, Fault, PsConfig, clock_log, registry, run, worker_steps,
 };
 
 /// 2 servers and `workers` workers train a tiny mlp for 12 clocks at bounded delay `staleness`.
@@ -37,6 +37,8 @@ pub fn bounded(workers: usize) -> PsConfig {
 
 /// The run on this process (one device per actor).
 pub fn run_local(config: &PsConfig) -> PsOutcome {
+    // The program's types, as a cluster needs them (strict registration mode checks them here).
+    registry().install();
     let runtime = Runtime::local(DeviceSpec::cpus(config.devices()));
     run(&runtime, config).unwrap()
 }

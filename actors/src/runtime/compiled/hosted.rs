@@ -1,7 +1,8 @@
 //! A host's side of a compiled program: a [`Frame::Program`] installs one participant's stream
 //! on the actor's device thread — its recorded calls resolved to the constructors this binary
-//! registered, its peers to routes (the installing connection, this process, or other hosts'
-//! actor ports) — or says why it cannot, before anything runs.
+//! registered, its peers to routes (the installing connection, this process, or another host's
+//! actor port through a [`link`](super::links) written by the actor's own thread) — or says why
+//! it cannot, before anything runs.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,6 +11,7 @@ use archipelago_dataflow::{ActorId, Instruction};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::interpreter;
+use super::links;
 use super::registered::{node, value_codec};
 use super::routes::{self, Outbox, Route};
 use crate::runtime::RuntimeHandle;
@@ -63,6 +65,11 @@ pub(crate) fn install(
         })?;
         codecs.insert(name, (value_type, codec));
     }
+    let device = actor.info().device;
+    let executor = runtime
+        .inner()
+        .executor_of(actor.thread(), device)
+        .ok_or_else(|| format!("device {device} is not one of host {host}'s"))?;
     let mut routes = HashMap::new();
     let destinations = routes::destinations(&part.stream);
     for (q, peer) in part.peers.iter().enumerate() {
@@ -75,17 +82,13 @@ pub(crate) fn install(
                 Peer::Caller => Route::Caller(caller.clone()),
                 Peer::Here => Route::Local(routes::door(part.program, q)),
                 Peer::Host { host, addr } => {
-                    let executor = Some(runtime.driver().clone());
-                    Route::Host(crate::runtime::remote::links::actor_port_on(host, addr, executor)?.0)
+                    let from = (actor.thread(), device);
+                    let link = links::from_device_thread(runtime, from, &executor, (host, addr))?;
+                    Route::Host(link)
                 }
             },
         );
     }
-    let device = actor.info().device;
-    let executor = runtime
-        .inner()
-        .executor_of(actor.thread(), device)
-        .ok_or_else(|| format!("device {device} is not one of host {host}'s"))?;
     let outbox = Outbox {
         program: part.program,
         me: part.me,

@@ -4,7 +4,7 @@
 //! program hands in the input and takes the output, and is not in the loop in between.
 //!
 //! ```
-//! use archipelago_actors::runtime::{Actor, Context, Handler, Message, Runtime};
+//! use archipelago_actors::runtime::{Actor, Context, Handler, Message, Registry, Runtime};
 //! use archipelago_actors::runtime::compiled::Recorder;
 //! use archipelago_dataflow::DeviceSpec;
 //!
@@ -13,12 +13,15 @@
 //!     type Params = ();
 //!     async fn new(_: (), _ctx: &Context<Self>) -> Result<Self, String> { Ok(AddOne) }
 //! }
+//! #[derive(serde::Serialize, serde::Deserialize)]
 //! struct Step(u64);
 //! impl Message for Step { type Reply = u64; }
 //! impl Handler<Step> for AddOne {
 //!     async fn handle(&mut self, Step(n): Step, _ctx: &Context<Self>) -> u64 { n + 1 }
 //! }
 //!
+//! // What may run on other hosts (strict mode checks it here too, as a cluster would).
+//! Registry::new().actor::<AddOne>().compiled::<AddOne, Step, u64>(Step).install();
 //! let runtime = Runtime::local(DeviceSpec::cpus(2));
 //! let a = runtime.spawn::<AddOne>(DeviceSpec::Cpu(0), ()).get().unwrap();
 //! let b = runtime.spawn::<AddOne>(DeviceSpec::Cpu(1), ()).get().unwrap();
@@ -44,6 +47,7 @@
 mod direct;
 mod hosted;
 mod interpreter;
+mod links;
 mod own;
 mod plan;
 mod registered;

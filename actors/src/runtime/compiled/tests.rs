@@ -31,9 +31,18 @@ impl Handler<Apply> for Affine {
     }
 }
 
+/// A runtime on `devices` for these one-process tests, strict mode off: their values and
+/// parameters (`Counted`, `Arc<Mutex<…>>`) are local-only by design (`remote_tests.rs` runs
+/// compiled programs across processes, registered).
+fn local(devices: Vec<DeviceSpec>) -> Runtime {
+    let runtime = Runtime::local(devices);
+    runtime.set_strict_registry(false);
+    runtime
+}
+
 /// One [`Affine`] per `(a, b)`, each on a device of its own.
 fn affines(params: &[(i64, i64)]) -> (Runtime, Vec<crate::runtime::ActorRef<Affine>>) {
-    let runtime = Runtime::local(DeviceSpec::cpus(params.len()));
+    let runtime = local(DeviceSpec::cpus(params.len()));
     let actors = (params.iter().enumerate())
         .map(|(d, p)| {
             runtime
@@ -87,7 +96,7 @@ fn a_compiled_chain_equals_its_calls_and_keeps_the_program_out_of_the_loop() {
 
 #[test]
 fn a_failing_actor_ends_the_run_with_its_error_and_later_runs_do_not_hang() {
-    let runtime = Runtime::local(DeviceSpec::cpus(2));
+    let runtime = local(DeviceSpec::cpus(2));
     let first = runtime
         .spawn::<Affine>(DeviceSpec::Cpu(0), (1, -10))
         .get()
@@ -188,7 +197,7 @@ fn partners() -> [std::sync::Arc<std::sync::Mutex<Option<Partner>>>; 2] {
 #[test]
 fn each_interpreter_runs_on_its_own_actors_thread() {
     let meet = |threads: [usize; 2]| -> Vec<bool> {
-        let runtime = Runtime::local(vec![DeviceSpec::Cpu(0), DeviceSpec::Cpu(0)]);
+        let runtime = local(vec![DeviceSpec::Cpu(0), DeviceSpec::Cpu(0)]);
         let [a, b] = partners();
         let options = crate::runtime::SpawnOptions::default;
         let a = runtime
@@ -220,7 +229,7 @@ fn each_interpreter_runs_on_its_own_actors_thread() {
 /// every reader (a gather moves a value out only when nothing else reads it).
 #[test]
 fn a_value_read_twice_by_gathers_is_there_for_both() {
-    let runtime = Runtime::local(DeviceSpec::cpus(1));
+    let runtime = local(DeviceSpec::cpus(1));
     let actor = runtime.spawn::<Affine>(DeviceSpec::Cpu(0), (2, 1)).get().unwrap();
     let mut recorder = Recorder::<i64>::new();
     let input = recorder.input();
@@ -260,7 +269,7 @@ impl Handler<SlowApply> for Affine {
 /// finish leave it usable (the control).
 #[test]
 fn a_run_dropped_before_a_later_send_fails_the_next_run_instead_of_hanging() {
-    let runtime = Runtime::local(DeviceSpec::cpus(2));
+    let runtime = local(DeviceSpec::cpus(2));
     let first = runtime.spawn::<Affine>(DeviceSpec::Cpu(0), (2, 0)).get().unwrap();
     let second = runtime.spawn::<Affine>(DeviceSpec::Cpu(1), (1, 1)).get().unwrap();
     let mut recorder = Recorder::<i64>::new();

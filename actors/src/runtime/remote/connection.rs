@@ -19,6 +19,7 @@ use tokio::sync::oneshot;
 use super::links::unreachable;
 use super::wire::{Frame, FrameView, Outgoing, read_frame_bytes, view_frame};
 use crate::runtime::TensorError;
+use crate::runtime::call_wire::answer;
 use crate::runtime::supervision::{ActorEnd, ActorShared, CallError};
 use crate::runtime::tensor_store::Meta;
 use crate::runtime::{ActorInfo, ActorStats};
@@ -280,6 +281,7 @@ impl HostConnection {
                     let _ = tx.send(result);
                 }
             }
+            Frame::Await { request, future } => answer(request, future, &self.out),
             Frame::StatsReply { request, stats } => {
                 if let Some(tx) = state.stats.remove(&request) {
                     let _ = tx.send(stats);

@@ -20,6 +20,7 @@ use super::wire::{Frame, FrameView, Outgoing, read_frame_bytes, read_frame_withi
 /// The largest first frame (the token) read before the caller is known.
 const HELLO_LIMIT: usize = 4 << 10;
 use crate::fabric::OTHER_PROCESS;
+use crate::runtime::call_wire::Inbound;
 use crate::runtime::compiled;
 use crate::runtime::{CallError, RuntimeHandle, SpawnOptions};
 use crate::trust::{AsyncStream, Credentials};
@@ -223,6 +224,8 @@ async fn serve_connection(
     // The compiled programs this caller installed: stopped when its connection ends.
     let mut programs = Programs::default();
     let cancels: Arc<Cancels> = Arc::default();
+    // Where the calls passed in this caller's messages ask it for their replies.
+    let inbound = Inbound::new(out.clone());
     loop {
         match read_frame_bytes(&mut input, &mut scratch).await {
             Ok(true) => {}
@@ -241,7 +244,9 @@ async fn serve_connection(
                 // A call's reply is encoded and queued on the actor's own thread.
                 let reply = call.map(|call| RemoteReply::new(call, out.clone(), cancels.clone()));
                 let outcome = match target {
-                    Some(target) => Registry::deliver(target.as_ref(), message_type, payload, reply),
+                    Some(target) => {
+                        inbound.scope(|| Registry::deliver(target.as_ref(), message_type, payload, reply))
+                    }
                     None => {
                         let error = CallError::Stopped {
                             actor: format!("actor {actor} of host {}", runtime.host()),
@@ -273,7 +278,9 @@ async fn serve_connection(
                 params,
                 name,
                 max_restarts,
+                detached,
             } => {
+                // Held in `reachable` and `owned`: only the caller's `Release` ends it.
                 let options = SpawnOptions {
                     name,
                     max_restarts,
@@ -292,7 +299,9 @@ async fn serve_connection(
                             .lock()
                             .expect("reachable actors")
                             .insert(info.id, actor.clone());
-                        owned.lock().expect("owned actors").push(actor.clone());
+                        if !detached {
+                            owned.lock().expect("owned actors").push(actor.clone());
+                        }
                         tokio::spawn(report_end(actor, out.clone(), reachable));
                         info
                     });
@@ -354,6 +363,28 @@ async fn serve_connection(
                         true => target.kill(&reason),
                         false => target.stop(&reason),
                     }
+                }
+            }
+            Frame::Find {
+                request,
+                actor_type,
+                name,
+            } => {
+                let found = (reachable.lock().expect("reachable actors").values())
+                    .find(|a| a.type_key() == actor_type && a.info().name == name)
+                    .cloned();
+                let result = found.as_ref().map(|a| a.info());
+                // The finder's reference learns the actor's end, as its spawner's does.
+                if let Some(actor) = found {
+                    tokio::spawn(report_end(actor, out.clone(), reachable.clone()));
+                }
+                let result = result.ok_or_else(|| format!("not on host {}", runtime.host()));
+                send(&out, Frame::Spawned { request, result });
+            }
+            Frame::Awaited { request, result } => inbound.arrived(request, result),
+            Frame::Release { actor } => {
+                if let Some(target) = reachable.lock().expect("reachable actors").get(&actor) {
+                    target.release();
                 }
             }
             Frame::Ping => send(&out, Frame::Pong),

@@ -152,6 +152,21 @@ pub(crate) fn actor_port_on(
     Ok((connection, executor))
 }
 
+/// A connection of its own to the actor port at `addr` of host `host` (connecting in the
+/// background, remembered nowhere), run on `executor` and watched with `liveness`: for a sender
+/// that writes on its own thread, such as a compiled program's actor sending to another host.
+pub(crate) fn own_actor_port(
+    host: &str,
+    addr: &str,
+    executor: &Handle,
+    liveness: Liveness,
+) -> Result<Arc<HostConnection>, String> {
+    let credentials = table().credentials_for(addr).ok_or_else(|| {
+        format!("a connection to host {host} was asked for in a process that is not part of a cluster")
+    })?;
+    Ok(HostConnection::lazy(host, addr, &credentials, liveness, executor))
+}
+
 /// The link to the owner host at `addr` (made on first use).
 pub(crate) fn owner_link(host: &str, addr: &str) -> Result<Arc<OwnerLink>, String> {
     let mut table = table();

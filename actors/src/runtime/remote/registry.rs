@@ -47,6 +47,8 @@ pub trait ErasedActor: Send + Sync {
     fn stop(&self, reason: &str);
     /// Kills it.
     fn kill(&self, reason: &str);
+    /// Ends it once the messages already sent to it are handled.
+    fn release(&self);
     /// Resolves when it ends.
     fn ended(&self) -> Pending<ActorEnd>;
     /// The typed reference, for the registered handlers to downcast.
@@ -66,6 +68,9 @@ impl<A: Actor> ErasedActor for ActorRef<A> {
     }
     fn kill(&self, reason: &str) {
         ActorRef::kill(self, reason);
+    }
+    fn release(&self) {
+        ActorRef::release(self);
     }
     fn ended(&self) -> Pending<ActorEnd> {
         ActorRef::ended(self)

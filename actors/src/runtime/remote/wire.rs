@@ -183,8 +183,10 @@ pub enum Frame {
         name: Option<String>,
         /// Its restart budget.
         max_restarts: u32,
+        /// Whether it outlives the caller's connection (else it stops when that ends).
+        detached: bool,
     },
-    /// The answer to a spawn.
+    /// The answer to a spawn (or to a [`Frame::Find`]).
     Spawned {
         /// The request answered.
         request: u64,
@@ -222,6 +224,36 @@ pub enum Frame {
         reason: String,
         /// Kill rather than stop.
         kill: bool,
+    },
+    /// The receiver of a passed call asks its owner for the reply (see `call_wire`).
+    Await {
+        /// Request number, echoed in [`Frame::Awaited`].
+        request: u64,
+        /// The call's number at its owner.
+        future: u64,
+    },
+    /// The owner's answer to [`Frame::Await`], once the reply is there.
+    Awaited {
+        /// The request answered.
+        request: u64,
+        /// The reply, encoded, or why there is none.
+        result: Result<Vec<u8>, CallError>,
+    },
+    /// Find a live actor of this type and name among those callers can reach; answered with
+    /// [`Frame::Spawned`].
+    Find {
+        /// Request number, echoed in [`Frame::Spawned`].
+        request: u64,
+        /// The actor's full Rust type name.
+        actor_type: String,
+        /// Its name.
+        name: String,
+    },
+    /// The caller dropped its last handle to an actor: end it once the messages already sent
+    /// to it are handled.
+    Release {
+        /// The actor.
+        actor: ActorId,
     },
     /// An actor spawned over this connection ended.
     Ended {

@@ -15,6 +15,7 @@ use archipelago_actors::runtime::{ActorRef, Runtime, SpawnOptions};
 use archipelago_dataflow::DeviceSpec;
 
 use super::super::cross_process::start_peer;
+use super::threads::Snapshot;
 use super::{Echo, Ping, TOKEN, registry};
 use crate::process_stats::load_avg;
 use crate::report::median;
@@ -25,50 +26,6 @@ pub(super) const CHAIN_ITERATIONS: usize = 10_000;
 /// load then hits both ways alike).
 const ROUNDS: usize = 20;
 
-/// What the threads of some processes used so far (Linux's per-thread `schedstat` and `sched`;
-/// zeros where unknown).
-#[derive(Default, Clone, Copy)]
-struct Use {
-    /// On-CPU nanoseconds.
-    ns: u64,
-    /// Times a thread was scheduled in.
-    runs: u64,
-    /// Times a thread moved to another CPU.
-    migrations: u64,
-}
-
-impl Use {
-    /// Summed over every thread of the processes `pids`.
-    fn of(pids: &[u32]) -> Use {
-        (pids.iter())
-            .filter_map(|pid| std::fs::read_dir(format!("/proc/{pid}/task")).ok())
-            .flat_map(|tasks| tasks.filter_map(|t| t.ok()).map(|t| Use::thread(&t.path())))
-            .fold(Use::default(), |sum, t| Use {
-                ns: sum.ns + t.ns,
-                runs: sum.runs + t.runs,
-                migrations: sum.migrations + t.migrations,
-            })
-    }
-
-    fn thread(task: &std::path::Path) -> Use {
-        let schedstat = std::fs::read_to_string(task.join("schedstat")).unwrap_or_default();
-        let fields: Vec<u64> = schedstat
-            .split_whitespace()
-            .filter_map(|f| f.parse().ok())
-            .collect();
-        let sched = std::fs::read_to_string(task.join("sched")).unwrap_or_default();
-        let migrations = (sched.lines())
-            .find(|l| l.starts_with("se.nr_migrations"))
-            .and_then(|l| l.split(':').nth(1))
-            .and_then(|v| v.trim().parse().ok());
-        Use {
-            ns: fields.first().copied().unwrap_or(0),
-            runs: fields.get(2).copied().unwrap_or(0),
-            migrations: migrations.unwrap_or(0),
-        }
-    }
-}
-
 /// One way of running the chain, per iteration of each round: µs of wall time, and (over all
 /// the chain's processes) µs of CPU, threads scheduled in and threads moved to another CPU.
 #[derive(Default)]
@@ -77,6 +34,8 @@ struct Rounds {
     cpu_us: Vec<f64>,
     switches: Vec<f64>,
     migrations: Vec<f64>,
+    /// Per round, each thread's times scheduled in and CPU µs per iteration.
+    by_thread: Vec<std::collections::BTreeMap<String, [f64; 2]>>,
 }
 
 impl Rounds {
@@ -88,17 +47,40 @@ impl Rounds {
         mut body: impl FnMut(u64) -> anyhow::Result<()>,
     ) -> anyhow::Result<()> {
         let n = (iterations.end - iterations.start) as f64;
-        let (t, before) = (Instant::now(), Use::of(pids));
+        let (t, snapshot) = (Instant::now(), Snapshot::of(pids));
         for i in iterations {
             body(i)?;
         }
         self.wall_us.push(t.elapsed().as_secs_f64() / n * 1e6);
-        let after = Use::of(pids);
+        let later = Snapshot::of(pids);
+        self.by_thread.push(later.since(&snapshot, n));
+        let (before, after) = (snapshot.total(), later.total());
         let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / n;
         self.cpu_us.push(per(after.ns, before.ns) / 1e3);
         self.switches.push(per(after.runs, before.runs));
         self.migrations.push(per(after.migrations, before.migrations));
         Ok(())
+    }
+
+    /// Each thread's times scheduled in and CPU µs per iteration (the median round's, thread by
+    /// thread).
+    fn by_thread(&self) -> Value {
+        let mut keys: Vec<&String> = self.by_thread.iter().flat_map(|r| r.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        let rounded = |x: f64| (x * 1000.0).round() / 1000.0;
+        let thread = |key: &String| {
+            let of = |i: usize| {
+                let mut each: Vec<f64> = (self.by_thread.iter())
+                    .map(|r| r.get(key).map_or(0.0, |f| f[i]))
+                    .collect();
+                rounded(median(&mut each))
+            };
+            let [runs, cpu_us] = [of(0), of(1)];
+            (key.clone(), json!({ "scheduled_in": runs, "cpu_us": cpu_us }))
+        };
+        let busy = |(_, v): &(String, Value)| v["scheduled_in"] != json!(0.0);
+        Value::Object(keys.into_iter().map(thread).filter(busy).collect())
     }
 
     /// The median round's figures: wall µs, CPU µs, switches, migrations.
@@ -168,6 +150,7 @@ pub(super) fn compiled_chain(
         .collect();
     let lowest = ratios.iter().copied().fold(f64::INFINITY, f64::min);
     let highest = ratios.iter().copied().fold(0.0, f64::max);
+    let by_thread = json!({ "classic_calls": classic.by_thread(), "compiled": compiled.by_thread() });
     let [classic_us, classic_cpu, classic_switches, classic_moves] = classic.medians();
     let [compiled_us, compiled_cpu, compiled_switches, compiled_moves] = compiled.medians();
     Ok(json!({
@@ -178,6 +161,7 @@ pub(super) fn compiled_chain(
         "compiled_speedup_per_round": { "median": median(&mut ratios), "range": [lowest, highest] },
         "cpu_us_per_iteration": { "classic_calls": classic_cpu, "compiled": compiled_cpu, "of": "every thread of the chain's processes (median round)" },
         "threads_scheduled_in_per_iteration": { "classic_calls": classic_switches, "compiled": compiled_switches },
+        "per_iteration_by_thread": by_thread,
         "cpu_migrations_per_iteration": { "classic_calls": classic_moves, "compiled": compiled_moves },
         "ray_2_60_same_machine_kind_us": { "compiled": 604.0, "classic": 3666.0, "note": "issue 16, 2026-11-23; another day's machine gave 241 and 1,363" },
         "load_avg": load_avg(),
