@@ -3,7 +3,7 @@
 //! flight, one caller → 8 actors, a 64 MiB tensor argument — in one process and between two
 //! processes (the other one a host serving its actor port), each beside the raw fabric's round
 //! trips measured in the same run, so the API's overhead is a ratio; and the driver → A → B →
-//! driver chain, classic against compiled ([`chain`]), in one process, on one host process and
+//! driver chain, classic against compiled (`chain.rs`), in one process, on one host process and
 //! with A and B on two host processes.
 
 use std::io::Write;
