@@ -94,7 +94,7 @@ impl<A: Actor> ActorRef<A> {
         key: u64,
         driver: Handle,
     ) -> Self {
-        connection.track(&shared, None);
+        let shared = connection.track(&shared, None);
         let remote = RemoteActor::new(Incarnation::new(connection, shared), None);
         ActorRef::following(remote, key, driver)
     }
@@ -117,6 +117,11 @@ impl<A: Actor> ActorRef<A> {
             Port::Remote(remote) => Keeper::remote(remote.clone()),
         });
         self
+    }
+
+    /// What keeps the actor alive, when this reference does.
+    pub(crate) fn keeper(&self) -> Option<&Arc<Keeper>> {
+        self.keeper.as_ref()
     }
 
     /// Ends this process's actor once the messages already sent to it are handled (a host's

@@ -288,7 +288,7 @@ fn follow(remote: &Arc<RemoteActor>, incarnation: &Incarnation) {
             _ => false,
         }) as OnLost
     });
-    incarnation.connection.track(&incarnation.shared, on_lost);
+    let _ = incarnation.connection.track(&incarnation.shared, on_lost);
 }
 
 /// Takes over `remote`'s actor whose incarnation `lost` was on a host lost (`why`): with a

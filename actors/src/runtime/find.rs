@@ -71,11 +71,17 @@ impl RuntimeHandle {
         let mut found: Vec<ActorRef<A>> = self.find_local::<A>(&name);
         let peers = self.peers().await;
         let mut searched = vec![format!("this process ({})", self.host())];
-        let job = &self.inner.job;
+        let (job, cluster, driver) = (&self.inner.job, self.inner.cluster.as_ref(), self.driver());
         let asks = (peers.iter()).map(|(host, addr)| {
             let name = name.clone();
             async move {
-                let (connection, executor) = links::actor_port(host, addr).ok()?;
+                // A driver asks over its own connections, so that what it sends a found actor
+                // keeps its order with what it sends through the references its spawns gave.
+                let own = cluster.and_then(|c| c.connections.get(addr).cloned());
+                let (connection, executor) = match own {
+                    Some(connection) => (connection, driver.clone()),
+                    None => links::actor_port(host, addr).ok()?,
+                };
                 let answer = connection.spawn(|request| Frame::Find {
                     request,
                     actor_type: actor_type.to_string(),
@@ -127,6 +133,7 @@ impl RuntimeHandle {
             let mut hosts: Vec<(String, String)> = (cluster.slots.iter())
                 .map(|s| (s.host.clone(), s.addr.clone()))
                 .collect();
+            hosts.sort();
             hosts.dedup();
             return hosts;
         }

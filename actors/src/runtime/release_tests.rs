@@ -1,7 +1,8 @@
 //! Tests of actors tied to their handles and actors found by name: dropping the last clone of a
 //! spawn's reference ends the actor after the calls already sent (its tensors freed), locally
-//! and on another host; a detached actor (the control) lives on, and a detached named actor is
-//! found by name from this process, from the driver and from another host.
+//! and on another host, and a compiled program keeps its actors as a reference does; a detached
+//! actor (the control) lives on, and a detached named actor is found by name from this process,
+//! from the driver (twice: both references see its end) and from another host.
 
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,7 @@ fn registry() -> Registry {
         .actor::<Holder>()
         .handles::<Holder, Slow>()
         .handles::<Holder, Hold>()
+        .compiled::<Holder, Slow, u64>(Slow)
 }
 
 /// Waits up to 5 s for `done`.
@@ -65,6 +67,7 @@ fn eventually(what: &str, done: impl Fn() -> bool) {
 
 #[test]
 fn dropping_the_last_handle_ends_an_actor_after_its_calls_and_frees_its_tensors() {
+    registry().install();
     let runtime = Runtime::local(DeviceSpec::cpus(1));
     let actor = runtime.spawn::<Holder>(DeviceSpec::Cpu(0), ()).get().unwrap();
     let held = actor.call(Hold).get().unwrap();
@@ -89,6 +92,32 @@ fn dropping_the_last_handle_ends_an_actor_after_its_calls_and_frees_its_tensors(
     let gone = runtime.fetch(&held).get().unwrap_err();
     assert!(matches!(gone, TensorError::OwnerGone { .. }), "{gone}");
     eventually("the runtime forgets the actor", || runtime.actors().is_empty());
+
+    // A compiled program keeps its actor as a reference does; a spawn dropped before it
+    // resolved leaves no actor behind.
+    let actor = runtime.spawn::<Holder>(DeviceSpec::Cpu(0), ()).get().unwrap();
+    let ended = actor.ended();
+    let mut recorder = compiled::Recorder::<u64>::new();
+    let input = recorder.input();
+    let output = recorder.call(&actor, &input, Slow);
+    let program = recorder.compile(&runtime, &output).unwrap();
+    drop(actor);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(
+        program.run(0).get().unwrap(),
+        "local",
+        "the program's actor ended"
+    );
+    drop(program);
+    assert_eq!(
+        ended.get(),
+        ActorEnd::Stopped {
+            reason: RELEASED.into()
+        }
+    );
+    drop(runtime.spawn::<Holder>(DeviceSpec::Cpu(0), ()));
+    std::thread::sleep(Duration::from_millis(100));
+    eventually("an abandoned spawn's actor ends", || runtime.actors().is_empty());
 
     // The control: a detached actor outlives its handles, and is found by name; a found
     // reference does not keep it alive either way, so it ends only when stopped.
@@ -169,6 +198,7 @@ fn a_detached_named_actor_outlives_its_creators_handles_and_is_found_from_anothe
     assert_eq!(from_b.call(Slow(0)).get().unwrap(), "host-a");
     let from_driver = driver.handle().find::<Holder>("directory").get().unwrap();
     assert_eq!(from_driver.call(Slow(0)).get().unwrap(), "host-a");
+    let again = driver.handle().find::<Holder>("directory").get().unwrap();
 
     // The released one is not found anywhere, and the error says where it looked.
     let missing = host_b.handle().find::<Holder>("temporary").get().unwrap_err();
@@ -178,4 +208,11 @@ fn a_detached_named_actor_outlives_its_creators_handles_and_is_found_from_anothe
     eventually("host-a's detached actor ends when stopped", || {
         host_a.actors().is_empty()
     });
+    let done = ActorEnd::Stopped {
+        reason: "done".into(),
+    };
+    assert_eq!(
+        (from_driver.ended().get(), again.ended().get()),
+        (done.clone(), done)
+    );
 }

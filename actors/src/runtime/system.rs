@@ -504,7 +504,8 @@ impl RuntimeHandle {
         let device = thread.device;
         let detached = options.detached;
         let strict = self.strict_registry();
-        if strict && let Err(reason) = super::Registry::encode_params::<A>(&params) {
+        let encodes = || super::dry_run::dry_run(|| super::Registry::encode_params::<A>(&params));
+        if strict && let Err(reason) = encodes() {
             let error = SpawnError::Constructor {
                 actor: format!(
                     "an actor of type `{}` (strict registration mode)",
@@ -536,6 +537,9 @@ impl RuntimeHandle {
             max_restarts: options.max_restarts,
         };
         let runtime = self.clone();
+        let spawned_driver = driver.clone();
+        // The reference is made (with its keeper) in the task: a spawn whose `Pending` is dropped
+        // before it resolves drops it there, and the actor ends instead of living unheld.
         let task = thread.executor.spawn(async move {
             let (port, _) = <Cell<A> as ractor::Actor>::spawn(None, Cell::new(), args).await?;
             let live = LiveActor {
@@ -545,16 +549,13 @@ impl RuntimeHandle {
                 type_key: std::any::type_name::<A>(),
             };
             runtime.inner.live.lock().expect("live actors").insert(id, live);
-            Ok::<_, ractor::SpawnErr>((port, shared))
+            let actor = ActorRef::new(port, shared, key, spawned_driver);
+            Ok::<_, ractor::SpawnErr>(if detached { actor } else { actor.keeping() })
         });
-        let spawned_driver = driver.clone();
         Pending::new(
             async move {
                 match task.await {
-                    Ok(Ok((port, shared))) => {
-                        let actor = ActorRef::new(port, shared, key, spawned_driver);
-                        Ok(if detached { actor } else { actor.keeping() })
-                    }
+                    Ok(Ok(actor)) => Ok(actor),
                     Ok(Err(e)) => Err(SpawnError::Constructor {
                         actor: format!("actor {id} (`{}`) on {device}", short_type_name::<A>()),
                         reason: match e {

@@ -125,6 +125,8 @@ pub(crate) struct Participant {
     /// thread (which its compute may block while this actor must go on).
     pub(crate) thread: Option<usize>,
     pub(crate) connection: Option<Arc<HostConnection>>,
+    /// What keeps the actor alive while the program lives (see `keeper`).
+    pub(crate) keeper: Option<Arc<crate::runtime::keeper::Keeper>>,
 }
 
 /// Records calls over actors into a program whose input is an `I`.
@@ -252,6 +254,7 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
             device: actor.info().device,
             thread: actor.shared().thread.get().copied(),
             connection: actor.remote_connection().cloned(),
+            keeper: actor.keeper().cloned(),
         });
         self.participants.len() - 1
     }

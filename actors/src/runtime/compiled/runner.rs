@@ -32,6 +32,8 @@ pub struct CompiledProgram<I, R> {
     /// The participants whose interpreters run in this process (its own stream included).
     here: Vec<usize>,
     runtime: RuntimeHandle,
+    /// Its actors' keepers: a program keeps its actors alive as their references do.
+    _keepers: Vec<Arc<crate::runtime::keeper::Keeper>>,
     _types: PhantomData<fn(I) -> R>,
 }
 
@@ -216,6 +218,9 @@ pub(crate) fn dispatch<I, R>(
             .map(|(p, _)| p)
             .collect(),
         runtime: runtime.clone(),
+        _keepers: (recorded.participants.iter())
+            .filter_map(|p| p.keeper.clone())
+            .collect(),
         _types: PhantomData,
     };
     for (p, executor, invokers, outbox) in local {

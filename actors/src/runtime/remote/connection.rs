@@ -1,9 +1,8 @@
 //! A caller's connection to one host's actor port: spawns and calls go out as frames, replies
-//! come back matched by number. The connection watches the host: a closed socket (the host
-//! process died) or silence past its patience (the host is stopped or cut off) loses the host,
-//! which fails every pending call and ends every actor of that host seen through this
-//! connection, each with an [`ActorFailure`](crate::error::ActorFailure) naming the host; an actor
-//! with a hook for it (`OnLost`) is re-placed instead.
+//! come back matched by number. It watches the host: a closed socket (the process died) or
+//! silence past its patience loses the host, failing every pending call and ending every actor
+//! of that host seen through here, each with an [`ActorFailure`](crate::error::ActorFailure)
+//! naming the host; an actor with a hook for it (`OnLost`) is re-placed instead.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,7 +27,6 @@ use crate::typed_tensor::{DType, TypedTensor};
 
 /// A fetched tensor's bytes are read in pieces of this size, each counting as a sign of life.
 const PAYLOAD_CHUNK: usize = 4 << 20;
-
 /// Bytes read from the socket at a time.
 pub(crate) const READ_BUFFER: usize = 256 << 10;
 
@@ -498,19 +496,21 @@ impl HostConnection {
         rx
     }
 
-    /// Follows `actor` (spawned through here) so that its end and the host's loss reach it;
-    /// `on_lost` takes it over if the host is lost.
-    pub(crate) fn track(&self, actor: &Arc<ActorShared>, on_lost: Option<OnLost>) {
-        let actor_id = actor.info.id;
+    /// Follows `actor` (spawned, found or referred to through here) so that its end and the
+    /// host's loss reach it; `on_lost` takes it over if the host is lost. An actor already
+    /// followed keeps its state, which is returned: every reference then sees its one end.
+    pub(crate) fn track(&self, actor: &Arc<ActorShared>, on_lost: Option<OnLost>) -> Arc<ActorShared> {
+        let mut state = self.state.lock().expect("connection");
+        let known = (state.actors.get(&actor.info.id)).and_then(|t| t.actor.upgrade());
+        if let Some(known) = known.filter(|_| on_lost.is_none()) {
+            return known;
+        }
         let tracked = Tracked {
             actor: Arc::downgrade(actor),
             on_lost,
         };
-        self.state
-            .lock()
-            .expect("connection")
-            .actors
-            .insert(actor_id, tracked);
+        state.actors.insert(actor.info.id, tracked);
+        actor.clone()
     }
 
     /// Sends a call; `deliver` gets the reply bytes or the error.

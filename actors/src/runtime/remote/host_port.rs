@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use archipelago_dataflow::ActorId;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+use tokio::sync::mpsc::{UnboundedSender, WeakUnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
 use super::registry::{Cancels, ErasedActor, Registry, RemoteReply};
@@ -226,6 +226,8 @@ async fn serve_connection(
     let cancels: Arc<Cancels> = Arc::default();
     // Where the calls passed in this caller's messages ask it for their replies.
     let inbound = Inbound::new(out.clone());
+    // The actors whose end this caller is told of after finding them (once each).
+    let mut followed = std::collections::HashSet::new();
     loop {
         match read_frame_bytes(&mut input, &mut scratch).await {
             Ok(true) => {}
@@ -280,7 +282,8 @@ async fn serve_connection(
                 max_restarts,
                 detached,
             } => {
-                // Held in `reachable` and `owned`: only the caller's `Release` ends it.
+                // Held in `reachable` and, unless detached, in `owned` (stopped when this caller
+                // disconnects): the caller's `Release` ends it once it drops its handles.
                 let options = SpawnOptions {
                     name,
                     max_restarts,
@@ -302,7 +305,7 @@ async fn serve_connection(
                         if !detached {
                             owned.lock().expect("owned actors").push(actor.clone());
                         }
-                        tokio::spawn(report_end(actor, out.clone(), reachable));
+                        tokio::spawn(report_end(actor, out.downgrade(), reachable));
                         info
                     });
                     send(
@@ -375,8 +378,8 @@ async fn serve_connection(
                     .cloned();
                 let result = found.as_ref().map(|a| a.info());
                 // The finder's reference learns the actor's end, as its spawner's does.
-                if let Some(actor) = found {
-                    tokio::spawn(report_end(actor, out.clone(), reachable.clone()));
+                if let Some(actor) = found.filter(|a| followed.insert(a.info().id)) {
+                    tokio::spawn(report_end(actor, out.downgrade(), reachable.clone()));
                 }
                 let result = result.ok_or_else(|| format!("not on host {}", runtime.host()));
                 send(&out, Frame::Spawned { request, result });
@@ -441,10 +444,13 @@ fn send(out: &UnboundedSender<Outgoing>, frame: Frame) {
     let _ = out.send(frame.into());
 }
 
-/// Tells the spawning connection when the actor ends, and forgets it.
-async fn report_end(actor: Arc<dyn ErasedActor>, out: UnboundedSender<Outgoing>, reachable: Reachable) {
+/// Tells the caller of `out` (while it is connected) that `actor` ended, and makes it
+/// unreachable.
+async fn report_end(actor: Arc<dyn ErasedActor>, out: WeakUnboundedSender<Outgoing>, reachable: Reachable) {
     let end = actor.ended().await;
     let id = actor.info().id;
     reachable.lock().expect("reachable actors").remove(&id);
-    send(&out, Frame::Ended { actor: id, end });
+    if let Some(out) = out.upgrade() {
+        send(&out, Frame::Ended { actor: id, end });
+    }
 }
