@@ -8,7 +8,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Float, Int, Tensor, TensorData};
+use burn::tensor::{DType, Float, FloatDType, Int, Tensor, TensorData};
 
 use crate::transfer::{TransferKind, download, upload};
 
@@ -40,6 +40,16 @@ impl<B: AutodiffBackend> Activation<B> {
         match self {
             Activation::Rows(t) => Activation::Rows(t.detach().set_require_grad(false)),
             Activation::Seq(t) => Activation::Seq(t.detach().set_require_grad(false)),
+            Activation::Tokens(t) => Activation::Tokens(t),
+        }
+    }
+
+    /// The same values in `dtype` (token ids unchanged; a no-op when already in it): a batch's
+    /// rows or a received activation entering a block that computes in `dtype`.
+    pub fn cast(self, dtype: FloatDType) -> Activation<B> {
+        match self {
+            Activation::Rows(t) => Activation::Rows(t.cast(dtype)),
+            Activation::Seq(t) => Activation::Seq(t.cast(dtype)),
             Activation::Tokens(t) => Activation::Tokens(t),
         }
     }
@@ -121,6 +131,10 @@ pub trait Block<B: AutodiffBackend>: Send {
     /// Replaces the frozen parameters (those [`Block::freeze`] took out of autodiff) with
     /// `values`, their concatenation in flattening order.
     fn load_frozen(self: Box<Self>, values: &[f32]) -> Box<dyn Block<B>>;
+    /// The same block with every parameter in `dtype` (ids and `require_grad` kept): the 16-bit
+    /// compute copy of mixed precision. Loads keep a parameter's dtype ([`Block::load_params`]
+    /// rounds the f32 master into it), and its gradients come in it ([`read_flat`] widens them).
+    fn cast_params(self: Box<Self>, dtype: FloatDType) -> Box<dyn Block<B>>;
 }
 
 /// Reads flat device tensors (a gradient bucket, in order) into `out`, or, when `accumulate`,
@@ -255,6 +269,10 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         let mut mapper = FreezeMapper { trainable, index: 0 };
         Box::new((*self).map(&mut mapper))
     }
+
+    fn cast_params(self: Box<Self>, dtype: FloatDType) -> Box<dyn Block<B>> {
+        Box::new((*self).map(&mut CastMapper(dtype)))
+    }
 }
 
 struct ShapeVisitor {
@@ -308,7 +326,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradVisitor<'_, B> {
         let n = tensor.shape().num_elements();
         let flat = match tensor.grad_remove(self.grads) {
             Some(grad) => grad.reshape([n]),
-            None => Tensor::zeros([n], &tensor.device()),
+            None => Tensor::zeros([n], (&tensor.device(), tensor.dtype())),
         };
         self.parts.push(flat);
     }
@@ -343,6 +361,18 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreezeMapper<'_> {
         }
         let (id, tensor, mapper) = param.consume();
         Param::from_mapped_value(id, tensor.detach().set_require_grad(false), mapper)
+    }
+}
+
+/// Every parameter in one dtype, a leaf again where it required a gradient ([`Block::cast_params`]).
+struct CastMapper(FloatDType);
+
+impl<B: AutodiffBackend> ModuleMapper<B> for CastMapper {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let trains = tensor.is_require_grad();
+        let cast = Tensor::from_inner(tensor.inner().cast(self.0)).set_require_grad(trains);
+        Param::from_mapped_value(id, cast, mapper)
     }
 }
 
@@ -387,6 +417,9 @@ impl<B: Backend> ModuleMapper<B> for LoadMapper<'_, B> {
                 TransferKind::Parameter,
             ),
         };
+        // The module's dtype, whatever the master's (the compute copy of mixed precision).
+        let dtype: DType = tensor.dtype();
+        fresh = fresh.cast(dtype);
         if tensor.is_require_grad() {
             fresh = fresh.require_grad();
         }

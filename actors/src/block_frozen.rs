@@ -110,4 +110,10 @@ impl<B: AutodiffBackend> Block<B> for PartlyFrozen<B> {
         let inner = inner.load_frozen(values);
         Box::new(PartlyFrozen { inner, layout })
     }
+
+    fn cast_params(self: Box<Self>, dtype: burn::tensor::FloatDType) -> Box<dyn Block<B>> {
+        let PartlyFrozen { inner, layout } = *self;
+        let inner = inner.cast_params(dtype);
+        Box::new(PartlyFrozen { inner, layout })
+    }
 }

@@ -42,6 +42,7 @@ pub mod offload;
 pub mod optim;
 pub mod peak;
 #[doc(hidden)]
+pub mod precision;
 pub mod prerequisite;
 pub mod progress;
 pub mod proto;

@@ -233,7 +233,7 @@ impl ActorTraining {
             state: plan.state,
             slices: Vec::new(),
         };
-        training.slices = state_layout(&program.model, &training);
+        training.slices = state_layout(&program.model, &training, program.precision.compute);
         training
     }
 }

@@ -51,6 +51,8 @@ pub mod param_desc;
 pub mod param_names;
 pub mod passes;
 pub mod plan;
+pub mod precision;
+pub use precision::Precision;
 mod plan_summary;
 pub use plan_summary::count;
 pub mod program;

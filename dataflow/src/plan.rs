@@ -319,6 +319,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         )));
     }
     crate::passes::optimizer::check(program)?;
+    crate::precision::check(program)?;
     check_state_placement(program)?;
     program.model.check_trainable()?;
     // ZeRO-3 pairs with activation checkpointing (DESIGN.md): implied.

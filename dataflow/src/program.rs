@@ -226,6 +226,9 @@ pub struct Program {
     /// actor) before each update, as `torch.nn.utils.clip_grad_norm_`; `None`: no clipping.
     #[serde(default)]
     pub clip_grad_norm: Option<f32>,
+    /// The compute dtype of forward and backward (the master and the optimizer state stay f32).
+    #[serde(default)]
+    pub precision: crate::precision::Precision,
     /// Which parameters take weight decay.
     #[serde(default)]
     pub param_groups: ParamGroups,
@@ -311,6 +314,7 @@ impl Program {
             optimizer: OptimizerSpec::adam(1e-3),
             lr_schedule: LrSchedule::constant(),
             clip_grad_norm: None,
+            precision: Default::default(),
             param_groups: ParamGroups::default(),
             data,
             seed: 0,
@@ -330,6 +334,7 @@ impl Program {
             optimizer: OptimizerSpec::adam(1e-3),
             lr_schedule: LrSchedule::constant(),
             clip_grad_norm: None,
+            precision: Default::default(),
             param_groups: ParamGroups::default(),
             data,
             seed: 0,
@@ -372,6 +377,12 @@ impl Program {
     /// Clips the gradients to global L2 norm `max_norm` before each update (`None`: no clipping).
     pub fn with_clip_grad_norm(mut self, max_norm: Option<f32>) -> Program {
         self.clip_grad_norm = max_norm;
+        self
+    }
+
+    /// Computes forward and backward in `precision`'s dtype, with f32 master weights.
+    pub fn with_precision(mut self, precision: crate::precision::Precision) -> Program {
+        self.precision = precision;
         self
     }
 

@@ -92,8 +92,9 @@ fn tiers(training: &ActorTraining) -> (Tier, Tier) {
 
 /// The layout of an actor training `segments` (`training`'s) of `model`: one slice per
 /// parameter of each block it holds, in model order. A block described only by its count is
-/// one parameter named after the block.
-pub fn state_layout(model: &ModelDesc, training: &ActorTraining) -> Vec<SliceState> {
+/// one parameter named after the block. Every slice computes in `compute` (the program's
+/// precision) whatever its storage.
+pub fn state_layout(model: &ModelDesc, training: &ActorTraining, compute: DType) -> Vec<SliceState> {
     let (values_tier, state_tier) = tiers(training);
     let mut slices = Vec::new();
     for (bucket, segment) in training.segments.iter().enumerate() {
@@ -119,6 +120,7 @@ pub fn state_layout(model: &ModelDesc, training: &ActorTraining) -> Vec<SliceSta
                     block,
                     param,
                     values_tier,
+                    compute,
                     ..slice
                 });
             }
@@ -135,7 +137,8 @@ impl SliceState {
             held: 0..0,
             updated: 0..0,
             storage: dtype,
-            // Mixed precision (issue 38) makes these differ; today compute is storage.
+            // `state_layout` sets the program's compute dtype (mixed precision: a 16-bit compute
+            // copy of an f32 master).
             compute: dtype,
             trainable: true,
             bucket: None,

@@ -40,8 +40,8 @@ use burn::backend::flex::Flex;
 use burn::nn::Linear;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Bool, Tensor, TensorPrimitive};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{Bool, DType, FloatDType, Tensor, TensorPrimitive};
 
 use openblas::OpenBlas;
 
@@ -173,9 +173,35 @@ pub trait Kernels: AutodiffBackend {
     }
 }
 
+/// The float dtype of a tracked tensor.
+fn dtype_of<C: CheckpointStrategy>(x: &Tracked<C>) -> FloatDType {
+    x.primitive.dtype().into()
+}
+
+/// `x` in `dtype` (a node of the graph whose backward casts the gradient back; none when equal).
+fn cast<C: CheckpointStrategy>(x: Tracked<C>, dtype: FloatDType) -> Tracked<C> {
+    if dtype_of::<C>(&x) == dtype {
+        x
+    } else {
+        Autodiff::<Flex, C>::float_cast(x, dtype)
+    }
+}
+
+/// Mixed precision on CPU (issue 38): the f32 kernels take a 16-bit tensor by widening it at
+/// their edge and rounding the result back, so the arithmetic is f32 (as Flex's own bf16 matmul
+/// does) and the fused kernels serve every dtype.
+fn at_f32_edges<C: CheckpointStrategy>(
+    inputs: [Tracked<C>; 2],
+    kernel: impl FnOnce(Tracked<C>, Tracked<C>) -> Tracked<C>,
+) -> Tracked<C> {
+    let dtype = dtype_of::<C>(&inputs[0]);
+    let [a, b] = inputs.map(|x| cast::<C>(x, FloatDType::F32));
+    cast::<C>(kernel(a, b), dtype)
+}
+
 impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     fn kernel_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        autodiff_matmul::matmul::<C>(lhs, rhs)
+        at_f32_edges::<C>([lhs, rhs], autodiff_matmul::matmul::<C>)
     }
 
     /// With OpenBLAS one product of `b·t` rows; on Flex's own gemm a product per batch, as
@@ -188,11 +214,8 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     /// One vectorised pass forward (output and derivative), one multiply backward
     /// (`gelu.rs`), whichever library multiplies.
     fn kernel_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        if x.primitive.dtype() == burn::tensor::DType::F32 {
-            gelu::gelu::<C>(x)
-        } else {
-            <Self as burn::tensor::ops::ActivationOps<Self>>::gelu(x)
-        }
+        let dtype = dtype_of::<C>(&x);
+        cast::<C>(gelu::gelu::<C>(cast::<C>(x, FloatDType::F32)), dtype)
     }
 
     /// One node (`layer_norm.rs`) where there is a β and everything is f32; burn's otherwise.
@@ -209,6 +232,11 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     }
 
     fn kernel_causal_attention(qkv: Tensor<Self, 3>, heads: usize) -> Tensor<Self, 3> {
+        let dtype = qkv.dtype();
+        if dtype != DType::F32 {
+            let wide = Self::kernel_causal_attention(qkv.cast(FloatDType::F32), heads);
+            return wide.cast(dtype);
+        }
         let qkv = qkv.into_primitive().tensor();
         match autodiff_attention::applies(&qkv.primitive, heads) {
             Some((blas, dims)) => Tensor::from_primitive(TensorPrimitive::Float(
@@ -247,10 +275,15 @@ pub fn layer_norm<B: Kernels, const D: usize>(
     x: Tensor<B, D>,
     epsilon: f64,
 ) -> Tensor<B, D> {
-    let gamma = layer.gamma.val().into_primitive().tensor();
-    let beta = layer.beta.as_ref().map(|b| b.val().into_primitive().tensor());
-    let y = B::kernel_layer_norm(x.into_primitive().tensor(), gamma, beta, epsilon);
-    Tensor::from_primitive(TensorPrimitive::Float(y))
+    // The statistics in f32 whatever the compute dtype (mixed precision), the result rounded
+    // back to it.
+    let dtype = x.dtype();
+    let wide = |t: Tensor<B, 1>| t.cast(FloatDType::F32).into_primitive().tensor();
+    let gamma = wide(layer.gamma.val());
+    let beta = layer.beta.as_ref().map(|b| wide(b.val()));
+    let x = x.cast(FloatDType::F32).into_primitive().tensor();
+    let y = B::kernel_layer_norm(x, gamma, beta, epsilon);
+    Tensor::<B, D>::from_primitive(TensorPrimitive::Float(y)).cast(dtype)
 }
 
 /// Causal multi-head self-attention (GPT-2's) from the fused projection `qkv` `[b, t, 3d]`:
@@ -279,7 +312,12 @@ fn composed_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize, causal: bool)
             .swap_dims(1, 2)
     };
     let (q, k, v) = (split(0), split(1), split(2));
-    let scores = matmul(q, k.swap_dims(2, 3)).div_scalar((hd as f32).sqrt());
+    let dtype = q.dtype();
+    // The scores' scale, mask and softmax in f32 whatever the compute dtype (mixed precision),
+    // the weights rounded back to it for their product with the values.
+    let scores = matmul(q, k.swap_dims(2, 3))
+        .cast(FloatDType::F32)
+        .div_scalar((hd as f32).sqrt());
     // The causal mask, made on the device (no host upload per layer and forward): -1e9 where a
     // query would see a later key.
     let scores = if causal {
@@ -290,7 +328,7 @@ fn composed_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize, causal: bool)
     } else {
         scores
     };
-    let weights = softmax(scores, 3);
+    let weights = softmax(scores, 3).cast(dtype);
     matmul(weights, v).swap_dims(1, 2).reshape([b, t, d])
 }
 

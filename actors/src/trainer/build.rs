@@ -114,6 +114,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let chunks = &placement.chunks;
         let training = &placement.training;
         let desc = program.model.clone();
+        let compute = crate::precision::compute_dtype(&training.slices)?;
         let held_block = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
         // Offsets into the trained vectors (frozen parameters have no place in them).
         let mut offsets = vec![0];
@@ -174,6 +175,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                     .collect(),
             });
             let block = PartlyFrozen::hold(built, layout.clone(), &frozen_values);
+            let block = super::parts::in_compute_dtype(block, compute);
             stage_params.push_block(offsets[index], &block.param_shapes(), program.param_groups);
             let init = |range: Range<usize>| match &from_file {
                 Some((values, _)) => values[range].to_vec(),
@@ -234,6 +236,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 layouts,
                 frozen,
                 builder,
+                compute,
                 seed: program.seed,
                 actor,
             },

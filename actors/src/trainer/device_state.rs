@@ -159,7 +159,8 @@ impl<B: Backend> DeviceState<B> {
     /// Adds a micro-batch's gradients of one segment (flat tensors in order) to bucket `name`,
     /// or starts it with them.
     pub(super) fn add_grads(&mut self, name: &TensorId, parts: Vec<Tensor<B, 1>>, first: bool) {
-        let grads = Tensor::cat(parts, 0);
+        // Buckets accumulate in f32 whatever the compute dtype (16-bit gradients widened here).
+        let grads = Tensor::cat(parts, 0).cast(burn::tensor::FloatDType::F32);
         let sum = match self.buckets.remove(name) {
             Some(acc) if !first => acc + grads,
             _ => grads,

@@ -228,7 +228,8 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             loss: self.step.loss_sum.take(),
             model_state_bytes: state + held_grads,
             peak_model_state_bytes: state + self.step.peak_grad_bytes.max(held_grads),
-            compute_weight_bytes: 4 * materialized as u64,
+            compute_weight_bytes: (burn::tensor::DType::from(self.stage.compute).size() * materialized)
+                as u64,
             peak_microbatches_held: self.step.peak_live,
             offload: self.state.store.offload_stats(),
             lr: (steps > 0).then(|| self.state.optimizer.lr_at(self.state.optimizer.schedule_step())),

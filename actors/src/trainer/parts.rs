@@ -44,6 +44,9 @@ pub(super) struct HeldStage<B: AutodiffBackend> {
     /// Each held block's frozen parameters' values, kept whole (never sharded or updated).
     pub(super) frozen: Vec<Arc<Vec<f32>>>,
     pub(super) builder: Arc<dyn ModelBuilder<B>>,
+    /// The dtype the modules compute in (the plan's slices'): f32, or the 16-bit compute copy of
+    /// mixed precision over the f32 master in `TrainingState::held`.
+    pub(super) compute: burn::tensor::FloatDType,
     pub(super) seed: u64,
     pub(super) actor: ActorId,
 }
@@ -82,7 +85,20 @@ impl<B: AutodiffBackend> HeldStage<B> {
             block: index,
         };
         let block = self.builder.build_block(&ctx, &self.device);
-        PartlyFrozen::hold(block, self.layouts[index].clone(), &self.frozen[index])
+        let held = PartlyFrozen::hold(block, self.layouts[index].clone(), &self.frozen[index]);
+        in_compute_dtype(held, self.compute)
+    }
+}
+
+/// `block` as the actor computes with it: cast to the compute dtype (untouched in f32).
+pub(super) fn in_compute_dtype<B: AutodiffBackend>(
+    block: Box<dyn Block<B>>,
+    compute: burn::tensor::FloatDType,
+) -> Box<dyn Block<B>> {
+    if compute == burn::tensor::FloatDType::F32 {
+        block
+    } else {
+        block.cast_params(compute)
     }
 }
 

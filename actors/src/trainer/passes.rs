@@ -28,11 +28,13 @@ impl<B: AutodiffBackend> Trainer<B> {
                 t.dtype()
             ));
         }
-        match t.shape().len() {
-            2 => Ok(Activation::Rows(into_burn::<B, 2>(t, &self.stage.device))),
-            3 => Ok(Activation::Seq(into_burn::<B, 3>(t, &self.stage.device))),
-            r => Err(format!("`{name}` has rank {r}; activations have rank 2 or 3")),
-        }
+        let activation = match t.shape().len() {
+            2 => Activation::Rows(into_burn::<B, 2>(t, &self.stage.device)),
+            3 => Activation::Seq(into_burn::<B, 3>(t, &self.stage.device)),
+            r => return Err(format!("`{name}` has rank {r}; activations have rank 2 or 3")),
+        };
+        // An activation, or an upstream gradient, meets blocks that compute in their dtype.
+        Ok(activation.cast(self.stage.compute))
     }
 
     /// Runs `blocks` on `x`, each on a fresh copy (see [`Block::fresh_copy`]); returns the
@@ -61,7 +63,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let x = if let Some(batch) = self.step.batches.get(input) {
-            batch.input.clone()
+            batch.input.clone().cast(self.stage.compute)
         } else if let Some(key) = self.step.by_name.get(input) {
             self.step.segments[key].output.leaf()
         } else {
@@ -114,6 +116,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             .clone();
         let [n, _] = logits.dims();
         let per_global_sample = 1.0 / (self.global_batch * self.stage.desc.input.tokens_per_sample()) as f32;
+        // The loss in f32 whatever the compute dtype (its backward casts the gradient back).
+        let logits = logits.cast(burn::tensor::FloatDType::F32);
         let picked = log_softmax(logits, 1).gather(1, targets.reshape([n, 1]));
         Ok(picked.sum().neg().mul_scalar(per_global_sample))
     }

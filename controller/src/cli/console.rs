@@ -60,9 +60,10 @@ pub fn banner(program: &Program, plan: &Plan, steps: u64, start: Start<'_>) -> V
             program.optimizer, program.lr_schedule
         ),
         format!(
-            "  {zero}, state {}, precision f32, micro-batches {}; data: {}; start: {start}",
+            "  {zero}, state {}, precision {}, micro-batches {}; data: {}; start: {start}",
             // As the compiler resolved it (`auto` → host or device).
             plan.program.plan.state,
+            precision_words(&program.precision),
             pl.microbatches,
             data_words(program)
         ),
@@ -70,6 +71,15 @@ pub fn banner(program: &Program, plan: &Plan, steps: u64, start: Start<'_>) -> V
 }
 
 /// How the run's samples are made, in words.
+/// "f32", or the compute dtype over its f32 master ("bf16 (f32 master and optimizer state)").
+fn precision_words(precision: &archipelago_dataflow::Precision) -> String {
+    if precision.is_mixed() {
+        format!("{} (f32 master and optimizer state)", precision.compute)
+    } else {
+        precision.compute.to_string()
+    }
+}
+
 fn data_words(program: &Program) -> String {
     match (&program.data, program.model.input) {
         (DataSpec::TextFile { path }, InputKind::Tokens { ctx, .. }) => format!(

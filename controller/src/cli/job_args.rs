@@ -10,7 +10,8 @@ use archipelago_dataflow::data::DataSpec;
 use archipelago_dataflow::passes::partition::parse_stages;
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{
-    DeviceSpec, InputKind, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, ParamGroups, Program,
+    DeviceSpec, InputKind, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, ParamGroups,
+    Precision, Program,
 };
 
 /// The flags that describe a job (shared by `train` and `plan`).
@@ -56,6 +57,11 @@ pub struct JobArgs {
     /// update, as torch.nn.utils.clip_grad_norm_.
     #[arg(long)]
     pub clip_grad_norm: Option<f32>,
+    /// The dtype forward and backward compute in: f32, or bf16 (mixed precision: a bf16 copy of
+    /// the weights for compute, f32 master weights and optimizer state, the loss, softmax and
+    /// LayerNorm statistics in f32, gradients accumulated and reduced in f32).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
     /// Learning-rate schedule after the warmup: constant, cosine or linear (decaying to
     /// --lr-final-fraction of --lr at the last step).
     #[arg(long, default_value = "constant")]
@@ -168,6 +174,7 @@ impl JobArgs {
                 .transpose()?,
         };
         self.set_optimizer(&mut program)?;
+        program.precision = Precision::parse(&self.precision).map_err(anyhow::Error::msg)?;
         program.devices = match &self.devices {
             Some(list) => DeviceSpec::parse_list(list)?,
             None => DeviceSpec::cpus(self.dp * self.pp),

@@ -8,7 +8,7 @@
 //! changes it.)
 
 use archipelago_actors::checkpoint::{Manifest, RunRecord};
-use archipelago_dataflow::{DType, LrDecay, LrSchedule, Program};
+use archipelago_dataflow::{LrDecay, LrSchedule, Program};
 
 /// The names `--resume-override` takes, one per recorded setting.
 pub const OVERRIDABLE: [&str; 6] = ["optimizer", "lr-schedule", "clip", "steps", "data", "precision"];
@@ -21,8 +21,8 @@ pub fn record(program: &Program, total_steps: u64) -> RunRecord {
         clip_grad_norm: program.clip_grad_norm,
         total_steps,
         data: program.data.clone(),
-        // Mixed precision (issue 38) makes this a program setting.
-        precision: DType::F32,
+        // The compute dtype; the checkpoint's master and optimizer state are f32 whatever it is.
+        precision: program.precision.compute,
     }
 }
 

@@ -1,0 +1,63 @@
+//! The precision of a training job: the dtype forward and backward compute in, while the master
+//! parameters and the optimizer state stay f32 (Micikevicius et al., "Mixed Precision Training",
+//! 2018: an f32 master, a 16-bit compute copy refreshed after every update, the loss in f32).
+//!
+//! What is built (issue 38, first step): `--precision f32|bf16` on every layout, with the
+//! gradients read into f32 buckets (accumulated over micro-batches in f32) and reduced in f32,
+//! activations crossing stages in f32. f16 needs loss scaling, which is not built yet: the plan
+//! refuses it, naming bf16.
+//!
+//! ```
+//! use archipelago_dataflow::{DType, Precision};
+//! assert_eq!(Precision::parse("bf16").unwrap().compute, DType::BF16);
+//! assert_eq!(Precision::default().compute, DType::F32);
+//! assert!(Precision::parse("i8").is_err());
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DType;
+use crate::error::PlanError;
+use crate::program::Program;
+
+/// How a job computes: the compute dtype of every parameter slice (storage stays f32).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Precision {
+    /// The dtype of the modules' parameters, activations and gradients in forward and backward.
+    pub compute: DType,
+}
+
+impl Precision {
+    /// The precision of `--precision NAME` (`f32`, `bf16` or `f16`).
+    pub fn parse(name: &str) -> Result<Precision, String> {
+        let compute = match name {
+            "f32" | "fp32" | "float32" => DType::F32,
+            "bf16" | "bfloat16" => DType::BF16,
+            "f16" | "fp16" | "float16" | "half" => DType::F16,
+            other => {
+                return Err(format!("--precision {other}: expected f32, bf16 or f16"));
+            }
+        };
+        Ok(Precision { compute })
+    }
+
+    /// Whether forward and backward run in a 16-bit dtype.
+    pub fn is_mixed(&self) -> bool {
+        self.compute != DType::F32
+    }
+}
+
+/// Refuses a precision the trainer cannot run, naming what to change.
+pub fn check(program: &Program) -> Result<(), PlanError> {
+    match program.precision.compute {
+        DType::F32 | DType::BF16 => Ok(()),
+        DType::F16 => Err(PlanError::Conflict(
+            "--precision f16 needs loss scaling (f16 gradients underflow without it), which is not built \
+             yet; use --precision bf16 (the same 16 bits on the wire, f32's exponent range, no scaling)"
+                .to_string(),
+        )),
+        other => Err(PlanError::Conflict(format!(
+            "--precision {other}: a compute dtype is a float type; use f32, bf16 or f16"
+        ))),
+    }
+}
