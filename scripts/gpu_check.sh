@@ -5,7 +5,7 @@
 # the same run on cpu:0 (scripts/compare_losses.py: PASS/FAIL at 1e-3), the device benchmark, and
 # the PyTorch reference beside it. Each step runs even if an earlier one failed.
 #
-#   bash scripts/gpu_check.sh BIN [OUT] [first|parallel|memory]
+#   bash scripts/gpu_check.sh BIN [OUT] [first|parallel|memory|calibrate|precision]
 #
 # Where the evidence goes: OUT, by default docs/gpu/<date>-<card>/ of this repository (date from
 # `date -u +%F`, card the first GPU's name slugged: "NVIDIA H200" -> 2026-11-26-h200; "-xN" added
@@ -28,9 +28,9 @@
 # folder is packed into that one file (a run killed at its limit still returns what it did), and
 # here `tar -xzf FILE.tar.gz -C docs/gpu/` puts it in place (rounds from several leases land in
 # the same folder; `bash scripts/gpu_check.sh --readme docs/gpu/<date>-<card>` then rewrites its
-# README.md from every round's files, no GPU needed). Needs bash, coreutils, tar, python3
-# (stdlib only, for compare_losses.py; torch only for the PyTorch step) and the binary: nothing is
-# fetched, so it runs where no registry can be reached.
+# README.md from every round's files, no GPU needed). Needs bash, coreutils, tar, python3 (stdlib
+# only, for the comparing and summary scripts; torch only for the PyTorch steps) and the binary:
+# nothing is fetched, so it runs where no registry can be reached.
 #
 #   cargo build --release -p archipelago-controller --features cuda   # here, where the registries are
 #   strip target/release/archipelago                                  # and carry it (docs/gpu/README.md)
@@ -40,6 +40,7 @@
 #                      # PyTorch's autocast bf16/f16 (the mixed-precision peer)
 #   ... "" memory      # the device's memory pool against the plan's estimate
 #   ... "" calibrate   # plan --rate measure on the GPU against the step train measures
+#   ... "" precision   # --precision bf16 against f32: losses, step times, PyTorch's f32 and bf16
 set -u
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
 
@@ -52,7 +53,7 @@ readme() {
     echo "do not edit by hand: the prose that quotes these files goes in docs/PERFORMANCE.md). Each"
     echo "round's folder holds \`machine.txt\` (the machine and versions in full), \`steps.tsv\`,"
     echo "\`log.txt\` (all output) and the reports. Exit 124 = the step hit its time cap; a verdict"
-    echo "is scripts/compare_losses.py's."
+    echo "is the comparing script's (scripts/compare_losses.py, plan_vs_measured.py, compare_precision.py)."
     for r in $(ls "$FOLDER" | sort -V); do
       dir=$FOLDER/$r
       [ -f "$dir/steps.tsv" ] || continue
@@ -83,7 +84,7 @@ BIN=${1:-target/release/archipelago}
 OUT_ARG=${2:-auto}
 ROUND=${3:-first}
 
-case "$ROUND" in first | parallel | memory | calibrate) ;; *) die "unknown round '$ROUND' (first, parallel, memory or calibrate)";; esac
+case "$ROUND" in first | parallel | memory | calibrate | precision) ;; *) die "unknown round '$ROUND' (first, parallel, memory, calibrate or precision)";; esac
 [ -x "$BIN" ] || die "no executable archipelago binary at '$BIN' (build it with --features cuda and carry it)"
 BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
 command -v nvidia-smi > /dev/null \
@@ -230,6 +231,42 @@ elif [ "$ROUND" = calibrate ]; then
     run "compare plan with train: $job" 30 -- \
       python3 "$ROOT/scripts/plan_vs_measured.py" "$OUTDIR/plan_$i.json" "$OUTDIR/train_$i.json"
   done
+elif [ "$ROUND" = precision ]; then
+  # Mixed precision on the device: `--precision bf16` (a bf16 compute copy of the weights over f32
+  # master weights) against f32, gpt-tiny for 60 steps and the 151M gpt for 12. The losses must
+  # land on the same curve (scripts/compare_precision.py: the mean of the last steps within 2 %),
+  # with another seed and learning rate as the negative control; then the step times beside
+  # PyTorch's f32 and autocast bf16 (scripts/precision_summary.py: precision_summary.json).
+  for prec in f32 bf16; do
+    run "train gpt-tiny, 60 steps on cuda:0, --precision $prec" 60 -- \
+      "$BIN" train --devices cuda:0 --model gpt-tiny --steps 60 --precision $prec \
+      --report "$OUTDIR/tiny_$prec.json"
+  done
+  run "compare gpt-tiny bf16 with f32 (mean loss of the last 20 steps)" 30 -- \
+    python3 "$ROOT/scripts/compare_precision.py" "$OUTDIR/tiny_f32.json" "$OUTDIR/tiny_bf16.json" \
+    --within 0.02 --last 20
+  run "train gpt-tiny, 60 steps on cuda:0, f32, seed 1, lr 3e-3 (the negative control)" 60 -- \
+    "$BIN" train --devices cuda:0 --model gpt-tiny --steps 60 --seed 1 --lr 3e-3 \
+    --report "$OUTDIR/tiny_control.json"
+  run "compare seed 1, lr 3e-3 with f32 (the negative control: must differ)" 30 -- \
+    python3 "$ROOT/scripts/compare_precision.py" "$OUTDIR/tiny_f32.json" "$OUTDIR/tiny_control.json" \
+    --within 0.02 --last 20 --expect-differ
+  for prec in f32 bf16; do
+    run "train the 151M gpt, 12 steps on cuda:0, --precision $prec" 90 -- \
+      "$BIN" train --devices cuda:0 --model "$big" --batch 8 --steps 12 --precision $prec \
+      --report "$OUTDIR/big_$prec.json"
+  done
+  run "compare the 151M gpt bf16 with f32 (mean loss of the last 6 steps)" 30 -- \
+    python3 "$ROOT/scripts/compare_precision.py" "$OUTDIR/big_f32.json" "$OUTDIR/big_bf16.json" \
+    --within 0.02 --last 6
+  run "PyTorch reference on cuda, tf32 off" 80 --stdout "$OUTDIR/torch_cuda_tf32_off.jsonl" -- \
+    env PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/torch_reference.py" --device cuda \
+    --models gpt-tiny,gpt-151m --tf32 off
+  run "PyTorch reference on cuda, autocast bf16" 80 --stdout "$OUTDIR/torch_cuda_autocast_bf16.jsonl" -- \
+    env PYTHONUNBUFFERED=1 python3 "$ROOT/scripts/torch_reference.py" --device cuda \
+    --models gpt-tiny,gpt-151m --tf32 off --autocast bf16
+  run "precision summary: median steps, ours and PyTorch's, f32 and bf16" 30 -- \
+    python3 "$ROOT/scripts/precision_summary.py" "$OUTDIR/."
 elif [ "$ROUND" = parallel ]; then
   # Parallel plans with two actors on the one GPU (compared with the same flags on cpu:0,cpu:1
   # and with the GPU's dp=1 run), the benchmark in full, the host path's breakdown at 151M, and

@@ -61,3 +61,50 @@ pub fn check(program: &Program) -> Result<(), PlanError> {
         ))),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ModelSpec, ParallelPlan, compile};
+
+    fn program(precision: &str) -> Program {
+        Program::new(ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3").unwrap())
+            .with_plan(ParallelPlan {
+                dp: 2,
+                zero: 3,
+                batch: 4,
+                ..ParallelPlan::default()
+            })
+            .with_precision(Precision::parse(precision).unwrap())
+    }
+
+    /// Every slice of every actor computes in the program's dtype over f32 storage.
+    #[test]
+    fn the_slices_compute_in_the_programs_dtype_over_f32_storage() {
+        for (name, dtype) in [("f32", DType::F32), ("bf16", DType::BF16)] {
+            let plan = compile(&program(name)).unwrap();
+            let slices = plan.actors.iter().flat_map(|a| &a.training.slices);
+            assert!(slices.clone().count() > 0);
+            for slice in slices {
+                assert_eq!(
+                    (slice.storage, slice.compute),
+                    (DType::F32, dtype),
+                    "{}",
+                    slice.param
+                );
+            }
+        }
+    }
+
+    /// f16 is refused before any actor starts, naming bf16; so is a name that is no precision.
+    #[test]
+    fn f16_is_refused_naming_bf16() {
+        let refused = compile(&program("f16")).unwrap_err().to_string();
+        assert!(
+            refused.contains("loss scaling") && refused.contains("--precision bf16"),
+            "{refused}"
+        );
+        let refused = Precision::parse("int8").unwrap_err();
+        assert!(refused.contains("f32, bf16 or f16"), "{refused}");
+    }
+}

@@ -288,6 +288,13 @@ pub enum TestFault {
         /// The actor.
         actor: ActorId,
     },
+    /// Mixed precision without its refresh: the modules (the compute copy) are never reloaded
+    /// from the master after an update, so they compute with the initial weights all along.
+    StaleComputeCopy,
+    /// Mixed precision without an f32 master: after each update the master is rounded to the
+    /// compute dtype (a 16-bit weight updated in place), so updates below half its last place
+    /// vanish (Micikevicius et al. 2018, §3.1).
+    RoundedMaster,
     /// `actor`'s first receive is moved before its first send: with a pipeline, two stages each
     /// wait for the other (the hang tests).
     RecvBeforeSend {

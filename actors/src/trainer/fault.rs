@@ -33,6 +33,24 @@ impl FaultHook {
         })
     }
 
+    /// Whether the modules of a segment are reloaded from the master after its update (not under
+    /// `StaleComputeCopy`); under `RoundedMaster` the master is first rounded to `compute`.
+    pub(super) fn on_reload(&self, master: &mut [f32], compute: burn::tensor::FloatDType) -> bool {
+        match self.fault {
+            TestFault::StaleComputeCopy => false,
+            TestFault::RoundedMaster => {
+                let round: fn(f32) -> f32 = match compute {
+                    burn::tensor::FloatDType::BF16 => |x| half::bf16::from_f32(x).to_f32(),
+                    burn::tensor::FloatDType::F16 => |x| half::f16::from_f32(x).to_f32(),
+                    _ => |x| x,
+                };
+                master.iter_mut().for_each(|x| *x = round(*x));
+                true
+            }
+            _ => true,
+        }
+    }
+
     /// A bucket as the backward left it, before any collective reads it.
     pub(super) fn on_bucket(&mut self, name: &TensorId, flat: &mut [f32]) {
         match self.fault {

@@ -367,6 +367,12 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// Loads the held parameters of `blocks` (held whole) into their modules.
     pub(super) fn reload(&mut self, blocks: Range<usize>) -> Result<(), String> {
+        if let Some(fault) = &self.fault {
+            let at = self.stage.offsets[blocks.start]..self.stage.offsets[blocks.end];
+            if !fault.on_reload(&mut self.state.held[at], self.stage.compute) {
+                return Ok(());
+            }
+        }
         for index in blocks {
             let block = self.stage.blocks[index]
                 .take()
