@@ -12,14 +12,30 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, binary};
 use burn::backend::flex::{Flex, FlexTensor};
-use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{DType, TensorMetadata};
 
+use super::cast::convert;
 use super::{active_openblas, flex_blas};
 
 /// `lhs · rhs` on Flex tensors: OpenBLAS where it is in use and applies, Flex's gemm otherwise.
+///
+/// 16-bit operands (mixed precision) are widened to f32 for OpenBLAS and the product rounded back
+/// to their dtype: f32 arithmetic, as Flex's own bf16 matmul does, at OpenBLAS's speed.
 pub(crate) fn inner_matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
-    match active_openblas().and_then(|blas| flex_blas::matmul(blas, &lhs, &rhs)) {
+    let Some(blas) = active_openblas() else {
+        return Flex::float_matmul(lhs, rhs);
+    };
+    let dtype = lhs.dtype();
+    if dtype != DType::F32 && rhs.dtype() == dtype {
+        let wide = |t| convert(t, DType::F32);
+        let (l, r) = (wide(lhs.clone()), wide(rhs.clone()));
+        return match flex_blas::matmul(blas, &l, &r) {
+            Some(product) => convert(product, dtype),
+            None => Flex::float_matmul(lhs, rhs),
+        };
+    }
+    match flex_blas::matmul(blas, &lhs, &rhs) {
         Some(product) => product,
         None => Flex::float_matmul(lhs, rhs),
     }

@@ -22,6 +22,7 @@
 mod attention;
 mod autodiff_attention;
 mod autodiff_matmul;
+mod cast;
 pub mod core_type;
 mod flex_blas;
 mod gelu;
@@ -40,7 +41,7 @@ use burn::backend::flex::Flex;
 use burn::nn::Linear;
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Bool, DType, FloatDType, Tensor, TensorPrimitive};
 
 use openblas::OpenBlas;
@@ -169,39 +170,33 @@ pub trait Kernels: AutodiffBackend {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
-        <Self as burn::tensor::ops::ModuleOps<Self>>::layer_norm(x, gamma, beta, epsilon)
+        // The statistics in f32 whatever the compute dtype, the result rounded back to it.
+        let dtype = burn::tensor::TensorMetadata::dtype(&x).into();
+        let wide = |t| cast_to::<Self>(t, FloatDType::F32);
+        let y = <Self as burn::tensor::ops::ModuleOps<Self>>::layer_norm(
+            wide(x),
+            wide(gamma),
+            beta.map(wide),
+            epsilon,
+        );
+        cast_to::<Self>(y, dtype)
     }
 }
 
-/// The float dtype of a tracked tensor.
-fn dtype_of<C: CheckpointStrategy>(x: &Tracked<C>) -> FloatDType {
-    x.primitive.dtype().into()
-}
-
-/// `x` in `dtype` (a node of the graph whose backward casts the gradient back; none when equal).
-fn cast<C: CheckpointStrategy>(x: Tracked<C>, dtype: FloatDType) -> Tracked<C> {
-    if dtype_of::<C>(&x) == dtype {
+/// `x` in `dtype` through the backend's own cast (none when it already is one).
+fn cast_to<B: burn::tensor::backend::Backend>(x: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
+    use burn::tensor::TensorMetadata;
+    if x.dtype() == DType::from(dtype) {
         x
     } else {
-        Autodiff::<Flex, C>::float_cast(x, dtype)
+        B::float_cast(x, dtype)
     }
-}
-
-/// Mixed precision on CPU (issue 38): the f32 kernels take a 16-bit tensor by widening it at
-/// their edge and rounding the result back, so the arithmetic is f32 (as Flex's own bf16 matmul
-/// does) and the fused kernels serve every dtype.
-fn at_f32_edges<C: CheckpointStrategy>(
-    inputs: [Tracked<C>; 2],
-    kernel: impl FnOnce(Tracked<C>, Tracked<C>) -> Tracked<C>,
-) -> Tracked<C> {
-    let dtype = dtype_of::<C>(&inputs[0]);
-    let [a, b] = inputs.map(|x| cast::<C>(x, FloatDType::F32));
-    cast::<C>(kernel(a, b), dtype)
 }
 
 impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     fn kernel_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        at_f32_edges::<C>([lhs, rhs], autodiff_matmul::matmul::<C>)
+        // 16-bit operands are widened inside the kernel (`autodiff_matmul::inner_matmul`).
+        autodiff_matmul::matmul::<C>(lhs, rhs)
     }
 
     /// With OpenBLAS one product of `b·t` rows; on Flex's own gemm a product per batch, as
@@ -214,8 +209,8 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     /// One vectorised pass forward (output and derivative), one multiply backward
     /// (`gelu.rs`), whichever library multiplies.
     fn kernel_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        let dtype = dtype_of::<C>(&x);
-        cast::<C>(gelu::gelu::<C>(cast::<C>(x, FloatDType::F32)), dtype)
+        let dtype = x.primitive.dtype().into();
+        cast::cast::<C>(gelu::gelu::<C>(cast::cast::<C>(x, FloatDType::F32)), dtype)
     }
 
     /// One node (`layer_norm.rs`) where there is a β and everything is f32; burn's otherwise.
@@ -225,19 +220,28 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
+        // The statistics in f32 whatever the compute dtype, the result rounded back to it.
+        let dtype = x.primitive.dtype().into();
+        let wide = |t| cast::cast::<C>(t, FloatDType::F32);
+        let (x, gamma, beta) = (wide(x), wide(gamma), beta.map(wide));
         let fused = (beta.as_ref()).and_then(|beta| layer_norm::layer_norm::<C>(&x, &gamma, beta, epsilon));
-        fused.unwrap_or_else(|| {
+        let y = fused.unwrap_or_else(|| {
             <Self as burn::tensor::ops::ModuleOps<Self>>::layer_norm(x, gamma, beta, epsilon)
-        })
+        });
+        cast::cast::<C>(y, dtype)
     }
 
     fn kernel_causal_attention(qkv: Tensor<Self, 3>, heads: usize) -> Tensor<Self, 3> {
-        let dtype = qkv.dtype();
-        if dtype != DType::F32 {
-            let wide = Self::kernel_causal_attention(qkv.cast(FloatDType::F32), heads);
-            return wide.cast(dtype);
-        }
         let qkv = qkv.into_primitive().tensor();
+        let dtype: FloatDType = qkv.primitive.dtype().into();
+        if dtype != FloatDType::F32 {
+            // The fused kernel in f32 between two casts (softmax in f32 as the composed one).
+            let wide = Tensor::from_primitive(TensorPrimitive::Float(cast::cast::<C>(qkv, FloatDType::F32)));
+            let y = Self::kernel_causal_attention(wide, heads)
+                .into_primitive()
+                .tensor();
+            return Tensor::from_primitive(TensorPrimitive::Float(cast::cast::<C>(y, dtype)));
+        }
         match autodiff_attention::applies(&qkv.primitive, heads) {
             Some((blas, dims)) => Tensor::from_primitive(TensorPrimitive::Float(
                 autodiff_attention::attention::<C>(qkv, blas, dims),
@@ -275,15 +279,10 @@ pub fn layer_norm<B: Kernels, const D: usize>(
     x: Tensor<B, D>,
     epsilon: f64,
 ) -> Tensor<B, D> {
-    // The statistics in f32 whatever the compute dtype (mixed precision), the result rounded
-    // back to it.
-    let dtype = x.dtype();
-    let wide = |t: Tensor<B, 1>| t.cast(FloatDType::F32).into_primitive().tensor();
-    let gamma = wide(layer.gamma.val());
-    let beta = layer.beta.as_ref().map(|b| wide(b.val()));
-    let x = x.cast(FloatDType::F32).into_primitive().tensor();
-    let y = B::kernel_layer_norm(x, gamma, beta, epsilon);
-    Tensor::<B, D>::from_primitive(TensorPrimitive::Float(y)).cast(dtype)
+    let gamma = layer.gamma.val().into_primitive().tensor();
+    let beta = layer.beta.as_ref().map(|b| b.val().into_primitive().tensor());
+    let y = B::kernel_layer_norm(x.into_primitive().tensor(), gamma, beta, epsilon);
+    Tensor::from_primitive(TensorPrimitive::Float(y))
 }
 
 /// Causal multi-head self-attention (GPT-2's) from the fused projection `qkv` `[b, t, 3d]`:
