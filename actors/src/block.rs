@@ -10,7 +10,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Float, FloatDType, Int, Tensor, TensorData};
 
-use crate::transfer::{TransferKind, download, upload};
+use crate::transfer::{TransferKind, download, upload, upload_float};
 
 /// What flows between blocks.
 #[derive(Debug, Clone)]
@@ -409,22 +409,53 @@ impl<B: Backend> ModuleMapper<B> for LoadMapper<'_, B> {
         let n = shape.num_elements();
         let range = self.offset..self.offset + n;
         self.offset += n;
+        // In the module's dtype, whatever the master's (the compute copy of mixed precision),
+        // rounded to nearest even.
+        let dtype: DType = tensor.dtype();
+        let device = tensor.device();
         let mut fresh = match &self.whole {
-            Some(whole) => whole.clone().slice([range]).reshape(shape),
-            None => upload::<B, D, Float>(
-                TensorData::new(self.flat[range].to_vec(), shape),
-                &tensor.device(),
+            Some(whole) => rounded(whole.clone().slice([range]).reshape(shape), dtype),
+            None => upload_float::<B, D>(
+                host_data(&self.flat[range], shape, dtype),
+                &device,
                 TransferKind::Parameter,
             ),
         };
-        // The module's dtype, whatever the master's (the compute copy of mixed precision).
-        let dtype: DType = tensor.dtype();
-        fresh = fresh.cast(dtype);
+        debug_assert_eq!(
+            fresh.dtype(),
+            dtype,
+            "a loaded parameter keeps its module's dtype"
+        );
         if tensor.is_require_grad() {
             fresh = fresh.require_grad();
         }
         Param::from_mapped_value(id, fresh, mapper)
     }
+}
+
+/// f32 values as a tensor's data in `dtype` (f32, or bf16/f16 rounded to nearest even): a 16-bit
+/// compute copy crosses to its device in its own bytes.
+fn host_data(values: &[f32], shape: burn::tensor::Shape, dtype: DType) -> TensorData {
+    match dtype {
+        DType::BF16 => TensorData::new(values.iter().map(|&x| half::bf16::from_f32(x)).collect(), shape),
+        DType::F16 => TensorData::new(values.iter().map(|&x| half::f16::from_f32(x)).collect(), shape),
+        _ => TensorData::new(values.to_vec(), shape),
+    }
+}
+
+/// `t` in `dtype`, rounded to nearest even. burn's CPU backend casts f32 to bf16 through f64 with
+/// `half`'s `bf16::from_f64`, which drops the f64's low 32 bits before deciding a tie (half
+/// 2.7.1, `f64_to_bf16`), so an f32 just above a tie may round down; on it the values are
+/// converted in host memory (where its tensors live) instead.
+fn rounded<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+    let device = t.device();
+    if t.dtype() == dtype || t.dtype() != DType::F32 || !B::name(&device).contains("flex") {
+        return t.cast(dtype);
+    }
+    let shape = t.shape();
+    let values = t.into_data().convert::<f32>();
+    let values = values.as_slice::<f32>().expect("f32 values");
+    Tensor::from_data(host_data(values, shape, dtype), (&device, dtype))
 }
 
 mod init;

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use archipelago_dataflow::{ActorId, ComputeOp, DeviceSpec, Instruction, TensorId};
+use archipelago_dataflow::{ActorId, ComputeOp, DType, DeviceSpec, Instruction, TensorId};
 
 use crate::collectives::{CollectiveWorker, DEFAULT_CHUNK_ELEMS, PendingCollective};
 use crate::error::{ActorFailure, panic_message};
@@ -258,7 +258,7 @@ impl Executor {
         // This step's host ⇄ device transfers only (not those of building or restoring).
         crate::transfer::take();
         self.fabric_read = archipelago_dataflow::FabricBytes::default();
-        let mut pending: HashMap<u64, (PendingCollective, Vec<ActorId>)> = HashMap::new();
+        let mut pending: HashMap<u64, (PendingCollective, Vec<ActorId>, DType)> = HashMap::new();
         // GPUs: the most live bytes of the device's pool seen at an instruction's end.
         let mut peak_in_use = 0u64;
         for index in 0..self.stream.len() {
@@ -353,7 +353,7 @@ impl Executor {
         &mut self,
         step: u64,
         index: usize,
-        pending: &mut HashMap<u64, (PendingCollective, Vec<ActorId>)>,
+        pending: &mut HashMap<u64, (PendingCollective, Vec<ActorId>, DType)>,
     ) -> Result<u64, (String, bool)> {
         let edge = |tag: u64| (step << 32) | tag;
         let fabric_err = |e: FabricError| {
@@ -421,19 +421,24 @@ impl Executor {
                     Some(t) => t,
                     None => Self::exported(self.computation.as_mut(), tensor)?,
                 };
-                if value.dtype() != *dtype {
-                    let held = value.dtype();
-                    let why =
-                        format!("`{tensor}` is {held} here, the plan reduces it as {dtype} (tag {tag})");
-                    return Err((why, false));
-                }
+                // Mixed precision: an f32 buffer crosses in the edge's 16 bits and is widened
+                // back when the collective ends (masters and buckets stay f32).
+                let held = value.dtype();
+                let value = match value.cast_float(*dtype) {
+                    Some(cast) if held == DType::F32 || held == *dtype => cast,
+                    _ => {
+                        let why =
+                            format!("`{tensor}` is {held} here, the plan reduces it as {dtype} (tag {tag})");
+                        return Err((why, false));
+                    }
+                };
                 let bytes = value.byte_len() as u64;
                 let started = self.collectives.start(*kind, edge(*tag), group.clone(), value);
-                pending.insert(*tag, (started, group.clone()));
+                pending.insert(*tag, (started, group.clone(), held));
                 Ok(bytes)
             }
             Instruction::WaitCollective { tensor, tag } => {
-                let (started, group) = pending
+                let (started, group, held) = pending
                     .remove(tag)
                     .ok_or_else(|| (format!("collective {tag} was not started"), false))?;
                 self.progress.wait_on(Waiting::Collective { tag: *tag, group });
@@ -442,6 +447,16 @@ impl Executor {
                 let value = finished.map_err(fabric_err)?;
                 Self::count_read(&mut self.fabric_read, tensor, read);
                 let bytes = value.byte_len() as u64;
+                let value = match value.cast_float(held) {
+                    Some(widened) => widened,
+                    None => {
+                        let why = format!(
+                            "collective {tag} gave `{tensor}` as {}, not a float",
+                            value.dtype()
+                        );
+                        return Err((why, false));
+                    }
+                };
                 self.table.insert(tensor.clone(), value);
                 Ok(bytes)
             }

@@ -19,6 +19,15 @@ pub fn float_dtype(dtype: DType) -> FloatDType {
     }
 }
 
+/// The plan's dtype for burn's float `dtype` (f32, bf16 or f16; any other reads as f32).
+pub fn plan_dtype(dtype: FloatDType) -> DType {
+    match dtype {
+        FloatDType::BF16 => DType::BF16,
+        FloatDType::F16 => DType::F16,
+        _ => DType::F32,
+    }
+}
+
 /// The one compute dtype of an actor's slices (f32 when it holds none); an error naming the two
 /// when they differ (a per-parameter precision is not built).
 pub fn compute_dtype(slices: &[SliceState]) -> Result<FloatDType, String> {

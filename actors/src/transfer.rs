@@ -140,6 +140,18 @@ pub fn upload<B: Backend, const D: usize, K: BasicOps<B>>(
     Tensor::from_data(data, device)
 }
 
+/// [`upload`] of float data in its own dtype (a 16-bit compute copy stays 16-bit; `upload`
+/// gives the device's default float dtype).
+pub fn upload_float<B: Backend, const D: usize>(
+    data: TensorData,
+    device: &B::Device,
+    kind: TransferKind,
+) -> Tensor<B, D> {
+    record(kind, true, data.bytes.len());
+    let dtype = data.dtype;
+    Tensor::from_data(data, (device, dtype))
+}
+
 /// `tensor`'s values in host memory, their bytes counted device to host as `kind`.
 pub fn download<B: Backend, const D: usize, K: BasicOps<B>>(
     tensor: Tensor<B, D, K>,

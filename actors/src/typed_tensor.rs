@@ -414,6 +414,34 @@ impl TypedTensor {
         }
     }
 
+    /// The values of a float tensor in another float dtype (f32 ⇄ bf16/f16, rounded to nearest
+    /// even when narrowing): how a collective carries an f32 buffer in 16 bits (mixed precision).
+    /// `None` when either dtype is not a float type.
+    pub fn cast_float(&self, dtype: DType) -> Option<TypedTensor> {
+        use half::slice::HalfFloatSliceExt;
+        if !self.dtype.is_float() || !dtype.is_float() {
+            return None;
+        }
+        if self.dtype == dtype {
+            return Some(self.clone());
+        }
+        let shape = self.shape.clone();
+        let wide = self.to_f32();
+        Some(match dtype {
+            DType::F32 => TypedTensor::new(shape, wide),
+            DType::BF16 => {
+                let mut narrow = vec![half::bf16::ZERO; wide.len()];
+                narrow.convert_from_f32_slice(&wide);
+                TypedTensor::from_values(shape, &narrow)
+            }
+            _ => {
+                let mut narrow = vec![half::f16::ZERO; wide.len()];
+                narrow.convert_from_f32_slice(&wide);
+                TypedTensor::from_values(shape, &narrow)
+            }
+        })
+    }
+
     /// The elements widened to f32 (integers converted, 16-bit floats expanded).
     pub fn to_f32(&self) -> Vec<f32> {
         match self.dtype {

@@ -128,8 +128,9 @@ pub struct SegmentPlan {
     /// nothing at the others (which hold the same).
     pub saved: Range<usize>,
     /// The part whose parameters it answers for in the model's norms (the report's): its held
-    /// shard where the parameters are sharded (ZeRO-3); the whole segment at the group's first
-    /// replica and nothing at the others where every replica holds them — one replica's
+    /// shard where the parameters are sharded (ZeRO-3) or gathered in 16 bits (ZeRO-1/2 under
+    /// mixed precision: the rest it holds are rounded copies); the whole segment at the group's
+    /// first replica and nothing at the others where every replica holds them — one replica's
     /// parameters, as the checkpoint of ZeRO-0 holds one replica's.
     pub reported: Range<usize>,
     /// Where `held` starts among the actor's held parameters (its segments' held parts,
@@ -150,8 +151,11 @@ impl SegmentPlan {
 
     /// The segment's parts under ZeRO stage `zero`, for replica `replica` whose shard is `own`
     /// (of `params` elements), its held part starting at `held_at` and its state at `state_at`.
+    ///
+    /// With `rounded_gathers` (16-bit parameter gathers, mixed precision) a replica reports its
+    /// own shard under ZeRO-1/2 too: the rest of what it holds are rounded copies.
     fn parts(
-        zero: ZeroStage,
+        (zero, rounded_gathers): (ZeroStage, bool),
         replica: usize,
         (start, end, params): (usize, usize, usize),
         own: Range<usize>,
@@ -172,7 +176,7 @@ impl SegmentPlan {
             updated: pick(zero.shards_optimizer()),
             grads: pick(zero.shards_gradients()),
             saved: first_or(zero.shards_optimizer()),
-            reported: first_or(zero.shards_parameters()),
+            reported: first_or(zero.shards_parameters() || (rounded_gathers && zero.shards_optimizer())),
             own,
             held_at,
             state_at,
@@ -211,13 +215,19 @@ impl ActorTraining {
         let plan = &program.plan;
         let replicas = plan.dp;
         let zero = plan.zero_stage();
+        let rounded_gathers = (zero, program.precision.compute != crate::DType::F32);
         let (mut held_at, mut state_at) = (0, 0);
         let mut segments = Vec::with_capacity(buckets.len());
         for b in buckets {
             let params = block_params(&program.model, b.start..b.end);
             let own = shard_range(params, replicas, replica);
-            let segment =
-                SegmentPlan::parts(zero, replica, (b.start, b.end, params), own, (held_at, state_at));
+            let segment = SegmentPlan::parts(
+                rounded_gathers,
+                replica,
+                (b.start, b.end, params),
+                own,
+                (held_at, state_at),
+            );
             held_at += segment.held.len();
             state_at += segment.updated.len();
             segments.push(segment);

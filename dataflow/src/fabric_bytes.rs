@@ -177,10 +177,10 @@ pub fn collective_read_elems(kind: CollectiveKind, group: &[ActorId], me: ActorI
 }
 
 /// Each actor's predicted fabric bytes per step, from its instruction stream: every collective
-/// it takes part in and every tensor it receives, with the sizes the layout gives (f32 values:
-/// a segment's parameters for its bucket and gathers, a micro-batch of the boundary block's
-/// output for an activation and its gradient, one value for clipping's sum of squares and two
-/// per parameter tensor for LAMB's).
+/// it takes part in and every tensor it receives, with the sizes the layout gives (a segment's
+/// parameters for its bucket and gathers, in the collective's dtype; a micro-batch of the boundary
+/// block's output for an activation and its gradient, in the compute dtype; one f32 value for
+/// clipping's sum of squares and two per parameter tensor for LAMB's).
 pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
     let program = &plan.program;
     let rows = program.plan.batch / program.plan.dp.max(1) / program.plan.microbatches.max(1);
@@ -196,7 +196,8 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
                 .sum::<usize>();
             let elems = |t: &TensorId| tensor_elems(&program.model, plan, rows, trust_len, t);
             for instruction in &actor.stream.instructions {
-                // Training's received tensors are f32; a collective names its dtype.
+                // A collective names its dtype; received activations and their gradients are
+                // in the compute dtype.
                 let (kind, read, size) = match instruction {
                     Instruction::StartCollective {
                         kind,
@@ -209,7 +210,11 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
                         collective_read_elems(*kind, group, actor.actor, elems(tensor)),
                         dtype.size() as u64,
                     ),
-                    Instruction::Recv { tensor, .. } => (FabricKind::of(tensor), elems(tensor) as u64, 4),
+                    Instruction::Recv { tensor, .. } => (
+                        FabricKind::of(tensor),
+                        elems(tensor) as u64,
+                        program.precision.compute.size() as u64,
+                    ),
                     _ => continue,
                 };
                 if let Some(kind) = kind {

@@ -377,7 +377,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     );
     layout.islands = island_indices(&program.islands, mesh.size())?;
     let norms = StepNorms::of(program);
-    let graph = crate::passes::step::build_step(
+    let mut graph = crate::passes::step::build_step(
         &layout,
         plan.batch,
         &orders,
@@ -385,6 +385,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         plan.offload.is_some(),
         norms,
     );
+    crate::passes::precision::apply(&mut graph, &program.precision);
     let streams = crate::passes::lower::lower(&graph);
     verify(&streams)?;
     let optimizer_s: Vec<f64> = (0..pp)

@@ -2,10 +2,11 @@
 //! parameters and the optimizer state stay f32 (Micikevicius et al., "Mixed Precision Training",
 //! 2018: an f32 master, a 16-bit compute copy refreshed after every update, the loss in f32).
 //!
-//! What is built (issue 38, first step): `--precision f32|bf16` on every layout, with the
-//! gradients read into f32 buckets (accumulated over micro-batches in f32) and reduced in f32,
-//! activations crossing stages in f32. f16 needs loss scaling, which is not built yet: the plan
-//! refuses it, naming bf16.
+//! What is built (issue 38): `--precision f32|bf16` on every layout. Gradients are read into f32
+//! buckets (accumulated over micro-batches in f32) and reduced in the compute dtype
+//! (`--grad-reduce-dtype f32` keeps f32 on the wire); ZeRO's parameter gathers and the
+//! activations crossing pipeline stages move in the compute dtype (`passes/precision.rs`). f16
+//! needs loss scaling, which is not built yet: the plan refuses it, naming bf16.
 //!
 //! ```
 //! use archipelago_dataflow::{DType, Precision};
@@ -25,6 +26,10 @@ use crate::program::Program;
 pub struct Precision {
     /// The dtype of the modules' parameters, activations and gradients in forward and backward.
     pub compute: DType,
+    /// The dtype gradients are reduced in between replicas (`--grad-reduce-dtype`): `None`, the
+    /// compute dtype; `Some(F32)` keeps f32 on the wire.
+    #[serde(default)]
+    pub grad_reduce: Option<DType>,
 }
 
 impl Precision {
@@ -38,7 +43,24 @@ impl Precision {
                 return Err(format!("--precision {other}: expected f32, bf16 or f16"));
             }
         };
-        Ok(Precision { compute })
+        Ok(Precision {
+            compute,
+            grad_reduce: None,
+        })
+    }
+
+    /// The same with gradients reduced in `dtype` (`--grad-reduce-dtype`; `plan` refuses any but
+    /// f32 and the compute dtype).
+    pub fn with_grad_reduce(self, dtype: DType) -> Precision {
+        Precision {
+            grad_reduce: Some(dtype),
+            ..self
+        }
+    }
+
+    /// The dtype gradient buckets cross the fabric in.
+    pub fn reduce_dtype(&self) -> DType {
+        self.grad_reduce.unwrap_or(self.compute)
     }
 
     /// Whether forward and backward run in a 16-bit dtype.
@@ -49,7 +71,18 @@ impl Precision {
 
 /// Refuses a precision the trainer cannot run, naming what to change.
 pub fn check(program: &Program) -> Result<(), PlanError> {
-    match program.precision.compute {
+    let precision = program.precision;
+    if let Some(reduce) = precision.grad_reduce
+        && reduce != DType::F32
+        && reduce != precision.compute
+    {
+        return Err(PlanError::Conflict(format!(
+            "--grad-reduce-dtype {reduce} with --precision {}: gradients are reduced in the compute \
+             dtype or in f32; use --grad-reduce-dtype {} or f32",
+            precision.compute, precision.compute
+        )));
+    }
+    match precision.compute {
         DType::F32 | DType::BF16 => Ok(()),
         DType::F16 => Err(PlanError::Conflict(
             "--precision f16 needs loss scaling (f16 gradients underflow without it), which is not built \

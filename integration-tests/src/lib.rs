@@ -3,6 +3,7 @@
 //! replicas agree element by element ([`replicas`]), and [`assert_equivalent`] checks both runs'.
 
 pub mod closed_form;
+pub mod precision;
 pub mod replicas;
 pub mod torch_fixture;
 

@@ -1,8 +1,8 @@
 //! Mixed precision (issue 38; Micikevicius et al., "Mixed Precision Training", 2018): a bf16
 //! compute copy of the weights over the f32 master trains a small gpt and an mlp to within 2% of
 //! f32's loss (the mean of the last 20 steps, never one step's), under Adam and under SGD (which
-//! passes the gradient's scale on as it is); every layout in bf16 trains as bf16 on one device
-//! does; the compute copy takes 2 bytes per parameter beside the f32 master.
+//! passes the gradient's scale on as it is); the compute copy takes 2 bytes per parameter beside
+//! the f32 master. The layouts and the fabric's bytes are `mixed_precision_layouts.rs`'s.
 //!
 //! Negative controls, each caught at least [`MARGIN`]× past its tolerance: bf16 compared with f32
 //! at f32's tolerance (the run really computed in bf16); a compute copy never refreshed after the
@@ -10,13 +10,10 @@
 //! f32 master (`TestFault::RoundedMaster`), under SGD at a rate whose updates fall below half a
 //! bf16 place.
 
-use archipelago_controller::{TrainOptions, TrainReport};
-use archipelago_dataflow::{
-    DType, ModelSpec, OptimizerSpec, ParallelPlan, Precision, Program, StatePlacement, TestFault,
-};
-use archipelago_integration_tests::{
-    MARGIN, assert_caught, assert_replicas_agree, assert_same_losses_and_norms, train_program,
-};
+use archipelago_controller::TrainReport;
+use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Precision, TestFault};
+use archipelago_integration_tests::precision::{bf16, program, run};
+use archipelago_integration_tests::{MARGIN, assert_caught};
 
 const GPT: &str = "gpt:vocab=64,ctx=16,d=32,layers=2,heads=2";
 const MLP: &str = "mlp:in=16,hidden=64,layers=3,out=4";
@@ -28,33 +25,11 @@ const LAST: usize = 20;
 /// The bound of the issue: bf16's mean loss over the last steps within 2% of f32's.
 const LOSS_BOUND: f64 = 0.02;
 
-fn bf16() -> Precision {
-    Precision { compute: DType::BF16 }
-}
-
-fn program(model: &str, optimizer: OptimizerSpec, precision: Precision, plan: ParallelPlan) -> Program {
-    Program::new(ModelSpec::parse(model).expect("model spec"))
-        .with_seed(7)
-        .with_optimizer(optimizer)
-        .with_precision(precision)
-        .with_plan(plan)
-}
-
 fn one_device(batch: usize) -> ParallelPlan {
     ParallelPlan {
         batch,
         ..ParallelPlan::default()
     }
-}
-
-fn run(program: &Program, steps: u64) -> TrainReport {
-    train_program(
-        program,
-        &TrainOptions {
-            steps,
-            ..TrainOptions::default()
-        },
-    )
 }
 
 /// The mean loss of the last [`LAST`] steps.
@@ -153,91 +128,6 @@ fn without_the_f32_master_small_updates_vanish() {
     rounded.test_fault = Some(TestFault::RoundedMaster);
     let gap = loss_gap(&f32_run, &run(&rounded, STEPS));
     assert_caught("a master rounded to bf16", gap, LOSS_BOUND, MARGIN);
-}
-
-/// Every layout trains in bf16 as bf16 does on one device with the same micro-batch shape, bit
-/// for bit: the gradients are widened into f32 buckets, and a sum of two f32 micro-batch buckets
-/// is the same sum whether it is accumulated on one actor or all-reduced between two (the
-/// parameters gathered in f32 too, the activations crossing stages in f32). Under Adam and SGD.
-#[test]
-fn bf16_on_every_layout_equals_bf16_on_one_device() {
-    const TOLERANCE: f64 = 1e-6;
-    let steps = 8;
-    let layout = |dp: usize, pp: usize, zero: u8, microbatches: usize| ParallelPlan {
-        dp,
-        pp,
-        zero,
-        microbatches,
-        batch: 8,
-        bucket_bytes: 8 << 10,
-        ..ParallelPlan::default()
-    };
-    for optimizer in [OptimizerSpec::adam(1e-2), OptimizerSpec::sgd(0.5)] {
-        // Rows per micro-batch 4: one device with two micro-batches, dp=2 with one.
-        let reference = run(&program(GPT, optimizer, bf16(), layout(1, 1, 0, 2)), steps);
-        let expected = params(&reference);
-        let layouts = [
-            ("dp=2", layout(2, 1, 0, 1), 2),
-            ("dp=2 ZeRO-1", layout(2, 1, 1, 1), 2),
-            ("dp=2 ZeRO-2", layout(2, 1, 2, 1), 2),
-            ("dp=2 ZeRO-3", layout(2, 1, 3, 1), 2),
-            ("pp=2", layout(1, 2, 0, 2), 2),
-            ("pp=2 × dp=2 ZeRO-1", layout(2, 2, 1, 2), 4),
-            (
-                "state on the device",
-                ParallelPlan {
-                    state: StatePlacement::Device,
-                    ..layout(1, 1, 0, 2)
-                },
-                2,
-            ),
-        ];
-        for (what, plan, microbatches) in layouts {
-            let what = format!("bf16 {what} {}", optimizer.name());
-            let same_shape = if microbatches == 2 {
-                reference.clone()
-            } else {
-                run(
-                    &program(GPT, optimizer, bf16(), layout(1, 1, 0, microbatches)),
-                    steps,
-                )
-            };
-            let report = run(&program(GPT, optimizer, bf16(), plan), steps);
-            let apart = max_abs(&params(&same_shape), &params(&report));
-            assert!(
-                apart <= TOLERANCE,
-                "{what}: parameters {apart:e} apart from one device"
-            );
-            assert_same_losses_and_norms(&same_shape, &report, TOLERANCE, &what);
-        }
-        // Control: f32 on one device is caught by the same comparison.
-        let f32_run = run(
-            &program(GPT, optimizer, Precision::default(), layout(1, 1, 0, 2)),
-            steps,
-        );
-        let apart = max_abs(&expected, &params(&f32_run));
-        assert_caught(
-            &format!("f32 against bf16, {}", optimizer.name()),
-            apart,
-            TOLERANCE,
-            MARGIN,
-        );
-    }
-}
-
-/// Every parameter of a run (each block's, concatenated; every replica agreeing).
-fn params(report: &TrainReport) -> Vec<f32> {
-    let model = ModelSpec::parse(&report.model).expect("model spec").desc();
-    assert_replicas_agree(report, &model, &report.model).concat()
-}
-
-/// The largest element-wise difference.
-fn max_abs(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len(), "parameter counts");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() as f64)
-        .fold(0.0, f64::max)
 }
 
 /// The compute copy holds 2 bytes per parameter in bf16, 4 in f32, beside an f32 master of the

@@ -379,6 +379,7 @@ impl<B: Backend> DeviceState<B> {
         &mut self,
         start: usize,
         values: Vec<f32>,
+        keep_own: bool,
         device: &B::Device,
     ) -> Result<Tensor<B, 1>, String> {
         let s = self
@@ -393,7 +394,14 @@ impl<B: Backend> DeviceState<B> {
             ));
         }
         let n = values.len();
-        s.master = upload(TensorData::new(values, [n]), device, TransferKind::Parameter);
+        let gathered = upload(TensorData::new(values, [n]), device, TransferKind::Parameter);
+        let own = s.place.update.clone();
+        s.master = if keep_own && !own.is_empty() {
+            // The segment is held whole: its own shard is at the same place in the master.
+            gathered.slice_assign([own.clone()], s.master.clone().slice([own]))
+        } else {
+            gathered
+        };
         Ok(s.master.clone())
     }
 

@@ -22,9 +22,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         let t = table
             .remove(name)
             .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
-        if t.dtype() != archipelago_dataflow::DType::F32 {
+        let compute = crate::precision::plan_dtype(self.stage.compute);
+        if t.dtype() != compute {
             return Err(format!(
-                "`{name}` arrived as {}; activations cross stages as f32",
+                "`{name}` arrived as {}; activations cross stages in the compute dtype, {compute}",
                 t.dtype()
             ));
         }

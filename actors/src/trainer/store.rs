@@ -322,16 +322,19 @@ impl<B: Backend> Store<B> {
     }
 
     /// Takes the gathered parameters of `segment` (every replica's updated shard): on the
-    /// device, a segment held whole becomes its master there; otherwise they are given back.
+    /// device, a segment held whole becomes its master there (keeping this replica's own f32
+    /// shard where `keep_own`: a 16-bit gather carries rounded values); otherwise they are given
+    /// back.
     pub(super) fn take_gathered(
         &mut self,
         segment: &SegmentPlan,
         params: TypedTensor,
+        keep_own: bool,
         device: &B::Device,
     ) -> Result<Gathered<B>, String> {
         match self {
             Store::Device(d) if segment.held.len() == segment.params => {
-                let master = d.load_gathered(segment.start, params.into_f32_vec(), device)?;
+                let master = d.load_gathered(segment.start, params.into_f32_vec(), keep_own, device)?;
                 Ok(Gathered::OnDevice(master))
             }
             _ => Ok(Gathered::OnHost(params)),

@@ -122,6 +122,11 @@ pub(super) mod part_of {
         (s.held.clone(), s.held_at)
     }
 
+    /// What it updates, placed as the held part is (which holds it).
+    pub(in super::super) fn updated(s: &SegmentPlan) -> (Range<usize>, usize) {
+        (s.updated.clone(), s.held_at)
+    }
+
     /// What it answers for in the model's norms, placed as the held part is.
     pub(in super::super) fn reported(s: &SegmentPlan) -> (Range<usize>, usize) {
         (s.reported.clone(), s.held_at)
@@ -295,17 +300,26 @@ impl<B: AutodiffBackend> Trainer<B> {
                 segment.params
             ));
         }
+        let keep_own = self.stage.compute != burn::tensor::FloatDType::F32;
         let params = match self
             .state
             .store
-            .take_gathered(&segment, params, &self.stage.device)?
+            .take_gathered(&segment, params, keep_own, &self.stage.device)?
         {
             Gathered::OnDevice(master) => return self.load_modules_from(blocks, master),
             Gathered::OnHost(params) => params,
         };
-        let held = segment.in_held(&segment.held);
-        if let Some(into) = self.state.store.held_mut(&mut self.state.held, held) {
-            into.copy_from_slice(&params.f32s()[segment.held.clone()]);
+        // A 16-bit gather (mixed precision) carries the compute copy: it may refresh the parts
+        // this replica holds but does not update, never its f32 master of what it updates.
+        let parts = match self.stage.compute {
+            burn::tensor::FloatDType::F32 => vec![segment.held.clone()],
+            _ => outside(&segment.held, &segment.updated),
+        };
+        for part in parts {
+            let at = segment.in_held(&part);
+            if let Some(into) = self.state.store.held_mut(&mut self.state.held, at) {
+                into.copy_from_slice(&params.f32s()[part]);
+            }
         }
         let base = self.stage.offsets[blocks.start];
         for index in blocks {
@@ -324,14 +338,34 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// The held parameters of each held block, as the parts of the blocks they cover (from the
     /// store: the offload tier keeps them under `--offload-params`).
+    ///
+    /// Under mixed precision only the parts it updates: a 16-bit gather (ZeRO-1/2) leaves the
+    /// others as rounded copies of their owners' f32 masters, not masters of their own.
     pub(super) fn held_block_params(&self) -> Result<Vec<HeldParams>, String> {
         let mut out = Vec::new();
+        let offsets = &self.stage.offsets;
+        let rounded_copies = self.stage.compute != burn::tensor::FloatDType::F32;
         self.for_each_held_part(|block, range, values| {
-            out.push(HeldParams {
-                block,
-                range,
-                values: values.to_vec(),
-            })
+            if !rounded_copies {
+                out.push(HeldParams {
+                    block,
+                    range,
+                    values: values.to_vec(),
+                });
+                return;
+            }
+            let Some((updated, _)) = (self.state.sharding).block_part(block, offsets, part_of::updated)
+            else {
+                return;
+            };
+            let (from, to) = (updated.start.max(range.start), updated.end.min(range.end));
+            if from < to {
+                out.push(HeldParams {
+                    block,
+                    range: from..to,
+                    values: values[from - range.start..to - range.start].to_vec(),
+                });
+            }
         })?;
         Ok(out)
     }
@@ -382,4 +416,18 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         Ok(())
     }
+}
+
+/// The parts of `whole` outside `part` (before it and after it; empty ones left out).
+fn outside(whole: &Range<usize>, part: &Range<usize>) -> Vec<Range<usize>> {
+    if part.is_empty() {
+        return vec![whole.clone()];
+    }
+    [
+        whole.start..part.start.max(whole.start),
+        part.end.min(whole.end)..whole.end,
+    ]
+    .into_iter()
+    .filter(|r| r.start < r.end)
+    .collect()
 }

@@ -59,9 +59,14 @@ pub struct JobArgs {
     pub clip_grad_norm: Option<f32>,
     /// The dtype forward and backward compute in: f32, or bf16 (mixed precision: a bf16 copy of
     /// the weights for compute, f32 master weights and optimizer state, the loss, softmax and
-    /// LayerNorm statistics in f32, gradients accumulated and reduced in f32).
+    /// LayerNorm statistics in f32, gradients accumulated in f32 and reduced in bf16, ZeRO gathers
+    /// and pipeline activations in bf16).
     #[arg(long, default_value = "f32")]
     pub precision: String,
+    /// The dtype gradients are reduced in between replicas: the compute dtype (the default: half
+    /// the bytes of f32 on the wire under bf16) or f32.
+    #[arg(long)]
+    pub grad_reduce_dtype: Option<String>,
     /// Learning-rate schedule after the warmup: constant, cosine or linear (decaying to
     /// --lr-final-fraction of --lr at the last step).
     #[arg(long, default_value = "constant")]
@@ -175,6 +180,12 @@ impl JobArgs {
         };
         self.set_optimizer(&mut program)?;
         program.precision = Precision::parse(&self.precision).map_err(anyhow::Error::msg)?;
+        if let Some(name) = &self.grad_reduce_dtype {
+            let reduce = Precision::parse(name).map_err(|_| {
+                anyhow::anyhow!("--grad-reduce-dtype {name}: expected f32 or the compute dtype")
+            })?;
+            program.precision = program.precision.with_grad_reduce(reduce.compute);
+        }
         program.devices = match &self.devices {
             Some(list) => DeviceSpec::parse_list(list)?,
             None => DeviceSpec::cpus(self.dp * self.pp),

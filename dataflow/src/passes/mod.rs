@@ -9,6 +9,7 @@ pub mod offload;
 pub mod optimizer;
 pub mod partition;
 pub mod pipeline;
+pub mod precision;
 pub mod runs;
 pub mod schedule;
 pub mod step;
