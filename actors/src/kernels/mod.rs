@@ -10,7 +10,8 @@
 //! head's products read and written where the heads lie, no head-split copies, one softmax pass
 //! per row) and burn's composed ops elsewhere ([`composed_causal_attention`], its reference).
 //! [`gelu`] is one vectorised node on `Autodiff<Flex>` (forward and derivative in one pass), and
-//! [`layer_norm`] one node (burn composes it of nine).
+//! [`layer_norm`] one node (burn composes it of nine). With 16-bit parameters (mixed precision)
+//! [`linear`] is one node too: the product, the bias and the gradients in f32, rounded once.
 //!
 //! Which library does the work is the process's choice, `ARCHIPELAGO_CPU_MATMUL`:
 //! `auto` (the default: OpenBLAS where a thread-safe build loads and one of its core types
@@ -21,6 +22,7 @@
 
 mod attention;
 mod autodiff_attention;
+mod autodiff_linear;
 mod autodiff_matmul;
 mod cast;
 pub mod core_type;
@@ -158,6 +160,16 @@ pub trait Kernels: AutodiffBackend {
         true
     }
 
+    /// `x · weight + bias` of the flattened [`linear`]: `x` `[rows, d_in]`, `weight`
+    /// `[d_in, d_out]`, `bias` `[d_out]` ([`composed_linear`] unless the backend has its own).
+    fn kernel_linear(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        composed_linear(x, weight, bias)
+    }
+
     /// GELU, the erf form (see [`gelu`]).
     fn kernel_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         <Self as burn::tensor::ops::ActivationOps<Self>>::gelu(x)
@@ -183,6 +195,11 @@ pub trait Kernels: AutodiffBackend {
     }
 }
 
+/// A float primitive as a tensor.
+fn float<B: burn::tensor::backend::Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
 /// `x` in `dtype` through the backend's own cast (none when it already is one).
 fn cast_to<B: burn::tensor::backend::Backend>(x: FloatTensor<B>, dtype: FloatDType) -> FloatTensor<B> {
     use burn::tensor::TensorMetadata;
@@ -204,6 +221,25 @@ impl<C: CheckpointStrategy> Kernels for Autodiff<Flex, C> {
     /// batch (2026-11-26, docs/PERFORMANCE.md).
     fn flattens_linear() -> bool {
         active_openblas().is_some()
+    }
+
+    /// 16-bit operands with a bias and OpenBLAS in force: one node (`autodiff_linear.rs`), the
+    /// product, the bias add and the three gradients in f32, each result rounded once. The rest
+    /// (f32 among them) is [`composed_linear`], as before.
+    fn kernel_linear(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        let Some(bias) = bias else {
+            return composed_linear(x, weight, None);
+        };
+        let (x, weight) = (x.into_primitive().tensor(), weight.into_primitive().tensor());
+        let bias = bias.into_primitive().tensor();
+        match autodiff_linear::applies(&x.primitive, &weight.primitive, &bias.primitive) {
+            Some(blas) => float(autodiff_linear::linear::<C>(x, weight, bias, blas)),
+            None => composed_linear(float(x), float(weight), Some(float(bias))),
+        }
     }
 
     /// One vectorised pass forward (output and derivative), one multiply backward
@@ -342,11 +378,22 @@ pub fn linear<B: Kernels, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) ->
     let mut dims = x.dims();
     let d_in = dims[D - 1];
     let rows = dims[..D - 1].iter().product::<usize>();
-    let y = matmul(x.reshape([rows, d_in]), layer.weight.val());
-    let y = match &layer.bias {
-        Some(bias) => y + bias.val().unsqueeze_dim(0),
-        None => y,
-    };
+    let bias = layer.bias.as_ref().map(|bias| bias.val());
+    let y = B::kernel_linear(x.reshape([rows, d_in]), layer.weight.val(), bias);
     dims[D - 1] = y.dims()[1];
     y.reshape(dims)
+}
+
+/// The flattened [`linear`] composed of the backend's [`matmul`] and burn's broadcast add: what
+/// every backend can run, and the reference the fused 16-bit linear is tested against.
+pub fn composed_linear<B: Kernels>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    let y = matmul(x, weight);
+    match bias {
+        Some(bias) => y + bias.unsqueeze_dim(0),
+        None => y,
+    }
 }

@@ -13,7 +13,7 @@ use crate::{CpuBackend, prerequisite};
 
 /// The loaded OpenBLAS, under the rule of [`crate::prerequisite`]: under CI its absence fails
 /// the test, elsewhere the test is skipped and says why.
-fn blas() -> Option<&'static OpenBlas> {
+pub(super) fn blas() -> Option<&'static OpenBlas> {
     let fix = "scripts/test.sh installs Debian's libopenblas0-pthread (as root or with sudo)";
     prerequisite::require(openblas::library(), fix)
 }
