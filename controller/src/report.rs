@@ -62,6 +62,9 @@ pub struct ActorRecord {
     /// The compute copy of the weights inside the burn modules, beside the f32 master copy
     /// counted in `model_state_bytes`.
     pub compute_weight_bytes: u64,
+    /// The plan's estimate of `compute_weight_bytes` (in the compute dtype).
+    #[serde(default)]
+    pub estimated_compute_weight_bytes: u64,
     /// The plan's estimate of everything on its device (model state, activations, buffers).
     #[serde(default)]
     pub estimated_device_bytes: u64,

@@ -12,6 +12,11 @@
 //! replica holding Ψ parameters keeps 4Ψ of parameters, 4Ψ of gradients and 8Ψ of optimizer state;
 //! over N replicas ZeRO-1 keeps 8Ψ/N of optimizer state, ZeRO-2 also 4Ψ/N of gradients, ZeRO-3
 //! also 4Ψ/N of parameters (plus the gathered parameters of two segments, counted as buffers).
+//! Under mixed precision (`--precision bf16`) the master, the gradient buckets (which accumulate
+//! in f32) and the optimizer state stay f32, so the model state is the same 16Ψ; the compute copy
+//! of the weights (2Ψ, none between steps under ZeRO-3) is [`MemoryEstimate::compute_weights`],
+//! and activations, gathers and backward temporaries are counted in the compute dtype. (The
+//! paper's 2Ψ of 16-bit gradients would need buckets kept in 16 bits: not built.)
 
 use serde::{Deserialize, Serialize};
 
@@ -51,6 +56,12 @@ pub struct MemoryEstimate {
     /// Bytes of the offload files on disk (`--offload nvme`).
     #[serde(default)]
     pub disk: u64,
+    /// The modules' weights, the compute copy beside the f32 master, in the compute dtype
+    /// (`--precision`): every parameter of the blocks held whole between steps (none under
+    /// ZeRO-3, whose gathers are counted in `buffers`). Reported beside the model state, as the
+    /// trainer measures it (`compute_weight_bytes`), and not in [`MemoryEstimate::total`].
+    #[serde(default)]
+    pub compute_weights: u64,
 }
 
 impl MemoryEstimate {
@@ -136,6 +147,8 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
             .sum()
     };
     let in_flight = share.peak_in_flight.max(1) as u64;
+    // Activations, their gradients and the modules' weights are in the compute dtype.
+    let c = program.precision.compute.bytes();
     let activations = if program.plan.checkpoint_activations {
         let input = share
             .chunks
@@ -149,10 +162,10 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
             .map(|b| acts(b.start, b.end))
             .max()
             .unwrap_or(0);
-        4 * rows * (in_flight * input + recompute)
+        c * rows * (in_flight * input + recompute)
     } else {
         let largest = share.chunks.iter().map(|&(s, e)| acts(s, e)).max().unwrap_or(0);
-        4 * rows * in_flight * largest
+        c * rows * in_flight * largest
     };
     let largest_block = share
         .chunks
@@ -167,7 +180,7 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     // 30.3 MiB checkpointed, 81.6 plain, against 35.9 and 136.4 estimated).
     let on_gpu = matches!(program.devices.get(share.actor), Some(DeviceSpec::Cuda(_)));
     let backward_temporaries = if on_gpu {
-        BACKWARD_TEMPORARIES * 4 * rows * largest_block
+        BACKWARD_TEMPORARIES * c * rows * largest_block
     } else {
         0
     };
@@ -182,7 +195,7 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     };
     // ZeRO-3 gathers one segment's parameters while the previous one computes.
     let gathered = if zero.shards_parameters() {
-        2 * largest_bucket
+        2 * largest_bucket * c / 4
     } else {
         0
     };
@@ -204,6 +217,11 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         backward_temporaries,
         host: 0,
         disk: 0,
+        compute_weights: if zero.shards_parameters() {
+            0
+        } else {
+            params / 4 * c
+        },
     };
     if program.plan.offload.is_some() {
         offload(&mut estimate, program, share, largest_bucket, zero);

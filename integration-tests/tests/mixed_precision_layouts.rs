@@ -230,3 +230,49 @@ fn fabric_bytes_in_bf16_are_half_of_f32s() {
         eprintln!("{what}: f32 {wide:?} bytes per step, bf16 {narrow:?}");
     }
 }
+
+/// Each actor's measured model state in bf16 is the ZeRO table's (the master, the f32 gradient
+/// buckets and Adam's state: 16Ψ; 8Ψ + 8Ψ/N; 4Ψ + 12Ψ/N; 16Ψ/N) within 10%, and the plan's
+/// estimate within 10%; the compute copy beside it is 2Ψ (none between steps under ZeRO-3), as
+/// estimated.
+#[test]
+fn model_state_in_bf16_is_the_zero_table_and_the_compute_copy_two_bytes() {
+    const MLP7: &str = "mlp:in=24,hidden=48,layers=6,out=5";
+    let psi = archipelago_dataflow::ModelSpec::parse(MLP7)
+        .unwrap()
+        .desc()
+        .params() as f64;
+    let n = 2.0;
+    for zero in [0u8, 1, 2, 3] {
+        let formula = match zero {
+            0 => 16.0 * psi,
+            1 => 8.0 * psi + 8.0 * psi / n,
+            2 => 4.0 * psi + 12.0 * psi / n,
+            _ => 16.0 * psi / n,
+        };
+        let plan = ParallelPlan {
+            batch: 24,
+            ..layout(2, 1, zero, 1)
+        };
+        let report = run(&program(MLP7, OptimizerSpec::adam(1e-2), bf16(), plan), 3);
+        for a in &report.actors {
+            let what = format!("bf16 zero {zero} dp=2, actor {}", a.actor);
+            let measured = a.model_state_bytes as f64;
+            assert!(
+                (measured - formula).abs() / formula < 0.10,
+                "{what}: {measured} bytes, the formula {formula}"
+            );
+            let estimate = a.estimated_model_state_bytes as f64;
+            assert!(
+                (estimate - measured).abs() / measured < 0.10,
+                "{what}: plan {estimate} vs {measured}"
+            );
+            let copy = if zero == 3 { 0 } else { 2 * psi as u64 };
+            assert_eq!(
+                (a.compute_weight_bytes, a.estimated_compute_weight_bytes),
+                (copy, copy),
+                "{what}: compute copy"
+            );
+        }
+    }
+}

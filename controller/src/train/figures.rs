@@ -180,6 +180,7 @@ fn actor_record(
         peak_model_state_bytes: figures.peak_state_bytes[a],
         estimated_model_state_bytes: memory.model_state(),
         compute_weight_bytes: r.metrics.compute_weight_bytes,
+        estimated_compute_weight_bytes: memory.compute_weights,
         estimated_device_bytes: memory.total(),
         device_memory: r.metrics.device_memory,
         fabric_bytes_per_step: r.metrics.fabric,
