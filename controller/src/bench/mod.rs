@@ -12,6 +12,7 @@ mod kernels;
 mod offload;
 pub mod parameter_server;
 mod peers;
+mod precision;
 mod scale;
 mod soak;
 pub mod summary;
@@ -81,6 +82,10 @@ pub struct BenchArgs {
     /// steps of the same workloads right after.
     #[arg(long)]
     pub kernels_only: bool,
+    /// Run only mixed precision's section and stop: mlp-8x1024 and gpt-tiny at dp=2 in f32 and
+    /// bf16, alternated (steps/s, the bf16 step over f32's, fabric bytes, model state).
+    #[arg(long)]
+    pub precision_only: bool,
     /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
     /// collectives and DDP steps are measured right after ours, in the same window, and their
     /// figures and our ratios to them land in the JSON (`peers`). Never in CI.
@@ -135,6 +140,10 @@ fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
         data_paths_only(args, started)?
     } else if args.kernels_only {
         kernels_only(args)
+    } else if args.precision_only {
+        let (warmup, timed) = if args.quick { (2, 3) } else { (5, 30) };
+        let precision = precision::mixed_precision(warmup, timed)?;
+        json!({ "suite": "precision", "quick": args.quick, "precision": precision, "wall_s": wall() })
     } else if args.actor_api_only {
         actor_api_only(args, started)?
     } else if args.collectives_only {
@@ -334,6 +343,12 @@ fn training_sections(
         training::gpt_tiny(warmup, timed)?
     };
     progress.done("gpt_tiny");
+    let precision = if args.quick {
+        precision::mixed_precision(2, 3)?
+    } else {
+        precision::mixed_precision(warmup, timed)?
+    };
+    progress.done("precision");
     let peers = args.peers.as_deref().map(|python| {
         let (warmup, timed) = if args.quick { (2, 5) } else { (warmup, timed) };
         let torch = peers::torch_training(python, "gpt-tiny,mlp-8x1024", warmup, timed);
@@ -350,7 +365,9 @@ fn training_sections(
     if peers.is_some() {
         progress.done("peers");
     }
-    Ok(json!({ "training": training, "pipeline": pipeline, "zero": zero, "gpt_tiny": gpt, "peers": peers }))
+    Ok(
+        json!({ "training": training, "pipeline": pipeline, "zero": zero, "gpt_tiny": gpt, "precision": precision, "peers": peers }),
+    )
 }
 
 /// The matmul rate of one core (burn's Flex and the CPU kernel the runs use).
