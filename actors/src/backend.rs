@@ -28,6 +28,26 @@ pub type CudaBackend = Autodiff<burn::backend::Cuda>;
 /// Whether this build has the CUDA backend (the cargo feature `cuda`).
 pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
 
+/// Refuses a compute dtype (`--precision`) one of the `cuda:N` devices cannot run (bf16 below
+/// compute capability 8.0: [`crate::gpus::runs_compute_dtype`]), naming the device and the fix.
+/// Devices this host cannot see (no driver, another machine's plan) are not judged here;
+/// [`check_devices`] refuses those when a job starts.
+pub fn check_precision(devices: &[DeviceSpec], compute: archipelago_dataflow::DType) -> Result<(), String> {
+    if !devices.iter().any(|d| d.cuda_ordinal().is_some()) {
+        return Ok(());
+    }
+    let Ok(gpus) = crate::gpus::list() else {
+        return Ok(());
+    };
+    for ordinal in devices.iter().filter_map(|d| d.cuda_ordinal()) {
+        if let Some(gpu) = gpus.iter().find(|g| g.index == ordinal) {
+            let named = format!("cuda:{ordinal} ({})", gpu.name);
+            crate::gpus::runs_compute_dtype(&named, gpu.compute_capability, compute)?;
+        }
+    }
+    Ok(())
+}
+
 /// Checks that this process can run every device of `devices`: CPU devices always; `cuda:N`
 /// only in a build with the `cuda` feature, with an NVIDIA driver and at least `N + 1` GPUs.
 pub fn check_devices(devices: &[DeviceSpec]) -> Result<(), String> {

@@ -11,6 +11,28 @@ pub struct Gpu {
     pub name: String,
     /// Its memory in bytes.
     pub memory_bytes: u64,
+    /// Its compute capability, `(major, minor)` (bf16 tensor cores from 8.0); `(0, 0)` where
+    /// unknown (a report from before it was read).
+    #[serde(default)]
+    pub compute_capability: (u32, u32),
+}
+
+/// Whether a GPU of compute capability `capability` computes in `dtype` (a compute dtype of
+/// `--precision`): bf16 arithmetic needs 8.0 (Ampere) or later, f16 and f32 run on every GPU
+/// the CUDA backend supports. An error that names the GPU's capability and the fix.
+pub fn runs_compute_dtype(
+    gpu: &str,
+    capability: (u32, u32),
+    dtype: archipelago_dataflow::DType,
+) -> Result<(), String> {
+    let (major, minor) = capability;
+    if dtype == archipelago_dataflow::DType::BF16 && major > 0 && major < 8 {
+        return Err(format!(
+            "--precision bf16 on {gpu}: its compute capability {major}.{minor} has no bf16 arithmetic \
+             (8.0 and later do); use --precision f32 there, or a GPU of compute capability 8.0 or later"
+        ));
+    }
+    Ok(())
 }
 
 /// The GPUs the CUDA driver sees, or why there are none to be had (no driver, the driver failed,
@@ -114,12 +136,50 @@ mod probe {
                 #[allow(unsafe_code)]
                 let memory =
                     unsafe { result::device::total_mem(dev) }.map_err(|e| format!("cuda:{i}: {e}"))?;
+                let attribute = |attribute| {
+                    // SAFETY: `dev` is a device handle the driver just returned for ordinal `i`.
+                    #[allow(unsafe_code)]
+                    let value = unsafe { result::device::get_attribute(dev, attribute) };
+                    value
+                        .map(|v| v.max(0) as u32)
+                        .map_err(|e| format!("cuda:{i}: {e}"))
+                };
+                use sys::CUdevice_attribute::{
+                    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR as MAJOR,
+                    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR as MINOR,
+                };
                 Ok(Gpu {
                     index: i as u32,
                     name,
                     memory_bytes: memory as u64,
+                    compute_capability: (attribute(MAJOR)?, attribute(MINOR)?),
                 })
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use archipelago_dataflow::DType;
+
+    /// bf16 is refused below compute capability 8.0, naming the GPU, its capability and the fix;
+    /// f32 and f16 run everywhere; an unknown capability is not refused.
+    #[test]
+    fn bf16_needs_compute_capability_eight() {
+        let refused = super::runs_compute_dtype("cuda:0 (Tesla V100)", (7, 0), DType::BF16).unwrap_err();
+        assert!(
+            refused.contains("7.0") && refused.contains("--precision f32"),
+            "{refused}"
+        );
+        for ok in [
+            ((8, 0), DType::BF16),
+            ((9, 0), DType::BF16),
+            ((7, 0), DType::F16),
+            ((7, 0), DType::F32),
+        ] {
+            assert_eq!(super::runs_compute_dtype("cuda:0", ok.0, ok.1), Ok(()), "{ok:?}");
+        }
+        assert_eq!(super::runs_compute_dtype("cuda:0", (0, 0), DType::BF16), Ok(()));
     }
 }

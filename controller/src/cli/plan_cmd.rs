@@ -70,6 +70,10 @@ fn compile(args: &PlanArgs, train: &TrainArgs) -> anyhow::Result<(Plan, String)>
     let mut program = train.job.program()?;
     // Refused before anything is timed.
     Controller::local(program.devices.clone()).plan(&program)?;
+    // A precision this host's GPUs cannot run (bf16 below compute capability 8.0), when it has
+    // the GPUs the plan names.
+    archipelago_actors::backend::check_precision(&program.devices, program.precision.compute)
+        .map_err(anyhow::Error::msg)?;
     let calibration = cost_model(&args.rate, &program)?;
     program.cost_model = Some(calibration.cost_model);
     let controller = Controller::local(program.devices.clone());

@@ -104,6 +104,8 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         // Refused here, before anything starts: a `cuda:N` this process cannot run.
         let devices: Vec<DeviceSpec> = plan.actors.iter().map(|a| a.device).collect();
         archipelago_actors::check_devices(&devices).map_err(anyhow::Error::msg)?;
+        archipelago_actors::backend::check_precision(&devices, program.precision.compute)
+            .map_err(anyhow::Error::msg)?;
     }
     let controller = match &args.controller {
         Some(addr) => {
