@@ -437,7 +437,12 @@ impl<B: Backend> ModuleMapper<B> for LoadMapper<'_, B> {
 /// compute copy crosses to its device in its own bytes.
 fn host_data(values: &[f32], shape: burn::tensor::Shape, dtype: DType) -> TensorData {
     match dtype {
-        DType::BF16 => TensorData::new(values.iter().map(|&x| half::bf16::from_f32(x)).collect(), shape),
+        DType::BF16 => {
+            let rounded = values
+                .iter()
+                .map(|&x| half::bf16::from_bits(crate::kernels::narrow_bf16(x)));
+            TensorData::new(rounded.collect(), shape)
+        }
         DType::F16 => TensorData::new(values.iter().map(|&x| half::f16::from_f32(x)).collect(), shape),
         _ => TensorData::new(values.to_vec(), shape),
     }

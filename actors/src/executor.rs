@@ -425,7 +425,7 @@ impl Executor {
                 // back when the collective ends (masters and buckets stay f32).
                 let held = value.dtype();
                 let value = match value.cast_float(*dtype) {
-                    Some(cast) if held == DType::F32 || held == *dtype => cast,
+                    Ok(cast) if held == DType::F32 || held == *dtype => cast,
                     _ => {
                         let why =
                             format!("`{tensor}` is {held} here, the plan reduces it as {dtype} (tag {tag})");
@@ -448,8 +448,8 @@ impl Executor {
                 Self::count_read(&mut self.fabric_read, tensor, read);
                 let bytes = value.byte_len() as u64;
                 let value = match value.cast_float(held) {
-                    Some(widened) => widened,
-                    None => {
+                    Ok(widened) => widened,
+                    Err(value) => {
                         let why = format!(
                             "collective {tag} gave `{tensor}` as {}, not a float",
                             value.dtype()

@@ -414,32 +414,39 @@ impl TypedTensor {
         }
     }
 
-    /// The values of a float tensor in another float dtype (f32 ⇄ bf16/f16, rounded to nearest
-    /// even when narrowing): how a collective carries an f32 buffer in 16 bits (mixed precision).
-    /// `None` when either dtype is not a float type.
-    pub fn cast_float(&self, dtype: DType) -> Option<TypedTensor> {
+    /// This float tensor in another float dtype (f32 ⇄ bf16/f16, rounded to nearest even when
+    /// narrowing, in one pass over the values): how a collective carries an f32 buffer in 16 bits
+    /// (mixed precision). Itself, buffer untouched, when already in `dtype`; the tensor back when
+    /// either dtype is not a float type.
+    pub fn cast_float(self, dtype: DType) -> Result<TypedTensor, TypedTensor> {
         use half::slice::HalfFloatSliceExt;
-        if !self.dtype.is_float() || !dtype.is_float() {
-            return None;
-        }
         if self.dtype == dtype {
-            return Some(self.clone());
+            return Ok(self);
+        }
+        if !self.dtype.is_float() || !dtype.is_float() {
+            return Err(self);
         }
         let shape = self.shape.clone();
-        let wide = self.to_f32();
-        Some(match dtype {
-            DType::F32 => TypedTensor::new(shape, wide),
-            DType::BF16 => {
-                let mut narrow = vec![half::bf16::ZERO; wide.len()];
-                narrow.convert_from_f32_slice(&wide);
-                TypedTensor::from_values(shape, &narrow)
-            }
+        if dtype == DType::F32 {
+            return Ok(TypedTensor::new(shape, self.to_f32()));
+        }
+        let wide;
+        let values = match self.dtype {
+            DType::F32 => self.values::<f32>(),
             _ => {
-                let mut narrow = vec![half::f16::ZERO; wide.len()];
-                narrow.convert_from_f32_slice(&wide);
-                TypedTensor::from_values(shape, &narrow)
+                wide = self.to_f32();
+                &wide
             }
-        })
+        };
+        let bits: Vec<u16> = match dtype {
+            DType::BF16 => values.iter().map(|&x| crate::kernels::narrow_bf16(x)).collect(),
+            _ => {
+                let mut narrow = vec![half::f16::ZERO; values.len()];
+                narrow.convert_from_f32_slice(values);
+                narrow.into_iter().map(half::f16::to_bits).collect()
+            }
+        };
+        Ok(TypedTensor::from_payload(dtype, shape, Payload::B2(bits)).expect("the same element count"))
     }
 
     /// The elements widened to f32 (integers converted, 16-bit floats expanded).
@@ -459,6 +466,38 @@ impl TypedTensor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// f32 → bf16/f16 rounds as `half` does and widens back exactly; the same dtype hands the
+    /// buffer on without a copy; integers are refused.
+    #[test]
+    fn float_casts_round_once_and_keep_a_same_dtype_buffer() {
+        let values = [1.0f32, -2.5e-3, 3.141_592_7, 65_504.0, 1.000_000_1];
+        let t = TypedTensor::new(vec![5], values.to_vec());
+        let before = t.f32s().as_ptr();
+        let same = t.cast_float(DType::F32).unwrap();
+        assert_eq!(same.f32s().as_ptr(), before, "no copy for the same dtype");
+        for dtype in [DType::BF16, DType::F16] {
+            let narrow = same.clone().cast_float(dtype).unwrap();
+            let expected: Vec<f32> = values
+                .iter()
+                .map(|&x| match dtype {
+                    DType::BF16 => half::bf16::from_f32(x).to_f32(),
+                    _ => half::f16::from_f32(x).to_f32(),
+                })
+                .collect();
+            assert_eq!(narrow.dtype(), dtype);
+            assert_eq!(
+                narrow.cast_float(DType::F32).unwrap().f32s(),
+                &expected[..],
+                "{dtype}"
+            );
+        }
+        assert!(
+            TypedTensor::from_values(vec![1], &[3i32])
+                .cast_float(DType::F32)
+                .is_err()
+        );
+    }
 
     #[test]
     fn every_dtype_round_trips_through_its_bytes() {

@@ -239,3 +239,17 @@ pub fn stateful_rules() -> [OptimizerSpec; 2] {
             .with_weight_decay(0.05),
     ]
 }
+
+/// Copies the directory `from` (a checkpoint) to `to`, recursively.
+pub fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}

@@ -12,7 +12,7 @@ use archipelago_controller::{TrainOptions, TrainReport};
 use archipelago_dataflow::{LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, Program};
 use archipelago_integration_tests::closed_form::{excess, read_params};
 use archipelago_integration_tests::{
-    max_relative_difference, small_plan as plan, train_program, train_with_options,
+    copy_dir, max_relative_difference, small_plan as plan, train_program, train_with_options,
 };
 
 const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
@@ -28,19 +28,6 @@ fn options(steps: u64, dir: Option<&Path>, every: u64, resume: bool) -> TrainOpt
         // resumed run's total, which the resume must be told it may change.
         resume_override: if resume { vec!["steps".into()] } else { Vec::new() },
         ..TrainOptions::default()
-    }
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
     }
 }
 

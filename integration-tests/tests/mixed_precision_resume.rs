@@ -9,7 +9,7 @@ use std::path::Path;
 use archipelago_controller::{TrainOptions, TrainReport};
 use archipelago_dataflow::{DType, OptimizerSpec, ParallelPlan, Precision};
 use archipelago_integration_tests::precision::{bf16, max_abs, params, program};
-use archipelago_integration_tests::{MARGIN, assert_caught, small_plan as plan, train_program};
+use archipelago_integration_tests::{MARGIN, assert_caught, copy_dir, small_plan as plan, train_program};
 
 const MLP: &str = "mlp:in=24,hidden=48,layers=6,out=5";
 
@@ -120,17 +120,4 @@ fn another_precision_needs_the_override() {
             && refused.contains("--resume-override precision"),
         "{refused}"
     );
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
 }

@@ -59,9 +59,10 @@ fn widen_bf16(bits: u16) -> f32 {
 }
 
 /// f32 rounded to bf16's bits, to nearest even, NaN kept quiet: `half`'s `bf16::from_f32` in
-/// branch-free arithmetic the compiler vectorises.
+/// branch-free arithmetic the compiler vectorises. The workspace's one f32 → bf16 rounding: the
+/// kernels', the collectives' 16-bit edges (`TypedTensor::cast_float`) and the modules' loads.
 #[inline(always)]
-fn narrow_bf16(x: f32) -> u16 {
+pub(crate) fn narrow_bf16(x: f32) -> u16 {
     let bits = x.to_bits();
     let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
     let nan = (bits & 0x7FFF_FFFF) > 0x7F80_0000;
