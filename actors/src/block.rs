@@ -440,7 +440,7 @@ fn host_data(values: &[f32], shape: burn::tensor::Shape, dtype: DType) -> Tensor
         DType::BF16 => {
             let rounded = values
                 .iter()
-                .map(|&x| half::bf16::from_bits(crate::kernels::narrow_bf16(x)));
+                .map(|&x| half::bf16::from_bits(crate::typed_tensor::narrow_bf16(x)));
             TensorData::new(rounded.collect(), shape)
         }
         DType::F16 => TensorData::new(values.iter().map(|&x| half::f16::from_f32(x)).collect(), shape),

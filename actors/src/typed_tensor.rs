@@ -439,7 +439,7 @@ impl TypedTensor {
             }
         };
         let bits: Vec<u16> = match dtype {
-            DType::BF16 => values.iter().map(|&x| crate::kernels::narrow_bf16(x)).collect(),
+            DType::BF16 => values.iter().map(|&x| narrow_bf16(x)).collect(),
             _ => {
                 let mut narrow = vec![half::f16::ZERO; values.len()];
                 narrow.convert_from_f32_slice(values);
@@ -461,6 +461,17 @@ impl TypedTensor {
             DType::I64 => self.values::<i64>().iter().map(|v| *v as f32).collect(),
         }
     }
+}
+
+/// f32 rounded to bf16's bits, to nearest even, NaN kept quiet: `half`'s `bf16::from_f32` in
+/// branch-free arithmetic the compiler vectorises. The workspace's one f32 → bf16 rounding: the
+/// kernels', the collectives' 16-bit edges ([`TypedTensor::cast_float`]) and the modules' loads.
+#[inline(always)]
+pub(crate) fn narrow_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits & 0x7FFF_FFFF) > 0x7F80_0000;
+    (if nan { (bits >> 16) | 0x40 } else { rounded }) as u16
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use super::Tracked;
+use crate::typed_tensor::narrow_bf16;
 
 /// `t` as `dtype` (f32, bf16 or f16), itself when it already is.
 ///
@@ -56,17 +57,6 @@ pub(crate) fn convert(t: FlexTensor, dtype: DType) -> FlexTensor {
 #[inline(always)]
 fn widen_bf16(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
-}
-
-/// f32 rounded to bf16's bits, to nearest even, NaN kept quiet: `half`'s `bf16::from_f32` in
-/// branch-free arithmetic the compiler vectorises. The workspace's one f32 → bf16 rounding: the
-/// kernels', the collectives' 16-bit edges (`TypedTensor::cast_float`) and the modules' loads.
-#[inline(always)]
-pub(crate) fn narrow_bf16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16;
-    let nan = (bits & 0x7FFF_FFFF) > 0x7F80_0000;
-    (if nan { (bits >> 16) | 0x40 } else { rounded }) as u16
 }
 
 /// Every element of `values` through `f`, as a buffer.

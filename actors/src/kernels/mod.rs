@@ -25,7 +25,6 @@ mod autodiff_attention;
 mod autodiff_linear;
 mod autodiff_matmul;
 mod cast;
-pub(crate) use cast::narrow_bf16;
 pub mod core_type;
 mod flex_blas;
 mod gelu;
