@@ -68,6 +68,12 @@ pub struct StepMetrics {
     /// The global gradient norm before clipping, when the step clips.
     #[serde(default)]
     pub grad_norm: Option<f32>,
+    /// The scale this step's loss was multiplied by (f16's loss scaling), when the actor scales.
+    #[serde(default)]
+    pub loss_scale: Option<f32>,
+    /// The step's gradients overflowed on some actor, and no actor updated (loss scaling).
+    #[serde(default)]
+    pub skipped: bool,
     /// The step's host ⇄ device bytes by kind (set by the executor from [`crate::transfer`]).
     #[serde(default)]
     pub transfers: crate::transfer::Transfers,

@@ -17,6 +17,14 @@ pub struct StepRecord {
     /// The global gradient norm before clipping (reported when the job clips).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_norm: Option<f32>,
+    /// The scale the step's loss was multiplied by (f16's loss scaling: the scale the step's
+    /// backward used; an overflow halves it for the next step).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f32>,
+    /// The step's gradients overflowed on some actor, and every actor skipped its update (the
+    /// optimizer's step count and the learning-rate schedule stay).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
     /// Host ⇄ device bytes of the step, by kind, summed over actors (batches, activations,
     /// gradients, parameters, scalars; each `to_device` and `to_host`). Counted at every copy
     /// into or out of a burn tensor on every backend: on CPU the same calls that cross PCIe on a

@@ -52,7 +52,7 @@ pub mod param_names;
 pub mod passes;
 pub mod plan;
 pub mod precision;
-pub use precision::Precision;
+pub use precision::{LossScale, Precision};
 mod plan_summary;
 pub use plan_summary::count;
 pub mod program;

@@ -295,6 +295,24 @@ pub enum TestFault {
     /// compute dtype (a 16-bit weight updated in place), so updates below half its last place
     /// vanish (Micikevicius et al. 2018, §3.1).
     RoundedMaster,
+    /// Loss scaling's fault: `actor` writes an inf into the first element of each gradient
+    /// bucket it computes in step `step` (from 1), before any collective reads it; the other
+    /// actors' own gradients stay finite.
+    InfGradient {
+        /// The actor.
+        actor: ActorId,
+        /// The job's step.
+        step: u64,
+    },
+    /// `InfGradient` with loss scaling deciding without the vote: each actor skips a step when
+    /// the sum of squares of its *own* share of the reduced gradients is not finite, ignoring the
+    /// other actors' (the overflow test's negative control).
+    LocalOverflowDecision {
+        /// The actor whose gradients get the inf.
+        actor: ActorId,
+        /// The job's step.
+        step: u64,
+    },
     /// `actor`'s first receive is moved before its first send: with a pipeline, two stages each
     /// wait for the other (the hang tests).
     RecvBeforeSend {

@@ -228,6 +228,7 @@ fn rewrite_checkpoint(from: &Path, to: &Path, edit: &dyn Fn(&mut ShardState)) {
         let mut state = ShardState {
             steps: f.header.steps,
             schedule_step: f.header.schedule_step,
+            loss_scale: f.header.loss_scale,
             pieces: Vec::new(),
         };
         for p in &f.header.pieces {

@@ -145,6 +145,8 @@ pub struct ShardState {
     /// Steps the learning-rate schedule has advanced (the rate of the next step is the
     /// schedule's at this + 1).
     pub schedule_step: u64,
+    /// f16's loss scale and its clean-step count (`None` when the job does not scale).
+    pub loss_scale: Option<crate::precision::LossScaler>,
     /// The pieces.
     pub pieces: Vec<Piece>,
 }
@@ -181,6 +183,9 @@ pub struct ShardHeader {
     /// The learning-rate schedule's position.
     #[serde(default)]
     pub schedule_step: u64,
+    /// f16's loss scale and its clean-step count, when the job scales its loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<crate::precision::LossScaler>,
     /// Its pieces.
     pub pieces: Vec<PieceIndex>,
 }
@@ -303,6 +308,7 @@ pub fn write_shard(dir: &Path, actor: ActorId, state: &ShardState) -> Result<Sha
         actor,
         steps: state.steps,
         schedule_step: state.schedule_step,
+        loss_scale: state.loss_scale,
         pieces,
     };
     let json = serde_json::to_vec(&header).map_err(|e| e.to_string())?;

@@ -70,6 +70,21 @@ impl CheckpointReader {
         self.manifest.files.first().map_or(0, |f| f.header.schedule_step)
     }
 
+    /// f16's loss scale when it was written (`None`: the job did not scale); an error when
+    /// two shards disagree (every actor keeps the same scale).
+    pub fn loss_scale(&self) -> Result<Option<crate::precision::LossScaler>, String> {
+        let mut scales = self.manifest.files.iter().map(|f| (&f.file, f.header.loss_scale));
+        let Some((_, first)) = scales.next() else {
+            return Ok(None);
+        };
+        match scales.find(|(_, s)| *s != first) {
+            Some((file, other)) => Err(format!(
+                "the checkpoint's shards disagree on the loss scale: {first:?}, and {other:?} in {file}"
+            )),
+            None => Ok(first),
+        }
+    }
+
     /// Every parameter it holds, by name.
     pub fn params(&self) -> BTreeMap<String, StoredParam> {
         let mut out = BTreeMap::new();

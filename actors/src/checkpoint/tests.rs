@@ -71,6 +71,7 @@ fn an_absurd_manifest_is_refused_before_reading() {
     let state = ShardState {
         steps: 1,
         schedule_step: 1,
+        loss_scale: None,
         pieces: vec![piece(0, 0, "w", &[4], Slice::flat(0..4), 1.0, true)],
     };
     let file = write_shard(&dir, 0, &state).unwrap();
@@ -125,6 +126,7 @@ fn optimizer_state_is_read_by_name() {
         vec![ShardState {
             steps: 3,
             schedule_step: 5,
+            loss_scale: None,
             pieces: vec![p],
         }],
         1,
@@ -163,6 +165,7 @@ fn a_frozen_parameter_reads_back_and_asking_its_state_names_the_freeze() {
         vec![ShardState {
             steps: 1,
             schedule_step: 1,
+            loss_scale: None,
             pieces,
         }],
         1,
@@ -190,6 +193,7 @@ fn slices_along_a_dimension_and_flat_ranges_read_back_as_one_parameter() {
     let a = ShardState {
         steps: 2,
         schedule_step: 2,
+        loss_scale: None,
         pieces: vec![
             piece(0, 0, "w", &shape, cols(0, 4), 1.0, true),
             piece(0, 24, "b", &[6], Slice::flat(0..2), 1.0, true),
@@ -198,6 +202,7 @@ fn slices_along_a_dimension_and_flat_ranges_read_back_as_one_parameter() {
     let b = ShardState {
         steps: 2,
         schedule_step: 2,
+        loss_scale: None,
         pieces: vec![
             piece(0, 0, "w", &shape, cols(4, 6), 1.0, true),
             piece(0, 24, "b", &[6], Slice::flat(2..6), 1.0, true),
@@ -209,6 +214,7 @@ fn slices_along_a_dimension_and_flat_ranges_read_back_as_one_parameter() {
     let one = ShardState {
         steps: 2,
         schedule_step: 2,
+        loss_scale: None,
         pieces: vec![
             piece(0, 0, "w", &shape, Slice::flat(0..24), 1.0, true),
             piece(0, 24, "b", &[6], Slice::flat(0..6), 1.0, true),
@@ -257,11 +263,13 @@ fn a_corrupt_or_partial_checkpoint_is_skipped() {
         let a = ShardState {
             steps: step as i32,
             schedule_step: step,
+            loss_scale: None,
             pieces: vec![piece(0, 0, "w", &[12], Slice::flat(0..7), 1.0, true)],
         };
         let b = ShardState {
             steps: step as i32,
             schedule_step: step,
+            loss_scale: None,
             pieces: vec![piece(0, 0, "w", &[12], Slice::flat(7..12), 1.0, true)],
         };
         write(&step_dir(root.path(), step), vec![a, b], step);

@@ -53,6 +53,8 @@ enum Request {
     Stage { segment: usize, grads: Vec<f32> },
     /// Applies every staged update, in the order staged, with this step's context.
     ApplyStaged { step: StepContext, return_params: bool },
+    /// Drops every staged update unapplied (a skipped step), answering each as an update would.
+    DiscardStaged { return_params: bool },
     ReadParams {
         segment: usize,
         full: Vec<f32>,
@@ -196,6 +198,13 @@ impl OffloadActor {
         self.send(Request::ApplyStaged { step, return_params })
     }
 
+    /// Drops every staged update (loss scaling skipped the step): the state stays as it was;
+    /// [`OffloadActor::next_updated`] returns each segment's unchanged parameters (empty unless
+    /// `return_params`), in the order staged, as [`OffloadActor::apply_staged`] would.
+    pub fn discard_staged(&self, return_params: bool) -> Result<(), String> {
+        self.send(Request::DiscardStaged { return_params })
+    }
+
     /// The next finished update: the segment and its updated parameters (empty unless asked).
     pub fn next_updated(&self) -> Result<(usize, Vec<f32>), String> {
         self.updated
@@ -291,6 +300,15 @@ fn run(
                     let _ = results.send(result.map(|p| (segment, p)));
                 }
             }
+            Request::DiscardStaged { return_params } => {
+                for (segment, _) in std::mem::take(&mut staged) {
+                    let params = match return_params {
+                        true => current_params(&mut *store, segment),
+                        false => Ok(Vec::new()),
+                    };
+                    let _ = results.send(params.map(|p| (segment, p)));
+                }
+            }
             Request::ReadParams {
                 segment,
                 mut full,
@@ -340,6 +358,13 @@ fn run(
             optimizer_s: updater.optimizer_s,
         };
     }
+}
+
+/// `segment`'s parameter shard as the tier holds it.
+fn current_params(store: &mut dyn StateStore, segment: usize) -> Result<Vec<f32>, String> {
+    let mut params = vec![0.0f32; store.shard_len(segment)?];
+    store.read_params(segment, &mut params)?;
+    Ok(params)
 }
 
 /// The offload actor's update state: the order segments arrived in this step and the last (for

@@ -129,6 +129,12 @@ impl FlatOptimizer {
         self.grad_scale
     }
 
+    /// Sets the factor this step's gradients are multiplied by (clipping's, and loss scaling's
+    /// `1/S`: see `trainer::norms`).
+    pub fn set_grad_scale(&mut self, factor: f32) {
+        self.grad_scale = factor;
+    }
+
     /// The factor this step's gradients are multiplied by (1 unless clipped).
     pub fn grad_scale(&self) -> f32 {
         self.grad_scale

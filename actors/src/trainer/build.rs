@@ -246,6 +246,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 optimizer,
                 update: UpdateState {
                     clip: program.clip_grad_norm,
+                    scaler: crate::precision::LossScaler::of(program.precision.loss_scaling()),
                     ..UpdateState::default()
                 },
                 sharding,
@@ -259,7 +260,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             global_batch: program.plan.batch,
             checkpoint: training.checkpoint_activations,
             batched_transfers: false,
-            fault: FaultHook::new(program.test_fault, training.replica, program.plan.microbatches),
+            fault: FaultHook::new(
+                program.test_fault,
+                (actor, training.replica),
+                program.plan.microbatches,
+            ),
         }
         .with_state_where_planned(training.state))
     }

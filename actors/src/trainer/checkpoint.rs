@@ -181,6 +181,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(Some(ShardState {
             steps: self.state.store.steps(&self.state.optimizer),
             schedule_step: self.state.optimizer.schedule_step(),
+            loss_scale: self.state.update.scaler,
             pieces,
         }))
     }
@@ -232,8 +233,23 @@ impl<B: AutodiffBackend> Trainer<B> {
         let steps = checkpoint.steps();
         self.state.store.set_steps(&mut self.state.optimizer, steps);
         self.state.optimizer.set_schedule_step(checkpoint.schedule_step());
+        self.restore_loss_scale(checkpoint)?;
         self.reload_held()?;
         self.refresh_device_state();
+        Ok(())
+    }
+
+    /// A dynamic loss scale goes on where the checkpoint left it (scale and clean-step count). A
+    /// checkpoint of a job that did not scale dynamically, or a job that does not now (another
+    /// precision, `--loss-scale static:S`), leaves the scaler as the program starts it.
+    fn restore_loss_scale(&mut self, checkpoint: &CheckpointReader) -> Result<(), String> {
+        let dynamic = |s: &crate::precision::LossScaler| s.growth_interval > 0;
+        let saved = checkpoint.loss_scale()?.filter(dynamic);
+        if let (Some(scaler), Some(saved)) = (self.state.update.scaler.as_mut().filter(|s| dynamic(s)), saved)
+        {
+            scaler.scale = saved.scale;
+            scaler.clean_steps = saved.clean_steps;
+        }
         Ok(())
     }
 

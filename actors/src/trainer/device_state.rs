@@ -201,6 +201,11 @@ impl<B: Backend> DeviceState<B> {
         }
     }
 
+    /// Drops bucket `name` of this step unread (a skipped update).
+    pub(super) fn drop_bucket(&mut self, name: &TensorId) {
+        self.buckets.remove(name);
+    }
+
     /// Σx² over `own` (a range of the bucket) of bucket `name` of this step, in f64; `None`
     /// when the bucket is not on the device (a collective took it). The tensor-op path sums on
     /// the device and reads back one value.

@@ -12,6 +12,8 @@ use crate::typed_tensor::TypedTensor;
 /// The fault in force on one actor, and what it needs to inject it.
 pub(super) struct FaultHook {
     fault: TestFault,
+    /// This actor.
+    actor: archipelago_dataflow::ActorId,
     /// This actor's position in its dp group.
     replica: usize,
     /// Micro-batches per step.
@@ -23,9 +25,14 @@ pub(super) struct FaultHook {
 }
 
 impl FaultHook {
-    pub(super) fn new(fault: Option<TestFault>, replica: usize, microbatches: usize) -> Option<FaultHook> {
+    pub(super) fn new(
+        fault: Option<TestFault>,
+        (actor, replica): (archipelago_dataflow::ActorId, usize),
+        microbatches: usize,
+    ) -> Option<FaultHook> {
         fault.map(|fault| FaultHook {
             fault,
+            actor,
             replica,
             microbatches,
             local: HashMap::new(),
@@ -51,10 +58,23 @@ impl FaultHook {
         }
     }
 
-    /// A bucket as the backward left it, before any collective reads it.
-    pub(super) fn on_bucket(&mut self, name: &TensorId, flat: &mut [f32]) {
+    /// The fault in force.
+    pub(super) fn fault(&self) -> TestFault {
+        self.fault
+    }
+
+    /// A bucket as the backward left it in job step `step`, before any collective reads it.
+    pub(super) fn on_bucket(&mut self, name: &TensorId, step: u64, flat: &mut [f32]) {
         match self.fault {
             TestFault::DropReplicaGrad if self.replica == 1 => flat.fill(0.0),
+            TestFault::InfGradient { actor, step: at }
+            | TestFault::LocalOverflowDecision { actor, step: at }
+                if actor == self.actor && at == step =>
+            {
+                if let Some(first) = flat.first_mut() {
+                    *first = f32::INFINITY;
+                }
+            }
             TestFault::SkipAllReduce if !self.skipped => {
                 self.local.insert(name.clone(), flat.to_vec());
             }

@@ -152,6 +152,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 .cloned()
                 .ok_or_else(|| format!("{op} names too few tensors"))
         };
+        self.step.job_step = step;
         match op {
             ComputeOp::LoadBatch { start, end } => {
                 self.load_batch(step, *start..*end, &nth(outputs, 0)?);
@@ -232,8 +233,11 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 as u64,
             peak_microbatches_held: self.step.peak_live,
             offload: self.state.store.offload_stats(),
-            lr: (steps > 0).then(|| self.state.optimizer.lr_at(self.state.optimizer.schedule_step())),
+            lr: (steps > 0 && !self.state.update.skipped)
+                .then(|| self.state.optimizer.lr_at(self.state.optimizer.schedule_step())),
             grad_norm: self.state.update.grad_norm.take(),
+            loss_scale: self.state.update.scale_used.take(),
+            skipped: std::mem::take(&mut self.state.update.skipped),
             transfers: Default::default(), // the executor's count of the step
             fabric: Default::default(),    // the executor's count of the step
             device_memory: None,           // the executor reads the device's pool

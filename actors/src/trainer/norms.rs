@@ -5,6 +5,12 @@
 //! before the update reads it. Also the parameter groups of the optimizer's state: which
 //! elements belong to which parameter of the stage and whether they take weight decay (from the
 //! blocks' parameter shapes; no decay for biases and LayerNorm under the default groups).
+//!
+//! Loss scaling (f16) reads the same reduced sum of squares as its overflow vote: a total that is
+//! not finite means some actor's gradients overflowed, and every actor, reading the same total,
+//! skips the step — the optimizer's step count and the schedule stay where they were — while the
+//! scale halves ([`crate::precision::LossScaler`]); otherwise the gradients are unscaled by `1/S`
+//! inside the update (the clipping factor's multiplier, so they are not copied).
 
 use archipelago_dataflow::TensorId;
 use std::ops::Range;
@@ -17,7 +23,8 @@ use archipelago_dataflow::passes::optimizer::{GRAD_SQUARES, TRUST_SQUARES};
 use super::Trainer;
 use super::zero::grad_part;
 use crate::executor::TensorTable;
-use crate::optim::{ParamLayout, ParamPart, sum_of_squares};
+use crate::optim::{ParamLayout, ParamPart, clip_factor, sum_of_squares};
+use crate::precision::LossScaler;
 use crate::typed_tensor::TypedTensor;
 
 /// The parameters of an actor's stage in its flat master coordinates, in order, with whether
@@ -93,37 +100,91 @@ pub(super) struct UpdateState {
     /// With offload and clipping: the sum of squares of this actor's share of the buckets
     /// already staged with the offload actor (they left before `GradNorm` runs).
     pub(super) staged_squares: f64,
+    /// f16's loss scale (the same on every actor, moved by the same vote).
+    pub(super) scaler: Option<LossScaler>,
+    /// This step's scale, for the report (when scaling).
+    pub(super) scale_used: Option<f32>,
+    /// This step overflowed somewhere: no update anywhere.
+    pub(super) skipped: bool,
+    /// This actor's own share of the sum of squares, before the all-reduce (read only by the
+    /// `LocalOverflowDecision` control).
+    pub(super) own_squares: f32,
+}
+
+impl UpdateState {
+    /// Whether the update waits for the reduced sum of squares (clipping, loss scaling).
+    pub(super) fn needs_squares(&self) -> bool {
+        self.clip.is_some() || self.scaler.is_some()
+    }
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
-    /// Starts this step's update once: the step counter, the schedule's rate and, when
-    /// clipping, the factor from the reduced squared global norm.
+    /// Starts this step's update once: the step counter, the schedule's rate and the factor
+    /// the gradients are multiplied by (clipping's, and `1/S` under loss scaling) — or, when the
+    /// vote says some actor's gradients overflowed, nothing: the step is skipped.
     pub(super) fn begin_update(&mut self, table: &mut TensorTable) -> Result<(), String> {
         if self.state.update.begun {
             return Ok(());
         }
         self.state.update.begun = true;
-        self.state.optimizer.begin_step();
-        if let Some(max) = self.state.update.clip {
-            let total = self.take_grad_squares(table)?;
-            self.state.optimizer.clip(total as f64, max);
+        if let Some(factor) = self.gradient_factor(table)? {
+            self.state.optimizer.begin_step();
+            self.state.optimizer.set_grad_scale(factor);
         }
         Ok(())
     }
 
-    /// Clipping: takes the reduced squared global gradient norm (and keeps the norm for the
-    /// report).
-    pub(super) fn take_grad_squares(&mut self, table: &mut TensorTable) -> Result<f32, String> {
+    /// The factor this step's gradients are multiplied by in the update — clipping's from the
+    /// reduced sum of squares, times `1/S` under loss scaling — or `None` when the step is
+    /// skipped (loss scaling: the sum is not finite, so some actor's gradients overflowed; the
+    /// scale moves either way).
+    pub(super) fn gradient_factor(&mut self, table: &mut TensorTable) -> Result<Option<f32>, String> {
+        let update = &self.state.update;
+        if !update.needs_squares() {
+            return Ok(Some(1.0));
+        }
+        let total = self.take_grad_squares(table)? as f64;
+        let mut unscale = 1.0f64;
+        if let Some(mut scaler) = self.state.update.scaler {
+            let local = matches!(
+                self.fault.as_ref().map(|f| f.fault()),
+                Some(archipelago_dataflow::TestFault::LocalOverflowDecision { .. })
+            );
+            let overflow = match local {
+                true => !self.state.update.own_squares.is_finite(),
+                false => !total.is_finite(),
+            };
+            self.state.update.scale_used = Some(scaler.scale);
+            unscale = 1.0 / scaler.scale as f64;
+            let skipped = scaler.after_step(overflow);
+            self.state.update.scaler = Some(scaler);
+            self.state.update.skipped = skipped;
+            if skipped {
+                self.state.update.grad_norm = None;
+                return Ok(None);
+            }
+        }
+        let Some(max) = self.state.update.clip else {
+            self.state.update.grad_norm = None;
+            return Ok(Some(unscale as f32));
+        };
+        let squares = total * unscale * unscale;
+        self.state.update.grad_norm = Some(squares.max(0.0).sqrt() as f32);
+        Ok(Some((clip_factor(squares, max) as f64 * unscale) as f32))
+    }
+
+    /// Takes the reduced sum of squares of every gradient (clipping's squared global norm, loss
+    /// scaling's vote).
+    fn take_grad_squares(&mut self, table: &mut TensorTable) -> Result<f32, String> {
         let squares = table
             .remove(&GRAD_SQUARES)
-            .ok_or("clipping needs the reduced gradient norm, and it is missing")?;
+            .ok_or("the update needs the reduced gradient norm, and it is missing")?;
         let [total] = squares.f32s()[..] else {
             return Err(format!(
                 "`{GRAD_SQUARES}` holds {} values, not 1",
                 squares.elements()
             ));
         };
-        self.state.update.grad_norm = Some(total.max(0.0).sqrt());
         Ok(total)
     }
 
@@ -154,6 +215,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .ok_or_else(|| format!("gradient `{name}` missing"))?;
             sum += sum_of_squares(grad_part(name, grad.f32s(), segment, &segment.own)?);
         }
+        self.state.update.own_squares = sum as f32;
         let out = outputs.first().ok_or("GradNorm names no output")?;
         table.insert(out.clone(), TypedTensor::flat(vec![sum as f32]));
         Ok(())
@@ -171,7 +233,16 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.begin_update(table)?;
         let mut sums = vec![0.0f64; self.state.optimizer.norms_len()];
         let buckets: Vec<&TensorId> = inputs.iter().filter(|n| **n != GRAD_SQUARES).collect();
-        if self.state.store.device().is_some() {
+        if self.state.update.skipped {
+            // An overflow somewhere: the moments stay; the dp all-reduce still gets its sums. On
+            // the device this phase consumes the buckets (the update does in host memory).
+            if let Some(state) = self.state.store.device_mut() {
+                for name in buckets {
+                    state.drop_bucket(name);
+                    table.remove(name);
+                }
+            }
+        } else if self.state.store.device().is_some() {
             self.trust_norms_on_device(&buckets, &mut sums, table)?;
         } else {
             for name in buckets {

@@ -73,6 +73,8 @@ pub(super) struct InFlight<B: AutodiffBackend> {
     pub(super) spare_buffers: Vec<Vec<f32>>,
     /// The step's bytes to and from the offload tier.
     pub(super) offload_traffic: archipelago_dataflow::OffloadTraffic,
+    /// The job's step in flight (from 1).
+    pub(super) job_step: u64,
 }
 
 impl<B: AutodiffBackend> HeldStage<B> {
@@ -120,6 +122,7 @@ impl<B: AutodiffBackend> Default for InFlight<B> {
             peak_live: 0,
             spare_buffers: Vec::new(),
             offload_traffic: Default::default(),
+            job_step: 0,
         }
     }
 }

@@ -167,7 +167,13 @@ impl<B: AutodiffBackend> Trainer<B> {
                 return Err(format!("`{upstream}` is not the loss of this segment"));
             }
             let batch = segment.batch.clone().ok_or("no loss computed for this segment")?;
-            self.loss_of(&segment.output, &batch)?.backward()
+            let loss = self.loss_of(&segment.output, &batch)?;
+            // f16's loss scaling: the backward starts from S × loss (in f32), so every gradient
+            // below it, and every activation gradient sent upstream, carries S.
+            match self.state.update.scaler {
+                Some(scaler) => loss.mul_scalar(scaler.scale).backward(),
+                None => loss.backward(),
+            }
         } else {
             let g = match self.step.upstream.remove(upstream) {
                 Some(g) => g,
@@ -216,7 +222,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         // On a GPU one device-to-host read for the whole bucket (see `read_flat`).
         read_flat(parts, &mut flat, !first, self.batched_transfers);
         if let Some(fault) = &mut self.fault {
-            fault.on_bucket(grad_name, &mut flat);
+            fault.on_bucket(grad_name, self.step.job_step, &mut flat);
         }
         table.insert(grad_name.clone(), TypedTensor::flat(flat));
         self.step.grad_ranges.insert(grad_name.clone(), blocks);

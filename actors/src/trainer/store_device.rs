@@ -126,6 +126,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let buckets = inputs
             .iter()
             .filter(|n| **n != GRAD_SQUARES && **n != TRUST_SQUARES);
+        let skipped = self.state.update.skipped;
         for (k, name) in buckets.enumerate() {
             let blocks = self
                 .step
@@ -133,6 +134,16 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .remove(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let state = self.state.store.device_mut().ok_or("no device state")?;
+            if skipped {
+                // An overflow somewhere (loss scaling): the bucket goes unread; the all-gather
+                // in every member's stream still takes this replica's (unchanged) shard.
+                state.drop_bucket(name);
+                table.remove(name);
+                if scope == UpdateScope::ShardThenGather {
+                    self.gather_shard_from_device(&blocks, k, outputs, table)?;
+                }
+                continue;
+            }
             let master = if lamb {
                 state.lamb_apply(blocks.start, &trust, &ctx)?
             } else {
@@ -143,21 +154,36 @@ impl<B: AutodiffBackend> Trainer<B> {
             };
             match scope {
                 UpdateScope::Whole => self.load_modules_from(blocks, master)?,
-                UpdateScope::ShardThenGather => {
-                    let (own, shard) = state.updated_shard(blocks.start)?;
-                    let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
-                    let mut gathered = self.gather_buffer(len);
-                    gathered[own].copy_from_slice(&shard);
-                    let out = outputs
-                        .get(k)
-                        .ok_or_else(|| format!("the sharded optimizer step names no output for `{name}`"))?;
-                    table.insert(out.clone(), TypedTensor::flat(gathered));
-                }
+                UpdateScope::ShardThenGather => self.gather_shard_from_device(&blocks, k, outputs, table)?,
                 // ZeRO-3: the shard stays on the device until the next forward gathers it.
                 UpdateScope::ShardKept => {}
                 other => return Err(format!("the device state has no `{other}` update")),
             }
         }
+        Ok(())
+    }
+
+    /// ZeRO-1/2: the updated shard of segment `blocks` (the `k`th of this actor's) in a buffer
+    /// of the segment's length, as the step's output `k` for the all-gather.
+    fn gather_shard_from_device(
+        &mut self,
+        blocks: &Range<usize>,
+        k: usize,
+        outputs: &[TensorId],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let state = self.state.store.device_mut().ok_or("no device state")?;
+        let (own, shard) = state.updated_shard(blocks.start)?;
+        let len = self.stage.offsets[blocks.end] - self.stage.offsets[blocks.start];
+        let mut gathered = self.gather_buffer(len);
+        gathered[own].copy_from_slice(&shard);
+        let out = outputs.get(k).ok_or_else(|| {
+            format!(
+                "the sharded optimizer step names no output for blocks {}..{}",
+                blocks.start, blocks.end
+            )
+        })?;
+        table.insert(out.clone(), TypedTensor::flat(gathered));
         Ok(())
     }
 

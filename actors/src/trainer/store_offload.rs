@@ -6,7 +6,9 @@
 //!
 //! With clipping the update is deferred: each bucket is staged with the offload actor (its sum
 //! of squares kept for `GradNorm`), and the `OptimizerStep`, which reads the reduced global norm,
-//! has the staged updates applied with the clipping factor before collecting them.
+//! has the staged updates applied with the clipping factor before collecting them. Loss scaling
+//! (f16) defers the same way: its vote decides whether the staged updates are applied (with
+//! `1/S`) or dropped, the whole step skipped.
 
 use archipelago_dataflow::TensorId;
 use burn::tensor::backend::AutodiffBackend;
@@ -14,7 +16,7 @@ use burn::tensor::backend::AutodiffBackend;
 use super::Trainer;
 use super::zero::grad_part;
 use crate::executor::TensorTable;
-use crate::optim::{StepContext, clip_factor, sum_of_squares};
+use crate::optim::{StepContext, sum_of_squares};
 
 /// Whole gradient buffers kept for the next step under offload (the rest are freed: the point
 /// of offloading is the device memory).
@@ -26,7 +28,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let (grad, blocks) = self.take_bucket(name, table)?;
         let segment = self.state.sharding.segment(blocks.start)?.clone();
         let part = grad_part(name, grad.f32s(), &segment, &segment.updated)?;
-        let deferred = self.state.update.clip.is_some();
+        let deferred = self.state.update.needs_squares();
         if deferred {
             // GradNorm counts this actor's share (its count shard of a replicated bucket).
             let own = grad_part(name, grad.f32s(), &segment, &segment.own)?;
@@ -64,13 +66,18 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
     }
 
-    /// Clipping with offload: the factor from the reduced global norm, and the staged updates
-    /// applied with it.
-    fn apply_deferred(&mut self, max: f32, table: &mut TensorTable) -> Result<(), String> {
-        let total = self.take_grad_squares(table)?;
-        let step = self.offloaded_step(clip_factor(total as f64, max));
+    /// Clipping or loss scaling with offload: the factor from the reduced sum of squares, and
+    /// the staged updates applied with it — or dropped, when the vote skips the step. Whether
+    /// the step was taken.
+    fn apply_deferred(&mut self, table: &mut TensorTable) -> Result<bool, String> {
+        let factor = self.gradient_factor(table)?;
+        let step = self.offloaded_step(factor.unwrap_or(0.0));
         let store = self.state.store.offload()?;
-        store.actor.apply_staged(step, !store.params_in_tier)
+        match factor {
+            Some(_) => store.actor.apply_staged(step, !store.params_in_tier)?,
+            None => store.actor.discard_staged(!store.params_in_tier)?,
+        }
+        Ok(factor.is_some())
     }
 
     /// Takes every handed-off segment's updated parameters back from the offload actor into
@@ -80,9 +87,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        if let Some(max) = self.state.update.clip {
-            self.apply_deferred(max, table)?;
-        }
+        let taken = !self.state.update.needs_squares() || self.apply_deferred(table)?;
         let handed_off = std::mem::take(&mut self.state.store.offload_mut()?.handed_off);
         let starts: Vec<usize> = self.state.sharding.segments.keys().copied().collect();
         if handed_off.len() != starts.len() {
@@ -107,12 +112,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             let after = self.state.after_update;
             self.after_update(after, &segment, k, outputs, table)?;
         }
-        let store = self.state.store.offload_mut()?;
-        store.steps_done += 1;
-        // The update ran on the offload actor; the schedule's position is kept here.
-        self.state
-            .optimizer
-            .set_schedule_step(self.state.optimizer.schedule_step() + 1);
+        if taken {
+            let store = self.state.store.offload_mut()?;
+            store.steps_done += 1;
+            // The update ran on the offload actor; the schedule's position is kept here.
+            self.state
+                .optimizer
+                .set_schedule_step(self.state.optimizer.schedule_step() + 1);
+        }
         Ok(())
     }
 }

@@ -198,29 +198,50 @@ impl<B: AutodiffBackend> Trainer<B> {
         let buckets = inputs
             .iter()
             .filter(|n| **n != GRAD_SQUARES && **n != TRUST_SQUARES);
+        let skipped = self.state.update.skipped;
         for (k, name) in buckets.enumerate() {
-            let (mut grad, blocks) = self.take_bucket(name, table)?;
-            if let Some(fault) = &mut self.fault {
-                let step = self.state.optimizer.steps() as u64;
-                grad = fault.on_update(name, step, grad);
-            }
+            let (grad, blocks) = self.take_bucket(name, table)?;
             let segment = self.state.sharding.segment(blocks.start)?.clone();
-            let updated = segment.updated.clone();
-            let grads = grad_part(name, grad.f32s(), &segment, &updated)?;
-            let shifted = (self.fault.as_ref())
-                .filter(|_| scope != UpdateScope::Whole)
-                .and_then(|f| f.shard_gradient(grads));
-            let grads = shifted.as_deref().unwrap_or(grads);
-            let params = &mut self.state.held[segment.in_held(&updated)];
-            self.state.optimizer.update(segment.state_at, params, grads);
-            self.step.optimizer_grad_bytes += grad.byte_len() as u64;
-            self.after_update(scope, &segment, k, outputs, table)?;
+            let grad = match skipped {
+                false => self.update_segment(scope, name, grad, &segment)?,
+                // An overflow somewhere (loss scaling): nothing changes, but the all-gather in
+                // every member's stream still takes this replica's (unchanged) shard.
+                true => grad,
+            };
+            if !(skipped && scope == UpdateScope::Whole) {
+                self.after_update(scope, &segment, k, outputs, table)?;
+            }
             if grad.elements() == segment.params {
                 // Whole buckets are reused by the next backward; ZeRO-2 shards are not.
                 self.step.spare_buffers.push(grad.into_f32_vec());
             }
         }
         Ok(())
+    }
+
+    /// Updates the part of `segment` this actor updates with bucket `name`'s gradient `grad`;
+    /// gives the bucket back.
+    fn update_segment(
+        &mut self,
+        scope: UpdateScope,
+        name: &TensorId,
+        mut grad: TypedTensor,
+        segment: &SegmentPlan,
+    ) -> Result<TypedTensor, String> {
+        if let Some(fault) = &mut self.fault {
+            let step = self.state.optimizer.steps() as u64;
+            grad = fault.on_update(name, step, grad);
+        }
+        let updated = segment.updated.clone();
+        let grads = grad_part(name, grad.f32s(), segment, &updated)?;
+        let shifted = (self.fault.as_ref())
+            .filter(|_| scope != UpdateScope::Whole)
+            .and_then(|f| f.shard_gradient(grads));
+        let grads = shifted.as_deref().unwrap_or(grads);
+        let params = &mut self.state.held[segment.in_held(&updated)];
+        self.state.optimizer.update(segment.state_at, params, grads);
+        self.step.optimizer_grad_bytes += grad.byte_len() as u64;
+        Ok(grad)
     }
 
     /// What follows the update of `segment` (the `k`th of this actor's), its updated part in

@@ -73,8 +73,19 @@ pub fn banner(program: &Program, plan: &Plan, steps: u64, start: Start<'_>) -> V
 /// How the run's samples are made, in words.
 /// "f32", or the compute dtype over its f32 master ("bf16 (f32 master and optimizer state)").
 fn precision_words(precision: &archipelago_dataflow::Precision) -> String {
+    use archipelago_dataflow::LossScale;
+    let scaling = match precision.loss_scaling() {
+        Some(LossScale::Dynamic {
+            init,
+            growth_interval,
+        }) => {
+            format!("; loss scale dynamic from {init}, ×2 after {growth_interval} clean steps")
+        }
+        Some(LossScale::Static { scale }) => format!("; loss scale static {scale}"),
+        _ => String::new(),
+    };
     if precision.is_mixed() {
-        format!("{} (f32 master and optimizer state)", precision.compute)
+        format!("{} (f32 master and optimizer state{scaling})", precision.compute)
     } else {
         precision.compute.to_string()
     }
@@ -106,6 +117,12 @@ pub fn progress_line(p: &StepProgress, batch: f64) -> String {
     }
     if let Some(norm) = p.grad_norm {
         line.push_str(&format!("  grad norm {norm:.4}"));
+    }
+    if let Some(scale) = p.loss_scale {
+        line.push_str(&format!("  loss scale {scale}"));
+    }
+    if p.skipped {
+        line.push_str("  skipped (gradients overflowed)");
     }
     line.push_str(&format!(
         "  {:.3} s/step  {:.1} samples/s",

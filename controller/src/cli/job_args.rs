@@ -10,8 +10,8 @@ use archipelago_dataflow::data::DataSpec;
 use archipelago_dataflow::passes::partition::parse_stages;
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{
-    DeviceSpec, InputKind, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan, ParamGroups,
-    Precision, Program,
+    DeviceSpec, InputKind, LossScale, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan,
+    ParamGroups, Precision, Program,
 };
 
 /// The flags that describe a job (shared by `train` and `plan`).
@@ -57,16 +57,21 @@ pub struct JobArgs {
     /// update, as torch.nn.utils.clip_grad_norm_.
     #[arg(long)]
     pub clip_grad_norm: Option<f32>,
-    /// The dtype forward and backward compute in: f32, or bf16 (mixed precision: a bf16 copy of
-    /// the weights for compute, f32 master weights and optimizer state, the loss, softmax and
-    /// LayerNorm statistics in f32, gradients accumulated in f32 and reduced in bf16, ZeRO gathers
-    /// and pipeline activations in bf16).
+    /// The dtype forward and backward compute in: f32, bf16 or f16 (mixed precision: a 16-bit
+    /// copy of the weights for compute, f32 master weights and optimizer state, the loss, softmax
+    /// and LayerNorm statistics in f32, gradients accumulated in f32 and reduced in 16 bits, ZeRO
+    /// gathers and pipeline activations in 16 bits; f16 scales its loss, see --loss-scale).
     #[arg(long, default_value = "f32")]
     pub precision: String,
     /// The dtype gradients are reduced in between replicas: the compute dtype (the default: half
     /// the bytes of f32 on the wire under bf16) or f32.
     #[arg(long)]
     pub grad_reduce_dtype: Option<String>,
+    /// f16's loss scaling: dynamic (start at 2^16, halve on an overflow, double after 2000 clean
+    /// steps; the default), dynamic:INIT, or static:S. A step whose gradients overflow on any
+    /// actor is skipped by every actor. Only with --precision f16.
+    #[arg(long)]
+    pub loss_scale: Option<String>,
     /// Learning-rate schedule after the warmup: constant, cosine or linear (decaying to
     /// --lr-final-fraction of --lr at the last step).
     #[arg(long, default_value = "constant")]
@@ -185,6 +190,10 @@ impl JobArgs {
                 anyhow::anyhow!("--grad-reduce-dtype {name}: expected f32 or the compute dtype")
             })?;
             program.precision = program.precision.with_grad_reduce(reduce.compute);
+        }
+        if let Some(text) = &self.loss_scale {
+            let scale = LossScale::parse(text).map_err(anyhow::Error::msg)?;
+            program.precision = program.precision.with_loss_scale(scale);
         }
         program.devices = match &self.devices {
             Some(list) => DeviceSpec::parse_list(list)?,

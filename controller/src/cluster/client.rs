@@ -74,6 +74,8 @@ pub async fn submit(
                         time_s: p.time_s,
                         lr: p.lr,
                         grad_norm: p.grad_norm,
+                        loss_scale: p.loss_scale,
+                        skipped: p.skipped,
                     });
                 }
             }

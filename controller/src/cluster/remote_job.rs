@@ -317,6 +317,8 @@ fn progress_events(events: UnboundedSender<Result<JobEvent, Status>>) -> Progres
             time_s: p.time_s,
             lr: p.lr,
             grad_norm: p.grad_norm,
+            loss_scale: p.loss_scale,
+            skipped: p.skipped,
         };
         let _ = events.send(Ok(JobEvent {
             kind: Some(job_event::Kind::Progress(event)),

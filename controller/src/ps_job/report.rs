@@ -136,6 +136,8 @@ impl PsReport {
                     .fold(0.0, f64::max),
                 lr: None,
                 grad_norm: None,
+                loss_scale: None,
+                skipped: false,
                 transfers: Default::default(),
                 fabric: Default::default(),
             })

@@ -27,6 +27,10 @@ pub struct StepProgress {
     /// The global gradient L2 norm before clipping (when the step computed it: with
     /// --clip-grad-norm or lamb).
     pub grad_norm: Option<f32>,
+    /// The scale the step's loss was multiplied by (f16's loss scaling).
+    pub loss_scale: Option<f32>,
+    /// The step's gradients overflowed somewhere and no actor updated (loss scaling).
+    pub skipped: bool,
 }
 
 /// Called after every step.

@@ -75,6 +75,8 @@ async fn run_step<G: Gang>(
         time_s,
         lr: reports.iter().find_map(|r| r.metrics.lr),
         grad_norm: reports.iter().find_map(|r| r.metrics.grad_norm),
+        loss_scale: reports.iter().find_map(|r| r.metrics.loss_scale),
+        skipped: reports.iter().any(|r| r.metrics.skipped),
         transfers: reports.iter().fold(Default::default(), |mut all, r| {
             all.add(&r.metrics.transfers);
             all
@@ -100,6 +102,8 @@ fn tell_step_done(plan: &Plan, options: &TrainOptions, record: &StepRecord, repo
             time_s: record.time_s,
             lr: record.lr,
             grad_norm: record.grad_norm,
+            loss_scale: record.loss_scale,
+            skipped: record.skipped,
         });
     }
 }

@@ -11,6 +11,11 @@
 //! sums (`TrustNorms`) and an all-reduce over the dp group completes them. On one actor neither
 //! reduction exists (the identity) and the tensors go straight to `OptimizerStep`.
 //!
+//! Loss scaling (f16, Micikevicius et al. 2018) needs the same one number, as a vote: the
+//! partial sums cover every element of every reduced bucket exactly once over the mesh, so the
+//! total is finite on every actor exactly when no actor's gradients overflowed, and every actor
+//! skips or takes the step on the same value.
+//!
 //! Offload (ZeRO-Offload) hands buckets to the offload actor as soon as they are reduced, before
 //! any global norm could be known: with clipping the runtime stages them there and the update
 //! waits for the norm (the deferred update, [`super::offload`]); LAMB, whose trust ratios need
@@ -37,6 +42,8 @@ pub struct StepNorms {
     pub clip: bool,
     /// LAMB: per-parameter norms over each stage's dp group.
     pub trust: bool,
+    /// Loss scaling: the overflow vote over every actor (the same sum of squares as clipping).
+    pub vote: bool,
 }
 
 impl StepNorms {
@@ -45,12 +52,19 @@ impl StepNorms {
         StepNorms {
             clip: program.clip_grad_norm.is_some(),
             trust: program.optimizer.needs_param_norms(),
+            vote: program.precision.loss_scaling().is_some(),
         }
     }
 
     /// True when no reduction precedes the update.
     pub fn none(&self) -> bool {
-        !self.clip && !self.trust
+        !self.global() && !self.trust
+    }
+
+    /// Whether the update waits for the sum of squares of every gradient over every actor
+    /// (clipping's norm, loss scaling's overflow vote).
+    pub fn global(&self) -> bool {
+        self.clip || self.vote
     }
 }
 
@@ -103,7 +117,7 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, norms: StepNorms) {
             .map(|b| TensorId::GradBucket { segment: b.id })
             .collect()
     };
-    if norms.clip {
+    if norms.global() {
         for s in 0..pp {
             let buckets = held(s);
             let (start, end) = span(&buckets);
@@ -123,7 +137,7 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, norms: StepNorms) {
         let mut inputs = grads(&buckets);
         if norms.trust {
             let mut trust_inputs = inputs.clone();
-            if norms.clip {
+            if norms.global() {
                 trust_inputs.push(GRAD_SQUARES);
             }
             for r in 0..dp {
@@ -134,7 +148,7 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, norms: StepNorms) {
                 graph.collective(CollectiveKind::AllReduceSum, layout.dp_group(s), &TRUST_SQUARES);
             }
             inputs.push(TRUST_SQUARES);
-        } else if norms.clip {
+        } else if norms.global() {
             inputs.push(GRAD_SQUARES);
         }
         let op = ComputeOp::OptimizerStep {
@@ -248,6 +262,41 @@ mod tests {
         let norm = position(stream, &is_compute("GradNorm")).unwrap();
         let trust = position(stream, &is_compute("TrustNorms")).unwrap();
         assert!(norm < trust && trust < position(stream, &is_compute("OptimizerStep")).unwrap());
+    }
+
+    /// f16's loss scaling without clipping: the same all-actor all-reduce of the sum of squares
+    /// precedes every update (the overflow vote), at dp = 2 × pp = 2 and with ZeRO-2.
+    #[test]
+    fn loss_scaling_votes_over_every_actor_before_any_update() {
+        for zero in [0, 2] {
+            let plan = ParallelPlan {
+                dp: 2,
+                pp: 2,
+                zero,
+                microbatches: 2,
+                batch: 8,
+                bucket_bytes: 256,
+                ..ParallelPlan::default()
+            };
+            let program = Program::new(ModelSpec::parse("mlp:in=8,hidden=16,layers=4,out=3").unwrap())
+                .with_plan(plan)
+                .with_precision(crate::Precision::parse("f16").unwrap());
+            for actor in compile(&program).unwrap().actors {
+                let stream = actor.stream.instructions;
+                let reduce = position(&stream, &|i| {
+                    matches!(i, Instruction::StartCollective { tensor, group, .. }
+                        if *tensor == GRAD_SQUARES && group == &vec![0, 1, 2, 3])
+                })
+                .expect("the all-actor vote");
+                let wait = position(
+                    &stream,
+                    &|i| matches!(i, Instruction::WaitCollective { tensor, .. } if *tensor == GRAD_SQUARES),
+                )
+                .expect("its wait");
+                let update = position(&stream, &is_compute("OptimizerStep")).expect("OptimizerStep");
+                assert!(reduce < wait && wait < update, "{stream:#?}");
+            }
+        }
     }
 
     /// Negative control: without clipping or LAMB the step has no norm instructions and no
