@@ -224,3 +224,53 @@ fn ps_sparse_lr_learns_with_its_defaults() {
         "{start} → {end}:\n{out}"
     );
 }
+
+/// f16: the banner names the loss scale, each progress line the step's scale, and the report
+/// holds it; `--loss-scale` with bf16 and a scale that is no scale are refused by `plan`, naming
+/// the fix.
+#[test]
+fn f16_shows_its_loss_scale_and_bad_scales_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("report.json");
+    let (ok, out, err) = archipelago(&[
+        "train",
+        "--model",
+        GPT,
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--precision",
+        "f16",
+        "--loss-scale",
+        "dynamic:1024",
+        "--log-every",
+        "1",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}{err}");
+    assert!(
+        out.contains("precision f16 (f32 master and optimizer state; loss scale dynamic from 1024"),
+        "{out}"
+    );
+    let progress: Vec<&str> = out.lines().filter(|l| l.starts_with("step ")).collect();
+    assert!(progress.iter().all(|l| l.contains("loss scale 1024")), "{out}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["steps"][0]["loss_scale"], 1024.0);
+    for (args, needle) in [
+        (
+            &["--precision", "bf16", "--loss-scale", "dynamic"][..],
+            "drop --loss-scale, or use --precision f16",
+        ),
+        (
+            &["--precision", "f16", "--loss-scale", "static:0"][..],
+            "not a finite number ≥ 1",
+        ),
+    ] {
+        let mut all = vec!["plan", "--model", GPT, "--batch", "4"];
+        all.extend_from_slice(args);
+        let (ok, out, err) = archipelago(&all);
+        assert!(!ok && err.contains(needle), "{args:?}: {out}{err}");
+    }
+}

@@ -152,3 +152,46 @@ fn the_compute_copy_is_two_bytes_per_parameter_in_bf16() {
         "the master, gradients and Adam's state stay f32"
     );
 }
+
+/// Offload keeps the f32 master (and Adam's state) in its tier and sends the device the compute
+/// copy: under bf16 the parameters' host-to-device bytes of a step are 2 per parameter on each
+/// replica (the updated shard back from the tier, gathered and loaded into the modules), half of
+/// f32's; the tier's share of the model state is the same f32 12 bytes per updated parameter.
+#[test]
+fn offload_sends_the_device_its_compute_copy() {
+    let params = ModelSpec::parse(GPT).unwrap().desc().params();
+    let plan = ParallelPlan {
+        dp: 2,
+        zero: 2,
+        batch: 8,
+        offload: archipelago_dataflow::Offload::Cpu,
+        ..ParallelPlan::default()
+    };
+    let bytes = |precision: Precision| {
+        let report = run(
+            &program(GPT, OptimizerSpec::adam(1e-3), precision, plan.clone()),
+            3,
+        );
+        let to_device: Vec<u64> = (report.steps.iter().skip(1))
+            .map(|s| s.transfers.parameters.to_device)
+            .collect();
+        let tier: Vec<u64> = (report.actors.iter())
+            .map(|a| a.offload.as_ref().map_or(0, |o| o.host_bytes))
+            .collect();
+        (to_device, tier)
+    };
+    let (wide, wide_tier) = bytes(Precision::default());
+    let (narrow, narrow_tier) = bytes(bf16());
+    assert!(
+        wide.iter().all(|&b| b == 2 * 4 * params),
+        "f32: {wide:?} for {params} parameters"
+    );
+    assert!(
+        narrow.iter().all(|&b| b == 2 * 2 * params),
+        "bf16: {narrow:?} for {params} parameters"
+    );
+    assert_eq!(
+        narrow_tier, wide_tier,
+        "the tier keeps the f32 master and state either way"
+    );
+}

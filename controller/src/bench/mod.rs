@@ -13,6 +13,7 @@ mod offload;
 pub mod parameter_server;
 mod peers;
 mod precision;
+mod precision_convergence;
 mod scale;
 mod soak;
 pub mod summary;
@@ -82,8 +83,10 @@ pub struct BenchArgs {
     /// steps of the same workloads right after.
     #[arg(long)]
     pub kernels_only: bool,
-    /// Run only mixed precision's section and stop: mlp-8x1024 and gpt-tiny at dp=2 in f32 and
-    /// bf16, alternated (steps/s, the bf16 step over f32's, fabric bytes, model state).
+    /// Run only mixed precision's section and stop: mlp-8x1024 and gpt-tiny at dp=2 in f32, bf16
+    /// and f16, alternated (steps/s, the 16-bit step over f32's, fabric bytes, model state), then
+    /// gpt-tiny for 300 steps in bf16 and f16 on one device, dp=2 ZeRO-3 and pp=2 × dp=2 against
+    /// f32 on one device (the mean loss of the last 20 steps).
     #[arg(long)]
     pub precision_only: bool,
     /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
@@ -143,7 +146,8 @@ fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     } else if args.precision_only {
         let (warmup, timed) = if args.quick { (2, 3) } else { (5, 30) };
         let precision = precision::mixed_precision(warmup, timed)?;
-        json!({ "suite": "precision", "quick": args.quick, "precision": precision, "wall_s": wall() })
+        let convergence = precision_convergence::convergence(if args.quick { 30 } else { 300 })?;
+        json!({ "suite": "precision", "quick": args.quick, "precision": precision, "convergence": convergence, "wall_s": wall() })
     } else if args.actor_api_only {
         actor_api_only(args, started)?
     } else if args.collectives_only {
