@@ -183,8 +183,9 @@ pub struct ShardHeader {
     /// The learning-rate schedule's position.
     #[serde(default)]
     pub schedule_step: u64,
-    /// f16's loss scale and its clean-step count, when the job scales its loss.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// f16's loss scale and its clean-step count, when the job scales its loss. Always written
+    /// (`None` too): the header also crosses processes in a format without field names.
+    #[serde(default)]
     pub loss_scale: Option<crate::precision::LossScaler>,
     /// Its pieces.
     pub pieces: Vec<PieceIndex>,

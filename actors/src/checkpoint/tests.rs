@@ -290,3 +290,49 @@ fn a_corrupt_or_partial_checkpoint_is_skipped() {
     assert_eq!(latest.unwrap().1.step, 2);
     assert!(skipped[0].contains("no manifest"), "{skipped:?}");
 }
+
+/// f16's loss scale is written into each shard's header (present or not, so that the header
+/// crosses processes in the name-less codec as well as in JSON) and read back; shards that
+/// disagree are refused, naming the file.
+#[test]
+fn the_loss_scale_crosses_processes_and_reads_back() {
+    let root = tempfile::tempdir().unwrap();
+    let scaler = crate::precision::LossScaler {
+        scale: 32768.0,
+        clean_steps: 7,
+        growth_interval: 2000,
+    };
+    for loss_scale in [Some(scaler), None] {
+        let state = ShardState {
+            steps: 2,
+            schedule_step: 2,
+            loss_scale,
+            pieces: vec![piece(0, 0, "w", &[4], Slice::flat(0..4), 1.0, false)],
+        };
+        let file = write_shard(root.path(), 0, &state).unwrap();
+        let crossed: ShardFile = crate::codec::decode(&crate::codec::encode(&file).unwrap()).unwrap();
+        assert_eq!(crossed, file);
+        let json: ShardFile = serde_json::from_slice(&serde_json::to_vec(&file).unwrap()).unwrap();
+        assert_eq!(json.header.loss_scale, loss_scale);
+    }
+    let dir = step_dir(root.path(), 1);
+    let shard = |loss_scale| ShardState {
+        steps: 2,
+        schedule_step: 2,
+        loss_scale,
+        pieces: vec![piece(0, 0, "w", &[4], Slice::flat(0..4), 1.0, false)],
+    };
+    write(&dir, vec![shard(Some(scaler))], 1);
+    assert_eq!(
+        CheckpointReader::open(&dir).unwrap().loss_scale(),
+        Ok(Some(scaler))
+    );
+    let other = step_dir(root.path(), 2);
+    let halved = crate::precision::LossScaler {
+        scale: 16384.0,
+        ..scaler
+    };
+    write(&other, vec![shard(Some(scaler)), shard(Some(halved))], 2);
+    let refused = CheckpointReader::open(&other).unwrap().loss_scale().unwrap_err();
+    assert!(refused.contains("disagree on the loss scale"), "{refused}");
+}
