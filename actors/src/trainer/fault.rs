@@ -58,9 +58,10 @@ impl FaultHook {
         }
     }
 
-    /// The fault in force.
-    pub(super) fn fault(&self) -> TestFault {
-        self.fault
+    /// Whether loss scaling decides an overflow from this actor's own share of the gradients
+    /// instead of the vote (`LocalOverflowDecision`, the overflow test's control).
+    pub(super) fn decides_overflow_locally(&self) -> bool {
+        matches!(self.fault, TestFault::LocalOverflowDecision { .. })
     }
 
     /// A bucket as the backward left it in job step `step`, before any collective reads it.

@@ -146,10 +146,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let total = self.take_grad_squares(table)? as f64;
         let mut unscale = 1.0f64;
         if let Some(mut scaler) = self.state.update.scaler {
-            let local = matches!(
-                self.fault.as_ref().map(|f| f.fault()),
-                Some(archipelago_dataflow::TestFault::LocalOverflowDecision { .. })
-            );
+            let local = self.fault.as_ref().is_some_and(|f| f.decides_overflow_locally());
             let overflow = match local {
                 true => !self.state.update.own_squares.is_finite(),
                 false => !total.is_finite(),
