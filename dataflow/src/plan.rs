@@ -8,8 +8,8 @@ use crate::mesh::Mesh;
 use crate::passes::optimizer::StepNorms;
 use crate::passes::partition::{self, Chunk};
 use crate::passes::pipeline::Layout;
-use crate::passes::schedule::{self, PipelineShape, Schedule, Slot};
-use crate::program::{Offload, Program};
+use crate::passes::schedule::{self, PipelineShape, Slot};
+use crate::program::Program;
 use crate::simulate::{Prediction, simulate, simulate_with_comm};
 use crate::simulate_comm::StageComm;
 use crate::verify::verify;
@@ -132,127 +132,9 @@ pub fn compile(program: &Program) -> Result<Plan, PlanError> {
     compile_with(program, true)
 }
 
-/// A change that may make a plan fit: its flags, the knobs it turns (two remedies combine only
-/// when they turn different knobs) and the change itself.
-struct Remedy {
-    flags: String,
-    knobs: &'static [&'static str],
-    apply: Box<dyn Fn(&mut Program)>,
-}
-
-impl Remedy {
-    fn new(flags: String, knobs: &'static [&'static str], apply: impl Fn(&mut Program) + 'static) -> Remedy {
-        Remedy {
-            flags,
-            knobs,
-            apply: Box::new(apply),
-        }
-    }
-}
-
-/// The remedies tried when a plan does not fit its memory budget.
-fn remedies(program: &Program) -> Vec<Remedy> {
-    let plan = &program.plan;
-    let mut out = Vec::new();
-    if plan.dp > 1 {
-        for z in plan.zero + 1..=3 {
-            out.push(Remedy::new(format!("--zero {z}"), &["zero"], move |p| {
-                p.plan.zero = z
-            }));
-        }
-    }
-    if !plan.offload.is_some() {
-        for offload in [Offload::Cpu, Offload::Nvme { dir: "DIR".into() }] {
-            out.push(Remedy::new(
-                format!("--offload {offload}"),
-                &["offload"],
-                move |p| p.plan.offload = offload.clone(),
-            ));
-        }
-    }
-    if plan.dp > 1 && !plan.offload_params {
-        // ZeRO-3 with the parameter shards offloaded too (ZeRO-Infinity).
-        let tiers = if plan.offload.is_some() {
-            vec![plan.offload.clone()]
-        } else {
-            vec![Offload::Cpu, Offload::Nvme { dir: "DIR".into() }]
-        };
-        for tier in tiers {
-            let flags = format!("--zero 3 --offload {tier} --offload-params");
-            out.push(Remedy::new(flags, &["zero", "offload"], move |p| {
-                p.plan.zero = 3;
-                p.plan.offload = tier.clone();
-                p.plan.offload_params = true;
-            }));
-        }
-    }
-    if !plan.checkpoint_activations {
-        out.push(Remedy::new(
-            "--checkpoint-activations".into(),
-            &["checkpoint"],
-            |p| p.plan.checkpoint_activations = true,
-        ));
-    }
-    for pp in [plan.pp * 2, plan.pp * 4] {
-        if pp * plan.virtual_stages <= program.model.blocks.len() {
-            let m = plan.microbatches.max(pp);
-            let flags = format!("--pp {pp} --microbatches {m} ({} devices)", plan.dp * pp);
-            out.push(Remedy::new(flags, &["pp"], move |p| {
-                p.plan.pp = pp;
-                p.plan.microbatches = m;
-                p.plan.stages = None;
-            }));
-        }
-    }
-    out
-}
-
-/// `program` changed by `remedies`, compiled on as many devices of the same kind as it needs (a
-/// GPU plan's estimate counts GPU-only terms), deciding its state placement afresh (`Auto` with
-/// offload is `Host`; a placement the user named stays).
-fn remedied(program: &Program, remedies: &[&Remedy]) -> Program {
-    let mut p = program.clone();
-    for r in remedies {
-        (r.apply)(&mut p);
-    }
-    let actors = (p.plan.dp * p.plan.pp).max(1);
-    p.devices = match program.devices.first() {
-        Some(DeviceSpec::Cuda(_)) => (0..actors as u32).map(DeviceSpec::Cuda).collect(),
-        _ => Vec::new(),
-    };
-    p
-}
-
-/// The flags that make `program` fit: every single remedy that does; when none does, every pair
-/// of remedies on different knobs that does (e.g. `--checkpoint-activations` with `--pp 4`).
-fn fitting_remedies(program: &Program) -> Vec<String> {
-    let all = remedies(program);
-    let fits = |rs: &[&Remedy]| compile_with(&remedied(program, rs), false).is_ok();
-    let singles: Vec<String> = (all.iter())
-        .filter(|r| fits(&[r]))
-        .map(|r| r.flags.clone())
-        .collect();
-    if !singles.is_empty() {
-        return singles;
-    }
-    let mut pairs = Vec::new();
-    for (i, a) in all.iter().enumerate() {
-        for b in &all[i + 1..] {
-            if a.knobs.iter().all(|k| !b.knobs.contains(k)) && fits(&[a, b]) {
-                pairs.push(format!("{} {}", a.flags, b.flags));
-            }
-        }
-    }
-    if pairs.len() > MAX_PAIRS_SHOWN {
-        let more = pairs.len() - MAX_PAIRS_SHOWN;
-        pairs.truncate(MAX_PAIRS_SHOWN);
-        pairs.push(format!("{more} other pairs of these"));
-    }
-    pairs
-}
-
-/// Fitting pairs of remedies named in a refusal; the rest are counted.
-const MAX_PAIRS_SHOWN: usize = 4;
+mod checks;
+mod remedies;
+use remedies::fitting_remedies;
 
 fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     let given = program;
@@ -263,65 +145,10 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     } else {
         program
     };
+    checks::check_program(program)?;
     let plan = &program.plan;
-    for (value, what) in [
-        (plan.dp, "--dp"),
-        (plan.pp, "--pp"),
-        (plan.batch, "--batch"),
-        (plan.microbatches, "--microbatches"),
-        (plan.virtual_stages, "--virtual-stages"),
-    ] {
-        if value == 0 {
-            return Err(PlanError::Zero { what });
-        }
-    }
-    let blocks = program.model.blocks.len();
-    if blocks == 0 {
-        return Err(PlanError::EmptyModel);
-    }
-    program.model.check()?;
-    if !plan.batch.is_multiple_of(plan.dp) {
-        let lower = plan.batch / plan.dp * plan.dp;
-        return Err(PlanError::BatchNotDivisible {
-            batch: plan.batch,
-            dp: plan.dp,
-            lower,
-            upper: lower + plan.dp,
-        });
-    }
     let per_replica = plan.batch / plan.dp;
     let m = plan.microbatches;
-    if !per_replica.is_multiple_of(m) {
-        let suggest = (1..=m.min(per_replica))
-            .rev()
-            .find(|d| per_replica.is_multiple_of(*d))
-            .unwrap_or(1);
-        let unit = plan.dp * m;
-        return Err(PlanError::MicrobatchesNotDivisible {
-            per_replica,
-            microbatches: m,
-            suggest,
-            batch_fix: plan.batch.div_ceil(unit) * unit,
-        });
-    }
-    check_schedule(program)?;
-    if plan.zero > 3 {
-        return Err(PlanError::Conflict(format!(
-            "--zero {}: the ZeRO stages are 0, 1, 2 and 3",
-            plan.zero
-        )));
-    }
-    if plan.offload_params && (plan.zero < 3 || plan.dp < 2 || !plan.offload.is_some()) {
-        return Err(PlanError::Conflict(format!(
-            "--offload-params offloads ZeRO-3's parameter shards: it needs --zero 3, --dp 2 or more and \
-             --offload cpu or nvme:DIR (got --zero {} --dp {} --offload {})",
-            plan.zero, plan.dp, plan.offload
-        )));
-    }
-    crate::passes::optimizer::check(program)?;
-    crate::precision::check(program)?;
-    check_state_placement(program)?;
-    program.model.check_trainable()?;
     // ZeRO-3 pairs with activation checkpointing (DESIGN.md): implied.
     let mut program = program.clone();
     if plan.zero_stage().shards_parameters() {
@@ -330,26 +157,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     let program = &program;
     let plan = &program.plan;
     let (pp, v) = (plan.pp, plan.virtual_stages);
-    let n_chunks = pp * v;
-    let chunks = match &plan.stages {
-        Some(given) => {
-            let text = partition::format_stages(given);
-            partition::check(given, blocks, n_chunks, &text)?;
-            given.clone()
-        }
-        None => {
-            if n_chunks > blocks {
-                return Err(PlanError::TooManyStages {
-                    pp,
-                    virtual_stages: v,
-                    chunks: n_chunks,
-                    blocks,
-                    max_pp: (blocks / v).max(1),
-                });
-            }
-            partition::balanced(&program.model, n_chunks)
-        }
-    };
+    let chunks = chunks_of(program)?;
     let mesh = if pp > 1 {
         Mesh::new(&[("dp", plan.dp), ("pp", pp)])?
     } else {
@@ -375,7 +183,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         chunks.clone(),
         plan.bucket_bytes.max(1),
     );
-    layout.islands = island_indices(&program.islands, mesh.size())?;
+    layout.islands = checks::island_indices(&program.islands, mesh.size())?;
     let norms = StepNorms::of(program);
     let mut graph = crate::passes::step::build_step(
         &layout,
@@ -388,7 +196,41 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     crate::passes::precision::apply(&mut graph, &program.precision);
     let streams = crate::passes::lower::lower(&graph);
     verify(&streams)?;
-    let optimizer_s: Vec<f64> = (0..pp)
+    let optimizer_s = optimizer_seconds(program, &layout, &cost_model);
+    let prediction = simulate(plan.schedule, shape, &orders, &costs, &optimizer_s);
+    let (memory, actors) = actor_plans(program, &layout, streams, &devices, &prediction);
+    refuse_unfit(given, &memory, &devices, suggest)?;
+    let mut plan = Plan {
+        program: program.clone(),
+        mesh,
+        chunks,
+        buckets: layout.segments.clone(),
+        schedule: orders,
+        prediction,
+        actors,
+        memory,
+        fabric: Vec::new(),
+        offload_traffic: Vec::new(),
+    };
+    plan.fabric = crate::fabric_bytes::predict(&plan);
+    plan.offload_traffic = crate::offload_bytes::predict(&plan);
+    let comm = StageComm::of_plan(&plan, &cost_model);
+    plan.prediction = simulate_with_comm(
+        program.plan.schedule,
+        shape,
+        &plan.schedule,
+        &costs,
+        &optimizer_s,
+        &comm,
+    );
+    plan.prediction
+        .share_cores(plan.program.plan.dp, cost_model.compute_units);
+    Ok(plan)
+}
+
+/// The optimizer step's modelled seconds on each stage (its trained parameters).
+fn optimizer_seconds(program: &Program, layout: &Layout, cost_model: &crate::CostModel) -> Vec<f64> {
+    (0..layout.shape.pp)
         .map(|s| {
             let params = layout
                 .chunks_on(s)
@@ -402,8 +244,19 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
                 .sum();
             cost_model.optimizer(params)
         })
-        .collect();
-    let prediction = simulate(plan.schedule, shape, &orders, &costs, &optimizer_s);
+        .collect()
+}
+
+/// Each actor's plan (its place, chunks, training share and stream) and memory estimate.
+fn actor_plans(
+    program: &Program,
+    layout: &Layout,
+    streams: Vec<Vec<Instruction>>,
+    devices: &[DeviceSpec],
+    prediction: &Prediction,
+) -> (Vec<MemoryEstimate>, Vec<ActorPlan>) {
+    let mesh = &layout.mesh;
+    let microbatch_rows = program.plan.batch / program.plan.dp / program.plan.microbatches;
     let mut memory = Vec::with_capacity(mesh.size());
     let mut actors = Vec::with_capacity(mesh.size());
     for (actor, instructions) in streams.into_iter().enumerate() {
@@ -440,7 +293,45 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
             },
         });
     }
-    if let Some(budget) = plan.device_memory
+    (memory, actors)
+}
+
+/// The block range of each model chunk: the user's `--stages`, checked, or a balanced cut.
+fn chunks_of(program: &Program) -> Result<Vec<Chunk>, PlanError> {
+    let plan = &program.plan;
+    let blocks = program.model.blocks.len();
+    let (pp, v) = (plan.pp, plan.virtual_stages);
+    let n_chunks = pp * v;
+    Ok(match &plan.stages {
+        Some(given) => {
+            let text = partition::format_stages(given);
+            partition::check(given, blocks, n_chunks, &text)?;
+            given.clone()
+        }
+        None => {
+            if n_chunks > blocks {
+                return Err(PlanError::TooManyStages {
+                    pp,
+                    virtual_stages: v,
+                    chunks: n_chunks,
+                    blocks,
+                    max_pp: (blocks / v).max(1),
+                });
+            }
+            partition::balanced(&program.model, n_chunks)
+        }
+    })
+}
+
+/// Refuses a plan whose estimate exceeds `--device-memory` on some actor, naming the remedies that
+/// make it fit (when `suggest`: the remedies themselves compile without suggesting).
+fn refuse_unfit(
+    given: &Program,
+    memory: &[MemoryEstimate],
+    devices: &[DeviceSpec],
+    suggest: bool,
+) -> Result<(), PlanError> {
+    if let Some(budget) = given.plan.device_memory
         && let Some(m) = memory.iter().find(|m| m.total() > budget)
     {
         let fits = if suggest {
@@ -464,58 +355,6 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
             fixes,
         });
     }
-    let mut plan = Plan {
-        program: program.clone(),
-        mesh,
-        chunks,
-        buckets: layout.segments.clone(),
-        schedule: orders,
-        prediction,
-        actors,
-        memory,
-        fabric: Vec::new(),
-        offload_traffic: Vec::new(),
-    };
-    plan.fabric = crate::fabric_bytes::predict(&plan);
-    plan.offload_traffic = crate::offload_bytes::predict(&plan);
-    let comm = StageComm::of_plan(&plan, &cost_model);
-    plan.prediction = simulate_with_comm(
-        program.plan.schedule,
-        shape,
-        &plan.schedule,
-        &costs,
-        &optimizer_s,
-        &comm,
-    );
-    plan.prediction
-        .share_cores(plan.program.plan.dp, cost_model.compute_units);
-    Ok(plan)
-}
-
-/// Refuses schedule options that do not go together, naming the fix.
-fn check_schedule(program: &Program) -> Result<(), PlanError> {
-    let plan = &program.plan;
-    let (pp, v, m) = (plan.pp, plan.virtual_stages, plan.microbatches);
-    if v > 1 && plan.schedule != Schedule::Interleaved {
-        return Err(PlanError::Conflict(format!(
-            "--virtual-stages {v} needs --schedule interleaved (the {} schedule runs one chunk per device)",
-            plan.schedule
-        )));
-    }
-    if plan.schedule == Schedule::Interleaved {
-        if pp < 2 {
-            return Err(PlanError::Conflict(
-                "--schedule interleaved needs --pp 2 or more".into(),
-            ));
-        }
-        if !m.is_multiple_of(pp) {
-            return Err(PlanError::Conflict(format!(
-                "--schedule interleaved runs micro-batches in groups of pp={pp}: use --microbatches {} \
-                 (a multiple of {pp})",
-                m.div_ceil(pp) * pp
-            )));
-        }
-    }
     Ok(())
 }
 
@@ -527,47 +366,6 @@ pub fn count_compute(stream: &[Instruction], pred: impl Fn(&ComputeOp) -> bool) 
         .count()
 }
 
-/// The island index of each actor from the programme's island names (empty: one island).
-fn island_indices(names: &[String], actors: usize) -> Result<Vec<usize>, PlanError> {
-    if names.is_empty() {
-        return Ok(Vec::new());
-    }
-    if names.len() < actors {
-        return Err(PlanError::Conflict(format!(
-            "{} island names for {actors} devices: name the island of every device, or none",
-            names.len()
-        )));
-    }
-    let mut seen: Vec<&str> = Vec::new();
-    Ok(names[..actors]
-        .iter()
-        .map(|n| match seen.iter().position(|s| *s == n) {
-            Some(i) => i,
-            None => {
-                seen.push(n);
-                seen.len() - 1
-            }
-        })
-        .collect())
-}
-
 #[cfg(test)]
 #[path = "plan_tests.rs"]
 mod tests;
-
-/// `--state device` covers every update rule and ZeRO 0-3; not offload (the state is then the
-/// offload actor's, in host memory by design).
-fn check_state_placement(program: &Program) -> Result<(), PlanError> {
-    let plan = &program.plan;
-    if plan.state != crate::StatePlacement::Device {
-        return Ok(());
-    }
-    if plan.offload.is_some() {
-        return Err(PlanError::Conflict(format!(
-            "--state device keeps the state on the device; --offload {} keeps it in host memory (the \
-             offload actor's): use --state host (what --state auto picks with --offload), or drop --offload",
-            plan.offload
-        )));
-    }
-    Ok(())
-}

@@ -1,0 +1,137 @@
+//! The refusals `plan` gives before it builds anything: options that are zero, do not divide or
+//! do not go together, each naming the flag to change, and the island of each device.
+
+use crate::PlanError;
+use crate::passes::schedule::Schedule;
+use crate::program::Program;
+
+/// Refuses a program whose options are zero, do not divide, or do not go together, naming the fix.
+pub(super) fn check_program(program: &Program) -> Result<(), PlanError> {
+    let plan = &program.plan;
+    for (value, what) in [
+        (plan.dp, "--dp"),
+        (plan.pp, "--pp"),
+        (plan.batch, "--batch"),
+        (plan.microbatches, "--microbatches"),
+        (plan.virtual_stages, "--virtual-stages"),
+    ] {
+        if value == 0 {
+            return Err(PlanError::Zero { what });
+        }
+    }
+    if program.model.blocks.is_empty() {
+        return Err(PlanError::EmptyModel);
+    }
+    program.model.check()?;
+    if !plan.batch.is_multiple_of(plan.dp) {
+        let lower = plan.batch / plan.dp * plan.dp;
+        return Err(PlanError::BatchNotDivisible {
+            batch: plan.batch,
+            dp: plan.dp,
+            lower,
+            upper: lower + plan.dp,
+        });
+    }
+    let per_replica = plan.batch / plan.dp;
+    let m = plan.microbatches;
+    if !per_replica.is_multiple_of(m) {
+        let suggest = (1..=m.min(per_replica))
+            .rev()
+            .find(|d| per_replica.is_multiple_of(*d))
+            .unwrap_or(1);
+        let unit = plan.dp * m;
+        return Err(PlanError::MicrobatchesNotDivisible {
+            per_replica,
+            microbatches: m,
+            suggest,
+            batch_fix: plan.batch.div_ceil(unit) * unit,
+        });
+    }
+    check_schedule(program)?;
+    if plan.zero > 3 {
+        return Err(PlanError::Conflict(format!(
+            "--zero {}: the ZeRO stages are 0, 1, 2 and 3",
+            plan.zero
+        )));
+    }
+    if plan.offload_params && (plan.zero < 3 || plan.dp < 2 || !plan.offload.is_some()) {
+        return Err(PlanError::Conflict(format!(
+            "--offload-params offloads ZeRO-3's parameter shards: it needs --zero 3, --dp 2 or more and \
+             --offload cpu or nvme:DIR (got --zero {} --dp {} --offload {})",
+            plan.zero, plan.dp, plan.offload
+        )));
+    }
+    crate::passes::optimizer::check(program)?;
+    crate::precision::check(program)?;
+    check_state_placement(program)?;
+    program.model.check_trainable()?;
+    Ok(())
+}
+
+/// Refuses schedule options that do not go together, naming the fix.
+fn check_schedule(program: &Program) -> Result<(), PlanError> {
+    let plan = &program.plan;
+    let (pp, v, m) = (plan.pp, plan.virtual_stages, plan.microbatches);
+    if v > 1 && plan.schedule != Schedule::Interleaved {
+        return Err(PlanError::Conflict(format!(
+            "--virtual-stages {v} needs --schedule interleaved (the {} schedule runs one chunk per device)",
+            plan.schedule
+        )));
+    }
+    if plan.schedule == Schedule::Interleaved {
+        if pp < 2 {
+            return Err(PlanError::Conflict(
+                "--schedule interleaved needs --pp 2 or more".into(),
+            ));
+        }
+        if !m.is_multiple_of(pp) {
+            return Err(PlanError::Conflict(format!(
+                "--schedule interleaved runs micro-batches in groups of pp={pp}: use --microbatches {} \
+                 (a multiple of {pp})",
+                m.div_ceil(pp) * pp
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `--state device` covers every update rule and ZeRO 0-3; not offload (the state is then the
+/// offload actor's, in host memory by design).
+fn check_state_placement(program: &Program) -> Result<(), PlanError> {
+    let plan = &program.plan;
+    if plan.state != crate::StatePlacement::Device {
+        return Ok(());
+    }
+    if plan.offload.is_some() {
+        return Err(PlanError::Conflict(format!(
+            "--state device keeps the state on the device; --offload {} keeps it in host memory (the \
+             offload actor's): use --state host (what --state auto picks with --offload), or drop --offload",
+            plan.offload
+        )));
+    }
+    Ok(())
+}
+
+/// The island index of each actor from the programme's island names (empty: one island).
+pub(super) fn island_indices(names: &[String], actors: usize) -> Result<Vec<usize>, PlanError> {
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    if names.len() < actors {
+        return Err(PlanError::Conflict(format!(
+            "{} island names for {actors} devices: name the island of every device, or none",
+            names.len()
+        )));
+    }
+    let mut seen: Vec<&str> = Vec::new();
+    Ok(names[..actors]
+        .iter()
+        .map(|n| match seen.iter().position(|s| *s == n) {
+            Some(i) => i,
+            None => {
+                seen.push(n);
+                seen.len() - 1
+            }
+        })
+        .collect())
+}
