@@ -1,8 +1,8 @@
 //! `archipelago export`: the full model of a sharded checkpoint, written as one safetensors file
 //! with PyTorch's names and layouts (what `torch.load_state_dict`, Hugging Face and PEFT read).
 //!
-//! Whatever layout wrote the checkpoint (dp, pp, ZeRO shards, offload), every block is read whole
-//! through [`CheckpointReader`] and written by [`write_weights`], which names and transposes each
+//! Whatever layout wrote the checkpoint (dp, pp, ZeRO shards, offload), every parameter is read
+//! whole, by name, through [`CheckpointReader`] and written by [`write_weights`], which names and transposes each
 //! parameter as [`archipelago_dataflow::param_names`] says. The file's metadata names the model
 //! and its architecture, and `config.json` beside it holds the same facts (heads, activation,
 //! LayerNorm ε, tying: what the weights cannot tell). Reading it back with `--init` starts a
@@ -15,7 +15,7 @@ use clap::Args;
 
 use archipelago_actors::checkpoint::{self, CheckpointReader, MANIFEST};
 use archipelago_actors::weights_file::write_weights;
-use archipelago_dataflow::ModelSpec;
+use archipelago_dataflow::{ModelSpec, param_names};
 
 /// Flags of `export`.
 #[derive(Debug, Args)]
@@ -79,13 +79,17 @@ pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
         )
     })?;
     let desc = model.desc();
-    let blocks = desc
-        .blocks
+    // By name, not by block index: the same parameter may sit in another block of a checkpoint
+    // written before gpt's layers became two blocks each.
+    let blocks = param_names::block_params(&model)
         .iter()
-        .enumerate()
-        .map(|(index, info)| {
-            let [params, _, _] = reader.read_values(index, 0..info.params as usize, 0)?;
-            Ok(params)
+        .map(|params| {
+            let mut values = Vec::new();
+            for p in params {
+                let (v, _) = reader.read_param(&p.name, &p.shape, 0..p.len(), &[])?;
+                values.extend(v);
+            }
+            Ok(values)
         })
         .collect::<Result<Vec<_>, String>>()?;
     write_weights(out, &model, &blocks)?;

@@ -386,7 +386,12 @@ impl ModelSpec {
                 layers,
                 heads,
             } => {
-                let layer_acts = ctx * (17 * d + 3 * heads * ctx);
+                // Per layer ctx·(17d + 3·heads·ctx) kept floats: the attention half keeps its
+                // input, ln1's output, q/k/v, the attention output, proj's output and the sum
+                // (7d) and the scores (3·heads·ctx); the MLP half ln2's and fc2's outputs (d each)
+                // and fc1's and GELU's (4d each): 10d.
+                let attention_acts = ctx * (7 * d + 3 * heads * ctx);
+                let mlp_acts = ctx * 10 * d;
                 let mut params = describe(self).into_iter();
                 let mut blocks = vec![BlockInfo::described(
                     "embedding",
@@ -395,12 +400,14 @@ impl ModelSpec {
                     (ctx * d) as u64,
                 )];
                 for i in 0..layers {
-                    blocks.push(BlockInfo::described(
-                        format!("transformer.{i}"),
-                        params.next().unwrap_or_default(),
-                        layer_acts as u64,
-                        (ctx * d) as u64,
-                    ));
+                    for (half, acts) in [("attn", attention_acts), ("mlp", mlp_acts)] {
+                        blocks.push(BlockInfo::described(
+                            format!("{half}.{i}"),
+                            params.next().unwrap_or_default(),
+                            acts as u64,
+                            (ctx * d) as u64,
+                        ));
+                    }
                 }
                 blocks.push(BlockInfo::described(
                     "head",

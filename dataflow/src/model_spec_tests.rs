@@ -55,7 +55,9 @@ fn parses_parametric_specs_and_round_trips() {
     assert_eq!(m.desc().blocks.len(), 4);
     assert_eq!(ModelSpec::parse(&m.to_string()).unwrap(), m);
     let g = ModelSpec::parse("gpt:vocab=64,ctx=16,d=32,layers=2,heads=2").unwrap();
-    assert_eq!(g.desc().blocks.len(), 4);
+    // The embedding, two blocks per layer (attention, MLP) and the head.
+    let names: Vec<String> = g.desc().blocks.into_iter().map(|b| b.name).collect();
+    assert_eq!(names, ["embedding", "attn.0", "mlp.0", "attn.1", "mlp.1", "head"]);
     assert_eq!(ModelSpec::parse(&g.to_string()).unwrap(), g);
 }
 

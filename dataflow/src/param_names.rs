@@ -94,6 +94,8 @@ fn table(name: &str, rows: usize, d: usize) -> NamedParam {
 }
 
 /// Each block's parameters, blocks in model order, parameters in the runtime's flattening order.
+/// A gpt layer is two blocks, its attention half (`ln1`, `qkv`, `proj`) and its MLP half (`ln2`,
+/// `fc1`, `fc2`), so that a tensor-parallel all-reduce can sit between them (Megatron-LM's g).
 pub fn block_params(model: &ModelSpec) -> Vec<Vec<NamedParam>> {
     match *model {
         ModelSpec::Mlp {
@@ -118,13 +120,14 @@ pub fn block_params(model: &ModelSpec) -> Vec<Vec<NamedParam>> {
             let mut blocks = vec![vec![table("tok.weight", vocab, d), table("pos.weight", ctx, d)]];
             for i in 0..layers {
                 let p = format!("layers.{i}");
-                let mut block = layer_norm(&format!("{p}.ln1"), d);
-                block.extend(linear(&format!("{p}.qkv"), d, 3 * d, true));
-                block.extend(linear(&format!("{p}.proj"), d, d, true));
-                block.extend(layer_norm(&format!("{p}.ln2"), d));
-                block.extend(linear(&format!("{p}.fc1"), d, 4 * d, true));
-                block.extend(linear(&format!("{p}.fc2"), 4 * d, d, true));
-                blocks.push(block);
+                let mut attention = layer_norm(&format!("{p}.ln1"), d);
+                attention.extend(linear(&format!("{p}.qkv"), d, 3 * d, true));
+                attention.extend(linear(&format!("{p}.proj"), d, d, true));
+                blocks.push(attention);
+                let mut mlp = layer_norm(&format!("{p}.ln2"), d);
+                mlp.extend(linear(&format!("{p}.fc1"), d, 4 * d, true));
+                mlp.extend(linear(&format!("{p}.fc2"), 4 * d, d, true));
+                blocks.push(mlp);
             }
             let mut head = layer_norm("ln_f", d);
             head.extend(linear("head", d, vocab, false));

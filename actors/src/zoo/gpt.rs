@@ -1,5 +1,6 @@
-//! The gpt workload's blocks: token + position embedding, pre-LayerNorm transformer layers with
-//! causal multi-head attention and a GELU MLP, and the final LayerNorm + output head.
+//! The gpt workload's blocks: token + position embedding, pre-LayerNorm transformer layers (each
+//! two blocks: causal multi-head attention, then a GELU MLP), and the final LayerNorm + output
+//! head.
 //!
 //! Follows GPT-2 (Radford et al., 2019) as pinned in `shared/WORKLOADS.md`: `x += attn(ln1(x));
 //! x += mlp(ln2(x))`, learned positions, untied head without bias, no dropout.
@@ -49,29 +50,26 @@ impl<B: Kernels> BlockModule<B> for GptEmbedding<B> {
 /// The epsilon of every LayerNorm (burn's and PyTorch's default).
 const LN_EPSILON: f64 = 1e-5;
 
-/// One pre-LayerNorm transformer layer with causal self-attention.
+/// The attention half of a pre-LayerNorm transformer layer: `x + proj(attn(qkv(ln1(x))))`.
+///
+/// A layer is two blocks (this and [`MlpHalf`]) so that the tensor-parallel all-reduce after each
+/// row-parallel projection (Megatron-LM's g) falls between blocks, as an instruction of the step.
 #[derive(Module, Debug)]
-pub struct TransformerLayer<B: Backend> {
+pub struct AttentionHalf<B: Backend> {
     /// LayerNorm before attention.
     pub ln1: LayerNorm<B>,
     /// Fused query/key/value projection `[d, 3d]`.
     pub qkv: Linear<B>,
     /// Attention output projection `[d, d]`.
     pub proj: Linear<B>,
-    /// LayerNorm before the MLP.
-    pub ln2: LayerNorm<B>,
-    /// MLP up-projection `[d, 4d]`.
-    pub fc1: Linear<B>,
-    /// MLP down-projection `[4d, d]`.
-    pub fc2: Linear<B>,
     /// Attention heads.
     pub heads: usize,
 }
 
-impl<B: Backend> TransformerLayer<B> {
-    /// A layer of width `d` with `heads` heads.
+impl<B: Backend> AttentionHalf<B> {
+    /// The attention half of a layer of width `d` with `heads` heads.
     pub fn new(d: usize, heads: usize, device: &B::Device) -> Self {
-        TransformerLayer {
+        AttentionHalf {
             ln1: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
             qkv: LinearConfig::new(d, 3 * d)
                 .with_initializer(Initializer::Zeros)
@@ -79,6 +77,36 @@ impl<B: Backend> TransformerLayer<B> {
             proj: LinearConfig::new(d, d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
+            heads,
+        }
+    }
+}
+
+impl<B: Kernels> BlockModule<B> for AttentionHalf<B> {
+    fn forward(&self, x: Activation<B>) -> Activation<B> {
+        let Activation::Seq(x) = x else {
+            panic!("AttentionHalf takes a sequence")
+        };
+        let qkv = linear(&self.qkv, layer_norm(&self.ln1, x.clone(), LN_EPSILON));
+        Activation::Seq(x + linear(&self.proj, causal_attention(qkv, self.heads)))
+    }
+}
+
+/// The MLP half of a pre-LayerNorm transformer layer: `x + fc2(gelu(fc1(ln2(x))))`.
+#[derive(Module, Debug)]
+pub struct MlpHalf<B: Backend> {
+    /// LayerNorm before the MLP.
+    pub ln2: LayerNorm<B>,
+    /// MLP up-projection `[d, 4d]`.
+    pub fc1: Linear<B>,
+    /// MLP down-projection `[4d, d]`.
+    pub fc2: Linear<B>,
+}
+
+impl<B: Backend> MlpHalf<B> {
+    /// The MLP half of a layer of width `d`.
+    pub fn new(d: usize, device: &B::Device) -> Self {
+        MlpHalf {
             ln2: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
             fc1: LinearConfig::new(d, 4 * d)
                 .with_initializer(Initializer::Zeros)
@@ -86,29 +114,17 @@ impl<B: Backend> TransformerLayer<B> {
             fc2: LinearConfig::new(4 * d, d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
-            heads,
         }
     }
 }
 
-impl<B: Kernels> TransformerLayer<B> {
-    fn attention(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let y = causal_attention(linear(&self.qkv, x), self.heads);
-        linear(&self.proj, y)
-    }
-}
-
-impl<B: Kernels> BlockModule<B> for TransformerLayer<B> {
+impl<B: Kernels> BlockModule<B> for MlpHalf<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         let Activation::Seq(x) = x else {
-            panic!("TransformerLayer takes a sequence")
+            panic!("MlpHalf takes a sequence")
         };
-        let x = x.clone() + self.attention(layer_norm(&self.ln1, x, LN_EPSILON));
-        let mlp = linear(
-            &self.fc2,
-            gelu(linear(&self.fc1, layer_norm(&self.ln2, x.clone(), LN_EPSILON))),
-        );
-        Activation::Seq(x + mlp)
+        let hidden = gelu(linear(&self.fc1, layer_norm(&self.ln2, x.clone(), LN_EPSILON)));
+        Activation::Seq(x + linear(&self.fc2, hidden))
     }
 }
 
@@ -157,7 +173,7 @@ mod tests {
     #[test]
     fn a_later_position_never_changes_an_earlier_output() {
         let device = FlexDevice;
-        let layer: Box<dyn Block<CpuBackend>> = Box::new(TransformerLayer::<CpuBackend>::new(8, 2, &device));
+        let layer: Box<dyn Block<CpuBackend>> = Box::new(AttentionHalf::<CpuBackend>::new(8, 2, &device));
         let init = initial_params(&describe_shapes("layer", &layer.param_shapes()), 3);
         let layer = layer.load_params(&init, false);
         let x = Tensor::<CpuBackend, 3>::random([1, 6, 8], Distribution::Default, &device);

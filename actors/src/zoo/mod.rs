@@ -13,7 +13,7 @@ mod mlp;
 
 pub use config::model_config;
 
-pub use gpt::{GptEmbedding, GptHead, TransformerLayer};
+pub use gpt::{AttentionHalf, GptEmbedding, GptHead, MlpHalf};
 pub use mlp::{LinearBlock, LinearReluBlock};
 
 use burn::tensor::backend::AutodiffBackend;
@@ -78,10 +78,12 @@ impl<B: crate::kernels::Kernels> ModelBuilder<B> for ZooModel {
             } => {
                 if ctx.block == 0 {
                     Box::new(GptEmbedding::new(vocab, context, d, device))
-                } else if ctx.block <= layers {
-                    Box::new(TransformerLayer::new(d, heads, device))
-                } else {
+                } else if ctx.block > 2 * layers {
                     Box::new(GptHead::new(d, vocab, device))
+                } else if ctx.block % 2 == 1 {
+                    Box::new(AttentionHalf::new(d, heads, device))
+                } else {
+                    Box::new(MlpHalf::new(d, device))
                 }
             }
         }
