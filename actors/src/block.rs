@@ -3,8 +3,9 @@
 //! A model is an ordered list of blocks. A block is any burn [`Module`] with a forward on an
 //! [`Activation`]; implementing [`BlockModule`] is all a user writes. Parameters cross into the
 //! runtime as one flat `f32` vector per block, in the module's declaration order
-//! ([`ModuleVisitor`] to read, [`ModuleMapper`] to write back, keeping each `ParamId`), so that
-//! buckets, collectives and optimizers work on plain slices.
+//! ([`burn::module::ModuleVisitor`] to read, [`burn::module::ModuleMapper`] to write back,
+//! keeping each `ParamId`; the visitors and mappers are in `visit`), so that buckets, collectives
+//! and optimizers work on plain slices.
 
 use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};

@@ -50,7 +50,7 @@ pub fn cost_model(program: &Program) -> Calibration {
         Ok(timed) => timed,
         Err(why) => return default(&format!("the timing run failed: {why}")),
     };
-    let actors = program.plan.dp * program.plan.pp;
+    let actors = program.plan.actors();
     let units = target.units;
     let tokens = (rows * program.model.input.tokens_per_sample()) as f64;
     let flops = 2.0 * program.model.params() as f64 * tokens;

@@ -64,6 +64,7 @@ pub mod simulate;
 pub mod simulate_comm;
 pub mod state_layout;
 pub mod tensor_id;
+pub mod tensor_parallel;
 pub mod trained_layout;
 pub mod verify;
 

@@ -60,6 +60,21 @@ impl Mesh {
             .fold(0, |acc, ((_, size), c)| acc * size + c)
     }
 
+    /// The rank at the named coordinates; an axis not named is at 0, and a named axis the mesh
+    /// does not have must be at 0 (the mesh is then that slice of a larger one).
+    pub fn rank_of(&self, coords: &[(&str, usize)]) -> ActorId {
+        debug_assert!(
+            coords
+                .iter()
+                .all(|(n, c)| *c == 0 || self.axes.iter().any(|(a, _)| a == n)),
+            "coordinates {coords:?} off the mesh {self}"
+        );
+        self.axes.iter().fold(0, |acc, (name, size)| {
+            let c = coords.iter().find(|(n, _)| n == name).map_or(0, |(_, c)| *c);
+            acc * size + c
+        })
+    }
+
     /// The coordinate of `rank` along `axis` (0 when the mesh does not have it).
     pub fn coord(&self, rank: ActorId, axis: &str) -> usize {
         match self.axes.iter().position(|(n, _)| n == axis) {
@@ -114,5 +129,18 @@ mod tests {
         assert_eq!(mesh.group(4, "tp"), vec![4]);
         assert_eq!(mesh.to_string(), "dp=2 × pp=3");
         assert!(Mesh::new(&[("dp", 0)]).is_err());
+        assert_eq!(mesh.rank_of(&[("pp", 1), ("dp", 1), ("tp", 0)]), 4);
+    }
+
+    /// tp is the innermost axis: a tp group is consecutive ranks, a dp group strided by pp·tp,
+    /// a pp group by tp.
+    #[test]
+    fn tp_groups_are_consecutive_ranks() {
+        let mesh = Mesh::new(&[("dp", 2), ("pp", 2), ("tp", 2)]).unwrap();
+        assert_eq!(mesh.group(5, "tp"), vec![4, 5]);
+        assert_eq!(mesh.group(5, "dp"), vec![1, 5]);
+        assert_eq!(mesh.group(5, "pp"), vec![5, 7]);
+        assert_eq!(mesh.rank_of(&[("dp", 1), ("pp", 0), ("tp", 1)]), 5);
+        assert_eq!(mesh.coords(6), vec![1, 1, 0]);
     }
 }

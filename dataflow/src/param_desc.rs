@@ -9,7 +9,8 @@
 //! and checkpoint pieces are named parameters or slices of one.
 //!
 //! Splits follow Megatron-LM (Shoeybi et al., 2019): a column-parallel `Linear` (burn's weight is
-//! `[in, out]`) is cut along its output columns, its bias with it; a row-parallel one along its
+//! `[in, out]`) is cut along its output columns, its bias with it (a fused query/key/value
+//! projection per head inside each of q, k and v); a row-parallel one along its
 //! input rows, its bias replicated; LayerNorm vectors are replicated; an embedding table may be
 //! cut by rows (vocabulary-parallel). Frozen parameters are LoRA's base weights (Hu et al., 2021).
 //!
@@ -17,7 +18,10 @@
 //! use archipelago_dataflow::{DType, ModelSpec, Split};
 //! let desc = ModelSpec::parse("gpt:vocab=16,ctx=4,d=8,layers=1,heads=2").unwrap().desc();
 //! let qkv = desc.blocks[1].param_descs.iter().find(|p| p.name == "layers.0.qkv.weight").unwrap();
-//! assert_eq!((qkv.shape.clone(), qkv.dtype, qkv.split), (vec![8, 24], DType::F32, Split::Columns));
+//! assert_eq!(
+//!     (qkv.shape.clone(), qkv.dtype, qkv.split),
+//!     (vec![8, 24], DType::F32, Split::HeadColumns { parts: 3 })
+//! );
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -37,6 +41,14 @@ pub enum Split {
     /// Cut along the last dimension (a column-parallel `Linear` weight, and its bias: a vector
     /// cut along its only dimension).
     Columns,
+    /// Cut along the last dimension inside each of `parts` equal column groups: a fused
+    /// query/key/value projection `[d, 3d]` (and its bias), whose rank `r` holds `[q_r | k_r |
+    /// v_r]`, the heads of q, k and v it computes attention for (Megatron-LM's per-head split;
+    /// a contiguous cut would give rank 0 all of q and half of k).
+    HeadColumns {
+        /// Column groups (3: q, k and v).
+        parts: usize,
+    },
 }
 
 impl Split {
@@ -45,7 +57,7 @@ impl Split {
         match self {
             Split::Replicated => None,
             Split::Rows => Some(0),
-            Split::Columns => Some(rank.saturating_sub(1)),
+            Split::Columns | Split::HeadColumns { .. } => Some(rank.saturating_sub(1)),
         }
     }
 }
@@ -196,6 +208,7 @@ fn describe_one(model: &ModelSpec, p: &NamedParam, block: &[NamedParam]) -> Para
     };
     let split = match (leaf, columns) {
         _ if component == "tok" => Split::Rows,
+        _ if component == "qkv" => Split::HeadColumns { parts: 3 },
         _ if component == "pos" || component.starts_with("ln") => Split::Replicated,
         (_, true) => Split::Columns,
         ("weight", false) => Split::Rows,
@@ -225,12 +238,12 @@ mod tests {
             (
                 "layers.0.qkv.weight",
                 ParamInit::UniformFanIn { fan_in: 8 },
-                Split::Columns,
+                Split::HeadColumns { parts: 3 },
             ),
             (
                 "layers.0.qkv.bias",
                 ParamInit::UniformFanIn { fan_in: 8 },
-                Split::Columns,
+                Split::HeadColumns { parts: 3 },
             ),
             (
                 "layers.0.proj.weight",

@@ -56,6 +56,15 @@ pub struct ParallelPlan {
     /// they are not offloaded (`--state host|device`).
     #[serde(default)]
     pub state: StatePlacement,
+    /// Tensor-parallel ranks per replica and stage (Megatron-LM, `--tp`): the innermost mesh axis,
+    /// so a tp group is consecutive actors; each rank holds a slice of every split parameter
+    /// (`ParamDesc.split`).
+    #[serde(default = "one")]
+    pub tp: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Where the training state (master parameters, gradient buckets, optimizer state) lives.
@@ -190,14 +199,15 @@ impl Default for ParallelPlan {
             offload: Offload::None,
             offload_params: false,
             state: StatePlacement::Auto,
+            tp: 1,
         }
     }
 }
 
 impl ParallelPlan {
-    /// Number of actors: `dp × pp`.
+    /// Number of actors: `dp × pp × tp`.
     pub fn actors(&self) -> usize {
-        self.dp * self.pp
+        self.dp * self.pp * self.tp
     }
 
     /// The ZeRO stage in force: `--zero` over the dp group (a one-member group shards nothing).
@@ -420,7 +430,7 @@ impl Program {
     /// This program with `plan.state` decided for its actors' devices (`Auto` resolved).
     pub fn with_state_resolved(&self) -> Program {
         let mut program = self.clone();
-        let actors = (self.plan.dp * self.plan.pp).max(1);
+        let actors = self.plan.actors().max(1);
         let devices = self.devices_for(actors);
         let actors = &devices[..devices.len().min(actors)];
         program.plan.state = self.plan.state.resolve(actors, &self.plan.offload);

@@ -103,6 +103,11 @@ pub struct JobArgs {
     /// Pipeline stages (devices along the pp axis; the mesh is dp × pp).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Tensor-parallel ranks per replica and stage (Megatron-LM; the innermost mesh axis, so the
+    /// mesh is dp × pp × tp). Being built: `plan` checks the shape (heads or hidden width
+    /// divisible, one island per group) and then refuses any value above 1.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.
     #[arg(long, default_value = "1f1b")]
     pub schedule: String,
@@ -136,7 +141,7 @@ pub struct JobArgs {
     #[arg(long, default_value = "auto")]
     pub state: String,
     /// Devices to place the actors on, in mesh order: e.g. `cuda:0,cuda:1` (a `cuda` build) or
-    /// `cpu:0,cpu:1`; default `cpu:0..` (one per dp × pp actor). `archipelago devices` lists them.
+    /// `cpu:0,cpu:1`; default `cpu:0..` (one per dp × pp × tp actor). `archipelago devices` lists them.
     #[arg(long)]
     pub devices: Option<String>,
     /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.
@@ -169,6 +174,7 @@ impl JobArgs {
             bucket_bytes: (self.bucket_mb * (1u64 << 20) as f64).max(1.0) as u64,
             device_memory: self.device_memory,
             pp: self.pp,
+            tp: self.tp,
             microbatches: self.microbatches,
             schedule: self.schedule.parse::<Schedule>().map_err(anyhow::Error::msg)?,
             virtual_stages: self.virtual_stages,
@@ -197,11 +203,11 @@ impl JobArgs {
         }
         program.devices = match &self.devices {
             Some(list) => DeviceSpec::parse_list(list)?,
-            None => DeviceSpec::cpus(self.dp * self.pp),
+            None => DeviceSpec::cpus(program.plan.actors()),
         };
         if program.plan.device_memory.is_none() {
             program.plan.device_memory = archipelago_actors::gpus::smallest_memory(
-                &program.devices[..program.devices.len().min(self.dp * self.pp)],
+                &program.devices[..program.devices.len().min(program.plan.actors())],
             );
         }
         Ok(program)
@@ -220,7 +226,7 @@ impl JobArgs {
         if let OptimizerSpec::Sgd { momentum, .. } = program.optimizer {
             flags.momentum = Some(momentum);
         }
-        let actors = (self.dp * self.pp).min(program.devices.len());
+        let actors = program.plan.actors().min(program.devices.len());
         flags.devices = Some(
             (program.devices[..actors].iter())
                 .map(|d| d.to_string())

@@ -226,7 +226,7 @@ impl ClusterJob<'_> {
         restart_log: &mut [RestartRecord],
     ) -> Result<TrainReport, JobError> {
         let restarts = restart_log.len();
-        let needed = self.program.plan.dp * self.program.plan.pp;
+        let needed = self.program.plan.actors();
         let hosts = self.wait_for_devices(&train.job, needed).await;
         let (plan, placement) = place(&self.program, &hosts, restarts > 0)?;
         let plan = Arc::new(plan);

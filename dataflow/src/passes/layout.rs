@@ -1,4 +1,4 @@
-//! Where every block and segment of a training step lives on the `dp × pp` mesh: the chunks of
+//! Where every block and segment of a training step lives on the `dp × pp × tp` mesh: the chunks of
 //! the pipeline partition, the segments (gradient buckets) cut from them, and the islands of
 //! the actors. Every pass of the step ([`super::step`]) reads it; none changes it.
 
@@ -12,7 +12,8 @@ use crate::passes::schedule::PipelineShape;
 /// Where every block and segment lives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Layout {
-    /// The mesh (`dp`, and `pp` when there is more than one stage).
+    /// The mesh (`dp`, then `pp` when there is more than one stage, then `tp` when there is more
+    /// than one tensor-parallel rank).
     pub mesh: Mesh,
     /// Pipeline shape.
     pub shape: PipelineShape,
@@ -62,13 +63,19 @@ impl Layout {
         self.device_of_chunk(self.segment_chunk[k])
     }
 
-    /// The actor of replica `r`, pipeline device `s`.
+    /// The actor of replica `r`, pipeline device `s` (tensor-parallel rank 0).
     pub fn actor(&self, r: usize, s: usize) -> usize {
-        if self.shape.pp == 1 {
-            self.mesh.rank(&[r])
-        } else {
-            self.mesh.rank(&[r, s])
-        }
+        self.actor_at(r, s, 0)
+    }
+
+    /// The actor of replica `r`, pipeline device `s`, tensor-parallel rank `t`.
+    pub fn actor_at(&self, r: usize, s: usize, t: usize) -> usize {
+        self.mesh.rank_of(&[("dp", r), ("pp", s), ("tp", t)])
+    }
+
+    /// The tensor-parallel group of replica `r` on pipeline device `s`, in rank order.
+    pub fn tp_group(&self, r: usize, s: usize) -> Vec<ActorId> {
+        self.mesh.group(self.actor(r, s), "tp")
     }
 
     /// The chunks on pipeline device `s`, in model order.

@@ -1,9 +1,9 @@
 //! The refusals `plan` gives before it builds anything: options that are zero, do not divide or
 //! do not go together, each naming the flag to change, and the island of each device.
 
-use crate::PlanError;
 use crate::passes::schedule::Schedule;
 use crate::program::Program;
+use crate::{ModelSpec, PlanError, Split};
 
 /// Refuses a program whose options are zero, do not divide, or do not go together, naming the fix.
 pub(super) fn check_program(program: &Program) -> Result<(), PlanError> {
@@ -14,6 +14,7 @@ pub(super) fn check_program(program: &Program) -> Result<(), PlanError> {
         (plan.batch, "--batch"),
         (plan.microbatches, "--microbatches"),
         (plan.virtual_stages, "--virtual-stages"),
+        (plan.tp, "--tp"),
     ] {
         if value == 0 {
             return Err(PlanError::Zero { what });
@@ -23,6 +24,7 @@ pub(super) fn check_program(program: &Program) -> Result<(), PlanError> {
         return Err(PlanError::EmptyModel);
     }
     program.model.check()?;
+    check_tp(program)?;
     if !plan.batch.is_multiple_of(plan.dp) {
         let lower = plan.batch / plan.dp * plan.dp;
         return Err(PlanError::BatchNotDivisible {
@@ -134,4 +136,110 @@ pub(super) fn island_indices(names: &[String], actors: usize) -> Result<Vec<usiz
             }
         })
         .collect())
+}
+
+/// Refuses a tensor-parallel degree the model cannot be split by, naming the fix: gpt's attention
+/// heads (and so its width and MLP width) and mlp's hidden width must divide by `--tp` (the
+/// vocabulary and mlp's classes need not: they are padded); a model given only by parameter
+/// counts has no splits to follow.
+pub(super) fn check_tp(program: &Program) -> Result<(), PlanError> {
+    let tp = program.plan.tp;
+    if tp == 1 {
+        return Ok(());
+    }
+    let model = &program.model;
+    if let Some(b) = model
+        .blocks
+        .iter()
+        .find(|b| b.param_descs.is_empty() && b.params > 0)
+    {
+        return Err(PlanError::Conflict(format!(
+            "--tp {tp} cuts each parameter as its description says (`ParamDesc.split`), and block `{}` \
+             of {} gives only a parameter count: describe its parameters (`BlockInfo::described`) or \
+             use --tp 1",
+            b.name, model.name
+        )));
+    }
+    let divisors = |n: usize| -> String {
+        let ok: Vec<String> = (2..=n)
+            .filter(|k| n.is_multiple_of(*k))
+            .map(|k| k.to_string())
+            .collect();
+        if ok.is_empty() {
+            "none above 1".into()
+        } else {
+            ok.join(", ")
+        }
+    };
+    let (what, n) = match ModelSpec::parse(&model.name) {
+        Ok(ModelSpec::Gpt { heads, .. }) => ("attention heads", heads),
+        Ok(ModelSpec::Mlp { hidden, .. }) => ("hidden width", hidden),
+        Err(_) => return check_described_splits(program),
+    };
+    if !n.is_multiple_of(tp) {
+        return Err(PlanError::Conflict(format!(
+            "--tp {tp} splits the {n} {what} of {} across the tensor-parallel group: use a --tp that \
+             divides {n} ({}) or a model whose {what} divide by {tp}",
+            model.name,
+            divisors(n)
+        )));
+    }
+    Ok(())
+}
+
+/// Every split parameter of a user model divides by `--tp` along its split dimension.
+fn check_described_splits(program: &Program) -> Result<(), PlanError> {
+    let tp = program.plan.tp;
+    for p in program.model.blocks.iter().flat_map(|b| &b.param_descs) {
+        let Some(dim) = p.split.dim(p.shape.len()) else {
+            continue;
+        };
+        let cut = match p.split {
+            Split::HeadColumns { parts } => p.shape[dim] / parts.max(1),
+            _ => p.shape[dim],
+        };
+        if !cut.is_multiple_of(tp) {
+            return Err(PlanError::Conflict(format!(
+                "--tp {tp} cuts `{}` (shape {:?}) along dimension {dim} in pieces of {cut}: use a --tp \
+                 that divides {cut}, or mark the parameter `Split::Replicated`",
+                p.name, p.shape
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A tensor-parallel group (consecutive actors) stays inside one island: its all-reduces run on
+/// every layer's critical path and cannot cross the slow links between islands.
+pub(super) fn check_tp_islands(tp: usize, islands: &[usize]) -> Result<(), PlanError> {
+    if tp == 1 || islands.is_empty() {
+        return Ok(());
+    }
+    for (g, group) in islands.chunks(tp).enumerate() {
+        if group.iter().any(|i| *i != group[0]) {
+            let largest = largest_run(islands);
+            return Err(PlanError::Conflict(format!(
+                "--tp {tp}: tensor-parallel group {g} (actors {}..{}) spans islands {group:?}; a tp group \
+                 must stay in one island: use a --tp of at most {largest} that the islands' sizes divide, \
+                 or name the devices so that each group of {tp} consecutive ones shares an island",
+                g * tp,
+                (g + 1) * tp
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The most consecutive actors on one island.
+fn largest_run(islands: &[usize]) -> usize {
+    let (mut best, mut run) = (0, 0);
+    for (i, island) in islands.iter().enumerate() {
+        run = if i > 0 && islands[i - 1] == *island {
+            run + 1
+        } else {
+            1
+        };
+        best = best.max(run);
+    }
+    best
 }

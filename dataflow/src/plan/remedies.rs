@@ -70,7 +70,10 @@ fn remedies(program: &Program) -> Vec<Remedy> {
     for pp in [plan.pp * 2, plan.pp * 4] {
         if pp * plan.virtual_stages <= program.model.blocks.len() {
             let m = plan.microbatches.max(pp);
-            let flags = format!("--pp {pp} --microbatches {m} ({} devices)", plan.dp * pp);
+            let flags = format!(
+                "--pp {pp} --microbatches {m} ({} devices)",
+                plan.dp * pp * plan.tp
+            );
             out.push(Remedy::new(flags, &["pp"], move |p| {
                 p.plan.pp = pp;
                 p.plan.microbatches = m;
@@ -89,7 +92,7 @@ fn remedied(program: &Program, remedies: &[&Remedy]) -> Program {
     for r in remedies {
         (r.apply)(&mut p);
     }
-    let actors = (p.plan.dp * p.plan.pp).max(1);
+    let actors = p.plan.actors().max(1);
     p.devices = match program.devices.first() {
         Some(DeviceSpec::Cuda(_)) => (0..actors as u32).map(DeviceSpec::Cuda).collect(),
         _ => Vec::new(),
