@@ -110,6 +110,7 @@ fn collective_category(kind: CollectiveKind) -> &'static str {
         CollectiveKind::ReduceScatterSum => "reduce-scatter",
         CollectiveKind::AllGather => "all-gather",
         CollectiveKind::HierarchicalAllReduceSum { .. } => "hierarchical-all-reduce",
+        CollectiveKind::AllReduceMax => "all-reduce-max",
     }
 }
 

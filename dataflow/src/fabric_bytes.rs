@@ -15,6 +15,7 @@
 //! | reduce-scatter | `(n − 1)·|shardᵢ|` |
 //! | all-gather | `len − |shardᵢ|` |
 //! | hierarchical all-reduce | reduce-scatter in the island, all-reduce of the own shard across islands, all-gather in the island |
+//! | all-reduce of the maximum | `(n − 1)·len` (an all-gather of every member's `len` values) |
 
 use serde::{Deserialize, Serialize};
 
@@ -162,6 +163,8 @@ pub fn collective_read_elems(kind: CollectiveKind, group: &[ActorId], me: ActorI
         CollectiveKind::AllReduceSum => (n - 1) * own + len - own,
         CollectiveKind::ReduceScatterSum => (n - 1) * own,
         CollectiveKind::AllGather => len - own,
+        // An all-gather of `n·len` elements in which member `i` brings the whole shard `i`.
+        CollectiveKind::AllReduceMax => (n - 1) * len,
         CollectiveKind::HierarchicalAllReduceSum { island_size } => {
             let k = island_size.max(1);
             let (island, place) = (i / k, i % k);
@@ -289,5 +292,26 @@ mod tests {
             collective_read_elems(CollectiveKind::AllReduceSum, &group, 9, 400),
             0
         );
+    }
+
+    /// An all-reduce of the maximum gathers every member's values: each member reads all of
+    /// its peers' `len` values, whatever the length (odd ones included), and a lone member or
+    /// an outsider reads nothing.
+    #[test]
+    fn a_max_reads_every_peers_values() {
+        let max = CollectiveKind::AllReduceMax;
+        for (group, len) in [(&[0, 1][..], 7), (&[4, 2, 9][..], 400), (&[0, 1, 2, 3][..], 1001)] {
+            for &me in group {
+                let expected = ((group.len() - 1) * len) as u64;
+                assert_eq!(
+                    collective_read_elems(max, group, me, len),
+                    expected,
+                    "{group:?} {len}"
+                );
+            }
+        }
+        assert_eq!(collective_read_elems(max, &[3], 3, 400), 0);
+        assert_eq!(collective_read_elems(max, &[0, 1], 5, 400), 0);
+        assert_eq!(collective_read_elems(max, &[0, 1], 0, 0), 0);
     }
 }

@@ -187,6 +187,10 @@ pub enum CollectiveKind {
         /// Members per island.
         island_size: usize,
     },
+    /// Element-wise maximum; every member ends with the maximum over the group (f32 only: the
+    /// row maxima of tensor parallelism's vocab-parallel cross-entropy). The worker gathers
+    /// every member's values and takes the maximum locally, so member `i` reads `(n − 1)·len`.
+    AllReduceMax,
 }
 
 /// One entry of an actor's instruction stream.

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::PlanError;
 use crate::param_desc::{ParamDesc, describe};
+use crate::tensor_parallel::{BlockTp, TpHeld};
 
 /// A model of the built-in zoo.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -91,6 +92,10 @@ pub struct BlockInfo {
     /// what activation checkpointing keeps of a stage's input).
     #[serde(default)]
     pub output_floats_per_sample: u64,
+    /// How its input and output are held across a tensor-parallel group (`None`: the block has
+    /// no tensor-parallel form, and `--tp` above 1 is refused).
+    #[serde(default)]
+    pub tp: Option<BlockTp>,
 }
 
 /// A model as the compiler sees it: a name, what it eats, and its blocks in order.
@@ -118,7 +123,14 @@ impl BlockInfo {
             param_descs,
             activation_floats_per_sample,
             output_floats_per_sample,
+            tp: None,
         }
+    }
+
+    /// This block with its tensor-parallel form.
+    pub fn with_tp(mut self, input: TpHeld, output: TpHeld) -> BlockInfo {
+        self.tp = Some(BlockTp::new(input, output));
+        self
     }
 
     /// Number of parameter elements (cheap: no walk over the descriptions).
@@ -355,21 +367,38 @@ impl ModelSpec {
                 let mut params = describe(self).into_iter();
                 let mut blocks = Vec::with_capacity(layers + 1);
                 let mut width = input;
+                // Megatron's MLP: even layers column-parallel (a replicated input, a sharded
+                // output), odd ones row-parallel (a sharded input, a partial output).
+                let tp = |k: usize| {
+                    if k.is_multiple_of(2) {
+                        (TpHeld::Replicated, TpHeld::Sharded)
+                    } else {
+                        (TpHeld::Sharded, TpHeld::Partial)
+                    }
+                };
                 for i in 0..layers {
-                    blocks.push(BlockInfo::described(
-                        format!("linear_relu.{i}"),
-                        params.next().unwrap_or_default(),
-                        (width + 2 * hidden) as u64,
-                        hidden as u64,
-                    ));
+                    let (held_in, held_out) = tp(i);
+                    blocks.push(
+                        BlockInfo::described(
+                            format!("linear_relu.{i}"),
+                            params.next().unwrap_or_default(),
+                            (width + 2 * hidden) as u64,
+                            hidden as u64,
+                        )
+                        .with_tp(held_in, held_out),
+                    );
                     width = hidden;
                 }
-                blocks.push(BlockInfo::described(
-                    "output",
-                    params.next().unwrap_or_default(),
-                    (width + 3 * out) as u64,
-                    out as u64,
-                ));
+                let (held_in, held_out) = tp(layers);
+                blocks.push(
+                    BlockInfo::described(
+                        "output",
+                        params.next().unwrap_or_default(),
+                        (width + 3 * out) as u64,
+                        out as u64,
+                    )
+                    .with_tp(held_in, held_out),
+                );
                 ModelDesc {
                     name: self.to_string(),
                     input: InputKind::Dense {
@@ -393,28 +422,41 @@ impl ModelSpec {
                 let attention_acts = ctx * (7 * d + 3 * heads * ctx);
                 let mlp_acts = ctx * 10 * d;
                 let mut params = describe(self).into_iter();
-                let mut blocks = vec![BlockInfo::described(
-                    "embedding",
-                    params.next().unwrap_or_default(),
-                    (ctx * d) as u64,
-                    (ctx * d) as u64,
-                )];
+                // Under tp: the vocabulary-parallel embedding and every half-layer end in a
+                // partial sum (row-parallel proj and fc2, the residual on rank 0), the head in
+                // the vocabulary's slice of the logits.
+                let (replicated, partial) = (TpHeld::Replicated, TpHeld::Partial);
+                let mut blocks = vec![
+                    BlockInfo::described(
+                        "embedding",
+                        params.next().unwrap_or_default(),
+                        (ctx * d) as u64,
+                        (ctx * d) as u64,
+                    )
+                    .with_tp(replicated, partial),
+                ];
                 for i in 0..layers {
                     for (half, acts) in [("attn", attention_acts), ("mlp", mlp_acts)] {
-                        blocks.push(BlockInfo::described(
-                            format!("{half}.{i}"),
-                            params.next().unwrap_or_default(),
-                            acts as u64,
-                            (ctx * d) as u64,
-                        ));
+                        blocks.push(
+                            BlockInfo::described(
+                                format!("{half}.{i}"),
+                                params.next().unwrap_or_default(),
+                                acts as u64,
+                                (ctx * d) as u64,
+                            )
+                            .with_tp(replicated, partial),
+                        );
                     }
                 }
-                blocks.push(BlockInfo::described(
-                    "head",
-                    params.next().unwrap_or_default(),
-                    (ctx * (2 * d + 3 * vocab)) as u64,
-                    (ctx * vocab) as u64,
-                ));
+                blocks.push(
+                    BlockInfo::described(
+                        "head",
+                        params.next().unwrap_or_default(),
+                        (ctx * (2 * d + 3 * vocab)) as u64,
+                        (ctx * vocab) as u64,
+                    )
+                    .with_tp(replicated, TpHeld::Sharded),
+                );
                 ModelDesc {
                     name: self.to_string(),
                     input: InputKind::Tokens { vocab, ctx },

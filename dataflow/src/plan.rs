@@ -121,6 +121,21 @@ impl Plan {
         }
     }
 
+    /// Refuses a plan the runtime cannot run yet, before any actor starts: tensor parallelism is
+    /// planned (its collectives, slices, bytes and memory) but its actors' sliced layers are not
+    /// built.
+    pub fn check_runnable(&self) -> Result<(), PlanError> {
+        let tp = self.program.plan.tp;
+        if tp > 1 {
+            return Err(PlanError::Conflict(format!(
+                "--tp {tp}: tensor parallelism is planned (`archipelago plan --tp {tp}` shows its \
+                 all-reduces, slices and memory) but its actors' sliced layers are not built yet: \
+                 train with --tp 1"
+            )));
+        }
+        Ok(())
+    }
+
     /// The plan as pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("plans are plain data")
@@ -156,6 +171,11 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     }
     let program = &program;
     let plan = &program.plan;
+    // What one tensor-parallel rank holds: buckets, costs, state and memory are its slice's.
+    let sliced = &Program {
+        model: crate::tensor_parallel::local_model(&program.model, plan.tp),
+        ..program.clone()
+    };
     let (pp, v) = (plan.pp, plan.virtual_stages);
     let chunks = chunks_of(program)?;
     let mesh = mesh_of(plan)?;
@@ -170,10 +190,10 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     let shape = PipelineShape { pp, v, m };
     let microbatch_rows = per_replica / m;
     let cost_model = program.cost_model.unwrap_or_default();
-    let costs = cost_model.pass_costs(&program.model, &chunks, microbatch_rows);
+    let costs = cost_model.pass_costs(&sliced.model, &chunks, microbatch_rows);
     let orders = schedule::orders(plan.schedule, shape, &costs);
     let mut layout = Layout::new(
-        &program.model,
+        &sliced.model,
         mesh.clone(),
         shape,
         chunks.clone(),
@@ -181,13 +201,6 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     );
     layout.islands = checks::island_indices(&program.islands, mesh.size())?;
     checks::check_tp_islands(plan.tp, &layout.islands)?;
-    if plan.tp > 1 {
-        return Err(PlanError::Conflict(format!(
-            "--tp {}: tensor parallelism is not built yet (its shape is checked: heads, widths, \
-             islands; its sliced layers and collectives are not): use --tp 1",
-            plan.tp
-        )));
-    }
     let norms = StepNorms::of(program);
     let mut graph = crate::passes::step::build_step(
         &layout,
@@ -200,9 +213,9 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     crate::passes::precision::apply(&mut graph, &program.precision);
     let streams = crate::passes::lower::lower(&graph);
     verify(&streams)?;
-    let optimizer_s = optimizer_seconds(program, &layout, &cost_model);
+    let optimizer_s = optimizer_seconds(sliced, &layout, &cost_model);
     let prediction = simulate(plan.schedule, shape, &orders, &costs, &optimizer_s);
-    let (memory, actors) = actor_plans(program, &layout, streams, &devices, &prediction);
+    let (memory, actors) = actor_plans(sliced, &layout, streams, &devices, &prediction);
     refuse_unfit(given, &memory, &devices, suggest)?;
     let mut plan = Plan {
         program: program.clone(),

@@ -252,7 +252,7 @@ fn collective_route(kind: CollectiveKind, group: &[ActorId], me: ActorId, island
     }
     let steps = match kind {
         CollectiveKind::AllReduceSum => 2 * (n - 1),
-        CollectiveKind::ReduceScatterSum | CollectiveKind::AllGather => n - 1,
+        CollectiveKind::ReduceScatterSum | CollectiveKind::AllGather | CollectiveKind::AllReduceMax => n - 1,
         CollectiveKind::HierarchicalAllReduceSum { island_size } => {
             let k = (island_size as u64).clamp(1, n);
             let i = n / k;

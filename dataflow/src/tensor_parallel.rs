@@ -12,8 +12,53 @@
 
 use std::ops::Range;
 
+use serde::{Deserialize, Serialize};
+
 use crate::model_spec::{BlockInfo, ModelDesc};
 use crate::param_desc::{ParamDesc, Split};
+
+/// How an activation is held across a tensor-parallel group.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TpHeld {
+    /// Every rank holds all of it (the residual stream, a LayerNorm's input).
+    #[default]
+    Replicated,
+    /// Each rank holds a slice of its last dimension (a column-parallel layer's output, the
+    /// vocabulary's logits).
+    Sharded,
+    /// Each rank holds a summand and the activation is their sum (a row-parallel layer's output
+    /// before Megatron's g all-reduces it).
+    Partial,
+}
+
+/// How a block's input and output are held under tensor parallelism: what decides where the
+/// step puts Megatron's conjugate all-reduces. A block whose output is [`TpHeld::Partial`] is
+/// followed by g (all-reduce forward, identity backward); one whose input is
+/// [`TpHeld::Replicated`] is preceded by f (identity forward, all-reduce of its input gradient
+/// backward); a model whose last output is [`TpHeld::Sharded`] takes the vocabulary-parallel
+/// cross-entropy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockTp {
+    /// How its input is held.
+    pub input: TpHeld,
+    /// How its output is held, before any all-reduce.
+    pub output: TpHeld,
+}
+
+impl BlockTp {
+    /// A block from `input` to `output`.
+    pub fn new(input: TpHeld, output: TpHeld) -> BlockTp {
+        BlockTp { input, output }
+    }
+
+    /// How the next block sees this one's output: a partial sum is all-reduced (g) first.
+    pub fn output_after_g(self) -> TpHeld {
+        match self.output {
+            TpHeld::Partial => TpHeld::Replicated,
+            held => held,
+        }
+    }
+}
 
 /// One contiguous stretch of a rank's local elements and where it sits in the global parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,12 +209,15 @@ pub fn local_model(model: &ModelDesc, tp: usize) -> ModelDesc {
                     ..p.clone()
                 })
                 .collect();
-            BlockInfo::described(
-                b.name.clone(),
-                params,
-                b.activation_floats_per_sample,
-                b.output_floats_per_sample,
-            )
+            BlockInfo {
+                tp: b.tp,
+                ..BlockInfo::described(
+                    b.name.clone(),
+                    params,
+                    b.activation_floats_per_sample,
+                    b.output_floats_per_sample,
+                )
+            }
         })
         .collect();
     ModelDesc {

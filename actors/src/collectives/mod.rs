@@ -121,6 +121,47 @@ pub fn all_gather<T: Element>(
     }
 }
 
+/// Element-wise maximum of `data` over `group`, in place: every member ends with the maximum
+/// of every member's values (f32 only; a NaN anywhere makes that element NaN everywhere).
+/// Every member calls it with the same `edge`, `group` and length. It all-gathers every member's
+/// `len` values into a `n·len` buffer (member `i`'s at shard `i`, through [`all_gather`]), then
+/// takes the maximum locally, in member order: member `i` reads `(n − 1)·len` elements.
+pub fn all_reduce_max(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    group: &[ActorId],
+    edge: u64,
+    data: &mut [f32],
+    chunk_elems: usize,
+    pool: &mut ChunkPool,
+) -> Result<(), FabricError> {
+    let i = group
+        .iter()
+        .position(|&a| a == me)
+        .ok_or(FabricError::NoSuchActor(me))?;
+    let (n, len) = (group.len(), data.len());
+    if n < 2 {
+        return Ok(());
+    }
+    // Every member's values, member `j`'s at shard `j`.
+    let mut gathered = vec![0.0f32; n * len];
+    gathered[i * len..(i + 1) * len].copy_from_slice(data);
+    all_gather(fabric, me, group, edge, &mut gathered, chunk_elems, pool)?;
+    if len == 0 {
+        return Ok(());
+    }
+    let (first, others) = gathered.split_at(len);
+    data.copy_from_slice(first);
+    for member in others.chunks_exact(len) {
+        for (max, &value) in data.iter_mut().zip(member) {
+            if value > *max || value.is_nan() {
+                *max = value;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod across_hosts_tests;
 #[cfg(test)]

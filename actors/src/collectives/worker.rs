@@ -12,7 +12,7 @@ use half::{bf16, f16};
 use super::element::Reducible;
 use super::hierarchical::{Islands, hierarchical_all_reduce};
 use super::ring_all_reduce::{ChunkPool, shard_range};
-use super::{all_gather, all_reduce, reduce_scatter};
+use super::{all_gather, all_reduce, all_reduce_max, reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
 use crate::typed_tensor::{DType, Element, TypedTensor};
 
@@ -117,8 +117,9 @@ struct Call<'a> {
 }
 
 /// Runs collective `job` over `tensor` on `me`'s side: f32 on every collective (in place,
-/// without copies), bf16 and f16 on the flat ones (sums accumulated in f32), and any other dtype
-/// gathered only.
+/// without copies, but for the maximum's gather buffer), bf16 and f16 on the flat sums and the
+/// gather (sums accumulated in f32), and any other dtype gathered only; a maximum of other than
+/// f32 is refused.
 fn run_job(
     fabric: &dyn Fabric,
     me: ActorId,
@@ -170,6 +171,9 @@ fn run_f32(
             };
             hierarchical_all_reduce(fabric, me, islands, edge, &mut data, chunk_elems, pool)?
         }
+        CollectiveKind::AllReduceMax => {
+            all_reduce_max(fabric, me, group, edge, &mut data, chunk_elems, pool)?
+        }
     }
     Ok(TypedTensor::new(shape, data))
 }
@@ -197,6 +201,7 @@ fn run_reducible<T: Reducible>(
                 T::DTYPE
             )));
         }
+        CollectiveKind::AllReduceMax => return Err(max_runs_on_f32(T::DTYPE)),
     }
     Ok(tensor)
 }
@@ -209,6 +214,9 @@ fn run_gather<T: Element>(
     job: &Call,
     mut tensor: TypedTensor,
 ) -> Result<TypedTensor, FabricError> {
+    if job.kind == CollectiveKind::AllReduceMax {
+        return Err(max_runs_on_f32(T::DTYPE));
+    }
     if job.kind != CollectiveKind::AllGather {
         return Err(FabricError::Aborted(format!(
             "{:?} sums, and {} elements are only gathered (sums run on f32, bf16 and f16)",
@@ -219,6 +227,14 @@ fn run_gather<T: Element>(
     let data = tensor.values_mut::<T>();
     all_gather(fabric, me, job.group, job.edge, data, chunk_elems, pool)?;
     Ok(tensor)
+}
+
+/// The refusal of an all-reduce of the maximum over `dtype` elements (the loss statistics it
+/// serves are f32; every member brings the same dtype, so every member refuses alike).
+fn max_runs_on_f32(dtype: DType) -> FabricError {
+    FabricError::Aborted(format!(
+        "an all-reduce of the maximum runs on f32 only; this one brought {dtype}"
+    ))
 }
 
 impl Drop for CollectiveWorker {

@@ -1,5 +1,5 @@
 //! The controller at scale (WORKLOADS.md): the time to compile and verify a plan for 4096
-//! devices (dp=256 × pp=16 on a 64-layer gpt, until tensor parallelism exists), and the time of
+//! devices (dp=256 × pp=16, and tp=8 × pp=16 × dp=32, on a 64-layer gpt), and the time of
 //! one step dispatched to 1024 in-process no-op actors (`RunStep` called on all → every reply
 //! received).
 
@@ -18,24 +18,32 @@ use crate::actor_gang::ActorGang;
 use crate::process_stats::load_avg;
 use crate::report::median;
 
-/// Compile + verify of a 4096-device plan, `reps` times.
-pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
-    let model = ModelSpec::parse("gpt:vocab=256,ctx=64,d=64,layers=64,heads=4")?;
-    let (dp, pp, m) = (256, 16, 16);
-    let mut program = Program::new(model).with_plan(ParallelPlan {
+/// The 64-layer gpt of the 4096-device plans (8 heads: tp=8 divides them).
+const SCALE_MODEL: &str = "gpt:vocab=256,ctx=64,d=64,layers=64,heads=8";
+
+/// The program of a 4096-device plan: `dp × pp × tp`, 1F1B with 16 micro-batches.
+fn scale_program(dp: usize, pp: usize, tp: usize) -> anyhow::Result<Program> {
+    let m = 16;
+    let mut program = Program::new(ModelSpec::parse(SCALE_MODEL)?).with_plan(ParallelPlan {
         dp,
         pp,
+        tp,
         microbatches: m,
         schedule: Schedule::OneFOneB,
         batch: dp * m,
         ..ParallelPlan::default()
     });
-    program.devices = DeviceSpec::cpus(dp * pp);
+    program.devices = DeviceSpec::cpus(dp * pp * tp);
+    Ok(program)
+}
+
+/// The median seconds of `reps` compiles (with the verifier) of `program`, and its instructions.
+fn time_compile(program: &Program, reps: usize) -> anyhow::Result<(f64, usize)> {
     let mut times = Vec::new();
     let mut instructions = 0;
     for _ in 0..reps {
         let began = Instant::now();
-        let plan = compile(&program)?;
+        let plan = compile(program)?;
         times.push(began.elapsed().as_secs_f64());
         instructions = plan
             .actors
@@ -43,6 +51,27 @@ pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
             .map(|a| a.stream.instructions.len())
             .sum::<usize>();
     }
+    Ok((median(&mut times), instructions))
+}
+
+/// Compile + verify of two 4096-device plans of the same model, `reps` times each, alternated in
+/// one run: dp=256 × pp=16, and tp=8 × pp=16 × dp=32 (every block its own segment, Megatron's
+/// f and g all-reduces in every stream), with the ratio of their medians.
+pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
+    let (dp, pp, m) = (256, 16, 16);
+    let program = scale_program(dp, pp, 1)?;
+    let tp_program = scale_program(32, pp, 8)?;
+    let (mut times, mut tp_times) = (Vec::new(), Vec::new());
+    let (mut instructions, mut tp_instructions) = (0, 0);
+    for _ in 0..reps {
+        let (s, n) = time_compile(&program, 1)?;
+        times.push(s);
+        instructions = n;
+        let (s, n) = time_compile(&tp_program, 1)?;
+        tp_times.push(s);
+        tp_instructions = n;
+    }
+    let tp_s = median(&mut tp_times);
     let s = median(&mut times);
     let plan = compile(&program)?;
     let began = Instant::now();
@@ -74,6 +103,13 @@ pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
         "median_s": s,
         "instructions": instructions,
         "instructions_per_s": instructions as f64 / s,
+        "tensor_parallel": {
+            "config": { "dp": 32, "pp": pp, "tp": 8, "microbatches": m, "schedule": "1f1b" },
+            "median_s": tp_s,
+            "instructions": tp_instructions,
+            "over_dp_pp": tp_s / s,
+            "aim": "at most 3× the dp × pp plan's time (issue 39)",
+        },
         "load_avg": load_avg(),
     }))
 }

@@ -78,16 +78,19 @@ pub fn reduce_gradients(graph: &mut Graph, layout: &Layout) {
     for run in segment_runs(graph, layout).into_iter().filter(|r| r.writes_grads) {
         last_writer.insert(run.segment, run);
     }
+    // One reduction per tensor-parallel rank: the replicas holding the same slice.
     let inserts = last_writer
         .values()
-        .map(|run| {
-            let reduce = NodeOp::Collective {
-                kind: CollectiveKind::AllReduceSum,
-                group: layout.dp_group(run.device),
-                tensor: TensorId::GradBucket { segment: run.segment },
-                dtype: crate::DType::F32,
-            };
-            (run.last + 1, reduce)
+        .flat_map(|run| {
+            layout.dp_groups(run.device).into_iter().map(|group| {
+                let reduce = NodeOp::Collective {
+                    kind: CollectiveKind::AllReduceSum,
+                    group,
+                    tensor: TensorId::GradBucket { segment: run.segment },
+                    dtype: crate::DType::F32,
+                };
+                (run.last + 1, reduce)
+            })
         })
         .collect();
     insert_before(graph, inserts);

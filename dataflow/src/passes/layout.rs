@@ -8,6 +8,7 @@ use crate::model_spec::ModelDesc;
 use crate::passes::data_parallel::{Bucket, buckets_in};
 use crate::passes::partition::Chunk;
 use crate::passes::schedule::PipelineShape;
+use crate::tensor_parallel::BlockTp;
 
 /// Where every block and segment lives.
 #[derive(Debug, Clone, PartialEq)]
@@ -25,6 +26,9 @@ pub struct Layout {
     pub segment_chunk: Vec<usize>,
     /// The island of each actor (empty: one island).
     pub islands: Vec<usize>,
+    /// How each segment's input (its first block's) and output (its last block's) are held
+    /// across a tensor-parallel group (replicated for a block without a tensor-parallel form).
+    pub segment_tp: Vec<BlockTp>,
 }
 
 impl Layout {
@@ -36,6 +40,9 @@ impl Layout {
         chunks: Vec<Chunk>,
         bucket_bytes: u64,
     ) -> Layout {
+        // Under tensor parallelism every block is its own segment, so that the all-reduce after
+        // a block with a partial output (Megatron's g) falls between segments.
+        let bucket_bytes = if mesh.axis_size("tp") > 1 { 1 } else { bucket_bytes };
         let mut segments = Vec::new();
         let mut segment_chunk = Vec::new();
         for (c, &(start, end)) in chunks.iter().enumerate() {
@@ -43,6 +50,13 @@ impl Layout {
             segment_chunk.extend(std::iter::repeat_n(c, b.len()));
             segments.extend(b);
         }
+        let segment_tp = segments
+            .iter()
+            .map(|b| {
+                let tp = |i: usize| model.blocks[i].tp.unwrap_or_default();
+                BlockTp::new(tp(b.start).input, tp(b.end - 1).output)
+            })
+            .collect();
         Layout {
             mesh,
             shape,
@@ -50,6 +64,7 @@ impl Layout {
             segments,
             segment_chunk,
             islands: Vec::new(),
+            segment_tp,
         }
     }
 
@@ -71,6 +86,28 @@ impl Layout {
     /// The actor of replica `r`, pipeline device `s`, tensor-parallel rank `t`.
     pub fn actor_at(&self, r: usize, s: usize, t: usize) -> usize {
         self.mesh.rank_of(&[("dp", r), ("pp", s), ("tp", t)])
+    }
+
+    /// Tensor-parallel ranks per replica and stage.
+    pub fn tp(&self) -> usize {
+        self.mesh.axis_size("tp")
+    }
+
+    /// Every actor of pipeline device `s` (each replica's tensor-parallel ranks), in rank order.
+    pub fn stage_actors(&self, s: usize) -> Vec<ActorId> {
+        let (dp, tp) = (self.mesh.axis_size("dp"), self.tp());
+        (0..dp)
+            .flat_map(|r| (0..tp).map(move |t| (r, t)))
+            .map(|(r, t)| self.actor_at(r, s, t))
+            .collect()
+    }
+
+    /// The dp groups of pipeline device `s`, one per tensor-parallel rank (the replicas' actors
+    /// holding the same slice), in rank order.
+    pub fn dp_groups(&self, s: usize) -> Vec<Vec<ActorId>> {
+        (0..self.tp())
+            .map(|t| self.mesh.group(self.actor_at(0, s, t), "dp"))
+            .collect()
     }
 
     /// The tensor-parallel group of replica `r` on pipeline device `s`, in rank order.
@@ -101,7 +138,8 @@ impl Layout {
         (self.mesh.coord(actor, "dp"), self.mesh.coord(actor, "pp"))
     }
 
-    /// The dp group of pipeline device `s` (every replica's actor), in replica order.
+    /// The dp group of pipeline device `s` at tensor-parallel rank 0 (every replica's actor), in
+    /// replica order; [`Layout::dp_groups`] gives every rank's.
     pub fn dp_group(&self, s: usize) -> Vec<ActorId> {
         self.mesh.group(self.actor(0, s), "dp")
     }

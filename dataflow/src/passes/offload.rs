@@ -77,7 +77,7 @@ fn hand_off(layout: &Layout, segment: usize, at: usize) -> Vec<(usize, NodeOp)> 
         end: b.end,
     };
     layout
-        .dp_group(layout.device_of_segment(segment))
+        .stage_actors(layout.device_of_segment(segment))
         .into_iter()
         .map(|actor| {
             let node = NodeOp::Compute {

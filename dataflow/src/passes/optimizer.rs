@@ -121,9 +121,9 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, norms: StepNorms) {
         for s in 0..pp {
             let buckets = held(s);
             let (start, end) = span(&buckets);
-            for r in 0..dp {
+            for actor in layout.stage_actors(s) {
                 let op = ComputeOp::GradNorm { start, end };
-                graph.compute(layout.actor(r, s), op, &grads(&buckets), &[GRAD_SQUARES]);
+                graph.compute(actor, op, &grads(&buckets), &[GRAD_SQUARES]);
             }
         }
         if layout.mesh.size() > 1 {
@@ -140,12 +140,14 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, norms: StepNorms) {
             if norms.global() {
                 trust_inputs.push(GRAD_SQUARES);
             }
-            for r in 0..dp {
+            for actor in layout.stage_actors(s) {
                 let op = ComputeOp::TrustNorms { start, end };
-                graph.compute(layout.actor(r, s), op, &trust_inputs, &[TRUST_SQUARES]);
+                graph.compute(actor, op, &trust_inputs, &[TRUST_SQUARES]);
             }
             if dp > 1 {
-                graph.collective(CollectiveKind::AllReduceSum, layout.dp_group(s), &TRUST_SQUARES);
+                for group in layout.dp_groups(s) {
+                    graph.collective(CollectiveKind::AllReduceSum, group, &TRUST_SQUARES);
+                }
             }
             inputs.push(TRUST_SQUARES);
         } else if norms.global() {
@@ -156,8 +158,8 @@ pub fn append_updates(graph: &mut Graph, layout: &Layout, norms: StepNorms) {
             end,
             scope: UpdateScope::Whole,
         };
-        for r in 0..dp {
-            graph.compute(layout.actor(r, s), op.clone(), &inputs, &[]);
+        for actor in layout.stage_actors(s) {
+            graph.compute(actor, op.clone(), &inputs, &[]);
         }
     }
 }

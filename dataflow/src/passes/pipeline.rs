@@ -1,6 +1,11 @@
-//! The pipeline pass: forward and backward of every segment on a `dp × pp` mesh, joined by
+//! The pipeline pass: forward and backward of every segment on a `dp × pp × tp` mesh, joined by
 //! send/recv edges between stages (GPipe, Huang et al. 2019; 1F1B, Narayanan et al. 2019;
-//! interleaved, Narayanan et al. 2021; ZB-H1, Qi et al. 2024).
+//! interleaved, Narayanan et al. 2021; ZB-H1, Qi et al. 2024) and, inside a tensor-parallel
+//! group, by Megatron-LM's conjugate all-reduces (Shoeybi et al. 2019): g after the forward of a
+//! segment whose output is a partial sum, f after the backward of a segment whose input is
+//! replicated (its input gradient is then a partial sum). Every tp rank runs every compute of
+//! its replica; the all-reduces are edges of the step, so the verifier, the simulator, the hang
+//! report and the byte prediction see each one.
 //!
 //! The model is cut into `pp × V` chunks ([`super::partition`]); chunk `c` lives on pipeline
 //! device `c % pp` of every replica, cut further into segments ([`super::layout`]). Each device
@@ -13,11 +18,12 @@
 //! islands ([`super::islands`]) are passes over it ([`super::step`] runs them in order).
 
 use crate::graph::Graph;
-use crate::instruction::ComputeOp;
+use crate::instruction::{CollectiveKind, ComputeOp};
 use crate::passes::data_parallel::Bucket;
 pub use crate::passes::layout::Layout;
 use crate::passes::schedule::{Pass, PipelineShape, Slot};
 use crate::tensor_id::TensorId;
+use crate::tensor_parallel::TpHeld;
 
 /// Builds the pipeline graph of one step: batches, then every device's slots in its order, each
 /// slot the runs of its chunk's segments (one compute per replica, with its loss or its send).
@@ -30,6 +36,7 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
             .tensor_bytes
             .insert(TensorId::GradBucket { segment: b.id }, b.bytes);
     }
+    let tp = layout.tp();
     let per_replica = batch / dp;
     let per_mb = per_replica / m;
     let last_chunk = layout.chunks.len() - 1;
@@ -47,7 +54,10 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
                     start,
                     end: start + per_mb,
                 };
-                graph.compute(layout.actor(r, s), op, &[], &[TensorId::Batch { mb }]);
+                for t in 0..tp {
+                    let actor = layout.actor_at(r, s, t);
+                    graph.compute(actor, op.clone(), &[], &[TensorId::Batch { mb }]);
+                }
             }
         }
     }
@@ -69,12 +79,14 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
                                 end: b.end,
                                 mb,
                             };
-                            graph.compute(
-                                layout.actor(r, s),
-                                op,
-                                &[],
-                                &[TensorId::GradBucket { segment: b.id }],
-                            );
+                            for t in 0..tp {
+                                graph.compute(
+                                    layout.actor_at(r, s, t),
+                                    op.clone(),
+                                    &[],
+                                    &[TensorId::GradBucket { segment: b.id }],
+                                );
+                            }
                         }
                     }
                 }
@@ -85,7 +97,6 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
 }
 
 fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, s: usize, last: usize) {
-    let actor = layout.actor(r, s);
     let input = if b.id == 0 {
         TensorId::Batch { mb }
     } else {
@@ -100,13 +111,32 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
         end: b.end,
         mb,
     };
-    graph.compute(actor, op, &[input], std::slice::from_ref(&output));
+    let tp = layout.tp();
+    for t in 0..tp {
+        let actor = layout.actor_at(r, s, t);
+        graph.compute(
+            actor,
+            op.clone(),
+            std::slice::from_ref(&input),
+            std::slice::from_ref(&output),
+        );
+    }
+    if tp > 1 && layout.segment_tp[b.id].output == TpHeld::Partial {
+        // g: the partial sums of a row-parallel output become the activation on every rank.
+        graph.collective(CollectiveKind::AllReduceSum, layout.tp_group(r, s), &output);
+    }
     if b.id == last {
-        let inputs = [output, TensorId::Batch { mb }];
-        graph.compute(actor, ComputeOp::Loss { mb }, &inputs, &[TensorId::Loss { mb }]);
+        for t in 0..tp {
+            let inputs = [output.clone(), TensorId::Batch { mb }];
+            let actor = layout.actor_at(r, s, t);
+            graph.compute(actor, ComputeOp::Loss { mb }, &inputs, &[TensorId::Loss { mb }]);
+        }
     } else if layout.device_of_segment(b.id + 1) != s {
-        let to = layout.actor(r, layout.device_of_segment(b.id + 1));
-        graph.transfer(actor, &output, to, &output);
+        let next = layout.device_of_segment(b.id + 1);
+        for t in 0..tp {
+            let (from, to) = (layout.actor_at(r, s, t), layout.actor_at(r, next, t));
+            graph.transfer(from, &output, to, &output);
+        }
     }
 }
 
@@ -121,7 +151,6 @@ fn backward(
     last: usize,
     splits_backward: bool,
 ) {
-    let actor = layout.actor(r, s);
     let upstream = if b.id == last {
         TensorId::Loss { mb }
     } else {
@@ -141,9 +170,24 @@ fn backward(
     if b.id > 0 {
         outputs.push(dact.clone());
     }
-    graph.compute(actor, op, &[upstream], &outputs);
+    let tp = layout.tp();
+    for t in 0..tp {
+        graph.compute(
+            layout.actor_at(r, s, t),
+            op.clone(),
+            std::slice::from_ref(&upstream),
+            &outputs,
+        );
+    }
+    if tp > 1 && b.id > 0 && layout.segment_tp[b.id].input == TpHeld::Replicated {
+        // f: every rank's gradient of the replicated input is a summand of the whole.
+        graph.collective(CollectiveKind::AllReduceSum, layout.tp_group(r, s), &dact);
+    }
     if b.id > 0 && layout.device_of_segment(b.id - 1) != s {
-        let to = layout.actor(r, layout.device_of_segment(b.id - 1));
-        graph.transfer(actor, &dact, to, &dact);
+        let previous = layout.device_of_segment(b.id - 1);
+        for t in 0..tp {
+            let (from, to) = (layout.actor_at(r, s, t), layout.actor_at(r, previous, t));
+            graph.transfer(from, &dact, to, &dact);
+        }
     }
 }

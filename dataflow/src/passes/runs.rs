@@ -45,8 +45,8 @@ fn pass_of(op: &ComputeOp) -> Option<(Pass, usize, usize, usize)> {
 }
 
 /// True when `node` belongs to the run of `segment`'s `op` for micro-batch `mb`: the same op on
-/// another replica, a loss of that micro-batch, or the send of the segment's output or input
-/// gradient.
+/// another replica or tensor-parallel rank, a loss of that micro-batch, the send of the segment's
+/// output or input gradient, or a tensor-parallel all-reduce of either (Megatron's g and f).
 fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
     match node {
         NodeOp::Compute { op: other, .. } => other == op || *other == ComputeOp::Loss { mb },
@@ -54,7 +54,10 @@ fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
             *tensor == TensorId::Activation { segment, mb }
                 || *tensor == TensorId::ActivationGrad { segment, mb }
         }
-        NodeOp::Collective { .. } => false,
+        NodeOp::Collective { tensor, .. } => {
+            *tensor == TensorId::Activation { segment, mb }
+                || *tensor == TensorId::ActivationGrad { segment, mb }
+        }
     }
 }
 

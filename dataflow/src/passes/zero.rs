@@ -69,7 +69,7 @@ fn on_replicas(
     outputs: &[TensorId],
 ) -> Vec<NodeOp> {
     layout
-        .dp_group(s)
+        .stage_actors(s)
         .into_iter()
         .map(|actor| NodeOp::Compute {
             actor,
@@ -85,7 +85,7 @@ fn on_replicas(
 fn gather_after_update(graph: &mut Graph, layout: &Layout) {
     let mut inserts = Vec::new();
     for s in 0..layout.shape.pp {
-        let group = layout.dp_group(s);
+        let actors = layout.stage_actors(s);
         let buckets: Vec<_> = layout
             .segments
             .iter()
@@ -103,7 +103,7 @@ fn gather_after_update(graph: &mut Graph, layout: &Layout) {
                 outputs,
                 ..
             } = node
-                && group.contains(actor)
+                && actors.contains(actor)
             {
                 outputs.clone_from(&params);
                 last_update = Some(i);
@@ -113,13 +113,15 @@ fn gather_after_update(graph: &mut Graph, layout: &Layout) {
             continue;
         };
         for tensor in &params {
-            let gather = NodeOp::Collective {
-                kind: CollectiveKind::AllGather,
-                group: group.clone(),
-                tensor: tensor.clone(),
-                dtype: crate::DType::F32,
-            };
-            inserts.push((at, gather));
+            for group in layout.dp_groups(s) {
+                let gather = NodeOp::Collective {
+                    kind: CollectiveKind::AllGather,
+                    group,
+                    tensor: tensor.clone(),
+                    dtype: crate::DType::F32,
+                };
+                inserts.push((at, gather));
+            }
         }
         for (b, tensor) in buckets.iter().zip(&params) {
             let load = ComputeOp::LoadParams {
@@ -167,12 +169,14 @@ fn gather_around_runs(graph: &mut Graph, layout: &Layout) {
                 end: b.end,
             };
             let mut nodes = on_replicas(layout, run.device, shard, &[], std::slice::from_ref(&tensor));
-            nodes.push(NodeOp::Collective {
-                kind: CollectiveKind::AllGather,
-                group: layout.dp_group(run.device),
-                tensor,
-                dtype: crate::DType::F32,
-            });
+            for group in layout.dp_groups(run.device) {
+                nodes.push(NodeOp::Collective {
+                    kind: CollectiveKind::AllGather,
+                    group,
+                    tensor: tensor.clone(),
+                    dtype: crate::DType::F32,
+                });
+            }
             nodes
         };
         let starts_slot = i == 0 || slot_of(&runs[i - 1]) != slot_of(run);

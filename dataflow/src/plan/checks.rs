@@ -160,6 +160,7 @@ pub(super) fn check_tp(program: &Program) -> Result<(), PlanError> {
             b.name, model.name
         )));
     }
+    check_tp_forms(program)?;
     let divisors = |n: usize| -> String {
         let ok: Vec<String> = (2..=n)
             .filter(|k| n.is_multiple_of(*k))
@@ -183,6 +184,36 @@ pub(super) fn check_tp(program: &Program) -> Result<(), PlanError> {
             model.name,
             divisors(n)
         )));
+    }
+    Ok(())
+}
+
+/// Every block says how its input and output are held across the group, and each block's input
+/// is held as the one before it leaves its output (after g).
+fn check_tp_forms(program: &Program) -> Result<(), PlanError> {
+    let (tp, model) = (program.plan.tp, &program.model);
+    let mut before: Option<(&str, crate::tensor_parallel::BlockTp)> = None;
+    for b in &model.blocks {
+        let Some(form) = b.tp else {
+            return Err(PlanError::Conflict(format!(
+                "--tp {tp}: block `{}` of {} does not say how its input and output are held across a \
+                 tensor-parallel group (`BlockInfo::with_tp`): give every block its form, or use --tp 1",
+                b.name, model.name
+            )));
+        };
+        if let Some((name, prev)) = before
+            && prev.output_after_g() != form.input
+        {
+            return Err(PlanError::Conflict(format!(
+                "--tp {tp}: block `{name}` of {} leaves its output {:?} and block `{}` takes its input \
+                 {:?}: make the forms agree (`BlockInfo::with_tp`), or use --tp 1",
+                model.name,
+                prev.output_after_g(),
+                b.name,
+                form.input
+            )));
+        }
+        before = Some((&b.name, form));
     }
     Ok(())
 }
