@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use archipelago_dataflow::{ActorId, ComputeOp, DType, DeviceSpec, Instruction, TensorId};
+use archipelago_dataflow::{ActorId, ComputeOp, DType, DeviceSpec, FabricKind, Instruction, TensorId};
 
 use crate::collectives::{CollectiveWorker, DEFAULT_CHUNK_ELEMS, PendingCollective};
 use crate::error::{ActorFailure, panic_message};
@@ -347,9 +347,10 @@ impl Executor {
         }
     }
 
-    /// Adds `bytes` read from peers for `tensor` to the step's fabric figures `read`.
-    fn count_read(read: &mut archipelago_dataflow::FabricBytes, tensor: &TensorId, bytes: u64) {
-        if let Some(kind) = archipelago_dataflow::FabricKind::of(tensor) {
+    /// Adds `bytes` read from peers for `tensor` (`kind`: its receive's or its collective's) to
+    /// the step's fabric figures `read`.
+    fn count_read(read: &mut archipelago_dataflow::FabricBytes, kind: Option<FabricKind>, bytes: u64) {
+        if let Some(kind) = kind {
             read.add(kind, bytes);
         }
     }
@@ -411,7 +412,8 @@ impl Executor {
                 );
                 self.progress.wait_on(Waiting::Nothing);
                 let value = received.map_err(fabric_err)?;
-                Self::count_read(&mut self.fabric_read, tensor, crate::fabric::read_count::take());
+                let read = crate::fabric::read_count::take();
+                Self::count_read(&mut self.fabric_read, FabricKind::of(tensor), read);
                 let bytes = value.byte_len() as u64;
                 self.table.insert(tensor.clone(), value);
                 Ok(bytes)
@@ -451,7 +453,7 @@ impl Executor {
                 let (finished, read) = started.wait();
                 self.progress.wait_on(Waiting::Nothing);
                 let value = finished.map_err(fabric_err)?;
-                Self::count_read(&mut self.fabric_read, tensor, read);
+                Self::count_read(&mut self.fabric_read, FabricKind::of_collective(tensor), read);
                 let bytes = value.byte_len() as u64;
                 let value = match value.cast_float(held) {
                     Ok(widened) => widened,

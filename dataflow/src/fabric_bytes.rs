@@ -38,6 +38,9 @@ pub struct FabricBytes {
     pub activation_grads: u64,
     /// Global norms (clipping's sum of squares, LAMB's per-parameter sums).
     pub norms: u64,
+    /// Tensor parallelism's all-reduces inside a tp group (Megatron's f and g).
+    #[serde(default)]
+    pub tensor_parallel: u64,
 }
 
 /// What a tensor on the fabric is, for [`FabricBytes`].
@@ -53,6 +56,8 @@ pub enum FabricKind {
     ActivationGrads,
     /// Sums of squares.
     Norms,
+    /// A tensor-parallel group's collective on an activation or its gradient.
+    TensorParallel,
 }
 
 impl FabricKind {
@@ -67,6 +72,15 @@ impl FabricKind {
             TensorId::GradSquares | TensorId::TrustSquares => FabricKind::Norms,
             TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => return None,
         })
+    }
+
+    /// The kind of a collective on `tensor`: on an activation or its gradient it is a
+    /// tensor-parallel group's (a pipeline moves those by send and receive, never collectively).
+    pub fn of_collective(tensor: &TensorId) -> Option<FabricKind> {
+        match FabricKind::of(tensor)? {
+            FabricKind::Activations | FabricKind::ActivationGrads => Some(FabricKind::TensorParallel),
+            kind => Some(kind),
+        }
     }
 }
 
@@ -84,12 +98,13 @@ impl FabricBytes {
     }
 
     /// Every kind, in report order.
-    pub const KINDS: [FabricKind; 5] = [
+    pub const KINDS: [FabricKind; 6] = [
         FabricKind::Gradients,
         FabricKind::Parameters,
         FabricKind::Activations,
         FabricKind::ActivationGrads,
         FabricKind::Norms,
+        FabricKind::TensorParallel,
     ];
 
     /// The bytes of `kind`.
@@ -100,6 +115,7 @@ impl FabricBytes {
             FabricKind::Activations => self.activations,
             FabricKind::ActivationGrads => self.activation_grads,
             FabricKind::Norms => self.norms,
+            FabricKind::TensorParallel => self.tensor_parallel,
         }
     }
 
@@ -110,6 +126,7 @@ impl FabricBytes {
             FabricKind::Activations => &mut self.activations,
             FabricKind::ActivationGrads => &mut self.activation_grads,
             FabricKind::Norms => &mut self.norms,
+            FabricKind::TensorParallel => &mut self.tensor_parallel,
         }
     }
 
@@ -128,6 +145,7 @@ impl std::fmt::Display for FabricBytes {
             "activations",
             "activation gradients",
             "norms",
+            "tensor-parallel",
         ];
         let parts: Vec<String> = (FabricBytes::KINDS.iter().zip(names))
             .filter(|(k, _)| self.of_kind(**k) > 0)
@@ -209,7 +227,7 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
                         dtype,
                         ..
                     } => (
-                        FabricKind::of(tensor),
+                        FabricKind::of_collective(tensor),
                         collective_read_elems(*kind, group, actor.actor, elems(tensor)),
                         dtype.size() as u64,
                     ),

@@ -92,12 +92,15 @@ pub struct ActorComm {
     pub hand_offs: u64,
     /// Seconds of data-parallel traffic: gradient reduction, parameter gathers, norms.
     pub data_parallel_s: f64,
+    /// Seconds of tensor-parallel all-reduces (Megatron's f and g). Counted in the step's
+    /// communication; not yet placed inside the passes they delay (issue 39, step 10).
+    pub tensor_parallel_s: f64,
 }
 
 impl ActorComm {
-    /// Both terms together.
+    /// Every term together.
     pub fn total_s(&self) -> f64 {
-        self.pipeline_s + self.data_parallel_s
+        self.pipeline_s + self.data_parallel_s + self.tensor_parallel_s
     }
 }
 
@@ -160,9 +163,10 @@ pub fn actor_comm(plan: &Plan, fabric: &[FabricBytes], model: &CostModel) -> Vec
             }
             let bytes = fabric.get(a.actor).copied().unwrap_or_default();
             ActorComm {
-                pipeline_s: tally.seconds(&bytes, model, true),
+                pipeline_s: tally.seconds(&bytes, model, Traffic::Pipeline),
                 hand_offs: tally.hand_offs,
-                data_parallel_s: tally.seconds(&bytes, model, false),
+                data_parallel_s: tally.seconds(&bytes, model, Traffic::DataParallel),
+                tensor_parallel_s: tally.seconds(&bytes, model, Traffic::TensorParallel),
             }
         })
         .collect()
@@ -237,7 +241,7 @@ fn route(instruction: &Instruction, me: ActorId, islands: &Islands) -> Option<(F
         Instruction::StartCollective {
             kind, tensor, group, ..
         } => Some((
-            FabricKind::of(tensor)?,
+            FabricKind::of_collective(tensor)?,
             collective_route(*kind, group, me, islands),
         )),
         _ => None,
@@ -270,30 +274,30 @@ fn collective_route(kind: CollectiveKind, group: &[ActorId], me: ActorId, island
 struct Tally {
     /// Per fabric kind ([`FabricBytes::KINDS`] order): the sum of its instructions' network
     /// shares, and how many there were.
-    shares: [(f64, u64); 5],
-    /// Messages in-process and over the network: data-parallel `[0]`, pipeline `[1]`.
-    messages: [[u64; 2]; 2],
+    shares: [(f64, u64); FabricBytes::KINDS.len()],
+    /// Messages in-process and over the network, per [`Traffic`].
+    messages: [[u64; 2]; 3],
     /// Pipeline receives.
     hand_offs: u64,
 }
 
 impl Tally {
     fn add(&mut self, kind: FabricKind, route: &Route) {
-        let pipeline = is_pipeline(kind);
+        let traffic = Traffic::of(kind);
         let i = kind_index(kind);
         self.shares[i].0 += route.network_share;
         self.shares[i].1 += 1;
         for link in 0..2 {
-            self.messages[pipeline as usize][link] += route.messages[link];
+            self.messages[traffic as usize][link] += route.messages[link];
         }
-        self.hand_offs += pipeline as u64;
+        self.hand_offs += (traffic == Traffic::Pipeline) as u64;
     }
 
-    /// Seconds of the pipeline (`true`) or data-parallel kinds of `bytes`.
-    fn seconds(&self, bytes: &FabricBytes, model: &CostModel, pipeline: bool) -> f64 {
+    /// Seconds of the kinds of `bytes` that are `traffic`.
+    fn seconds(&self, bytes: &FabricBytes, model: &CostModel, traffic: Traffic) -> f64 {
         let (near, far) = (model.link(LinkKind::InProcess), model.link(LinkKind::Network));
         let moved: f64 = (FabricBytes::KINDS.iter().enumerate())
-            .filter(|(_, k)| is_pipeline(**k) == pipeline)
+            .filter(|(_, k)| Traffic::of(**k) == traffic)
             .map(|(i, k)| {
                 let (sum, count) = self.shares[i];
                 let share = if count > 0 { sum / count as f64 } else { 0.0 };
@@ -301,13 +305,27 @@ impl Tally {
                 b * (1.0 - share) / near.bytes_per_s + b * share / far.bytes_per_s
             })
             .sum();
-        let [m_near, m_far] = self.messages[pipeline as usize];
+        let [m_near, m_far] = self.messages[traffic as usize];
         moved + m_near as f64 * near.latency_s + m_far as f64 * far.latency_s
     }
 }
 
-fn is_pipeline(kind: FabricKind) -> bool {
-    matches!(kind, FabricKind::Activations | FabricKind::ActivationGrads)
+/// Which term of an actor's communication a fabric kind is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Traffic {
+    DataParallel = 0,
+    Pipeline = 1,
+    TensorParallel = 2,
+}
+
+impl Traffic {
+    fn of(kind: FabricKind) -> Traffic {
+        match kind {
+            FabricKind::Activations | FabricKind::ActivationGrads => Traffic::Pipeline,
+            FabricKind::TensorParallel => Traffic::TensorParallel,
+            _ => Traffic::DataParallel,
+        }
+    }
 }
 
 fn kind_index(kind: FabricKind) -> usize {

@@ -231,3 +231,21 @@ fn refuses_blocks_without_or_with_mismatched_tp_forms() {
     let why = refusal(&p);
     assert!(why.contains("`attn.0`") && why.contains("`mlp.0`"), "{why}");
 }
+
+/// The predicted tensor-parallel bytes of a gpt at tp=2: per micro-batch, 2 + 4·layers
+/// all-reduces of `rows·ctx·d` f32 values (4 per layer, the embedding's g and the head's f), each
+/// read as a two-member all-reduce reads; nothing of it counted as pipeline activations.
+#[test]
+fn tensor_parallel_bytes_are_four_all_reduces_per_layer() {
+    let mut p = with_tp(GPT, 1, 2);
+    p.plan.microbatches = 2;
+    let plan = compile(&p).unwrap();
+    let (rows, ctx, d, layers) = (2, 16, 32, 2);
+    let per =
+        crate::fabric_bytes::collective_read_elems(CollectiveKind::AllReduceSum, &[0, 1], 0, rows * ctx * d)
+            * 4;
+    for bytes in &plan.fabric {
+        assert_eq!(bytes.tensor_parallel, 2 * (2 + 4 * layers as u64) * per);
+        assert_eq!(bytes.activations + bytes.activation_grads, 0);
+    }
+}
