@@ -85,7 +85,7 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             ComputeOp::Forward { .. } => "forward",
             ComputeOp::Backward { .. } | ComputeOp::BackwardInput { .. } => "backward",
             ComputeOp::BackwardWeight { .. } => "backward-weight",
-            ComputeOp::Loss { .. } => "loss",
+            ComputeOp::Loss { .. } | ComputeOp::LossMax { .. } | ComputeOp::LossSums { .. } => "loss",
             ComputeOp::LoadBatch { .. } => "load",
             ComputeOp::OptimizerStep { .. }
             | ComputeOp::OffloadGrads { .. }
@@ -121,6 +121,8 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
             ComputeOp::Backward { .. } | ComputeOp::BackwardInput { .. } => "B",
             ComputeOp::BackwardWeight { .. } => "W",
             ComputeOp::Loss { .. } => "loss",
+            ComputeOp::LossMax { .. } => "loss max",
+            ComputeOp::LossSums { .. } => "loss sums",
             ComputeOp::LoadBatch { .. } => "load",
             ComputeOp::OptimizerStep { .. } => "optimizer",
             ComputeOp::GradNorm { .. } => "grad norm",

@@ -70,6 +70,7 @@ impl FabricKind {
             TensorId::Activation { .. } => FabricKind::Activations,
             TensorId::ActivationGrad { .. } => FabricKind::ActivationGrads,
             TensorId::GradSquares | TensorId::TrustSquares => FabricKind::Norms,
+            TensorId::LossMax { .. } | TensorId::LossSums { .. } => FabricKind::TensorParallel,
             TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => return None,
         })
     }
@@ -205,6 +206,8 @@ pub fn collective_read_elems(kind: CollectiveKind, group: &[ActorId], me: ActorI
 pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
     let program = &plan.program;
     let rows = program.plan.batch / program.plan.dp.max(1) / program.plan.microbatches.max(1);
+    // A tensor-parallel rank's buckets and gathers hold its slice of the parameters.
+    let local = crate::tensor_parallel::local_model(&program.model, program.plan.tp);
     plan.actors
         .iter()
         .map(|actor| {
@@ -215,7 +218,7 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
                 .flat_map(|&(start, end)| &program.model.blocks[start..end])
                 .map(|b| b.param_descs.iter().filter(|p| p.trainable).count())
                 .sum::<usize>();
-            let elems = |t: &TensorId| tensor_elems(&program.model, plan, rows, trust_len, t);
+            let elems = |t: &TensorId| tensor_elems(&program.model, &local, plan, rows, trust_len, t);
             for instruction in &actor.stream.instructions {
                 // A collective names its dtype; received activations and their gradients are
                 // in the compute dtype.
@@ -247,11 +250,19 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
         .collect()
 }
 
-/// Elements of a training tensor that crosses the fabric.
-fn tensor_elems(model: &ModelDesc, plan: &Plan, rows: usize, trust_len: usize, tensor: &TensorId) -> usize {
+/// Elements of a training tensor that crosses the fabric (`local`: the model as one
+/// tensor-parallel rank holds it; activations are whole).
+fn tensor_elems(
+    model: &ModelDesc,
+    local: &ModelDesc,
+    plan: &Plan,
+    rows: usize,
+    trust_len: usize,
+    tensor: &TensorId,
+) -> usize {
     let segment_params = |segment: usize| {
         plan.buckets.get(segment).map_or(0, |b| {
-            model.blocks[b.start..b.end]
+            local.blocks[b.start..b.end]
                 .iter()
                 .map(|x| x.trained_params() as usize)
                 .sum()
@@ -272,6 +283,8 @@ fn tensor_elems(model: &ModelDesc, plan: &Plan, rows: usize, trust_len: usize, t
             .map_or(0, |b| output_of(b.start - 1)),
         TensorId::GradSquares => 1,
         TensorId::TrustSquares => trust_len,
+        TensorId::LossMax { .. } => rows * model.input.tokens_per_sample(),
+        TensorId::LossSums { .. } => 2 * rows * model.input.tokens_per_sample(),
         TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => 0,
     }
 }

@@ -30,8 +30,23 @@ pub enum ComputeOp {
         /// Micro-batch.
         mb: usize,
     },
-    /// Loss of the last segment's output against the batch's targets.
+    /// Loss of the last segment's output against the batch's targets. Under tensor parallelism
+    /// with vocabulary-parallel logits it also reads the group's [`ComputeOp::LossMax`] and
+    /// [`ComputeOp::LossSums`] (all-reduced), so no rank ever holds the whole logits.
     Loss {
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// Vocabulary-parallel cross-entropy, first statistic: each token's largest logit in this
+    /// rank's slice of the vocabulary (then all-reduced to the maximum over the group).
+    LossMax {
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// Vocabulary-parallel cross-entropy, second statistics: each token's `Σ exp(z − max)` over
+    /// this rank's slice and its target's logit where the target falls in the slice (then
+    /// all-reduced to the sums over the group).
+    LossSums {
         /// Micro-batch.
         mb: usize,
     },
@@ -267,7 +282,9 @@ impl Instruction {
                 | ComputeOp::Backward { mb, .. }
                 | ComputeOp::BackwardInput { mb, .. }
                 | ComputeOp::BackwardWeight { mb, .. }
-                | ComputeOp::Loss { mb } => Some(*mb),
+                | ComputeOp::Loss { mb }
+                | ComputeOp::LossMax { mb }
+                | ComputeOp::LossSums { mb } => Some(*mb),
                 _ => None,
             },
             Instruction::Send { tensor, .. } | Instruction::Recv { tensor, .. } => tensor.microbatch(),
@@ -282,6 +299,8 @@ impl fmt::Display for ComputeOp {
             ComputeOp::LoadBatch { start, end } => write!(f, "LoadBatch(rows {start}..{end})"),
             ComputeOp::Forward { start, end, mb } => write!(f, "Forward(blocks {start}..{end}, mb {mb})"),
             ComputeOp::Loss { mb } => write!(f, "Loss(mb {mb})"),
+            ComputeOp::LossMax { mb } => write!(f, "LossMax(mb {mb})"),
+            ComputeOp::LossSums { mb } => write!(f, "LossSums(mb {mb})"),
             ComputeOp::Backward { start, end, mb } => write!(f, "Backward(blocks {start}..{end}, mb {mb})"),
             ComputeOp::BackwardInput { start, end, mb } => {
                 write!(f, "BackwardInput(blocks {start}..{end}, mb {mb})")

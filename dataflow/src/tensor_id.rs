@@ -72,6 +72,18 @@ pub enum TensorId {
     TrustSquares,
     /// A tensor of a user graph or compiled program, named by whoever built it.
     Named(String),
+    /// Vocabulary-parallel cross-entropy: each token's largest logit of micro-batch `mb`
+    /// (this rank's slice's, then the group's after the all-reduce of the maximum).
+    LossMax {
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// Vocabulary-parallel cross-entropy: each token's `Σ exp(z − max)` and target logit of
+    /// micro-batch `mb` (this rank's slice's, then the group's after the all-reduce).
+    LossSums {
+        /// Micro-batch.
+        mb: usize,
+    },
 }
 
 impl TensorId {
@@ -87,6 +99,8 @@ impl TensorId {
             | TensorId::Activation { mb, .. }
             | TensorId::ActivationGrad { mb, .. }
             | TensorId::Loss { mb }
+            | TensorId::LossMax { mb }
+            | TensorId::LossSums { mb }
             | TensorId::GatheredParams { mb, .. } => Some(*mb),
             _ => None,
         }
@@ -136,6 +150,8 @@ impl fmt::Display for TensorId {
             TensorId::GradSquares => write!(f, "gradsq"),
             TensorId::TrustSquares => write!(f, "trustsq"),
             TensorId::Named(name) => write!(f, "{name}"),
+            TensorId::LossMax { mb } => write!(f, "lossmax.{mb}"),
+            TensorId::LossSums { mb } => write!(f, "losssums.{mb}"),
         }
     }
 }

@@ -126,17 +126,43 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
         graph.collective(CollectiveKind::AllReduceSum, layout.tp_group(r, s), &output);
     }
     if b.id == last {
-        for t in 0..tp {
-            let inputs = [output.clone(), TensorId::Batch { mb }];
-            let actor = layout.actor_at(r, s, t);
-            graph.compute(actor, ComputeOp::Loss { mb }, &inputs, &[TensorId::Loss { mb }]);
-        }
+        loss(graph, layout, &output, mb, r, s);
     } else if layout.device_of_segment(b.id + 1) != s {
         let next = layout.device_of_segment(b.id + 1);
         for t in 0..tp {
             let (from, to) = (layout.actor_at(r, s, t), layout.actor_at(r, next, t));
             graph.transfer(from, &output, to, &output);
         }
+    }
+}
+
+/// The loss of replica `r`'s micro-batch `mb` on every tp rank. Logits sharded over the
+/// vocabulary take the vocabulary-parallel cross-entropy (Megatron-LM): each rank's row maxima,
+/// all-reduced to the maximum; its sums of `exp(z − max)` and target logits, all-reduced to the
+/// sums; then the loss from those, so no rank holds the whole logits.
+fn loss(graph: &mut Graph, layout: &Layout, logits: &TensorId, mb: usize, r: usize, s: usize) {
+    let tp = layout.tp();
+    let batch = TensorId::Batch { mb };
+    let mut inputs = vec![logits.clone(), batch.clone()];
+    let last = layout.segments.len() - 1;
+    if tp > 1 && layout.segment_tp[last].output == TpHeld::Sharded {
+        let (max, sums) = (TensorId::LossMax { mb }, TensorId::LossSums { mb });
+        let statistics = [
+            (ComputeOp::LossMax { mb }, max, CollectiveKind::AllReduceMax),
+            (ComputeOp::LossSums { mb }, sums, CollectiveKind::AllReduceSum),
+        ];
+        for (op, statistic, kind) in statistics {
+            for t in 0..tp {
+                let actor = layout.actor_at(r, s, t);
+                graph.compute(actor, op.clone(), &inputs, std::slice::from_ref(&statistic));
+            }
+            graph.collective(kind, layout.tp_group(r, s), &statistic);
+            inputs.push(statistic);
+        }
+    }
+    for t in 0..tp {
+        let actor = layout.actor_at(r, s, t);
+        graph.compute(actor, ComputeOp::Loss { mb }, &inputs, &[TensorId::Loss { mb }]);
     }
 }
 

@@ -49,7 +49,11 @@ fn pass_of(op: &ComputeOp) -> Option<(Pass, usize, usize, usize)> {
 /// output or input gradient, or a tensor-parallel all-reduce of either (Megatron's g and f).
 fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
     match node {
-        NodeOp::Compute { op: other, .. } => other == op || *other == ComputeOp::Loss { mb },
+        NodeOp::Compute { op: other, .. } => {
+            other == op
+                || matches!(other, ComputeOp::Loss { mb: m } | ComputeOp::LossMax { mb: m }
+                    | ComputeOp::LossSums { mb: m } if *m == mb)
+        }
         NodeOp::Transfer { tensor, .. } => {
             *tensor == TensorId::Activation { segment, mb }
                 || *tensor == TensorId::ActivationGrad { segment, mb }
@@ -57,6 +61,8 @@ fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
         NodeOp::Collective { tensor, .. } => {
             *tensor == TensorId::Activation { segment, mb }
                 || *tensor == TensorId::ActivationGrad { segment, mb }
+                || *tensor == TensorId::LossMax { mb }
+                || *tensor == TensorId::LossSums { mb }
         }
     }
 }

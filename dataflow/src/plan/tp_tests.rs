@@ -234,18 +234,57 @@ fn refuses_blocks_without_or_with_mismatched_tp_forms() {
 
 /// The predicted tensor-parallel bytes of a gpt at tp=2: per micro-batch, 2 + 4·layers
 /// all-reduces of `rows·ctx·d` f32 values (4 per layer, the embedding's g and the head's f), each
-/// read as a two-member all-reduce reads; nothing of it counted as pipeline activations.
+/// read as a two-member all-reduce reads, and the vocabulary-parallel loss's two statistics (a
+/// maximum per token, two sums per token); nothing of it counted as pipeline activations.
 #[test]
 fn tensor_parallel_bytes_are_four_all_reduces_per_layer() {
     let mut p = with_tp(GPT, 1, 2);
     p.plan.microbatches = 2;
     let plan = compile(&p).unwrap();
     let (rows, ctx, d, layers) = (2, 16, 32, 2);
-    let per =
-        crate::fabric_bytes::collective_read_elems(CollectiveKind::AllReduceSum, &[0, 1], 0, rows * ctx * d)
-            * 4;
+    let read = |kind, len| crate::fabric_bytes::collective_read_elems(kind, &[0, 1], 0, len) * 4;
+    let per_layer_edge = read(CollectiveKind::AllReduceSum, rows * ctx * d);
+    let loss =
+        read(CollectiveKind::AllReduceMax, rows * ctx) + read(CollectiveKind::AllReduceSum, 2 * rows * ctx);
     for bytes in &plan.fabric {
-        assert_eq!(bytes.tensor_parallel, 2 * (2 + 4 * layers as u64) * per);
+        let per_mb = (2 + 4 * layers as u64) * per_layer_edge + loss;
+        assert_eq!(bytes.tensor_parallel, 2 * per_mb);
         assert_eq!(bytes.activations + bytes.activation_grads, 0);
     }
+}
+
+/// A vocabulary-parallel head ends the forward in the two loss statistics' all-reduces (the
+/// maximum first) before the loss, on every tp rank; a row-parallel output (mlp with an odd
+/// layer count) is all-reduced by g and takes the plain loss.
+#[test]
+fn sharded_logits_take_the_vocabulary_parallel_loss() {
+    let kinds = |spec: &str| -> Vec<(CollectiveKind, TensorId)> {
+        let plan = compile(&with_tp(spec, 1, 2)).unwrap();
+        (plan.actors[1].stream.instructions.iter())
+            .filter_map(|i| match i {
+                Instruction::StartCollective { kind, tensor, .. }
+                    if matches!(tensor, TensorId::LossMax { .. } | TensorId::LossSums { .. }) =>
+                {
+                    Some((*kind, tensor.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(
+        kinds(GPT),
+        [
+            (CollectiveKind::AllReduceMax, TensorId::LossMax { mb: 0 }),
+            (CollectiveKind::AllReduceSum, TensorId::LossSums { mb: 0 }),
+        ]
+    );
+    assert_eq!(
+        kinds("mlp:in=12,hidden=24,layers=2,out=6").len(),
+        2,
+        "even layers: sharded classes"
+    );
+    assert!(
+        kinds("mlp:in=12,hidden=24,layers=3,out=6").is_empty(),
+        "odd layers: g, then the plain loss"
+    );
 }
