@@ -261,6 +261,7 @@ mod tests {
                     seed: 0,
                     actor: 0,
                     block: index,
+                    tp: Default::default(),
                 };
                 let block = ModelBuilder::<CpuBackend>::build_block(&zoo, &ctx, &FlexDevice);
                 let shapes = block.param_shapes();

@@ -86,6 +86,7 @@ pub fn build_model(spec: &ModelSpec, seed: u64) -> Result<(CpuBlocks, Vec<f32>),
             seed,
             actor: 0,
             block: index,
+            tp: Default::default(),
         };
         let block = ModelBuilder::<CpuBackend>::build_block(&builder, &ctx, &FlexDevice);
         let shapes = block.param_shapes();

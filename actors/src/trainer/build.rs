@@ -154,6 +154,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 seed: program.seed,
                 actor,
                 block: index,
+                tp: Default::default(),
             };
             let built = builder.build_block(&ctx, &device);
             let described = described_params(index, info, &*built)?;

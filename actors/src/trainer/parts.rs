@@ -85,6 +85,7 @@ impl<B: AutodiffBackend> HeldStage<B> {
             seed: self.seed,
             actor: self.actor,
             block: index,
+            tp: Default::default(),
         };
         let block = self.builder.build_block(&ctx, &self.device);
         let held = PartlyFrozen::hold(block, self.layouts[index].clone(), &self.frozen[index]);

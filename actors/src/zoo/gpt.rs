@@ -12,6 +12,8 @@ use burn::tensor::{Int, Tensor};
 
 use crate::block::{Activation, BlockModule};
 use crate::kernels::{Kernels, causal_attention, gelu, layer_norm, linear};
+use crate::zoo::tp::{TpPlace, row_parallel};
+use archipelago_dataflow::tensor_parallel::local_extent;
 
 /// Token and learned position embeddings: ids `[b, t]` → `[b, t, d]`.
 #[derive(Module, Debug)]
@@ -20,18 +22,35 @@ pub struct GptEmbedding<B: Backend> {
     pub tok_embedding: Embedding<B>,
     /// Position table `[ctx, d]`.
     pub pos_embedding: Embedding<B>,
+    /// Under tensor parallelism: the first token id of this rank's rows of the vocabulary.
+    pub first_token: usize,
+    /// This rank in its tensor-parallel group.
+    pub tp_rank: usize,
+    /// The group's size (1: the whole table, no masking).
+    pub tp_size: usize,
 }
 
 impl<B: Backend> GptEmbedding<B> {
     /// Embeddings for `vocab` tokens and `ctx` positions of width `d`.
     pub fn new(vocab: usize, ctx: usize, d: usize, device: &B::Device) -> Self {
+        Self::sliced(vocab, ctx, d, TpPlace::default(), device)
+    }
+
+    /// Rank `tp`'s vocabulary-parallel embedding: its `ceil(vocab / size)` rows of the token
+    /// table (the last rank's past the vocabulary are padding) and, on the first rank only, the
+    /// positions; its output is a summand of the group's (Megatron's g sums it).
+    pub fn sliced(vocab: usize, ctx: usize, d: usize, tp: TpPlace, device: &B::Device) -> Self {
+        let rows = local_extent(vocab, tp.size);
         GptEmbedding {
-            tok_embedding: EmbeddingConfig::new(vocab, d)
+            tok_embedding: EmbeddingConfig::new(rows, d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
             pos_embedding: EmbeddingConfig::new(ctx, d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
+            first_token: tp.rank * rows,
+            tp_rank: tp.rank,
+            tp_size: tp.size,
         }
     }
 }
@@ -41,9 +60,25 @@ impl<B: Kernels> BlockModule<B> for GptEmbedding<B> {
         let Activation::Tokens(tokens) = x else {
             panic!("GptEmbedding takes token ids")
         };
-        let [_, t] = tokens.dims();
+        let [b, t] = tokens.dims();
         let positions = Tensor::<B, 1, Int>::arange(0..t as i64, &tokens.device()).reshape([1, t]);
-        Activation::Seq(self.tok_embedding.forward(tokens) + self.pos_embedding.forward(positions))
+        if self.tp_size == 1 {
+            return Activation::Seq(
+                self.tok_embedding.forward(tokens) + self.pos_embedding.forward(positions),
+            );
+        }
+        // Ids outside this rank's rows look up row 0 and are zeroed after.
+        let rows = self.tok_embedding.weight.dims()[0];
+        let local = tokens.sub_scalar(self.first_token as i64);
+        let elsewhere = (local.clone().lower_elem(0)).bool_or(local.clone().greater_equal_elem(rows as i64));
+        let found = self.tok_embedding.forward(local.mask_fill(elsewhere.clone(), 0));
+        let d = found.dims()[2];
+        let own = found.mask_fill(elsewhere.unsqueeze_dim::<3>(2).expand([b, t, d]), 0.0);
+        if self.tp_rank == 0 {
+            Activation::Seq(own + self.pos_embedding.forward(positions))
+        } else {
+            Activation::Seq(own)
+        }
     }
 }
 
@@ -62,22 +97,35 @@ pub struct AttentionHalf<B: Backend> {
     pub qkv: Linear<B>,
     /// Attention output projection `[d, d]`.
     pub proj: Linear<B>,
-    /// Attention heads.
+    /// Attention heads (this rank's under tensor parallelism).
     pub heads: usize,
+    /// This rank in its tensor-parallel group.
+    pub tp_rank: usize,
+    /// The group's size.
+    pub tp_size: usize,
 }
 
 impl<B: Backend> AttentionHalf<B> {
     /// The attention half of a layer of width `d` with `heads` heads.
     pub fn new(d: usize, heads: usize, device: &B::Device) -> Self {
+        Self::sliced(d, heads, TpPlace::default(), device)
+    }
+
+    /// Rank `tp`'s attention half: its `heads / size` heads (q, k and v each cut per head,
+    /// column-parallel), the row-parallel output projection over them; the first rank adds the
+    /// projection's bias and the residual, so the group's outputs sum to the layer's.
+    pub fn sliced(d: usize, heads: usize, tp: TpPlace, device: &B::Device) -> Self {
         AttentionHalf {
             ln1: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
-            qkv: LinearConfig::new(d, 3 * d)
+            qkv: LinearConfig::new(d, 3 * tp.part(d))
                 .with_initializer(Initializer::Zeros)
                 .init(device),
-            proj: LinearConfig::new(d, d)
+            proj: LinearConfig::new(tp.part(d), d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
-            heads,
+            heads: tp.part(heads),
+            tp_rank: tp.rank,
+            tp_size: tp.size,
         }
     }
 }
@@ -88,7 +136,9 @@ impl<B: Kernels> BlockModule<B> for AttentionHalf<B> {
             panic!("AttentionHalf takes a sequence")
         };
         let qkv = linear(&self.qkv, layer_norm(&self.ln1, x.clone(), LN_EPSILON));
-        Activation::Seq(x + linear(&self.proj, causal_attention(qkv, self.heads)))
+        let tp = TpPlace::new(self.tp_rank, self.tp_size);
+        let y = row_parallel(&self.proj, causal_attention(qkv, self.heads), tp);
+        Activation::Seq(if tp.leads() { x + y } else { y })
     }
 }
 
@@ -101,19 +151,31 @@ pub struct MlpHalf<B: Backend> {
     pub fc1: Linear<B>,
     /// MLP down-projection `[4d, d]`.
     pub fc2: Linear<B>,
+    /// This rank in its tensor-parallel group.
+    pub tp_rank: usize,
+    /// The group's size.
+    pub tp_size: usize,
 }
 
 impl<B: Backend> MlpHalf<B> {
     /// The MLP half of a layer of width `d`.
     pub fn new(d: usize, device: &B::Device) -> Self {
+        Self::sliced(d, TpPlace::default(), device)
+    }
+
+    /// Rank `tp`'s MLP half: `fc1` column-parallel, `fc2` row-parallel (bias and residual on the
+    /// first rank).
+    pub fn sliced(d: usize, tp: TpPlace, device: &B::Device) -> Self {
         MlpHalf {
             ln2: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
-            fc1: LinearConfig::new(d, 4 * d)
+            fc1: LinearConfig::new(d, tp.part(4 * d))
                 .with_initializer(Initializer::Zeros)
                 .init(device),
-            fc2: LinearConfig::new(4 * d, d)
+            fc2: LinearConfig::new(tp.part(4 * d), d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
+            tp_rank: tp.rank,
+            tp_size: tp.size,
         }
     }
 }
@@ -124,7 +186,9 @@ impl<B: Kernels> BlockModule<B> for MlpHalf<B> {
             panic!("MlpHalf takes a sequence")
         };
         let hidden = gelu(linear(&self.fc1, layer_norm(&self.ln2, x.clone(), LN_EPSILON)));
-        Activation::Seq(x + linear(&self.fc2, hidden))
+        let tp = TpPlace::new(self.tp_rank, self.tp_size);
+        let y = row_parallel(&self.fc2, hidden, tp);
+        Activation::Seq(if tp.leads() { x + y } else { y })
     }
 }
 
@@ -140,9 +204,15 @@ pub struct GptHead<B: Backend> {
 impl<B: Backend> GptHead<B> {
     /// A head of width `d` over `vocab` tokens.
     pub fn new(d: usize, vocab: usize, device: &B::Device) -> Self {
+        Self::sliced(d, vocab, TpPlace::default(), device)
+    }
+
+    /// Rank `tp`'s vocabulary-parallel head: its `ceil(vocab / size)` columns of the logits (the
+    /// last rank's past the vocabulary are padding, masked out of the loss).
+    pub fn sliced(d: usize, vocab: usize, tp: TpPlace, device: &B::Device) -> Self {
         GptHead {
             ln_f: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
-            head: LinearConfig::new(d, vocab)
+            head: LinearConfig::new(d, local_extent(vocab, tp.size))
                 .with_initializer(Initializer::Zeros)
                 .with_bias(false)
                 .init(device),

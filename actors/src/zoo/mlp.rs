@@ -1,4 +1,5 @@
-//! The mlp workload's blocks: `Linear + ReLU`, and the output `Linear`.
+//! The mlp workload's blocks: `Linear + ReLU`, and the output `Linear`; under tensor
+//! parallelism, Megatron's alternating column- and row-parallel layers.
 
 use burn::module::Module;
 use burn::nn::{Initializer, Linear, LinearConfig};
@@ -6,6 +7,8 @@ use burn::tensor::activation::relu;
 
 use crate::block::{Activation, BlockModule};
 use crate::kernels::{Kernels, linear};
+use crate::zoo::tp::{TpPlace, row_parallel};
+use archipelago_dataflow::tensor_parallel::local_extent;
 
 /// `relu(x · W + b)`.
 #[derive(Module, Debug)]
@@ -58,5 +61,62 @@ impl<B: Kernels> BlockModule<B> for LinearBlock<B> {
             Activation::Rows(x) => Activation::Rows(linear(&self.linear, x)),
             other => panic!("LinearBlock takes dense rows, got {other:?}"),
         }
+    }
+}
+
+/// One mlp layer on a tensor-parallel rank (Megatron's MLP, alternating): an even layer is
+/// column-parallel (its slice of the outputs, ReLU on them when hidden), an odd one row-parallel
+/// (a summand of the outputs, the bias on the first rank). A row-parallel layer's ReLU waits for
+/// the all-reduce after it (g) and is applied by the next layer to its input.
+#[derive(Module, Debug)]
+pub struct TpLinearBlock<B: burn::tensor::backend::Backend> {
+    /// This rank's slice of the layer.
+    pub linear: Linear<B>,
+    /// ReLU of the input first (after a row-parallel hidden layer).
+    pub relu_in: bool,
+    /// ReLU of the output (a column-parallel hidden layer).
+    pub relu_out: bool,
+    /// Row-parallel: a summand, the bias on the first rank only.
+    pub row: bool,
+    /// This rank in its tensor-parallel group.
+    pub tp_rank: usize,
+    /// The group's size.
+    pub tp_size: usize,
+}
+
+impl<B: burn::tensor::backend::Backend> TpLinearBlock<B> {
+    /// Layer `k` of an mlp with `layers` hidden layers, mapping `d_in` to `d_out`, on rank `tp`.
+    pub fn new(k: usize, layers: usize, d_in: usize, d_out: usize, tp: TpPlace, device: &B::Device) -> Self {
+        let row = k % 2 == 1;
+        let (d_in, d_out) = if row {
+            (tp.part(d_in), d_out)
+        } else {
+            (d_in, local_extent(d_out, tp.size))
+        };
+        TpLinearBlock {
+            linear: LinearConfig::new(d_in, d_out)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            relu_in: !row && k > 0,
+            relu_out: !row && k < layers,
+            row,
+            tp_rank: tp.rank,
+            tp_size: tp.size,
+        }
+    }
+}
+
+impl<B: Kernels> BlockModule<B> for TpLinearBlock<B> {
+    fn forward(&self, x: Activation<B>) -> Activation<B> {
+        let Activation::Rows(x) = x else {
+            panic!("TpLinearBlock takes dense rows, got {x:?}")
+        };
+        let x = if self.relu_in { relu(x) } else { x };
+        let y = if self.row {
+            row_parallel(&self.linear, x, TpPlace::new(self.tp_rank, self.tp_size))
+        } else {
+            linear(&self.linear, x)
+        };
+        Activation::Rows(if self.relu_out { relu(y) } else { y })
     }
 }

@@ -10,11 +10,12 @@
 mod config;
 mod gpt;
 mod mlp;
+pub mod tp;
 
 pub use config::model_config;
 
 pub use gpt::{AttentionHalf, GptEmbedding, GptHead, MlpHalf};
-pub use mlp::{LinearBlock, LinearReluBlock};
+pub use mlp::{LinearBlock, LinearReluBlock, TpLinearBlock};
 
 use burn::tensor::backend::AutodiffBackend;
 
@@ -31,6 +32,8 @@ pub struct BuildContext {
     pub actor: ActorId,
     /// The block's index in the model.
     pub block: usize,
+    /// Its place in its tensor-parallel group (the default: no tensor parallelism).
+    pub tp: tp::TpPlace,
 }
 
 /// Builds a model's blocks on an actor. The runtime overwrites the parameters a builder produces
@@ -63,6 +66,11 @@ impl<B: crate::kernels::Kernels> ModelBuilder<B> for ZooModel {
                 out,
             } => {
                 let width_in = if ctx.block == 0 { input } else { hidden };
+                if ctx.tp.size > 1 {
+                    let width_out = if ctx.block < layers { hidden } else { out };
+                    let (k, tp) = (ctx.block, ctx.tp);
+                    return Box::new(TpLinearBlock::new(k, layers, width_in, width_out, tp, device));
+                }
                 if ctx.block < layers {
                     Box::new(LinearReluBlock::new(width_in, hidden, device))
                 } else {
@@ -76,14 +84,15 @@ impl<B: crate::kernels::Kernels> ModelBuilder<B> for ZooModel {
                 layers,
                 heads,
             } => {
+                let tp = ctx.tp;
                 if ctx.block == 0 {
-                    Box::new(GptEmbedding::new(vocab, context, d, device))
+                    Box::new(GptEmbedding::sliced(vocab, context, d, tp, device))
                 } else if ctx.block > 2 * layers {
-                    Box::new(GptHead::new(d, vocab, device))
+                    Box::new(GptHead::sliced(d, vocab, tp, device))
                 } else if ctx.block % 2 == 1 {
-                    Box::new(AttentionHalf::new(d, heads, device))
+                    Box::new(AttentionHalf::sliced(d, heads, tp, device))
                 } else {
-                    Box::new(MlpHalf::new(d, device))
+                    Box::new(MlpHalf::sliced(d, tp, device))
                 }
             }
         }
@@ -114,6 +123,7 @@ mod tests {
                     seed: 0,
                     actor: 0,
                     block: index,
+                    tp: Default::default(),
                 };
                 let block = ModelBuilder::<CpuBackend>::build_block(&model, &ctx, &FlexDevice);
                 let shapes = block.param_shapes();
@@ -140,3 +150,6 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod tp_tests;
