@@ -89,6 +89,7 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             ComputeOp::LoadBatch { .. } => "load",
             ComputeOp::OptimizerStep { .. }
             | ComputeOp::OffloadGrads { .. }
+            | ComputeOp::ReplicatedGrads { .. }
             | ComputeOp::GradNorm { .. }
             | ComputeOp::TrustNorms { .. } => "optimizer",
             ComputeOp::LoadParams { .. } | ComputeOp::ShardParams { .. } | ComputeOp::DropParams { .. } => {
@@ -128,6 +129,7 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
             ComputeOp::GradNorm { .. } => "grad norm",
             ComputeOp::TrustNorms { .. } => "trust norms",
             ComputeOp::OffloadGrads { .. } => "offload grads",
+            ComputeOp::ReplicatedGrads { .. } => "replicated grads",
             ComputeOp::LoadParams { .. } => "load params",
             ComputeOp::ShardParams { .. } => "shard params",
             ComputeOp::DropParams { .. } => "drop params",

@@ -70,7 +70,9 @@ impl FabricKind {
             TensorId::Activation { .. } => FabricKind::Activations,
             TensorId::ActivationGrad { .. } => FabricKind::ActivationGrads,
             TensorId::GradSquares | TensorId::TrustSquares => FabricKind::Norms,
-            TensorId::LossMax { .. } | TensorId::LossSums { .. } => FabricKind::TensorParallel,
+            TensorId::LossMax { .. } | TensorId::LossSums { .. } | TensorId::TpGrads { .. } => {
+                FabricKind::TensorParallel
+            }
             TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => return None,
         })
     }
@@ -285,6 +287,9 @@ fn tensor_elems(
         TensorId::TrustSquares => trust_len,
         TensorId::LossMax { .. } => rows * model.input.tokens_per_sample(),
         TensorId::LossSums { .. } => 2 * rows * model.input.tokens_per_sample(),
+        TensorId::TpGrads { segment } => plan.buckets.get(*segment).map_or(0, |b| {
+            crate::tensor_parallel::replicated_trained(&local.blocks[b.start..b.end])
+        }),
         TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => 0,
     }
 }

@@ -89,6 +89,16 @@ pub enum ComputeOp {
         /// One past the last block.
         end: usize,
     },
+    /// Tensor parallelism: writes the group's sum of the replicated parameters' gradients of
+    /// blocks `start..end` (LayerNorms, the biases and positions only the first rank adds), read
+    /// from [`crate::TensorId::TpGrads`] after its all-reduce, back into the segment's bucket, so
+    /// that every rank holds the whole gradient of what it holds whole.
+    ReplicatedGrads {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
     /// Gradient clipping's first phase (`torch.nn.utils.clip_grad_norm_`): the sum of squares of
     /// this actor's share of the reduced gradients of blocks `start..end` (its shard of each
     /// bucket, so that every element counts once over the dp group) into a one-value tensor;
@@ -309,6 +319,7 @@ impl fmt::Display for ComputeOp {
                 write!(f, "BackwardWeight(blocks {start}..{end}, mb {mb})")
             }
             ComputeOp::OffloadGrads { start, end } => write!(f, "OffloadGrads(blocks {start}..{end})"),
+            ComputeOp::ReplicatedGrads { start, end } => write!(f, "ReplicatedGrads(blocks {start}..{end})"),
             ComputeOp::GradNorm { start, end } => write!(f, "GradNorm(blocks {start}..{end})"),
             ComputeOp::TrustNorms { start, end } => write!(f, "TrustNorms(blocks {start}..{end})"),
             ComputeOp::OptimizerStep { start, end, scope } => {

@@ -84,6 +84,12 @@ pub enum TensorId {
         /// Micro-batch.
         mb: usize,
     },
+    /// Tensor parallelism: the gradients of segment `segment`'s replicated trainable parameters
+    /// (this rank's summands, then the group's sum after the all-reduce).
+    TpGrads {
+        /// Segment index.
+        segment: usize,
+    },
 }
 
 impl TensorId {
@@ -113,7 +119,8 @@ impl TensorId {
             | TensorId::ActivationGrad { segment, .. }
             | TensorId::GradBucket { segment }
             | TensorId::UpdatedParams { segment }
-            | TensorId::GatheredParams { segment, .. } => Some(*segment),
+            | TensorId::GatheredParams { segment, .. }
+            | TensorId::TpGrads { segment } => Some(*segment),
             _ => None,
         }
     }
@@ -152,6 +159,7 @@ impl fmt::Display for TensorId {
             TensorId::Named(name) => write!(f, "{name}"),
             TensorId::LossMax { mb } => write!(f, "lossmax.{mb}"),
             TensorId::LossSums { mb } => write!(f, "losssums.{mb}"),
+            TensorId::TpGrads { segment } => write!(f, "tpgrad.{segment}"),
         }
     }
 }

@@ -190,6 +190,14 @@ pub fn take_local(p: &ParamDesc, global: &[f32], rank: usize, tp: usize) -> Vec<
     local
 }
 
+/// Trainable replicated elements of `blocks` (what a tp group all-reduces after the backward).
+pub fn replicated_trained(blocks: &[BlockInfo]) -> usize {
+    (blocks.iter().flat_map(|b| &b.param_descs))
+        .filter(|p| p.trainable && p.split == Split::Replicated)
+        .map(ParamDesc::len)
+        .sum()
+}
+
 /// The model as one tensor-parallel rank holds it: the same blocks and names, every split
 /// parameter at its local shape (the same on every rank: padding makes it so). Activations are
 /// still counted whole.

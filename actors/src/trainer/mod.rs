@@ -197,10 +197,12 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 (*start..*end).for_each(|i| self.stage.blocks[i] = None);
                 Ok(())
             }
-            ComputeOp::LossMax { .. } | ComputeOp::LossSums { .. } => Err(format!(
-                "{op}: the vocabulary-parallel cross-entropy of tensor parallelism is not built into the \
-                 trainer yet (plans with --tp above 1 are refused before actors start)"
-            )),
+            ComputeOp::LossMax { .. } | ComputeOp::LossSums { .. } | ComputeOp::ReplicatedGrads { .. } => {
+                Err(format!(
+                    "{op}: tensor parallelism's vocabulary-parallel cross-entropy and replicated gradients are \
+                 not built into the trainer yet (plans with --tp above 1 are refused before actors start)"
+                ))
+            }
             ComputeOp::User { name } => Err(format!("a training actor has no user function `{name}`")),
             ComputeOp::Output { key } => Err(format!("a training actor does not output `{key}`")),
         }

@@ -71,6 +71,7 @@ pub fn buckets_in(model: &ModelDesc, range: Range<usize>, bucket_bytes: u64, fir
 /// device right after the last run that writes it (so it overlaps the rest of the backward).
 /// Nothing on one replica.
 pub fn reduce_gradients(graph: &mut Graph, layout: &Layout) {
+    super::tensor_parallel::reduce_replicated_grads(graph, layout);
     if layout.mesh.axis_size("dp") == 1 {
         return;
     }

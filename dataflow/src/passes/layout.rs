@@ -8,7 +8,7 @@ use crate::model_spec::ModelDesc;
 use crate::passes::data_parallel::{Bucket, buckets_in};
 use crate::passes::partition::Chunk;
 use crate::passes::schedule::PipelineShape;
-use crate::tensor_parallel::BlockTp;
+use crate::tensor_parallel::{BlockTp, replicated_trained};
 
 /// Where every block and segment lives.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +29,9 @@ pub struct Layout {
     /// How each segment's input (its first block's) and output (its last block's) are held
     /// across a tensor-parallel group (replicated for a block without a tensor-parallel form).
     pub segment_tp: Vec<BlockTp>,
+    /// Whether each segment has trainable replicated parameters (whose gradients a
+    /// tensor-parallel group sums).
+    pub segment_replicated: Vec<bool>,
 }
 
 impl Layout {
@@ -57,6 +60,9 @@ impl Layout {
                 BlockTp::new(tp(b.start).input, tp(b.end - 1).output)
             })
             .collect();
+        let segment_replicated = (segments.iter())
+            .map(|b| replicated_trained(&model.blocks[b.start..b.end]) > 0)
+            .collect();
         Layout {
             mesh,
             shape,
@@ -65,6 +71,7 @@ impl Layout {
             segment_chunk,
             islands: Vec::new(),
             segment_tp,
+            segment_replicated,
         }
     }
 

@@ -13,4 +13,5 @@ pub mod precision;
 pub mod runs;
 pub mod schedule;
 pub mod step;
+pub mod tensor_parallel;
 pub mod zero;

@@ -80,12 +80,8 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
                                 mb,
                             };
                             for t in 0..tp {
-                                graph.compute(
-                                    layout.actor_at(r, s, t),
-                                    op.clone(),
-                                    &[],
-                                    &[TensorId::GradBucket { segment: b.id }],
-                                );
+                                let outputs = grad_outputs(layout, b.id);
+                                graph.compute(layout.actor_at(r, s, t), op.clone(), &[], &outputs);
                             }
                         }
                     }
@@ -134,6 +130,16 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
             graph.transfer(from, &output, to, &output);
         }
     }
+}
+
+/// What a segment's gradient pass writes: its bucket and, under tensor parallelism with
+/// replicated parameters, their gradients' summand ([`super::tensor_parallel`] sums it).
+fn grad_outputs(layout: &Layout, segment: usize) -> Vec<TensorId> {
+    let mut outputs = vec![TensorId::GradBucket { segment }];
+    if layout.tp() > 1 && layout.segment_replicated[segment] {
+        outputs.push(TensorId::TpGrads { segment });
+    }
+    outputs
 }
 
 /// The loss of replica `r`'s micro-batch `mb` on every tp rank. Logits sharded over the
@@ -186,12 +192,11 @@ fn backward(
         }
     };
     let dact = TensorId::ActivationGrad { segment: b.id, mb };
-    let grad = TensorId::GradBucket { segment: b.id };
     let (start, end) = (b.start, b.end);
     let (op, mut outputs) = if splits_backward {
         (ComputeOp::BackwardInput { start, end, mb }, vec![])
     } else {
-        (ComputeOp::Backward { start, end, mb }, vec![grad])
+        (ComputeOp::Backward { start, end, mb }, grad_outputs(layout, b.id))
     };
     if b.id > 0 {
         outputs.push(dact.clone());

@@ -46,13 +46,17 @@ fn pass_of(op: &ComputeOp) -> Option<(Pass, usize, usize, usize)> {
 
 /// True when `node` belongs to the run of `segment`'s `op` for micro-batch `mb`: the same op on
 /// another replica or tensor-parallel rank, a loss of that micro-batch, the send of the segment's
-/// output or input gradient, or a tensor-parallel all-reduce of either (Megatron's g and f).
+/// output or input gradient, a tensor-parallel all-reduce of either (Megatron's g and f), the
+/// vocabulary-parallel loss's statistics, or the tp group's sum of its replicated gradients.
 fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
     match node {
         NodeOp::Compute { op: other, .. } => {
+            let blocks = pass_of(op).map(|(_, start, end, _)| (start, end));
             other == op
                 || matches!(other, ComputeOp::Loss { mb: m } | ComputeOp::LossMax { mb: m }
                     | ComputeOp::LossSums { mb: m } if *m == mb)
+                || matches!(other, ComputeOp::ReplicatedGrads { start, end }
+                    if Some((*start, *end)) == blocks)
         }
         NodeOp::Transfer { tensor, .. } => {
             *tensor == TensorId::Activation { segment, mb }
@@ -63,6 +67,7 @@ fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
                 || *tensor == TensorId::ActivationGrad { segment, mb }
                 || *tensor == TensorId::LossMax { mb }
                 || *tensor == TensorId::LossSums { mb }
+                || *tensor == TensorId::TpGrads { segment }
         }
     }
 }

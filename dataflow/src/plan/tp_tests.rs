@@ -235,7 +235,9 @@ fn refuses_blocks_without_or_with_mismatched_tp_forms() {
 /// The predicted tensor-parallel bytes of a gpt at tp=2: per micro-batch, 2 + 4·layers
 /// all-reduces of `rows·ctx·d` f32 values (4 per layer, the embedding's g and the head's f), each
 /// read as a two-member all-reduce reads, and the vocabulary-parallel loss's two statistics (a
-/// maximum per token, two sums per token); nothing of it counted as pipeline activations.
+/// maximum per token, two sums per token); once a step, the sums of the replicated parameters'
+/// gradients (positions, LayerNorms, row-parallel biases); nothing counted as pipeline
+/// activations.
 #[test]
 fn tensor_parallel_bytes_are_four_all_reduces_per_layer() {
     let mut p = with_tp(GPT, 1, 2);
@@ -246,9 +248,11 @@ fn tensor_parallel_bytes_are_four_all_reduces_per_layer() {
     let per_layer_edge = read(CollectiveKind::AllReduceSum, rows * ctx * d);
     let loss =
         read(CollectiveKind::AllReduceMax, rows * ctx) + read(CollectiveKind::AllReduceSum, 2 * rows * ctx);
+    let replicated = ctx * d + layers * 2 * (2 * d + d) + 2 * d;
+    let grads = read(CollectiveKind::AllReduceSum, replicated);
     for bytes in &plan.fabric {
         let per_mb = (2 + 4 * layers as u64) * per_layer_edge + loss;
-        assert_eq!(bytes.tensor_parallel, 2 * per_mb);
+        assert_eq!(bytes.tensor_parallel, 2 * per_mb + grads);
         assert_eq!(bytes.activations + bytes.activation_grads, 0);
     }
 }
@@ -287,4 +291,42 @@ fn sharded_logits_take_the_vocabulary_parallel_loss() {
         kinds("mlp:in=12,hidden=24,layers=3,out=6").is_empty(),
         "odd layers: g, then the plain loss"
     );
+}
+
+/// The replicated gradients of a bucket are summed over its tp group after the bucket's last
+/// backward and written back before its dp reduction; a bucket without replicated parameters
+/// (mlp's column layers) has none.
+#[test]
+fn replicated_gradients_are_summed_over_tp_before_dp() {
+    let mut p = with_tp("mlp:in=12,hidden=24,layers=3,out=6", 2, 2);
+    p.plan.microbatches = 2;
+    let plan = compile(&p).unwrap();
+    let stream = &plan.actors[3].stream.instructions;
+    let position = |want: &dyn Fn(&Instruction) -> bool| stream.iter().position(want);
+    for segment in 0..4 {
+        let tp_sum = position(&|i| {
+            matches!(i, Instruction::StartCollective { tensor: TensorId::TpGrads { segment: s }, group, .. }
+                if *s == segment && *group == vec![2, 3])
+        });
+        let dp_sum = position(&|i| {
+            matches!(i, Instruction::StartCollective { tensor: TensorId::GradBucket { segment: s }, group, .. }
+                if *s == segment && *group == vec![1, 3])
+        })
+        .expect("every bucket is reduced over dp");
+        // Row-parallel layers (1, 3) have a replicated bias; column layers (0, 2) none.
+        match tp_sum {
+            Some(at) => {
+                assert!(segment % 2 == 1 && at < dp_sum, "segment {segment}");
+                let write_back = position(&|i| {
+                    matches!(i, Instruction::Compute { op: ComputeOp::ReplicatedGrads { start, .. }, .. }
+                        if *start == segment)
+                });
+                assert!(
+                    write_back.is_some_and(|w| at < w && w < dp_sum),
+                    "segment {segment}"
+                );
+            }
+            None => assert_eq!(segment % 2, 0, "segment {segment}"),
+        }
+    }
 }

@@ -1,0 +1,60 @@
+//! Tensor parallelism's gradient pass (Megatron-LM, Shoeybi et al. 2019): a parameter every rank
+//! holds whole (a LayerNorm, a bias or the positions only the first rank adds) gets a summand of
+//! its gradient on each rank, so after a bucket's last backward each tp group all-reduces the
+//! bucket's replicated gradients and writes the sum back, before the bucket's data-parallel
+//! reduction. (f and g, the all-reduces of activations, are edges of the pipeline pass.)
+
+use std::collections::BTreeMap;
+
+use crate::graph::{Graph, NodeOp};
+use crate::instruction::{CollectiveKind, ComputeOp};
+use crate::passes::layout::Layout;
+use crate::passes::runs::{insert_before, segment_runs};
+use crate::tensor_id::TensorId;
+
+/// After every bucket's last writer, on each replica's tp group: the all-reduce of its
+/// replicated gradients ([`TensorId::TpGrads`]) and, on every rank, the write back
+/// ([`ComputeOp::ReplicatedGrads`]). Nothing without tensor parallelism, nor for a bucket with
+/// no trainable replicated parameter.
+pub fn reduce_replicated_grads(graph: &mut Graph, layout: &Layout) {
+    let tp = layout.tp();
+    if tp == 1 {
+        return;
+    }
+    let dp = layout.mesh.axis_size("dp");
+    let mut last_writer = BTreeMap::new();
+    for run in segment_runs(graph, layout).into_iter().filter(|r| r.writes_grads) {
+        last_writer.insert(run.segment, run);
+    }
+    let mut inserts = Vec::new();
+    for run in last_writer.values() {
+        if !layout.segment_replicated[run.segment] {
+            continue;
+        }
+        let b = &layout.segments[run.segment];
+        let tensor = TensorId::TpGrads { segment: b.id };
+        let write_back = ComputeOp::ReplicatedGrads {
+            start: b.start,
+            end: b.end,
+        };
+        for r in 0..dp {
+            let reduce = NodeOp::Collective {
+                kind: CollectiveKind::AllReduceSum,
+                group: layout.tp_group(r, run.device),
+                tensor: tensor.clone(),
+                dtype: crate::DType::F32,
+            };
+            inserts.push((run.last + 1, reduce));
+            for t in 0..tp {
+                let node = NodeOp::Compute {
+                    actor: layout.actor_at(r, run.device, t),
+                    op: write_back.clone(),
+                    inputs: vec![tensor.clone()],
+                    outputs: vec![TensorId::GradBucket { segment: b.id }],
+                };
+                inserts.push((run.last + 1, node));
+            }
+        }
+    }
+    insert_before(graph, inserts);
+}
