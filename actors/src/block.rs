@@ -278,7 +278,7 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
 
 mod init;
 mod visit;
-pub use init::{check_described, describe_shapes, init_param, init_range, initial_params};
+pub use init::{check_described, describe_shapes, init_local_range, init_param, init_range, initial_params};
 use visit::{
     CastMapper, FlattenVisitor, FreezeMapper, FreshLeafMapper, GradVisitor, LoadMapper, ShapeVisitor,
     UntrackedMapper,

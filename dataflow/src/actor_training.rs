@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::instruction::UpdateScope;
 use crate::passes::data_parallel::Bucket;
 use crate::state_layout::{SliceState, state_layout};
+use crate::tensor_parallel::TpPlace;
 use crate::{ModelDesc, Offload, Program, StatePlacement};
 
 /// The ZeRO stage in force on an actor.
@@ -206,6 +207,10 @@ pub struct ActorTraining {
     /// Its typed state layout: each parameter slice it holds, with the elements it keeps and
     /// updates, dtypes, trainable or frozen, bucket and tiers (see [`crate::state_layout`]).
     pub slices: Vec<SliceState>,
+    /// Its place in its tensor-parallel group (rank 0 of 1 without tensor parallelism); its
+    /// segments and slices are of its slice of the model ([`crate::tensor_parallel::local_model`]).
+    #[serde(default)]
+    pub tp: TpPlace,
 }
 
 impl ActorTraining {
@@ -242,6 +247,7 @@ impl ActorTraining {
             checkpoint_activations: plan.checkpoint_activations,
             state: plan.state,
             slices: Vec::new(),
+            tp: TpPlace::new(0, plan.tp),
         };
         training.slices = state_layout(&program.model, &training, program.precision.compute);
         training

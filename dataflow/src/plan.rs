@@ -12,6 +12,7 @@ use crate::passes::schedule::{self, PipelineShape, Slot};
 use crate::program::Program;
 use crate::simulate::{Prediction, simulate, simulate_with_comm};
 use crate::simulate_comm::StageComm;
+use crate::tensor_parallel::TpPlace;
 use crate::verify::verify;
 use crate::{ActorId, ActorTraining, DeviceSpec, PlanError};
 
@@ -96,6 +97,7 @@ impl Plan {
                     checkpoint_activations: t.checkpoint_activations,
                     state: t.state,
                     slices: Vec::new(),
+                    tp: t.tp,
                 },
             }
         };
@@ -302,7 +304,10 @@ fn actor_plans(
             replica: mesh.coord(actor, "dp"),
             stage,
             chunks: held,
-            training: ActorTraining::of(program, &buckets, mesh.coord(actor, "dp")),
+            training: ActorTraining {
+                tp: TpPlace::new(mesh.coord(actor, "tp"), program.plan.tp),
+                ..ActorTraining::of(program, &buckets, mesh.coord(actor, "dp"))
+            },
             stream: ActorStream {
                 actor,
                 device: devices[actor],

@@ -17,6 +17,40 @@ use serde::{Deserialize, Serialize};
 use crate::model_spec::{BlockInfo, ModelDesc};
 use crate::param_desc::{ParamDesc, Split};
 
+/// A block's place in its tensor-parallel group: rank `rank` of `size` (1: no tensor
+/// parallelism).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TpPlace {
+    /// Its rank in the group.
+    pub rank: usize,
+    /// The group's size.
+    pub size: usize,
+}
+
+impl Default for TpPlace {
+    fn default() -> Self {
+        TpPlace { rank: 0, size: 1 }
+    }
+}
+
+impl TpPlace {
+    /// Rank `rank` of a group of `size`.
+    pub fn new(rank: usize, size: usize) -> TpPlace {
+        TpPlace { rank, size }
+    }
+
+    /// Whether this rank adds what the group holds once (a replicated bias, the residual).
+    pub fn leads(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// `n` cut into this group's equal parts (the plan refuses a width the group does not
+    /// divide).
+    pub fn part(&self, n: usize) -> usize {
+        n / self.size
+    }
+}
+
 /// How an activation is held across a tensor-parallel group.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum TpHeld {

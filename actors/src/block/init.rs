@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use archipelago_dataflow::rng::SplitMix64;
+use archipelago_dataflow::tensor_parallel::{TpPlace, take_local};
 use archipelago_dataflow::{ParamDesc, ParamInit};
 
 /// A parameter's key in the initialisation stream: FNV-1a over its name, so that the stream of
@@ -54,6 +55,48 @@ pub fn init_range(params: &[ParamDesc], seed: u64, range: Range<usize>) -> Vec<f
         out.len(),
         range.len(),
         "range {range:?} is past the block's {at} parameters"
+    );
+    out
+}
+
+/// Elements `range` of the flat initial values of tensor-parallel rank `tp`'s slice of a block:
+/// `local` its parameters as the rank holds them, `global` the same parameters whole (in the same
+/// order). Each parameter the range touches is drawn whole from `(seed, name)`, then the rank's
+/// elements taken ([`take_local`], padding zero), so tp=N starts from exactly tp=1's weights; at
+/// tp=1 this is [`init_range`].
+///
+/// # Panics
+/// When `range` reaches past the slice's parameters, or the two lists differ in length.
+pub fn init_local_range(
+    local: &[ParamDesc],
+    global: &[ParamDesc],
+    seed: u64,
+    tp: TpPlace,
+    range: Range<usize>,
+) -> Vec<f32> {
+    if tp.size == 1 {
+        return init_range(local, seed, range);
+    }
+    assert_eq!(
+        local.len(),
+        global.len(),
+        "a slice describes every parameter of its block"
+    );
+    let mut out = Vec::with_capacity(range.len());
+    let mut at = 0;
+    for (l, g) in local.iter().zip(global) {
+        let span = at..at + l.len();
+        at = span.end;
+        let (from, to) = (span.start.max(range.start), span.end.min(range.end));
+        if from < to {
+            let whole = take_local(g, &init_param(g, seed), tp.rank, tp.size);
+            out.extend_from_slice(&whole[from - span.start..to - span.start]);
+        }
+    }
+    assert_eq!(
+        out.len(),
+        range.len(),
+        "range {range:?} is past the slice's {at} parameters"
     );
     out
 }
@@ -114,6 +157,29 @@ pub fn check_described(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tensor-parallel rank's initial values are its elements of each parameter drawn whole
+    /// (the per-head qkv cut included); at tp=1 they are the block's.
+    #[test]
+    fn a_tp_rank_starts_from_its_slice_of_the_whole_parameters() {
+        use archipelago_dataflow::ModelSpec;
+        use archipelago_dataflow::tensor_parallel::local_model;
+        let model = ModelSpec::parse("gpt:vocab=9,ctx=4,d=8,layers=1,heads=2")
+            .unwrap()
+            .desc();
+        let local = local_model(&model, 2);
+        for (g, l) in model.blocks.iter().zip(&local.blocks) {
+            let len: usize = l.param_descs.iter().map(ParamDesc::len).sum();
+            let rank1 = init_local_range(&l.param_descs, &g.param_descs, 3, TpPlace::new(1, 2), 0..len);
+            let want: Vec<f32> = (g.param_descs.iter())
+                .flat_map(|p| take_local(p, &init_param(p, 3), 1, 2))
+                .collect();
+            assert_eq!(rank1, want, "{}", g.name);
+            let n: usize = g.param_descs.iter().map(ParamDesc::len).sum();
+            let one = init_local_range(&g.param_descs, &g.param_descs, 3, TpPlace::default(), 2..n);
+            assert_eq!(one, init_range(&g.param_descs, 3, 2..n));
+        }
+    }
 
     /// A parameter's initial values depend on `(seed, name)` alone: the same name gives the same
     /// values whatever block it sits in and whatever comes before it; any slice of a block is

@@ -17,7 +17,7 @@ use super::parts::{HeldStage, InFlight, TrainingState};
 use super::store::{OffloadSpawn, Store};
 use super::zero::part_of;
 use super::{Placement, Sharding, Trainer};
-use crate::block::{Block, check_described, describe_shapes, init_param, init_range};
+use crate::block::{Block, check_described, describe_shapes, init_local_range};
 use crate::block_frozen::PartlyFrozen;
 use crate::optim::FlatOptimizer;
 use crate::weights_file::InitWeights;
@@ -113,7 +113,16 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<Trainer<B>, String> {
         let chunks = &placement.chunks;
         let training = &placement.training;
-        let desc = program.model.clone();
+        // A tensor-parallel rank builds, describes and holds its slice of every block.
+        let tp = training.tp;
+        let desc = archipelago_dataflow::tensor_parallel::local_model(&program.model, tp.size);
+        if tp.size > 1 && program.init.is_some() {
+            return Err(format!(
+                "--init with --tp {}: slicing a weights file per tensor-parallel rank is not built yet; \
+                 start from the seed or use --tp 1",
+                tp.size
+            ));
+        }
         let compute = crate::precision::compute_dtype(&training.slices)?;
         let held_block = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
         // Offsets into the trained vectors (frozen parameters have no place in them).
@@ -154,8 +163,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 seed: program.seed,
                 actor,
                 block: index,
-                tp: Default::default(),
+                tp,
             };
+            let whole_params = &program.model.blocks[index].param_descs;
             let built = builder.build_block(&ctx, &device);
             let described = described_params(index, info, &*built)?;
             let named = described.iter().map(|p| (p.name.clone(), p.trainable));
@@ -164,6 +174,22 @@ impl<B: AutodiffBackend> Trainer<B> {
             );
             let layout = Arc::new(TrainedLayout::of(&described));
             let trained: Vec<ParamDesc> = described.iter().filter(|p| p.trainable).cloned().collect();
+            // The same parameters whole (a model that gives only counts is never split).
+            let whole = |trainable: bool| -> Vec<ParamDesc> {
+                if whole_params.is_empty() {
+                    described
+                        .iter()
+                        .filter(|p| p.trainable == trainable)
+                        .cloned()
+                        .collect()
+                } else {
+                    whole_params
+                        .iter()
+                        .filter(|p| p.trainable == trainable)
+                        .cloned()
+                        .collect()
+                }
+            };
             let from_file = match &init_file {
                 Some(file) => Some(layout.split(&file.block(index)?)),
                 None => None,
@@ -171,16 +197,18 @@ impl<B: AutodiffBackend> Trainer<B> {
             // Frozen ones kept whole.
             let frozen_values = Arc::new(match &from_file {
                 Some((_, values)) => values.clone(),
-                None => (described.iter().filter(|p| !p.trainable))
-                    .flat_map(|p| init_param(p, program.seed))
-                    .collect(),
+                None => {
+                    let frozen: Vec<ParamDesc> = described.iter().filter(|p| !p.trainable).cloned().collect();
+                    let len = frozen.iter().map(ParamDesc::len).sum();
+                    init_local_range(&frozen, &whole(false), program.seed, tp, 0..len)
+                }
             });
             let block = PartlyFrozen::hold(built, layout.clone(), &frozen_values);
             let block = super::parts::in_compute_dtype(block, compute);
             stage_params.push_block(offsets[index], &block.param_shapes(), program.param_groups);
             let init = |range: Range<usize>| match &from_file {
                 Some((values, _)) => values[range].to_vec(),
-                None => init_range(&trained, program.seed, range),
+                None => init_local_range(&trained, &whole(true), program.seed, tp, range),
             };
             if let Some((from, to)) = sharding.block_part(index, &offsets, part_of::held) {
                 held[to].copy_from_slice(&init(from));
@@ -240,6 +268,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 compute,
                 seed: program.seed,
                 actor,
+                tp,
             },
             step: InFlight::default(),
             state: TrainingState {

@@ -49,6 +49,8 @@ pub(super) struct HeldStage<B: AutodiffBackend> {
     pub(super) compute: burn::tensor::FloatDType,
     pub(super) seed: u64,
     pub(super) actor: ActorId,
+    /// Its place in its tensor-parallel group (the blocks it builds are its slices).
+    pub(super) tp: crate::zoo::tp::TpPlace,
 }
 
 /// The tensors of the step in flight: batches, segment forwards kept for their backward, losses,
@@ -85,7 +87,7 @@ impl<B: AutodiffBackend> HeldStage<B> {
             seed: self.seed,
             actor: self.actor,
             block: index,
-            tp: Default::default(),
+            tp: self.tp,
         };
         let block = self.builder.build_block(&ctx, &self.device);
         let held = PartlyFrozen::hold(block, self.layouts[index].clone(), &self.frozen[index]);

@@ -63,8 +63,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         output: &TensorId,
         table: &mut TensorTable,
     ) -> Result<(), String> {
+        // The table before this actor's own output: a tensor-parallel all-reduce (Megatron's g)
+        // leaves the group's sum there under the same name as the summand this actor produced.
         let x = if let Some(batch) = self.step.batches.get(input) {
             batch.input.clone().cast(self.stage.compute)
+        } else if table.get(input).is_some() {
+            self.import(input, table)?.leaf()
         } else if let Some(key) = self.step.by_name.get(input) {
             self.step.segments[key].output.leaf()
         } else {

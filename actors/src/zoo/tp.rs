@@ -8,39 +8,7 @@ use burn::tensor::Tensor;
 
 use crate::kernels::{Kernels, linear};
 
-/// A block's place in its tensor-parallel group: rank `rank` of `size` (1: no tensor
-/// parallelism).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TpPlace {
-    /// Its rank in the group.
-    pub rank: usize,
-    /// The group's size.
-    pub size: usize,
-}
-
-impl Default for TpPlace {
-    fn default() -> Self {
-        TpPlace { rank: 0, size: 1 }
-    }
-}
-
-impl TpPlace {
-    /// Rank `rank` of a group of `size`.
-    pub fn new(rank: usize, size: usize) -> TpPlace {
-        TpPlace { rank, size }
-    }
-
-    /// Whether this rank adds what the group holds once (a replicated bias, the residual).
-    pub fn leads(&self) -> bool {
-        self.rank == 0
-    }
-
-    /// `n` cut into this group's equal parts (the plan refuses a width the group does not
-    /// divide).
-    pub fn part(&self, n: usize) -> usize {
-        n / self.size
-    }
-}
+pub use archipelago_dataflow::tensor_parallel::TpPlace;
 
 /// `x · W (+ b on the first rank)`: a row-parallel layer's summand of the group's output.
 pub fn row_parallel<B: Kernels, const D: usize>(
