@@ -131,7 +131,8 @@ impl Plan {
         if tp > 1 {
             return Err(PlanError::Conflict(format!(
                 "--tp {tp}: tensor parallelism is planned (`archipelago plan --tp {tp}` shows its \
-                 all-reduces, slices and memory) but its actors' sliced layers are not built yet: \
+                 all-reduces, slices and memory) and its actors build their slices, but the trainer \
+                 does not yet run the vocabulary-parallel loss or sum the replicated gradients: \
                  train with --tp 1"
             )));
         }
@@ -242,8 +243,10 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         &optimizer_s,
         &comm,
     );
-    plan.prediction
-        .share_cores(plan.program.plan.dp, cost_model.compute_units);
+    plan.prediction.share_cores(
+        plan.program.plan.dp * plan.program.plan.tp,
+        cost_model.compute_units,
+    );
     Ok(plan)
 }
 

@@ -104,8 +104,9 @@ pub struct JobArgs {
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
     /// Tensor-parallel ranks per replica and stage (Megatron-LM; the innermost mesh axis, so the
-    /// mesh is dp × pp × tp). Being built: `plan` checks the shape (heads or hidden width
-    /// divisible, one island per group) and then refuses any value above 1.
+    /// mesh is dp × pp × tp). Being built: `plan` compiles and verifies tp plans (refusing heads
+    /// or a hidden width tp does not divide, and a group across islands); `train` refuses any
+    /// value above 1 before actors start.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     /// Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.

@@ -333,6 +333,17 @@ fn progress_events(events: UnboundedSender<Result<JobEvent, Status>>) -> Progres
 /// restart on fewer hosts), a smaller dp that fits the devices left and divides the batch is
 /// taken; otherwise too few devices is an error saying what to change.
 fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, Vec<HostInfo>), JobError> {
+    if program.plan.tp > 1 {
+        // Placing a tp group on one host's consecutive devices is issue 39's step 9; until the
+        // trainer runs tp steps, the job is refused as a local one is.
+        return Err(JobError::Plan(archipelago_dataflow::PlanError::Conflict(
+            format!(
+                "--tp {}: tensor-parallel jobs do not run on a cluster yet (nor locally: the trainer \
+             does not yet run the vocabulary-parallel loss or sum the replicated gradients): use --tp 1",
+                program.plan.tp
+            ),
+        )));
+    }
     let slots: Vec<(&HostInfo, archipelago_dataflow::DeviceSpec)> = hosts
         .iter()
         .flat_map(|h| h.devices.iter().map(move |&d| (h, d)))

@@ -43,13 +43,25 @@ impl Layout {
         chunks: Vec<Chunk>,
         bucket_bytes: u64,
     ) -> Layout {
-        // Under tensor parallelism every block is its own segment, so that the all-reduce after
-        // a block with a partial output (Megatron's g) falls between segments.
-        let bucket_bytes = if mesh.axis_size("tp") > 1 { 1 } else { bucket_bytes };
+        // Under tensor parallelism every block is its own segment (even one without gradients),
+        // so that the all-reduce after a block with a partial output (Megatron's g) falls
+        // between segments.
+        let per_block = mesh.axis_size("tp") > 1;
         let mut segments = Vec::new();
         let mut segment_chunk = Vec::new();
         for (c, &(start, end)) in chunks.iter().enumerate() {
-            let b = buckets_in(model, start..end, bucket_bytes, segments.len());
+            let b = if per_block {
+                (start..end)
+                    .map(|i| Bucket {
+                        id: segments.len() + i - start,
+                        start: i,
+                        end: i + 1,
+                        bytes: model.blocks[i].grad_bytes(),
+                    })
+                    .collect()
+            } else {
+                buckets_in(model, start..end, bucket_bytes, segments.len())
+            };
             segment_chunk.extend(std::iter::repeat_n(c, b.len()));
             segments.extend(b);
         }

@@ -5,7 +5,9 @@
 //! the collective's start and widen the result at its end (`executor.rs`): masters, buckets and
 //! the optimizer stay f32. A hierarchical all-reduce across islands stays f32 (its worker reduces
 //! f32 only). Activations and their gradients cross stages in the compute dtype as the trainer
-//! makes them; their receives carry no dtype (`fabric_bytes::predict` sizes them).
+//! makes them; their receives carry no dtype (`fabric_bytes::predict` sizes them), and a
+//! tensor-parallel group's all-reduces of them (Megatron's g and f) are in the compute dtype too;
+//! the vocabulary-parallel loss's statistics and the replicated gradients' sums stay f32.
 
 use crate::graph::{Graph, NodeOp};
 use crate::instruction::CollectiveKind;
@@ -26,6 +28,8 @@ pub fn apply(graph: &mut Graph, precision: &Precision) {
                     precision.reduce_dtype()
                 }
                 TensorId::UpdatedParams { .. } | TensorId::GatheredParams { .. } => precision.compute,
+                // Tensor parallelism's g and f reduce activations as the trainer holds them.
+                TensorId::Activation { .. } | TensorId::ActivationGrad { .. } => precision.compute,
                 _ => *dtype,
             };
         }

@@ -3,6 +3,7 @@
 
 use crate::passes::schedule::Schedule;
 use crate::program::Program;
+use crate::tensor_parallel::{BlockTp, TpHeld};
 use crate::{ModelSpec, PlanError, Split};
 
 /// Refuses a program whose options are zero, do not divide, or do not go together, naming the fix.
@@ -161,6 +162,12 @@ pub(super) fn check_tp(program: &Program) -> Result<(), PlanError> {
         )));
     }
     check_tp_forms(program)?;
+    if matches!(program.optimizer, crate::OptimizerSpec::Lamb { .. }) {
+        return Err(PlanError::Conflict(format!(
+            "--optimizer lamb with --tp {tp}: LAMB's trust ratios need each parameter's norm over the \
+             tensor-parallel group, which is not built yet: use --optimizer adamw or sgd, or --tp 1"
+        )));
+    }
     let divisors = |n: usize| -> String {
         let ok: Vec<String> = (2..=n)
             .filter(|k| n.is_multiple_of(*k))
@@ -192,8 +199,21 @@ pub(super) fn check_tp(program: &Program) -> Result<(), PlanError> {
 /// is held as the one before it leaves its output (after g).
 fn check_tp_forms(program: &Program) -> Result<(), PlanError> {
     let (tp, model) = (program.plan.tp, &program.model);
-    let mut before: Option<(&str, crate::tensor_parallel::BlockTp)> = None;
+    let mut before: Option<(&str, BlockTp)> = None;
     for b in &model.blocks {
+        if let Some(BlockTp {
+            input: TpHeld::Replicated,
+            output: TpHeld::Replicated,
+        }) = b.tp
+        {
+            return Err(PlanError::Conflict(format!(
+                "--tp {tp}: block `{}` of {} is computed whole on every rank (replicated input and \
+                 output), which the tensor-parallel step does not run yet (its input gradient and its \
+                 parameters' gradients would be summed over the group): split it (column- or \
+                 row-parallel, `BlockInfo::with_tp`), or use --tp 1",
+                b.name, model.name
+            )));
+        }
         let Some(form) = b.tp else {
             return Err(PlanError::Conflict(format!(
                 "--tp {tp}: block `{}` of {} does not say how its input and output are held across a \
@@ -226,7 +246,14 @@ fn check_described_splits(program: &Program) -> Result<(), PlanError> {
             continue;
         };
         let cut = match p.split {
-            Split::HeadColumns { parts } => p.shape[dim] / parts.max(1),
+            Split::HeadColumns { parts } if parts == 0 || !p.shape[dim].is_multiple_of(parts) => {
+                return Err(PlanError::Conflict(format!(
+                    "`{}` (shape {:?}) is described as {parts} column groups cut per head, which its \
+                     {} columns are not: fix its `Split::HeadColumns`, or use --tp 1",
+                    p.name, p.shape, p.shape[dim]
+                )));
+            }
+            Split::HeadColumns { parts } => p.shape[dim] / parts,
             _ => p.shape[dim],
         };
         if !cut.is_multiple_of(tp) {

@@ -93,7 +93,10 @@ fn a_tp_plan_compiles_but_is_not_runnable_yet_and_tp_1_is_unchanged() {
     let plan = compile(&with_tp(GPT, 2, 2)).unwrap();
     assert_eq!(plan.mesh.to_string(), "dp=2 × tp=2");
     let why = plan.check_runnable().unwrap_err().to_string();
-    assert!(why.contains("--tp 2") && why.contains("not built yet"), "{why}");
+    assert!(
+        why.contains("--tp 2") && why.contains("does not yet run"),
+        "{why}"
+    );
     let plan = compile(&with_tp(GPT, 2, 1)).unwrap();
     assert_eq!(plan.mesh.to_string(), "dp=2");
     assert_eq!(plan.actors.len(), 2);
@@ -327,6 +330,46 @@ fn replicated_gradients_are_summed_over_tp_before_dp() {
                 );
             }
             None => assert_eq!(segment % 2, 0, "segment {segment}"),
+        }
+    }
+}
+
+/// What the tensor-parallel step does not run yet is refused naming the fix: LAMB (its trust
+/// ratios need norms over the group) and a block computed whole on every rank (its gradients
+/// would be summed over the group).
+#[test]
+fn refuses_lamb_and_whole_blocks_under_tp() {
+    let p = with_tp(GPT, 1, 2).with_optimizer(crate::OptimizerSpec::lamb(1e-3));
+    let why = refusal(&p);
+    assert!(why.contains("lamb") && why.contains("adamw"), "{why}");
+    let mut p = with_tp(GPT, 1, 2);
+    p.model.blocks[3].tp = Some(crate::tensor_parallel::BlockTp::new(
+        crate::tensor_parallel::TpHeld::Replicated,
+        crate::tensor_parallel::TpHeld::Replicated,
+    ));
+    let why = refusal(&p);
+    assert!(
+        why.contains("`attn.1`") && why.contains("whole on every rank"),
+        "{why}"
+    );
+}
+
+/// In bf16, g and f move the activations in bf16 (as the trainer holds them); the loss's
+/// statistics and the replicated gradients' sums stay f32.
+#[test]
+fn tp_all_reduces_of_activations_take_the_compute_dtype() {
+    let p = with_tp(GPT, 1, 2).with_precision(crate::precision::Precision::parse("bf16").unwrap());
+    let plan = compile(&p).unwrap();
+    for i in &plan.actors[0].stream.instructions {
+        if let Instruction::StartCollective { tensor, dtype, .. } = i {
+            let want = match tensor {
+                TensorId::Activation { .. } | TensorId::ActivationGrad { .. } => crate::DType::BF16,
+                TensorId::LossMax { .. } | TensorId::LossSums { .. } | TensorId::TpGrads { .. } => {
+                    crate::DType::F32
+                }
+                _ => continue,
+            };
+            assert_eq!(*dtype, want, "{tensor}");
         }
     }
 }
