@@ -6,9 +6,10 @@ use archipelago_dataflow::PlanError;
 /// Why a job did not finish.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
-    /// The plan was refused before any actor started.
+    /// The plan was refused before any actor started. (Not a `source`: the message already
+    /// holds the refusal, and a chain printer would say it twice.)
     #[error("plan refused: {0}")]
-    Plan(#[from] PlanError),
+    Plan(PlanError),
     /// An actor failed; the run was stopped.
     #[error("{0}")]
     Actor(Box<ActorFailure>),
@@ -79,4 +80,10 @@ pub struct HostLoss {
     pub why: String,
     /// Its actors and the instruction each was running when last heard of.
     pub actors: String,
+}
+
+impl From<PlanError> for JobError {
+    fn from(e: PlanError) -> JobError {
+        JobError::Plan(e)
+    }
 }
