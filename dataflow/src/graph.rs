@@ -80,6 +80,19 @@ impl Graph {
         });
     }
 
+    /// Appends the same compute node on each of `actors` (a tensor-parallel group's ranks).
+    pub fn compute_each(
+        &mut self,
+        actors: &[ActorId],
+        op: &ComputeOp,
+        inputs: &[TensorId],
+        outputs: &[TensorId],
+    ) {
+        for &actor in actors {
+            self.compute(actor, op.clone(), inputs, outputs);
+        }
+    }
+
     /// Appends a transfer edge.
     pub fn transfer(&mut self, from: ActorId, tensor: &TensorId, to: ActorId, as_name: &TensorId) {
         self.nodes.push(NodeOp::Transfer {

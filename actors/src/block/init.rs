@@ -40,23 +40,9 @@ pub fn init_param(param: &ParamDesc, seed: u64) -> Vec<f32> {
 /// # Panics
 /// When `range` reaches past the block's parameters.
 pub fn init_range(params: &[ParamDesc], seed: u64, range: Range<usize>) -> Vec<f32> {
-    let mut out = Vec::with_capacity(range.len());
-    let mut at = 0;
-    for p in params {
-        let span = at..at + p.len();
-        at = span.end;
-        let (from, to) = (span.start.max(range.start), span.end.min(range.end));
-        if from < to {
-            let whole = init_param(p, seed);
-            out.extend_from_slice(&whole[from - span.start..to - span.start]);
-        }
-    }
-    assert_eq!(
-        out.len(),
-        range.len(),
-        "range {range:?} is past the block's {at} parameters"
-    );
-    out
+    values_in_range(params.iter().map(|p| (p.len(), p)), range, |p| {
+        init_param(p, seed)
+    })
 }
 
 /// Elements `range` of the flat initial values of tensor-parallel rank `tp`'s slice of a block:
@@ -74,29 +60,38 @@ pub fn init_local_range(
     tp: TpPlace,
     range: Range<usize>,
 ) -> Vec<f32> {
-    if tp.size == 1 {
-        return init_range(local, seed, range);
-    }
     assert_eq!(
         local.len(),
         global.len(),
         "a slice describes every parameter of its block"
     );
+    let lens = local.iter().map(ParamDesc::len).zip(global);
+    values_in_range(lens, range, |g| {
+        take_local(g, &init_param(g, seed), tp.rank, tp.size)
+    })
+}
+
+/// Elements `range` of the concatenation of parameters given as `(length, what)`, each parameter
+/// the range touches made whole by `values(what)` (of that length) and then sliced.
+fn values_in_range<'a>(
+    params: impl Iterator<Item = (usize, &'a ParamDesc)>,
+    range: Range<usize>,
+    values: impl Fn(&ParamDesc) -> Vec<f32>,
+) -> Vec<f32> {
     let mut out = Vec::with_capacity(range.len());
     let mut at = 0;
-    for (l, g) in local.iter().zip(global) {
-        let span = at..at + l.len();
+    for (len, p) in params {
+        let span = at..at + len;
         at = span.end;
         let (from, to) = (span.start.max(range.start), span.end.min(range.end));
         if from < to {
-            let whole = take_local(g, &init_param(g, seed), tp.rank, tp.size);
-            out.extend_from_slice(&whole[from - span.start..to - span.start]);
+            out.extend_from_slice(&values(p)[from - span.start..to - span.start]);
         }
     }
     assert_eq!(
         out.len(),
         range.len(),
-        "range {range:?} is past the slice's {at} parameters"
+        "range {range:?} is past the block's {at} parameters"
     );
     out
 }

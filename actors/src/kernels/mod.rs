@@ -375,10 +375,24 @@ pub fn linear<B: Kernels, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) ->
     if !B::flattens_linear() {
         return layer.forward(x);
     }
+    flat_linear(layer, x, true)
+}
+
+/// [`linear`] without the layer's bias: `x · W` (a row-parallel layer's summand on a
+/// tensor-parallel rank that is not the first).
+pub fn linear_without_bias<B: Kernels, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    if !B::flattens_linear() {
+        return burn::tensor::module::linear(x, layer.weight.val(), None);
+    }
+    flat_linear(layer, x, false)
+}
+
+/// `x` flattened to rows, through the backend's linear kernel (with the bias when `bias`).
+fn flat_linear<B: Kernels, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>, bias: bool) -> Tensor<B, D> {
     let mut dims = x.dims();
     let d_in = dims[D - 1];
     let rows = dims[..D - 1].iter().product::<usize>();
-    let bias = layer.bias.as_ref().map(|bias| bias.val());
+    let bias = layer.bias.as_ref().filter(|_| bias).map(|bias| bias.val());
     let y = B::kernel_linear(x.reshape([rows, d_in]), layer.weight.val(), bias);
     dims[D - 1] = y.dims()[1];
     y.reshape(dims)

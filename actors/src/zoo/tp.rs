@@ -6,7 +6,7 @@
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 
-use crate::kernels::{Kernels, linear};
+use crate::kernels::{Kernels, linear, linear_without_bias};
 
 pub use archipelago_dataflow::tensor_parallel::TpPlace;
 
@@ -16,17 +16,9 @@ pub fn row_parallel<B: Kernels, const D: usize>(
     x: Tensor<B, D>,
     tp: TpPlace,
 ) -> Tensor<B, D> {
-    if tp.leads() || layer.bias.is_none() {
-        return linear(layer, x);
-    }
-    let mut dims = x.dims();
-    let d_in = dims[D - 1];
-    let rows = dims[..D - 1].iter().product::<usize>();
-    let y = if B::flattens_linear() {
-        B::kernel_linear(x.reshape([rows, d_in]), layer.weight.val(), None)
+    if tp.leads() {
+        linear(layer, x)
     } else {
-        x.reshape([rows, d_in]).matmul(layer.weight.val())
-    };
-    dims[D - 1] = y.dims()[1];
-    y.reshape(dims)
+        linear_without_bias(layer, x)
+    }
 }

@@ -15,7 +15,7 @@ use crate::graph::{Graph, NodeOp};
 use crate::instruction::CollectiveKind;
 use crate::model_spec::ModelDesc;
 use crate::passes::layout::Layout;
-use crate::passes::runs::{insert_before, segment_runs};
+use crate::passes::runs::{Run, insert_before, segment_runs};
 use crate::tensor_id::TensorId;
 
 /// A gradient bucket: a contiguous range of blocks whose gradients are all-reduced together.
@@ -75,10 +75,7 @@ pub fn reduce_gradients(graph: &mut Graph, layout: &Layout) {
     if layout.mesh.axis_size("dp") == 1 {
         return;
     }
-    let mut last_writer = BTreeMap::new();
-    for run in segment_runs(graph, layout).into_iter().filter(|r| r.writes_grads) {
-        last_writer.insert(run.segment, run);
-    }
+    let last_writer = last_grad_writers(graph, layout);
     // One reduction per tensor-parallel rank: the replicas holding the same slice.
     let inserts = last_writer
         .values()
@@ -95,6 +92,15 @@ pub fn reduce_gradients(graph: &mut Graph, layout: &Layout) {
         })
         .collect();
     insert_before(graph, inserts);
+}
+
+/// The last run that writes each segment's gradient bucket, by segment.
+pub(super) fn last_grad_writers(graph: &Graph, layout: &Layout) -> BTreeMap<usize, Run> {
+    let mut last_writer = BTreeMap::new();
+    for run in segment_runs(graph, layout).into_iter().filter(|r| r.writes_grads) {
+        last_writer.insert(run.segment, run);
+    }
+    last_writer
 }
 
 #[cfg(test)]

@@ -36,7 +36,6 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
             .tensor_bytes
             .insert(TensorId::GradBucket { segment: b.id }, b.bytes);
     }
-    let tp = layout.tp();
     let per_replica = batch / dp;
     let per_mb = per_replica / m;
     let last_chunk = layout.chunks.len() - 1;
@@ -54,10 +53,7 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
                     start,
                     end: start + per_mb,
                 };
-                for t in 0..tp {
-                    let actor = layout.actor_at(r, s, t);
-                    graph.compute(actor, op.clone(), &[], &[TensorId::Batch { mb }]);
-                }
+                graph.compute_each(&layout.tp_group(r, s), &op, &[], &[TensorId::Batch { mb }]);
             }
         }
     }
@@ -79,10 +75,8 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
                                 end: b.end,
                                 mb,
                             };
-                            for t in 0..tp {
-                                let outputs = grad_outputs(layout, b.id);
-                                graph.compute(layout.actor_at(r, s, t), op.clone(), &[], &outputs);
-                            }
+                            let outputs = grad_outputs(layout, b.id);
+                            graph.compute_each(&layout.tp_group(r, s), &op, &[], &outputs);
                         }
                     }
                 }
@@ -107,26 +101,22 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
         end: b.end,
         mb,
     };
-    let tp = layout.tp();
-    for t in 0..tp {
-        let actor = layout.actor_at(r, s, t);
-        graph.compute(
-            actor,
-            op.clone(),
-            std::slice::from_ref(&input),
-            std::slice::from_ref(&output),
-        );
-    }
-    if tp > 1 && layout.segment_tp[b.id].output == TpHeld::Partial {
+    let group = layout.tp_group(r, s);
+    graph.compute_each(
+        &group,
+        &op,
+        std::slice::from_ref(&input),
+        std::slice::from_ref(&output),
+    );
+    if group.len() > 1 && layout.segment_tp[b.id].output == TpHeld::Partial {
         // g: the partial sums of a row-parallel output become the activation on every rank.
-        graph.collective(CollectiveKind::AllReduceSum, layout.tp_group(r, s), &output);
+        graph.collective(CollectiveKind::AllReduceSum, group, &output);
     }
     if b.id == last {
         loss(graph, layout, &output, mb, r, s);
     } else if layout.device_of_segment(b.id + 1) != s {
         let next = layout.device_of_segment(b.id + 1);
-        for t in 0..tp {
-            let (from, to) = (layout.actor_at(r, s, t), layout.actor_at(r, next, t));
+        for (from, to) in layout.tp_group(r, s).into_iter().zip(layout.tp_group(r, next)) {
             graph.transfer(from, &output, to, &output);
         }
     }
@@ -147,29 +137,23 @@ fn grad_outputs(layout: &Layout, segment: usize) -> Vec<TensorId> {
 /// all-reduced to the maximum; its sums of `exp(z − max)` and target logits, all-reduced to the
 /// sums; then the loss from those, so no rank holds the whole logits.
 fn loss(graph: &mut Graph, layout: &Layout, logits: &TensorId, mb: usize, r: usize, s: usize) {
-    let tp = layout.tp();
+    let group = layout.tp_group(r, s);
     let batch = TensorId::Batch { mb };
     let mut inputs = vec![logits.clone(), batch.clone()];
     let last = layout.segments.len() - 1;
-    if tp > 1 && layout.segment_tp[last].output == TpHeld::Sharded {
+    if group.len() > 1 && layout.segment_tp[last].output == TpHeld::Sharded {
         let (max, sums) = (TensorId::LossMax { mb }, TensorId::LossSums { mb });
         let statistics = [
             (ComputeOp::LossMax { mb }, max, CollectiveKind::AllReduceMax),
             (ComputeOp::LossSums { mb }, sums, CollectiveKind::AllReduceSum),
         ];
         for (op, statistic, kind) in statistics {
-            for t in 0..tp {
-                let actor = layout.actor_at(r, s, t);
-                graph.compute(actor, op.clone(), &inputs, std::slice::from_ref(&statistic));
-            }
-            graph.collective(kind, layout.tp_group(r, s), &statistic);
+            graph.compute_each(&group, &op, &inputs, std::slice::from_ref(&statistic));
+            graph.collective(kind, group.clone(), &statistic);
             inputs.push(statistic);
         }
     }
-    for t in 0..tp {
-        let actor = layout.actor_at(r, s, t);
-        graph.compute(actor, ComputeOp::Loss { mb }, &inputs, &[TensorId::Loss { mb }]);
-    }
+    graph.compute_each(&group, &ComputeOp::Loss { mb }, &inputs, &[TensorId::Loss { mb }]);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -201,23 +185,15 @@ fn backward(
     if b.id > 0 {
         outputs.push(dact.clone());
     }
-    let tp = layout.tp();
-    for t in 0..tp {
-        graph.compute(
-            layout.actor_at(r, s, t),
-            op.clone(),
-            std::slice::from_ref(&upstream),
-            &outputs,
-        );
-    }
-    if tp > 1 && b.id > 0 && layout.segment_tp[b.id].input == TpHeld::Replicated {
+    let group = layout.tp_group(r, s);
+    graph.compute_each(&group, &op, std::slice::from_ref(&upstream), &outputs);
+    if group.len() > 1 && b.id > 0 && layout.segment_tp[b.id].input == TpHeld::Replicated {
         // f: every rank's gradient of the replicated input is a summand of the whole.
-        graph.collective(CollectiveKind::AllReduceSum, layout.tp_group(r, s), &dact);
+        graph.collective(CollectiveKind::AllReduceSum, group.clone(), &dact);
     }
     if b.id > 0 && layout.device_of_segment(b.id - 1) != s {
         let previous = layout.device_of_segment(b.id - 1);
-        for t in 0..tp {
-            let (from, to) = (layout.actor_at(r, s, t), layout.actor_at(r, previous, t));
+        for (from, to) in group.into_iter().zip(layout.tp_group(r, previous)) {
             graph.transfer(from, &dact, to, &dact);
         }
     }

@@ -4,12 +4,10 @@
 //! bucket's replicated gradients and writes the sum back, before the bucket's data-parallel
 //! reduction. (f and g, the all-reduces of activations, are edges of the pipeline pass.)
 
-use std::collections::BTreeMap;
-
 use crate::graph::{Graph, NodeOp};
 use crate::instruction::{CollectiveKind, ComputeOp};
 use crate::passes::layout::Layout;
-use crate::passes::runs::{insert_before, segment_runs};
+use crate::passes::runs::insert_before;
 use crate::tensor_id::TensorId;
 
 /// After every bucket's last writer, on each replica's tp group: the all-reduce of its
@@ -17,17 +15,12 @@ use crate::tensor_id::TensorId;
 /// ([`ComputeOp::ReplicatedGrads`]). Nothing without tensor parallelism, nor for a bucket with
 /// no trainable replicated parameter.
 pub fn reduce_replicated_grads(graph: &mut Graph, layout: &Layout) {
-    let tp = layout.tp();
-    if tp == 1 {
+    if layout.tp() == 1 {
         return;
     }
     let dp = layout.mesh.axis_size("dp");
-    let mut last_writer = BTreeMap::new();
-    for run in segment_runs(graph, layout).into_iter().filter(|r| r.writes_grads) {
-        last_writer.insert(run.segment, run);
-    }
     let mut inserts = Vec::new();
-    for run in last_writer.values() {
+    for run in super::data_parallel::last_grad_writers(graph, layout).values() {
         if !layout.segment_replicated[run.segment] {
             continue;
         }
@@ -38,16 +31,17 @@ pub fn reduce_replicated_grads(graph: &mut Graph, layout: &Layout) {
             end: b.end,
         };
         for r in 0..dp {
+            let group = layout.tp_group(r, run.device);
             let reduce = NodeOp::Collective {
                 kind: CollectiveKind::AllReduceSum,
-                group: layout.tp_group(r, run.device),
+                group: group.clone(),
                 tensor: tensor.clone(),
                 dtype: crate::DType::F32,
             };
             inserts.push((run.last + 1, reduce));
-            for t in 0..tp {
+            for actor in group {
                 let node = NodeOp::Compute {
-                    actor: layout.actor_at(r, run.device, t),
+                    actor,
                     op: write_back.clone(),
                     inputs: vec![tensor.clone()],
                     outputs: vec![TensorId::GradBucket { segment: b.id }],
