@@ -41,6 +41,10 @@ impl TensorTable {
     pub fn get(&self, id: &TensorId) -> Option<&TypedTensor> {
         self.tensors.get(id)
     }
+    /// Keeps only the tensors `keep` says yes to.
+    pub fn retain(&mut self, mut keep: impl FnMut(&TensorId, &TypedTensor) -> bool) {
+        self.tensors.retain(|id, t| keep(id, t));
+    }
     /// Bytes held.
     pub fn bytes(&self) -> u64 {
         self.tensors.values().map(|t| t.byte_len() as u64).sum()
@@ -319,6 +323,9 @@ impl Executor {
             });
         }
         self.progress.set(step, None);
+        // A micro-batch's tensors end with its step: an all-reduced activation a Send copied
+        // from the table must not meet the next step's all-reduce of the same name.
+        self.table.retain(|id, _| id.microbatch().is_none());
         let mut metrics = self.computation.finish_step();
         metrics.transfers = crate::transfer::take();
         metrics.fabric = self.fabric_read;

@@ -123,20 +123,23 @@ impl Plan {
         }
     }
 
-    /// Refuses a plan the runtime cannot run yet, before any actor starts: tensor parallelism is
-    /// planned (its collectives, slices, bytes and memory) but its actors' sliced layers are not
-    /// built.
-    pub fn check_runnable(&self) -> Result<(), PlanError> {
+    /// Refuses a plan the runtime cannot run yet, before any actor starts: under tensor
+    /// parallelism, starting from a weights file (`--init`) or writing and resuming checkpoints
+    /// (`checkpoints`), whose pieces do not yet carry the tp slices.
+    pub fn check_runnable(&self, checkpoints: bool) -> Result<(), PlanError> {
         let tp = self.program.plan.tp;
-        if tp > 1 {
-            return Err(PlanError::Conflict(format!(
-                "--tp {tp}: tensor parallelism is planned (`archipelago plan --tp {tp}` shows its \
-                 all-reduces, slices and memory) and its actors build their slices, but the trainer \
-                 does not yet run the vocabulary-parallel loss or sum the replicated gradients: \
-                 train with --tp 1"
-            )));
+        let unbuilt = match (self.program.init.is_some(), checkpoints) {
+            _ if tp == 1 => None,
+            (true, _) => Some("--init (slicing a weights file per tensor-parallel rank)"),
+            (_, true) => Some("--checkpoint-dir and --resume (checkpoint pieces as tensor-parallel slices)"),
+            _ => None,
+        };
+        match unbuilt {
+            Some(what) => Err(PlanError::Conflict(format!(
+                "--tp {tp} with {what} is not built yet: train with --tp 1, or without it"
+            ))),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// The plan as pretty JSON.

@@ -269,6 +269,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 seed: program.seed,
                 actor,
                 tp,
+                whole: Arc::new(program.model.clone()),
             },
             step: InFlight::default(),
             state: TrainingState {

@@ -30,6 +30,8 @@ enum Rows {
 pub(super) struct Batch<B: AutodiffBackend> {
     pub(super) input: Activation<B>,
     pub(super) targets: Tensor<B, 1, Int>,
+    /// The targets in host memory too (the vocabulary-parallel loss picks each rank's own).
+    pub(super) labels: Vec<i32>,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -60,10 +62,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                 Batch {
                     input: Activation::Rows(x),
                     targets: upload(
-                        TensorData::new(labels, [n]),
+                        TensorData::new(labels.clone(), [n]),
                         &self.stage.device,
                         TransferKind::Batch,
                     ),
+                    labels,
                 }
             }
             Rows::Tokens(b) => {
@@ -76,10 +79,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                         TransferKind::Batch,
                     )),
                     targets: upload(
-                        TensorData::new(targets, [n * ctx]),
+                        TensorData::new(targets.clone(), [n * ctx]),
                         &self.stage.device,
                         TransferKind::Batch,
                     ),
+                    labels: targets,
                 }
             }
         };

@@ -201,6 +201,41 @@ impl<B: Backend> DeviceState<B> {
         }
     }
 
+    /// The values of bucket `name` at `ranges`, in order, read into host memory (tensor
+    /// parallelism's replicated gradients); `None` when the bucket is not on the device.
+    pub(super) fn read_ranges(&self, name: &TensorId, ranges: &[Range<usize>]) -> Option<Vec<f32>> {
+        let bucket = self.buckets.get(name)?;
+        if ranges.is_empty() {
+            return Some(Vec::new());
+        }
+        let parts = ranges.iter().map(|r| bucket.clone().slice([r.clone()])).collect();
+        let values = download(Tensor::cat(parts, 0), TransferKind::Gradient).convert::<f32>();
+        Some(values.into_vec::<f32>().expect("f32 gradients"))
+    }
+
+    /// Writes `values` (in order) over bucket `name` at `ranges`; false when the bucket is not
+    /// on the device.
+    pub(super) fn write_ranges(
+        &mut self,
+        name: &TensorId,
+        ranges: &[Range<usize>],
+        values: Vec<f32>,
+        device: &B::Device,
+    ) -> bool {
+        let Some(mut bucket) = self.buckets.remove(name) else {
+            return false;
+        };
+        let n = values.len();
+        let sum: Tensor<B, 1> = upload(TensorData::new(values, [n]), device, TransferKind::Gradient);
+        let mut at = 0;
+        for r in ranges {
+            bucket = bucket.slice_assign([r.clone()], sum.clone().slice([at..at + r.len()]));
+            at += r.len();
+        }
+        self.buckets.insert(name.clone(), bucket);
+        true
+    }
+
     /// Drops bucket `name` of this step unread (a skipped update).
     pub(super) fn drop_bucket(&mut self, name: &TensorId) {
         self.buckets.remove(name);

@@ -53,6 +53,8 @@ mod passes;
 mod store;
 mod store_device;
 mod store_offload;
+mod tp_grads;
+mod vocab_loss;
 mod zero;
 
 /// The per-micro-batch copies of a segment's blocks (see [`Block::fresh_copy`]).
@@ -69,6 +71,11 @@ pub(super) struct Segment<B: AutodiffBackend> {
     copies: BlockCopies<B>,
     /// The batch whose targets the loss uses (last segment only).
     batch: Option<TensorId>,
+    /// Tensor parallelism, last segment: the group's all-reduced logits when this rank's
+    /// output is a partial sum (f32 rows; Megatron's g), which the loss reads.
+    summed: Option<burn::tensor::Tensor<B, 2>>,
+    /// Tensor parallelism, last segment: the vocabulary-parallel loss's group statistics.
+    vocab: Option<vocab_loss::VocabStats>,
 }
 
 /// What an actor's plan gives its trainer: the chunks of blocks it holds and its training plan
@@ -161,9 +168,13 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             ComputeOp::Forward { start, end, mb } => {
                 self.forward(*start..*end, *mb, &nth(inputs, 0)?, &nth(outputs, 0)?, table)
             }
-            ComputeOp::Loss { .. } => {
-                self.compute_loss(&nth(inputs, 0)?, &nth(inputs, 1)?, &nth(outputs, 0)?)
+            ComputeOp::Loss { .. } => self.compute_loss(inputs, &nth(outputs, 0)?, table),
+            ComputeOp::LossMax { .. } => self.loss_max(&nth(inputs, 0)?, &nth(outputs, 0)?, table),
+            ComputeOp::LossSums { .. } => {
+                let (logits, batch, max) = (nth(inputs, 0)?, nth(inputs, 1)?, nth(inputs, 2)?);
+                self.loss_sums(&logits, &batch, &max, &nth(outputs, 0)?, table)
             }
+            ComputeOp::ReplicatedGrads { start, end } => self.replicated_grads(*start..*end, inputs, outputs, table),
             ComputeOp::Backward { start, end, mb } => {
                 self.backward(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
             }
@@ -196,12 +207,6 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             ComputeOp::DropParams { start, end } => {
                 (*start..*end).for_each(|i| self.stage.blocks[i] = None);
                 Ok(())
-            }
-            ComputeOp::LossMax { .. } | ComputeOp::LossSums { .. } | ComputeOp::ReplicatedGrads { .. } => {
-                Err(format!(
-                    "{op}: tensor parallelism's vocabulary-parallel cross-entropy and replicated gradients are \
-                 not built into the trainer yet (plans with --tp above 1 are refused before actors start)"
-                ))
             }
             ComputeOp::User { name } => Err(format!("a training actor has no user function `{name}`")),
             ComputeOp::Output { key } => Err(format!("a training actor does not output `{key}`")),
@@ -260,7 +265,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             tracing::error!(actor = self.stage.actor, "held parameters unreadable: {e}");
             Vec::new()
         });
-        self.in_full_vectors(held)
+        self.in_global_coordinates(self.in_full_vectors(held))
     }
 
     fn save_state(&self) -> Result<Option<crate::checkpoint::ShardState>, String> {
@@ -287,7 +292,17 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             };
             let (from, to) = (part.start.max(range.start), part.end.min(range.end));
             if from < to {
-                reported.push((block, sq(&values[from - range.start..to - range.start])));
+                let mut squares = sq(&values[from - range.start..to - range.start]);
+                if !self.stage.tp.leads() {
+                    // Replicated parameters, the same on every tp rank, count once.
+                    for r in self.replicated_in_bucket(block..block + 1) {
+                        let (a, b) = (r.start.max(from), r.end.min(to));
+                        if a < b {
+                            squares -= sq(&values[a - range.start..b - range.start]);
+                        }
+                    }
+                }
+                reported.push((block, squares));
             }
         });
         if let Err(e) = read {

@@ -202,6 +202,10 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .get(name)
                 .ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
             let segment = self.state.sharding.segment(blocks.start)?;
+            if !self.stage.tp.leads() {
+                // Replicated parameters' gradients, the same on every tp rank, count once.
+                sum -= self.replicated_squares(name, segment, segment.own.clone(), table)?;
+            }
             // A bucket the store keeps (on the device) is summed there.
             if let Some(squares) = self.state.store.grad_squares(name, segment.own.clone()) {
                 sum += squares?;

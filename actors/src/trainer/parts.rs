@@ -51,6 +51,8 @@ pub(super) struct HeldStage<B: AutodiffBackend> {
     pub(super) actor: ActorId,
     /// Its place in its tensor-parallel group (the blocks it builds are its slices).
     pub(super) tp: crate::zoo::tp::TpPlace,
+    /// The model whole (`desc` is this rank's slices of it): where the slices sit globally.
+    pub(super) whole: Arc<ModelDesc>,
 }
 
 /// The tensors of the step in flight: batches, segment forwards kept for their backward, losses,

@@ -9,6 +9,7 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
 
+use super::vocab_loss::{VocabStats, logit_rows};
 use super::{BlockCopies, Segment, Trainer};
 use crate::block::{Activation, Block, read_flat};
 use crate::executor::TensorTable;
@@ -94,6 +95,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                 checkpointed: self.checkpoint,
                 copies,
                 batch: None,
+                summed: None,
+                vocab: None,
             },
         );
         self.step.by_name.insert(output.clone(), key);
@@ -103,48 +106,75 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    pub(super) fn loss_of(&self, output: &Activation<B>, batch: &TensorId) -> Result<Tensor<B, 1>, String> {
-        let logits = match output {
-            Activation::Rows(l) => l.clone(),
-            Activation::Seq(l) => {
-                let [b, t, v] = l.dims();
-                l.clone().reshape([b * t, v])
-            }
-            Activation::Tokens(_) => return Err("the model's last block must output logits".into()),
-        };
-        let targets = self
-            .step
-            .batches
-            .get(batch)
-            .ok_or_else(|| format!("batch `{batch}` is not loaded"))?
-            .targets
-            .clone();
-        let [n, _] = logits.dims();
+    /// The loss of `segment` (the last) against `batch`'s targets, summed over its tokens and
+    /// scaled to the global batch's mean, in f32; under tensor parallelism the tensor whose
+    /// gradient is the loss's (the vocabulary-parallel surrogate; a partial output's gradient
+    /// passed straight through the group's sum).
+    pub(super) fn loss_of(&self, segment: &Segment<B>, batch: &TensorId) -> Result<Tensor<B, 1>, String> {
+        let batch = (self.step.batches.get(batch)).ok_or_else(|| format!("batch `{batch}` is not loaded"))?;
         let per_global_sample = 1.0 / (self.global_batch * self.stage.desc.input.tokens_per_sample()) as f32;
         // The loss in f32 whatever the compute dtype (its backward casts the gradient back).
-        let logits = logits.cast(burn::tensor::FloatDType::F32);
-        let picked = log_softmax(logits, 1).gather(1, targets.reshape([n, 1]));
+        let mut logits = logit_rows(&segment.output)?;
+        if let Some(sum) = &segment.summed {
+            // g's backward is the identity: the sum's value, the partial's gradient.
+            logits = logits.clone() + (sum.clone() - logits.detach());
+        }
+        if let Some(stats) = &segment.vocab {
+            let surrogate = self.vocab_surrogate(logits, stats, &batch.labels)?;
+            return Ok(surrogate.mul_scalar(per_global_sample));
+        }
+        let [n, _] = logits.dims();
+        let picked = log_softmax(logits, 1).gather(1, batch.targets.clone().reshape([n, 1]));
         Ok(picked.sum().neg().mul_scalar(per_global_sample))
     }
 
+    /// `Loss` of the logits `inputs[0]` against batch `inputs[1]` (with vocabulary-parallel
+    /// logits, the group's statistics `inputs[2..4]`), kept under `loss` for the backward; the
+    /// first rank of a tp group reports it.
     pub(super) fn compute_loss(
         &mut self,
-        logits: &TensorId,
-        batch: &TensorId,
+        inputs: &[TensorId],
         loss: &TensorId,
+        table: &mut TensorTable,
     ) -> Result<(), String> {
-        let key = *self
-            .step
-            .by_name
-            .get(logits)
-            .ok_or_else(|| format!("no segment produced `{logits}`"))?;
-        let value = self.loss_of(&self.step.segments[&key].output, batch)?;
-        let scalar = download(value, TransferKind::Scalar)
-            .convert::<f32>()
-            .as_slice::<f32>()
-            .map_err(|e| format!("the loss: {e:?}"))?[0];
-        *self.step.loss_sum.get_or_insert(0.0) += scalar;
-        self.step.segments.get_mut(&key).expect("segment").batch = Some(batch.clone());
+        let [logits, batch, stats @ ..] = inputs else {
+            return Err("Loss names no logits or no batch".into());
+        };
+        let key = *(self.step.by_name.get(logits)).ok_or_else(|| format!("no segment produced `{logits}`"))?;
+        // Megatron's g left the group's sum of a partial output in the table.
+        let summed = match table.get(logits) {
+            Some(_) => Some(logit_rows(&self.import(logits, table)?)?.detach()),
+            None => None,
+        };
+        let tokens = logit_rows(&self.step.segments[&key].output)?.dims()[0];
+        let vocab = match stats {
+            [max, sums] => Some(VocabStats::take(table, max, sums, tokens)?),
+            [] => None,
+            _ => return Err(format!("Loss reads {} statistics; the vocabulary-parallel loss reads 2", stats.len())),
+        };
+        let scalar = match &vocab {
+            Some(stats) => {
+                let per_global_sample = 1.0 / (self.global_batch * self.stage.desc.input.tokens_per_sample()) as f64;
+                (stats.loss_sum() * per_global_sample) as f32
+            }
+            None => {
+                let segment = self.step.segments.get_mut(&key).expect("segment");
+                segment.summed = summed.clone();
+                let value = self.loss_of(&self.step.segments[&key], batch)?;
+                download(value, TransferKind::Scalar)
+                    .convert::<f32>()
+                    .as_slice::<f32>()
+                    .map_err(|e| format!("the loss: {e:?}"))?[0]
+            }
+        };
+        // Every rank of a tp group holds the same loss: the first one reports it.
+        if self.stage.tp.leads() {
+            *self.step.loss_sum.get_or_insert(0.0) += scalar;
+        }
+        let segment = self.step.segments.get_mut(&key).expect("segment");
+        segment.batch = Some(batch.clone());
+        segment.summed = summed;
+        segment.vocab = vocab;
         self.step.losses.insert(loss.clone(), key);
         Ok(())
     }
@@ -171,7 +201,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 return Err(format!("`{upstream}` is not the loss of this segment"));
             }
             let batch = segment.batch.clone().ok_or("no loss computed for this segment")?;
-            let loss = self.loss_of(&segment.output, &batch)?;
+            let loss = self.loss_of(&segment, &batch)?;
             // f16's loss scaling: the backward starts from S × loss (in f32), so every gradient
             // below it, and every activation gradient sent upstream, carries S.
             match self.state.update.scaler {
@@ -260,10 +290,30 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
-        let grad_name = outputs.first().ok_or("backward names no gradient output")?;
-        self.accumulate(blocks.clone(), &segment.copies, &mut grads, grad_name, table)?;
-        self.keep_input_grad(&segment, &mut grads, outputs.get(1))?;
+        self.gradients_into_bucket(blocks.clone(), &segment.copies, &mut grads, outputs, table)?;
+        let input_grad = outputs
+            .iter()
+            .find(|t| matches!(t, TensorId::ActivationGrad { .. }));
+        self.keep_input_grad(&segment, &mut grads, input_grad)?;
         self.release(blocks.start, mb);
+        Ok(())
+    }
+
+    /// The weight gradients of a backward into their bucket (`outputs[0]`) and, under tensor
+    /// parallelism, the replicated ones so far out for their all-reduce (`TpGrads`).
+    fn gradients_into_bucket(
+        &mut self,
+        blocks: Range<usize>,
+        copies: &[Box<dyn Block<B>>],
+        grads: &mut B::Gradients,
+        outputs: &[TensorId],
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
+        let grad_name = outputs.first().ok_or("the backward names no gradient output")?;
+        self.accumulate(blocks.clone(), copies, grads, grad_name, table)?;
+        if let Some(shared) = outputs.iter().find(|t| matches!(t, TensorId::TpGrads { .. })) {
+            self.share_replicated_grads(blocks, grad_name, shared, table)?;
+        }
         Ok(())
     }
 
@@ -313,8 +363,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             .pending_weights
             .remove(&(blocks.start, mb))
             .ok_or("BackwardWeight before its BackwardInput")?;
-        let grad_name = outputs.first().ok_or("BackwardWeight names no gradient output")?;
-        self.accumulate(blocks.clone(), &copies, &mut grads, grad_name, table)?;
+        self.gradients_into_bucket(blocks.clone(), &copies, &mut grads, outputs, table)?;
         self.release(blocks.start, mb);
         Ok(())
     }

@@ -86,21 +86,23 @@ fn refuses_tp_for_a_model_without_described_parameters() {
     assert!(why.contains("--tp 2") && why.contains("`dense`"), "{why}");
 }
 
-/// Until the actors' sliced layers exist, a tp plan compiles (and `plan` shows it) but the
-/// runtime refuses it before any actor starts; tp=1 plans as before (a `dp × pp` mesh).
+/// A tp plan runs, but not yet from a weights file or with checkpoints (their pieces do not
+/// carry tp slices): refused before any actor starts; tp=1 plans as before (a `dp × pp` mesh).
 #[test]
-fn a_tp_plan_compiles_but_is_not_runnable_yet_and_tp_1_is_unchanged() {
+fn a_tp_plan_runs_but_not_with_init_or_checkpoints_and_tp_1_is_unchanged() {
     let plan = compile(&with_tp(GPT, 2, 2)).unwrap();
     assert_eq!(plan.mesh.to_string(), "dp=2 × tp=2");
-    let why = plan.check_runnable().unwrap_err().to_string();
-    assert!(
-        why.contains("--tp 2") && why.contains("does not yet run"),
-        "{why}"
-    );
+    plan.check_runnable(false).unwrap();
+    let why = plan.check_runnable(true).unwrap_err().to_string();
+    assert!(why.contains("--tp 2") && why.contains("--checkpoint-dir"), "{why}");
+    let mut program = with_tp(GPT, 2, 2);
+    program.init = Some("weights.safetensors".into());
+    let why = compile(&program).unwrap().check_runnable(false).unwrap_err().to_string();
+    assert!(why.contains("--init"), "{why}");
     let plan = compile(&with_tp(GPT, 2, 1)).unwrap();
     assert_eq!(plan.mesh.to_string(), "dp=2");
     assert_eq!(plan.actors.len(), 2);
-    plan.check_runnable().unwrap();
+    plan.check_runnable(true).unwrap();
 }
 
 /// Every all-reduce of `tensor`-kind in `actor`'s stream, with its group.
