@@ -15,7 +15,7 @@ use std::fmt;
 
 use archipelago_actors::progress::{ProgressSnapshot, Waiting};
 use archipelago_actors::proto::ActorState;
-use archipelago_dataflow::{ActorId, ActorStream, Instruction, TestFault};
+use archipelago_dataflow::{ActorId, ActorStream, Instruction, TensorId, TestFault};
 
 /// One actor on a wait-for chain.
 #[derive(Debug, Clone, PartialEq)]
@@ -245,7 +245,26 @@ pub(crate) fn inject_stream_fault(streams: &mut [ActorStream], fault: Option<Tes
                 stream.instructions.insert(send, moved);
             }
         }
+        Some(TestFault::SkipTpInputGradReduce) => {
+            drop_all_reduces(streams, |t| matches!(t, TensorId::ActivationGrad { .. }))
+        }
+        Some(TestFault::SkipTpOutputReduce) => {
+            drop_all_reduces(streams, |t| matches!(t, TensorId::Activation { .. }))
+        }
         _ => {}
+    }
+}
+
+/// Leaves the collectives of the tensors `of` picks out of every stream (all ranks of each group
+/// alike, so nothing waits: the tp faults' controls).
+fn drop_all_reduces(streams: &mut [ActorStream], of: impl Fn(&TensorId) -> bool) {
+    for stream in streams {
+        stream.instructions.retain(|x| match x {
+            Instruction::StartCollective { tensor, .. } | Instruction::WaitCollective { tensor, .. } => {
+                !of(tensor)
+            }
+            _ => true,
+        });
     }
 }
 

@@ -329,6 +329,19 @@ pub enum TestFault {
         /// The actor.
         actor: ActorId,
     },
+    /// Tensor parallelism without Megatron's f: the all-reduces of the gradients of replicated
+    /// segment inputs are left out of every stream, so each rank's backward goes on with its
+    /// own summand.
+    SkipTpInputGradReduce,
+    /// Tensor parallelism without Megatron's g: the all-reduces of partial segment outputs are
+    /// left out of every stream, so the next segment reads this rank's partial sum.
+    SkipTpOutputReduce,
+    /// The vocabulary-parallel cross-entropy forgetting the other ranks' maximum: each rank's
+    /// exponential sums are taken against its own slice's maximum, then summed over the group.
+    LocalLossMax,
+    /// The fused qkv projection cut contiguously (rank 0 holding all of q and half of k) where
+    /// the modules compute attention on per-head slices.
+    ContiguousQkv,
 }
 
 impl Program {

@@ -124,6 +124,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             ));
         }
         let compute = crate::precision::compute_dtype(&training.slices)?;
+        // The model whole, as this rank's slices are cut from it.
+        let whole_model = super::fault::sliced_as(&program.model, program.test_fault);
         let held_block = |i: usize| chunks.iter().any(|&(s, e)| (s..e).contains(&i));
         // Offsets into the trained vectors (frozen parameters have no place in them).
         let mut offsets = vec![0];
@@ -165,7 +167,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 block: index,
                 tp,
             };
-            let whole_params = &program.model.blocks[index].param_descs;
+            let whole_params = &whole_model.blocks[index].param_descs;
             let built = builder.build_block(&ctx, &device);
             let described = described_params(index, info, &*built)?;
             let named = described.iter().map(|p| (p.name.clone(), p.trainable));
@@ -269,7 +271,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 seed: program.seed,
                 actor,
                 tp,
-                whole: Arc::new(program.model.clone()),
+                whole: Arc::new(whole_model),
             },
             step: InFlight::default(),
             state: TrainingState {

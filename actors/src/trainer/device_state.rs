@@ -229,7 +229,8 @@ impl<B: Backend> DeviceState<B> {
         let sum: Tensor<B, 1> = upload(TensorData::new(values, [n]), device, TransferKind::Gradient);
         let mut at = 0;
         for r in ranges {
-            bucket = bucket.slice_assign([r.clone()], sum.clone().slice([at..at + r.len()]));
+            let part = at..at + r.len();
+            bucket = bucket.slice_assign([r.clone()], sum.clone().slice([part]));
             at += r.len();
         }
         self.buckets.insert(name.clone(), bucket);

@@ -40,6 +40,19 @@ impl FaultHook {
         })
     }
 
+    /// `LocalLossMax`: the vocabulary-parallel loss's sums are taken against this rank's own
+    /// maxima (kept here by `LossMax` under the statistic's name).
+    pub(super) fn keep_local_max(&mut self, name: &TensorId, max: &[f32]) {
+        if self.fault == TestFault::LocalLossMax {
+            self.local.insert(name.clone(), max.to_vec());
+        }
+    }
+
+    /// `LocalLossMax`: this rank's own maxima kept under `name`, in place of the group's.
+    pub(super) fn local_max(&self, name: &TensorId) -> Option<&[f32]> {
+        self.local.get(name).map(Vec::as_slice)
+    }
+
     /// Whether the modules of a segment are reloaded from the master after its update (not under
     /// `StaleComputeCopy`); under `RoundedMaster` the master is first rounded to `compute`.
     pub(super) fn on_reload(&self, master: &mut [f32], compute: burn::tensor::FloatDType) -> bool {
@@ -114,4 +127,21 @@ impl FaultHook {
             shifted
         })
     }
+}
+
+/// The model whole as the trainer slices it: `model`, or under `ContiguousQkv` with every per-head
+/// split (the fused qkv) cut contiguously instead.
+pub(super) fn sliced_as(
+    model: &archipelago_dataflow::ModelDesc,
+    fault: Option<TestFault>,
+) -> archipelago_dataflow::ModelDesc {
+    let mut model = model.clone();
+    if fault == Some(TestFault::ContiguousQkv) {
+        for p in model.blocks.iter_mut().flat_map(|b| b.param_descs.iter_mut()) {
+            if matches!(p.split, archipelago_dataflow::Split::HeadColumns { .. }) {
+                p.split = archipelago_dataflow::Split::Columns;
+            }
+        }
+    }
+    model
 }

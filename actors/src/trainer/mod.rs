@@ -174,7 +174,9 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 let (logits, batch, max) = (nth(inputs, 0)?, nth(inputs, 1)?, nth(inputs, 2)?);
                 self.loss_sums(&logits, &batch, &max, &nth(outputs, 0)?, table)
             }
-            ComputeOp::ReplicatedGrads { start, end } => self.replicated_grads(*start..*end, inputs, outputs, table),
+            ComputeOp::ReplicatedGrads { start, end } => {
+                self.replicated_grads(*start..*end, inputs, outputs, table)
+            }
             ComputeOp::Backward { start, end, mb } => {
                 self.backward(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
             }

@@ -140,7 +140,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         let [logits, batch, stats @ ..] = inputs else {
             return Err("Loss names no logits or no batch".into());
         };
-        let key = *(self.step.by_name.get(logits)).ok_or_else(|| format!("no segment produced `{logits}`"))?;
+        let key =
+            *(self.step.by_name.get(logits)).ok_or_else(|| format!("no segment produced `{logits}`"))?;
         // Megatron's g left the group's sum of a partial output in the table.
         let summed = match table.get(logits) {
             Some(_) => Some(logit_rows(&self.import(logits, table)?)?.detach()),
@@ -150,11 +151,17 @@ impl<B: AutodiffBackend> Trainer<B> {
         let vocab = match stats {
             [max, sums] => Some(VocabStats::take(table, max, sums, tokens)?),
             [] => None,
-            _ => return Err(format!("Loss reads {} statistics; the vocabulary-parallel loss reads 2", stats.len())),
+            _ => {
+                return Err(format!(
+                    "Loss reads {} statistics; the vocabulary-parallel loss reads 2",
+                    stats.len()
+                ));
+            }
         };
         let scalar = match &vocab {
             Some(stats) => {
-                let per_global_sample = 1.0 / (self.global_batch * self.stage.desc.input.tokens_per_sample()) as f64;
+                let per_global_sample =
+                    1.0 / (self.global_batch * self.stage.desc.input.tokens_per_sample()) as f64;
                 (stats.loss_sum() * per_global_sample) as f32
             }
             None => {

@@ -46,15 +46,20 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let ranges = self.replicated_in_bucket(blocks);
         let values = match self.state.store.device_mut() {
-            Some(state) if table.get(bucket).is_none() => state
-                .read_ranges(bucket, &ranges)
-                .ok_or_else(|| format!("gradient bucket `{bucket}` is neither on the device nor in the table"))?,
+            Some(state) if table.get(bucket).is_none() => {
+                state.read_ranges(bucket, &ranges).ok_or_else(|| {
+                    format!("gradient bucket `{bucket}` is neither on the device nor in the table")
+                })?
+            }
             _ => {
                 let grads = table
                     .get(bucket)
                     .ok_or_else(|| format!("gradient bucket `{bucket}` missing"))?;
                 let grads = grads.f32s();
-                ranges.iter().flat_map(|r| grads[r.clone()].iter().copied()).collect()
+                ranges
+                    .iter()
+                    .flat_map(|r| grads[r.clone()].iter().copied())
+                    .collect()
             }
         };
         table.insert(out.clone(), TypedTensor::flat(values));
@@ -91,7 +96,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             return Ok(());
         }
         let device = self.stage.device.clone();
-        let written = (self.state.store.device_mut()).is_some_and(|state| state.write_ranges(bucket, &ranges, sum, &device));
+        let written = (self.state.store.device_mut())
+            .is_some_and(|state| state.write_ranges(bucket, &ranges, sum, &device));
         match written {
             true => Ok(()),
             false => Err(format!("gradient bucket `{bucket}` missing")),
@@ -108,7 +114,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         own: Range<usize>,
         table: &TensorTable,
     ) -> Result<f64, String> {
-        let blocks = (self.step.grad_ranges.get(name)).ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
+        let blocks =
+            (self.step.grad_ranges.get(name)).ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
         let ranges: Vec<Range<usize>> = (self.replicated_in_bucket(blocks.clone()).into_iter())
             .map(|r| r.start.max(own.start)..r.end.min(own.end))
             .filter(|r| !r.is_empty())
@@ -142,7 +149,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             let (mut local_at, mut global_at) = (0, 0);
             for p in whole {
                 let local_len: usize =
-                    archipelago_dataflow::tensor_parallel::local_shape(p.split, &p.shape, tp.size).iter().product();
+                    archipelago_dataflow::tensor_parallel::local_shape(p.split, &p.shape, tp.size)
+                        .iter()
+                        .product();
                 for run in global_runs(p.split, &p.shape, tp.rank, tp.size) {
                     let local = local_at + run.local..local_at + run.local + run.len;
                     let (from, to) = (local.start.max(piece.range.start), local.end.min(piece.range.end));

@@ -108,7 +108,12 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// `LossMax`: each token's largest logit in this rank's slice (`-∞` for a slice of padding
     /// only), into `out`.
-    pub(super) fn loss_max(&mut self, logits: &TensorId, out: &TensorId, table: &mut TensorTable) -> Result<(), String> {
+    pub(super) fn loss_max(
+        &mut self,
+        logits: &TensorId,
+        out: &TensorId,
+        table: &mut TensorTable,
+    ) -> Result<(), String> {
         let z = self.held_logits(logits)?;
         let [n, width] = z.dims();
         let (_, valid) = self.vocab_slice(width);
@@ -116,6 +121,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             0 => vec![f32::NEG_INFINITY; n],
             _ => host_f32(z.slice([0..n, 0..valid]).max_dim(1), "the logits' maxima")?,
         };
+        if let Some(fault) = &mut self.fault {
+            fault.keep_local_max(out, &max);
+        }
         table.insert(out.clone(), TypedTensor::flat(max));
         Ok(())
     }
@@ -139,11 +147,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             return Err(format!("`{max}` holds {} values for {n} tokens", m.elements()));
         }
         let device = &self.stage.device;
-        let m = Tensor::<B, 1>::from_data(TensorData::new(m.f32s().to_vec(), [n]), device);
+        let own = self.fault.as_ref().and_then(|f| f.local_max(max));
+        let m = Tensor::<B, 1>::from_data(TensorData::new(own.unwrap_or(m.f32s()).to_vec(), [n]), device);
         let mut values = match valid {
             0 => vec![0.0; n],
             _ => host_f32(
-                (z.clone().slice([0..n, 0..valid]) - m.reshape([n, 1])).exp().sum_dim(1),
+                (z.clone().slice([0..n, 0..valid]) - m.reshape([n, 1]))
+                    .exp()
+                    .sum_dim(1),
                 "the logits' exponential sums",
             )?,
         };
@@ -159,7 +170,11 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     fn index_column(&self, index: Vec<i32>) -> Tensor<B, 2, Int> {
         let n = index.len();
-        upload(TensorData::new(index, [n, 1]), &self.stage.device, TransferKind::Batch)
+        upload(
+            TensorData::new(index, [n, 1]),
+            &self.stage.device,
+            TransferKind::Batch,
+        )
     }
 
     /// The surrogate whose gradient by this rank's `logits` is the vocabulary-parallel loss's:
@@ -173,10 +188,14 @@ impl<B: AutodiffBackend> Trainer<B> {
         let [n, width] = logits.dims();
         let (first, valid) = self.vocab_slice(width);
         if stats.max.len() != n {
-            return Err(format!("the loss's statistics cover {} tokens, the logits {n}", stats.max.len()));
+            return Err(format!(
+                "the loss's statistics cover {} tokens, the logits {n}",
+                stats.max.len()
+            ));
         }
         let device = &self.stage.device;
-        let column = |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [n]), device).reshape([n, 1]);
+        let column =
+            |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [n]), device).reshape([n, 1]);
         let z = logits.slice([0..n, 0..valid.max(1)]);
         let p = (z.clone().detach() - column(&stats.max)).exp() / column(&stats.sums);
         let (index, inside) = local_targets(labels, first, valid);
@@ -184,7 +203,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         let target = z.clone().gather(1, self.index_column(index)) * column(&inside);
         let surrogate = (p * z).sum() - target.sum();
         // A slice of padding only has no class: nothing of it reaches the loss.
-        Ok(if valid == 0 { surrogate.mul_scalar(0.0) } else { surrogate })
+        Ok(if valid == 0 {
+            surrogate.mul_scalar(0.0)
+        } else {
+            surrogate
+        })
     }
 }
 

@@ -104,9 +104,10 @@ pub struct JobArgs {
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
     /// Tensor-parallel ranks per replica and stage (Megatron-LM; the innermost mesh axis, so the
-    /// mesh is dp × pp × tp). Being built: `plan` compiles and verifies tp plans (refusing heads
-    /// or a hidden width tp does not divide, and a group across islands); `train` refuses any
-    /// value above 1 before actors start.
+    /// mesh is dp × pp × tp): column- and row-parallel halves of each layer, a vocabulary-parallel
+    /// embedding and loss. Composes with --dp, --pp, --zero, --checkpoint-activations, --clip-grad-norm,
+    /// --state and --precision; refused with heads or widths tp does not divide, a group across
+    /// islands, LAMB, --init, checkpoints and --controller (not built yet).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     /// Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.

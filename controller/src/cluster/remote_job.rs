@@ -334,12 +334,11 @@ fn progress_events(events: UnboundedSender<Result<JobEvent, Status>>) -> Progres
 /// taken; otherwise too few devices is an error saying what to change.
 fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, Vec<HostInfo>), JobError> {
     if program.plan.tp > 1 {
-        // Placing a tp group on one host's consecutive devices is issue 39's step 9; until the
-        // trainer runs tp steps, the job is refused as a local one is.
+        // Placing a tp group on one host's consecutive devices is issue 39's step 9.
         return Err(JobError::Plan(archipelago_dataflow::PlanError::Conflict(
             format!(
-                "--tp {}: tensor-parallel jobs do not run on a cluster yet (nor locally: the trainer \
-             does not yet run the vocabulary-parallel loss or sum the replicated gradients): use --tp 1",
+                "--tp {}: tensor-parallel jobs do not run on a cluster yet (placement does not keep \
+                 a tp group on one host): train on the embedded controller, or use --tp 1",
                 program.plan.tp
             ),
         )));

@@ -94,10 +94,17 @@ fn a_tp_plan_runs_but_not_with_init_or_checkpoints_and_tp_1_is_unchanged() {
     assert_eq!(plan.mesh.to_string(), "dp=2 × tp=2");
     plan.check_runnable(false).unwrap();
     let why = plan.check_runnable(true).unwrap_err().to_string();
-    assert!(why.contains("--tp 2") && why.contains("--checkpoint-dir"), "{why}");
+    assert!(
+        why.contains("--tp 2") && why.contains("--checkpoint-dir"),
+        "{why}"
+    );
     let mut program = with_tp(GPT, 2, 2);
     program.init = Some("weights.safetensors".into());
-    let why = compile(&program).unwrap().check_runnable(false).unwrap_err().to_string();
+    let why = compile(&program)
+        .unwrap()
+        .check_runnable(false)
+        .unwrap_err()
+        .to_string();
     assert!(why.contains("--init"), "{why}");
     let plan = compile(&with_tp(GPT, 2, 1)).unwrap();
     assert_eq!(plan.mesh.to_string(), "dp=2");
