@@ -41,6 +41,7 @@
 #   ... "" memory      # the device's memory pool against the plan's estimate
 #   ... "" calibrate   # plan --rate measure on the GPU against the step train measures
 #   ... "" precision   # --precision bf16 against f32: losses, step times, PyTorch's f32 and bf16
+#   ... "" tensor      # --tp 2 on cuda:0,cuda:0 against dp=1 and CPU; what its collectives cost
 set -u
 die() { echo "gpu_check.sh: $*" >&2; exit 2; }
 
@@ -84,7 +85,7 @@ BIN=${1:-target/release/archipelago}
 OUT_ARG=${2:-auto}
 ROUND=${3:-first}
 
-case "$ROUND" in first | parallel | memory | calibrate | precision) ;; *) die "unknown round '$ROUND' (first, parallel, memory, calibrate or precision)";; esac
+case "$ROUND" in first | parallel | memory | calibrate | precision | tensor) ;; *) die "unknown round '$ROUND' (first, parallel, memory, calibrate, precision or tensor)";; esac
 [ -x "$BIN" ] || die "no executable archipelago binary at '$BIN' (build it with --features cuda and carry it)"
 BIN=$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")
 command -v nvidia-smi > /dev/null \
@@ -267,6 +268,48 @@ elif [ "$ROUND" = precision ]; then
     --models gpt-tiny,gpt-151m --tf32 off --autocast bf16
   run "precision summary: median steps, ours and PyTorch's, f32 and bf16" 30 -- \
     python3 "$ROOT/scripts/precision_summary.py" "$OUTDIR/."
+elif [ "$ROUND" = tensor ]; then
+  # Tensor parallelism (issue 39): tp=2 with two actors on cuda:0 against dp=1 there (and against
+  # the same plan on cpu:0,cpu:1), tp × dp, bf16; then what the host-memory collectives cost per
+  # step for gpt-tiny and the 151M gpt (scripts/tp_summary.py: tp_tiny.json, tp_big.json).
+  two=cuda:0,cuda:0
+  run "train gpt-tiny, 10 steps on cuda:0 (the one-device reference)" 60 -- \
+    "$BIN" train --devices cuda:0 --model gpt-tiny --steps 10 --report "$OUTDIR/one.json"
+  run "train gpt-tiny, 10 steps on cuda:0, seed 8 (the negative control)" 60 -- \
+    "$BIN" train --devices cuda:0 --model gpt-tiny --steps 10 --seed 8 --report "$OUTDIR/seed8.json"
+  run "compare seed 8 with seed 1 (must differ)" 30 -- \
+    python3 "$ROOT/scripts/compare_losses.py" "$OUTDIR/seed8.json" "$OUTDIR/one.json" --expect-differ
+  run "train gpt-tiny, 10 steps, --tp 2 on $two" 60 -- "$BIN" train --devices $two \
+    --model gpt-tiny --steps 10 --tp 2 --report "$OUTDIR/tp2.json"
+  run "train gpt-tiny, 10 steps, --tp 2 on cpu:0,cpu:1" 120 -- "$BIN" train --devices cpu:0,cpu:1 \
+    --model gpt-tiny --steps 10 --tp 2 --report "$OUTDIR/cpu_tp2.json"
+  run "compare --tp 2: GPU with CPU" 30 -- \
+    python3 "$ROOT/scripts/compare_losses.py" "$OUTDIR/tp2.json" "$OUTDIR/cpu_tp2.json"
+  run "compare --tp 2 with GPU dp=1" 30 -- \
+    python3 "$ROOT/scripts/compare_losses.py" "$OUTDIR/tp2.json" "$OUTDIR/one.json"
+  run "train gpt-tiny, 10 steps, --tp 2 --dp 2 on cuda:0 ×4" 60 -- "$BIN" train \
+    --devices cuda:0,cuda:0,cuda:0,cuda:0 --model gpt-tiny --steps 10 --tp 2 --dp 2 \
+    --report "$OUTDIR/tp2dp2.json"
+  run "compare --tp 2 --dp 2 with GPU dp=1" 30 -- \
+    python3 "$ROOT/scripts/compare_losses.py" "$OUTDIR/tp2dp2.json" "$OUTDIR/one.json"
+  for tp in 1 2; do
+    devices=$([ $tp = 1 ] && echo cuda:0 || echo $two)
+    run "train gpt-tiny, 10 steps, --tp $tp --precision bf16 on $devices" 60 -- "$BIN" train \
+      --devices $devices --model gpt-tiny --steps 10 --tp $tp --precision bf16 \
+      --report "$OUTDIR/bf16_tp$tp.json"
+  done
+  run "compare bf16 --tp 2 with bf16 dp=1 (within 1e-3)" 30 -- \
+    python3 "$ROOT/scripts/compare_losses.py" "$OUTDIR/bf16_tp2.json" "$OUTDIR/bf16_tp1.json"
+  run "what tp=2 costs per step: gpt-tiny" 30 -- \
+    python3 "$ROOT/scripts/tp_summary.py" "$OUTDIR/one.json" "$OUTDIR/tp2.json" --json "$OUTDIR/tp_tiny.json"
+  run "train the 151M gpt, 6 steps on cuda:0" 90 -- "$BIN" train --devices cuda:0 --model "$big" \
+    --batch 8 --steps 6 --report "$OUTDIR/big_one.json"
+  run "train the 151M gpt, 6 steps, --tp 2 on $two" 120 -- "$BIN" train --devices $two \
+    --model "$big" --batch 8 --steps 6 --tp 2 --report "$OUTDIR/big_tp2.json"
+  run "compare the 151M gpt --tp 2 with dp=1" 30 -- \
+    python3 "$ROOT/scripts/compare_losses.py" "$OUTDIR/big_tp2.json" "$OUTDIR/big_one.json"
+  run "what tp=2 costs per step: the 151M gpt" 30 -- \
+    python3 "$ROOT/scripts/tp_summary.py" "$OUTDIR/big_one.json" "$OUTDIR/big_tp2.json" --json "$OUTDIR/tp_big.json"
 elif [ "$ROUND" = parallel ]; then
   # Parallel plans with two actors on the one GPU (compared with the same flags on cpu:0,cpu:1
   # and with the GPU's dp=1 run), the benchmark in full, the host path's breakdown at 151M, and
