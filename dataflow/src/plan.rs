@@ -124,21 +124,15 @@ impl Plan {
     }
 
     /// Refuses a plan the runtime cannot run yet, before any actor starts: under tensor
-    /// parallelism, starting from a weights file (`--init`) or writing and resuming checkpoints
-    /// (`checkpoints`), whose pieces do not yet carry the tp slices.
-    pub fn check_runnable(&self, checkpoints: bool) -> Result<(), PlanError> {
+    /// parallelism, starting from a weights file (`--init`), which is not sliced per rank yet.
+    pub fn check_runnable(&self) -> Result<(), PlanError> {
         let tp = self.program.plan.tp;
-        let unbuilt = match (self.program.init.is_some(), checkpoints) {
-            _ if tp == 1 => None,
-            (true, _) => Some("--init (slicing a weights file per tensor-parallel rank)"),
-            (_, true) => Some("--checkpoint-dir and --resume (checkpoint pieces as tensor-parallel slices)"),
-            _ => None,
-        };
-        match unbuilt {
-            Some(what) => Err(PlanError::Conflict(format!(
-                "--tp {tp} with {what} is not built yet: train with --tp 1, or without it"
+        match tp > 1 && self.program.init.is_some() {
+            true => Err(PlanError::Conflict(format!(
+                "--tp {tp} with --init (slicing a weights file per tensor-parallel rank) is not built yet: \
+                 train with --tp 1, or from the seed"
             ))),
-            None => Ok(()),
+            false => Ok(()),
         }
     }
 

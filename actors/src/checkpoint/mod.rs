@@ -64,6 +64,22 @@ pub enum Slice {
         /// One past the last.
         end: usize,
     },
+    /// Row-major elements `start..end` of tensor-parallel rank `rank`'s local slice (of `size`
+    /// ranks) of a parameter split as `split` (Megatron's per-head qkv split included): the
+    /// rank's part, or the ZeRO shard of it a replica holds. Local positions that pad a split
+    /// extent `size` does not divide have no element of the parameter and are not stored.
+    Tp {
+        /// How the parameter is split.
+        split: archipelago_dataflow::Split,
+        /// The rank.
+        rank: usize,
+        /// The ranks of the group.
+        size: usize,
+        /// First element of the local slice.
+        start: usize,
+        /// One past the last.
+        end: usize,
+    },
 }
 
 impl Slice {
@@ -83,8 +99,61 @@ impl Slice {
             Slice::Dim { dim, start, end } if dim < shape.len() && start <= end && end <= shape[dim] => {
                 Ok(numel / shape[dim].max(1) * (end - start))
             }
+            Slice::Tp { .. } => self.tp_len(shape),
             _ => Err(format!("{self:?} is not a slice of shape {shape:?}")),
         }
+    }
+
+    /// The elements a `Tp` slice stores (its local range less padding), counted without walking
+    /// its runs; refuses one that is not a slice of a parameter of `shape` (a manifest is
+    /// input): a rank outside its group, a split dimension the shape lacks, a per-head split
+    /// whose groups the ranks do not divide, a range past the local slice.
+    fn tp_len(&self, shape: &[usize]) -> Result<usize, String> {
+        let Slice::Tp {
+            split,
+            rank,
+            size,
+            start,
+            end,
+        } = *self
+        else {
+            return self.len_in(shape);
+        };
+        let refuse = |why: &str| Err(format!("{self:?} is not a slice of shape {shape:?}: {why}"));
+        if size == 0 || rank >= size {
+            return refuse("its rank is outside its group");
+        }
+        if let archipelago_dataflow::Split::HeadColumns { parts } = split {
+            let n = shape.last().copied().unwrap_or(0);
+            if parts == 0 || !n.is_multiple_of(parts.saturating_mul(size)) {
+                return refuse("its per-head groups do not divide by the ranks");
+            }
+        }
+        if split.dim(shape.len()).is_some() && shape.is_empty() {
+            return refuse("a split parameter has a dimension");
+        }
+        let local_shape = archipelago_dataflow::tensor_parallel::local_shape(split, shape, size);
+        let local = numel(&local_shape)?;
+        if start > end || end > local {
+            return refuse("its range is past the rank's slice");
+        }
+        let Some(dim) = split.dim(shape.len()).filter(|_| size > 1) else {
+            return Ok(end - start);
+        };
+        // Each step along the split dimension spans `inner` elements; of the rank's `width`
+        // steps, the first `valid` are the parameter's, the rest padding.
+        let inner: usize = shape[dim + 1..].iter().product();
+        let width = local_shape[dim];
+        let valid = match split {
+            archipelago_dataflow::Split::HeadColumns { .. } => width,
+            _ => shape[dim].saturating_sub(rank * width).min(width),
+        };
+        let row = width * inner;
+        let before = |x: usize| match row {
+            0 => 0,
+            _ => x / row * valid * inner + (x % row).min(valid * inner),
+        };
+        Ok(before(end) - before(start))
     }
 
     /// The slice as contiguous runs of the flattened parameter of `shape`, in the order its
@@ -103,6 +172,21 @@ impl Slice {
                 (0..outer)
                     .map(|o| ((o * shape[dim] + start) * inner, (end - start) * inner))
                     .filter(|&(_, len)| len > 0)
+                    .collect()
+            }
+            Slice::Tp {
+                split,
+                rank,
+                size,
+                start,
+                end,
+            } => {
+                let runs = archipelago_dataflow::tensor_parallel::global_runs(split, shape, rank, size);
+                runs.iter()
+                    .filter_map(|r| {
+                        let (from, to) = (r.local.max(start), (r.local + r.len).min(end));
+                        (from < to).then(|| (r.global + from - r.local, to - from))
+                    })
                     .collect()
             }
         }

@@ -336,3 +336,46 @@ fn the_loss_scale_crosses_processes_and_reads_back() {
     let refused = CheckpointReader::open(&other).unwrap().loss_scale().unwrap_err();
     assert!(refused.contains("disagree on the loss scale"), "{refused}");
 }
+
+/// A tensor-parallel rank's slice: a per-head qkv split stores each head's columns at their
+/// global places; a vocabulary tp does not divide stores no padding; a ZeRO range inside a
+/// rank's slice; a manifest's impossible tp slice is refused before anything is read.
+#[test]
+fn tp_slices_map_to_global_places_without_padding() {
+    use archipelago_dataflow::Split;
+    let tp = |split, rank, size, start, end| Slice::Tp {
+        split,
+        rank,
+        size,
+        start,
+        end,
+    };
+    // qkv `[2, 12]` (2 rows, q|k|v of 4 columns), rank 1 of 2: columns 2..4, 6..8, 10..12.
+    let qkv = tp(Split::HeadColumns { parts: 3 }, 1, 2, 0, 12);
+    assert_eq!(qkv.len_in(&[2, 12]).unwrap(), 12);
+    assert_eq!(
+        qkv.runs(&[2, 12]),
+        vec![(2, 2), (6, 2), (10, 2), (14, 2), (18, 2), (22, 2)]
+    );
+    // A vocabulary of 5 rows over 2 ranks: rank 1 holds rows 3..5 and one padding row.
+    let vocab = tp(Split::Rows, 1, 2, 0, 3 * 4);
+    assert_eq!(vocab.len_in(&[5, 4]).unwrap(), 8);
+    assert_eq!(vocab.runs(&[5, 4]), vec![(12, 8)]);
+    // Columns `[2, 5]` over 2 ranks (3 local, the last padding on rank 1), a ZeRO range 2..5.
+    let cols = tp(Split::Columns, 1, 2, 2, 5);
+    assert_eq!(cols.len_in(&[2, 5]).unwrap(), 2);
+    assert_eq!(cols.runs(&[2, 5]), vec![(8, 2)]);
+    for (bad, why) in [
+        (tp(Split::Rows, 2, 2, 0, 1), "outside its group"),
+        (tp(Split::Rows, 0, 0, 0, 1), "outside its group"),
+        (tp(Split::HeadColumns { parts: 0 }, 0, 2, 0, 1), "per-head"),
+        (tp(Split::HeadColumns { parts: 3 }, 0, 2, 0, 1), "per-head"),
+        (tp(Split::Rows, 0, 2, 0, 13), "past the rank's slice"),
+    ] {
+        let error = bad.len_in(&[5, 4]);
+        assert!(
+            error.as_ref().is_err_and(|e| e.contains(why)),
+            "{bad:?}: {error:?}"
+        );
+    }
+}

@@ -15,7 +15,8 @@ use std::ops::Range;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::SegmentPlan;
+use archipelago_dataflow::tensor_parallel::global_runs;
+use archipelago_dataflow::{ParamDesc, SegmentPlan, Split};
 
 use super::Trainer;
 use crate::checkpoint::{CheckpointReader, Piece, ShardState, Slice};
@@ -67,22 +68,123 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Vec<Piece> {
         self.param_spans(block, in_block)
             .into_iter()
-            .map(|s| {
+            .filter_map(|s| {
                 let p = &self.stage.param_descs[block][s.param];
-                Piece {
-                    block,
-                    block_offset: s.block_offset,
-                    param: p.name.clone(),
-                    shape: p.shape.clone(),
-                    slice: Slice::flat(s.in_param),
-                    values: values[s.in_range.clone()].to_vec(),
-                    state: state
-                        .iter()
-                        .map(|(name, v)| (name.to_string(), v[s.in_range.clone()].to_vec()))
-                        .collect(),
-                }
+                let state: Vec<(&str, &[f32])> = state
+                    .iter()
+                    .map(|(name, v)| (*name, &v[s.in_range.clone()]))
+                    .collect();
+                self.piece(block, p, s.block_offset, s.in_param, &values[s.in_range], &state)
             })
             .collect()
+    }
+
+    /// The piece of local parameter `p` (at `block_offset` among its block's local parameters)
+    /// holding its elements `in_param`: as they are without tensor parallelism; under it, a
+    /// slice of the whole parameter at its global place (`Slice::Tp`, padding left out), and
+    /// for a replicated parameter the first rank's alone (`None` on the others).
+    fn piece(
+        &self,
+        block: usize,
+        p: &ParamDesc,
+        block_offset: usize,
+        in_param: Range<usize>,
+        values: &[f32],
+        state: &[(&str, &[f32])],
+    ) -> Option<Piece> {
+        let tp = self.stage.tp;
+        let (whole, whole_offset) = self.whole_param(block, p).unwrap_or((p, block_offset));
+        let all = std::iter::once(0..in_param.len()).collect();
+        let (slice, kept) = match (tp.size, whole.split) {
+            (1, _) => (Slice::flat(in_param.clone()), all),
+            (_, Split::Replicated) if !tp.leads() => return None,
+            (_, Split::Replicated) => (Slice::flat(in_param.clone()), all),
+            (size, split) => {
+                let slice = Slice::Tp {
+                    split,
+                    rank: tp.rank,
+                    size,
+                    start: in_param.start,
+                    end: in_param.end,
+                };
+                (slice, self.stored_of(whole, in_param.clone()))
+            }
+        };
+        let kept: Vec<Range<usize>> = kept;
+        let keep = |v: &[f32]| kept.iter().flat_map(|r| v[r.clone()].iter().copied()).collect();
+        Some(Piece {
+            block,
+            block_offset: whole_offset,
+            param: p.name.clone(),
+            shape: whole.shape.clone(),
+            slice,
+            values: keep(values),
+            state: state
+                .iter()
+                .map(|(name, v)| (name.to_string(), keep(v)))
+                .collect(),
+        })
+    }
+
+    /// Under tensor parallelism, the whole parameter `p` is a slice of, and its place among its
+    /// block's whole parameters; `None` without tensor parallelism.
+    fn whole_param(&self, block: usize, p: &ParamDesc) -> Option<(&ParamDesc, usize)> {
+        if self.stage.tp.size == 1 {
+            return None;
+        }
+        let mut at = 0;
+        for whole in &self.stage.whole.blocks[block].param_descs {
+            if whole.name == p.name {
+                return Some((whole, at));
+            }
+            at += whole.len();
+        }
+        None
+    }
+
+    /// The local runs of `in_param` (relative to its start) that hold elements of the whole
+    /// parameter `whole`, in order (what a `Slice::Tp` stores: padding left out).
+    fn stored_of(&self, whole: &ParamDesc, in_param: Range<usize>) -> Vec<Range<usize>> {
+        let tp = self.stage.tp;
+        (global_runs(whole.split, &whole.shape, tp.rank, tp.size).into_iter())
+            .filter_map(|r| {
+                let (from, to) = (r.local.max(in_param.start), (r.local + r.len).min(in_param.end));
+                (from < to).then(|| from - in_param.start..to - in_param.start)
+            })
+            .collect()
+    }
+
+    /// Elements `in_param` of local parameter `p` from `checkpoint` by name, with the state
+    /// tensors `state`: under tensor parallelism each stretch read from its global place
+    /// (padding left zero).
+    fn read_local(
+        &self,
+        checkpoint: &CheckpointReader,
+        block: usize,
+        p: &ParamDesc,
+        in_param: Range<usize>,
+        state: &[&str],
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>), String> {
+        let Some((whole, _)) = self.whole_param(block, p) else {
+            return checkpoint.read_param(&p.name, &p.shape, in_param, state);
+        };
+        let tp = self.stage.tp;
+        let mut values = vec![0.0f32; in_param.len()];
+        let mut tensors = vec![vec![0.0f32; in_param.len()]; state.len()];
+        for r in global_runs(whole.split, &whole.shape, tp.rank, tp.size) {
+            let (from, to) = (r.local.max(in_param.start), (r.local + r.len).min(in_param.end));
+            if from >= to {
+                continue;
+            }
+            let global = r.global + from - r.local..r.global + to - r.local;
+            let (v, st) = checkpoint.read_param(&p.name, &whole.shape, global, state)?;
+            let at = from - in_param.start..to - in_param.start;
+            values[at.clone()].copy_from_slice(&v);
+            for (into, read) in tensors.iter_mut().zip(st) {
+                into[at.clone()].copy_from_slice(&read);
+            }
+        }
+        Ok((values, tensors))
     }
 
     /// Reads block `block`'s range `in_block` from `checkpoint`, parameter by parameter by name:
@@ -98,7 +200,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let mut tensors = vec![vec![0.0f32; in_block.len()]; state.len()];
         for s in self.param_spans(block, in_block) {
             let p = &self.stage.param_descs[block][s.param];
-            let (v, st) = checkpoint.read_param(&p.name, &p.shape, s.in_param, state)?;
+            let (v, st) = self.read_local(checkpoint, block, p, s.in_param, state)?;
             values[s.in_range.clone()].copy_from_slice(&v);
             for (into, from) in tensors.iter_mut().zip(st) {
                 into[s.in_range.clone()].copy_from_slice(&from);
@@ -197,14 +299,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 .iter()
                 .filter(|p| !p.trainable);
             let runs = self.stage.layouts[block].frozen_in_full();
-            frozen_descs.zip(runs).map(move |(p, (values, full))| Piece {
-                block,
-                block_offset: full.start,
-                param: p.name.clone(),
-                shape: p.shape.clone(),
-                slice: Slice::flat(0..p.len()),
-                values: self.stage.frozen[block][values].to_vec(),
-                state: Vec::new(),
+            frozen_descs.zip(runs).filter_map(move |(p, (values, full))| {
+                let values = &self.stage.frozen[block][values];
+                self.piece(block, p, full.start, 0..p.len(), values, &[])
             })
         })
         .collect()
@@ -271,7 +368,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             let mut restored = false;
             for (desc, (at, _)) in frozen_descs.zip(layout.frozen_in_full()) {
                 if stored.contains_key(&desc.name) {
-                    let (read, _) = checkpoint.read_param(&desc.name, &desc.shape, 0..desc.len(), &[])?;
+                    let (read, _) = self.read_local(checkpoint, index, desc, 0..desc.len(), &[])?;
                     values[at].copy_from_slice(&read);
                     restored = true;
                 }

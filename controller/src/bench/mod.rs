@@ -89,6 +89,10 @@ pub struct BenchArgs {
     /// f32 on one device (the mean loss of the last 20 steps).
     #[arg(long)]
     pub precision_only: bool,
+    /// Run only gpt-tiny's layouts and stop: dp=1, dp=2, pp=2 (GPipe and 1F1B, m=8), ZeRO-3 at
+    /// dp=2 and tp=2, one after the other in one window (tokens/s, fabric bytes per step).
+    #[arg(long)]
+    pub layouts_only: bool,
     /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
     /// collectives and DDP steps are measured right after ours, in the same window, and their
     /// figures and our ratios to them land in the JSON (`peers`). Never in CI.
@@ -134,6 +138,9 @@ fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     } else if args.soak_only {
         let soak = soak::soak(soak_steps(args))?;
         json!({ "suite": "soak", "soak": soak, "wall_s": wall() })
+    } else if args.layouts_only {
+        let (warmup, timed) = if args.quick { (2, 3) } else { (5, 30) };
+        json!({ "suite": "layouts", "quick": args.quick, "gpt_tiny": training::gpt_tiny(warmup, timed)?, "load_avg_end": load_avg(), "wall_s": wall() })
     } else if args.scale_only {
         json!({ "suite": "scale", "scale": scale_only(args)?, "wall_s": wall() })
     } else if args.tls_only {

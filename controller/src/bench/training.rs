@@ -152,7 +152,8 @@ pub fn mlp_zero(warmup: u64, timed: u64) -> anyhow::Result<Value> {
 }
 
 /// gpt-tiny (WORKLOADS.md: 16 sequences of 128 tokens per step) at dp=1, dp=2, pp=2 under GPipe
-/// and 1F1B with eight micro-batches, and ZeRO-3 at dp=2: steps/s and tokens/s.
+/// and 1F1B with eight micro-batches, ZeRO-3 at dp=2 and tp=2 (Megatron-LM): steps/s, tokens/s
+/// and the fabric bytes each actor read per step, measured and as the plan predicted.
 pub fn gpt_tiny(warmup: u64, timed: u64) -> anyhow::Result<Value> {
     let layouts = [
         ("dp=1", ParallelPlan::default()),
@@ -189,12 +190,19 @@ pub fn gpt_tiny(warmup: u64, timed: u64) -> anyhow::Result<Value> {
                 ..ParallelPlan::default()
             },
         ),
+        (
+            "tp=2",
+            ParallelPlan {
+                tp: 2,
+                ..ParallelPlan::default()
+            },
+        ),
     ];
     let (batch, ctx) = (16, 128);
     let mut runs = Vec::new();
     for (name, layout) in layouts {
         let plan = ParallelPlan { batch, ..layout };
-        let config = json!({ "model": "gpt-tiny", "dp": plan.dp, "pp": plan.pp, "microbatches": plan.microbatches, "schedule": plan.schedule.to_string(), "zero": plan.zero, "global_batch": batch, "tokens_per_step": batch * ctx, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 });
+        let config = json!({ "model": "gpt-tiny", "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule.to_string(), "zero": plan.zero, "global_batch": batch, "tokens_per_step": batch * ctx, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 });
         let (report, step_s) =
             timed_model("gpt-tiny", plan, warmup, timed, format!("bench-gpt-tiny-{name}"))?;
         runs.push(json!({
@@ -203,6 +211,8 @@ pub fn gpt_tiny(warmup: u64, timed: u64) -> anyhow::Result<Value> {
             "median_step_s": step_s,
             "steps_per_s": 1.0 / step_s,
             "tokens_per_s": (batch * ctx) as f64 / step_s,
+            "fabric_bytes_per_step": report.steps.last().map(|s| s.fabric),
+            "predicted_fabric_bytes_per_step": report.predicted_fabric_bytes_per_step(),
             "final_loss": report.final_loss,
             "load_avg": load_avg(),
         }));

@@ -369,7 +369,7 @@ fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, V
         if program.plan.device_memory.is_none() && memories.iter().all(|&m| m > 0) {
             program.plan.device_memory = memories.iter().copied().min();
         }
-        match compile(&program).and_then(|plan| plan.check_runnable(false).map(|()| plan)) {
+        match compile(&program).and_then(|plan| plan.check_runnable().map(|()| plan)) {
             Ok(plan) => return Ok((plan, used.iter().map(|(h, _)| (*h).clone()).collect())),
             Err(e) => last_error = Some(e),
         }

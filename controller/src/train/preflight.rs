@@ -106,12 +106,13 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
     let reader = CheckpointReader::open(&dir).map_err(JobError::Runtime)?;
     let plan = &program.plan;
     let line = format!(
-        "resuming from step {} of {} (written on {}; now dp={} pp={} zero={})",
+        "resuming from step {} of {} (written on {}; now dp={} pp={} tp={} zero={})",
         manifest.step,
         dir.display(),
         super::resume_check::layout_words(&manifest.layout),
         plan.dp,
         plan.pp,
+        plan.tp,
         plan.zero
     );
     notes.push(line);

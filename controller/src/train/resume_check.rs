@@ -128,10 +128,17 @@ pub fn check(
     ))
 }
 
-/// A layout recorded as the parallel plan's JSON, in the words of the flags (`dp=2 pp=1 zero=3`).
+/// A layout recorded as the parallel plan's JSON, in the words of the flags (`dp=2 pp=1 tp=1 zero=3`).
 pub fn layout_words(layout: &serde_json::Value) -> String {
     let field = |k: &str| layout.get(k).map_or("?".to_string(), |v| v.to_string());
-    format!("dp={} pp={} zero={}", field("dp"), field("pp"), field("zero"))
+    // Checkpoints written before tensor parallelism existed hold no `tp`: theirs was 1.
+    let tp = layout.get("tp").map_or("1".to_string(), |v| v.to_string());
+    format!(
+        "dp={} pp={} tp={tp} zero={}",
+        field("dp"),
+        field("pp"),
+        field("zero")
+    )
 }
 
 #[cfg(test)]

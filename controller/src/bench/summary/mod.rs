@@ -43,6 +43,7 @@ fn sections(suite: &str) -> Vec<Section> {
         "device" => vec![training::device],
         "parameter_server" => vec![training::parameter_server],
         "soak" => vec![training::soak],
+        "layouts" => vec![training::layouts],
         "scale" => vec![comm::scale],
         "tls" => vec![comm::tls],
         "data_paths" => vec![comm::data_paths],

@@ -133,6 +133,12 @@ fn sub_suites(q: &Value) -> Vec<Value> {
         json!({ "suite": "actor_api", "actor_api": q["actor_api"], "wall_s": 9.0 }),
         json!({ "suite": "scale", "scale": scale, "wall_s": 9.0 }),
         json!({ "suite": "soak", "soak": q["soak"], "wall_s": 9.0 }),
+        json!({ "suite": "layouts", "quick": true, "gpt_tiny": { "runs": [
+            { "name": "gpt-tiny dp=2", "median_step_s": 1.2, "tokens_per_s": 1700.0, "load_avg": [1.0, 1.0, 1.0],
+              "fabric_bytes_per_step": { "gradients": 5.0e6, "tensor_parallel": 0.0 }, "predicted_fabric_bytes_per_step": { "gradients": 5.0e6, "tensor_parallel": 0.0 } },
+            { "name": "gpt-tiny tp=2", "median_step_s": 1.1, "tokens_per_s": 1860.0, "load_avg": [1.0, 1.0, 1.0],
+              "fabric_bytes_per_step": { "gradients": 0.0, "tensor_parallel": 3.8e7 }, "predicted_fabric_bytes_per_step": { "gradients": 0.0, "tensor_parallel": 3.8e7 } } ] },
+            "load_avg_end": [1.0, 1.0, 1.0], "wall_s": 9.0 }),
         json!({ "suite": "parameter_server", "quick": true, "parameter_server": q["parameter_server"], "load_avg_end": [1.0, 1.0, 1.0], "wall_s": 9.0 }),
         json!({ "suite": "kernels", "quick": true, "cpu_matmul": q["physical_limits"]["cpu_matmul"], "kernels": q["kernels"], "peers": null, "wall_s": 9.0 }),
         json!({ "suite": "tls", "tcp_2_processes": tcp, "wall_s": 9.0 }),

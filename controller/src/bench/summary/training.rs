@@ -54,9 +54,36 @@ pub(super) fn training(out: &Value) -> Vec<String> {
     lines
 }
 
-/// Whether `run` is one the peers' ratios pair with PyTorch's (no pipeline, no ZeRO).
+/// Whether `run` is one the peers' ratios pair with PyTorch's (no pipeline, no ZeRO, no tp).
 fn is_plain_dp(run: &Value) -> bool {
-    run["config"]["pp"].as_u64().unwrap_or(1) == 1 && run["config"]["zero"].as_u64().unwrap_or(0) == 0
+    let config = &run["config"];
+    config["pp"].as_u64().unwrap_or(1) == 1
+        && config["zero"].as_u64().unwrap_or(0) == 0
+        && config["tp"].as_u64().unwrap_or(1) == 1
+}
+
+/// `--layouts-only`: gpt-tiny under each layout, its tokens/s and the fabric bytes its actors
+/// read per step, measured against the plan's.
+pub(super) fn layouts(out: &Value) -> Vec<String> {
+    let Some(runs) = list(&out["gpt_tiny"], "runs") else {
+        return missing_section("gpt_tiny layouts");
+    };
+    let heads = ["step s", "throughput", "fabric B/step", "plan's", "load"];
+    let mut table = Table::new("gpt-tiny layouts, 1 core per actor", &heads);
+    let total = |bytes: &Value| {
+        (bytes.as_object()).map(|kinds| kinds.values().filter_map(Value::as_f64).sum::<f64>())
+    };
+    for run in runs {
+        let cells = vec![
+            fig(run["median_step_s"].as_f64()),
+            fig_unit(run["tokens_per_s"].as_f64(), "tokens/s"),
+            plain(total(&run["fabric_bytes_per_step"])),
+            plain(total(&run["predicted_fabric_bytes_per_step"])),
+            load(run),
+        ];
+        table.row(run["name"].as_str().unwrap_or("?"), cells);
+    }
+    table.lines()
 }
 
 /// Ours over PyTorch's throughput for the run of `config`'s model and dp.
