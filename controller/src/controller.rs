@@ -129,7 +129,6 @@ impl Controller {
         builders: Builders,
         options: &TrainOptions,
     ) -> Result<TrainReport, JobError> {
-        plan.check_runnable()?;
         let result = self.runtime.block_on(run_local(plan, builders, options));
         if let Some(d) = &options.dashboard {
             d.job_ended(result.as_ref().err().map(|e| e.to_string()).as_deref());

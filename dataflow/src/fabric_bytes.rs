@@ -23,6 +23,7 @@ use crate::actor_training::shard_range;
 use crate::instruction::{CollectiveKind, Instruction};
 use crate::plan::Plan;
 use crate::tensor_id::TensorId;
+use crate::tensor_parallel::TpHeld;
 use crate::{ActorId, ModelDesc};
 
 /// Bytes one actor read from its peers in a step, by what they were.
@@ -271,18 +272,26 @@ fn tensor_elems(
         })
     };
     let output_of = |block: usize| rows * model.blocks[block].output_floats_per_sample as usize;
+    // Under tensor parallelism an activation held sharded crosses as each rank's shard (the
+    // widths tp cuts, which it divides); one held whole (after g, or f's sum) crosses whole.
+    let tp = plan.program.plan.tp.max(1);
+    let per_rank = |elems: usize, held: Option<TpHeld>| match held {
+        Some(TpHeld::Sharded) => elems / tp,
+        _ => elems,
+    };
     match tensor {
         TensorId::GradBucket { segment }
         | TensorId::UpdatedParams { segment }
         | TensorId::GatheredParams { segment, .. } => segment_params(*segment),
-        TensorId::Activation { segment, .. } => {
-            plan.buckets.get(*segment).map_or(0, |b| output_of(b.end - 1))
-        }
-        TensorId::ActivationGrad { segment, .. } => plan
-            .buckets
-            .get(*segment)
+        TensorId::Activation { segment, .. } => plan.buckets.get(*segment).map_or(0, |b| {
+            let held = model.blocks[b.end - 1].tp.map(|t| t.output_after_g());
+            per_rank(output_of(b.end - 1), held)
+        }),
+        TensorId::ActivationGrad { segment, .. } => (plan.buckets.get(*segment))
             .filter(|b| b.start > 0)
-            .map_or(0, |b| output_of(b.start - 1)),
+            .map_or(0, |b| {
+                per_rank(output_of(b.start - 1), model.blocks[b.start].tp.map(|t| t.input))
+            }),
         TensorId::GradSquares => 1,
         TensorId::TrustSquares => trust_len,
         TensorId::LossMax { .. } => rows * model.input.tokens_per_sample(),

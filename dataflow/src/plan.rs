@@ -123,19 +123,6 @@ impl Plan {
         }
     }
 
-    /// Refuses a plan the runtime cannot run yet, before any actor starts: under tensor
-    /// parallelism, starting from a weights file (`--init`), which is not sliced per rank yet.
-    pub fn check_runnable(&self) -> Result<(), PlanError> {
-        let tp = self.program.plan.tp;
-        match tp > 1 && self.program.init.is_some() {
-            true => Err(PlanError::Conflict(format!(
-                "--tp {tp} with --init (slicing a weights file per tensor-parallel rank) is not built yet: \
-                 train with --tp 1, or from the seed"
-            ))),
-            false => Ok(()),
-        }
-    }
-
     /// The plan as pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("plans are plain data")

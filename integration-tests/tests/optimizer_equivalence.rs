@@ -191,10 +191,15 @@ fn the_memory_estimate_counts_each_rules_state() {
     );
 }
 
+/// `layout` with `size` tensor-parallel ranks.
+fn tp(size: usize, layout: ParallelPlan) -> ParallelPlan {
+    ParallelPlan { tp: size, ..layout }
+}
+
 /// Against PyTorch (`integration-tests/fixtures/torch`, written by `scripts/torch_reference.py
 /// --fixture`): the same tiny mlp and gpt, from the same initial weights (`--init`) on the same
 /// batches (`--data`), trained 5 steps by plain SGD and by AdamW with clipping, warmup and cosine
-/// decay, on one device and on parallel layouts, end at PyTorch's parameters (exported and read
+/// decay, on one device and on parallel layouts (tensor-parallel ones included), end at PyTorch's parameters (exported and read
 /// back with the safetensors crate, element by element) and losses, with PyTorch's learning
 /// rates and gradient norms. SGD: within 1e-5 relative (with an absolute floor of 1e-5 of the
 /// model's largest element, for elements near zero); AdamW: allclose(rtol 1e-4, atol 1e-3·lr).
@@ -209,6 +214,8 @@ fn training_from_the_torch_fixture_matches_pytorch() {
                 (plan(1, 1, 0), "dp=1"),
                 (plan(2, 1, 3), "dp=2 zero 3"),
                 (plan(2, 2, 1), "dp=2 pp=2 zero 1"),
+                (tp(2, plan(1, 1, 0)), "tp=2"),
+                (tp(2, plan(2, 1, 1)), "tp=2 dp=2 zero 1"),
             ] {
                 let what = format!("{model} {run} {what}");
                 let program = torch_fixture::fixture_program(model, run, &init, layout);
@@ -262,7 +269,8 @@ fn the_torch_comparison_catches_a_wrong_rate_and_a_transposed_weight() {
 }
 
 /// `--init` starts every layout from the same weights: from the fixture's gpt weights, dp=2 under
-/// ZeRO-3, pp=2, and dp=2 under ZeRO-3 with the parameters offloaded train (2 SGD steps) to
+/// ZeRO-3, pp=2, dp=2 under ZeRO-3 with the parameters offloaded, tp=2 (each rank its slice of
+/// the file's weights) and tp=2 × pp=2 train (2 SGD steps) to
 /// dp=1's losses and parameters, element by element; the seeded initialisation is elsewhere
 /// (its first loss differs), so the file was read.
 #[test]
@@ -285,6 +293,8 @@ fn an_init_file_starts_every_layout_from_the_same_weights() {
         (plan(2, 1, 3), "dp=2 zero 3"),
         (plan(1, 2, 0), "pp=2"),
         (offloaded, "dp=2 zero 3 offload cpu, parameters too"),
+        (tp(2, plan(1, 1, 0)), "tp=2"),
+        (tp(2, plan(1, 2, 0)), "tp=2 pp=2"),
     ] {
         let (report, weights) = run(layout, "run.safetensors");
         let (excess, abs) = torch_fixture::weights_excess(&reference_weights, &weights, |_, _| (1e-6, 1e-7));

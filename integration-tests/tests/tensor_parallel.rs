@@ -2,7 +2,8 @@
 //! et al. 2021): gpt at tp 2 and 4, a vocabulary tp does not divide (padded), the mlp at tp 2 and
 //! 3 (a last layer row-parallel, whose output is g's sum, and column-parallel, whose logits take
 //! the vocabulary-parallel loss), tp × dp, tp × pp (1F1B, m = 4), tp × dp × pp (8 actors),
-//! tp × ZeRO-3 × dp, tp with activation checkpointing, with clipping and with the state on the
+//! tp × ZeRO-3 × dp, an mlp's stages cut where the activation is sharded, tp with activation
+//! checkpointing, with clipping and with the state on the
 //! device (ZeRO-2 × dp): each trains to one
 //! device's losses, step by step, and its parameters, element by element — gathered from every
 //! tp rank's slices put back at their global places (the replica check also holds every
@@ -24,10 +25,12 @@ use archipelago_integration_tests::{MARGIN, assert_caught, train_program, train_
 const GPT: &str = "gpt:vocab=64,ctx=8,d=32,layers=2,heads=4";
 /// 63 tokens: tp 2 and 4 pad the vocabulary (the last rank's slice has padding columns).
 const GPT_PADDED: &str = "gpt:vocab=63,ctx=8,d=32,layers=2,heads=4";
-/// Four layers: the last is row-parallel, its output a partial sum (g before the loss).
-const MLP_PARTIAL: &str = "mlp:in=12,hidden=24,layers=4,out=6";
-/// Three layers: the last is column-parallel, its logits sharded (the vocabulary-parallel loss).
-const MLP_SHARDED: &str = "mlp:in=12,hidden=24,layers=3,out=6";
+/// Three hidden layers and the output (four blocks, column- and row-parallel in turn): the last
+/// is row-parallel, its output a partial sum (g before the loss).
+const MLP_PARTIAL: &str = "mlp:in=12,hidden=24,layers=3,out=6";
+/// Four hidden layers and the output (five blocks): the last is column-parallel, its logits
+/// sharded (the vocabulary-parallel loss).
+const MLP_SHARDED: &str = "mlp:in=12,hidden=24,layers=4,out=6";
 const STEPS: u64 = 4;
 /// Steps of the bf16 comparison, and its relative bound on each step's loss: a quarter of
 /// bf16's last place (2⁻¹⁰; one step's loss is a mean over every token, whose roundings mostly
@@ -251,6 +254,13 @@ fn tp_composes_with_dp_pp_zero_checkpointing_and_clipping() {
         on_device,
     ];
     check(GPT, sgd(), &plans);
+    // An mlp's stages cut after a column-parallel layer: the activation crosses as each rank's
+    // shard (and its gradient back).
+    let sharded_boundary = ParallelPlan {
+        stages: Some(vec![(0, 1), (1, 5)]),
+        ..plan(2, 1, 2, 2)
+    };
+    check(MLP_SHARDED, sgd(), &[sharded_boundary]);
     // Clipping's global norm counts each replicated parameter once over the tp group.
     for optimizer in [sgd(), adamw()] {
         check_with(GPT, optimizer, &[plan(2, 2, 1, 1)], |p| {
@@ -284,6 +294,12 @@ fn the_comparison_catches_a_broken_tensor_parallelism() {
             sgd(),
             TestFault::SkipTpInputGradReduce,
             "the mlp with f skipped",
+        ),
+        (
+            MLP_SHARDED,
+            sgd(),
+            TestFault::LocalLossMax,
+            "the mlp's loss with each rank's own maximum",
         ),
         (
             GPT,

@@ -116,13 +116,6 @@ impl<B: AutodiffBackend> Trainer<B> {
         // A tensor-parallel rank builds, describes and holds its slice of every block.
         let tp = training.tp;
         let desc = archipelago_dataflow::tensor_parallel::local_model(&program.model, tp.size);
-        if tp.size > 1 && program.init.is_some() {
-            return Err(format!(
-                "--init with --tp {}: slicing a weights file per tensor-parallel rank is not built yet; \
-                 start from the seed or use --tp 1",
-                tp.size
-            ));
-        }
         let compute = crate::precision::compute_dtype(&training.slices)?;
         // The model whole, as this rank's slices are cut from it.
         let whole_model = super::fault::sliced_as(&program.model, program.test_fault);
@@ -193,7 +186,10 @@ impl<B: AutodiffBackend> Trainer<B> {
                 }
             };
             let from_file = match &init_file {
-                Some(file) => Some(layout.split(&file.block(index)?)),
+                // A tp rank takes its slice of each whole parameter the file holds.
+                Some(file) => {
+                    Some(layout.split(&local_block(&whole_model.blocks[index], file.block(index)?, tp)))
+                }
                 None => None,
             };
             // Frozen ones kept whole.
@@ -309,6 +305,27 @@ impl<B: AutodiffBackend> Trainer<B> {
         self.batched_transfers = on;
         self
     }
+}
+
+/// Block `whole`'s parameters as tp rank `tp` holds them, from `values`, the whole block's (its
+/// parameters in order, as a weights file holds them): each split parameter's local slice.
+fn local_block(whole: &BlockInfo, values: Vec<f32>, tp: crate::zoo::tp::TpPlace) -> Vec<f32> {
+    if tp.size == 1 || whole.param_descs.is_empty() {
+        return values;
+    }
+    let mut local = Vec::with_capacity(values.len());
+    let mut at = 0;
+    for p in &whole.param_descs {
+        let end = (at + p.len()).min(values.len());
+        local.extend(archipelago_dataflow::tensor_parallel::take_local(
+            p,
+            &values[at..end],
+            tp.rank,
+            tp.size,
+        ));
+        at = end;
+    }
+    local
 }
 
 #[cfg(test)]

@@ -106,9 +106,9 @@ pub struct JobArgs {
     /// Tensor-parallel ranks per replica and stage (Megatron-LM; the innermost mesh axis, so the
     /// mesh is dp × pp × tp): column- and row-parallel halves of each layer, a vocabulary-parallel
     /// embedding and loss. Composes with --dp, --pp, --zero, --checkpoint-activations, --clip-grad-norm,
-    /// --state, --precision and checkpoints (which reshard across tp); refused with heads or
-    /// widths tp does not divide, a group across islands, LAMB, --init and --controller (not
-    /// built yet).
+    /// --state, --precision, --init and checkpoints (which reshard across tp); on a cluster each
+    /// tp group takes devices of one host. Refused with heads or widths tp does not divide, a
+    /// group across islands, LAMB, or a tp larger than every host's devices.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     /// Pipeline schedule: gpipe, 1f1b, interleaved or zb-h1.

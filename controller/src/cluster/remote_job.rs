@@ -14,7 +14,7 @@ use archipelago_actors::checkpoint;
 use archipelago_actors::fabric::DataPath;
 use archipelago_actors::proto::{JobEvent, StepProgress as ProgressEvent, job_event};
 use archipelago_actors::trust::Credentials;
-use archipelago_dataflow::{Plan, Program, compile};
+use archipelago_dataflow::{DeviceSpec, Plan, Program, compile};
 
 use super::registry::{ClusterConfig, HostInfo, Registry};
 use super::remote_gang::{LaunchSpec, RemoteGang};
@@ -329,39 +329,32 @@ fn progress_events(events: UnboundedSender<Result<JobEvent, Status>>) -> Progres
 /// Places the mesh on the hosts' devices (hosts sorted by island) stage by stage: the replicas of
 /// one pipeline stage take consecutive devices, so the inner dp axis stays inside an island while
 /// pp stages and the outer dp axis go across islands; a dp group spanning islands then
-/// all-reduces hierarchically (the compiler sees each device's island). When `shrink` (a
-/// restart on fewer hosts), a smaller dp that fits the devices left and divides the batch is
-/// taken; otherwise too few devices is an error saying what to change.
+/// all-reduces hierarchically (the compiler sees each device's island). Under tensor parallelism
+/// each tp group takes `tp` devices of one host (Megatron-LM keeps it inside a node: its
+/// all-reduces run every layer), and those groups are placed as single devices are. When
+/// `shrink` (a restart on fewer hosts), a smaller dp that fits the devices left and divides the
+/// batch is taken; otherwise too few devices is an error saying what to change.
 fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, Vec<HostInfo>), JobError> {
-    if program.plan.tp > 1 {
-        // Placing a tp group on one host's consecutive devices is issue 39's step 9.
-        return Err(JobError::Plan(archipelago_dataflow::PlanError::Conflict(
-            format!(
-                "--tp {}: tensor-parallel jobs do not run on a cluster yet (placement does not keep \
-                 a tp group on one host): train on the embedded controller, or use --tp 1",
-                program.plan.tp
-            ),
-        )));
-    }
-    let slots: Vec<(&HostInfo, archipelago_dataflow::DeviceSpec)> = hosts
-        .iter()
-        .flat_map(|h| h.devices.iter().map(move |&d| (h, d)))
-        .collect();
+    let tp = program.plan.tp.max(1);
+    let groups = tp_groups(hosts, tp)?;
     let mut program = program.clone();
     let per_replica = program.plan.pp;
     let wanted = program.plan.dp;
     let mut last_error = None;
     for dp in (1..=wanted).rev() {
-        if dp * per_replica > slots.len() {
+        if dp * per_replica > groups.len() {
             continue;
         }
         if dp < wanted && !shrink {
             break;
         }
         program.plan.dp = dp;
-        // Actor r·pp + s (dp outer, pp inner) takes slot s·dp + r.
-        let used: Vec<(&HostInfo, archipelago_dataflow::DeviceSpec)> = (0..dp * per_replica)
-            .map(|a| slots[(a % per_replica) * dp + a / per_replica])
+        // Actor (r·pp + s)·tp + t (dp outer, tp inner) takes rank t of group s·dp + r.
+        let used: Vec<(&HostInfo, archipelago_dataflow::DeviceSpec)> = (0..dp * per_replica * tp)
+            .map(|a| {
+                let (replica_stage, t) = (a / tp, a % tp);
+                groups[(replica_stage % per_replica) * dp + replica_stage / per_replica][t]
+            })
             .collect();
         program.devices = used.iter().map(|(_, d)| *d).collect();
         program.islands = used.iter().map(|(h, _)| h.island.clone()).collect();
@@ -369,7 +362,7 @@ fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, V
         if program.plan.device_memory.is_none() && memories.iter().all(|&m| m > 0) {
             program.plan.device_memory = memories.iter().copied().min();
         }
-        match compile(&program).and_then(|plan| plan.check_runnable().map(|()| plan)) {
+        match compile(&program) {
             Ok(plan) => return Ok((plan, used.iter().map(|(h, _)| (*h).clone()).collect())),
             Err(e) => last_error = Some(e),
         }
@@ -377,15 +370,39 @@ fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, V
     match last_error {
         Some(e) => Err(JobError::Plan(e)),
         None => Err(JobError::Runtime(format!(
-            "the job needs {} devices (dp {} × pp {}) and the registered hosts offer {} ({}); start more \
-             `archipelago host`s or lower --dp",
-            wanted * per_replica,
+            "the job needs {} devices (dp {} × pp {} × tp {tp}) and the registered hosts offer {} ({}); \
+             start more `archipelago host`s or lower --dp",
+            wanted * per_replica * tp,
             wanted,
             per_replica,
-            slots.len(),
+            groups.len() * tp,
             describe(hosts)
         ))),
     }
+}
+
+/// The hosts' devices in groups of `tp` from one host each (a host's devices past its last whole
+/// group stay unused); an error naming the largest host when none holds `tp` devices.
+fn tp_groups(hosts: &[HostInfo], tp: usize) -> Result<Vec<Vec<(&HostInfo, DeviceSpec)>>, JobError> {
+    let groups: Vec<Vec<(&HostInfo, DeviceSpec)>> = hosts
+        .iter()
+        .flat_map(|h| {
+            h.devices
+                .chunks_exact(tp)
+                .map(move |c| c.iter().map(|&d| (h, d)).collect())
+        })
+        .collect();
+    let largest = hosts.iter().map(|h| h.devices.len()).max().unwrap_or(0);
+    if groups.is_empty() && largest > 0 {
+        return Err(JobError::Plan(archipelago_dataflow::PlanError::Conflict(
+            format!(
+                "--tp {tp}: a tensor-parallel group runs on one host's devices, and the registered hosts \
+             have at most {largest} ({}): lower --tp to {largest} or less, or start hosts with more devices",
+                describe(hosts)
+            ),
+        )));
+    }
+    Ok(groups)
 }
 
 fn describe(hosts: &[HostInfo]) -> String {
