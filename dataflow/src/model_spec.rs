@@ -133,6 +133,15 @@ impl BlockInfo {
         self
     }
 
+    /// Of its activations, the floats per sample tp cuts (see [`BlockTp::sharded_activations`]);
+    /// nothing without a tensor-parallel form.
+    pub fn with_sharded_activations(mut self, floats: u64) -> BlockInfo {
+        if let Some(tp) = self.tp.as_mut() {
+            tp.sharded_activations = floats;
+        }
+        self
+    }
+
     /// Number of parameter elements (cheap: no walk over the descriptions).
     pub fn param_count(&self) -> u64 {
         self.params
@@ -376,6 +385,12 @@ impl ModelSpec {
                         (TpHeld::Sharded, TpHeld::Partial)
                     }
                 };
+                // What tp cuts of a layer's kept activations: a column-parallel layer's outputs,
+                // a row-parallel layer's input.
+                let sharded = |held_in: TpHeld, input: usize, outputs: usize| match held_in {
+                    TpHeld::Replicated => outputs as u64,
+                    _ => input as u64,
+                };
                 for i in 0..layers {
                     let (held_in, held_out) = tp(i);
                     blocks.push(
@@ -385,7 +400,12 @@ impl ModelSpec {
                             (width + 2 * hidden) as u64,
                             hidden as u64,
                         )
-                        .with_tp(held_in, held_out),
+                        .with_tp(held_in, held_out)
+                        .with_sharded_activations(sharded(
+                            held_in,
+                            width,
+                            2 * hidden,
+                        )),
                     );
                     width = hidden;
                 }
@@ -397,7 +417,8 @@ impl ModelSpec {
                         (width + 3 * out) as u64,
                         out as u64,
                     )
-                    .with_tp(held_in, held_out),
+                    .with_tp(held_in, held_out)
+                    .with_sharded_activations(sharded(held_in, width, 3 * out)),
                 );
                 ModelDesc {
                     name: self.to_string(),
@@ -421,6 +442,11 @@ impl ModelSpec {
                 // and fc1's and GELU's (4d each): 10d.
                 let attention_acts = ctx * (7 * d + 3 * heads * ctx);
                 let mlp_acts = ctx * 10 * d;
+                // What tp cuts of them (Korthikanti et al. 2022): q/k/v, the attention output
+                // and the scores (4d + 3·heads·ctx); fc1's and GELU's outputs (8d). The rest,
+                // 5d a layer, every rank keeps whole.
+                let attention_sharded = ctx * (4 * d + 3 * heads * ctx);
+                let mlp_sharded = ctx * 8 * d;
                 let mut params = describe(self).into_iter();
                 // Under tp: the vocabulary-parallel embedding and every half-layer end in a
                 // partial sum (row-parallel proj and fc2, the residual on rank 0), the head in
@@ -436,7 +462,11 @@ impl ModelSpec {
                     .with_tp(replicated, partial),
                 ];
                 for i in 0..layers {
-                    for (half, acts) in [("attn", attention_acts), ("mlp", mlp_acts)] {
+                    let halves = [
+                        ("attn", attention_acts, attention_sharded),
+                        ("mlp", mlp_acts, mlp_sharded),
+                    ];
+                    for (half, acts, sharded) in halves {
                         blocks.push(
                             BlockInfo::described(
                                 format!("{half}.{i}"),
@@ -444,7 +474,8 @@ impl ModelSpec {
                                 acts as u64,
                                 (ctx * d) as u64,
                             )
-                            .with_tp(replicated, partial),
+                            .with_tp(replicated, partial)
+                            .with_sharded_activations(sharded as u64),
                         );
                     }
                 }
@@ -455,7 +486,8 @@ impl ModelSpec {
                         (ctx * (2 * d + 3 * vocab)) as u64,
                         (ctx * vocab) as u64,
                     )
-                    .with_tp(replicated, TpHeld::Sharded),
+                    .with_tp(replicated, TpHeld::Sharded)
+                    .with_sharded_activations((ctx * 3 * vocab) as u64),
                 );
                 ModelDesc {
                     name: self.to_string(),

@@ -161,7 +161,12 @@ pub fn simulate_with_comm(
     optimizer_s: &[f64],
     comm: &StageComm,
 ) -> Prediction {
-    let (free, busy) = replay(schedule, shape, orders, costs, &comm.hop_s);
+    let (with_tp, tp_share) = with_in_pass(shape, costs, comm);
+    let (free, mut busy) = replay(schedule, shape, orders, &with_tp, &comm.hop_s);
+    // Waiting on the tp all-reduces is not compute (as the measured bubble counts it).
+    for (s, b) in busy.iter_mut().enumerate() {
+        *b = (*b - tp_share[s]).max(0.0);
+    }
     let ends: Vec<f64> = (0..shape.pp)
         .map(|s| free[s] + comm.after_s[s] + optimizer_s[s])
         .collect();
@@ -180,6 +185,28 @@ pub fn simulate_with_comm(
             .collect(),
         comm_s: comm.total_s.clone(),
     }
+}
+
+/// `costs` with each device's tensor-parallel seconds (`comm.in_pass_s`) spread over its passes:
+/// half over its forwards, half over its backwards (g after a forward's row-parallel blocks, f
+/// after a backward's column-parallel ones); and those seconds per device, to take back out of
+/// its busy time.
+fn with_in_pass(shape: PipelineShape, costs: &PassCosts, comm: &StageComm) -> (PassCosts, Vec<f64>) {
+    let mut out = costs.clone();
+    let share: Vec<f64> = (0..shape.pp)
+        .map(|s| comm.in_pass_s.get(s).copied().unwrap_or(0.0))
+        .collect();
+    let passes = (shape.v * shape.m).max(1) as f64;
+    for c in 0..shape.chunks().min(out.forward.len()).min(out.backward.len()) {
+        let each = share[c % shape.pp] / (2.0 * passes);
+        out.forward[c] += each;
+        out.backward[c] += each;
+        // ZB-H1's B carries the backward's f; its W none.
+        if let Some(w) = out.weight.as_mut().and_then(|w| w.get_mut(c)) {
+            *w = w.max(0.0);
+        }
+    }
+    (out, share)
 }
 
 /// Runs every device's passes as soon as the device is free and the input has arrived (`hop_s`
@@ -291,5 +318,30 @@ mod tests {
         let mut three = alone.clone();
         three.share_cores(2, Some(3));
         assert!((three.step_s - 16.0).abs() < 1e-9, "{three:?}");
+    }
+
+    /// Tensor parallelism's all-reduces lengthen one device's passes (0.4 s a step over two
+    /// micro-batches: 0.1 s more per forward and per backward) and the step by as much, without
+    /// counting as busy.
+    #[test]
+    fn tp_all_reduces_sit_inside_the_passes_and_are_not_busy() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        let shape = PipelineShape { pp: 1, v: 1, m: 2 };
+        let costs = PassCosts {
+            forward: vec![1.0],
+            backward: vec![2.0],
+            weight: None,
+        };
+        let o = orders(Schedule::OneFOneB, shape, &costs);
+        let mut comm = StageComm::none(1);
+        let plain = simulate_with_comm(Schedule::OneFOneB, shape, &o, &costs, &[0.0], &comm);
+        comm.in_pass_s = vec![0.4];
+        let p = simulate_with_comm(Schedule::OneFOneB, shape, &o, &costs, &[0.0], &comm);
+        assert!(
+            close(plain.step_s, 6.0) && close(p.step_s, 6.4),
+            "{plain:?} {p:?}"
+        );
+        assert!(close(p.busy_s[0], 6.0), "{p:?}");
+        assert!(close(p.bubble[0], 1.0 - 6.0 / 6.4), "{p:?}");
     }
 }

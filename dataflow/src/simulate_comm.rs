@@ -92,8 +92,8 @@ pub struct ActorComm {
     pub hand_offs: u64,
     /// Seconds of data-parallel traffic: gradient reduction, parameter gathers, norms.
     pub data_parallel_s: f64,
-    /// Seconds of tensor-parallel all-reduces (Megatron's f and g). Counted in the step's
-    /// communication; not yet placed inside the passes they delay (issue 39, step 10).
+    /// Seconds of tensor-parallel all-reduces (Megatron's f and g, the loss's statistics, the
+    /// replicated gradients): inside the passes they delay (see [`StageComm::in_pass_s`]).
     pub tensor_parallel_s: f64,
 }
 
@@ -113,6 +113,10 @@ pub struct StageComm {
     pub after_s: Vec<f64>,
     /// Seconds of communication per step.
     pub total_s: Vec<f64>,
+    /// Seconds per step of tensor-parallel all-reduces, which sit between a device's blocks on
+    /// its critical path: the simulator spreads them over the device's passes (half over the
+    /// forwards, half over the backwards), waiting on the fabric, not busy.
+    pub in_pass_s: Vec<f64>,
 }
 
 impl StageComm {
@@ -122,6 +126,7 @@ impl StageComm {
             hop_s: vec![0.0; pp],
             after_s: vec![0.0; pp],
             total_s: vec![0.0; pp],
+            in_pass_s: vec![0.0; pp],
         }
     }
 
@@ -138,6 +143,7 @@ impl StageComm {
             out.hop_s[s] = out.hop_s[s].max(hop);
             out.after_s[s] = out.after_s[s].max(c.data_parallel_s);
             out.total_s[s] = out.total_s[s].max(c.total_s());
+            out.in_pass_s[s] = out.in_pass_s[s].max(c.tensor_parallel_s);
         }
         out
     }
@@ -497,6 +503,7 @@ mod tests {
             hop_s: vec![0.5, 0.5],
             after_s: vec![0.25, 0.25],
             total_s: vec![0.75, 0.75],
+            in_pass_s: vec![0.0, 0.0],
         };
         let p = simulate_with_comm(Schedule::OneFOneB, shape, &o, &costs, &[0.1, 0.1], &comm);
         // F0 1, hop, F1 1, B1 2, hop, B0 2, traffic, optimizer.

@@ -77,12 +77,21 @@ pub struct BlockTp {
     pub input: TpHeld,
     /// How its output is held, before any all-reduce.
     pub output: TpHeld,
+    /// Of its activations kept for backward (per sample), the floats tp cuts (those between its
+    /// column- and row-parallel layers: Korthikanti et al. 2022's `24/t` part); the rest (its
+    /// input, LayerNorm's output, a row-parallel layer's output) every rank keeps whole.
+    #[serde(default)]
+    pub sharded_activations: u64,
 }
 
 impl BlockTp {
     /// A block from `input` to `output`.
     pub fn new(input: TpHeld, output: TpHeld) -> BlockTp {
-        BlockTp { input, output }
+        BlockTp {
+            input,
+            output,
+            sharded_activations: 0,
+        }
     }
 
     /// How the next block sees this one's output: a partial sum is all-reduced (g) first.
@@ -149,56 +158,76 @@ pub fn local_shape(split: Split, shape: &[usize], tp: usize) -> Vec<usize> {
 /// parameter, in local order, adjacent stretches merged. Padded local positions (past a split
 /// extent tp does not divide) appear in no run.
 pub fn global_runs(split: Split, shape: &[usize], rank: usize, tp: usize) -> Vec<Run> {
-    let total: usize = shape.iter().product();
+    let local: usize = local_shape(split, shape, tp).iter().product();
+    global_runs_within(split, shape, rank, tp, 0..local)
+}
+
+/// [`global_runs`] for the local elements `within` only, cut to them; walks only the rows and
+/// per-head pieces they touch (a checkpoint's slice of a huge parameter costs its own length).
+pub fn global_runs_within(
+    split: Split,
+    shape: &[usize],
+    rank: usize,
+    tp: usize,
+    within: Range<usize>,
+) -> Vec<Run> {
     let Some(dim) = split.dim(shape.len()).filter(|_| tp > 1) else {
-        return whole(total);
+        let total: usize = shape.iter().product();
+        let (from, to) = (within.start.min(total), within.end.min(total));
+        let run = Run {
+            local: from,
+            global: from,
+            len: to.saturating_sub(from),
+        };
+        return if run.len > 0 { vec![run] } else { Vec::new() };
     };
     let n = shape[dim];
-    // Elements per step along `dim`, and steps before it (the outer rows).
     let inner: usize = shape[dim + 1..].iter().product();
     let outer: usize = shape[..dim].iter().product();
-    // The global index ranges along `dim` the rank holds, in local order.
-    let pieces: Vec<Range<usize>> = match split {
-        Split::HeadColumns { parts } => {
-            let (group, width) = (n / parts, n / parts / tp);
-            (0..parts)
-                .map(|p| p * group + rank * width..p * group + (rank + 1) * width)
-                .collect()
-        }
-        _ => {
-            let w = local_extent(n, tp);
-            vec![Range {
-                start: (rank * w).min(n),
-                end: ((rank + 1) * w).min(n),
-            }]
-        }
+    // Each row holds `parts` pieces of `width` steps along `dim`: piece `p` starts at global
+    // step `first(p)` and holds `valid(p)` of them (the rest pad).
+    let (parts, width) = match split {
+        Split::HeadColumns { parts } => (parts, n / parts / tp),
+        _ => (1, local_extent(n, tp)),
     };
-    let local_width: usize = local_shape(split, shape, tp)[dim];
+    let first = |p: usize| match split {
+        Split::HeadColumns { .. } => p * (n / parts) + rank * width,
+        _ => (rank * width).min(n),
+    };
+    let valid = |p: usize| match split {
+        Split::HeadColumns { .. } => width,
+        _ => n.saturating_sub(first(p)).min(width),
+    };
+    let piece_len = width * inner;
+    let row_len = parts * piece_len;
     let mut runs: Vec<Run> = Vec::new();
-    for row in 0..outer {
-        let mut at = row * local_width * inner;
-        for piece in &pieces {
-            let len = piece.len() * inner;
-            push_merged(
-                &mut runs,
-                Run {
-                    local: at,
-                    global: (row * n + piece.start) * inner,
-                    len,
-                },
+    if piece_len == 0 || within.is_empty() {
+        return runs;
+    }
+    for row in within.start / row_len..within.end.div_ceil(row_len).min(outer) {
+        let at = row * row_len;
+        let pieces =
+            within.start.saturating_sub(at) / piece_len..(within.end - at).div_ceil(piece_len).min(parts);
+        for p in pieces {
+            let local = at + p * piece_len;
+            let (from, to) = (
+                local.max(within.start),
+                (local + valid(p) * inner).min(within.end),
             );
-            at += len;
+            if from < to {
+                let global = (row * n + first(p)) * inner + (from - local);
+                push_merged(
+                    &mut runs,
+                    Run {
+                        local: from,
+                        global,
+                        len: to - from,
+                    },
+                );
+            }
         }
     }
     runs
-}
-
-fn whole(total: usize) -> Vec<Run> {
-    vec![Run {
-        local: 0,
-        global: 0,
-        len: total,
-    }]
 }
 
 fn push_merged(runs: &mut Vec<Run>, run: Run) {
@@ -233,8 +262,8 @@ pub fn replicated_trained(blocks: &[BlockInfo]) -> usize {
 }
 
 /// The model as one tensor-parallel rank holds it: the same blocks and names, every split
-/// parameter at its local shape (the same on every rank: padding makes it so). Activations are
-/// still counted whole.
+/// parameter at its local shape (the same on every rank: padding makes it so), the activations
+/// it keeps with their sharded part over `tp` (outputs, which cross stages, still whole).
 pub fn local_model(model: &ModelDesc, tp: usize) -> ModelDesc {
     let blocks = model
         .blocks
@@ -251,14 +280,12 @@ pub fn local_model(model: &ModelDesc, tp: usize) -> ModelDesc {
                     ..p.clone()
                 })
                 .collect();
+            let sharded =
+                b.tp.map_or(0, |t| t.sharded_activations.min(b.activation_floats_per_sample));
+            let kept = b.activation_floats_per_sample - sharded + sharded.div_ceil(tp.max(1) as u64);
             BlockInfo {
                 tp: b.tp,
-                ..BlockInfo::described(
-                    b.name.clone(),
-                    params,
-                    b.activation_floats_per_sample,
-                    b.output_floats_per_sample,
-                )
+                ..BlockInfo::described(b.name.clone(), params, kept, b.output_floats_per_sample)
             }
         })
         .collect();

@@ -130,3 +130,51 @@ fn the_local_model_holds_a_slice_of_each_split_parameter() {
     }
     assert_eq!(local_model(&model, 1), model);
 }
+
+/// The runs of a local range are the whole slice's runs cut to it, for every split, rank and
+/// range of small parameters (padded and per-head ones included).
+#[test]
+fn runs_within_a_local_range_are_the_slices_runs_cut_to_it() {
+    let cases = [
+        (Split::Rows, vec![5, 3]),
+        (Split::Columns, vec![2, 5]),
+        (Split::Columns, vec![7]),
+        (Split::HeadColumns { parts: 3 }, vec![2, 12]),
+        (Split::Replicated, vec![4, 2]),
+    ];
+    for (split, shape) in cases {
+        for tp in [2, 3] {
+            if matches!(split, Split::HeadColumns { .. }) && tp == 3 {
+                continue;
+            }
+            for rank in 0..tp {
+                let all = global_runs(split, &shape, rank, tp);
+                let local: usize = local_shape(split, &shape, tp).iter().product();
+                for start in 0..=local {
+                    for end in start..=local {
+                        let mut expected: Vec<(usize, usize)> = Vec::new();
+                        for r in &all {
+                            let (a, b) = (r.local.max(start), (r.local + r.len).min(end));
+                            if a < b {
+                                expected.push((r.global + a - r.local, b - a));
+                            }
+                        }
+                        let got: Vec<(usize, usize)> =
+                            global_runs_within(split, &shape, rank, tp, start..end)
+                                .iter()
+                                .map(|r| (r.global, r.len))
+                                .collect();
+                        let flatten = |v: &[(usize, usize)]| -> Vec<usize> {
+                            v.iter().flat_map(|&(g, n)| g..g + n).collect()
+                        };
+                        assert_eq!(
+                            flatten(&got),
+                            flatten(&expected),
+                            "{split:?} {shape:?} rank {rank}/{tp} {start}..{end}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

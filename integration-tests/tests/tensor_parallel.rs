@@ -3,9 +3,9 @@
 //! 3 (a last layer row-parallel, whose output is g's sum, and column-parallel, whose logits take
 //! the vocabulary-parallel loss), tp × dp, tp × pp (1F1B, m = 4), tp × dp × pp (8 actors),
 //! tp × ZeRO-3 × dp, an mlp's stages cut where the activation is sharded, tp with activation
-//! checkpointing, with clipping and with the state on the
-//! device (ZeRO-2 × dp): each trains to one
-//! device's losses, step by step, and its parameters, element by element — gathered from every
+//! checkpointing, with clipping, with the state on the device (ZeRO-2 × dp) and offloaded to the
+//! host (ZeRO-2 × dp): each trains to one device's losses, step by step, and its parameters,
+//! element by element — gathered from every
 //! tp rank's slices put back at their global places (the replica check also holds every
 //! replicated parameter equal over each tp group) — under plain SGD and AdamW. Every run's
 //! measured fabric bytes equal the plan's, kind by kind (tensor-parallel bytes included).
@@ -17,7 +17,9 @@
 
 use archipelago_controller::{TrainOptions, TrainReport};
 use archipelago_dataflow::passes::schedule::Schedule;
-use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Program, StatePlacement, TestFault};
+use archipelago_dataflow::{
+    ModelSpec, Offload, OptimizerSpec, ParallelPlan, Program, StatePlacement, TestFault,
+};
 use std::ops::Range;
 
 use archipelago_integration_tests::{MARGIN, assert_caught, train_program, train_program_unchecked};
@@ -25,6 +27,8 @@ use archipelago_integration_tests::{MARGIN, assert_caught, train_program, train_
 const GPT: &str = "gpt:vocab=64,ctx=8,d=32,layers=2,heads=4";
 /// 63 tokens: tp 2 and 4 pad the vocabulary (the last rank's slice has padding columns).
 const GPT_PADDED: &str = "gpt:vocab=63,ctx=8,d=32,layers=2,heads=4";
+/// 9 tokens at tp = 4: the last rank holds no token of the vocabulary.
+const GPT_ALL_PADDING: &str = "gpt:vocab=9,ctx=8,d=32,layers=2,heads=4";
 /// Three hidden layers and the output (four blocks, column- and row-parallel in turn): the last
 /// is row-parallel, its output a partial sum (g before the loss).
 const MLP_PARTIAL: &str = "mlp:in=12,hidden=24,layers=3,out=6";
@@ -217,6 +221,8 @@ fn a_vocabulary_tp_does_not_divide_is_padded() {
     for optimizer in [sgd(), adamw()] {
         check(GPT_PADDED, optimizer, &[plan(2, 1, 1, 1), plan(4, 1, 1, 1)]);
     }
+    // 9 tokens over 4 ranks of 3: the last rank's slice is padding only.
+    check(GPT_ALL_PADDING, sgd(), &[plan(4, 1, 1, 1)]);
 }
 
 #[test]
@@ -245,7 +251,26 @@ fn tp_composes_with_dp_pp_zero_checkpointing_and_clipping() {
         state: StatePlacement::Device,
         ..plan(2, 2, 1, 1)
     };
+    // ZeRO-Offload: each rank's shard of its slices updated by its offload actor.
+    let offloaded = ParallelPlan {
+        zero: 2,
+        offload: Offload::Cpu,
+        ..plan(2, 2, 1, 1)
+    };
+    // ZB-H1 (the weight gradients in their own pass) and interleaved stages (two chunks each).
+    let zero_bubble = ParallelPlan {
+        schedule: Schedule::ZbH1,
+        ..plan(2, 1, 2, 4)
+    };
+    let interleaved = ParallelPlan {
+        schedule: Schedule::Interleaved,
+        virtual_stages: 2,
+        ..plan(2, 1, 2, 4)
+    };
     let plans = [
+        zero_bubble,
+        interleaved,
+        offloaded,
         plan(2, 2, 1, 1),
         plan(2, 1, 2, 4),
         plan(2, 2, 2, 2),
@@ -262,10 +287,14 @@ fn tp_composes_with_dp_pp_zero_checkpointing_and_clipping() {
     };
     check(MLP_SHARDED, sgd(), &[sharded_boundary]);
     // Clipping's global norm counts each replicated parameter once over the tp group.
+    let offloaded_clipped = ParallelPlan {
+        zero: 1,
+        offload: Offload::Cpu,
+        ..plan(2, 2, 1, 1)
+    };
     for optimizer in [sgd(), adamw()] {
-        check_with(GPT, optimizer, &[plan(2, 2, 1, 1)], |p| {
-            p.clip_grad_norm = Some(0.05)
-        });
+        let plans = [plan(2, 2, 1, 1), offloaded_clipped.clone()];
+        check_with(GPT, optimizer, &plans, |p| p.clip_grad_norm = Some(0.05));
     }
 }
 

@@ -123,32 +123,44 @@ impl Slice {
         if size == 0 || rank >= size {
             return refuse("its rank is outside its group");
         }
-        if let archipelago_dataflow::Split::HeadColumns { parts } = split {
-            let n = shape.last().copied().unwrap_or(0);
-            if parts == 0 || !n.is_multiple_of(parts.saturating_mul(size)) {
-                return refuse("its per-head groups do not divide by the ranks");
-            }
-        }
-        if split.dim(shape.len()).is_some() && shape.is_empty() {
+        let Some(dim) = split.dim(shape.len()) else {
+            // Replicated: every rank holds the whole parameter.
+            return match start <= end && end <= numel(shape)? {
+                true => Ok(end - start),
+                false => refuse("its range is past the parameter"),
+            };
+        };
+        if shape.is_empty() {
             return refuse("a split parameter has a dimension");
+        }
+        let n = shape[dim];
+        // The rank's steps along the split dimension: per head group, or a padded share.
+        let width = match split {
+            archipelago_dataflow::Split::HeadColumns { parts } => match parts.checked_mul(size) {
+                Some(cut) if parts > 0 && n > 0 && n.is_multiple_of(cut) => n / cut,
+                _ => return refuse("its per-head groups do not divide by the ranks"),
+            },
+            _ => n.div_ceil(size),
+        };
+        if rank.checked_add(1).and_then(|r| r.checked_mul(width)).is_none() {
+            return refuse("its rank's place overflows");
         }
         let local_shape = archipelago_dataflow::tensor_parallel::local_shape(split, shape, size);
         let local = numel(&local_shape)?;
         if start > end || end > local {
             return refuse("its range is past the rank's slice");
         }
-        let Some(dim) = split.dim(shape.len()).filter(|_| size > 1) else {
+        if size == 1 {
             return Ok(end - start);
-        };
-        // Each step along the split dimension spans `inner` elements; of the rank's `width`
-        // steps, the first `valid` are the parameter's, the rest padding.
+        }
+        // Each step along the split dimension spans `inner` elements; of the rank's local steps
+        // in a row, the first `valid` are the parameter's, the rest padding.
         let inner: usize = shape[dim + 1..].iter().product();
-        let width = local_shape[dim];
         let valid = match split {
-            archipelago_dataflow::Split::HeadColumns { .. } => width,
-            _ => shape[dim].saturating_sub(rank * width).min(width),
+            archipelago_dataflow::Split::HeadColumns { .. } => local_shape[dim],
+            _ => n.saturating_sub(rank * width).min(width),
         };
-        let row = width * inner;
+        let row = local_shape[dim] * inner;
         let before = |x: usize| match row {
             0 => 0,
             _ => x / row * valid * inner + (x % row).min(valid * inner),
@@ -181,13 +193,14 @@ impl Slice {
                 start,
                 end,
             } => {
-                let runs = archipelago_dataflow::tensor_parallel::global_runs(split, shape, rank, size);
-                runs.iter()
-                    .filter_map(|r| {
-                        let (from, to) = (r.local.max(start), (r.local + r.len).min(end));
-                        (from < to).then(|| (r.global + from - r.local, to - from))
-                    })
-                    .collect()
+                let runs = archipelago_dataflow::tensor_parallel::global_runs_within(
+                    split,
+                    shape,
+                    rank,
+                    size,
+                    start..end,
+                );
+                runs.iter().map(|r| (r.global, r.len)).collect()
             }
         }
     }

@@ -378,4 +378,15 @@ fn tp_slices_map_to_global_places_without_padding() {
             "{bad:?}: {error:?}"
         );
     }
+    // Hostile sizes are refused, never an overflow or a panic.
+    let huge = usize::MAX;
+    let saturating = tp(Split::HeadColumns { parts: huge }, 0, 2, 0, 1);
+    assert!(saturating.len_in(&[huge]).is_err());
+    let overflowing = tp(Split::Rows, 1 << 63, (1 << 63) + 1, 0, 1);
+    assert!(overflowing.len_in(&[huge]).is_err());
+    // A slice of one element of an enormous parameter walks one row, not 2⁴⁰.
+    let one = tp(Split::Columns, 1, 2, 5, 6);
+    assert_eq!(one.len_in(&[1 << 40, 4]).unwrap(), 1);
+    assert_eq!(one.runs(&[1 << 40, 4]), vec![(11, 1)]);
+    assert!(tp(Split::Columns, 1, 2, 6, 6).runs(&[1 << 40, 4]).is_empty());
 }

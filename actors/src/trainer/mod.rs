@@ -285,7 +285,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         let first = self.state.sharding.rank == 0;
         let frozen = (0..self.stage.blocks.len())
             .filter(|&i| first && self.stage.held_blocks[i] && !self.stage.frozen[i].is_empty())
-            .map(|i| (i, sq(&self.stage.frozen[i])));
+            .map(|i| (i, self.frozen_squares(i)));
         let mut reported = Vec::new();
         let offsets = &self.stage.offsets;
         let read = self.for_each_held_part(|block, range, values| {

@@ -9,7 +9,7 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
 
-use super::vocab_loss::{VocabStats, logit_rows};
+use super::vocab_loss::{VocabStats, logit_count, logit_rows};
 use super::{BlockCopies, Segment, Trainer};
 use crate::block::{Activation, Block, read_flat};
 use crate::executor::TensorTable;
@@ -147,7 +147,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             Some(_) => Some(logit_rows(&self.import(logits, table)?)?.detach()),
             None => None,
         };
-        let tokens = logit_rows(&self.step.segments[&key].output)?.dims()[0];
+        let tokens = logit_count(&self.step.segments[&key].output)?;
         let vocab = match stats {
             [max, sums] => Some(VocabStats::take(table, max, sums, tokens)?),
             [] => None,

@@ -33,6 +33,17 @@ impl<B: AutodiffBackend> Trainer<B> {
             // GradNorm counts this actor's share (its count shard of a replicated bucket).
             let own = grad_part(name, grad.f32s(), &segment, &segment.own)?;
             self.state.update.staged_squares += sum_of_squares(own);
+            if !self.stage.tp.leads() {
+                // Replicated parameters' gradients, the same on every tp rank, count once.
+                let replicated = self.replicated_squares_in(
+                    blocks.clone(),
+                    name,
+                    grad.f32s(),
+                    &segment,
+                    segment.own.clone(),
+                )?;
+                self.state.update.staged_squares -= replicated;
+            }
         }
         let grads = if part.len() == grad.elements() {
             grad.into_f32_vec() // already the part (the whole bucket, or the shard): no copy

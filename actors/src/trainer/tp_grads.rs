@@ -116,23 +116,60 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<f64, String> {
         let blocks =
             (self.step.grad_ranges.get(name)).ok_or_else(|| format!("`{name}` is not a gradient bucket"))?;
-        let ranges: Vec<Range<usize>> = (self.replicated_in_bucket(blocks.clone()).into_iter())
+        if let Some(grads) = table.get(name) {
+            return self.replicated_squares_in(blocks.clone(), name, grads.f32s(), segment, own);
+        }
+        let ranges = self.replicated_within(blocks.clone(), &own);
+        let values = (self.state.store.device())
+            .and_then(|state| state.read_ranges(name, &ranges))
+            .ok_or_else(|| format!("gradient `{name}` missing"))?;
+        Ok(squares(&values))
+    }
+
+    /// [`Self::replicated_squares`] of bucket `name` of `blocks`, whose values `grads` arrived as
+    /// the plan's part of `segment`.
+    pub(super) fn replicated_squares_in(
+        &self,
+        blocks: Range<usize>,
+        name: &TensorId,
+        grads: &[f32],
+        segment: &SegmentPlan,
+        own: Range<usize>,
+    ) -> Result<f64, String> {
+        let mut sum = 0.0;
+        for r in self.replicated_within(blocks, &own) {
+            sum += squares(grad_part(name, grads, segment, &r)?);
+        }
+        Ok(sum)
+    }
+
+    /// The replicated ranges of `blocks`' bucket inside `own`.
+    fn replicated_within(&self, blocks: Range<usize>, own: &Range<usize>) -> Vec<Range<usize>> {
+        (self.replicated_in_bucket(blocks).into_iter())
             .map(|r| r.start.max(own.start)..r.end.min(own.end))
             .filter(|r| !r.is_empty())
-            .collect();
-        let values: Vec<f32> = match table.get(name) {
-            Some(grads) => {
-                let mut values = Vec::new();
-                for r in &ranges {
-                    values.extend_from_slice(grad_part(name, grads.f32s(), segment, r)?);
-                }
-                values
+            .collect()
+    }
+
+    /// Σx² of block `block`'s frozen parameters, each counted once over the tp group (a
+    /// replicated one by the first rank only).
+    pub(super) fn frozen_squares(&self, block: usize) -> f64 {
+        let values = &self.stage.frozen[block];
+        let frozen = self.stage.desc.blocks[block]
+            .param_descs
+            .iter()
+            .filter(|p| !p.trainable);
+        let mut at = 0;
+        let mut sum = 0.0;
+        for p in frozen {
+            let end = (at + p.len()).min(values.len());
+            if self.stage.tp.leads() || p.split != Split::Replicated {
+                sum += squares(&values[at..end]);
             }
-            None => (self.state.store.device())
-                .and_then(|state| state.read_ranges(name, &ranges))
-                .ok_or_else(|| format!("gradient `{name}` missing"))?,
-        };
-        Ok(values.iter().map(|&v| f64::from(v) * f64::from(v)).sum())
+            at = end;
+        }
+        // A block described by counts alone keeps its frozen values as one run.
+        sum + squares(&values[at..])
     }
 
     /// `held` (pieces of blocks' local parameter vectors, declaration order) at their places in
@@ -171,6 +208,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         out
     }
+}
+
+fn squares(values: &[f32]) -> f64 {
+    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
 }
 
 fn write_ranges(flat: &mut [f32], ranges: &[Range<usize>], values: &[f32]) {

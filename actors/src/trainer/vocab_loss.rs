@@ -68,6 +68,15 @@ impl VocabStats {
     }
 }
 
+/// The rows (tokens) of logits, without touching their values.
+pub(super) fn logit_count<B: AutodiffBackend>(output: &Activation<B>) -> Result<usize, String> {
+    match output {
+        Activation::Rows(l) => Ok(l.dims()[0]),
+        Activation::Seq(l) => Ok(l.dims()[0] * l.dims()[1]),
+        Activation::Tokens(_) => Err("the model's last block must output logits".into()),
+    }
+}
+
 /// Logits as rows `[tokens, width]` in f32 (the loss is f32 whatever the compute dtype).
 pub(super) fn logit_rows<B: AutodiffBackend>(output: &Activation<B>) -> Result<Tensor<B, 2>, String> {
     let rows = match output {
@@ -193,21 +202,19 @@ impl<B: AutodiffBackend> Trainer<B> {
                 stats.max.len()
             ));
         }
+        if valid == 0 {
+            // A slice of padding only holds no class: nothing of it reaches the loss.
+            return Ok(logits.sum().mul_scalar(0.0));
+        }
         let device = &self.stage.device;
         let column =
             |v: &[f32]| Tensor::<B, 1>::from_data(TensorData::new(v.to_vec(), [n]), device).reshape([n, 1]);
-        let z = logits.slice([0..n, 0..valid.max(1)]);
+        let z = logits.slice([0..n, 0..valid]);
         let p = (z.clone().detach() - column(&stats.max)).exp() / column(&stats.sums);
         let (index, inside) = local_targets(labels, first, valid);
         let inside: Vec<f32> = inside.iter().map(|&i| f32::from(u8::from(i))).collect();
         let target = z.clone().gather(1, self.index_column(index)) * column(&inside);
-        let surrogate = (p * z).sum() - target.sum();
-        // A slice of padding only has no class: nothing of it reaches the loss.
-        Ok(if valid == 0 {
-            surrogate.mul_scalar(0.0)
-        } else {
-            surrogate
-        })
+        Ok((p * z).sum() - target.sum())
     }
 }
 

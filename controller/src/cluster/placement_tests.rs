@@ -90,3 +90,32 @@ fn replanning_takes_a_smaller_dp_that_divides_the_batch() {
     let (plan, _) = place(&program(4, 2, 24), &hosts, true).unwrap();
     assert_eq!(plan.mesh.to_string(), "dp=3 × pp=2");
 }
+
+/// tp=2 × dp=2 on a 3-device and a 2-device host: each tp group takes two devices of one host
+/// (h1's third device stays unused), the replicas go across hosts; a tp no host holds is refused
+/// naming the largest host, before any actor starts.
+#[test]
+fn a_tp_group_takes_devices_of_one_host() {
+    let hosts = [host(1, "a", 3, 0), host(2, "b", 2, 0)];
+    let mut tp2 = program(2, 1, 8);
+    tp2.plan.tp = 2;
+    let (plan, placed) = place(&tp2, &hosts, false).unwrap();
+    assert_eq!(plan.mesh.to_string(), "dp=2 × tp=2");
+    // Actor r·tp + t: actors 0 and 1 are replica 0's group, 2 and 3 replica 1's.
+    let names: Vec<&str> = placed.iter().map(|h| h.name.as_str()).collect();
+    assert_eq!(names, ["h1", "h1", "h2", "h2"]);
+    let devices: Vec<DeviceSpec> = plan.actors.iter().map(|a| a.device).collect();
+    assert_eq!(
+        devices,
+        [
+            DeviceSpec::Cpu(0),
+            DeviceSpec::Cpu(1),
+            DeviceSpec::Cpu(0),
+            DeviceSpec::Cpu(1)
+        ]
+    );
+    let mut tp4 = program(1, 1, 8);
+    tp4.plan.tp = 4;
+    let why = place(&tp4, &hosts, false).unwrap_err().to_string();
+    assert!(why.contains("--tp 4") && why.contains("lower --tp to 3"), "{why}");
+}

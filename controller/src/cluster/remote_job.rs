@@ -370,11 +370,16 @@ fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, V
     match last_error {
         Some(e) => Err(JobError::Plan(e)),
         None => Err(JobError::Runtime(format!(
-            "the job needs {} devices (dp {} × pp {} × tp {tp}) and the registered hosts offer {} ({}); \
+            "the job needs {} devices (dp {} × pp {}{}) and the registered hosts offer {} ({}); \
              start more `archipelago host`s or lower --dp",
             wanted * per_replica * tp,
             wanted,
             per_replica,
+            if tp > 1 {
+                format!(" × tp {tp}, each tp group on one host")
+            } else {
+                String::new()
+            },
             groups.len() * tp,
             describe(hosts)
         ))),

@@ -204,6 +204,7 @@ fn check_tp_forms(program: &Program) -> Result<(), PlanError> {
         if let Some(BlockTp {
             input: TpHeld::Replicated,
             output: TpHeld::Replicated,
+            ..
         }) = b.tp
         {
             return Err(PlanError::Conflict(format!(

@@ -367,3 +367,30 @@ fn tp_all_reduces_of_activations_take_the_compute_dtype() {
         }
     }
 }
+
+/// Each rank's memory: its slices of the parameters (about 1/tp of them: the replicated ones
+/// stay whole) and of the activations Korthikanti et al. count as cut by tp (12d of a layer's
+/// 17d, and the scores), the rest (5d a layer) whole.
+#[test]
+fn memory_per_rank_holds_its_slices_of_parameters_and_activations() {
+    let (one, two) = (
+        compile(&with_tp(GPT, 1, 1)).unwrap(),
+        compile(&with_tp(GPT, 1, 2)).unwrap(),
+    );
+    let (a, b) = (&one.memory[0], &two.memory[0]);
+    let ratio = b.params as f64 / a.params as f64;
+    assert!(
+        ratio > 0.5 && ratio < 0.52,
+        "params {} → {} ({ratio})",
+        a.params,
+        b.params
+    );
+    let (ctx, d, heads, vocab, rows) = (16u64, 32u64, 4u64, 64u64, 4u64);
+    // Per sample: embedding ctx·d; per layer ctx·(17d + 3·heads·ctx); head ctx·(2d + 3·vocab).
+    let layer_whole = ctx * (17 * d + 3 * heads * ctx);
+    let layer_tp2 = ctx * (5 * d + (12 * d + 3 * heads * ctx) / 2);
+    let whole = ctx * d + 2 * layer_whole + ctx * (2 * d + 3 * vocab);
+    let tp2 = ctx * d + 2 * layer_tp2 + ctx * (2 * d + 3 * vocab / 2);
+    assert_eq!(a.activations, 4 * rows * whole, "{a:?}");
+    assert_eq!(b.activations, 4 * rows * tp2, "{b:?}");
+}
