@@ -91,6 +91,10 @@ pub struct StepMetrics {
     /// The step's bytes to and from the offload tier (with `--offload`).
     #[serde(default)]
     pub offload_traffic: archipelago_dataflow::OffloadTraffic,
+    /// The most bytes of activation checkpoints (segment inputs kept for recomputes) held at
+    /// once in the step, on the device and in host memory.
+    #[serde(default)]
+    pub activation_checkpoints: archipelago_dataflow::CheckpointBytes,
 }
 
 /// Local compute of an actor.

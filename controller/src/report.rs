@@ -61,6 +61,13 @@ pub struct ActorRecord {
     pub peak_microbatches_held: usize,
     /// The schedule's bound on that number.
     pub predicted_peak_microbatches_held: usize,
+    /// The most bytes of activation checkpoints (segment inputs kept for the backward's
+    /// recompute) it held at once in a step, on the device and in host memory (measured).
+    #[serde(default)]
+    pub activation_checkpoint_bytes: archipelago_dataflow::CheckpointBytes,
+    /// The plan's estimate of `activation_checkpoint_bytes`.
+    #[serde(default)]
+    pub estimated_activation_checkpoint_bytes: archipelago_dataflow::CheckpointBytes,
     /// Parameters + gradients + optimizer state held at the end of the last step.
     pub model_state_bytes: u64,
     /// The most held during a step.

@@ -364,7 +364,7 @@ fn with_restart_on_failure_a_killed_host_costs_no_sample_and_no_parameter() {
 
 /// The report says the job restarted once — after the kill, which the client sends when its
 /// progress stream shows step 5 (the job may be steps further by then: the stream is not the
-/// job's clock), from the last checkpoint (every 3 steps) before the failure, on `mesh` — and
+/// job's clock), from the last complete checkpoint (every 3 steps) before the failure, on `mesh` — and
 /// has every step's loss exactly once, none skipped or repeated.
 fn assert_restarted_once(run: &TrainReport, mesh: &str, steps: u64) {
     assert_eq!(run.restarts.len(), 1, "{:?}", run.restarts);
@@ -374,11 +374,16 @@ fn assert_restarted_once(run: &TrainReport, mesh: &str, steps: u64) {
         restart.failed_after_step >= 5,
         "the kill came after step 5: {restart:?}"
     );
+    // The last complete checkpoint: the one of the failed-after step itself may have been cut
+    // short by the kill (CI saw a failure after step 6 resume at 4, its checkpoint unwritten).
     let last_checkpoint = restart.failed_after_step / 3 * 3;
-    assert_eq!(
-        restart.resumed_at_step,
-        last_checkpoint + 1,
-        "resumed after the last checkpoint before the failure: {restart:?}"
+    let complete = match restart.failed_after_step % 3 {
+        0 => vec![last_checkpoint + 1, last_checkpoint.saturating_sub(3) + 1],
+        _ => vec![last_checkpoint + 1],
+    };
+    assert!(
+        complete.contains(&restart.resumed_at_step),
+        "resumed after the last checkpoint before the failure ({complete:?}): {restart:?}"
     );
     assert_eq!(restart.mesh, mesh, "{restart:?}");
     let numbers: Vec<u64> = run.steps.iter().map(|s| s.step).collect();

@@ -211,6 +211,10 @@ pub struct ActorTraining {
     /// segments and slices are of its slice of the model ([`crate::tensor_parallel::local_model`]).
     #[serde(default)]
     pub tp: TpPlace,
+    /// What activation checkpointing keeps of segment inputs, and where (partitioned over the
+    /// tp group, offloaded to host memory).
+    #[serde(default)]
+    pub checkpoints: crate::ActivationCheckpoints,
 }
 
 impl ActorTraining {
@@ -248,6 +252,7 @@ impl ActorTraining {
             state: plan.state,
             slices: Vec::new(),
             tp: TpPlace::new(0, plan.tp),
+            checkpoints: crate::ActivationCheckpoints::of(plan),
         };
         training.slices = state_layout(&program.model, &training, program.precision.compute);
         training

@@ -71,9 +71,10 @@ impl FabricKind {
             TensorId::Activation { .. } => FabricKind::Activations,
             TensorId::ActivationGrad { .. } => FabricKind::ActivationGrads,
             TensorId::GradSquares | TensorId::TrustSquares => FabricKind::Norms,
-            TensorId::LossMax { .. } | TensorId::LossSums { .. } | TensorId::TpGrads { .. } => {
-                FabricKind::TensorParallel
-            }
+            TensorId::LossMax { .. }
+            | TensorId::LossSums { .. }
+            | TensorId::TpGrads { .. }
+            | TensorId::Checkpoint { .. } => FabricKind::TensorParallel,
             TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => return None,
         })
     }
@@ -292,6 +293,10 @@ fn tensor_elems(
             .map_or(0, |b| {
                 per_rank(output_of(b.start - 1), model.blocks[b.start].tp.map(|t| t.input))
             }),
+        // A partitioned checkpoint is gathered whole: the segment input the group holds whole.
+        TensorId::Checkpoint { segment, .. } => (plan.buckets.get(*segment))
+            .filter(|b| b.start > 0)
+            .map_or(0, |b| output_of(b.start - 1)),
         TensorId::GradSquares => 1,
         TensorId::TrustSquares => trust_len,
         TensorId::LossMax { .. } => rows * model.input.tokens_per_sample(),

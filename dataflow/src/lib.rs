@@ -33,6 +33,7 @@
 //! assert_eq!(plan.actors.len(), 2);
 //! ```
 
+pub mod activation_checkpoints;
 pub mod actor_training;
 pub mod data;
 pub mod device;
@@ -68,6 +69,7 @@ pub mod tensor_parallel;
 pub mod trained_layout;
 pub mod verify;
 
+pub use activation_checkpoints::{ActivationCheckpoints, CheckpointBytes, KeptInput};
 pub use actor_training::{ActorTraining, SegmentPlan, ZeroStage, shard_range};
 pub use device::DeviceSpec;
 pub use dtype::DType;

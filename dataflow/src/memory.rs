@@ -62,6 +62,14 @@ pub struct MemoryEstimate {
     /// trainer measures it (`compute_weight_bytes`), and not in [`MemoryEstimate::total`].
     #[serde(default)]
     pub compute_weights: u64,
+    /// Of `activations`: the checkpointed segment inputs on the device at the peak (each tp
+    /// rank's 1/tp of the whole ones under `--partition-activations`; none offloaded).
+    #[serde(default)]
+    pub activation_checkpoints: u64,
+    /// The checkpointed segment inputs waiting in host memory at the peak
+    /// (`--offload-activations cpu`; not in [`MemoryEstimate::total`]).
+    #[serde(default)]
+    pub activation_checkpoints_host: u64,
 }
 
 impl MemoryEstimate {
@@ -149,20 +157,15 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     let in_flight = share.peak_in_flight.max(1) as u64;
     // Activations, their gradients and the modules' weights are in the compute dtype.
     let c = program.precision.compute.bytes();
+    let (batch_input, kept, kept_host) = kept_inputs(program, model, &share);
     let activations = if program.plan.checkpoint_activations {
-        let input = share
-            .chunks
-            .iter()
-            .map(|&(s, _)| chunk_input_floats(model, s))
-            .max()
-            .unwrap_or(0);
         let recompute = share
             .buckets
             .iter()
             .map(|b| acts(b.start, b.end))
             .max()
             .unwrap_or(0);
-        c * rows * (in_flight * input + recompute)
+        c * rows * (in_flight * (batch_input + kept) + recompute)
     } else {
         let largest = share.chunks.iter().map(|&(s, e)| acts(s, e)).max().unwrap_or(0);
         c * rows * in_flight * largest
@@ -209,6 +212,8 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         grads: sharded(grads, ZeroStage::ShardedGradients),
         optimizer,
         activations,
+        activation_checkpoints: c * rows * in_flight * kept,
+        activation_checkpoints_host: c * rows * in_flight * kept_host,
         buffers: if dp > 1 {
             largest_bucket / dp * 2 + gathered
         } else {
@@ -285,6 +290,43 @@ fn offload(
         }
         Offload::None => {}
     }
+}
+
+/// Values per sample activation checkpointing keeps for one micro-batch: the model's input
+/// (the batch, which the first segment reads) where this actor holds the first block; then
+/// every other segment's input, on the device and in host memory, in the chunk that keeps most
+/// — partitioned ones at 1/tp (ZeRO-R), offloaded ones on the host. All zero without
+/// checkpointing.
+fn kept_inputs(program: &Program, model: &ModelDesc, share: &ActorShare) -> (u64, u64, u64) {
+    let checkpoints = crate::ActivationCheckpoints::of(&program.plan);
+    if !checkpoints.checkpoint {
+        return (0, 0, 0);
+    }
+    let tp = program.plan.tp.max(1);
+    let batch = match share.chunks.iter().any(|&(start, _)| start == 0) {
+        true => chunk_input_floats(model, 0),
+        false => 0,
+    };
+    let kept_in = |&(start, end): &Chunk| {
+        let (mut device, mut host) = (0, 0);
+        let later = |b: &&&Bucket| b.start >= start.max(1) && b.end <= end;
+        for b in share.buckets.iter().filter(later) {
+            let whole = chunk_input_floats(model, b.start);
+            let input = model.blocks[b.start].tp.unwrap_or_default().input;
+            match checkpoints.kept_input(tp, b.start, input) {
+                None => device += whole,
+                Some(k) => {
+                    let held = if k.partitioned { whole / tp as u64 } else { whole };
+                    *(if k.offloaded { &mut host } else { &mut device }) += held;
+                }
+            }
+        }
+        (device, host)
+    };
+    let each: Vec<(u64, u64)> = share.chunks.iter().map(kept_in).collect();
+    let device = each.iter().map(|k| k.0).max().unwrap_or(0);
+    let host = each.iter().map(|k| k.1).max().unwrap_or(0);
+    (batch, device, host)
 }
 
 /// f32 values per sample entering the chunk that starts at block `start`.

@@ -98,6 +98,7 @@ impl Plan {
                     state: t.state,
                     slices: Vec::new(),
                     tp: t.tp,
+                    checkpoints: t.checkpoints,
                 },
             }
         };
@@ -187,6 +188,7 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
         plan.bucket_bytes.max(1),
     );
     layout.islands = checks::island_indices(&program.islands, mesh.size())?;
+    layout.checkpoints = crate::ActivationCheckpoints::of(plan);
     checks::check_tp_islands(plan.tp, &layout.islands)?;
     let norms = StepNorms::of(program);
     let mut graph = crate::passes::step::build_step(
@@ -394,3 +396,5 @@ mod tests;
 
 #[cfg(test)]
 mod tp_tests;
+#[cfg(test)]
+mod zero_r_tests;

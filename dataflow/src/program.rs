@@ -61,6 +61,16 @@ pub struct ParallelPlan {
     /// (`ParamDesc.split`).
     #[serde(default = "one")]
     pub tp: usize,
+    /// ZeRO-R's partitioned activation checkpoints (Rajbhandari et al. 2019 §6;
+    /// `--partition-activations`, Megatron's `--distribute-saved-activations`): under activation
+    /// checkpointing with `tp` above 1, each tp rank keeps 1/tp of every checkpointed segment
+    /// input the group holds whole, and the group all-gathers it before the backward recomputes.
+    #[serde(default)]
+    pub partition_activations: bool,
+    /// `--offload-activations cpu`: the checkpointed segment inputs (or each rank's part of
+    /// them) wait in host memory between the forward and the backward.
+    #[serde(default)]
+    pub offload_activations: bool,
 }
 
 fn one() -> usize {
@@ -200,6 +210,8 @@ impl Default for ParallelPlan {
             offload_params: false,
             state: StatePlacement::Auto,
             tp: 1,
+            partition_activations: false,
+            offload_activations: false,
         }
     }
 }
@@ -342,6 +354,10 @@ pub enum TestFault {
     /// The fused qkv projection cut contiguously (rank 0 holding all of q and half of k) where
     /// the modules compute attention on per-head slices.
     ContiguousQkv,
+    /// ZeRO-R without its all-gather: a partitioned checkpoint's recompute reads this rank's own
+    /// part with zeros in the others' places (the gather still runs, so streams and fabric
+    /// bytes are unchanged).
+    SkipCheckpointGather,
 }
 
 impl Program {

@@ -90,6 +90,16 @@ pub enum TensorId {
         /// Segment index.
         segment: usize,
     },
+    /// Activation checkpointing: segment `segment`'s input for micro-batch `mb`, kept from the
+    /// forward for the backward's recompute where the plan names it — each tp rank's 1/tp of it
+    /// under `--partition-activations` (ZeRO-R), all-gathered before the backward; in host
+    /// memory under `--offload-activations cpu`.
+    Checkpoint {
+        /// Segment index.
+        segment: usize,
+        /// Micro-batch.
+        mb: usize,
+    },
 }
 
 impl TensorId {
@@ -107,6 +117,7 @@ impl TensorId {
             | TensorId::Loss { mb }
             | TensorId::LossMax { mb }
             | TensorId::LossSums { mb }
+            | TensorId::Checkpoint { mb, .. }
             | TensorId::GatheredParams { mb, .. } => Some(*mb),
             _ => None,
         }
@@ -120,6 +131,7 @@ impl TensorId {
             | TensorId::GradBucket { segment }
             | TensorId::UpdatedParams { segment }
             | TensorId::GatheredParams { segment, .. }
+            | TensorId::Checkpoint { segment, .. }
             | TensorId::TpGrads { segment } => Some(*segment),
             _ => None,
         }
@@ -160,6 +172,7 @@ impl fmt::Display for TensorId {
             TensorId::LossMax { mb } => write!(f, "lossmax.{mb}"),
             TensorId::LossSums { mb } => write!(f, "losssums.{mb}"),
             TensorId::TpGrads { segment } => write!(f, "tpgrad.{segment}"),
+            TensorId::Checkpoint { segment, mb } => write!(f, "ckpt.{segment}.{mb}"),
         }
     }
 }

@@ -4,7 +4,7 @@
 //! the vocabulary-parallel loss), tp × dp, tp × pp (1F1B, m = 4), tp × dp × pp (8 actors),
 //! tp × ZeRO-3 × dp, an mlp's stages cut where the activation is sharded, tp with activation
 //! checkpointing, with clipping, with the state on the device (ZeRO-2 × dp) and offloaded to the
-//! host (ZeRO-2 × dp): each trains to one device's losses, step by step, and its parameters,
+//! host (ZeRO-2 × dp), and ZeRO-R's partitioned (and offloaded) activation checkpoints: each trains to one device's losses, step by step, and its parameters,
 //! element by element — gathered from every
 //! tp rank's slices put back at their global places (the replica check also holds every
 //! replicated parameter equal over each tp group) — under plain SGD and AdamW. Every run's
@@ -185,14 +185,17 @@ fn check_with(model: &str, optimizer: OptimizerSpec, plans: &[ParallelPlan], edi
     );
     for p in plans {
         let what = format!(
-            "{model} {} tp={} dp={} pp={} m={} zero={} ckpt={}",
+            "{model} {} tp={} dp={} pp={} m={} zero={} ckpt={} partitioned={} offloaded={} {:?}",
             optimizer.name(),
             p.tp,
             p.dp,
             p.pp,
             p.microbatches,
             p.zero,
-            p.checkpoint_activations
+            p.checkpoint_activations,
+            p.partition_activations,
+            p.offload_activations,
+            p.schedule
         );
         let run = run(&programme(p.clone()));
         let (atol, skipped) = tolerance(model, &optimizer);
@@ -385,4 +388,74 @@ fn tp_2_in_bf16_matches_one_device_in_bf16() {
         let broken = worst(&losses(&programme(2, Some(TestFault::SkipTpInputGradReduce))));
         assert_caught(&format!("{what}: f skipped"), broken, BF16_RTOL, MARGIN);
     }
+}
+
+/// ZeRO-R (Rajbhandari et al. 2019 §6): under activation checkpointing at tp = 2, each rank keeps
+/// half of every checkpointed input the group holds whole and the group all-gathers it before
+/// the recompute; `--offload-activations cpu` keeps what is checkpointed in host memory. Each
+/// variant — with 1F1B pipelines, ZB-H1, dp × pp (8 actors) and ZeRO-3 (which implies
+/// checkpointing) — trains to one device's losses and parameters under SGD and AdamW; the
+/// checkpoint bytes each actor held at the peak (measured by the trainer) are half of the
+/// unpartitioned run's, none on the device when offloaded, and the plan's estimate. The control:
+/// a recompute reading the rank's own part without the gather.
+#[test]
+fn partitioned_and_offloaded_activation_checkpoints_match_one_device() {
+    let kept = |partition: bool, offload: bool, p: ParallelPlan| ParallelPlan {
+        checkpoint_activations: true,
+        partition_activations: partition,
+        offload_activations: offload,
+        ..p
+    };
+    let partitioned = kept(true, false, plan(2, 1, 1, 2));
+    let plans = [
+        partitioned.clone(),
+        kept(true, true, plan(2, 1, 1, 2)),
+        kept(false, true, plan(1, 1, 1, 2)),
+        kept(true, false, plan(2, 1, 2, 4)),
+        kept(true, true, plan(2, 2, 2, 2)),
+        ParallelPlan {
+            schedule: Schedule::ZbH1,
+            ..kept(true, false, plan(2, 1, 2, 4))
+        },
+        ParallelPlan {
+            zero: 3,
+            ..kept(true, false, plan(2, 2, 1, 1))
+        },
+    ];
+    check(GPT, sgd(), &plans);
+    check(GPT, adamw(), &plans[..2]);
+    check(MLP_SHARDED, sgd(), std::slice::from_ref(&partitioned));
+
+    let peaks = |p: ParallelPlan| {
+        let run = run(&program(GPT, sgd(), p));
+        let actors = run.report.actors.iter();
+        let measured: Vec<_> = actors.clone().map(|a| a.activation_checkpoint_bytes).collect();
+        let estimated: Vec<_> = actors.map(|a| a.estimated_activation_checkpoint_bytes).collect();
+        assert_eq!(measured, estimated, "the plan's estimate of the checkpoints");
+        measured
+    };
+    let whole = peaks(kept(false, false, plan(2, 1, 1, 2)));
+    let halves = peaks(partitioned.clone());
+    let offloaded = peaks(kept(true, true, plan(2, 1, 1, 2)));
+    eprintln!("checkpoint bytes per actor: whole {whole:?}, partitioned {halves:?}, offloaded {offloaded:?}");
+    for ((w, h), o) in whole.iter().zip(&halves).zip(&offloaded) {
+        assert!(w.device > 0 && w.host == 0, "{w:?}");
+        assert_eq!(2 * h.device, w.device, "a rank keeps half of each input");
+        assert_eq!(
+            (o.device, o.host),
+            (0, h.device),
+            "offloaded: the same half, on the host"
+        );
+    }
+
+    let reference = run(&program(GPT, sgd(), plan(1, 1, 1, 1)));
+    let mut broken = program(GPT, sgd(), partitioned);
+    broken.test_fault = Some(TestFault::SkipCheckpointGather);
+    let found = excess(&reference, &run(&broken), ATOL, &[]);
+    assert_caught(
+        "the recompute without the checkpoint's gather",
+        found,
+        1.0,
+        MARGIN,
+    );
 }

@@ -288,6 +288,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             samples,
             global_batch: program.plan.batch,
             checkpoint: training.checkpoint_activations,
+            checkpoints: training.checkpoints,
             batched_transfers: false,
             fault: FaultHook::new(
                 program.test_fault,

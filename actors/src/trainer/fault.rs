@@ -48,6 +48,12 @@ impl FaultHook {
         }
     }
 
+    /// `SkipCheckpointGather`: whether a recompute reads the rank's own part of a partitioned
+    /// checkpoint in place of the gathered whole.
+    pub(super) fn skips_checkpoint_gather(&self) -> bool {
+        self.fault == TestFault::SkipCheckpointGather
+    }
+
     /// `LocalLossMax`: this rank's own maxima kept under `name`, in place of the group's.
     pub(super) fn local_max(&self, name: &TensorId) -> Option<&[f32]> {
         self.local.get(name).map(Vec::as_slice)

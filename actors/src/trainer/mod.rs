@@ -47,6 +47,7 @@ mod device_lamb;
 mod device_state;
 mod fault;
 mod full_vectors;
+mod kept_inputs;
 mod norms;
 mod parts;
 mod passes;
@@ -62,10 +63,15 @@ type BlockCopies<B> = Vec<Box<dyn Block<B>>>;
 
 /// A segment's forward for one micro-batch, kept for its backward.
 pub(super) struct Segment<B: AutodiffBackend> {
-    input: Activation<B>,
-    /// The output; without its graph when `checkpointed`.
-    output: Activation<B>,
+    /// The input (an autodiff leaf); `None` while checkpointed where the plan keeps it
+    /// elsewhere (`kept`, or the table) until the backward's recompute.
+    input: Option<Activation<B>>,
+    /// The output; without its graph when `checkpointed`, and then dropped once the next
+    /// segment's forward has read it (the backward recomputes it).
+    output: Option<Activation<B>>,
     checkpointed: bool,
+    /// This tp rank's part of a partitioned checkpointed input (ZeRO-R).
+    kept: Option<kept_inputs::KeptPart<B>>,
     /// The per-micro-batch copies of the blocks the forward ran on (their gradients are read
     /// from these); empty when checkpointed (the recompute makes new ones).
     copies: BlockCopies<B>,
@@ -111,11 +117,24 @@ pub struct Trainer<B: AutodiffBackend> {
     global_batch: usize,
     /// Activation checkpointing (the plan's).
     checkpoint: bool,
+    /// What checkpointing keeps of segment inputs, and where (the plan's).
+    checkpoints: archipelago_dataflow::ActivationCheckpoints,
     /// Move each gradient bucket off the device and each block's parameters onto it in one
     /// transfer (GPUs; see `read_flat` and `Block::load_params`).
     batched_transfers: bool,
     /// Test hook: the fault the program names (`None` but in the equivalence suite's controls).
     fault: Option<FaultHook>,
+}
+
+impl<B: AutodiffBackend> Segment<B> {
+    /// The output the forward left, while it is held.
+    fn output(&self) -> Result<&Activation<B>, String> {
+        self.output.as_ref().ok_or_else(|| {
+            "the segment's output was dropped once the next segment read it (activation \
+             checkpointing recomputes it in the backward)"
+                .to_string()
+        })
+    }
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -166,7 +185,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 Ok(())
             }
             ComputeOp::Forward { start, end, mb } => {
-                self.forward(*start..*end, *mb, &nth(inputs, 0)?, &nth(outputs, 0)?, table)
+                self.forward(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
             }
             ComputeOp::Loss { .. } => self.compute_loss(inputs, &nth(outputs, 0)?, table),
             ComputeOp::LossMax { .. } => self.loss_max(&nth(inputs, 0)?, &nth(outputs, 0)?, table),
@@ -178,10 +197,10 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 self.replicated_grads(*start..*end, inputs, outputs, table)
             }
             ComputeOp::Backward { start, end, mb } => {
-                self.backward(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
+                self.backward(*start..*end, *mb, inputs, outputs, table)
             }
             ComputeOp::BackwardInput { start, end, mb } => {
-                self.backward_input(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
+                self.backward_input(*start..*end, *mb, inputs, outputs, table)
             }
             ComputeOp::BackwardWeight { start, end, mb } => {
                 self.backward_weight(*start..*end, *mb, outputs, table)
@@ -219,8 +238,11 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         if let Some(bucket) = self.state.store.export_bucket(name) {
             return Some(Ok(TypedTensor::flat(bucket)));
         }
+        if let Some(checkpoint) = self.export_checkpoint(name) {
+            return Some(checkpoint);
+        }
         if let Some(key) = self.step.by_name.get(name) {
-            return Some(to_host(&self.step.segments.get(key)?.output));
+            return Some(self.step.segments.get(key)?.output().and_then(to_host));
         }
         self.step.upstream.remove(name).map(|g| to_host(&g))
     }
@@ -255,6 +277,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             fabric: Default::default(),    // the executor's count of the step
             device_memory: None,           // the executor reads the device's pool
             offload_traffic: std::mem::take(&mut self.step.offload_traffic),
+            activation_checkpoints: std::mem::take(&mut self.step.checkpoint_peak),
         };
         self.step.peak_grad_bytes = 0;
         self.step.peak_live = 0;

@@ -79,6 +79,13 @@ pub(super) struct InFlight<B: AutodiffBackend> {
     pub(super) offload_traffic: archipelago_dataflow::OffloadTraffic,
     /// The job's step in flight (from 1).
     pub(super) job_step: u64,
+    /// Partitioned checkpoints (ZeRO-R) by name: the segment `(start, mb)` keeping this rank's
+    /// part.
+    pub(super) checkpoints: HashMap<TensorId, (usize, usize)>,
+    /// Checkpoints waiting whole in the table (`--offload-activations cpu`), by name: bytes.
+    pub(super) offloaded_bytes: HashMap<TensorId, u64>,
+    /// The most checkpoint bytes held at once this step.
+    pub(super) checkpoint_peak: archipelago_dataflow::CheckpointBytes,
 }
 
 impl<B: AutodiffBackend> HeldStage<B> {
@@ -128,6 +135,9 @@ impl<B: AutodiffBackend> Default for InFlight<B> {
             spare_buffers: Vec::new(),
             offload_traffic: Default::default(),
             job_step: 0,
+            checkpoints: HashMap::new(),
+            offloaded_bytes: HashMap::new(),
+            checkpoint_peak: Default::default(),
         }
     }
 }
@@ -143,6 +153,8 @@ impl<B: AutodiffBackend> InFlight<B> {
         self.pending_weights.clear();
         self.grads_started.clear();
         self.live.clear();
+        self.checkpoints.clear();
+        self.offloaded_bytes.clear();
     }
 }
 

@@ -61,20 +61,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         blocks: Range<usize>,
         mb: usize,
         input: &TensorId,
-        output: &TensorId,
+        outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        // The table before this actor's own output: a tensor-parallel all-reduce (Megatron's g)
-        // leaves the group's sum there under the same name as the summand this actor produced.
-        let x = if let Some(batch) = self.step.batches.get(input) {
-            batch.input.clone().cast(self.stage.compute)
-        } else if table.get(input).is_some() {
-            self.import(input, table)?.leaf()
-        } else if let Some(key) = self.step.by_name.get(input) {
-            self.step.segments[key].output.leaf()
-        } else {
-            self.import(input, table)?.leaf()
-        };
+        let output = outputs.first().ok_or("the forward names no output")?;
+        let x = self.forward_input(input, table)?;
         let (kept, copies) = if self.checkpoint {
             // No graph at all: burn frees a recorded graph only at a backward, so a forward run
             // with one and then detached would hold every segment's activations until then.
@@ -87,23 +78,60 @@ impl<B: AutodiffBackend> Trainer<B> {
             self.run_blocks(blocks.clone(), x.clone())?
         };
         let key = (blocks.start, mb);
+        let (input, part) = match self.checkpoint {
+            true => self.keep_input(blocks.start, x, outputs.get(1), table)?,
+            false => (Some(x), None),
+        };
+        if let Some(name) = outputs.get(1) {
+            if part.is_some() {
+                self.step.checkpoints.insert(name.clone(), key);
+            } else if let Some(t) = table.get(name) {
+                self.step
+                    .offloaded_bytes
+                    .insert(name.clone(), t.byte_len() as u64);
+            }
+        }
         self.step.segments.insert(
             key,
             Segment {
-                input: x,
-                output: kept,
+                input,
+                output: Some(kept),
                 checkpointed: self.checkpoint,
+                kept: part,
                 copies,
                 batch: None,
                 summed: None,
                 vocab: None,
             },
         );
+        self.note_checkpoint_bytes();
         self.step.by_name.insert(output.clone(), key);
         let chunk = (self.chunk_of(blocks.start), mb);
         *self.step.live.entry(chunk).or_default() += 1;
         self.step.peak_live = self.step.peak_live.max(self.step.live.len());
         Ok(())
+    }
+
+    /// A segment's input: a batch, the table's tensor, or the output of this actor's segment
+    /// before, whose checkpointed output is then dropped (its backward recomputes it). The table
+    /// comes before this actor's own output: a tensor-parallel all-reduce (Megatron's g) leaves
+    /// the group's sum there under the same name as the summand this actor produced.
+    fn forward_input(&mut self, input: &TensorId, table: &mut TensorTable) -> Result<Activation<B>, String> {
+        if let Some(batch) = self.step.batches.get(input) {
+            return Ok(batch.input.clone().cast(self.stage.compute));
+        }
+        let before = (self.step.by_name.get(input).copied()).and_then(|key| self.step.segments.get_mut(&key));
+        let own = before.and_then(|b| match b.checkpointed {
+            true => b.output.take(),
+            false => b.output.clone(),
+        });
+        if table.get(input).is_some() {
+            return Ok(self.import(input, table)?.leaf());
+        }
+        if let Some(own) = own {
+            return Ok(own.leaf());
+        }
+        Ok(self.import(input, table)?.leaf())
     }
 
     /// The loss of `segment` (the last) against `batch`'s targets, summed over its tokens and
@@ -114,7 +142,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let batch = (self.step.batches.get(batch)).ok_or_else(|| format!("batch `{batch}` is not loaded"))?;
         let per_global_sample = 1.0 / (self.global_batch * self.stage.desc.input.tokens_per_sample()) as f32;
         // The loss in f32 whatever the compute dtype (its backward casts the gradient back).
-        let mut logits = logit_rows(&segment.output)?;
+        let mut logits = logit_rows(segment.output()?)?;
         if let Some(sum) = &segment.summed {
             // g's backward is the identity: the sum's value, the partial's gradient.
             logits = logits.clone() + (sum.clone() - logits.detach());
@@ -147,7 +175,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             Some(_) => Some(logit_rows(&self.import(logits, table)?)?.detach()),
             None => None,
         };
-        let tokens = logit_count(&self.step.segments[&key].output)?;
+        let tokens = logit_count(self.step.segments[&key].output()?)?;
         let vocab = match stats {
             [max, sums] => Some(VocabStats::take(table, max, sums, tokens)?),
             [] => None,
@@ -192,16 +220,29 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        upstream: &TensorId,
+        inputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(B::Gradients, Segment<B>), String> {
+        let [upstream, checkpoint @ ..] = inputs else {
+            return Err("the backward names no upstream gradient".into());
+        };
         let mut segment = self
             .step
             .segments
             .remove(&(blocks.start, mb))
             .ok_or("backward of a segment that did not run forward")?;
         if segment.checkpointed {
-            (segment.output, segment.copies) = self.run_blocks(blocks.clone(), segment.input.clone())?;
+            let input = match segment.input.take() {
+                Some(input) => input,
+                None => self.checkpointed_input(checkpoint.first(), segment.kept.as_ref(), table)?,
+            };
+            if let Some(name) = checkpoint.first() {
+                self.step.checkpoints.remove(name);
+                self.step.offloaded_bytes.remove(name);
+            }
+            segment.kept = None;
+            let (output, copies) = self.run_blocks(blocks.clone(), input.clone())?;
+            (segment.input, segment.output, segment.copies) = (Some(input), Some(output), copies);
         }
         let grads = if let Some(key) = self.step.losses.remove(upstream) {
             if key != (blocks.start, mb) {
@@ -220,7 +261,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 Some(g) => g,
                 None => self.import(upstream, table)?,
             };
-            segment.output.dot(&g).backward()
+            segment.output()?.dot(&g).backward()
         };
         Ok((grads, segment))
     }
@@ -292,11 +333,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        upstream: &TensorId,
+        inputs: &[TensorId],
         outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
+        let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, inputs, table)?;
         self.gradients_into_bucket(blocks.clone(), &segment.copies, &mut grads, outputs, table)?;
         let input_grad = outputs
             .iter()
@@ -333,9 +374,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         name: Option<&TensorId>,
     ) -> Result<(), String> {
         if let Some(name) = name {
-            let g = segment
-                .input
-                .take_grad(grads)
+            let g = (segment.input.as_ref())
+                .and_then(|input| input.take_grad(grads))
                 .ok_or("the segment input has no gradient")?;
             self.step.upstream.insert(name.clone(), g);
         }
@@ -346,11 +386,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        upstream: &TensorId,
+        inputs: &[TensorId],
         outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
-        let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, upstream, table)?;
+        let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, inputs, table)?;
         self.keep_input_grad(&segment, &mut grads, outputs.first())?;
         self.step
             .pending_weights

@@ -112,7 +112,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// The logits this actor's forward left under `name`, detached, as f32 rows.
     fn held_logits(&self, name: &TensorId) -> Result<Tensor<B, 2>, String> {
         let key = (self.step.by_name.get(name)).ok_or_else(|| format!("no segment produced `{name}`"))?;
-        Ok(logit_rows(&self.step.segments[key].output)?.detach())
+        Ok(logit_rows(self.step.segments[key].output()?)?.detach())
     }
 
     /// `LossMax`: each token's largest logit in this rank's slice (`-∞` for a slice of padding

@@ -123,6 +123,15 @@ pub struct JobArgs {
     /// Keep only segment inputs in forward; recompute the forward inside backward.
     #[arg(long)]
     pub checkpoint_activations: bool,
+    /// With --checkpoint-activations and --tp 2 or more: each tp rank keeps 1/tp of every
+    /// checkpointed input the group holds whole and the group all-gathers it before the
+    /// recompute (ZeRO-R's partitioned activations; Megatron's --distribute-saved-activations).
+    #[arg(long)]
+    pub partition_activations: bool,
+    /// With --checkpoint-activations: keep the checkpointed inputs (or each tp rank's part of
+    /// them) in host memory between the forward and the backward: `cpu`, or `none`.
+    #[arg(long, default_value = "none")]
+    pub offload_activations: String,
     /// ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state sharded), 2 (also
     /// gradients), 3 (also parameters; implies --checkpoint-activations).
     #[arg(long, default_value_t = 0)]
@@ -182,6 +191,14 @@ impl JobArgs {
             schedule: self.schedule.parse::<Schedule>().map_err(anyhow::Error::msg)?,
             virtual_stages: self.virtual_stages,
             checkpoint_activations: self.checkpoint_activations,
+            partition_activations: self.partition_activations,
+            offload_activations: match self.offload_activations.as_str() {
+                "none" => false,
+                "cpu" => true,
+                other => anyhow::bail!(
+                    "--offload-activations {other}: the tiers are `cpu` (host memory) and `none`"
+                ),
+            },
             zero: self.zero,
             offload: self.offload.parse().map_err(anyhow::Error::msg)?,
             offload_params: self.offload_params,

@@ -121,6 +121,8 @@ impl PsArgs {
             (j.microbatches != 1, "--microbatches"),
             (j.virtual_stages != 1, "--virtual-stages"),
             (j.checkpoint_activations, "--checkpoint-activations"),
+            (j.partition_activations, "--partition-activations"),
+            (j.offload_activations != "none", "--offload-activations"),
             (j.stages.is_some(), "--stages"),
             (j.devices.is_some(), "--devices"),
             (j.init.is_some(), "--init"),

@@ -30,6 +30,7 @@ pub(crate) struct StepFigures {
     bubble: Vec<Vec<f64>>,
     peak_state_bytes: Vec<u64>,
     peak_microbatches_held: Vec<usize>,
+    peak_checkpoints: Vec<archipelago_dataflow::CheckpointBytes>,
     /// Times of each instruction of each actor's stream.
     instructions: Vec<Vec<Vec<f64>>>,
 }
@@ -44,6 +45,7 @@ impl StepFigures {
             bubble: vec![Vec::new(); n],
             peak_state_bytes: vec![0; n],
             peak_microbatches_held: vec![0; n],
+            peak_checkpoints: vec![Default::default(); n],
             instructions: (plan.actors.iter())
                 .map(|a| vec![Vec::new(); a.stream.instructions.len()])
                 .collect(),
@@ -73,6 +75,8 @@ impl StepFigures {
             self.peak_state_bytes[a] = self.peak_state_bytes[a].max(r.metrics.peak_model_state_bytes);
             self.peak_microbatches_held[a] =
                 self.peak_microbatches_held[a].max(r.metrics.peak_microbatches_held);
+            let (peak, now) = (&mut self.peak_checkpoints[a], r.metrics.activation_checkpoints);
+            (peak.device, peak.host) = (peak.device.max(now.device), peak.host.max(now.host));
             for t in &r.timings {
                 push_recent(&mut self.instructions[a][t.index], t.seconds);
             }
@@ -195,6 +199,11 @@ fn actor_record(
         replayed_bubble: replayed.bubble[placed.stage],
         peak_microbatches_held: figures.peak_microbatches_held[a],
         predicted_peak_microbatches_held: plan.prediction.peak_in_flight[placed.stage],
+        activation_checkpoint_bytes: figures.peak_checkpoints[a],
+        estimated_activation_checkpoint_bytes: archipelago_dataflow::CheckpointBytes {
+            device: memory.activation_checkpoints,
+            host: memory.activation_checkpoints_host,
+        },
         compute_s: median(&mut figures.compute[a]),
         comm_wait_s: median(&mut figures.wait[a]),
         instructions: (placed.stream.instructions.iter())

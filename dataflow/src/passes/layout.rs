@@ -3,6 +3,7 @@
 //! the actors. Every pass of the step ([`super::step`]) reads it; none changes it.
 
 use crate::ActorId;
+use crate::activation_checkpoints::{ActivationCheckpoints, KeptInput};
 use crate::mesh::Mesh;
 use crate::model_spec::ModelDesc;
 use crate::passes::data_parallel::{Bucket, buckets_in};
@@ -32,6 +33,8 @@ pub struct Layout {
     /// Whether each segment has trainable replicated parameters (whose gradients a
     /// tensor-parallel group sums).
     pub segment_replicated: Vec<bool>,
+    /// What activation checkpointing keeps of segment inputs, and where (none by default).
+    pub checkpoints: ActivationCheckpoints,
 }
 
 impl Layout {
@@ -84,7 +87,14 @@ impl Layout {
             islands: Vec::new(),
             segment_tp,
             segment_replicated,
+            checkpoints: ActivationCheckpoints::default(),
         }
+    }
+
+    /// How segment `k`'s input is kept for its backward, when the plan names it
+    /// ([`crate::TensorId::Checkpoint`]; see [`ActivationCheckpoints::kept_input`]).
+    pub fn kept_input(&self, k: usize) -> Option<KeptInput> {
+        (self.checkpoints).kept_input(self.tp(), self.segments[k].start, self.segment_tp[k].input)
     }
 
     /// The pipeline device (coordinate on `pp`) holding chunk `c`.

@@ -64,11 +64,20 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
                 segments.reverse();
             }
             let mb = slot.mb;
-            for b in segments {
+            for (i, b) in segments.iter().enumerate() {
                 for r in 0..dp {
                     match slot.pass {
                         Pass::F => forward(&mut graph, layout, b, mb, r, s, last_segment),
-                        Pass::B => backward(&mut graph, layout, b, mb, r, s, last_segment, splits_backward),
+                        Pass::B => {
+                            // ZeRO-R's gathers run one segment ahead of the backward that reads
+                            // them (the schedule is known), the slot's first at its start.
+                            let group = layout.tp_group(r, s);
+                            let ahead = segments.get(i + 1);
+                            for k in (i == 0).then_some(*b).into_iter().chain(ahead.copied()) {
+                                gather_checkpoint(&mut graph, layout, k, mb, &group);
+                            }
+                            backward(&mut graph, layout, b, mb, r, s, last_segment, splits_backward)
+                        }
                         Pass::W => {
                             let op = ComputeOp::BackwardWeight {
                                 start: b.start,
@@ -102,12 +111,12 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
         mb,
     };
     let group = layout.tp_group(r, s);
-    graph.compute_each(
-        &group,
-        &op,
-        std::slice::from_ref(&input),
-        std::slice::from_ref(&output),
-    );
+    let mut outputs = vec![output.clone()];
+    if layout.kept_input(b.id).is_some() {
+        // What activation checkpointing keeps of the input for the backward, named.
+        outputs.push(TensorId::Checkpoint { segment: b.id, mb });
+    }
+    graph.compute_each(&group, &op, std::slice::from_ref(&input), &outputs);
     if group.len() > 1 && layout.segment_tp[b.id].output == TpHeld::Partial {
         // g: the partial sums of a row-parallel output become the activation on every rank.
         graph.collective(CollectiveKind::AllReduceSum, group, &output);
@@ -119,6 +128,15 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
         for (from, to) in layout.tp_group(r, s).into_iter().zip(layout.tp_group(r, next)) {
             graph.transfer(from, &output, to, &output);
         }
+    }
+}
+
+/// ZeRO-R: every rank of `group` kept 1/tp of segment `b`'s input for micro-batch `mb`; its
+/// recompute needs all of it (nothing for a segment whose input is not partitioned).
+fn gather_checkpoint(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, group: &[usize]) {
+    if layout.kept_input(b.id).is_some_and(|k| k.partitioned) {
+        let checkpoint = TensorId::Checkpoint { segment: b.id, mb };
+        graph.collective(CollectiveKind::AllGather, group.to_vec(), &checkpoint);
     }
 }
 
@@ -186,7 +204,11 @@ fn backward(
         outputs.push(dact.clone());
     }
     let group = layout.tp_group(r, s);
-    graph.compute_each(&group, &op, std::slice::from_ref(&upstream), &outputs);
+    let mut inputs = vec![upstream];
+    if layout.kept_input(b.id).is_some() {
+        inputs.push(TensorId::Checkpoint { segment: b.id, mb });
+    }
+    graph.compute_each(&group, &op, &inputs, &outputs);
     if group.len() > 1 && b.id > 0 && layout.segment_tp[b.id].input == TpHeld::Replicated {
         // f: every rank's gradient of the replicated input is a summand of the whole.
         graph.collective(CollectiveKind::AllReduceSum, group.clone(), &dact);

@@ -30,6 +30,8 @@ pub fn apply(graph: &mut Graph, precision: &Precision) {
                 TensorId::UpdatedParams { .. } | TensorId::GatheredParams { .. } => precision.compute,
                 // Tensor parallelism's g and f reduce activations as the trainer holds them.
                 TensorId::Activation { .. } | TensorId::ActivationGrad { .. } => precision.compute,
+                // ZeRO-R gathers a checkpointed input as the trainer holds it.
+                TensorId::Checkpoint { .. } => precision.compute,
                 _ => *dtype,
             };
         }

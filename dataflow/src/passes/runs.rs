@@ -47,7 +47,9 @@ fn pass_of(op: &ComputeOp) -> Option<(Pass, usize, usize, usize)> {
 /// True when `node` belongs to the run of `segment`'s `op` for micro-batch `mb`: the same op on
 /// another replica or tensor-parallel rank, a loss of that micro-batch, the send of the segment's
 /// output or input gradient, a tensor-parallel all-reduce of either (Megatron's g and f), the
-/// vocabulary-parallel loss's statistics, or the tp group's sum of its replicated gradients.
+/// vocabulary-parallel loss's statistics, the tp group's sum of its replicated gradients, or a
+/// gather of a partitioned checkpoint of the micro-batch (ZeRO-R's, which run one segment
+/// ahead of their backward; the first replica's come before the run).
 fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
     match node {
         NodeOp::Compute { op: other, .. } => {
@@ -68,6 +70,8 @@ fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
                 || *tensor == TensorId::LossMax { mb }
                 || *tensor == TensorId::LossSums { mb }
                 || *tensor == TensorId::TpGrads { segment }
+                || (matches!(tensor, TensorId::Checkpoint { mb: m, .. } if *m == mb)
+                    && matches!(pass_of(op), Some((Pass::B, ..))))
         }
     }
 }

@@ -64,10 +64,37 @@ pub(super) fn check_program(program: &Program) -> Result<(), PlanError> {
             plan.zero, plan.dp, plan.offload
         )));
     }
+    check_activation_checkpoints(program)?;
     crate::passes::optimizer::check(program)?;
     crate::precision::check(program)?;
     check_state_placement(program)?;
     program.model.check_trainable()?;
+    Ok(())
+}
+
+/// Refuses partitioned or offloaded activation checkpoints without checkpointing (ZeRO-3
+/// implies it) or, partitioned, without a tensor-parallel group to partition over.
+fn check_activation_checkpoints(program: &Program) -> Result<(), PlanError> {
+    let plan = &program.plan;
+    let checkpointed = plan.checkpoint_activations || plan.zero_stage().shards_parameters();
+    let asked = [
+        (plan.partition_activations, "--partition-activations"),
+        (plan.offload_activations, "--offload-activations cpu"),
+    ];
+    if let Some((_, flag)) = asked.iter().find(|(on, _)| *on && !checkpointed) {
+        return Err(PlanError::Conflict(format!(
+            "{flag} keeps the checkpointed segment inputs elsewhere, and nothing is checkpointed: add \
+             --checkpoint-activations, or drop {flag}"
+        )));
+    }
+    if plan.partition_activations && plan.tp < 2 {
+        return Err(PlanError::Conflict(format!(
+            "--partition-activations splits each checkpointed input over the tensor-parallel group, \
+             and --tp is {}: use --tp 2 or more, or drop --partition-activations (--offload-activations \
+             cpu moves the checkpoints off the device without tp)",
+            plan.tp
+        )));
+    }
     Ok(())
 }
 
