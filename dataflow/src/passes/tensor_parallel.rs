@@ -19,8 +19,25 @@ pub fn reduce_replicated_grads(graph: &mut Graph, layout: &Layout) {
         return;
     }
     let dp = layout.mesh.axis_size("dp");
+    let last = super::data_parallel::last_grad_writers(graph, layout);
+    // Only the last writer copies the replicated gradients out: earlier micro-batches' backwards
+    // add into the bucket, and the all-reduce reads the sum once.
+    let writers: Vec<_> = last
+        .values()
+        .map(|run| (run.segment, run.first..=run.last))
+        .collect();
+    for (index, node) in graph.nodes.iter_mut().enumerate() {
+        if let NodeOp::Compute { outputs, .. } = node {
+            outputs.retain(|t| match t {
+                TensorId::TpGrads { segment } => {
+                    (writers.iter()).any(|(s, nodes)| s == segment && nodes.contains(&index))
+                }
+                _ => true,
+            });
+        }
+    }
     let mut inserts = Vec::new();
-    for run in super::data_parallel::last_grad_writers(graph, layout).values() {
+    for run in last.values() {
         if !layout.segment_replicated[run.segment] {
             continue;
         }

@@ -291,8 +291,8 @@ fn sharded_logits_take_the_vocabulary_parallel_loss() {
 }
 
 /// The replicated gradients of a bucket are summed over its tp group after the bucket's last
-/// backward and written back before its dp reduction; a bucket without replicated parameters
-/// (mlp's column layers) has none.
+/// backward (which alone copies them out) and written back before its dp reduction; a bucket
+/// without replicated parameters (mlp's column layers) has none.
 #[test]
 fn replicated_gradients_are_summed_over_tp_before_dp() {
     let mut p = with_tp("mlp:in=12,hidden=24,layers=3,out=6", 2, 2);
@@ -322,6 +322,14 @@ fn replicated_gradients_are_summed_over_tp_before_dp() {
                     write_back.is_some_and(|w| at < w && w < dp_sum),
                     "segment {segment}"
                 );
+                // Only the bucket's last backward (of two micro-batches) copies them out.
+                let copies = (stream.iter())
+                    .filter(|i| {
+                        matches!(i, Instruction::Compute { outputs, .. }
+                        if outputs.contains(&TensorId::TpGrads { segment }))
+                    })
+                    .count();
+                assert_eq!(copies, 1, "segment {segment}");
             }
             None => assert_eq!(segment % 2, 0, "segment {segment}"),
         }
