@@ -26,6 +26,7 @@ use crate::model_spec::{InputKind, ModelDesc};
 use crate::passes::data_parallel::Bucket;
 use crate::passes::partition::Chunk;
 use crate::program::{Offload, Program, StatePlacement};
+use crate::tensor_parallel::TpHeld;
 
 /// Bytes one actor is expected to hold at its peak.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,8 +132,10 @@ pub struct ActorShare<'a> {
 }
 
 /// Estimates one actor's memory. Activations: without checkpointing, every micro-batch in flight
-/// keeps its chunk's activations; with it, only the chunk's input per micro-batch in flight, plus
-/// one segment's activations while it is recomputed.
+/// keeps its chunk's activations; with it, only its segments' inputs per micro-batch in flight
+/// (ZeRO-R's parts of them; none offloaded, but on CPU devices, whose host memory is the
+/// device's), plus one segment's activations while it is recomputed and, partitioned, two whole
+/// gathered inputs (the one read and the one gathered ahead).
 pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> MemoryEstimate {
     let dp = program.plan.dp.max(1) as u64;
     let rows = share.microbatch_rows as u64;
@@ -157,7 +160,8 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     let in_flight = share.peak_in_flight.max(1) as u64;
     // Activations, their gradients and the modules' weights are in the compute dtype.
     let c = program.precision.compute.bytes();
-    let (batch_input, kept, kept_host) = kept_inputs(program, model, &share);
+    let on_gpu = matches!(program.devices.get(share.actor), Some(DeviceSpec::Cuda(_)));
+    let kept = kept_inputs(program, model, &share);
     let activations = if program.plan.checkpoint_activations {
         let recompute = share
             .buckets
@@ -165,7 +169,8 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
             .map(|b| acts(b.start, b.end))
             .max()
             .unwrap_or(0);
-        c * rows * (in_flight * (batch_input + kept) + recompute)
+        let on_host = if on_gpu { 0 } else { kept.host };
+        c * rows * (in_flight * (kept.batch + kept.device + on_host) + recompute + 2 * kept.gathered)
     } else {
         let largest = share.chunks.iter().map(|&(s, e)| acts(s, e)).max().unwrap_or(0);
         c * rows * in_flight * largest
@@ -181,7 +186,6 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     // the fused attention keeps only the probabilities, and the activation term (written for
     // the composed one) already covers the backward (measured in `activation_memory.rs`: peak
     // 30.3 MiB checkpointed, 81.6 plain, against 35.9 and 136.4 estimated).
-    let on_gpu = matches!(program.devices.get(share.actor), Some(DeviceSpec::Cuda(_)));
     let backward_temporaries = if on_gpu {
         BACKWARD_TEMPORARIES * c * rows * largest_block
     } else {
@@ -212,8 +216,8 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         grads: sharded(grads, ZeroStage::ShardedGradients),
         optimizer,
         activations,
-        activation_checkpoints: c * rows * in_flight * kept,
-        activation_checkpoints_host: c * rows * in_flight * kept_host,
+        activation_checkpoints: c * rows * in_flight * kept.device,
+        activation_checkpoints_host: c * rows * in_flight * kept.host,
         buffers: if dp > 1 {
             largest_bucket / dp * 2 + gathered
         } else {
@@ -292,41 +296,55 @@ fn offload(
     }
 }
 
-/// Values per sample activation checkpointing keeps for one micro-batch: the model's input
-/// (the batch, which the first segment reads) where this actor holds the first block; then
-/// every other segment's input, on the device and in host memory, in the chunk that keeps most
-/// — partitioned ones at 1/tp (ZeRO-R), offloaded ones on the host. All zero without
-/// checkpointing.
-fn kept_inputs(program: &Program, model: &ModelDesc, share: &ActorShare) -> (u64, u64, u64) {
+/// Values per sample activation checkpointing keeps for one micro-batch (all zero without it).
+#[derive(Debug, Default)]
+struct KeptInputs {
+    /// The model's input (the batch, which the first segment reads), where this actor holds
+    /// the first block.
+    batch: u64,
+    /// Every other segment's input on the device, in the chunk that keeps most: whole, this
+    /// rank's slice of a sharded one, or ZeRO-R's 1/tp part of a partitioned one.
+    device: u64,
+    /// The same in host memory (`--offload-activations cpu`).
+    host: u64,
+    /// The largest input the tp group all-gathers whole before a recompute (partitioned).
+    gathered: u64,
+}
+
+fn kept_inputs(program: &Program, model: &ModelDesc, share: &ActorShare) -> KeptInputs {
     let checkpoints = crate::ActivationCheckpoints::of(&program.plan);
     if !checkpoints.checkpoint {
-        return (0, 0, 0);
+        return KeptInputs::default();
     }
-    let tp = program.plan.tp.max(1);
-    let batch = match share.chunks.iter().any(|&(start, _)| start == 0) {
-        true => chunk_input_floats(model, 0),
-        false => 0,
+    let tp = program.plan.tp.max(1) as u64;
+    let mut kept = KeptInputs {
+        batch: match share.chunks.iter().any(|&(start, _)| start == 0) {
+            true => chunk_input_floats(model, 0),
+            false => 0,
+        },
+        ..KeptInputs::default()
     };
-    let kept_in = |&(start, end): &Chunk| {
+    for &(start, end) in share.chunks {
         let (mut device, mut host) = (0, 0);
         let later = |b: &&&Bucket| b.start >= start.max(1) && b.end <= end;
         for b in share.buckets.iter().filter(later) {
+            // The model's width: a rank holds its slice of an input tp cuts.
             let whole = chunk_input_floats(model, b.start);
             let input = model.blocks[b.start].tp.unwrap_or_default().input;
-            match checkpoints.kept_input(tp, b.start, input) {
-                None => device += whole,
-                Some(k) => {
-                    let held = if k.partitioned { whole / tp as u64 } else { whole };
-                    *(if k.offloaded { &mut host } else { &mut device }) += held;
+            let held = match (checkpoints.kept_input(tp as usize, b.start, input), input) {
+                (Some(k), _) if k.partitioned => {
+                    kept.gathered = kept.gathered.max(whole);
+                    (whole.div_ceil(tp), k.offloaded)
                 }
-            }
+                (k, TpHeld::Sharded) => (whole / tp, k.is_some_and(|k| k.offloaded)),
+                (k, _) => (whole, k.is_some_and(|k| k.offloaded)),
+            };
+            *(if held.1 { &mut host } else { &mut device }) += held.0;
         }
-        (device, host)
-    };
-    let each: Vec<(u64, u64)> = share.chunks.iter().map(kept_in).collect();
-    let device = each.iter().map(|k| k.0).max().unwrap_or(0);
-    let host = each.iter().map(|k| k.1).max().unwrap_or(0);
-    (batch, device, host)
+        kept.device = kept.device.max(device);
+        kept.host = kept.host.max(host);
+    }
+    kept
 }
 
 /// f32 values per sample entering the chunk that starts at block `start`.

@@ -73,6 +73,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                 "the forward's second output is `{name}`, not a checkpoint"
             ));
         }
+        // Through host memory even for a part kept on the device: a slice of a device tensor
+        // would be a view holding the whole buffer alive.
         let host = to_host(&x)?;
         if !kept.partitioned {
             table.insert(name.clone(), host);
@@ -121,7 +123,9 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// Adds what the step holds of checkpoints now to its peaks.
     pub(super) fn note_checkpoint_bytes(&mut self) {
         let mut now = CheckpointBytes::default();
-        for segment in self.step.segments.values() {
+        // The model's first segment keeps the batch, which is loaded anyway: not a checkpoint.
+        let later = self.step.segments.iter().filter(|((start, _), _)| *start > 0);
+        for (_, segment) in later {
             let held = segment.kept_bytes();
             now.device += held.device;
             now.host += held.host;
@@ -151,7 +155,7 @@ impl<B: AutodiffBackend> KeptPart<B> {
 
 impl<B: AutodiffBackend> Segment<B> {
     /// The bytes this segment keeps of its input for a recompute, on the device and in host
-    /// memory (none when it is not checkpointed, or when its input is the batch).
+    /// memory (none when it is not checkpointed; token ids count none).
     pub(super) fn kept_bytes(&self) -> CheckpointBytes {
         if !self.checkpointed {
             return CheckpointBytes::default();

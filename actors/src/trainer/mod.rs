@@ -70,6 +70,8 @@ pub(super) struct Segment<B: AutodiffBackend> {
     /// segment's forward has read it (the backward recomputes it).
     output: Option<Activation<B>>,
     checkpointed: bool,
+    /// The model's last segment (its output, the logits, is read by the loss after any send).
+    last: bool,
     /// This tp rank's part of a partitioned checkpointed input (ZeRO-R).
     kept: Option<kept_inputs::KeptPart<B>>,
     /// The per-micro-batch copies of the blocks the forward ran on (their gradients are read
@@ -242,7 +244,13 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             return Some(checkpoint);
         }
         if let Some(key) = self.step.by_name.get(name) {
-            return Some(self.step.segments.get(key)?.output().and_then(to_host));
+            let segment = self.step.segments.get_mut(key)?;
+            let exported = segment.output().and_then(to_host);
+            if segment.checkpointed && !segment.last {
+                // Sent on, or summed by g into the table: the backward recomputes it.
+                segment.output = None;
+            }
+            return Some(exported);
         }
         self.step.upstream.remove(name).map(|g| to_host(&g))
     }

@@ -97,6 +97,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 input,
                 output: Some(kept),
                 checkpointed: self.checkpoint,
+                last: blocks.end == self.stage.desc.blocks.len(),
                 kept: part,
                 copies,
                 batch: None,
@@ -210,6 +211,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         segment.batch = Some(batch.clone());
         segment.summed = summed;
         segment.vocab = vocab;
+        if segment.checkpointed {
+            // The backward recomputes the logits: nothing reads these any more.
+            segment.output = None;
+        }
         self.step.losses.insert(loss.clone(), key);
         Ok(())
     }
