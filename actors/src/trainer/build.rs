@@ -287,7 +287,6 @@ impl<B: AutodiffBackend> Trainer<B> {
             },
             samples,
             global_batch: program.plan.batch,
-            checkpoint: training.checkpoint_activations,
             checkpoints: training.checkpoints,
             batched_transfers: false,
             fault: FaultHook::new(

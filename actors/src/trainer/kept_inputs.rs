@@ -122,6 +122,9 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// Adds what the step holds of checkpoints now to its peaks.
     pub(super) fn note_checkpoint_bytes(&mut self) {
+        if !self.checkpoints.checkpoint {
+            return;
+        }
         let mut now = CheckpointBytes::default();
         // The model's first segment keeps the batch, which is loaded anyway: not a checkpoint.
         let later = self.step.segments.iter().filter(|((start, _), _)| *start > 0);

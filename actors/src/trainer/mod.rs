@@ -117,9 +117,7 @@ pub struct Trainer<B: AutodiffBackend> {
     state: TrainingState<B>,
     samples: Samples,
     global_batch: usize,
-    /// Activation checkpointing (the plan's).
-    checkpoint: bool,
-    /// What checkpointing keeps of segment inputs, and where (the plan's).
+    /// Activation checkpointing, and what it keeps of segment inputs where (the plan's).
     checkpoints: archipelago_dataflow::ActivationCheckpoints,
     /// Move each gradient bucket off the device and each block's parameters onto it in one
     /// transfer (GPUs; see `read_flat` and `Block::load_params`).

@@ -66,7 +66,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let output = outputs.first().ok_or("the forward names no output")?;
         let x = self.forward_input(input, table)?;
-        let (kept, copies) = if self.checkpoint {
+        let (kept, copies) = if self.checkpoints.checkpoint {
             // No graph at all: burn frees a recorded graph only at a backward, so a forward run
             // with one and then detached would hold every segment's activations until then.
             let mut y = x.clone().untracked();
@@ -78,7 +78,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             self.run_blocks(blocks.clone(), x.clone())?
         };
         let key = (blocks.start, mb);
-        let (input, part) = match self.checkpoint {
+        let (input, part) = match self.checkpoints.checkpoint {
             true => self.keep_input(blocks.start, x, outputs.get(1), table)?,
             false => (Some(x), None),
         };
@@ -96,7 +96,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             Segment {
                 input,
                 output: Some(kept),
-                checkpointed: self.checkpoint,
+                checkpointed: self.checkpoints.checkpoint,
                 last: blocks.end == self.stage.desc.blocks.len(),
                 kept: part,
                 copies,
@@ -126,13 +126,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             true => b.output.take(),
             false => b.output.clone(),
         });
-        if table.get(input).is_some() {
-            return Ok(self.import(input, table)?.leaf());
+        match own {
+            Some(own) if table.get(input).is_none() => Ok(own.leaf()),
+            _ => Ok(self.import(input, table)?.leaf()),
         }
-        if let Some(own) = own {
-            return Ok(own.leaf());
-        }
-        Ok(self.import(input, table)?.leaf())
     }
 
     /// The loss of `segment` (the last) against `batch`'s targets, summed over its tokens and

@@ -84,7 +84,7 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
                                 end: b.end,
                                 mb,
                             };
-                            let outputs = grad_outputs(layout, b.id);
+                            let outputs = [TensorId::GradBucket { segment: b.id }];
                             graph.compute_each(&layout.tp_group(r, s), &op, &[], &outputs);
                         }
                     }
@@ -140,16 +140,6 @@ fn gather_checkpoint(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, 
     }
 }
 
-/// What a segment's gradient pass writes: its bucket and, under tensor parallelism with
-/// replicated parameters, their gradients' summand ([`super::tensor_parallel`] sums it).
-fn grad_outputs(layout: &Layout, segment: usize) -> Vec<TensorId> {
-    let mut outputs = vec![TensorId::GradBucket { segment }];
-    if layout.tp() > 1 && layout.segment_replicated[segment] {
-        outputs.push(TensorId::TpGrads { segment });
-    }
-    outputs
-}
-
 /// The loss of replica `r`'s micro-batch `mb` on every tp rank. Logits sharded over the
 /// vocabulary take the vocabulary-parallel cross-entropy (Megatron-LM): each rank's row maxima,
 /// all-reduced to the maximum; its sums of `exp(z − max)` and target logits, all-reduced to the
@@ -198,7 +188,10 @@ fn backward(
     let (op, mut outputs) = if splits_backward {
         (ComputeOp::BackwardInput { start, end, mb }, vec![])
     } else {
-        (ComputeOp::Backward { start, end, mb }, grad_outputs(layout, b.id))
+        (
+            ComputeOp::Backward { start, end, mb },
+            vec![TensorId::GradBucket { segment: b.id }],
+        )
     };
     if b.id > 0 {
         outputs.push(dact.clone());

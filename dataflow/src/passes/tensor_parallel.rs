@@ -10,7 +10,8 @@ use crate::passes::layout::Layout;
 use crate::passes::runs::insert_before;
 use crate::tensor_id::TensorId;
 
-/// After every bucket's last writer, on each replica's tp group: the all-reduce of its
+/// The last writer of every bucket names its replicated gradients as an output (the trainer
+/// copies them out); after it, on each replica's tp group: the all-reduce of its
 /// replicated gradients ([`TensorId::TpGrads`]) and, on every rank, the write back
 /// ([`ComputeOp::ReplicatedGrads`]). Nothing without tensor parallelism, nor for a bucket with
 /// no trainable replicated parameter.
@@ -20,20 +21,19 @@ pub fn reduce_replicated_grads(graph: &mut Graph, layout: &Layout) {
     }
     let dp = layout.mesh.axis_size("dp");
     let last = super::data_parallel::last_grad_writers(graph, layout);
-    // Only the last writer copies the replicated gradients out: earlier micro-batches' backwards
-    // add into the bucket, and the all-reduce reads the sum once.
-    let writers: Vec<_> = last
-        .values()
-        .map(|run| (run.segment, run.first..=run.last))
-        .collect();
-    for (index, node) in graph.nodes.iter_mut().enumerate() {
-        if let NodeOp::Compute { outputs, .. } = node {
-            outputs.retain(|t| match t {
-                TensorId::TpGrads { segment } => {
-                    (writers.iter()).any(|(s, nodes)| s == segment && nodes.contains(&index))
-                }
-                _ => true,
-            });
+    // The bucket's last writer copies the replicated gradients out (earlier micro-batches'
+    // backwards add into the bucket, so the all-reduce reads the sum once).
+    for run in last.values().filter(|run| layout.segment_replicated[run.segment]) {
+        let (bucket, shared) = (
+            TensorId::GradBucket { segment: run.segment },
+            TensorId::TpGrads { segment: run.segment },
+        );
+        for node in &mut graph.nodes[run.first..=run.last] {
+            if let NodeOp::Compute { outputs, .. } = node
+                && outputs.contains(&bucket)
+            {
+                outputs.push(shared.clone());
+            }
         }
     }
     let mut inserts = Vec::new();
