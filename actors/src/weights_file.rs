@@ -262,6 +262,7 @@ mod tests {
                     actor: 0,
                     block: index,
                     tp: Default::default(),
+                    sequence_parallel: false,
                 };
                 let block = ModelBuilder::<CpuBackend>::build_block(&zoo, &ctx, &FlexDevice);
                 let shapes = block.param_shapes();

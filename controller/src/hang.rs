@@ -251,6 +251,9 @@ pub(crate) fn inject_stream_fault(streams: &mut [ActorStream], fault: Option<Tes
         Some(TestFault::SkipTpOutputReduce) => {
             drop_all_reduces(streams, |t| matches!(t, TensorId::Activation { .. }))
         }
+        Some(TestFault::SkipTpGradsReduce) => {
+            drop_all_reduces(streams, |t| matches!(t, TensorId::TpGrads { .. }))
+        }
         _ => {}
     }
 }

@@ -68,8 +68,8 @@ impl FabricKind {
         Some(match tensor {
             TensorId::GradBucket { .. } => FabricKind::Gradients,
             TensorId::UpdatedParams { .. } | TensorId::GatheredParams { .. } => FabricKind::Parameters,
-            TensorId::Activation { .. } => FabricKind::Activations,
-            TensorId::ActivationGrad { .. } => FabricKind::ActivationGrads,
+            TensorId::Activation { .. } | TensorId::Residual { .. } => FabricKind::Activations,
+            TensorId::ActivationGrad { .. } | TensorId::ResidualGrad { .. } => FabricKind::ActivationGrads,
             TensorId::GradSquares | TensorId::TrustSquares => FabricKind::Norms,
             TensorId::LossMax { .. }
             | TensorId::LossSums { .. }
@@ -297,6 +297,10 @@ fn tensor_elems(
         TensorId::Checkpoint { segment, .. } => (plan.buckets.get(*segment))
             .filter(|b| b.start > 0)
             .map_or(0, |b| output_of(b.start - 1)),
+        // Sequence parallelism's residual stream and its gradient: each rank's tokens.
+        TensorId::Residual { segment, .. } | TensorId::ResidualGrad { segment, .. } => {
+            (plan.buckets.get(*segment)).map_or(0, |b| output_of(b.end - 1) / tp)
+        }
         TensorId::GradSquares => 1,
         TensorId::TrustSquares => trust_len,
         TensorId::LossMax { .. } => rows * model.input.tokens_per_sample(),

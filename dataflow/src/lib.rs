@@ -61,6 +61,7 @@ pub mod program;
 #[doc(hidden)]
 pub mod property_seed;
 pub mod rng;
+pub mod sequence_parallel;
 pub mod simulate;
 pub mod simulate_comm;
 pub mod state_layout;

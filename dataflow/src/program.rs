@@ -71,6 +71,12 @@ pub struct ParallelPlan {
     /// them) wait in host memory between the forward and the backward.
     #[serde(default)]
     pub offload_activations: bool,
+    /// Sequence parallelism (Korthikanti et al. 2022, `--sequence-parallel`): with `tp` above 1,
+    /// the LayerNorm and residual regions are cut along the tokens and the all-reduces become
+    /// reduce-scatters and all-gathers ([`crate::sequence_parallel`]); the program's model is
+    /// then in its sequence-parallel form ([`Program::sequence_parallel`]).
+    #[serde(default)]
+    pub sequence_parallel: bool,
 }
 
 fn one() -> usize {
@@ -212,6 +218,7 @@ impl Default for ParallelPlan {
             tp: 1,
             partition_activations: false,
             offload_activations: false,
+            sequence_parallel: false,
         }
     }
 }
@@ -358,6 +365,14 @@ pub enum TestFault {
     /// part with zeros in the others' places (the gather still runs, so streams and fabric
     /// bytes are unchanged).
     SkipCheckpointGather,
+    /// Tensor parallelism without the sum of the replicated parameters' gradients over the group
+    /// (`TensorId::TpGrads` left out of every stream): each rank updates its LayerNorms, and the
+    /// biases only the first rank adds, with its own summand (under sequence parallelism, its
+    /// own tokens' share).
+    SkipTpGradsReduce,
+    /// Sequence parallelism with the residual stream's gradient dropped: a segment that passed
+    /// the residual on back-propagates zeros in its place.
+    DropResidualGrad,
 }
 
 impl Program {
@@ -388,6 +403,15 @@ impl Program {
             cost_model: None,
             test_fault: None,
         }
+    }
+
+    /// The same program with sequence parallelism (`--sequence-parallel`): the model `spec` in
+    /// its sequence-parallel form ([`crate::sequence_parallel::desc`]; gpt only). Call it after
+    /// [`Program::with_plan`], which sets the whole plan.
+    pub fn sequence_parallel(mut self, spec: &ModelSpec) -> Result<Program, crate::PlanError> {
+        self.model = crate::sequence_parallel::desc(spec)?;
+        self.plan.sequence_parallel = true;
+        Ok(self)
     }
 
     /// The same program for a user-described model (the caller provides the blocks at run time).

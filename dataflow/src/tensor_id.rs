@@ -100,6 +100,22 @@ pub enum TensorId {
         /// Micro-batch.
         mb: usize,
     },
+    /// Sequence parallelism: the residual stream segment `segment` passes on beside its output
+    /// for micro-batch `mb` (this rank's tokens), read by the next segment that adds it.
+    Residual {
+        /// Segment index (the one passing it on).
+        segment: usize,
+        /// Micro-batch.
+        mb: usize,
+    },
+    /// Sequence parallelism: the gradient of the residual stream segment `segment` reads (its
+    /// second input) for micro-batch `mb`, an upstream gradient of the segment that passed it on.
+    ResidualGrad {
+        /// Segment index (the one reading the residual).
+        segment: usize,
+        /// Micro-batch.
+        mb: usize,
+    },
 }
 
 impl TensorId {
@@ -118,6 +134,8 @@ impl TensorId {
             | TensorId::LossMax { mb }
             | TensorId::LossSums { mb }
             | TensorId::Checkpoint { mb, .. }
+            | TensorId::Residual { mb, .. }
+            | TensorId::ResidualGrad { mb, .. }
             | TensorId::GatheredParams { mb, .. } => Some(*mb),
             _ => None,
         }
@@ -132,6 +150,8 @@ impl TensorId {
             | TensorId::UpdatedParams { segment }
             | TensorId::GatheredParams { segment, .. }
             | TensorId::Checkpoint { segment, .. }
+            | TensorId::Residual { segment, .. }
+            | TensorId::ResidualGrad { segment, .. }
             | TensorId::TpGrads { segment } => Some(*segment),
             _ => None,
         }
@@ -173,6 +193,8 @@ impl fmt::Display for TensorId {
             TensorId::LossSums { mb } => write!(f, "losssums.{mb}"),
             TensorId::TpGrads { segment } => write!(f, "tpgrad.{segment}"),
             TensorId::Checkpoint { segment, mb } => write!(f, "ckpt.{segment}.{mb}"),
+            TensorId::Residual { segment, mb } => write!(f, "res.{segment}.{mb}"),
+            TensorId::ResidualGrad { segment, mb } => write!(f, "dres.{segment}.{mb}"),
         }
     }
 }

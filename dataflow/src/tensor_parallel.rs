@@ -63,6 +63,45 @@ pub enum TpHeld {
     /// Each rank holds a summand and the activation is their sum (a row-parallel layer's output
     /// before Megatron's g all-reduces it).
     Partial,
+    /// Each rank holds its share of the tokens (sequence parallelism, Korthikanti et al. 2022:
+    /// the LayerNorm and residual regions; the micro-batch's `b·s` tokens flattened and cut
+    /// into `tp` contiguous shares, rows of the model's width).
+    SeqSharded,
+}
+
+/// The collective between two blocks of a tensor-parallel group, by how the first leaves its
+/// output and the second takes its input; its adjoint runs on the second's input gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpEdge {
+    /// Megatron's g: a partial sum all-reduced for a block that takes it whole (the backward
+    /// passes the gradient through; f, the all-reduce of a whole input's gradient, is the
+    /// block's own).
+    AllReduce,
+    /// Sequence parallelism after a row-parallel layer: the partial sums reduce-scattered to
+    /// each rank's tokens (adjoint: the gradient's all-gather).
+    ReduceScatter,
+    /// Sequence parallelism before a column-parallel layer: each rank's tokens all-gathered
+    /// (adjoint: the gradient's reduce-scatter).
+    AllGather,
+}
+
+/// Two blocks whose forms do not join: no collective makes the one's output the other's input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoJoin;
+
+impl TpEdge {
+    /// The edge from an output held `output` to an input held `input` (`Ok(None)`: none, the
+    /// input is the output as it is held), or `Err` where the two do not join.
+    pub fn between(output: TpHeld, input: TpHeld) -> Result<Option<TpEdge>, NoJoin> {
+        use TpHeld::*;
+        match (output, input) {
+            (Partial, Replicated) => Ok(Some(TpEdge::AllReduce)),
+            (Partial, SeqSharded) => Ok(Some(TpEdge::ReduceScatter)),
+            (SeqSharded, Replicated) => Ok(Some(TpEdge::AllGather)),
+            (a, b) if a == b && a != Partial => Ok(None),
+            _ => Err(NoJoin),
+        }
+    }
 }
 
 /// How a block's input and output are held under tensor parallelism: what decides where the
@@ -82,6 +121,14 @@ pub struct BlockTp {
     /// input, LayerNorm's output, a row-parallel layer's output) every rank keeps whole.
     #[serde(default)]
     pub sharded_activations: u64,
+    /// Sequence parallelism: the block also reads the residual stream another block passed on
+    /// (its second input, `TensorId::Residual`), and adds it to its first.
+    #[serde(default)]
+    pub residual_in: bool,
+    /// Sequence parallelism: the block passes the residual stream on beside its output (its
+    /// second output, `TensorId::Residual`, read by the next block that has `residual_in`).
+    #[serde(default)]
+    pub residual_out: bool,
 }
 
 impl BlockTp {
@@ -91,7 +138,16 @@ impl BlockTp {
             input,
             output,
             sharded_activations: 0,
+            residual_in: false,
+            residual_out: false,
         }
+    }
+
+    /// This form, reading (`input`) and passing on (`output`) the residual stream as a second
+    /// tensor (sequence parallelism).
+    pub fn with_residual(mut self, input: bool, output: bool) -> BlockTp {
+        (self.residual_in, self.residual_out) = (input, output);
+        self
     }
 
     /// How the next block sees this one's output: a partial sum is all-reduced (g) first.

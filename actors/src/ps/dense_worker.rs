@@ -87,6 +87,7 @@ pub fn build_model(spec: &ModelSpec, seed: u64) -> Result<(CpuBlocks, Vec<f32>),
             actor: 0,
             block: index,
             tp: Default::default(),
+            sequence_parallel: false,
         };
         let block = ModelBuilder::<CpuBackend>::build_block(&builder, &ctx, &FlexDevice);
         let shapes = block.param_shapes();

@@ -159,6 +159,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 actor,
                 block: index,
                 tp,
+                sequence_parallel: program.plan.sequence_parallel,
             };
             let whole_params = &whole_model.blocks[index].param_descs;
             let built = builder.build_block(&ctx, &device);
@@ -267,6 +268,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 seed: program.seed,
                 actor,
                 tp,
+                sequence_parallel: program.plan.sequence_parallel,
                 whole: Arc::new(whole_model),
             },
             step: InFlight::default(),

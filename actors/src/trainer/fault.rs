@@ -54,6 +54,11 @@ impl FaultHook {
         self.fault == TestFault::SkipCheckpointGather
     }
 
+    /// `DropResidualGrad`: whether the residual stream's gradient is back-propagated as zeros.
+    pub(super) fn drops_residual_grad(&self) -> bool {
+        self.fault == TestFault::DropResidualGrad
+    }
+
     /// `LocalLossMax`: this rank's own maxima kept under `name`, in place of the group's.
     pub(super) fn local_max(&self, name: &TensorId) -> Option<&[f32]> {
         self.local.get(name).map(Vec::as_slice)

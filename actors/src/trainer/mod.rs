@@ -51,6 +51,7 @@ mod kept_inputs;
 mod norms;
 mod parts;
 mod passes;
+mod seq_shards;
 mod store;
 mod store_device;
 mod store_offload;
@@ -69,6 +70,12 @@ pub(super) struct Segment<B: AutodiffBackend> {
     /// The output; without its graph when `checkpointed`, and then dropped once the next
     /// segment's forward has read it (the backward recomputes it).
     output: Option<Activation<B>>,
+    /// Tensors side by side in the output (2: a LayerNorm block under sequence parallelism
+    /// passing the residual stream on beside its output).
+    lanes: usize,
+    /// Of those, the ones not read yet (sent, collected, or read by a forward here), a bit
+    /// each.
+    unread: u8,
     checkpointed: bool,
     /// The model's last segment (its output, the logits, is read by the loss after any send).
     last: bool,
@@ -184,9 +191,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 self.load_batch(step, *start..*end, &nth(outputs, 0)?);
                 Ok(())
             }
-            ComputeOp::Forward { start, end, mb } => {
-                self.forward(*start..*end, *mb, &nth(inputs, 0)?, outputs, table)
-            }
+            ComputeOp::Forward { start, end, mb } => self.forward(*start..*end, *mb, inputs, outputs, table),
             ComputeOp::Loss { .. } => self.compute_loss(inputs, &nth(outputs, 0)?, table),
             ComputeOp::LossMax { .. } => self.loss_max(&nth(inputs, 0)?, &nth(outputs, 0)?, table),
             ComputeOp::LossSums { .. } => {
@@ -241,16 +246,14 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         if let Some(checkpoint) = self.export_checkpoint(name) {
             return Some(checkpoint);
         }
-        if let Some(key) = self.step.by_name.get(name) {
-            let segment = self.step.segments.get_mut(key)?;
-            let exported = segment.output().and_then(to_host);
-            if segment.checkpointed && !segment.last {
-                // Sent on, or summed by g into the table: the backward recomputes it.
-                segment.output = None;
-            }
-            return Some(exported);
-        }
-        self.step.upstream.remove(name).map(|g| to_host(&g))
+        // Sent on, or into a collective of the group (a checkpointed output is then dropped once
+        // all of it is read: the backward recomputes it).
+        let own = match self.read_own(name, true) {
+            Ok(Some(own)) => Some(own),
+            Ok(None) => self.step.upstream.remove(name),
+            Err(e) => return Some(Err(e)),
+        }?;
+        Some(to_host(&own).and_then(|t| self.for_all_gather(name, t)))
     }
 
     fn finish_step(&mut self) -> StepMetrics {

@@ -51,6 +51,8 @@ pub(super) struct HeldStage<B: AutodiffBackend> {
     pub(super) actor: ActorId,
     /// Its place in its tensor-parallel group (the blocks it builds are its slices).
     pub(super) tp: crate::zoo::tp::TpPlace,
+    /// Whether the model is in its sequence-parallel form (its blocks differ).
+    pub(super) sequence_parallel: bool,
     /// The model whole (`desc` is this rank's slices of it): where the slices sit globally.
     pub(super) whole: Arc<ModelDesc>,
 }
@@ -97,6 +99,7 @@ impl<B: AutodiffBackend> HeldStage<B> {
             actor: self.actor,
             block: index,
             tp: self.tp,
+            sequence_parallel: self.sequence_parallel,
         };
         let block = self.builder.build_block(&ctx, &self.device);
         let held = PartlyFrozen::hold(block, self.layouts[index].clone(), &self.frozen[index]);

@@ -9,6 +9,7 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
 
+use super::seq_shards::{lane, lane_of, side_by_side};
 use super::vocab_loss::{VocabStats, logit_count, logit_rows};
 use super::{BlockCopies, Segment, Trainer};
 use crate::block::{Activation, Block, read_flat};
@@ -17,12 +18,18 @@ use crate::host_tensor::into_burn;
 use crate::transfer::{TransferKind, download};
 use crate::typed_tensor::TypedTensor;
 
+/// The segment an activation or residual stream `name` comes out of.
+fn segment_of(name: &TensorId) -> Result<usize, String> {
+    name.segment().ok_or_else(|| format!("`{name}` names no segment"))
+}
+
 impl<B: AutodiffBackend> Trainer<B> {
     /// A received tensor from the table as an activation.
     pub(super) fn import(&self, name: &TensorId, table: &mut TensorTable) -> Result<Activation<B>, String> {
         let t = table
             .remove(name)
             .ok_or_else(|| format!("`{name}` was neither produced here nor received"))?;
+        let t = self.shaped(name, t)?;
         let compute = crate::precision::plan_dtype(self.stage.compute);
         if t.dtype() != compute {
             return Err(format!(
@@ -60,12 +67,17 @@ impl<B: AutodiffBackend> Trainer<B> {
         &mut self,
         blocks: Range<usize>,
         mb: usize,
-        input: &TensorId,
+        inputs: &[TensorId],
         outputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let output = outputs.first().ok_or("the forward names no output")?;
-        let x = self.forward_input(input, table)?;
+        // Sequence parallelism: the residual stream beside the input, as one leaf.
+        let parts =
+            (inputs.iter().map(|input| self.forward_input(input, table))).collect::<Result<_, _>>()?;
+        let x = side_by_side(parts)?.leaf();
+        let checkpoint = outputs.iter().find(|t| matches!(t, TensorId::Checkpoint { .. }));
+        let lanes = 1 + usize::from(outputs.iter().any(|t| matches!(t, TensorId::Residual { .. })));
         let (kept, copies) = if self.checkpoints.checkpoint {
             // No graph at all: burn frees a recorded graph only at a backward, so a forward run
             // with one and then detached would hold every segment's activations until then.
@@ -79,10 +91,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         };
         let key = (blocks.start, mb);
         let (input, part) = match self.checkpoints.checkpoint {
-            true => self.keep_input(blocks.start, x, outputs.get(1), table)?,
+            true => self.keep_input(blocks.start, x, checkpoint, table)?,
             false => (Some(x), None),
         };
-        if let Some(name) = outputs.get(1) {
+        if let Some(name) = checkpoint {
             if part.is_some() {
                 self.step.checkpoints.insert(name.clone(), key);
             } else if let Some(t) = table.get(name) {
@@ -96,6 +108,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             Segment {
                 input,
                 output: Some(kept),
+                lanes,
+                unread: (1 << lanes) - 1,
                 checkpointed: self.checkpoints.checkpoint,
                 last: blocks.end == self.stage.desc.blocks.len(),
                 kept: part,
@@ -107,6 +121,15 @@ impl<B: AutodiffBackend> Trainer<B> {
         );
         self.note_checkpoint_bytes();
         self.step.by_name.insert(output.clone(), key);
+        if lanes == 2 {
+            self.step.by_name.insert(
+                TensorId::Residual {
+                    segment: segment_of(output)?,
+                    mb,
+                },
+                key,
+            );
+        }
         let chunk = (self.chunk_of(blocks.start), mb);
         *self.step.live.entry(chunk).or_default() += 1;
         self.step.peak_live = self.step.peak_live.max(self.step.live.len());
@@ -114,22 +137,43 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 
     /// A segment's input: a batch, the table's tensor, or the output of this actor's segment
-    /// before, whose checkpointed output is then dropped (its backward recomputes it). The table
-    /// comes before this actor's own output: a tensor-parallel all-reduce (Megatron's g) leaves
-    /// the group's sum there under the same name as the summand this actor produced.
+    /// before (or the residual stream it passed on), read once (see [`Trainer::read_own`]). The
+    /// table comes before this actor's own output: a tensor-parallel collective (Megatron's g, or
+    /// sequence parallelism's reduce-scatter and all-gather) leaves the group's result there
+    /// under the same name as what this actor produced.
     fn forward_input(&mut self, input: &TensorId, table: &mut TensorTable) -> Result<Activation<B>, String> {
         if let Some(batch) = self.step.batches.get(input) {
             return Ok(batch.input.clone().cast(self.stage.compute));
         }
-        let before = (self.step.by_name.get(input).copied()).and_then(|key| self.step.segments.get_mut(&key));
-        let own = before.and_then(|b| match b.checkpointed {
-            true => b.output.take(),
-            false => b.output.clone(),
-        });
-        match own {
-            Some(own) if table.get(input).is_none() => Ok(own.leaf()),
-            _ => Ok(self.import(input, table)?.leaf()),
+        if table.get(input).is_some() {
+            self.read_own(input, false)?;
+            return self.import(input, table);
         }
+        match self.read_own(input, true)? {
+            Some(own) => Ok(own),
+            None => self.import(input, table),
+        }
+    }
+
+    /// This actor's own output (or residual stream) `name` (when `value`), counted as read; a
+    /// checkpointed segment's output is dropped once every tensor it gives is read (its backward
+    /// recomputes it), but the model's last (the loss reads it). `None`: no segment here
+    /// produced it, or the value was not asked for.
+    pub(super) fn read_own(&mut self, name: &TensorId, value: bool) -> Result<Option<Activation<B>>, String> {
+        let Some(segment) =
+            (self.step.by_name.get(name).copied()).and_then(|key| self.step.segments.get_mut(&key))
+        else {
+            return Ok(None);
+        };
+        let value = match value {
+            true => Some(lane(segment.output()?, lane_of(name), segment.lanes)?),
+            false => None,
+        };
+        segment.unread &= !(1 << lane_of(name));
+        if segment.checkpointed && !segment.last && segment.unread == 0 {
+            segment.output = None;
+        }
+        Ok(value)
     }
 
     /// The loss of `segment` (the last) against `batch`'s targets, summed over its tokens and
@@ -225,9 +269,16 @@ impl<B: AutodiffBackend> Trainer<B> {
         inputs: &[TensorId],
         table: &mut TensorTable,
     ) -> Result<(B::Gradients, Segment<B>), String> {
-        let [upstream, checkpoint @ ..] = inputs else {
+        let [upstream, rest @ ..] = inputs else {
             return Err("the backward names no upstream gradient".into());
         };
+        let checkpoint: Vec<TensorId> = rest
+            .iter()
+            .filter(|t| matches!(t, TensorId::Checkpoint { .. }))
+            .cloned()
+            .collect();
+        // Sequence parallelism: the residual stream's gradient, a second upstream.
+        let residual = rest.iter().find(|t| matches!(t, TensorId::ResidualGrad { .. }));
         let mut segment = self
             .step
             .segments
@@ -259,13 +310,25 @@ impl<B: AutodiffBackend> Trainer<B> {
                 None => loss.backward(),
             }
         } else {
-            let g = match self.step.upstream.remove(upstream) {
-                Some(g) => g,
-                None => self.import(upstream, table)?,
-            };
-            segment.output()?.dot(&g).backward()
+            let mut parts = vec![self.upstream_grad(upstream, table)?];
+            if let Some(residual) = residual {
+                let mut g = self.upstream_grad(residual, table)?;
+                if self.fault.as_ref().is_some_and(|f| f.drops_residual_grad()) {
+                    g = g.zeros_like();
+                }
+                parts.push(g);
+            }
+            segment.output()?.dot(&side_by_side(parts)?).backward()
         };
         Ok((grads, segment))
+    }
+
+    /// An upstream gradient: this actor's own, or the table's (received, or a collective's).
+    fn upstream_grad(&mut self, name: &TensorId, table: &mut TensorTable) -> Result<Activation<B>, String> {
+        match self.step.upstream.remove(name) {
+            Some(g) => Ok(g),
+            None => self.import(name, table),
+        }
     }
 
     /// Moves the segment's weight gradients into its bucket `grad_name`, adding to what earlier
@@ -341,10 +404,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     ) -> Result<(), String> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, inputs, table)?;
         self.gradients_into_bucket(blocks.clone(), &segment.copies, &mut grads, outputs, table)?;
-        let input_grad = outputs
-            .iter()
-            .find(|t| matches!(t, TensorId::ActivationGrad { .. }));
-        self.keep_input_grad(&segment, &mut grads, input_grad)?;
+        self.keep_input_grad(&segment, &mut grads, outputs)?;
         self.release(blocks.start, mb);
         Ok(())
     }
@@ -367,19 +427,27 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    /// Keeps the gradient of the segment's input under `name` (for the segment before, or to be
-    /// sent to the stage before); the first segment of the model has none.
+    /// Keeps the gradient of the segment's input under the name `outputs` give it (for the
+    /// segment before, or to be sent to the stage before), and of the residual stream it read
+    /// beside it (sequence parallelism); the first segment of the model has none.
     pub(super) fn keep_input_grad(
         &mut self,
         segment: &Segment<B>,
         grads: &mut B::Gradients,
-        name: Option<&TensorId>,
+        outputs: &[TensorId],
     ) -> Result<(), String> {
-        if let Some(name) = name {
-            let g = (segment.input.as_ref())
-                .and_then(|input| input.take_grad(grads))
-                .ok_or("the segment input has no gradient")?;
-            self.step.upstream.insert(name.clone(), g);
+        let is_input_grad =
+            |t: &&TensorId| matches!(t, TensorId::ActivationGrad { .. } | TensorId::ResidualGrad { .. });
+        let names: Vec<&TensorId> = outputs.iter().filter(is_input_grad).collect();
+        if names.is_empty() {
+            return Ok(());
+        }
+        let g = (segment.input.as_ref())
+            .and_then(|input| input.take_grad(grads))
+            .ok_or("the segment input has no gradient")?;
+        for name in &names {
+            let part = lane(&g, lane_of(name), names.len())?;
+            self.step.upstream.insert((*name).clone(), part);
         }
         Ok(())
     }
@@ -393,7 +461,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let (mut grads, segment) = self.backward_pass(blocks.clone(), mb, inputs, table)?;
-        self.keep_input_grad(&segment, &mut grads, outputs.first())?;
+        self.keep_input_grad(&segment, &mut grads, outputs)?;
         self.step
             .pending_weights
             .insert((blocks.start, mb), (grads, segment.copies));

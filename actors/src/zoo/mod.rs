@@ -9,12 +9,14 @@
 
 mod config;
 mod gpt;
+mod gpt_sp;
 mod mlp;
 pub mod tp;
 
 pub use config::model_config;
 
 pub use gpt::{AttentionHalf, GptEmbedding, GptHead, MlpHalf};
+pub use gpt_sp::{AttentionMix, HeadLinear, MlpMix, SeqLayerNorm};
 pub use mlp::{LinearBlock, LinearReluBlock, TpLinearBlock};
 
 use burn::tensor::backend::AutodiffBackend;
@@ -34,6 +36,9 @@ pub struct BuildContext {
     pub block: usize,
     /// Its place in its tensor-parallel group (the default: no tensor parallelism).
     pub tp: tp::TpPlace,
+    /// Whether the model is in its sequence-parallel form
+    /// (`archipelago_dataflow::sequence_parallel`), whose blocks differ.
+    pub sequence_parallel: bool,
 }
 
 /// Builds a model's blocks on an actor. The runtime overwrites the parameters a builder produces
@@ -85,6 +90,9 @@ impl<B: crate::kernels::Kernels> ModelBuilder<B> for ZooModel {
                 heads,
             } => {
                 let tp = ctx.tp;
+                if ctx.sequence_parallel {
+                    return gpt_sp::block(ctx.block, [vocab, context, d, layers, heads], tp, device);
+                }
                 if ctx.block == 0 {
                     Box::new(GptEmbedding::sliced(vocab, context, d, tp, device))
                 } else if ctx.block > 2 * layers {
@@ -124,6 +132,7 @@ mod tests {
                     actor: 0,
                     block: index,
                     tp: Default::default(),
+                    sequence_parallel: false,
                 };
                 let block = ModelBuilder::<CpuBackend>::build_block(&model, &ctx, &FlexDevice);
                 let shapes = block.param_shapes();

@@ -40,6 +40,7 @@ fn block_on(spec: &str, index: usize, tp: TpPlace, qkv_split: Split) -> Box<dyn 
         actor: tp.rank,
         block: index,
         tp,
+        sequence_parallel: false,
     };
     ModelBuilder::<B>::build_block(&model, &ctx, &FlexDevice).load_params(&local, false)
 }

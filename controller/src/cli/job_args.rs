@@ -132,6 +132,11 @@ pub struct JobArgs {
     /// them) in host memory between the forward and the backward: `cpu`, or `none`.
     #[arg(long, default_value = "none")]
     pub offload_activations: String,
+    /// With --tp 2 or more (gpt): cut the LayerNorm and residual regions along the sequence, the
+    /// all-reduces becoming reduce-scatters and all-gathers (Korthikanti et al. 2022's sequence
+    /// parallelism; Megatron's --sequence-parallel).
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// ZeRO stage over the dp axis: 0 (replicated), 1 (optimizer state sharded), 2 (also
     /// gradients), 3 (also parameters; implies --checkpoint-activations).
     #[arg(long, default_value_t = 0)]
@@ -165,7 +170,10 @@ impl JobArgs {
     /// The program these flags describe.
     pub fn program(&self) -> anyhow::Result<Program> {
         let spec = ModelSpec::parse(&self.model)?;
-        let mut program = Program::new(spec).with_seed(self.seed);
+        let mut program = Program::new(spec.clone()).with_seed(self.seed);
+        if self.sequence_parallel {
+            program.model = archipelago_dataflow::sequence_parallel::desc(&spec)?;
+        }
         if let Some(path) = self.data.as_ref().filter(|p| is_safetensors(p)) {
             program.data = DataSpec::TensorFile {
                 path: path.display().to_string(),
@@ -192,6 +200,7 @@ impl JobArgs {
             virtual_stages: self.virtual_stages,
             checkpoint_activations: self.checkpoint_activations,
             partition_activations: self.partition_activations,
+            sequence_parallel: self.sequence_parallel,
             offload_activations: match self.offload_activations.as_str() {
                 "none" => false,
                 "cpu" => true,

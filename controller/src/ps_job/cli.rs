@@ -122,6 +122,7 @@ impl PsArgs {
             (j.virtual_stages != 1, "--virtual-stages"),
             (j.checkpoint_activations, "--checkpoint-activations"),
             (j.partition_activations, "--partition-activations"),
+            (j.sequence_parallel, "--sequence-parallel"),
             (j.offload_activations != "none", "--offload-activations"),
             (j.stages.is_some(), "--stages"),
             (j.devices.is_some(), "--devices"),

@@ -35,6 +35,9 @@ pub struct Layout {
     pub segment_replicated: Vec<bool>,
     /// What activation checkpointing keeps of segment inputs, and where (none by default).
     pub checkpoints: ActivationCheckpoints,
+    /// Sequence parallelism: for each segment, the segment whose residual stream it reads as its
+    /// second input (`TensorId::Residual`); `None` for all without it.
+    pub residual_source: Vec<Option<usize>>,
 }
 
 impl Layout {
@@ -72,8 +75,20 @@ impl Layout {
             .iter()
             .map(|b| {
                 let tp = |i: usize| model.blocks[i].tp.unwrap_or_default();
-                BlockTp::new(tp(b.start).input, tp(b.end - 1).output)
+                let (first, last) = (tp(b.start), tp(b.end - 1));
+                BlockTp::new(first.input, last.output).with_residual(first.residual_in, last.residual_out)
             })
+            .collect();
+        // A block reads the residual of the last block before it that passed one on (the plan
+        // refused a model where that is not so); segments start at blocks.
+        let by_block = crate::sequence_parallel::residual_sources(model).unwrap_or_default();
+        let segment_at = |block: usize| {
+            segments
+                .iter()
+                .position(|b: &Bucket| b.start <= block && block < b.end)
+        };
+        let residual_source = (segments.iter())
+            .map(|b| by_block.get(b.start).copied().flatten().and_then(segment_at))
             .collect();
         let segment_replicated = (segments.iter())
             .map(|b| replicated_trained(&model.blocks[b.start..b.end]) > 0)
@@ -88,7 +103,13 @@ impl Layout {
             segment_tp,
             segment_replicated,
             checkpoints: ActivationCheckpoints::default(),
+            residual_source,
         }
+    }
+
+    /// The segment reading segment `k`'s residual stream, when `k` passes one on.
+    pub fn residual_reader(&self, k: usize) -> Option<usize> {
+        self.residual_source.iter().position(|s| *s == Some(k))
     }
 
     /// How segment `k`'s input is kept for its backward, when the plan names it

@@ -3,7 +3,10 @@
 //! interleaved, Narayanan et al. 2021; ZB-H1, Qi et al. 2024) and, inside a tensor-parallel
 //! group, by Megatron-LM's conjugate all-reduces (Shoeybi et al. 2019): g after the forward of a
 //! segment whose output is a partial sum, f after the backward of a segment whose input is
-//! replicated (its input gradient is then a partial sum). Every tp rank runs every compute of
+//! replicated (its input gradient is then a partial sum); under sequence parallelism
+//! (Korthikanti et al. 2022) a reduce-scatter where a partial output meets an input cut along the
+//! tokens, an all-gather where such an output meets a whole input, and their adjoints on the
+//! gradients, with the residual stream a second tensor between segments. Every tp rank runs every compute of
 //! its replica; the all-reduces are edges of the step, so the verifier, the simulator, the hang
 //! report and the byte prediction see each one.
 //!
@@ -23,7 +26,7 @@ use crate::passes::data_parallel::Bucket;
 pub use crate::passes::layout::Layout;
 use crate::passes::schedule::{Pass, PipelineShape, Slot};
 use crate::tensor_id::TensorId;
-use crate::tensor_parallel::TpHeld;
+use crate::tensor_parallel::{TpEdge, TpHeld};
 
 /// Builds the pipeline graph of one step: batches, then every device's slots in its order, each
 /// slot the runs of its chunk's segments (one compute per replica, with its loss or its send).
@@ -111,15 +114,38 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
         mb,
     };
     let group = layout.tp_group(r, s);
+    let mut inputs = vec![input];
+    if let Some(from) = layout.residual_source[b.id] {
+        // Sequence parallelism: the residual stream a segment before passed on, added here.
+        inputs.push(TensorId::Residual { segment: from, mb });
+    }
     let mut outputs = vec![output.clone()];
+    if layout.segment_tp[b.id].residual_out {
+        outputs.push(TensorId::Residual { segment: b.id, mb });
+    }
     if layout.kept_input(b.id).is_some() {
         // What activation checkpointing keeps of the input for the backward, named.
         outputs.push(TensorId::Checkpoint { segment: b.id, mb });
     }
-    graph.compute_each(&group, &op, std::slice::from_ref(&input), &outputs);
-    if group.len() > 1 && layout.segment_tp[b.id].output == TpHeld::Partial {
-        // g: the partial sums of a row-parallel output become the activation on every rank.
-        graph.collective(CollectiveKind::AllReduceSum, group, &output);
+    graph.compute_each(&group, &op, &inputs, &outputs);
+    if group.len() > 1 {
+        // The loss reads a partial output summed, as a block that takes it whole would.
+        let next = layout.segment_tp.get(b.id + 1).filter(|_| b.id != last);
+        let edge = TpEdge::between(
+            layout.segment_tp[b.id].output,
+            next.map_or(TpHeld::Replicated, |t| t.input),
+        );
+        let kind = match edge {
+            // g: the partial sums of a row-parallel output become the activation on every rank.
+            Ok(Some(TpEdge::AllReduce)) => Some(CollectiveKind::AllReduceSum),
+            // Sequence parallelism: each rank's tokens of the sum, or every rank's tokens.
+            Ok(Some(TpEdge::ReduceScatter)) => Some(CollectiveKind::ReduceScatterSum),
+            Ok(Some(TpEdge::AllGather)) => Some(CollectiveKind::AllGather),
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            graph.collective(kind, group, &output);
+        }
     }
     if b.id == last {
         loss(graph, layout, &output, mb, r, s);
@@ -196,15 +222,32 @@ fn backward(
     if b.id > 0 {
         outputs.push(dact.clone());
     }
+    if layout.residual_source[b.id].is_some() {
+        outputs.push(TensorId::ResidualGrad { segment: b.id, mb });
+    }
     let group = layout.tp_group(r, s);
     let mut inputs = vec![upstream];
+    if let Some(reader) = layout.residual_reader(b.id) {
+        // The residual stream passed on has its own gradient, a second upstream.
+        inputs.push(TensorId::ResidualGrad { segment: reader, mb });
+    }
     if layout.kept_input(b.id).is_some() {
         inputs.push(TensorId::Checkpoint { segment: b.id, mb });
     }
     graph.compute_each(&group, &op, &inputs, &outputs);
-    if group.len() > 1 && b.id > 0 && layout.segment_tp[b.id].input == TpHeld::Replicated {
-        // f: every rank's gradient of the replicated input is a summand of the whole.
-        graph.collective(CollectiveKind::AllReduceSum, group.clone(), &dact);
+    if group.len() > 1 && b.id > 0 {
+        let input = layout.segment_tp[b.id].input;
+        let kind = match TpEdge::between(layout.segment_tp[b.id - 1].output, input) {
+            // The adjoints of sequence parallelism's reduce-scatter and all-gather.
+            Ok(Some(TpEdge::ReduceScatter)) => Some(CollectiveKind::AllGather),
+            Ok(Some(TpEdge::AllGather)) => Some(CollectiveKind::ReduceScatterSum),
+            // f: every rank's gradient of the replicated input is a summand of the whole.
+            _ if input == TpHeld::Replicated => Some(CollectiveKind::AllReduceSum),
+            _ => None,
+        };
+        if let Some(kind) = kind {
+            graph.collective(kind, group.clone(), &dact);
+        }
     }
     if b.id > 0 && layout.device_of_segment(b.id - 1) != s {
         let previous = layout.device_of_segment(b.id - 1);

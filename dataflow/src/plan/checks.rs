@@ -3,7 +3,7 @@
 
 use crate::passes::schedule::Schedule;
 use crate::program::Program;
-use crate::tensor_parallel::{BlockTp, TpHeld};
+use crate::tensor_parallel::{BlockTp, TpEdge, TpHeld};
 use crate::{ModelSpec, PlanError, Split};
 
 /// Refuses a program whose options are zero, do not divide, or do not go together, naming the fix.
@@ -26,6 +26,7 @@ pub(super) fn check_program(program: &Program) -> Result<(), PlanError> {
     }
     program.model.check()?;
     check_tp(program)?;
+    crate::sequence_parallel::check(program)?;
     if !plan.batch.is_multiple_of(plan.dp) {
         let lower = plan.batch / plan.dp * plan.dp;
         return Err(PlanError::BatchNotDivisible {
@@ -250,15 +251,12 @@ fn check_tp_forms(program: &Program) -> Result<(), PlanError> {
             )));
         };
         if let Some((name, prev)) = before
-            && prev.output_after_g() != form.input
+            && TpEdge::between(prev.output, form.input).is_err()
         {
             return Err(PlanError::Conflict(format!(
                 "--tp {tp}: block `{name}` of {} leaves its output {:?} and block `{}` takes its input \
                  {:?}: make the forms agree (`BlockInfo::with_tp`), or use --tp 1",
-                model.name,
-                prev.output_after_g(),
-                b.name,
-                form.input
+                model.name, prev.output, b.name, form.input
             )));
         }
         before = Some((&b.name, form));

@@ -1,0 +1,207 @@
+//! The gpt workload's blocks under sequence parallelism (Korthikanti et al. 2022, §4.2.2;
+//! `archipelago_dataflow::sequence_parallel` names the form): each half-layer is a LayerNorm
+//! block on this rank's tokens and a mixing block (attention, or the MLP) on the whole sequence
+//! between the plan's all-gather and reduce-scatter; the final LayerNorm and the head likewise.
+//!
+//! A LayerNorm block takes the reduce-scattered output of the half before and the residual that
+//! half's LayerNorm block passed on, side by side as one `[tokens, 2d]` input (the trainer puts
+//! the two tensors the plan names next to each other), adds them, and gives its normalised output
+//! and the sum side by side (`[tokens, 2d]`) — the residual stream of the next half. The first
+//! takes the embedding's tokens alone; the last passes nothing on.
+
+use burn::module::Module;
+use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use crate::block::{Activation, Block, BlockModule};
+use crate::kernels::{Kernels, causal_attention, gelu, layer_norm, linear};
+use crate::zoo::GptEmbedding;
+use crate::zoo::tp::{TpPlace, row_parallel};
+use archipelago_dataflow::tensor_parallel::local_extent;
+
+/// The epsilon of every LayerNorm (burn's and PyTorch's default).
+const LN_EPSILON: f64 = 1e-5;
+
+/// Block `index` of gpt `[vocab, ctx, d, layers, heads]` in its sequence-parallel form: the
+/// embedding, per layer `[ln1, attention, ln2, mlp]`, the final LayerNorm and the head.
+pub fn block<B: Kernels>(
+    index: usize,
+    [vocab, ctx, d, layers, heads]: [usize; 5],
+    tp: TpPlace,
+    device: &B::Device,
+) -> Box<dyn Block<B>> {
+    if index == 0 {
+        return Box::new(GptEmbedding::sliced(vocab, ctx, d, tp, device));
+    }
+    let (layer, part) = ((index - 1) / 4, (index - 1) % 4);
+    match (layer < layers, part) {
+        (true, 0) => Box::new(SeqLayerNorm::new(d, layer > 0, true, device)),
+        (true, 1) => Box::new(AttentionMix::sliced(d, heads, tp, device)),
+        (true, 2) => Box::new(SeqLayerNorm::new(d, true, true, device)),
+        (true, _) => Box::new(MlpMix::sliced(d, tp, device)),
+        (false, 0) => Box::new(SeqLayerNorm::new(d, layers > 0, false, device)),
+        (false, _) => Box::new(HeadLinear::sliced(d, vocab, tp, device)),
+    }
+}
+
+/// A LayerNorm on this rank's tokens, adding the residual stream first where it reads one.
+#[derive(Module, Debug)]
+pub struct SeqLayerNorm<B: Backend> {
+    /// The LayerNorm (`ln1`, `ln2` or `ln_f`).
+    pub ln: LayerNorm<B>,
+    /// Whether its input is `[z | x]`, the half before's output and the residual, to add.
+    pub adds: bool,
+    /// Whether it passes the sum on beside its output (`[ln(x) | x]`).
+    pub passes: bool,
+}
+
+impl<B: Backend> SeqLayerNorm<B> {
+    /// A LayerNorm of width `d`.
+    pub fn new(d: usize, adds: bool, passes: bool, device: &B::Device) -> Self {
+        SeqLayerNorm {
+            ln: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
+            adds,
+            passes,
+        }
+    }
+}
+
+impl<B: Kernels> BlockModule<B> for SeqLayerNorm<B> {
+    fn forward(&self, x: Activation<B>) -> Activation<B> {
+        let Activation::Rows(x) = x else {
+            panic!("SeqLayerNorm takes this rank's tokens as rows")
+        };
+        let x = if self.adds {
+            let [n, two_d] = x.dims();
+            let d = two_d / 2;
+            x.clone().slice([0..n, 0..d]) + x.slice([0..n, d..two_d])
+        } else {
+            x
+        };
+        let normalised = layer_norm(&self.ln, x.clone(), LN_EPSILON);
+        Activation::Rows(match self.passes {
+            true => Tensor::cat(vec![normalised, x], 1),
+            false => normalised,
+        })
+    }
+}
+
+/// Attention between the all-gather and the reduce-scatter: `proj(attn(qkv(u)))`, this rank's
+/// heads, the output a summand (the projection's bias on the first rank).
+#[derive(Module, Debug)]
+pub struct AttentionMix<B: Backend> {
+    /// Fused query/key/value projection (this rank's heads of each).
+    pub qkv: Linear<B>,
+    /// Output projection, row-parallel.
+    pub proj: Linear<B>,
+    /// This rank's heads.
+    pub heads: usize,
+    /// This rank in its tensor-parallel group.
+    pub tp_rank: usize,
+    /// The group's size.
+    pub tp_size: usize,
+}
+
+impl<B: Backend> AttentionMix<B> {
+    /// Rank `tp`'s attention of a layer of width `d` with `heads` heads.
+    pub fn sliced(d: usize, heads: usize, tp: TpPlace, device: &B::Device) -> Self {
+        AttentionMix {
+            qkv: LinearConfig::new(d, 3 * tp.part(d))
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            proj: LinearConfig::new(tp.part(d), d)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            heads: tp.part(heads),
+            tp_rank: tp.rank,
+            tp_size: tp.size,
+        }
+    }
+}
+
+impl<B: Kernels> BlockModule<B> for AttentionMix<B> {
+    fn forward(&self, u: Activation<B>) -> Activation<B> {
+        let Activation::Seq(u) = u else {
+            panic!("AttentionMix takes the gathered sequence")
+        };
+        let attended = causal_attention(linear(&self.qkv, u), self.heads);
+        Activation::Seq(row_parallel(
+            &self.proj,
+            attended,
+            TpPlace::new(self.tp_rank, self.tp_size),
+        ))
+    }
+}
+
+/// The MLP between the all-gather and the reduce-scatter: `fc2(gelu(fc1(u)))`, `fc1`
+/// column-parallel, `fc2` row-parallel (its bias on the first rank).
+#[derive(Module, Debug)]
+pub struct MlpMix<B: Backend> {
+    /// Up-projection, column-parallel.
+    pub fc1: Linear<B>,
+    /// Down-projection, row-parallel.
+    pub fc2: Linear<B>,
+    /// This rank in its tensor-parallel group.
+    pub tp_rank: usize,
+    /// The group's size.
+    pub tp_size: usize,
+}
+
+impl<B: Backend> MlpMix<B> {
+    /// Rank `tp`'s MLP of a layer of width `d`.
+    pub fn sliced(d: usize, tp: TpPlace, device: &B::Device) -> Self {
+        MlpMix {
+            fc1: LinearConfig::new(d, tp.part(4 * d))
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            fc2: LinearConfig::new(tp.part(4 * d), d)
+                .with_initializer(Initializer::Zeros)
+                .init(device),
+            tp_rank: tp.rank,
+            tp_size: tp.size,
+        }
+    }
+}
+
+impl<B: Kernels> BlockModule<B> for MlpMix<B> {
+    fn forward(&self, u: Activation<B>) -> Activation<B> {
+        let Activation::Seq(u) = u else {
+            panic!("MlpMix takes the gathered sequence")
+        };
+        let hidden = gelu(linear(&self.fc1, u));
+        Activation::Seq(row_parallel(
+            &self.fc2,
+            hidden,
+            TpPlace::new(self.tp_rank, self.tp_size),
+        ))
+    }
+}
+
+/// The vocabulary-parallel output head (no bias) on the gathered final LayerNorm's output.
+#[derive(Module, Debug)]
+pub struct HeadLinear<B: Backend> {
+    /// This rank's `ceil(vocab / size)` columns of the head.
+    pub head: Linear<B>,
+}
+
+impl<B: Backend> HeadLinear<B> {
+    /// Rank `tp`'s head of width `d` over `vocab` tokens.
+    pub fn sliced(d: usize, vocab: usize, tp: TpPlace, device: &B::Device) -> Self {
+        HeadLinear {
+            head: LinearConfig::new(d, local_extent(vocab, tp.size))
+                .with_initializer(Initializer::Zeros)
+                .with_bias(false)
+                .init(device),
+        }
+    }
+}
+
+impl<B: Kernels> BlockModule<B> for HeadLinear<B> {
+    fn forward(&self, u: Activation<B>) -> Activation<B> {
+        let Activation::Seq(u) = u else {
+            panic!("HeadLinear takes the gathered sequence")
+        };
+        Activation::Seq(linear(&self.head, u))
+    }
+}
