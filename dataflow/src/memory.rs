@@ -329,10 +329,8 @@ fn kept_inputs(program: &Program, model: &ModelDesc, share: &ActorShare) -> Kept
         let later = |b: &&&Bucket| b.start >= start.max(1) && b.end <= end;
         for b in share.buckets.iter().filter(later) {
             // The model's width: a rank holds its slice of an input tp cuts.
-            let form = model.blocks[b.start].tp.unwrap_or_default();
-            // Sequence parallelism: a segment adding the residual stream keeps it beside its input.
-            let whole = chunk_input_floats(model, b.start) * if form.residual_in { 2 } else { 1 };
-            let input = form.input;
+            let whole = chunk_input_floats(model, b.start);
+            let input = model.blocks[b.start].tp.unwrap_or_default().input;
             let held = match (checkpoints.kept_input(tp as usize, b.start, input), input) {
                 (Some(k), _) if k.partitioned => {
                     kept.gathered = kept.gathered.max(whole);

@@ -5,11 +5,11 @@
 //! column-parallel one): the same bytes, the LayerNorm and residual activations 1/tp.
 //!
 //! A gpt half-layer `x + f(ln(x))` becomes two blocks: the LayerNorm block, on this rank's
-//! tokens, which adds the half before it (`x = z + x`, the reduce-scattered output and the
-//! residual) and passes the sum on beside its normalised output; and the mixing block (attention,
-//! or the MLP) between the all-gather and the reduce-scatter. The residual skips the mixing block
-//! as a second tensor (`TensorId::Residual`), so no collective ever moves it: the step's
-//! collectives are exactly Megatron's. The embedding's partial output is reduce-scattered; the
+//! tokens, whose input is the half before's reduce-scattered output plus the residual stream
+//! (`x = z + x`: the trainer adds the two tensors) and which passes that sum on as the stream;
+//! and the mixing block (attention, or the MLP) between the all-gather and the reduce-scatter.
+//! The residual skips the mixing block as a tensor of its own (`TensorId::Residual`), so no
+//! collective ever moves it: the step's collectives are exactly Megatron's. The embedding's partial output is reduce-scattered; the
 //! final LayerNorm runs on the tokens and its output is all-gathered for the vocabulary-parallel
 //! head.
 
@@ -55,7 +55,7 @@ pub fn desc(spec: &ModelSpec) -> Result<ModelDesc, PlanError> {
         )
         .with_tp(replicated, partial),
     ];
-    // A LayerNorm block keeps, on its own tokens, the sum it normalises, the normalised values
+    // A LayerNorm block keeps, on its own tokens, its input (the sum), the normalised values
     // and its output (3d); the mixing block after it keeps the gathered output whole (d, which
     // Megatron keeps cut and gathers again in the backward: burn's graph holds what a linear
     // read), the rest cut by tp as in plain tp (its row-parallel output is not kept).

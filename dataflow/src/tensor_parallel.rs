@@ -121,12 +121,12 @@ pub struct BlockTp {
     /// input, LayerNorm's output, a row-parallel layer's output) every rank keeps whole.
     #[serde(default)]
     pub sharded_activations: u64,
-    /// Sequence parallelism: the block also reads the residual stream another block passed on
-    /// (its second input, `TensorId::Residual`), and adds it to its first.
+    /// Sequence parallelism: the block's input is the sum of what the block before gives and
+    /// the residual stream an earlier block passed on (its second input, `TensorId::Residual`).
     #[serde(default)]
     pub residual_in: bool,
-    /// Sequence parallelism: the block passes the residual stream on beside its output (its
-    /// second output, `TensorId::Residual`, read by the next block that has `residual_in`).
+    /// Sequence parallelism: the block passes its input on as the residual stream (its second
+    /// output, `TensorId::Residual`), to the next block that has `residual_in`.
     #[serde(default)]
     pub residual_out: bool,
 }

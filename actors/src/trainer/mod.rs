@@ -70,12 +70,11 @@ pub(super) struct Segment<B: AutodiffBackend> {
     /// The output; without its graph when `checkpointed`, and then dropped once the next
     /// segment's forward has read it (the backward recomputes it).
     output: Option<Activation<B>>,
-    /// Tensors side by side in the output (2: a LayerNorm block under sequence parallelism
-    /// passing the residual stream on beside its output).
-    lanes: usize,
-    /// Of those, the ones not read yet (sent, collected, or read by a forward here), a bit
-    /// each.
-    unread: u8,
+    /// Sequence parallelism: the residual stream this segment passes on (its input), until the
+    /// segment that adds it reads it.
+    residual: Option<Activation<B>>,
+    /// Sequence parallelism: the gradient of the stream it passed on, added to its input's.
+    residual_grad: Option<Activation<B>>,
     checkpointed: bool,
     /// The model's last segment (its output, the logits, is read by the loss after any send).
     last: bool,

@@ -9,7 +9,7 @@ use burn::tensor::Tensor;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::AutodiffBackend;
 
-use super::seq_shards::{lane, lane_of, side_by_side};
+use super::seq_shards::sum_of;
 use super::vocab_loss::{VocabStats, logit_count, logit_rows};
 use super::{BlockCopies, Segment, Trainer};
 use crate::block::{Activation, Block, read_flat};
@@ -17,11 +17,6 @@ use crate::executor::TensorTable;
 use crate::host_tensor::into_burn;
 use crate::transfer::{TransferKind, download};
 use crate::typed_tensor::TypedTensor;
-
-/// The segment an activation or residual stream `name` comes out of.
-fn segment_of(name: &TensorId) -> Result<usize, String> {
-    name.segment().ok_or_else(|| format!("`{name}` names no segment"))
-}
 
 impl<B: AutodiffBackend> Trainer<B> {
     /// A received tensor from the table as an activation.
@@ -72,12 +67,14 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let output = outputs.first().ok_or("the forward names no output")?;
-        // Sequence parallelism: the residual stream beside the input, as one leaf.
+        // Sequence parallelism: a segment reading the residual stream takes the sum of its
+        // input and the residual as its input (one leaf), and passes that sum on as the stream.
         let parts =
             (inputs.iter().map(|input| self.forward_input(input, table))).collect::<Result<_, _>>()?;
-        let x = side_by_side(parts)?.leaf();
+        let x = sum_of(parts)?.leaf();
         let checkpoint = outputs.iter().find(|t| matches!(t, TensorId::Checkpoint { .. }));
-        let lanes = 1 + usize::from(outputs.iter().any(|t| matches!(t, TensorId::Residual { .. })));
+        let residual = outputs.iter().find(|t| matches!(t, TensorId::Residual { .. }));
+        let passed_on = residual.map(|_| x.clone().untracked());
         let (kept, copies) = if self.checkpoints.checkpoint {
             // No graph at all: burn frees a recorded graph only at a backward, so a forward run
             // with one and then detached would hold every segment's activations until then.
@@ -108,8 +105,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             Segment {
                 input,
                 output: Some(kept),
-                lanes,
-                unread: (1 << lanes) - 1,
+                residual: passed_on,
+                residual_grad: None,
                 checkpointed: self.checkpoints.checkpoint,
                 last: blocks.end == self.stage.desc.blocks.len(),
                 kept: part,
@@ -121,14 +118,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         );
         self.note_checkpoint_bytes();
         self.step.by_name.insert(output.clone(), key);
-        if lanes == 2 {
-            self.step.by_name.insert(
-                TensorId::Residual {
-                    segment: segment_of(output)?,
-                    mb,
-                },
-                key,
-            );
+        if let Some(residual) = residual {
+            self.step.by_name.insert(residual.clone(), key);
         }
         let chunk = (self.chunk_of(blocks.start), mb);
         *self.step.live.entry(chunk).or_default() += 1;
@@ -155,22 +146,28 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
     }
 
-    /// This actor's own output (or residual stream) `name` (when `value`), counted as read; a
-    /// checkpointed segment's output is dropped once every tensor it gives is read (its backward
-    /// recomputes it), but the model's last (the loss reads it). `None`: no segment here
-    /// produced it, or the value was not asked for.
+    /// This actor's own output `name` (when `value`), counted as read: a checkpointed segment's
+    /// output is dropped once read (its backward recomputes it), but the model's last (the loss
+    /// reads it); or the residual stream a segment passed on, which its one reader takes. `None`:
+    /// no segment here produced it, or the value was not asked for.
     pub(super) fn read_own(&mut self, name: &TensorId, value: bool) -> Result<Option<Activation<B>>, String> {
         let Some(segment) =
             (self.step.by_name.get(name).copied()).and_then(|key| self.step.segments.get_mut(&key))
         else {
             return Ok(None);
         };
+        if matches!(name, TensorId::Residual { .. }) {
+            let residual = segment
+                .residual
+                .take()
+                .ok_or_else(|| format!("`{name}` was read twice"))?;
+            return Ok(value.then_some(residual));
+        }
         let value = match value {
-            true => Some(lane(segment.output()?, lane_of(name), segment.lanes)?),
+            true => Some(segment.output()?.clone()),
             false => None,
         };
-        segment.unread &= !(1 << lane_of(name));
-        if segment.checkpointed && !segment.last && segment.unread == 0 {
+        if segment.checkpointed && !segment.last {
             segment.output = None;
         }
         Ok(value)
@@ -310,16 +307,15 @@ impl<B: AutodiffBackend> Trainer<B> {
                 None => loss.backward(),
             }
         } else {
-            let mut parts = vec![self.upstream_grad(upstream, table)?];
-            if let Some(residual) = residual {
-                let mut g = self.upstream_grad(residual, table)?;
-                if self.fault.as_ref().is_some_and(|f| f.drops_residual_grad()) {
-                    g = g.zeros_like();
-                }
-                parts.push(g);
-            }
-            segment.output()?.dot(&side_by_side(parts)?).backward()
+            let g = self.upstream_grad(upstream, table)?;
+            segment.output()?.dot(&g).backward()
         };
+        if let Some(residual) = residual {
+            // The stream this segment passed on: its gradient adds to the input's.
+            let g = self.upstream_grad(residual, table)?;
+            let dropped = self.fault.as_ref().is_some_and(|f| f.drops_residual_grad());
+            segment.residual_grad = (!dropped).then_some(g);
+        }
         Ok((grads, segment))
     }
 
@@ -427,9 +423,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    /// Keeps the gradient of the segment's input under the name `outputs` give it (for the
-    /// segment before, or to be sent to the stage before), and of the residual stream it read
-    /// beside it (sequence parallelism); the first segment of the model has none.
+    /// Keeps the gradient of the segment's input (with, under sequence parallelism, that of the
+    /// stream it passed on added) under the names `outputs` give it: its input's (for the
+    /// segment before, or to be sent to the stage before) and the residual stream's it read;
+    /// the first segment of the model has none.
     pub(super) fn keep_input_grad(
         &mut self,
         segment: &Segment<B>,
@@ -442,12 +439,15 @@ impl<B: AutodiffBackend> Trainer<B> {
         if names.is_empty() {
             return Ok(());
         }
-        let g = (segment.input.as_ref())
+        let mut g = (segment.input.as_ref())
             .and_then(|input| input.take_grad(grads))
             .ok_or("the segment input has no gradient")?;
-        for name in &names {
-            let part = lane(&g, lane_of(name), names.len())?;
-            self.step.upstream.insert((*name).clone(), part);
+        if let Some(residual) = &segment.residual_grad {
+            g = sum_of(vec![g, residual.clone()])?;
+        }
+        // A sum's parts have its gradient: the input's and the residual stream's (read beside it).
+        for name in names {
+            self.step.upstream.insert(name.clone(), g.clone());
         }
         Ok(())
     }

@@ -5,62 +5,27 @@
 //! A rank's tokens are rows `[n/tp, d]` of the micro-batch's `n = b·s` tokens, flattened. The
 //! reduce-scatter leaves the rank's share flat, which [`Trainer::shaped`] makes rows again; the
 //! all-gather fills a buffer as long as the whole sequence with the rank's rows in place, which
-//! [`Trainer::for_all_gather`] lays out as `[b, s, d]` for the blocks that read it. A LayerNorm
-//! block's input and output are two tensors side by side (`[z | x]`, `[ln(x) | x]`): lane 0 is
-//! the activation, lane 1 the residual stream ([`TensorId::Residual`]).
+//! [`Trainer::for_all_gather`] lays out as `[b, s, d]` for the blocks that read it. A segment
+//! reading the residual stream ([`TensorId::Residual`]) adds it to its input ([`sum_of`]).
 
 use archipelago_dataflow::tensor_parallel::{TpEdge, TpHeld};
 use archipelago_dataflow::{TensorId, shard_range};
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
 use super::Trainer;
 use crate::block::Activation;
 use crate::typed_tensor::TypedTensor;
 
-/// Which lane of a two-lane tensor `name` is: the residual stream or its gradient is the second.
-pub(super) fn lane_of(name: &TensorId) -> usize {
-    match name {
-        TensorId::Residual { .. } | TensorId::ResidualGrad { .. } => 1,
-        _ => 0,
-    }
-}
-
-/// Lane `lane` of `lanes` equal lanes side by side in `a`'s last dimension (`a` itself for one).
-pub(super) fn lane<B: AutodiffBackend>(
-    a: &Activation<B>,
-    lane: usize,
-    lanes: usize,
-) -> Result<Activation<B>, String> {
-    if lanes == 1 {
-        return Ok(a.clone());
-    }
-    let Activation::Rows(t) = a else {
-        return Err("only rows of tokens travel in lanes (sequence parallelism)".into());
-    };
-    let [n, width] = t.dims();
-    let w = width / lanes;
-    Ok(Activation::Rows(
-        t.clone().slice([0..n, lane * w..(lane + 1) * w]),
-    ))
-}
-
-/// `parts` side by side in their last dimension (one part: itself).
-pub(super) fn side_by_side<B: AutodiffBackend>(
-    mut parts: Vec<Activation<B>>,
-) -> Result<Activation<B>, String> {
-    if parts.len() == 1 {
-        return Ok(parts.remove(0));
-    }
-    let rows = parts
-        .into_iter()
-        .map(|p| match p {
-            Activation::Rows(t) => Ok(t),
-            _ => Err("only rows of tokens travel in lanes (sequence parallelism)".to_string()),
-        })
-        .collect::<Result<Vec<Tensor<B, 2>>, String>>()?;
-    Ok(Activation::Rows(Tensor::cat(rows, 1)))
+/// The sum of `parts` (one part: itself): a segment's input and the residual stream it adds.
+pub(super) fn sum_of<B: AutodiffBackend>(parts: Vec<Activation<B>>) -> Result<Activation<B>, String> {
+    let mut parts = parts.into_iter();
+    let first = parts.next().ok_or("a forward names no input")?;
+    parts.try_fold(first, |sum, part| match (sum, part) {
+        (Activation::Rows(a), Activation::Rows(b)) if a.dims() == b.dims() => Ok(Activation::Rows(a + b)),
+        (Activation::Seq(a), Activation::Seq(b)) if a.dims() == b.dims() => Ok(Activation::Seq(a + b)),
+        _ => Err("a segment adds a residual stream of another kind or shape than its input".to_string()),
+    })
 }
 
 impl<B: AutodiffBackend> Trainer<B> {

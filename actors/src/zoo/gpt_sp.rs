@@ -3,15 +3,12 @@
 //! block on this rank's tokens and a mixing block (attention, or the MLP) on the whole sequence
 //! between the plan's all-gather and reduce-scatter; the final LayerNorm and the head likewise.
 //!
-//! A LayerNorm block takes the reduce-scattered output of the half before and the residual that
-//! half's LayerNorm block passed on, side by side as one `[tokens, 2d]` input (the trainer puts
-//! the two tensors the plan names next to each other), adds them, and gives its normalised output
-//! and the sum side by side (`[tokens, 2d]`) — the residual stream of the next half. The first
-//! takes the embedding's tokens alone; the last passes nothing on.
+//! The residual stream skips the mixing block as a tensor of its own: a LayerNorm block's
+//! segment takes the reduce-scattered output of the half before plus the stream (the trainer adds
+//! them: `x = z + x`) and passes that sum on as the stream of the next half.
 
 use burn::module::Module;
 use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::block::{Activation, Block, BlockModule};
@@ -36,33 +33,25 @@ pub fn block<B: Kernels>(
     }
     let (layer, part) = ((index - 1) / 4, (index - 1) % 4);
     match (layer < layers, part) {
-        (true, 0) => Box::new(SeqLayerNorm::new(d, layer > 0, true, device)),
+        (_, 0) | (true, 2) => Box::new(SeqLayerNorm::new(d, device)),
         (true, 1) => Box::new(AttentionMix::sliced(d, heads, tp, device)),
-        (true, 2) => Box::new(SeqLayerNorm::new(d, true, true, device)),
         (true, _) => Box::new(MlpMix::sliced(d, tp, device)),
-        (false, 0) => Box::new(SeqLayerNorm::new(d, layers > 0, false, device)),
         (false, _) => Box::new(HeadLinear::sliced(d, vocab, tp, device)),
     }
 }
 
-/// A LayerNorm on this rank's tokens, adding the residual stream first where it reads one.
+/// A LayerNorm on this rank's tokens (rows).
 #[derive(Module, Debug)]
 pub struct SeqLayerNorm<B: Backend> {
     /// The LayerNorm (`ln1`, `ln2` or `ln_f`).
     pub ln: LayerNorm<B>,
-    /// Whether its input is `[z | x]`, the half before's output and the residual, to add.
-    pub adds: bool,
-    /// Whether it passes the sum on beside its output (`[ln(x) | x]`).
-    pub passes: bool,
 }
 
 impl<B: Backend> SeqLayerNorm<B> {
     /// A LayerNorm of width `d`.
-    pub fn new(d: usize, adds: bool, passes: bool, device: &B::Device) -> Self {
+    pub fn new(d: usize, device: &B::Device) -> Self {
         SeqLayerNorm {
             ln: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
-            adds,
-            passes,
         }
     }
 }
@@ -72,18 +61,7 @@ impl<B: Kernels> BlockModule<B> for SeqLayerNorm<B> {
         let Activation::Rows(x) = x else {
             panic!("SeqLayerNorm takes this rank's tokens as rows")
         };
-        let x = if self.adds {
-            let [n, two_d] = x.dims();
-            let d = two_d / 2;
-            x.clone().slice([0..n, 0..d]) + x.slice([0..n, d..two_d])
-        } else {
-            x
-        };
-        let normalised = layer_norm(&self.ln, x.clone(), LN_EPSILON);
-        Activation::Rows(match self.passes {
-            true => Tensor::cat(vec![normalised, x], 1),
-            false => normalised,
-        })
+        Activation::Rows(layer_norm(&self.ln, x, LN_EPSILON))
     }
 }
 
