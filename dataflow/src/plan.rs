@@ -326,7 +326,7 @@ fn chunks_of(program: &Program) -> Result<Vec<Chunk>, PlanError> {
     let blocks = program.model.blocks.len();
     let (pp, v) = (plan.pp, plan.virtual_stages);
     let n_chunks = pp * v;
-    Ok(match &plan.stages {
+    let chunks = match &plan.stages {
         Some(given) => {
             let text = partition::format_stages(given);
             partition::check(given, blocks, n_chunks, &text)?;
@@ -344,7 +344,26 @@ fn chunks_of(program: &Program) -> Result<Vec<Chunk>, PlanError> {
             }
             partition::balanced(&program.model, n_chunks)
         }
-    })
+    };
+    let cuts: Vec<usize> = (0..blocks)
+        .filter(|&k| k > 0 && crate::sequence_parallel::can_cut_before(&program.model, k))
+        .collect();
+    let bad = chunks
+        .iter()
+        .map(|c| c.0)
+        .find(|&start| !crate::sequence_parallel::can_cut_before(&program.model, start));
+    if chunks.len() != n_chunks || bad.is_some() {
+        return Err(PlanError::Conflict(format!(
+            "--sequence-parallel cuts pipeline stages only before a LayerNorm block (where the tokens are \
+             cut: blocks {cuts:?}){}: {} chunks need {} of those cuts; use a --pp × --virtual-stages of at \
+             most {} (or --stages starting at those blocks)",
+            bad.map(|b| format!(", not at block {b}")).unwrap_or_default(),
+            n_chunks,
+            n_chunks - 1,
+            cuts.len() + 1
+        )));
+    }
+    Ok(chunks)
 }
 
 /// Refuses a plan whose estimate exceeds `--device-memory` on some actor, naming the remedies that

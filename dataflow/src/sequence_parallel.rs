@@ -129,13 +129,6 @@ pub(crate) fn check(program: &Program) -> Result<(), PlanError> {
         )));
     }
     residual_sources(&program.model)?;
-    if plan.pp > 1 {
-        return Err(PlanError::Conflict(format!(
-            "--sequence-parallel with --pp {}: the residual stream would cross stages beside the \
-             activation, which is not built yet: use --pp 1, or drop --sequence-parallel",
-            plan.pp
-        )));
-    }
     let per_microbatch = plan.batch / plan.dp.max(1) / plan.microbatches.max(1);
     let tokens = per_microbatch * program.model.input.tokens_per_sample();
     if !tokens.is_multiple_of(plan.tp) {
@@ -149,6 +142,19 @@ pub(crate) fn check(program: &Program) -> Result<(), PlanError> {
         )));
     }
     Ok(())
+}
+
+/// Whether a pipeline stage may start at block `start` of `model`: anywhere without sequence
+/// parallelism; with it, only where a reduce-scatter leaves the tokens cut (before a LayerNorm
+/// block: the rank's share of the activation and the residual stream cross, cut along the
+/// tokens), never between a LayerNorm block and the mixing block that reads its gathered output.
+pub fn can_cut_before(model: &ModelDesc, start: usize) -> bool {
+    let form = |k: usize| model.blocks.get(k).and_then(|b| b.tp).unwrap_or_default();
+    if start == 0 || !is_sequence_parallel(model) {
+        return true;
+    }
+    let (before, after) = (form(start - 1), form(start));
+    before.output == TpHeld::Partial && after.input == TpHeld::SeqSharded
 }
 
 /// For each block, the block whose residual it reads (`None`: it reads none): the last block

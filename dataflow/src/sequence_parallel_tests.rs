@@ -152,7 +152,8 @@ fn the_estimate_keeps_the_layernorm_regions_per_rank() {
 }
 
 /// `--sequence-parallel` without tp, with a model not in its form (or the form without the
-/// flag), across pipeline stages, or with tokens tp does not divide: refused, naming the fix.
+/// flag), with stages cut where the tokens are whole, or with tokens tp does not divide:
+/// refused, naming the fix.
 #[test]
 fn refusals_name_the_fix() {
     let why = refusal(&program(GPT, 1, 1, true));
@@ -169,7 +170,16 @@ fn refusals_name_the_fix() {
     assert!(refusal(&form_only).contains("add --sequence-parallel"));
     let mut pp = program(GPT, 1, 2, true);
     pp.plan.pp = 2;
-    assert!(refusal(&pp).contains("--pp 1"));
+    compile(&pp).unwrap();
+    pp.plan.stages = Some(vec![(0, 2), (2, 11)]);
+    let why = refusal(&pp);
+    assert!(
+        why.contains("not at block 2") && why.contains("[1, 3, 5, 7, 9]"),
+        "{why}"
+    );
+    pp.plan.stages = None;
+    pp.plan.pp = 7;
+    assert!(refusal(&pp).contains("at most 6"));
     let odd = program("gpt:vocab=64,ctx=5,d=32,layers=1,heads=4", 1, 2, true);
     let mut odd = odd;
     odd.plan.batch = 2;

@@ -1,6 +1,7 @@
 //! Equivalence for sequence parallelism (Korthikanti et al. 2022): gpt at tp 2 and 4 with its
 //! LayerNorm and residual regions cut along the tokens, with dp = 2, with activation
-//! checkpointing (ZeRO-R's partitioned and offloaded checkpoints), ZeRO-3 × dp and ZB-H1, trains
+//! checkpointing (ZeRO-R's partitioned and offloaded checkpoints), ZeRO-3 × dp, ZB-H1, and
+//! pp = 2 (1F1B, interleaved, × dp = 2: 8 actors, with partitioned checkpoints), trains
 //! to one device's losses, step by step, and its parameters, element by element (the model's
 //! sequence-parallel form holds the same parameters in the same order, cut into more blocks),
 //! under SGD and AdamW; in bf16 within bf16's tolerance. Every run's measured fabric bytes equal
@@ -136,10 +137,11 @@ fn check(optimizer: OptimizerSpec, plans: &[ParallelPlan]) {
     let (atol, skipped) = tolerance(&optimizer);
     for p in plans {
         let what = format!(
-            "{} tp={} dp={} m={} zero={} ckpt={} partitioned={} offloaded={} {:?}",
+            "{} tp={} dp={} pp={} m={} zero={} ckpt={} partitioned={} offloaded={} {:?}",
             optimizer.name(),
             p.tp,
             p.dp,
+            p.pp,
             p.microbatches,
             p.zero,
             p.checkpoint_activations,
@@ -183,10 +185,32 @@ fn gpt_with_sequence_parallelism_matches_one_device() {
             schedule: Schedule::ZbH1,
             ..sp(plan(2, 1, 2))
         },
+        // Stages cut before LayerNorm blocks: the rank's tokens and the residual stream cross.
+        ParallelPlan {
+            pp: 2,
+            ..sp(plan(2, 1, 4))
+        },
+        ParallelPlan {
+            pp: 2,
+            ..sp(plan(2, 2, 2))
+        },
+        ParallelPlan {
+            pp: 2,
+            schedule: Schedule::Interleaved,
+            virtual_stages: 2,
+            ..sp(plan(2, 1, 4))
+        },
+        ParallelPlan {
+            pp: 2,
+            checkpoint_activations: true,
+            partition_activations: true,
+            ..sp(plan(2, 1, 4))
+        },
     ];
     check(OptimizerSpec::sgd(0.2), &plans);
     let adamw = OptimizerSpec::adamw(1e-2).with_weight_decay(0.1);
     check(adamw, &plans[..3]);
+    check(adamw, &plans[7..8]);
 }
 
 /// The same bytes as plain tp: a reduce-scatter and an all-gather move what one all-reduce

@@ -50,7 +50,12 @@ pub(super) fn timed_model_on(
     timed: u64,
     job: String,
 ) -> anyhow::Result<(TrainReport, f64)> {
-    let program = Program::new(ModelSpec::parse(model)?).with_plan(plan);
+    let spec = ModelSpec::parse(model)?;
+    let sequence_parallel = plan.sequence_parallel;
+    let mut program = Program::new(spec.clone()).with_plan(plan);
+    if sequence_parallel {
+        program = program.sequence_parallel(&spec)?;
+    }
     let options = TrainOptions {
         steps: warmup + timed,
         job,
@@ -152,7 +157,8 @@ pub fn mlp_zero(warmup: u64, timed: u64) -> anyhow::Result<Value> {
 }
 
 /// gpt-tiny (WORKLOADS.md: 16 sequences of 128 tokens per step) at dp=1, dp=2, pp=2 under GPipe
-/// and 1F1B with eight micro-batches, ZeRO-3 at dp=2 and tp=2 (Megatron-LM): steps/s, tokens/s
+/// and 1F1B with eight micro-batches, ZeRO-3 at dp=2 and tp=2 (Megatron-LM, and with sequence
+/// parallelism): steps/s, tokens/s
 /// and the fabric bytes each actor read per step, measured and as the plan predicted.
 pub fn gpt_tiny(warmup: u64, timed: u64) -> anyhow::Result<Value> {
     let layouts = [
@@ -197,12 +203,20 @@ pub fn gpt_tiny(warmup: u64, timed: u64) -> anyhow::Result<Value> {
                 ..ParallelPlan::default()
             },
         ),
+        (
+            "tp=2 sequence-parallel",
+            ParallelPlan {
+                tp: 2,
+                sequence_parallel: true,
+                ..ParallelPlan::default()
+            },
+        ),
     ];
     let (batch, ctx) = (16, 128);
     let mut runs = Vec::new();
     for (name, layout) in layouts {
         let plan = ParallelPlan { batch, ..layout };
-        let config = json!({ "model": "gpt-tiny", "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "microbatches": plan.microbatches, "schedule": plan.schedule.to_string(), "zero": plan.zero, "global_batch": batch, "tokens_per_step": batch * ctx, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 });
+        let config = json!({ "model": "gpt-tiny", "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sequence_parallel": plan.sequence_parallel, "microbatches": plan.microbatches, "schedule": plan.schedule.to_string(), "zero": plan.zero, "global_batch": batch, "tokens_per_step": batch * ctx, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 });
         let (report, step_s) =
             timed_model("gpt-tiny", plan, warmup, timed, format!("bench-gpt-tiny-{name}"))?;
         runs.push(json!({

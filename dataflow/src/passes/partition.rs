@@ -12,8 +12,15 @@ use crate::model_spec::ModelDesc;
 pub type Chunk = (usize, usize);
 
 /// Splits the blocks of `model` into `chunks` contiguous chunks of near-equal parameter count.
+///
+/// Chunks start only where [`crate::sequence_parallel::can_cut_before`] allows; when no cut
+/// into `chunks` exists the result has fewer chunks (the caller refuses it).
 pub fn balanced(model: &ModelDesc, chunks: usize) -> Vec<Chunk> {
     let n = model.blocks.len();
+    let allowed: Vec<bool> = (0..=n)
+        .map(|j| crate::sequence_parallel::can_cut_before(model, j))
+        .collect();
+    let can_cut = |j: usize| allowed[j];
     let weights: Vec<u64> = model.blocks.iter().map(|b| b.params.max(1)).collect();
     let mut prefix = vec![0u64; n + 1];
     for i in 0..n {
@@ -26,7 +33,7 @@ pub fn balanced(model: &ModelDesc, chunks: usize) -> Vec<Chunk> {
     for k in 1..=chunks {
         for i in k..=n {
             for j in (k - 1)..i {
-                if best[k - 1][j] == u64::MAX {
+                if best[k - 1][j] == u64::MAX || !can_cut(j) {
                     continue;
                 }
                 let cost = best[k - 1][j].max(prefix[i] - prefix[j]);
@@ -37,6 +44,9 @@ pub fn balanced(model: &ModelDesc, chunks: usize) -> Vec<Chunk> {
                 }
             }
         }
+    }
+    if best[chunks][n] == u64::MAX {
+        return Vec::new();
     }
     let mut out = Vec::with_capacity(chunks);
     let mut end = n;

@@ -147,6 +147,17 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
             graph.collective(kind, group, &output);
         }
     }
+    if let Some(reader) = layout
+        .residual_reader(b.id)
+        .filter(|&k| layout.device_of_segment(k) != s)
+    {
+        // The residual stream to the stage that adds it (its tokens, no collective).
+        let residual = TensorId::Residual { segment: b.id, mb };
+        let next = layout.device_of_segment(reader);
+        for (from, to) in layout.tp_group(r, s).into_iter().zip(layout.tp_group(r, next)) {
+            graph.transfer(from, &residual, to, &residual);
+        }
+    }
     if b.id == last {
         loss(graph, layout, &output, mb, r, s);
     } else if layout.device_of_segment(b.id + 1) != s {
@@ -247,6 +258,13 @@ fn backward(
         };
         if let Some(kind) = kind {
             graph.collective(kind, group.clone(), &dact);
+        }
+    }
+    if let Some(source) = layout.residual_source[b.id].filter(|&k| layout.device_of_segment(k) != s) {
+        let dres = TensorId::ResidualGrad { segment: b.id, mb };
+        let back = layout.device_of_segment(source);
+        for (from, to) in group.iter().copied().zip(layout.tp_group(r, back)) {
+            graph.transfer(from, &dres, to, &dres);
         }
     }
     if b.id > 0 && layout.device_of_segment(b.id - 1) != s {

@@ -63,6 +63,8 @@ fn belongs(node: &NodeOp, op: &ComputeOp, segment: usize, mb: usize) -> bool {
         NodeOp::Transfer { tensor, .. } => {
             *tensor == TensorId::Activation { segment, mb }
                 || *tensor == TensorId::ActivationGrad { segment, mb }
+                || *tensor == TensorId::Residual { segment, mb }
+                || *tensor == TensorId::ResidualGrad { segment, mb }
         }
         NodeOp::Collective { tensor, .. } => {
             *tensor == TensorId::Activation { segment, mb }
