@@ -20,6 +20,13 @@ pub struct ActivationCheckpoints {
     pub partition: bool,
     /// `--offload-activations cpu`: what is kept waits in host memory.
     pub offload: bool,
+    /// Sequence parallelism with `--partition-activations` and no `--checkpoint-activations`:
+    /// only the segments whose input an all-gather brings whole (the mixing blocks, the head)
+    /// are checkpointed, each rank keeping its share (Megatron's sequence parallelism keeps the
+    /// rank's tokens of a column-parallel layer's input and gathers them again for the backward;
+    /// here the backward recomputes the block from them).
+    #[serde(default)]
+    pub gathered_only: bool,
 }
 
 /// How one segment's input is kept for the backward when the plan names it
@@ -46,11 +53,23 @@ pub struct CheckpointBytes {
 impl ActivationCheckpoints {
     /// The options of `plan` as compiled (ZeRO-3's implied checkpointing already set).
     pub fn of(plan: &ParallelPlan) -> ActivationCheckpoints {
+        let gathered_only = plan.sequence_parallel
+            && plan.partition_activations
+            && !plan.checkpoint_activations
+            && plan.tp > 1;
+        let checkpoint = plan.checkpoint_activations || gathered_only;
         ActivationCheckpoints {
-            checkpoint: plan.checkpoint_activations,
-            partition: plan.checkpoint_activations && plan.partition_activations && plan.tp > 1,
-            offload: plan.checkpoint_activations && plan.offload_activations,
+            checkpoint,
+            partition: checkpoint && plan.partition_activations && plan.tp > 1,
+            offload: checkpoint && plan.offload_activations,
+            gathered_only,
         }
+    }
+
+    /// Whether the segment whose first block is `first_block`, its input held `input`, is
+    /// checkpointed (its forward keeps only its input; its backward recomputes it).
+    pub fn checkpoints(&self, first_block: usize, input: TpHeld) -> bool {
+        self.checkpoint && (!self.gathered_only || (first_block > 0 && input == TpHeld::Replicated))
     }
 
     /// How the input of a segment is kept, when the plan names it: the segment's first block is
@@ -60,7 +79,7 @@ impl ActivationCheckpoints {
     /// input each rank holds a different slice of (after a column-parallel layer) is already
     /// 1/tp and is never partitioned.
     pub fn kept_input(&self, tp: usize, first_block: usize, input: TpHeld) -> Option<KeptInput> {
-        if !self.checkpoint || first_block == 0 {
+        if !self.checkpoints(first_block, input) || first_block == 0 {
             return None;
         }
         let partitioned = self.partition && tp > 1 && input == TpHeld::Replicated;

@@ -162,15 +162,22 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     let c = program.precision.compute.bytes();
     let on_gpu = matches!(program.devices.get(share.actor), Some(DeviceSpec::Cuda(_)));
     let kept = kept_inputs(program, model, &share);
-    let activations = if program.plan.checkpoint_activations {
-        let recompute = share
-            .buckets
-            .iter()
+    let checkpoints = crate::ActivationCheckpoints::of(&program.plan);
+    let activations = if checkpoints.checkpoint {
+        // Sequence parallelism may checkpoint only the mixing blocks: the others keep theirs.
+        let checkpointed = |b: &&&Bucket| {
+            checkpoints.checkpoints(b.start, model.blocks[b.start].tp.unwrap_or_default().input)
+        };
+        let recompute = (share.buckets.iter().filter(checkpointed))
             .map(|b| acts(b.start, b.end))
             .max()
             .unwrap_or(0);
+        let kept_whole: u64 = (share.buckets.iter().filter(|b| !checkpointed(b)))
+            .map(|b| acts(b.start, b.end))
+            .sum();
         let on_host = if on_gpu { 0 } else { kept.host };
-        c * rows * (in_flight * (kept.batch + kept.device + on_host) + recompute + 2 * kept.gathered)
+        c * rows
+            * (in_flight * (kept.batch + kept.device + on_host + kept_whole) + recompute + 2 * kept.gathered)
     } else {
         let largest = share.chunks.iter().map(|&(s, e)| acts(s, e)).max().unwrap_or(0);
         c * rows * in_flight * largest
@@ -327,7 +334,10 @@ fn kept_inputs(program: &Program, model: &ModelDesc, share: &ActorShare) -> Kept
     for &(start, end) in share.chunks {
         let (mut device, mut host) = (0, 0);
         let later = |b: &&&Bucket| b.start >= start.max(1) && b.end <= end;
-        for b in share.buckets.iter().filter(later) {
+        let checkpointed = |b: &&&Bucket| {
+            checkpoints.checkpoints(b.start, model.blocks[b.start].tp.unwrap_or_default().input)
+        };
+        for b in share.buckets.iter().filter(later).filter(checkpointed) {
             // The model's width: a rank holds its slice of an input tp cuts.
             let whole = chunk_input_floats(model, b.start);
             let input = model.blocks[b.start].tp.unwrap_or_default().input;

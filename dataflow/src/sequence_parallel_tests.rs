@@ -186,3 +186,29 @@ fn refusals_name_the_fix() {
     let why = refusal(&odd);
     assert!(why.contains("5 tokens") && why.contains("--tp 2"), "{why}");
 }
+
+/// With `--partition-activations` alone, only the mixing blocks and the head (whose inputs an
+/// all-gather brings) are checkpointed: each keeps the rank's share and the plan gathers it
+/// again before the block's backward; the LayerNorm blocks keep their graphs.
+#[test]
+fn partitioned_mixing_inputs_are_the_only_checkpoints() {
+    let mut p = program(GPT, 1, 2, true);
+    p.plan.partition_activations = true;
+    let plan = compile(&p).unwrap();
+    let gathered: Vec<usize> = (plan.actors[0].stream.instructions.iter())
+        .filter_map(|i| match i {
+            Instruction::StartCollective {
+                kind: CollectiveKind::AllGather,
+                tensor: TensorId::Checkpoint { segment, mb: 0 },
+                ..
+            } => Some(*segment),
+            _ => None,
+        })
+        .collect();
+    let mut sorted = gathered.clone();
+    sorted.sort();
+    assert_eq!(sorted, [2, 4, 6, 8, 10], "the mixing blocks and the head");
+    let mut plain = program(GPT, 1, 2, false);
+    plain.plan.partition_activations = true;
+    assert!(refusal(&plain).contains("nothing is checkpointed"));
+}

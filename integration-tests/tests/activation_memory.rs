@@ -150,48 +150,82 @@ fn peak_of_program(program: &Program) -> usize {
 }
 
 /// Sequence parallelism (Korthikanti et al. 2022) cuts the LayerNorm and residual regions that
-/// plain tp keeps whole on every rank. A rank's activations are measured as what a step's peak
-/// of live heap grows by when the batch doubles (the parameters, gradients and buffers stay):
-/// one device, tp = 2, tp = 2 with sequence parallelism, on a gpt whose width dominates its
-/// attention scores. A measurement, run by hand (`--ignored --nocapture`): it prints the three
-/// figures (2026-11-28: 25.4, 31.5 and 30.7 MiB; the issue's 1/tp is not reached, see
-/// docs/plans/issue-39-tensor-parallel.md).
+/// plain tp keeps whole on every rank; with `--partition-activations` each rank also keeps only
+/// its tokens of the mixing blocks' gathered inputs (Megatron's sequence parallelism keeps the
+/// rank's share of a column-parallel layer's input; here the backward gathers it again and
+/// recomputes the block). A rank's activations are measured as what a step's peak of live heap
+/// grows by when the batch doubles (the parameters, gradients and buffers stay), on a gpt whose
+/// width dominates its attention scores: with the mixing blocks' inputs partitioned they are at
+/// most 1/tp of one device's. The control: plain tp, which keeps the LayerNorm and residual
+/// regions whole, is past 1/tp (2026-11-28, 32 sequences of 64 tokens, d = 128: one device 76.0
+/// MiB; per rank at tp 2 65.6, with sequence parallelism 61.5, partitioned 25.4).
 #[test]
-#[ignore = "a measurement: prints a rank's activations with and without sequence parallelism"]
-fn sequence_parallelism_activations_of_a_rank() {
+fn sequence_parallelism_cuts_the_activations_of_a_rank() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let spec = ModelSpec::parse(
-        &std::env::var("SPGPT").unwrap_or("gpt:vocab=64,ctx=64,d=256,layers=4,heads=4".into()),
+        &std::env::var("SPGPT").unwrap_or("gpt:vocab=64,ctx=64,d=128,layers=4,heads=4".into()),
     )
     .unwrap();
-    let program = |tp: usize, sp: bool, batch: usize| {
+    // SPBUCKET=1: one device with a segment per block, as tp has.
+    let bucket_bytes = std::env::var("SPBUCKET")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(25 << 20);
+    // sp: 0 plain, 1 sequence-parallel, 2 also with the mixing blocks' inputs partitioned.
+    let program = |tp: usize, sp: u8, batch: usize| {
         let p = Program::new(spec.clone())
             .with_optimizer(OptimizerSpec::sgd(0.1))
             .with_plan(ParallelPlan {
                 tp,
                 batch,
+                bucket_bytes,
+                partition_activations: sp == 2,
                 ..ParallelPlan::default()
             });
-        if sp {
+        if sp > 0 {
             p.sequence_parallel(&spec).unwrap()
         } else {
             p
         }
     };
-    let activations = |tp: usize, sp: bool| {
+    // Large enough that the activations, not the state, make both peaks (at 8 against 16 the
+    // state made the smaller one's, and the difference read a third of the activations).
+    let base: usize = std::env::var("SPBATCH")
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(32);
+    let activations = |tp: usize, sp: u8| {
         let (small, large) = (
-            peak_of_program(&program(tp, sp, 8)),
-            peak_of_program(&program(tp, sp, 16)),
+            peak_of_program(&program(tp, sp, base)),
+            peak_of_program(&program(tp, sp, 2 * base)),
         );
         large.saturating_sub(small) / tp
     };
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    let (one, plain, cut) = (activations(1, false), activations(2, false), activations(2, true));
+    let (one, plain, cut, parted) = (
+        activations(1, 0),
+        activations(2, 0),
+        activations(2, 1),
+        activations(2, 2),
+    );
     eprintln!(
-        "activations of 8 sequences (peak live heap, batch 16 less batch 8): one device {:.1} MiB; per rank at tp=2 {:.1} MiB, \
-         with sequence parallelism {:.1} MiB",
+        "activations of {base} sequences (peak live heap, batch {} less batch {base}): one device {:.1} MiB; per rank at tp=2 \
+         {:.1} MiB, with sequence parallelism {:.1} MiB, and with its mixing blocks' inputs partitioned {:.1} MiB",
+        2 * base,
         mib(one),
         mib(plain),
-        mib(cut)
+        mib(cut),
+        mib(parted)
+    );
+    assert!(
+        2 * parted <= one,
+        "partitioned: {:.1} MiB per rank, past half of one device's {:.1} MiB",
+        mib(parted),
+        mib(one)
+    );
+    assert!(
+        2 * plain > one,
+        "control: plain tp keeps {:.1} MiB per rank, within half of one device's",
+        mib(plain)
     );
 }

@@ -1,7 +1,8 @@
 //! Equivalence for sequence parallelism (Korthikanti et al. 2022): gpt at tp 2 and 4 with its
 //! LayerNorm and residual regions cut along the tokens, with dp = 2, with activation
 //! checkpointing (ZeRO-R's partitioned and offloaded checkpoints), ZeRO-3 × dp, ZB-H1, and
-//! pp = 2 (1F1B, interleaved, × dp = 2: 8 actors, with partitioned checkpoints), trains
+//! pp = 2 (1F1B, interleaved, × dp = 2: 8 actors, with partitioned checkpoints), and with only
+//! the mixing blocks' inputs partitioned (those blocks recomputed; with pp and offload), trains
 //! to one device's losses, step by step, and its parameters, element by element (the model's
 //! sequence-parallel form holds the same parameters in the same order, cut into more blocks),
 //! under SGD and AdamW; in bf16 within bf16's tolerance. Every run's measured fabric bytes equal
@@ -206,11 +207,23 @@ fn gpt_with_sequence_parallelism_matches_one_device() {
             partition_activations: true,
             ..sp(plan(2, 1, 4))
         },
+        // Only the mixing blocks' inputs kept as the rank's tokens, the blocks recomputed.
+        ParallelPlan {
+            partition_activations: true,
+            ..sp(plan(2, 1, 2))
+        },
+        ParallelPlan {
+            pp: 2,
+            partition_activations: true,
+            offload_activations: true,
+            ..sp(plan(2, 2, 2))
+        },
     ];
     check(OptimizerSpec::sgd(0.2), &plans);
     let adamw = OptimizerSpec::adamw(1e-2).with_weight_decay(0.1);
     check(adamw, &plans[..3]);
     check(adamw, &plans[7..8]);
+    check(adamw, &plans[11..12]);
 }
 
 /// The same bytes as plain tp: a reduce-scatter and an all-gather move what one all-reduce

@@ -75,7 +75,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         let checkpoint = outputs.iter().find(|t| matches!(t, TensorId::Checkpoint { .. }));
         let residual = outputs.iter().find(|t| matches!(t, TensorId::Residual { .. }));
         let passed_on = residual.map(|_| x.clone().untracked());
-        let (kept, copies) = if self.checkpoints.checkpoint {
+        let input_form = self.stage.desc.blocks[blocks.start].tp.unwrap_or_default().input;
+        let checkpointed = self.checkpoints.checkpoints(blocks.start, input_form);
+        let (kept, copies) = if checkpointed {
             // No graph at all: burn frees a recorded graph only at a backward, so a forward run
             // with one and then detached would hold every segment's activations until then.
             let mut y = x.clone().untracked();
@@ -87,7 +89,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             self.run_blocks(blocks.clone(), x.clone())?
         };
         let key = (blocks.start, mb);
-        let (input, part) = match self.checkpoints.checkpoint {
+        let (input, part) = match checkpointed {
             true => self.keep_input(blocks.start, x, checkpoint, table)?,
             false => (Some(x), None),
         };
@@ -107,7 +109,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 output: Some(kept),
                 residual: passed_on,
                 residual_grad: None,
-                checkpointed: self.checkpoints.checkpoint,
+                checkpointed,
                 last: blocks.end == self.stage.desc.blocks.len(),
                 kept: part,
                 copies,

@@ -211,12 +211,21 @@ pub fn gpt_tiny(warmup: u64, timed: u64) -> anyhow::Result<Value> {
                 ..ParallelPlan::default()
             },
         ),
+        (
+            "tp=2 sequence-parallel partitioned",
+            ParallelPlan {
+                tp: 2,
+                sequence_parallel: true,
+                partition_activations: true,
+                ..ParallelPlan::default()
+            },
+        ),
     ];
     let (batch, ctx) = (16, 128);
     let mut runs = Vec::new();
     for (name, layout) in layouts {
         let plan = ParallelPlan { batch, ..layout };
-        let config = json!({ "model": "gpt-tiny", "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sequence_parallel": plan.sequence_parallel, "microbatches": plan.microbatches, "schedule": plan.schedule.to_string(), "zero": plan.zero, "global_batch": batch, "tokens_per_step": batch * ctx, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 });
+        let config = json!({ "model": "gpt-tiny", "dp": plan.dp, "pp": plan.pp, "tp": plan.tp, "sequence_parallel": plan.sequence_parallel, "partition_activations": plan.partition_activations, "microbatches": plan.microbatches, "schedule": plan.schedule.to_string(), "zero": plan.zero, "global_batch": batch, "tokens_per_step": batch * ctx, "warmup_steps": warmup, "timed_steps": timed, "cores_per_actor": 1 });
         let (report, step_s) =
             timed_model("gpt-tiny", plan, warmup, timed, format!("bench-gpt-tiny-{name}"))?;
         runs.push(json!({

@@ -126,6 +126,8 @@ pub struct JobArgs {
     /// With --checkpoint-activations and --tp 2 or more: each tp rank keeps 1/tp of every
     /// checkpointed input the group holds whole and the group all-gathers it before the
     /// recompute (ZeRO-R's partitioned activations; Megatron's --distribute-saved-activations).
+    /// With --sequence-parallel alone: only the mixing blocks' gathered inputs are kept so (those
+    /// blocks recomputed in the backward).
     #[arg(long)]
     pub partition_activations: bool,
     /// With --checkpoint-activations: keep the checkpointed inputs (or each tp rank's part of

@@ -77,7 +77,9 @@ pub(super) fn check_program(program: &Program) -> Result<(), PlanError> {
 /// implies it) or, partitioned, without a tensor-parallel group to partition over.
 fn check_activation_checkpoints(program: &Program) -> Result<(), PlanError> {
     let plan = &program.plan;
-    let checkpointed = plan.checkpoint_activations || plan.zero_stage().shards_parameters();
+    // Sequence parallelism's partitioned mixing-block inputs are checkpoints of their own.
+    let selective = plan.sequence_parallel && plan.partition_activations;
+    let checkpointed = plan.checkpoint_activations || plan.zero_stage().shards_parameters() || selective;
     let asked = [
         (plan.partition_activations, "--partition-activations"),
         (plan.offload_activations, "--offload-activations cpu"),
