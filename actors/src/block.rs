@@ -55,15 +55,6 @@ impl<B: AutodiffBackend> Activation<B> {
         }
     }
 
-    /// Zeros of the same shape and kind (token ids unchanged): a test fault's dropped gradient.
-    pub fn zeros_like(&self) -> Activation<B> {
-        match self {
-            Activation::Rows(t) => Activation::Rows(t.zeros_like()),
-            Activation::Seq(t) => Activation::Seq(t.zeros_like()),
-            Activation::Tokens(t) => Activation::Tokens(t.clone()),
-        }
-    }
-
     /// The gradient of this leaf, removed from `grads` (None for token ids).
     pub fn take_grad(&self, grads: &mut B::Gradients) -> Option<Activation<B>> {
         match self {

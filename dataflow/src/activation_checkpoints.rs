@@ -74,7 +74,8 @@ impl ActivationCheckpoints {
 
     /// How the input of a segment is kept, when the plan names it: the segment's first block is
     /// `first_block`, its input held `input` across a group of `tp`. `None` for the model's
-    /// first segment (its input is the batch, loaded anyway), without checkpointing, and where
+    /// first segment (its input is the batch, loaded anyway), for a segment not checkpointed
+    /// (none without checkpointing; under `gathered_only` all but the mixing blocks), and where
     /// the trainer keeps the input itself on the device (neither partitioned nor offloaded). An
     /// input each rank holds a different slice of (after a column-parallel layer) is already
     /// 1/tp and is never partitioned.

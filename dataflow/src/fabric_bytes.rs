@@ -240,7 +240,7 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
                     ),
                     Instruction::Recv { tensor, .. } => (
                         FabricKind::of(tensor),
-                        (elems(tensor) / received_share(program, tensor)) as u64,
+                        (elems(tensor) / received_share(plan, tensor)) as u64,
                         program.precision.compute.size() as u64,
                     ),
                     _ => continue,
@@ -257,12 +257,16 @@ pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
 /// Of an activation `tensor` as [`tensor_elems`] counts it, the part a stage receives: each
 /// rank's share of the tokens where a reduce-scatter cut it before it crosses (sequence
 /// parallelism), else all of it.
-fn received_share(program: &crate::Program, tensor: &TensorId) -> usize {
+fn received_share(plan: &Plan, tensor: &TensorId) -> usize {
+    let program = &plan.program;
     let TensorId::Activation { segment, .. } = tensor else {
         return 1;
     };
     let form = |k: usize| program.model.blocks.get(k).and_then(|b| b.tp);
-    match (form(*segment), form(segment + 1)) {
+    let (Some(this), Some(next)) = (plan.buckets.get(*segment), plan.buckets.get(segment + 1)) else {
+        return 1;
+    };
+    match (form(this.end - 1), form(next.start)) {
         (Some(out), Some(next)) if out.output == TpHeld::Partial && next.input == TpHeld::SeqSharded => {
             program.plan.tp.max(1)
         }

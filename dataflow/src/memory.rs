@@ -132,7 +132,8 @@ pub struct ActorShare<'a> {
 }
 
 /// Estimates one actor's memory. Activations: without checkpointing, every micro-batch in flight
-/// keeps its chunk's activations; with it, only its segments' inputs per micro-batch in flight
+/// keeps its chunk's activations; with it (under sequence parallelism's `gathered_only`, for the
+/// mixing blocks only; the others keep their activations), only its segments' inputs per micro-batch in flight
 /// (ZeRO-R's parts of them; none offloaded, but on CPU devices, whose host memory is the
 /// device's), plus one segment's activations while it is recomputed and, partitioned, two whole
 /// gathered inputs (the one read and the one gathered ahead).
@@ -164,7 +165,6 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
     let kept = kept_inputs(program, model, &share);
     let checkpoints = crate::ActivationCheckpoints::of(&program.plan);
     let activations = if checkpoints.checkpoint {
-        // Sequence parallelism may checkpoint only the mixing blocks: the others keep theirs.
         let checkpointed = |b: &&&Bucket| {
             checkpoints.checkpoints(b.start, model.blocks[b.start].tp.unwrap_or_default().input)
         };
@@ -172,12 +172,9 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
             .map(|b| acts(b.start, b.end))
             .max()
             .unwrap_or(0);
-        let kept_whole: u64 = (share.buckets.iter().filter(|b| !checkpointed(b)))
-            .map(|b| acts(b.start, b.end))
-            .sum();
         let on_host = if on_gpu { 0 } else { kept.host };
         c * rows
-            * (in_flight * (kept.batch + kept.device + on_host + kept_whole) + recompute + 2 * kept.gathered)
+            * (in_flight * (kept.batch + kept.device + on_host + kept.graphs) + recompute + 2 * kept.gathered)
     } else {
         let largest = share.chunks.iter().map(|&(s, e)| acts(s, e)).max().unwrap_or(0);
         c * rows * in_flight * largest
@@ -316,6 +313,9 @@ struct KeptInputs {
     host: u64,
     /// The largest input the tp group all-gathers whole before a recompute (partitioned).
     gathered: u64,
+    /// Sequence parallelism checkpointing only the mixing blocks: the activations the other
+    /// segments keep with their graphs, in the chunk that keeps most.
+    graphs: u64,
 }
 
 fn kept_inputs(program: &Program, model: &ModelDesc, share: &ActorShare) -> KeptInputs {
@@ -337,6 +337,16 @@ fn kept_inputs(program: &Program, model: &ModelDesc, share: &ActorShare) -> Kept
         let checkpointed = |b: &&&Bucket| {
             checkpoints.checkpoints(b.start, model.blocks[b.start].tp.unwrap_or_default().input)
         };
+        let in_chunk = |b: &&&Bucket| b.start >= start && b.end <= end;
+        let graphs = (share.buckets.iter().filter(in_chunk).filter(|b| !checkpointed(b)))
+            .map(|b| {
+                model.blocks[b.start..b.end]
+                    .iter()
+                    .map(|k| k.activation_floats_per_sample)
+                    .sum::<u64>()
+            })
+            .sum();
+        kept.graphs = kept.graphs.max(graphs);
         for b in share.buckets.iter().filter(later).filter(checkpointed) {
             // The model's width: a rank holds its slice of an input tp cuts.
             let whole = chunk_input_floats(model, b.start);

@@ -371,7 +371,7 @@ pub enum TestFault {
     /// own tokens' share).
     SkipTpGradsReduce,
     /// Sequence parallelism with the residual stream's gradient dropped: a segment that passed
-    /// the residual on back-propagates zeros in its place.
+    /// the residual on back-propagates only its own output's gradient.
     DropResidualGrad,
 }
 

@@ -9,9 +9,11 @@
 //! (`x = z + x`: the trainer adds the two tensors) and which passes that sum on as the stream;
 //! and the mixing block (attention, or the MLP) between the all-gather and the reduce-scatter.
 //! The residual skips the mixing block as a tensor of its own (`TensorId::Residual`), so no
-//! collective ever moves it: the step's collectives are exactly Megatron's. The embedding's partial output is reduce-scattered; the
-//! final LayerNorm runs on the tokens and its output is all-gathered for the vocabulary-parallel
-//! head.
+//! collective ever moves it: the step's collectives are exactly Megatron's. The embedding's
+//! partial output is reduce-scattered; the final LayerNorm runs on the tokens and its output is
+//! all-gathered for the vocabulary-parallel head. With `--partition-activations` alone, the
+//! mixing blocks keep only the rank's tokens of their inputs and are recomputed in the backward
+//! (`ActivationCheckpoints::gathered_only`).
 
 use crate::PlanError;
 use crate::model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
@@ -98,8 +100,9 @@ pub fn desc(spec: &ModelSpec) -> Result<ModelDesc, PlanError> {
 }
 
 /// Refuses `--sequence-parallel` where it cannot run, naming the fix: without a tensor-parallel
-/// group, with a model not in its sequence-parallel form (or one in it without the flag), with
-/// micro-batches whose tokens the group does not divide, or across pipeline stages (not built).
+/// group, with a model not in its sequence-parallel form (or one in it without the flag),
+/// or micro-batches whose tokens the group does not divide (stage cuts: [`can_cut_before`],
+/// checked where the plan cuts its chunks).
 pub(crate) fn check(program: &Program) -> Result<(), PlanError> {
     let plan = &program.plan;
     let described = is_sequence_parallel(&program.model);

@@ -1,6 +1,6 @@
 //! Sequence parallelism in the trainer (Korthikanti et al. 2022; the plan's side is
 //! `archipelago_dataflow::sequence_parallel`): the shapes of tensors cut along the tokens as they
-//! cross the group's collectives, and the two lanes of a LayerNorm block.
+//! cross the group's collectives, and the residual stream a LayerNorm segment adds.
 //!
 //! A rank's tokens are rows `[n/tp, d]` of the micro-batch's `n = b·s` tokens, flattened. The
 //! reduce-scatter leaves the rank's share flat, which [`Trainer::shaped`] makes rows again; the

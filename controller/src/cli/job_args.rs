@@ -130,8 +130,9 @@ pub struct JobArgs {
     /// blocks recomputed in the backward).
     #[arg(long)]
     pub partition_activations: bool,
-    /// With --checkpoint-activations: keep the checkpointed inputs (or each tp rank's part of
-    /// them) in host memory between the forward and the backward: `cpu`, or `none`.
+    /// With --checkpoint-activations (or --sequence-parallel --partition-activations): keep the
+    /// checkpointed inputs (or each tp rank's part of them) in host memory between the forward
+    /// and the backward: `cpu`, or `none`.
     #[arg(long, default_value = "none")]
     pub offload_activations: String,
     /// With --tp 2 or more (gpt): cut the LayerNorm and residual regions along the sequence, the

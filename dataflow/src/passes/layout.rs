@@ -87,6 +87,10 @@ impl Layout {
                 .iter()
                 .position(|b: &Bucket| b.start <= block && block < b.end)
         };
+        debug_assert!(
+            by_block.iter().all(Option::is_none) || per_block,
+            "a residual stream needs a segment per block (tensor parallelism)"
+        );
         let residual_source = (segments.iter())
             .map(|b| by_block.get(b.start).copied().flatten().and_then(segment_at))
             .collect();

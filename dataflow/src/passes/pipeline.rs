@@ -153,18 +153,12 @@ fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, 
     {
         // The residual stream to the stage that adds it (its tokens, no collective).
         let residual = TensorId::Residual { segment: b.id, mb };
-        let next = layout.device_of_segment(reader);
-        for (from, to) in layout.tp_group(r, s).into_iter().zip(layout.tp_group(r, next)) {
-            graph.transfer(from, &residual, to, &residual);
-        }
+        send_group(graph, layout, r, (s, layout.device_of_segment(reader)), &residual);
     }
     if b.id == last {
         loss(graph, layout, &output, mb, r, s);
     } else if layout.device_of_segment(b.id + 1) != s {
-        let next = layout.device_of_segment(b.id + 1);
-        for (from, to) in layout.tp_group(r, s).into_iter().zip(layout.tp_group(r, next)) {
-            graph.transfer(from, &output, to, &output);
-        }
+        send_group(graph, layout, r, (s, layout.device_of_segment(b.id + 1)), &output);
     }
 }
 
@@ -262,15 +256,18 @@ fn backward(
     }
     if let Some(source) = layout.residual_source[b.id].filter(|&k| layout.device_of_segment(k) != s) {
         let dres = TensorId::ResidualGrad { segment: b.id, mb };
-        let back = layout.device_of_segment(source);
-        for (from, to) in group.iter().copied().zip(layout.tp_group(r, back)) {
-            graph.transfer(from, &dres, to, &dres);
-        }
+        send_group(graph, layout, r, (s, layout.device_of_segment(source)), &dres);
     }
     if b.id > 0 && layout.device_of_segment(b.id - 1) != s {
-        let previous = layout.device_of_segment(b.id - 1);
-        for (from, to) in group.into_iter().zip(layout.tp_group(r, previous)) {
-            graph.transfer(from, &dact, to, &dact);
-        }
+        send_group(graph, layout, r, (s, layout.device_of_segment(b.id - 1)), &dact);
+    }
+}
+
+/// `tensor` from replica `r`'s tp group on pipeline device `stages.0` to its group on `stages.1`,
+/// rank to rank.
+fn send_group(graph: &mut Graph, layout: &Layout, r: usize, stages: (usize, usize), tensor: &TensorId) {
+    let (from, to) = (layout.tp_group(r, stages.0), layout.tp_group(r, stages.1));
+    for (a, b) in from.into_iter().zip(to) {
+        graph.transfer(a, tensor, b, tensor);
     }
 }
