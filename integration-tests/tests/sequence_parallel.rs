@@ -219,6 +219,18 @@ fn gpt_with_sequence_parallelism_matches_one_device() {
             offload_activations: true,
             ..sp(plan(2, 2, 2))
         },
+        // ZB-H1's split backward across stages, and with the mixing blocks recomputed.
+        ParallelPlan {
+            pp: 2,
+            schedule: Schedule::ZbH1,
+            ..sp(plan(2, 1, 4))
+        },
+        ParallelPlan {
+            pp: 2,
+            schedule: Schedule::ZbH1,
+            partition_activations: true,
+            ..sp(plan(2, 1, 4))
+        },
     ];
     check(OptimizerSpec::sgd(0.2), &plans);
     let adamw = OptimizerSpec::adamw(1e-2).with_weight_decay(0.1);
