@@ -46,6 +46,26 @@ pub(super) fn activation_bytes<B: AutodiffBackend>(a: &Activation<B>) -> u64 {
     (elements * dtype.size()) as u64
 }
 
+/// A buffer of `shape`, zeros but `part` at flat elements `at`: what a member brings to an
+/// all-gather (the gather fills the rest).
+pub(super) fn placed_in_whole(
+    part: &TypedTensor,
+    shape: Vec<usize>,
+    at: Range<usize>,
+) -> Result<TypedTensor, String> {
+    if at.len() != part.elements() {
+        return Err(format!(
+            "a part of {} elements placed at {} of them",
+            part.elements(),
+            at.len()
+        ));
+    }
+    let mut whole = TypedTensor::zeros(part.dtype(), shape).map_err(|e| format!("{e:?}"))?;
+    let size = part.dtype().size();
+    whole.bytes_mut()[at.start * size..at.end * size].copy_from_slice(part.bytes());
+    Ok(whole)
+}
+
 impl<B: AutodiffBackend> Trainer<B> {
     /// How the plan keeps the input of the segment starting at block `start` (`None`: the
     /// trainer keeps it whole on the device, or the segment is not checkpointed).
@@ -147,12 +167,7 @@ impl<B: AutodiffBackend> KeptPart<B> {
             PartValues::Host(t) => t.clone(),
             PartValues::Device(t) => from_burn(t.clone()),
         };
-        let mut whole =
-            TypedTensor::zeros(values.dtype(), self.shape.clone()).map_err(|e| format!("{e:?}"))?;
-        let size = values.dtype().size();
-        let at = self.range.start * size..self.range.end * size;
-        whole.bytes_mut()[at].copy_from_slice(values.bytes());
-        Ok(whole)
+        placed_in_whole(&values, self.shape.clone(), self.range.clone())
     }
 }
 

@@ -14,6 +14,7 @@ use archipelago_dataflow::{TensorId, shard_range};
 use burn::tensor::backend::AutodiffBackend;
 
 use super::Trainer;
+use super::kept_inputs::placed_in_whole;
 use crate::block::Activation;
 use crate::typed_tensor::TypedTensor;
 
@@ -71,7 +72,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// A tensor the table holds under `name` in the shape its reader computes with: a
     /// reduce-scattered share (flat) as rows of the model's width; anything else as it is.
     pub(super) fn shaped(&self, name: &TensorId, t: TypedTensor) -> Result<TypedTensor, String> {
-        if t.shape().len() != 1 || self.form_cut_along_tokens(name).is_none() {
+        if t.shape().len() != 1 || !self.cut_along_tokens(name) {
             return Ok(t);
         }
         let width = self
@@ -87,18 +88,17 @@ impl<B: AutodiffBackend> Trainer<B> {
             .map_err(|e| format!("`{name}`: {e:?}"))
     }
 
-    /// Some(()) where the reader of `name` holds it cut along the tokens.
-    fn form_cut_along_tokens(&self, name: &TensorId) -> Option<()> {
-        let reader = match name {
-            TensorId::Activation { segment, .. } => segment + 1,
-            TensorId::ActivationGrad { segment, .. } => segment.checked_sub(1)?,
-            _ => return None,
-        };
+    /// Whether the reader of `name` holds it cut along the tokens (the next block's input, or the
+    /// block before's output for a gradient).
+    fn cut_along_tokens(&self, name: &TensorId) -> bool {
         let held = match name {
-            TensorId::Activation { .. } => self.form(reader)?.input,
-            _ => self.form(reader)?.output,
+            TensorId::Activation { segment, .. } => self.form(segment + 1).map(|f| f.input),
+            TensorId::ActivationGrad { segment, .. } if *segment > 0 => {
+                self.form(segment - 1).map(|f| f.output)
+            }
+            _ => None,
         };
-        (held == TpHeld::SeqSharded).then_some(())
+        held == Some(TpHeld::SeqSharded)
     }
 
     /// `part` (this rank's rows `[n/tp, d]`) exported as `name`: for an all-gather of tokens a
@@ -120,18 +120,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 "`{name}`: {tokens} tokens are no whole sequences of {ctx}"
             ));
         }
-        let mut whole =
-            TypedTensor::zeros(part.dtype(), vec![tokens / ctx, ctx, width]).map_err(|e| format!("{e:?}"))?;
         let at = shard_range(tokens * width, tp.size, tp.rank);
-        if at.len() != part.elements() {
-            return Err(format!(
-                "`{name}`: this rank's share is {} elements, its rows {}",
-                at.len(),
-                part.elements()
-            ));
-        }
-        let size = part.dtype().size();
-        whole.bytes_mut()[at.start * size..at.end * size].copy_from_slice(part.bytes());
-        Ok(whole)
+        placed_in_whole(&part, vec![tokens / ctx, ctx, width], at).map_err(|e| format!("`{name}`: {e}"))
     }
 }

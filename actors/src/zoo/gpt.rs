@@ -6,13 +6,14 @@
 //! x += mlp(ln2(x))`, learned positions, untied head without bias, no dropout.
 
 use burn::module::Module;
-use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
 use crate::block::{Activation, BlockModule};
-use crate::kernels::{Kernels, causal_attention, gelu, layer_norm, linear};
-use crate::zoo::tp::{TpPlace, row_parallel};
+use crate::kernels::{Kernels, layer_norm, linear};
+use crate::zoo::tp::TpPlace;
+use crate::zoo::{AttentionMix, HeadLinear, MlpMix};
 use archipelago_dataflow::tensor_parallel::local_extent;
 
 /// Token and learned position embeddings: ids `[b, t]` → `[b, t, d]`.
@@ -83,26 +84,19 @@ impl<B: Kernels> BlockModule<B> for GptEmbedding<B> {
 }
 
 /// The epsilon of every LayerNorm (burn's and PyTorch's default).
-const LN_EPSILON: f64 = 1e-5;
+pub(super) const LN_EPSILON: f64 = 1e-5;
 
 /// The attention half of a pre-LayerNorm transformer layer: `x + proj(attn(qkv(ln1(x))))`.
 ///
 /// A layer is two blocks (this and [`MlpHalf`]) so that the tensor-parallel all-reduce after each
 /// row-parallel projection (Megatron-LM's g) falls between blocks, as an instruction of the step.
+/// The attention itself is sequence parallelism's mixing block ([`AttentionMix`]).
 #[derive(Module, Debug)]
 pub struct AttentionHalf<B: Backend> {
     /// LayerNorm before attention.
     pub ln1: LayerNorm<B>,
-    /// Fused query/key/value projection `[d, 3d]`.
-    pub qkv: Linear<B>,
-    /// Attention output projection `[d, d]`.
-    pub proj: Linear<B>,
-    /// Attention heads (this rank's under tensor parallelism).
-    pub heads: usize,
-    /// This rank in its tensor-parallel group.
-    pub tp_rank: usize,
-    /// The group's size.
-    pub tp_size: usize,
+    /// `qkv`, attention and `proj` (this rank's heads under tensor parallelism).
+    pub attention: AttentionMix<B>,
 }
 
 impl<B: Backend> AttentionHalf<B> {
@@ -117,15 +111,7 @@ impl<B: Backend> AttentionHalf<B> {
     pub fn sliced(d: usize, heads: usize, tp: TpPlace, device: &B::Device) -> Self {
         AttentionHalf {
             ln1: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
-            qkv: LinearConfig::new(d, 3 * tp.part(d))
-                .with_initializer(Initializer::Zeros)
-                .init(device),
-            proj: LinearConfig::new(tp.part(d), d)
-                .with_initializer(Initializer::Zeros)
-                .init(device),
-            heads: tp.part(heads),
-            tp_rank: tp.rank,
-            tp_size: tp.size,
+            attention: AttentionMix::sliced(d, heads, tp, device),
         }
     }
 }
@@ -135,26 +121,19 @@ impl<B: Kernels> BlockModule<B> for AttentionHalf<B> {
         let Activation::Seq(x) = x else {
             panic!("AttentionHalf takes a sequence")
         };
-        let qkv = linear(&self.qkv, layer_norm(&self.ln1, x.clone(), LN_EPSILON));
-        let tp = TpPlace::new(self.tp_rank, self.tp_size);
-        let y = row_parallel(&self.proj, causal_attention(qkv, self.heads), tp);
-        Activation::Seq(if tp.leads() { x + y } else { y })
+        let y = self.attention.mix(layer_norm(&self.ln1, x.clone(), LN_EPSILON));
+        Activation::Seq(if self.attention.place().leads() { x + y } else { y })
     }
 }
 
-/// The MLP half of a pre-LayerNorm transformer layer: `x + fc2(gelu(fc1(ln2(x))))`.
+/// The MLP half of a pre-LayerNorm transformer layer: `x + fc2(gelu(fc1(ln2(x))))`; the MLP is
+/// sequence parallelism's mixing block ([`MlpMix`]).
 #[derive(Module, Debug)]
 pub struct MlpHalf<B: Backend> {
     /// LayerNorm before the MLP.
     pub ln2: LayerNorm<B>,
-    /// MLP up-projection `[d, 4d]`.
-    pub fc1: Linear<B>,
-    /// MLP down-projection `[4d, d]`.
-    pub fc2: Linear<B>,
-    /// This rank in its tensor-parallel group.
-    pub tp_rank: usize,
-    /// The group's size.
-    pub tp_size: usize,
+    /// `fc1` (column-parallel) and `fc2` (row-parallel, bias on the first rank).
+    pub mlp: MlpMix<B>,
 }
 
 impl<B: Backend> MlpHalf<B> {
@@ -168,14 +147,7 @@ impl<B: Backend> MlpHalf<B> {
     pub fn sliced(d: usize, tp: TpPlace, device: &B::Device) -> Self {
         MlpHalf {
             ln2: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
-            fc1: LinearConfig::new(d, tp.part(4 * d))
-                .with_initializer(Initializer::Zeros)
-                .init(device),
-            fc2: LinearConfig::new(tp.part(4 * d), d)
-                .with_initializer(Initializer::Zeros)
-                .init(device),
-            tp_rank: tp.rank,
-            tp_size: tp.size,
+            mlp: MlpMix::sliced(d, tp, device),
         }
     }
 }
@@ -185,10 +157,8 @@ impl<B: Kernels> BlockModule<B> for MlpHalf<B> {
         let Activation::Seq(x) = x else {
             panic!("MlpHalf takes a sequence")
         };
-        let hidden = gelu(linear(&self.fc1, layer_norm(&self.ln2, x.clone(), LN_EPSILON)));
-        let tp = TpPlace::new(self.tp_rank, self.tp_size);
-        let y = row_parallel(&self.fc2, hidden, tp);
-        Activation::Seq(if tp.leads() { x + y } else { y })
+        let y = self.mlp.mix(layer_norm(&self.ln2, x.clone(), LN_EPSILON));
+        Activation::Seq(if self.mlp.place().leads() { x + y } else { y })
     }
 }
 
@@ -197,8 +167,8 @@ impl<B: Kernels> BlockModule<B> for MlpHalf<B> {
 pub struct GptHead<B: Backend> {
     /// Final LayerNorm.
     pub ln_f: LayerNorm<B>,
-    /// Output head `[d, vocab]`.
-    pub head: Linear<B>,
+    /// Output head `[d, vocab]` (this rank's columns under tensor parallelism).
+    pub head: HeadLinear<B>,
 }
 
 impl<B: Backend> GptHead<B> {
@@ -212,10 +182,7 @@ impl<B: Backend> GptHead<B> {
     pub fn sliced(d: usize, vocab: usize, tp: TpPlace, device: &B::Device) -> Self {
         GptHead {
             ln_f: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
-            head: LinearConfig::new(d, local_extent(vocab, tp.size))
-                .with_initializer(Initializer::Zeros)
-                .with_bias(false)
-                .init(device),
+            head: HeadLinear::sliced(d, vocab, tp, device),
         }
     }
 }
@@ -225,7 +192,7 @@ impl<B: Kernels> BlockModule<B> for GptHead<B> {
         let Activation::Seq(x) = x else {
             panic!("GptHead takes a sequence")
         };
-        Activation::Seq(linear(&self.head, layer_norm(&self.ln_f, x, LN_EPSILON)))
+        Activation::Seq(linear(&self.head.head, layer_norm(&self.ln_f, x, LN_EPSILON)))
     }
 }
 

@@ -9,6 +9,7 @@
 
 use burn::module::Module;
 use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::block::{Activation, Block, BlockModule};
@@ -17,8 +18,7 @@ use crate::zoo::GptEmbedding;
 use crate::zoo::tp::{TpPlace, row_parallel};
 use archipelago_dataflow::tensor_parallel::local_extent;
 
-/// The epsilon of every LayerNorm (burn's and PyTorch's default).
-const LN_EPSILON: f64 = 1e-5;
+use super::gpt::LN_EPSILON;
 
 /// Block `index` of gpt `[vocab, ctx, d, layers, heads]` in its sequence-parallel form: the
 /// embedding, per layer `[ln1, attention, ln2, mlp]`, the final LayerNorm and the head.
@@ -98,17 +98,27 @@ impl<B: Backend> AttentionMix<B> {
     }
 }
 
+impl<B: Backend> AttentionMix<B> {
+    /// Where this rank sits in its group.
+    pub fn place(&self) -> TpPlace {
+        TpPlace::new(self.tp_rank, self.tp_size)
+    }
+}
+
+impl<B: Kernels> AttentionMix<B> {
+    /// `proj(attn(qkv(u)))`, this rank's summand (the projection's bias on the first rank).
+    pub fn mix(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
+        let attended = causal_attention(linear(&self.qkv, u), self.heads);
+        row_parallel(&self.proj, attended, self.place())
+    }
+}
+
 impl<B: Kernels> BlockModule<B> for AttentionMix<B> {
     fn forward(&self, u: Activation<B>) -> Activation<B> {
         let Activation::Seq(u) = u else {
             panic!("AttentionMix takes the gathered sequence")
         };
-        let attended = causal_attention(linear(&self.qkv, u), self.heads);
-        Activation::Seq(row_parallel(
-            &self.proj,
-            attended,
-            TpPlace::new(self.tp_rank, self.tp_size),
-        ))
+        Activation::Seq(self.mix(u))
     }
 }
 
@@ -142,17 +152,26 @@ impl<B: Backend> MlpMix<B> {
     }
 }
 
+impl<B: Backend> MlpMix<B> {
+    /// Where this rank sits in its group.
+    pub fn place(&self) -> TpPlace {
+        TpPlace::new(self.tp_rank, self.tp_size)
+    }
+}
+
+impl<B: Kernels> MlpMix<B> {
+    /// `fc2(gelu(fc1(u)))`, this rank's summand (`fc2`'s bias on the first rank).
+    pub fn mix(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
+        row_parallel(&self.fc2, gelu(linear(&self.fc1, u)), self.place())
+    }
+}
+
 impl<B: Kernels> BlockModule<B> for MlpMix<B> {
     fn forward(&self, u: Activation<B>) -> Activation<B> {
         let Activation::Seq(u) = u else {
             panic!("MlpMix takes the gathered sequence")
         };
-        let hidden = gelu(linear(&self.fc1, u));
-        Activation::Seq(row_parallel(
-            &self.fc2,
-            hidden,
-            TpPlace::new(self.tp_rank, self.tp_size),
-        ))
+        Activation::Seq(self.mix(u))
     }
 }
 
