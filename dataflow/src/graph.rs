@@ -59,6 +59,11 @@ pub struct Graph {
     pub nodes: Vec<NodeOp>,
     /// Size in bytes of tensors whose size is known, by name (for memory and bandwidth estimates).
     pub tensor_bytes: BTreeMap<TensorId, u64>,
+    /// The actors whose nodes are built (every actor when empty): a plan builds one actor per
+    /// stream class ([`crate::stream_class`]) and derives the others' streams from it, so nodes
+    /// on no built actor are dropped as they are added.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub built: Vec<bool>,
 }
 
 impl Graph {
@@ -70,8 +75,42 @@ impl Graph {
         }
     }
 
-    /// Appends a compute node.
+    /// A graph that builds only the nodes touching `built` actors (see [`Graph::built`]).
+    pub fn built_for(built: Vec<bool>) -> Graph {
+        Graph {
+            actors: built.len(),
+            built,
+            ..Graph::default()
+        }
+    }
+
+    /// Whether `actor`'s nodes are built.
+    pub fn builds(&self, actor: ActorId) -> bool {
+        self.built.is_empty() || self.built.get(actor).copied().unwrap_or(false)
+    }
+
+    /// Whether `node` touches a built actor (a compute on one, a transfer from or to one, a
+    /// collective with one as a member).
+    pub fn keeps(&self, node: &NodeOp) -> bool {
+        match node {
+            NodeOp::Compute { actor, .. } => self.builds(*actor),
+            NodeOp::Transfer { from, to, .. } => self.builds(*from) || self.builds(*to),
+            NodeOp::Collective { group, .. } => self.built.is_empty() || group.iter().any(|&a| self.builds(a)),
+        }
+    }
+
+    /// Appends `node` when it touches a built actor.
+    pub fn push(&mut self, node: NodeOp) {
+        if self.keeps(&node) {
+            self.nodes.push(node);
+        }
+    }
+
+    /// Appends a compute node (when `actor` is built).
     pub fn compute(&mut self, actor: ActorId, op: ComputeOp, inputs: &[TensorId], outputs: &[TensorId]) {
+        if !self.builds(actor) {
+            return;
+        }
         self.nodes.push(NodeOp::Compute {
             actor,
             op,
@@ -95,7 +134,7 @@ impl Graph {
 
     /// Appends a transfer edge.
     pub fn transfer(&mut self, from: ActorId, tensor: &TensorId, to: ActorId, as_name: &TensorId) {
-        self.nodes.push(NodeOp::Transfer {
+        self.push(NodeOp::Transfer {
             from,
             to,
             tensor: tensor.clone(),
@@ -105,7 +144,7 @@ impl Graph {
 
     /// Appends a collective edge over an f32 tensor (what training reduces today).
     pub fn collective(&mut self, kind: CollectiveKind, group: Vec<ActorId>, tensor: &TensorId) {
-        self.nodes.push(NodeOp::Collective {
+        self.push(NodeOp::Collective {
             kind,
             group,
             tensor: tensor.clone(),

@@ -12,6 +12,7 @@ use crate::passes::schedule::{self, PipelineShape, Slot};
 use crate::program::Program;
 use crate::simulate::{Prediction, simulate, simulate_with_comm};
 use crate::simulate_comm::StageComm;
+use crate::stream_class::Symmetry;
 use crate::tensor_parallel::TpPlace;
 use crate::verify::verify;
 use crate::{ActorId, ActorTraining, DeviceSpec, PlanError};
@@ -132,14 +133,29 @@ impl Plan {
 
 /// Compiles and verifies `program`. Nothing runs; a refused plan says what to change.
 pub fn compile(program: &Program) -> Result<Plan, PlanError> {
-    compile_with(program, true)
+    compile_with(program, true, Build::Classes)
+}
+
+/// Compiles `program` building and verifying every actor's stream on its own: the reference the
+/// stream classes ([`crate::stream_class`], what [`compile`] builds) are tested against.
+pub fn compile_every_actor(program: &Program) -> Result<Plan, PlanError> {
+    compile_with(program, true, Build::EveryActor)
+}
+
+/// How the streams are built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Build {
+    /// One representative per stream class, translated to the other actors.
+    Classes,
+    /// Every actor's graph, lowered and verified whole.
+    EveryActor,
 }
 
 mod checks;
 mod remedies;
 use remedies::fitting_remedies;
 
-fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
+fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, PlanError> {
     let given = program;
     let resolved;
     let program = if program.plan.state == crate::StatePlacement::Auto {
@@ -190,6 +206,10 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     layout.islands = checks::island_indices(&program.islands, mesh.size())?;
     layout.checkpoints = crate::ActivationCheckpoints::of(plan);
     checks::check_tp_islands(plan.tp, &layout.islands)?;
+    let mut symmetry = Symmetry::of(&layout.mesh, per_replica);
+    if build == Build::Classes {
+        layout.built = Some(symmetry.built());
+    }
     let norms = StepNorms::of(program);
     let mut graph = crate::passes::step::build_step(
         &layout,
@@ -201,7 +221,20 @@ fn compile_with(program: &Program, suggest: bool) -> Result<Plan, PlanError> {
     );
     crate::passes::precision::apply(&mut graph, &program.precision);
     let streams = crate::passes::lower::lower(&graph);
-    verify(&streams)?;
+    let streams = match build {
+        Build::EveryActor => {
+            verify(&streams)?;
+            streams
+        }
+        Build::Classes => {
+            symmetry.tags = graph.nodes.len() as u64;
+            symmetry.check(&streams)?;
+            verify(&symmetry.quotient(&streams))?;
+            (0..streams.len())
+                .map(|a| symmetry.stream(&streams[symmetry.representative(a)], a))
+                .collect()
+        }
+    };
     let optimizer_s = optimizer_seconds(sliced, &layout, &cost_model);
     let prediction = simulate(plan.schedule, shape, &orders, &costs, &optimizer_s);
     let (memory, actors) = actor_plans(sliced, &layout, streams, &devices, &prediction);

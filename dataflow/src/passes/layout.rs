@@ -38,6 +38,9 @@ pub struct Layout {
     /// Sequence parallelism: for each segment, the segment whose residual stream it reads as its
     /// second input (`TensorId::Residual`); `None` for all without it.
     pub residual_source: Vec<Option<usize>>,
+    /// The actors the step graph is built for (every actor when `None`): a plan builds one
+    /// representative per stream class ([`crate::stream_class`]).
+    pub built: Option<Vec<bool>>,
 }
 
 impl Layout {
@@ -108,6 +111,7 @@ impl Layout {
             segment_replicated,
             checkpoints: ActivationCheckpoints::default(),
             residual_source,
+            built: None,
         }
     }
 

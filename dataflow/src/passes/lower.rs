@@ -5,7 +5,8 @@
 //! reads the tensor (sends are eager, so the data is usually waiting by then). A collective
 //! becomes a `StartCollective` on every member, and its `WaitCollective` is likewise placed right
 //! before the first reader (or at the end of the stream), so communication overlaps whatever
-//! compute comes in between.
+//! compute comes in between. A graph that builds some actors only ([`Graph::built`]) lowers to
+//! their streams (the others' are empty).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -23,6 +24,7 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
         if let NodeOp::Transfer {
             from, to, as_name, ..
         } = node
+            && graph.builds(*to)
         {
             recvs[*to]
                 .entry(as_name.clone())
@@ -64,7 +66,7 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                 emit(*actor, instruction, &mut pending);
             }
             // The receive was placed up front (see `recvs`).
-            NodeOp::Transfer { from, to, tensor, .. } => {
+            NodeOp::Transfer { from, to, tensor, .. } if graph.builds(*from) => {
                 emit(
                     *from,
                     Instruction::Send {
@@ -81,7 +83,7 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                 tensor,
                 dtype,
             } => {
-                for &member in group {
+                for &member in group.iter().filter(|&&a| graph.builds(a)) {
                     let start = Instruction::StartCollective {
                         kind: *kind,
                         tensor: tensor.clone(),
@@ -97,6 +99,7 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                     pending[member].insert(tensor.clone(), wait);
                 }
             }
+            NodeOp::Transfer { .. } => {}
         }
     }
     for (actor, left) in pending.into_iter().enumerate() {

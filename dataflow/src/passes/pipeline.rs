@@ -33,7 +33,10 @@ use crate::tensor_parallel::{TpEdge, TpHeld};
 pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
     let PipelineShape { pp, m, .. } = layout.shape;
     let dp = layout.mesh.axis_size("dp");
-    let mut graph = Graph::new(layout.mesh.size());
+    let mut graph = match &layout.built {
+        Some(built) => Graph::built_for(built.clone()),
+        None => Graph::new(layout.mesh.size()),
+    };
     for b in &layout.segments {
         graph
             .tensor_bytes
@@ -44,12 +47,16 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
     let last_chunk = layout.chunks.len() - 1;
     let last_segment = layout.segments.len() - 1;
     let splits_backward = orders.iter().flatten().any(|s| s.pass == Pass::W);
+    // The replicas with a built actor on each pipeline device.
+    let replicas: Vec<Vec<usize>> = (0..pp)
+        .map(|s| (0..dp).filter(|&r| builds_replica(&graph, layout, r, s)).collect())
+        .collect();
     // Batches: the first chunk's device feeds the inputs, the last chunk's device the targets.
     for s in 0..pp {
         if s != layout.device_of_chunk(0) && s != layout.device_of_chunk(last_chunk) {
             continue;
         }
-        for r in 0..dp {
+        for &r in &replicas[s] {
             for mb in 0..m {
                 let start = r * per_replica + mb * per_mb;
                 let op = ComputeOp::LoadBatch {
@@ -68,7 +75,7 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
             }
             let mb = slot.mb;
             for (i, b) in segments.iter().enumerate() {
-                for r in 0..dp {
+                for &r in &replicas[s] {
                     match slot.pass {
                         Pass::F => forward(&mut graph, layout, b, mb, r, s, last_segment),
                         Pass::B => {
@@ -96,6 +103,11 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
         }
     }
     graph
+}
+
+/// Whether replica `r` has a built actor on pipeline device `s` (see [`Graph::built`]).
+fn builds_replica(graph: &Graph, layout: &Layout, r: usize, s: usize) -> bool {
+    (0..layout.tp()).any(|t| graph.builds(layout.actor_at(r, s, t)))
 }
 
 fn forward(graph: &mut Graph, layout: &Layout, b: &Bucket, mb: usize, r: usize, s: usize, last: usize) {

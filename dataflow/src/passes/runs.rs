@@ -117,8 +117,10 @@ pub fn segment_runs(graph: &Graph, layout: &Layout) -> Vec<Run> {
 }
 
 /// Inserts nodes into `graph`: each `(at, node)` goes before the node now at index `at`
-/// (`at == len` appends); nodes with the same `at` keep their order in `inserts`.
+/// (`at == len` appends); nodes with the same `at` keep their order in `inserts`. Nodes on no
+/// built actor ([`Graph::built`]) are dropped.
 pub fn insert_before(graph: &mut Graph, mut inserts: Vec<(usize, NodeOp)>) {
+    inserts.retain(|(_, node)| graph.keeps(node));
     inserts.sort_by_key(|(at, _)| *at);
     let old = std::mem::take(&mut graph.nodes);
     let mut inserts = inserts.into_iter().peekable();

@@ -104,7 +104,7 @@ fn remedied(program: &Program, remedies: &[&Remedy]) -> Program {
 /// of remedies on different knobs that does (e.g. `--checkpoint-activations` with `--pp 4`).
 pub(super) fn fitting_remedies(program: &Program) -> Vec<String> {
     let all = remedies(program);
-    let fits = |rs: &[&Remedy]| compile_with(&remedied(program, rs), false).is_ok();
+    let fits = |rs: &[&Remedy]| compile_with(&remedied(program, rs), false, super::Build::Classes).is_ok();
     let singles: Vec<String> = (all.iter())
         .filter(|r| fits(&[r]))
         .map(|r| r.flags.clone())

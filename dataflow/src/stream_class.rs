@@ -1,0 +1,267 @@
+//! Stream classes: the actors of one pipeline device run the same instruction stream in every
+//! data-parallel replica and on every tensor-parallel rank, up to who their peers are and which
+//! rows of the batch they load. The plan builds, lowers and verifies one representative stream
+//! per pipeline device (replica 0, rank 0) and derives every other actor's by translation along
+//! `dp` and `tp` — as Pathways' single controller compiles a program once per sharded
+//! computation, not once per shard (Barham et al. 2022) — so compiling and verifying a plan costs
+//! what its pipeline costs, not what its replicas multiply it to.
+//!
+//! The translation: an actor at `(r, s, t)` runs its representative `(0, s, 0)`'s stream with
+//! every peer moved by `(r, ·, t)`, every collective group moved along the axes it does not span
+//! (a dp group keeps its replicas and moves to rank `t`; a tp group keeps its ranks and moves to
+//! replica `r`; a group over everyone stays), and `LoadBatch` rows moved by `r` replicas. Verifying
+//! the representatives with every actor replaced by its class ([`Symmetry::quotient`]) verifies
+//! the whole mesh: the classes run in lockstep, so a whole mesh deadlocks exactly when its
+//! quotient does, provided the streams are symmetric ([`Symmetry::check`]: every peer a
+//! representative, every group whole along the class axes it spans and the same for every member).
+
+use std::collections::HashMap;
+
+use crate::instruction::{ComputeOp, Instruction};
+use crate::mesh::Mesh;
+use crate::{ActorId, PlanError};
+
+/// The axes the classes translate along, and what a replica's batch rows are.
+#[derive(Debug, Clone)]
+pub struct Symmetry {
+    /// Per mesh axis (outermost first): stride, size, and whether classes translate along it.
+    axes: Vec<Axis>,
+    /// Rows of the global batch per data-parallel replica.
+    replica_rows: usize,
+    /// The mesh axis `dp` (the one that moves `LoadBatch` rows).
+    dp: Option<usize>,
+    /// One past the representatives' largest tag: an actor's tags are its representative's
+    /// moved by a multiple of it, so that every edge of the mesh keeps a tag of its own.
+    pub tags: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Axis {
+    stride: usize,
+    size: usize,
+    class: bool,
+}
+
+/// The mesh axes the stream classes translate along.
+pub const CLASS_AXES: [&str; 2] = ["dp", "tp"];
+
+impl Symmetry {
+    /// The symmetry of `mesh`'s `dp` and `tp` axes, with `replica_rows` batch rows per replica.
+    pub fn of(mesh: &Mesh, replica_rows: usize) -> Symmetry {
+        let mut stride = 1;
+        let mut axes: Vec<Axis> = Vec::new();
+        for (name, size) in mesh.axes.iter().rev() {
+            axes.push(Axis {
+                stride,
+                size: *size,
+                class: CLASS_AXES.contains(&name.as_str()),
+            });
+            stride *= size;
+        }
+        axes.reverse();
+        Symmetry {
+            axes,
+            replica_rows,
+            dp: mesh.axes.iter().position(|(n, _)| n == "dp"),
+            tags: 0,
+        }
+    }
+
+    fn coord(&self, actor: ActorId, axis: usize) -> usize {
+        let a = self.axes[axis];
+        actor / a.stride % a.size
+    }
+
+    fn size(&self) -> usize {
+        self.axes.first().map_or(1, |a| a.stride * a.size)
+    }
+
+    /// The representative of `actor`'s class: its coordinates on `dp` and `tp` set to 0.
+    pub fn representative(&self, actor: ActorId) -> ActorId {
+        (self.axes.iter().enumerate())
+            .filter(|(_, a)| a.class)
+            .fold(actor, |x, (i, a)| x - self.coord(actor, i) * a.stride)
+    }
+
+    /// Which actors are representatives (indexed by actor).
+    pub fn built(&self) -> Vec<bool> {
+        (0..self.size()).map(|a| self.representative(a) == a).collect()
+    }
+
+    /// The representatives, in actor order.
+    pub fn representatives(&self) -> Vec<ActorId> {
+        (0..self.size()).filter(|&a| self.representative(a) == a).collect()
+    }
+
+    /// Whether `group` spans mesh axis `i` (its members differ there).
+    fn spans(&self, group: &[ActorId], i: usize) -> bool {
+        let first = group.first().map(|&a| self.coord(a, i));
+        group.iter().any(|&a| Some(self.coord(a, i)) != first)
+    }
+
+    /// `x` moved to `actor`'s place along the class axes `group` does not span (all of them for a
+    /// single peer: pass `&[]`).
+    fn moved(&self, x: ActorId, actor: ActorId, group: &[ActorId]) -> ActorId {
+        (self.axes.iter().enumerate())
+            .filter(|(i, a)| a.class && !self.spans(group, *i))
+            .fold(x, |x, (i, a)| x + self.coord(actor, i) * a.stride)
+    }
+
+    /// The tag `actor` gives its representative's `tag` on an edge over `group` (`&[]` for a
+    /// send or receive): moved by the actor's place along the class axes the group does not span,
+    /// which every member of the edge shares.
+    fn tag(&self, tag: u64, actor: ActorId, group: &[ActorId]) -> u64 {
+        let mut place = 0;
+        for (i, a) in self.axes.iter().enumerate().filter(|(_, a)| a.class) {
+            let c = if self.spans(group, i) { 0 } else { self.coord(actor, i) };
+            place = place * a.size as u64 + c as u64;
+        }
+        tag + place * self.tags
+    }
+
+    /// `actor`'s instruction, from its representative's `template`; `started` maps the
+    /// representative's collective tags to the actor's, for the waits that follow their starts.
+    fn rebase(&self, template: &Instruction, actor: ActorId, started: &mut HashMap<u64, u64>) -> Instruction {
+        let mut out = template.clone();
+        match &mut out {
+            Instruction::Send { to: peer, tag, .. } | Instruction::Recv { from: peer, tag, .. } => {
+                *peer = self.moved(*peer, actor, &[]);
+                *tag = self.tag(*tag, actor, &[]);
+            }
+            Instruction::StartCollective { group, tag, .. } => {
+                let template_group = group.clone();
+                for m in group.iter_mut() {
+                    *m = self.moved(*m, actor, &template_group);
+                }
+                let moved = self.tag(*tag, actor, &template_group);
+                started.insert(*tag, moved);
+                *tag = moved;
+            }
+            Instruction::WaitCollective { tag, .. } => {
+                *tag = started.get(tag).copied().unwrap_or(*tag);
+            }
+            Instruction::Compute {
+                op: ComputeOp::LoadBatch { start, end },
+                ..
+            } => {
+                let rows = self.dp.map_or(0, |d| self.coord(actor, d)) * self.replica_rows;
+                *start += rows;
+                *end += rows;
+            }
+            Instruction::Compute { .. } => {}
+        }
+        out
+    }
+
+    /// `actor`'s whole stream, from its representative's.
+    pub fn stream(&self, template: &[Instruction], actor: ActorId) -> Vec<Instruction> {
+        if self.representative(actor) == actor {
+            return template.to_vec();
+        }
+        let mut started = HashMap::new();
+        template.iter().map(|i| self.rebase(i, actor, &mut started)).collect()
+    }
+
+    /// Refuses representative streams (indexed by actor, empty for the others) that the
+    /// translation cannot carry to every actor: a peer off the representatives, a group not whole
+    /// along a class axis it spans or off the representatives' place on one it does not, or a
+    /// collective whose members list different groups.
+    pub fn check(&self, streams: &[Vec<Instruction>]) -> Result<(), PlanError> {
+        let mut groups: HashMap<u64, &[ActorId]> = HashMap::new();
+        for (actor, stream) in streams.iter().enumerate() {
+            for (pc, instruction) in stream.iter().enumerate() {
+                let fault = |why: String| {
+                    PlanError::Malformed(format!(
+                        "actor {actor}, instruction {pc} `{instruction}`: {why}; the stream classes \
+                         (one stream per pipeline device, translated along dp and tp) cannot carry it"
+                    ))
+                };
+                match instruction {
+                    Instruction::Send { to: peer, .. } | Instruction::Recv { from: peer, .. }
+                        if self.representative(*peer) != *peer =>
+                    {
+                        return Err(fault(format!(
+                            "its peer {peer} is not at replica 0, rank 0"
+                        )));
+                    }
+                    Instruction::StartCollective { group, tag, .. } => {
+                        if *groups.entry(*tag).or_insert(group) != group.as_slice() {
+                            return Err(fault(format!("members list different groups for tag {tag}")));
+                        }
+                        self.check_group(group).map_err(fault)?;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_group(&self, group: &[ActorId]) -> Result<(), String> {
+        for (i, axis) in self.axes.iter().enumerate().filter(|(_, a)| a.class) {
+            if self.spans(group, i) {
+                let mut seen = vec![false; axis.size];
+                for &m in group {
+                    seen[self.coord(m, i)] = true;
+                }
+                if seen.contains(&false) {
+                    return Err(format!("group {group:?} spans mesh axis {i} but not all of it"));
+                }
+            } else if group.first().is_some_and(|&m| self.coord(m, i) != 0) {
+                return Err(format!("group {group:?} sits off coordinate 0 of mesh axis {i}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The representatives' streams with every actor named by its class's representative and
+    /// every group cut to its distinct classes: what [`crate::verify::verify`] checks for the
+    /// whole mesh (see the module's note).
+    pub fn quotient(&self, streams: &[Vec<Instruction>]) -> Vec<Vec<Instruction>> {
+        let class = |a: ActorId| self.representative(a);
+        (streams.iter())
+            .map(|stream| {
+                (stream.iter())
+                    .map(|i| match i {
+                        Instruction::Send { tensor, to, tag } => Instruction::Send {
+                            tensor: tensor.clone(),
+                            to: class(*to),
+                            tag: *tag,
+                        },
+                        Instruction::Recv { tensor, from, tag } => Instruction::Recv {
+                            tensor: tensor.clone(),
+                            from: class(*from),
+                            tag: *tag,
+                        },
+                        Instruction::StartCollective {
+                            kind,
+                            tensor,
+                            group,
+                            tag,
+                            dtype,
+                        } => {
+                            let mut classes: Vec<ActorId> = Vec::new();
+                            for c in group.iter().map(|&m| class(m)) {
+                                if !classes.contains(&c) {
+                                    classes.push(c);
+                                }
+                            }
+                            Instruction::StartCollective {
+                                kind: *kind,
+                                tensor: tensor.clone(),
+                                group: classes,
+                                tag: *tag,
+                                dtype: *dtype,
+                            }
+                        }
+                        other => other.clone(),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[path = "stream_class_tests.rs"]
+mod tests;
