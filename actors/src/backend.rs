@@ -262,9 +262,8 @@ mod tests {
         });
         let plan = compile(&program).unwrap();
         let actor = &plan.actors[0];
-        let compiled = actor
-            .stream
-            .instructions
+        let compiled = plan
+            .class_stream(actor.actor)
             .iter()
             .find_map(|i| match i {
                 archipelago_dataflow::Instruction::Compute {

@@ -218,8 +218,10 @@ impl ActorGang {
                     if now != beats {
                         (beats, progressed) = (now, Instant::now());
                     } else if progressed.elapsed() >= 2 * HEARTBEAT
-                        && let Some(report) =
-                            find_hang(&self.snapshots(), |a| self.streams.iter().find(|s| s.actor == a))
+                        && let Some(report) = find_hang(&self.snapshots(), |a, i| {
+                            (self.streams.iter().find(|s| s.actor == a))
+                                .and_then(|s| s.instructions.get(i).cloned())
+                        })
                     {
                         let detected_s = progressed.elapsed().as_secs_f64();
                         self.fabric

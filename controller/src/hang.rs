@@ -104,17 +104,17 @@ fn next_in_chain(
 /// The hang in `states` (each actor's progress, `None` for an actor that is gone), if one of
 /// its blocked actors can never resume. Call it only when nothing progressed for two heartbeats.
 /// A chain that reaches an actor missing from `states` proves nothing (a host sees only its
-/// own actors; the controller sees them all). `stream_of` gives an actor's launched stream (to
-/// name the instruction it blocks on), without copying the plan.
-pub fn find_hang<'a>(
+/// own actors; the controller sees them all). `instruction_of` gives an actor's launched
+/// instruction at an index (to name the instruction it blocks on), without copying the plan.
+pub fn find_hang(
     states: &[(ActorId, Option<ProgressSnapshot>)],
-    stream_of: impl Fn(ActorId) -> Option<&'a ActorStream>,
+    instruction_of: impl Fn(ActorId, usize) -> Option<Instruction>,
 ) -> Option<HangReport> {
     let describe = |actor: ActorId, state: &Option<ProgressSnapshot>| match state {
         None => "gone".to_string(),
         Some(ProgressSnapshot { index: None, .. }) => "idle".to_string(),
         Some(ProgressSnapshot { index: Some(i), .. }) => {
-            let instruction: Option<&Instruction> = stream_of(actor).and_then(|s| s.instructions.get(*i));
+            let instruction = instruction_of(actor, *i);
             instruction.map_or(format!("instruction {i}"), |x| format!("instruction {i} `{x}`"))
         }
     };
@@ -290,7 +290,7 @@ mod tests {
             (0, at(2, Some(5), Waiting::Recv { from: 1, tag: 7 })),
             (1, at(2, None, Waiting::Nothing)),
         ];
-        let report = find_hang(&states, |_| None).expect("a hang");
+        let report = find_hang(&states, |_, _| None).expect("a hang");
         assert_eq!(report.chains.len(), 1);
         assert_eq!(report.chains[0].1, ChainEnd::Idle);
         let text = report.to_string();
@@ -306,7 +306,7 @@ mod tests {
             (0, at(0, Some(1), Waiting::Recv { from: 1, tag: 3 })),
             (1, at(0, Some(0), Waiting::Recv { from: 0, tag: 2 })),
         ];
-        let report = find_hang(&states, |_| None).expect("a hang");
+        let report = find_hang(&states, |_, _| None).expect("a hang");
         assert!(report.chains.iter().all(|(_, end)| *end == ChainEnd::Cycle));
     }
 
@@ -317,18 +317,18 @@ mod tests {
             (0, at(1, Some(4), Waiting::Recv { from: 1, tag: 3 })),
             (1, at(1, Some(2), Waiting::Nothing)),
         ];
-        assert_eq!(find_hang(&states, |_| None), None);
+        assert_eq!(find_hang(&states, |_, _| None), None);
         // Every member inside the same collective: it may still finish.
         let group = vec![0, 1];
         let inside = Waiting::Collective { tag: 9, group };
         let states = vec![(0, at(1, Some(4), inside.clone())), (1, at(1, Some(6), inside))];
-        assert_eq!(find_hang(&states, |_| None), None);
+        assert_eq!(find_hang(&states, |_, _| None), None);
     }
 
     #[test]
     fn a_wait_for_an_actor_out_of_sight_proves_nothing() {
         let states = vec![(0, at(1, Some(4), Waiting::Recv { from: 5, tag: 3 }))];
-        assert_eq!(find_hang(&states, |_| None), None);
+        assert_eq!(find_hang(&states, |_, _| None), None);
     }
 
     #[test]
@@ -341,7 +341,7 @@ mod tests {
             (2, at(1, Some(3), Waiting::Recv { from: 3, tag: 1 })),
             (3, None),
         ];
-        let report = find_hang(&states, |_| None).expect("a hang");
+        let report = find_hang(&states, |_, _| None).expect("a hang");
         let text = report.to_string();
         assert!(text.contains("which actor 2 has not joined -> actor 2"), "{text}");
         assert!(

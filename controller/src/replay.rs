@@ -31,7 +31,7 @@ pub fn replay(plan: &Plan, medians: &[Vec<f64>]) -> Prediction {
     let mut optimizer = vec![0.0; p.pp];
     let replicas = p.dp as f64;
     for a in &plan.actors {
-        for (instruction, &t) in a.stream.instructions.iter().zip(&medians[a.actor]) {
+        for (instruction, &t) in plan.class_stream(a.actor).iter().zip(&medians[a.actor]) {
             let Instruction::Compute { op, .. } = instruction else {
                 continue;
             };

@@ -33,7 +33,7 @@ impl TraceRecorder {
                 .fold(f64::INFINITY, f64::min)
         });
         for r in reports {
-            let stream = &plan.actors[r.actor].stream.instructions;
+            let stream = &plan.stream(r.actor).instructions;
             for t in &r.timings {
                 let Some(instruction) = stream.get(t.index) else {
                     continue;

@@ -17,11 +17,13 @@
 //! | hierarchical all-reduce | reduce-scatter in the island, all-reduce of the own shard across islands, all-gather in the island |
 //! | all-reduce of the maximum | `(n − 1)·len` (an all-gather of every member's `len` values) |
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::actor_training::shard_range;
 use crate::instruction::{CollectiveKind, Instruction};
-use crate::plan::Plan;
+use crate::plan::{ActorPlan, Plan};
 use crate::tensor_id::TensorId;
 use crate::tensor_parallel::TpHeld;
 use crate::{ActorId, ModelDesc};
@@ -206,52 +208,111 @@ pub fn collective_read_elems(kind: CollectiveKind, group: &[ActorId], me: ActorI
 /// it takes part in and every tensor it receives, with the sizes the layout gives (a segment's
 /// parameters for its bucket and gathers, in the collective's dtype; a micro-batch of the boundary
 /// block's output for an activation and its gradient, in the compute dtype; one f32 value for
-/// clipping's sum of squares and two per parameter tensor for LAMB's).
+/// clipping's sum of squares and two per parameter tensor for LAMB's). The streams are read once
+/// per class ([`crate::stream_class`]): an actor's receives are its class's, and what it reads of
+/// a collective depends only on its place in the group, computed once per place.
 pub fn predict(plan: &Plan) -> Vec<FabricBytes> {
-    let program = &plan.program;
-    let rows = program.plan.batch / program.plan.dp.max(1) / program.plan.microbatches.max(1);
-    // A tensor-parallel rank's buckets and gathers hold its slice of the parameters.
-    let local = crate::tensor_parallel::local_model(&program.model, program.plan.tp);
-    plan.actors
-        .iter()
+    let mut classes: HashMap<ActorId, ClassTraffic> = HashMap::new();
+    (plan.actors.iter())
         .map(|actor| {
-            let mut bytes = FabricBytes::default();
-            let trust_len = 2 * actor
-                .chunks
-                .iter()
+            let class = (classes.entry(plan.streams.representative(actor.actor)))
+                .or_insert_with(|| ClassTraffic::of(plan, actor));
+            class.of_actor(plan, actor.actor)
+        })
+        .collect()
+}
+
+/// One collective of a class's stream, sized.
+struct Sized<'a> {
+    fabric: FabricKind,
+    kind: CollectiveKind,
+    group: &'a [ActorId],
+    elems: usize,
+    dtype_size: u64,
+}
+
+/// A class's traffic: its receives, and its collectives by the axes their groups span, with what
+/// each place in them reads (filled as actors ask).
+struct ClassTraffic<'a> {
+    received: FabricBytes,
+    collectives: Vec<(u64, Vec<Sized<'a>>)>,
+    by_place: HashMap<(u64, ActorId), FabricBytes>,
+}
+
+impl<'a> ClassTraffic<'a> {
+    fn of(plan: &'a Plan, actor: &ActorPlan) -> ClassTraffic<'a> {
+        let program = &plan.program;
+        let rows = program.plan.batch / program.plan.dp.max(1) / program.plan.microbatches.max(1);
+        // A tensor-parallel rank's buckets and gathers hold its slice of the parameters.
+        let local = crate::tensor_parallel::local_model(&program.model, program.plan.tp);
+        let trust_len = 2
+            * (actor.chunks.iter())
                 .flat_map(|&(start, end)| &program.model.blocks[start..end])
                 .map(|b| b.param_descs.iter().filter(|p| p.trainable).count())
                 .sum::<usize>();
-            let elems = |t: &TensorId| tensor_elems(&program.model, &local, plan, rows, trust_len, t);
-            for instruction in &actor.stream.instructions {
-                // A collective names its dtype; received activations and their gradients are
-                // in the compute dtype.
-                let (kind, read, size) = match instruction {
-                    Instruction::StartCollective {
-                        kind,
-                        tensor,
+        let elems = |t: &TensorId| tensor_elems(&program.model, &local, plan, rows, trust_len, t);
+        let mut class = ClassTraffic {
+            received: FabricBytes::default(),
+            collectives: Vec::new(),
+            by_place: HashMap::new(),
+        };
+        for instruction in plan.class_stream(actor.actor) {
+            match instruction {
+                // A collective names its dtype.
+                Instruction::StartCollective {
+                    kind,
+                    tensor,
+                    group,
+                    dtype,
+                    ..
+                } => {
+                    let Some(fabric) = FabricKind::of_collective(tensor) else {
+                        continue;
+                    };
+                    let spanned = plan.streams.spanned(group);
+                    let sized = Sized {
+                        fabric,
+                        kind: *kind,
                         group,
-                        dtype,
-                        ..
-                    } => (
-                        FabricKind::of_collective(tensor),
-                        collective_read_elems(*kind, group, actor.actor, elems(tensor)),
-                        dtype.size() as u64,
-                    ),
-                    Instruction::Recv { tensor, .. } => (
-                        FabricKind::of(tensor),
-                        (elems(tensor) / received_share(plan, tensor)) as u64,
-                        program.precision.compute.size() as u64,
-                    ),
-                    _ => continue,
-                };
-                if let Some(kind) = kind {
-                    bytes.add(kind, size * read);
+                        elems: elems(tensor),
+                        dtype_size: dtype.size() as u64,
+                    };
+                    match class.collectives.iter_mut().find(|(s, _)| *s == spanned) {
+                        Some((_, all)) => all.push(sized),
+                        None => class.collectives.push((spanned, vec![sized])),
+                    }
                 }
+                // Received activations and their gradients are in the compute dtype.
+                Instruction::Recv { tensor, .. } => {
+                    if let Some(kind) = FabricKind::of(tensor) {
+                        let read = (elems(tensor) / received_share(plan, tensor)) as u64;
+                        class
+                            .received
+                            .add(kind, program.precision.compute.size() as u64 * read);
+                    }
+                }
+                _ => {}
             }
-            bytes
-        })
-        .collect()
+        }
+        class
+    }
+
+    fn of_actor(&mut self, plan: &Plan, actor: ActorId) -> FabricBytes {
+        let mut bytes = self.received;
+        for (spanned, collectives) in &self.collectives {
+            let me = plan.streams.as_member(actor, *spanned);
+            let read = self.by_place.entry((*spanned, me)).or_insert_with(|| {
+                let mut read = FabricBytes::default();
+                for c in collectives {
+                    let elems = collective_read_elems(c.kind, c.group, me, c.elems);
+                    read.add(c.fabric, c.dtype_size * elems);
+                }
+                read
+            });
+            bytes.add_all(read);
+        }
+        bytes
+    }
 }
 
 /// Of an activation `tensor` as [`tensor_elems`] counts it, the part a stage receives: each

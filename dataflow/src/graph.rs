@@ -95,7 +95,9 @@ impl Graph {
         match node {
             NodeOp::Compute { actor, .. } => self.builds(*actor),
             NodeOp::Transfer { from, to, .. } => self.builds(*from) || self.builds(*to),
-            NodeOp::Collective { group, .. } => self.built.is_empty() || group.iter().any(|&a| self.builds(a)),
+            NodeOp::Collective { group, .. } => {
+                self.built.is_empty() || group.iter().any(|&a| self.builds(a))
+            }
         }
     }
 

@@ -64,7 +64,7 @@ pub fn predict(plan: &Plan) -> Vec<OffloadTraffic> {
                 }
             }
             if training.offload_params {
-                for instruction in &actor.stream.instructions {
+                for instruction in plan.class_stream(actor.actor) {
                     if let Instruction::Compute {
                         op: ComputeOp::ShardParams { start, .. },
                         ..
@@ -120,7 +120,7 @@ mod tests {
         assert!(sharded.iter().all(|t| t.to_tier == t.from_tier));
         let kept = plan(2, 3, Offload::Cpu, true);
         let traffic = predict(&kept);
-        let gathers = (kept.actors[0].stream.instructions.iter())
+        let gathers = (kept.stream(0).instructions.iter())
             .filter(|i| {
                 matches!(
                     i,

@@ -12,7 +12,7 @@ use crate::passes::schedule::{self, PipelineShape, Slot};
 use crate::program::Program;
 use crate::simulate::{Prediction, simulate, simulate_with_comm};
 use crate::simulate_comm::StageComm;
-use crate::stream_class::Symmetry;
+use crate::stream_class::{StreamClasses, Symmetry};
 use crate::tensor_parallel::TpPlace;
 use crate::verify::verify;
 use crate::{ActorId, ActorTraining, DeviceSpec, PlanError};
@@ -32,10 +32,9 @@ pub struct ActorPlan {
     pub replica: usize,
     /// Its pipeline device (stage) index.
     pub stage: usize,
-    /// The chunks of blocks it holds, in model order.
+    /// The chunks of blocks it holds, in model order (its instruction stream is
+    /// [`Plan::stream`]).
     pub chunks: Vec<Chunk>,
-    /// Its instruction stream for one step.
-    pub stream: ActorStream,
     /// Its training state: segments and shards, ZeRO stage in force, offload, checkpointing.
     pub training: ActorTraining,
 }
@@ -57,6 +56,9 @@ pub struct Plan {
     pub prediction: Prediction,
     /// One entry per actor.
     pub actors: Vec<ActorPlan>,
+    /// The instruction streams for one step: one per stream class ([`crate::stream_class`]),
+    /// read per actor through [`Plan::stream`].
+    pub streams: StreamClasses,
     /// Memory estimate per actor.
     pub memory: Vec<MemoryEstimate>,
     /// Bytes each actor reads from its peers per step, by kind ([`crate::fabric_bytes::predict`]).
@@ -71,8 +73,7 @@ pub struct Plan {
 impl Plan {
     /// The plan as the host of `actors` needs it, what that host's part of the job carries: every actor's
     /// placement (device, coordinates, stage, chunks) stays, but only `actors` keep their
-    /// instruction streams and segments — a host never reads another host's stream, and the
-    /// streams are nearly all of a large plan's bytes.
+    /// segments and only their classes' streams stay — a host never reads another host's stream.
     pub fn for_actors(&self, actors: &[ActorId]) -> Plan {
         let placement_only = |a: &ActorPlan| {
             let t = &a.training;
@@ -83,11 +84,6 @@ impl Plan {
                 replica: a.replica,
                 stage: a.stage,
                 chunks: a.chunks.clone(),
-                stream: ActorStream {
-                    actor: a.stream.actor,
-                    device: a.stream.device,
-                    instructions: Vec::new(),
-                },
                 training: ActorTraining {
                     segments: Vec::new(),
                     replica: t.replica,
@@ -119,10 +115,32 @@ impl Plan {
                     }
                 })
                 .collect(),
+            streams: self.streams.for_actors(actors),
             memory: self.memory.clone(),
             fabric: self.fabric.clone(),
             offload_traffic: self.offload_traffic.clone(),
         }
+    }
+
+    /// `actor`'s instruction stream for one step (its class's, translated to it).
+    pub fn stream(&self, actor: ActorId) -> ActorStream {
+        ActorStream {
+            actor,
+            device: self.actors[actor].device,
+            instructions: self.streams.stream(actor),
+        }
+    }
+
+    /// Every actor's stream, in actor order (materialized: for tests and small plans).
+    pub fn every_stream(&self) -> impl Iterator<Item = ActorStream> + '_ {
+        (0..self.actors.len()).map(|a| self.stream(a))
+    }
+
+    /// The stream of `actor`'s class as its representative runs it (see
+    /// [`StreamClasses::template`]): what an analysis that reads computes, tensors and collective
+    /// kinds reads, without translating peers.
+    pub fn class_stream(&self, actor: ActorId) -> &[Instruction] {
+        self.streams.template(actor)
     }
 
     /// The plan as pretty JSON.
@@ -224,20 +242,24 @@ fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, 
     let streams = match build {
         Build::EveryActor => {
             verify(&streams)?;
-            streams
+            StreamClasses {
+                symmetry: None,
+                templates: streams,
+            }
         }
         Build::Classes => {
             symmetry.tags = graph.nodes.len() as u64;
             symmetry.check(&streams)?;
             verify(&symmetry.quotient(&streams))?;
-            (0..streams.len())
-                .map(|a| symmetry.stream(&streams[symmetry.representative(a)], a))
-                .collect()
+            StreamClasses {
+                symmetry: Some(symmetry),
+                templates: streams,
+            }
         }
     };
     let optimizer_s = optimizer_seconds(sliced, &layout, &cost_model);
     let prediction = simulate(plan.schedule, shape, &orders, &costs, &optimizer_s);
-    let (memory, actors) = actor_plans(sliced, &layout, streams, &devices, &prediction);
+    let (memory, actors) = actor_plans(sliced, &layout, &devices, &prediction);
     refuse_unfit(given, &memory, &devices, suggest)?;
     let mut plan = Plan {
         program: program.clone(),
@@ -247,6 +269,7 @@ fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, 
         schedule: orders,
         prediction,
         actors,
+        streams,
         memory,
         fabric: Vec::new(),
         offload_traffic: Vec::new(),
@@ -292,7 +315,6 @@ fn optimizer_seconds(program: &Program, layout: &Layout, cost_model: &crate::Cos
 fn actor_plans(
     program: &Program,
     layout: &Layout,
-    streams: Vec<Vec<Instruction>>,
     devices: &[DeviceSpec],
     prediction: &Prediction,
 ) -> (Vec<MemoryEstimate>, Vec<ActorPlan>) {
@@ -300,7 +322,7 @@ fn actor_plans(
     let microbatch_rows = program.plan.batch / program.plan.dp / program.plan.microbatches;
     let mut memory = Vec::with_capacity(mesh.size());
     let mut actors = Vec::with_capacity(mesh.size());
-    for (actor, instructions) in streams.into_iter().enumerate() {
+    for (actor, &device) in devices.iter().enumerate().take(mesh.size()) {
         let stage = mesh.coord(actor, "pp");
         let held = layout.chunks_on(stage);
         let buckets: Vec<&Bucket> = layout
@@ -321,7 +343,7 @@ fn actor_plans(
         ));
         actors.push(ActorPlan {
             actor,
-            device: devices[actor],
+            device,
             coords: mesh.coords(actor),
             replica: mesh.coord(actor, "dp"),
             stage,
@@ -329,11 +351,6 @@ fn actor_plans(
             training: ActorTraining {
                 tp: TpPlace::new(mesh.coord(actor, "tp"), program.plan.tp),
                 ..ActorTraining::of(program, &buckets, mesh.coord(actor, "dp"))
-            },
-            stream: ActorStream {
-                actor,
-                device: devices[actor],
-                instructions,
             },
         });
     }

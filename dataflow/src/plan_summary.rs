@@ -86,7 +86,7 @@ impl Plan {
                 a.device,
                 a.coords,
                 partition::format_stages(&a.chunks),
-                a.stream.instructions.len(),
+                self.class_stream(a.actor).len(),
                 memory::mib(m.total()),
                 m.breakdown()
             ));
@@ -111,14 +111,15 @@ impl Plan {
     pub fn streams(&self) -> String {
         let mut out = String::new();
         for a in &self.actors {
+            let stream = self.stream(a.actor);
             out.push_str(&format!(
                 "\nactor {} on {} {:?}: {} instructions\n",
                 a.actor,
                 a.device,
                 a.coords,
-                a.stream.instructions.len()
+                stream.instructions.len()
             ));
-            for (i, instruction) in a.stream.instructions.iter().enumerate() {
+            for (i, instruction) in stream.instructions.iter().enumerate() {
                 out.push_str(&format!("  {i:>3}  {instruction}\n"));
             }
         }

@@ -14,8 +14,7 @@ fn program(dp: usize, batch: usize) -> Program {
 }
 
 fn collectives(plan: &Plan, actor: usize) -> Vec<(CollectiveKind, Vec<usize>)> {
-    plan.actors[actor]
-        .stream
+    plan.stream(actor)
         .instructions
         .iter()
         .filter_map(|i| match i {
@@ -62,7 +61,7 @@ fn dp_groups_across_islands_all_reduce_hierarchically() {
 fn dp_plans_verify_and_overlap_all_reduce_with_backward() {
     let plan = compile(&program(4, 64)).unwrap();
     assert_eq!(plan.actors.len(), 4);
-    let s = &plan.actors[2].stream.instructions;
+    let s = &plan.stream(2).instructions;
     assert!(matches!(
         s[0],
         Instruction::Compute {
@@ -183,7 +182,7 @@ fn pipeline_plans_verify_and_print_schedule_bubble_and_peak() {
     // Each stage holds only its blocks' state.
     assert!(plan.memory[0].params < 4 * 8_407_050 / 2 + 4 * 1_100_000);
     // Stage 0 sends activations to stage 1 and receives their gradients.
-    let s0 = &plan.actors[0].stream.instructions;
+    let s0 = &plan.stream(0).instructions;
     assert!(s0.iter().any(|i| matches!(i, Instruction::Send { to: 1, .. })));
     assert!(s0.iter().any(|i| matches!(i, Instruction::Recv { from: 1, .. })));
 }
@@ -194,9 +193,8 @@ fn pipeline_times_data_parallel_all_reduces_within_each_stage() {
     p.plan.dp = 2;
     let plan = compile(&p).unwrap();
     assert_eq!(plan.actors.len(), 4);
-    for a in &plan.actors {
+    for a in plan.every_stream() {
         let groups: Vec<&Vec<usize>> = a
-            .stream
             .instructions
             .iter()
             .filter_map(|i| match i {
@@ -311,12 +309,17 @@ fn a_hosts_plan_keeps_its_actors_whole_and_only_the_others_placement() {
             (part.device, &part.coords, part.stage, part.replica)
         );
         assert_eq!(whole.training.zero, part.training.zero);
-        if mine.contains(&whole.actor) {
-            assert_eq!(whole, part, "actor {} is this host's: whole", whole.actor);
+        let a = whole.actor;
+        let class = |x| plan.streams.representative(x);
+        if mine.contains(&a) {
+            assert_eq!(whole, part, "actor {a} is this host's: whole");
+            assert_eq!(plan.stream(a), sent.stream(a), "actor {a}'s stream");
         } else {
-            assert!(part.stream.instructions.is_empty() && part.training.segments.is_empty());
+            assert!(part.training.segments.is_empty());
+            let shares_a_class = mine.iter().any(|&m| class(m) == class(a));
+            assert_eq!(sent.class_stream(a).is_empty(), !shares_a_class, "actor {a}");
             assert!(
-                !whole.stream.instructions.is_empty(),
+                !plan.class_stream(a).is_empty(),
                 "the control: others had streams to drop"
             );
         }

@@ -67,7 +67,7 @@ fn the_sequence_parallel_form_cuts_the_same_parameters() {
 
 /// The collectives of `actor`'s stream on activations and their gradients, in order.
 fn tp_edges(plan: &crate::Plan, actor: usize) -> Vec<(CollectiveKind, TensorId)> {
-    (plan.actors[actor].stream.instructions.iter())
+    (plan.stream(actor).instructions.iter())
         .filter_map(|i| match i {
             Instruction::StartCollective { kind, tensor, .. }
                 if matches!(
@@ -110,7 +110,7 @@ fn all_reduces_become_reduce_scatters_and_all_gathers() {
             }
             _ => false,
         };
-        assert!(!plan.actors[actor].stream.instructions.iter().any(moved));
+        assert!(!plan.stream(actor).instructions.iter().any(moved));
     }
 }
 
@@ -195,7 +195,7 @@ fn partitioned_mixing_inputs_are_the_only_checkpoints() {
     let mut p = program(GPT, 1, 2, true);
     p.plan.partition_activations = true;
     let plan = compile(&p).unwrap();
-    let gathered: Vec<usize> = (plan.actors[0].stream.instructions.iter())
+    let gathered: Vec<usize> = (plan.stream(0).instructions.iter())
         .filter_map(|i| match i {
             Instruction::StartCollective {
                 kind: CollectiveKind::AllGather,

@@ -26,6 +26,8 @@
 //! critical path, one average hop per receive, and the data-parallel traffic (gradients,
 //! parameters, norms) after each device's last pass; a stage counts its slowest replica.
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::ActorId;
@@ -158,15 +160,28 @@ impl StageComm {
 /// and the messages of its instruction stream.
 pub fn actor_comm(plan: &Plan, fabric: &[FabricBytes], model: &CostModel) -> Vec<ActorComm> {
     let islands = Islands(&plan.program.islands);
+    // Without islands every link is in-process, so an actor's routes are its class's; with them
+    // they depend on who its peers are.
+    let mut by_class: HashMap<ActorId, Tally> = HashMap::new();
     plan.actors
         .iter()
         .map(|a| {
-            let mut tally = Tally::default();
-            for instruction in &a.stream.instructions {
-                if let Some((kind, route)) = route(instruction, a.actor, &islands) {
-                    tally.add(kind, &route);
+            let tally_of = |instructions: &[Instruction]| {
+                let mut tally = Tally::default();
+                for instruction in instructions {
+                    if let Some((kind, route)) = route(instruction, a.actor, &islands) {
+                        tally.add(kind, &route);
+                    }
                 }
-            }
+                tally
+            };
+            let tally = if islands.0.is_empty() {
+                (by_class.entry(plan.streams.representative(a.actor)))
+                    .or_insert_with(|| tally_of(plan.class_stream(a.actor)))
+                    .clone()
+            } else {
+                tally_of(&plan.stream(a.actor).instructions)
+            };
             let bytes = fabric.get(a.actor).copied().unwrap_or_default();
             ActorComm {
                 pipeline_s: tally.seconds(&bytes, model, Traffic::Pipeline),
@@ -276,7 +291,7 @@ fn collective_route(kind: CollectiveKind, group: &[ActorId], me: ActorId, island
 }
 
 /// One actor's routes, summed.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Tally {
     /// Per fabric kind ([`FabricBytes::KINDS`] order): the sum of its instructions' network
     /// shares, and how many there were.
@@ -377,7 +392,7 @@ mod tests {
     }
 
     fn collectives(plan: &Plan, actor: ActorId) -> u64 {
-        (plan.actors[actor].stream.instructions.iter())
+        (plan.stream(actor).instructions.iter())
             .filter(|i| matches!(i, Instruction::StartCollective { .. }))
             .count() as u64
     }

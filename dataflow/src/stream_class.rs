@@ -17,12 +17,14 @@
 
 use std::collections::HashMap;
 
+use serde::{Deserialize, Serialize};
+
 use crate::instruction::{ComputeOp, Instruction};
 use crate::mesh::Mesh;
 use crate::{ActorId, PlanError};
 
 /// The axes the classes translate along, and what a replica's batch rows are.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Symmetry {
     /// Per mesh axis (outermost first): stride, size, and whether classes translate along it.
     axes: Vec<Axis>,
@@ -35,7 +37,7 @@ pub struct Symmetry {
     pub tags: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct Axis {
     stride: usize,
     size: usize,
@@ -48,13 +50,17 @@ pub const CLASS_AXES: [&str; 2] = ["dp", "tp"];
 impl Symmetry {
     /// The symmetry of `mesh`'s `dp` and `tp` axes, with `replica_rows` batch rows per replica.
     pub fn of(mesh: &Mesh, replica_rows: usize) -> Symmetry {
+        Symmetry::along(mesh, replica_rows, &CLASS_AXES)
+    }
+
+    fn along(mesh: &Mesh, replica_rows: usize, class_axes: &[&str]) -> Symmetry {
         let mut stride = 1;
         let mut axes: Vec<Axis> = Vec::new();
         for (name, size) in mesh.axes.iter().rev() {
             axes.push(Axis {
                 stride,
                 size: *size,
-                class: CLASS_AXES.contains(&name.as_str()),
+                class: class_axes.contains(&name.as_str()),
             });
             stride *= size;
         }
@@ -90,7 +96,9 @@ impl Symmetry {
 
     /// The representatives, in actor order.
     pub fn representatives(&self) -> Vec<ActorId> {
-        (0..self.size()).filter(|&a| self.representative(a) == a).collect()
+        (0..self.size())
+            .filter(|&a| self.representative(a) == a)
+            .collect()
     }
 
     /// Whether `group` spans mesh axis `i` (its members differ there).
@@ -99,21 +107,43 @@ impl Symmetry {
         group.iter().any(|&a| Some(self.coord(a, i)) != first)
     }
 
-    /// `x` moved to `actor`'s place along the class axes `group` does not span (all of them for a
-    /// single peer: pass `&[]`).
-    fn moved(&self, x: ActorId, actor: ActorId, group: &[ActorId]) -> ActorId {
-        (self.axes.iter().enumerate())
-            .filter(|(i, a)| a.class && !self.spans(group, *i))
+    /// The mesh axes `group` spans, one bit each (none for a single peer: pass `&[]`).
+    pub fn spanned(&self, group: &[ActorId]) -> u64 {
+        (0..self.axes.len())
+            .filter(|&i| self.spans(group, i))
+            .fold(0, |mask, i| mask | 1 << i)
+    }
+
+    /// The class axes a group with `spanned` axes moves along.
+    fn moving(&self, spanned: u64) -> impl Iterator<Item = (usize, &Axis)> {
+        (self.axes.iter().enumerate()).filter(move |(i, a)| a.class && spanned & (1 << i) == 0)
+    }
+
+    /// Member `x` of a representative's group spanning `spanned`, as `actor` names it: moved to
+    /// `actor`'s place along the class axes the group does not span (all of them for a peer).
+    pub fn moved(&self, x: ActorId, actor: ActorId, spanned: u64) -> ActorId {
+        self.moving(spanned)
             .fold(x, |x, (i, a)| x + self.coord(actor, i) * a.stride)
     }
 
-    /// The tag `actor` gives its representative's `tag` on an edge over `group` (`&[]` for a
-    /// send or receive): moved by the actor's place along the class axes the group does not span,
+    /// The member of a representative's group spanning `spanned` that `actor` is the image of
+    /// (the actor's place there: what its position in the group is read from).
+    pub fn as_member(&self, actor: ActorId, spanned: u64) -> ActorId {
+        self.moving(spanned)
+            .fold(actor, |x, (i, a)| x - self.coord(actor, i) * a.stride)
+    }
+
+    /// The tag `actor` gives its representative's `tag` on an edge over a group spanning
+    /// `spanned` (none for a send or receive): moved by the actor's place along the class axes the group does not span,
     /// which every member of the edge shares.
-    fn tag(&self, tag: u64, actor: ActorId, group: &[ActorId]) -> u64 {
+    fn tag(&self, tag: u64, actor: ActorId, spanned: u64) -> u64 {
         let mut place = 0;
         for (i, a) in self.axes.iter().enumerate().filter(|(_, a)| a.class) {
-            let c = if self.spans(group, i) { 0 } else { self.coord(actor, i) };
+            let c = if spanned & (1 << i) != 0 {
+                0
+            } else {
+                self.coord(actor, i)
+            };
             place = place * a.size as u64 + c as u64;
         }
         tag + place * self.tags
@@ -125,15 +155,15 @@ impl Symmetry {
         let mut out = template.clone();
         match &mut out {
             Instruction::Send { to: peer, tag, .. } | Instruction::Recv { from: peer, tag, .. } => {
-                *peer = self.moved(*peer, actor, &[]);
-                *tag = self.tag(*tag, actor, &[]);
+                *peer = self.moved(*peer, actor, 0);
+                *tag = self.tag(*tag, actor, 0);
             }
             Instruction::StartCollective { group, tag, .. } => {
-                let template_group = group.clone();
+                let spanned = self.spanned(group);
                 for m in group.iter_mut() {
-                    *m = self.moved(*m, actor, &template_group);
+                    *m = self.moved(*m, actor, spanned);
                 }
-                let moved = self.tag(*tag, actor, &template_group);
+                let moved = self.tag(*tag, actor, spanned);
                 started.insert(*tag, moved);
                 *tag = moved;
             }
@@ -159,7 +189,10 @@ impl Symmetry {
             return template.to_vec();
         }
         let mut started = HashMap::new();
-        template.iter().map(|i| self.rebase(i, actor, &mut started)).collect()
+        template
+            .iter()
+            .map(|i| self.rebase(i, actor, &mut started))
+            .collect()
     }
 
     /// Refuses representative streams (indexed by actor, empty for the others) that the
@@ -180,9 +213,7 @@ impl Symmetry {
                     Instruction::Send { to: peer, .. } | Instruction::Recv { from: peer, .. }
                         if self.representative(*peer) != *peer =>
                     {
-                        return Err(fault(format!(
-                            "its peer {peer} is not at replica 0, rank 0"
-                        )));
+                        return Err(fault(format!("its peer {peer} is not at replica 0, rank 0")));
                     }
                     Instruction::StartCollective { group, tag, .. } => {
                         if *groups.entry(*tag).or_insert(group) != group.as_slice() {
@@ -259,6 +290,69 @@ impl Symmetry {
                     .collect()
             })
             .collect()
+    }
+}
+
+/// A plan's streams: one per class, kept by its representative, and the symmetry that carries
+/// it to the class's other actors.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamClasses {
+    /// The translation from representatives to actors (`None`: every actor keeps its own).
+    pub symmetry: Option<Symmetry>,
+    /// The representatives' streams, indexed by actor (empty for every other actor, and for
+    /// actors whose stream a host part leaves out).
+    pub templates: Vec<Vec<Instruction>>,
+}
+
+impl StreamClasses {
+    /// The representative whose stream `actor` runs.
+    pub fn representative(&self, actor: ActorId) -> ActorId {
+        self.symmetry.as_ref().map_or(actor, |s| s.representative(actor))
+    }
+
+    /// The stream of `actor`'s class as its representative runs it: the computes, tensors and
+    /// collective kinds every actor of the class runs; peers, groups and tags the representative's.
+    pub fn template(&self, actor: ActorId) -> &[Instruction] {
+        self.templates
+            .get(self.representative(actor))
+            .map_or(&[], Vec::as_slice)
+    }
+
+    /// The mesh axes a template's `group` spans ([`Symmetry::spanned`]; none without classes).
+    pub fn spanned(&self, group: &[ActorId]) -> u64 {
+        self.symmetry.as_ref().map_or(0, |s| s.spanned(group))
+    }
+
+    /// Who `actor` is in a group of its class's template spanning `spanned` (see
+    /// [`Symmetry::as_member`]): its position there is its position in its own stream's group.
+    pub fn as_member(&self, actor: ActorId, spanned: u64) -> ActorId {
+        self.symmetry
+            .as_ref()
+            .map_or(actor, |s| s.as_member(actor, spanned))
+    }
+
+    /// `actor`'s own stream.
+    pub fn stream(&self, actor: ActorId) -> Vec<Instruction> {
+        match &self.symmetry {
+            Some(s) => s.stream(self.template(actor), actor),
+            None => self.template(actor).to_vec(),
+        }
+    }
+
+    /// The instructions of every actor's stream, summed.
+    pub fn instructions(&self) -> usize {
+        (0..self.templates.len()).map(|a| self.template(a).len()).sum()
+    }
+
+    /// The classes as a host of `actors` needs them: their representatives' streams only.
+    pub fn for_actors(&self, actors: &[ActorId]) -> StreamClasses {
+        let keep: Vec<ActorId> = actors.iter().map(|&a| self.representative(a)).collect();
+        StreamClasses {
+            symmetry: self.symmetry.clone(),
+            templates: (self.templates.iter().enumerate())
+                .map(|(a, t)| if keep.contains(&a) { t.clone() } else { Vec::new() })
+                .collect(),
+        }
     }
 }
 

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 
 use super::*;
 use crate::passes::schedule::Schedule;
+use crate::tensor_id::TensorId;
 use crate::verify::verify;
 use crate::{
     DeviceSpec, ModelSpec, Offload, ParallelPlan, Program, StatePlacement, compile, compile_every_actor,
@@ -44,7 +45,9 @@ fn same_but_tags(a: &[Instruction], b: &[Instruction]) -> Result<(), String> {
         if let (Some(ta), Some(tb)) = (tag(x), tag(y))
             && (*to_a.entry(tb).or_insert(ta) != ta || *to_b.entry(ta).or_insert(tb) != tb)
         {
-            return Err(format!("instruction {pc}: tags {ta} and {tb} pair inconsistently"));
+            return Err(format!(
+                "instruction {pc}: tags {ta} and {tb} pair inconsistently"
+            ));
         }
         let y = tag(y).map_or_else(|| y.clone(), |tb| retag(y, to_a[&tb]));
         if *x != y {
@@ -84,9 +87,36 @@ fn programs() -> Vec<(String, Program)> {
     let mut out = vec![
         ("gpt dp3".into(), program(GPT, base(3, 1, 1))),
         ("gpt dp2 pp2 tp2".into(), program(GPT, base(2, 2, 2))),
-        ("gpt dp3 tp2 zero3".into(), program(GPT, ParallelPlan { zero: 3, ..base(3, 1, 2) })),
-        ("gpt dp2 pp2 zero1".into(), program(GPT, ParallelPlan { zero: 1, ..base(2, 2, 1) })),
-        ("gpt dp2 pp2 zero2".into(), program(GPT, ParallelPlan { zero: 2, ..base(2, 2, 1) })),
+        (
+            "gpt dp3 tp2 zero3".into(),
+            program(
+                GPT,
+                ParallelPlan {
+                    zero: 3,
+                    ..base(3, 1, 2)
+                },
+            ),
+        ),
+        (
+            "gpt dp2 pp2 zero1".into(),
+            program(
+                GPT,
+                ParallelPlan {
+                    zero: 1,
+                    ..base(2, 2, 1)
+                },
+            ),
+        ),
+        (
+            "gpt dp2 pp2 zero2".into(),
+            program(
+                GPT,
+                ParallelPlan {
+                    zero: 2,
+                    ..base(2, 2, 1)
+                },
+            ),
+        ),
         ("mlp dp2 tp2 pp2".into(), program(MLP, base(2, 2, 2))),
         (
             "gpt dp2 pp2 interleaved".into(),
@@ -101,7 +131,13 @@ fn programs() -> Vec<(String, Program)> {
         ),
         (
             "gpt dp2 pp2 tp2 zb-h1".into(),
-            program(GPT, ParallelPlan { schedule: Schedule::ZbH1, ..base(2, 2, 2) }),
+            program(
+                GPT,
+                ParallelPlan {
+                    schedule: Schedule::ZbH1,
+                    ..base(2, 2, 2)
+                },
+            ),
         ),
         (
             "gpt dp2 tp2 sp ckpt partitioned".into(),
@@ -117,11 +153,24 @@ fn programs() -> Vec<(String, Program)> {
         ),
         (
             "mlp dp2 offload zero2".into(),
-            program(MLP, ParallelPlan { zero: 2, offload: Offload::Cpu, ..base(2, 1, 1) }),
+            program(
+                MLP,
+                ParallelPlan {
+                    zero: 2,
+                    offload: Offload::Cpu,
+                    ..base(2, 1, 1)
+                },
+            ),
         ),
         (
             "mlp dp2 pp2 device state".into(),
-            program(MLP, ParallelPlan { state: StatePlacement::Device, ..base(2, 2, 1) }),
+            program(
+                MLP,
+                ParallelPlan {
+                    state: StatePlacement::Device,
+                    ..base(2, 2, 1)
+                },
+            ),
         ),
     ];
     let mut lamb = program(GPT, base(2, 2, 1)).with_clip_grad_norm(Some(1.0));
@@ -142,25 +191,104 @@ fn programs() -> Vec<(String, Program)> {
 fn translated_streams_equal_the_streams_built_for_each_actor() {
     for (name, program) in programs() {
         let program = if program.plan.sequence_parallel {
-            program.sequence_parallel(&ModelSpec::parse(GPT).unwrap()).unwrap()
+            program
+                .sequence_parallel(&ModelSpec::parse(GPT).unwrap())
+                .unwrap()
         } else {
             program
         };
         let shared = compile(&program).unwrap_or_else(|e| panic!("{name}: {e}"));
         let whole = compile_every_actor(&program).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(shared.actors.len(), whole.actors.len(), "{name}");
-        for (actor, (s, w)) in shared.actors.iter().zip(&whole.actors).enumerate() {
-            let (s, w) = (&s.stream.instructions, &w.stream.instructions);
+        let streams: Vec<Vec<Instruction>> = shared.every_stream().map(|s| s.instructions).collect();
+        for (actor, s) in streams.iter().enumerate() {
+            let w = &whole.stream(actor).instructions;
             if shared.mesh.coord(actor, "dp") == 0 {
                 same_but_tags(w, s).unwrap_or_else(|e| panic!("{name}, actor {actor}: {e}"));
             }
             assert_eq!(computes(w), computes(s), "{name}, actor {actor}");
         }
-        let streams: Vec<Vec<Instruction>> =
-            shared.actors.iter().map(|a| a.stream.instructions.clone()).collect();
         verify(&streams).unwrap_or_else(|e| panic!("{name}: the translated mesh: {e}"));
         assert_eq!(shared.fabric, whole.fabric, "{name}");
         assert_eq!(shared.memory, whole.memory, "{name}");
+        assert_eq!(shared.offload_traffic, whole.offload_traffic, "{name}");
+        assert_eq!(shared.prediction, whole.prediction, "{name}");
     }
 }
 
+/// The controls of the comparison: a peer moved wrongly and a class's stream run untranslated
+/// by another replica (its `LoadBatch` rows are replica 0's) are both caught.
+#[test]
+fn the_comparison_catches_a_wrong_peer_and_untranslated_rows() {
+    let (_, program) = programs().swap_remove(1);
+    let plan = compile(&program).unwrap();
+    let whole = compile_every_actor(&program).unwrap();
+    let mut wrong = plan.stream(2).instructions;
+    let send = wrong
+        .iter()
+        .position(|i| matches!(i, Instruction::Send { .. }))
+        .unwrap();
+    if let Instruction::Send { to, .. } = &mut wrong[send] {
+        *to += 1;
+    }
+    assert!(same_but_tags(&whole.stream(2).instructions, &wrong).is_err());
+    let replica_1 = plan.mesh.rank_of(&[("dp", 1)]);
+    assert_ne!(
+        computes(&whole.stream(replica_1).instructions),
+        computes(plan.class_stream(replica_1)),
+        "replica 1 running replica 0's rows"
+    );
+}
+
+/// The symmetry check refuses a peer off the representatives and a group that spans dp only in
+/// part; the quotient's verification still finds a deadlock between classes.
+#[test]
+fn the_symmetry_check_and_the_quotient_refuse_what_they_must() {
+    let mesh = crate::Mesh::new(&[("dp", 4), ("pp", 2)]).unwrap();
+    let symmetry = Symmetry::of(&mesh, 8);
+    let x = TensorId::named("x");
+    let mut streams = vec![Vec::new(); 8];
+    streams[0] = vec![Instruction::Send {
+        tensor: x.clone(),
+        to: 3,
+        tag: 0,
+    }];
+    let refused = symmetry.check(&streams).unwrap_err().to_string();
+    assert!(refused.contains("peer 3 is not at replica 0"), "{refused}");
+    let start = |group: Vec<usize>| Instruction::StartCollective {
+        kind: crate::CollectiveKind::AllReduceSum,
+        tensor: x.clone(),
+        group,
+        tag: 1,
+        dtype: crate::DType::F32,
+    };
+    streams[0] = vec![start(vec![0, 2])];
+    let refused = symmetry.check(&streams).unwrap_err().to_string();
+    assert!(refused.contains("not all of it"), "{refused}");
+    streams[0] = vec![start(vec![0, 2, 4, 6])];
+    symmetry.check(&streams).unwrap();
+    // Stage 0 and stage 1 each wait for the other first.
+    let y = TensorId::named("y");
+    let make = Instruction::Compute {
+        op: ComputeOp::User { name: "make".into() },
+        inputs: vec![],
+        outputs: vec![x.clone()],
+    };
+    let recv = |from, tag| Instruction::Recv {
+        tensor: y.clone(),
+        from,
+        tag,
+    };
+    let send = |to, tag| Instruction::Send {
+        tensor: x.clone(),
+        to,
+        tag,
+    };
+    streams[0] = vec![make.clone(), recv(1, 3), send(1, 2)];
+    streams[1] = vec![make.clone(), recv(0, 2), send(0, 3)];
+    symmetry.check(&streams).unwrap();
+    let deadlock = verify(&symmetry.quotient(&streams)).unwrap_err().to_string();
+    assert!(deadlock.contains("waits for actor"), "{deadlock}");
+    streams[1] = vec![make, send(0, 3), recv(0, 2)];
+    verify(&symmetry.quotient(&streams)).unwrap();
+}

@@ -45,11 +45,7 @@ fn time_compile(program: &Program, reps: usize) -> anyhow::Result<(f64, usize)> 
         let began = Instant::now();
         let plan = compile(program)?;
         times.push(began.elapsed().as_secs_f64());
-        instructions = plan
-            .actors
-            .iter()
-            .map(|a| a.stream.instructions.len())
-            .sum::<usize>();
+        instructions = plan.streams.instructions();
     }
     Ok((median(&mut times), instructions))
 }

@@ -460,7 +460,9 @@ impl RemoteGang {
         }
         let states: Vec<(ActorId, Option<ProgressSnapshot>)> =
             progress.into_iter().map(|(a, p)| (a, Some(p))).collect();
-        let report = find_hang(&states, |a| self.plan.actors.get(a).map(|p| &p.stream))?;
+        let report = find_hang(&states, |a, i| {
+            (a < self.plan.actors.len()).then(|| self.plan.stream(a).instructions.get(i).cloned())?
+        })?;
         Some(JobError::Deadlock {
             job: self.job.clone(),
             report: Box::new(report),
@@ -487,10 +489,7 @@ impl RemoteGang {
         let described: Vec<String> = actors
             .iter()
             .map(|&a| {
-                let (device, instructions) = (
-                    self.plan.actors[a].device,
-                    &self.plan.actors[a].stream.instructions,
-                );
+                let (device, instructions) = (self.plan.actors[a].device, &self.plan.stream(a).instructions);
                 let doing = match states.iter().find(|s| s.actor as usize == a) {
                     // The last heartbeat came before the running step began.
                     Some(s) if s.step < self.step && self.step > 0 => {

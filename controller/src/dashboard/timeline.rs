@@ -32,7 +32,7 @@ pub fn timeline(plan: &Plan, recent: &[(u64, Vec<StepReport>)], hosts: &[String]
             let Some(lane) = lanes.get_mut(r.actor) else {
                 continue;
             };
-            let stream = &plan.actors[r.actor].stream.instructions;
+            let stream = &plan.stream(r.actor).instructions;
             for t in &r.timings {
                 let Some(instruction) = stream.get(t.index) else {
                     continue;

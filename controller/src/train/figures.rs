@@ -47,7 +47,7 @@ impl StepFigures {
             peak_microbatches_held: vec![0; n],
             peak_checkpoints: vec![Default::default(); n],
             instructions: (plan.actors.iter())
-                .map(|a| vec![Vec::new(); a.stream.instructions.len()])
+                .map(|a| vec![Vec::new(); plan.class_stream(a.actor).len()])
                 .collect(),
         }
     }
@@ -66,7 +66,7 @@ impl StepFigures {
             .fold(0.0, f64::max);
         for r in reports {
             let a = r.actor;
-            let (compute, wait) = split_time(&plan.actors[a].stream.instructions, r);
+            let (compute, wait) = split_time(&plan.stream(a).instructions, r);
             push_recent(&mut self.compute[a], compute);
             push_recent(&mut self.wait[a], wait);
             if count_bubble {
@@ -206,7 +206,7 @@ fn actor_record(
         },
         compute_s: median(&mut figures.compute[a]),
         comm_wait_s: median(&mut figures.wait[a]),
-        instructions: (placed.stream.instructions.iter())
+        instructions: (plan.stream(a).instructions.iter())
             .zip(instruction_medians)
             .map(|(i, &median_s)| InstructionRecord {
                 instruction: i.to_string(),

@@ -54,7 +54,7 @@ pub(crate) async fn start_gang(
     let devices: Vec<DeviceSpec> = actors.iter().map(|&a| plan.actors[a].device).collect();
     builders.check(&devices).map_err(JobError::Runtime)?;
     let factories = trainer_factories(plan, builders, actors, restore);
-    let mut streams: Vec<_> = actors.iter().map(|&a| plan.actors[a].stream.clone()).collect();
+    let mut streams: Vec<_> = actors.iter().map(|&a| plan.stream(a)).collect();
     crate::hang::inject_stream_fault(&mut streams, plan.program.test_fault);
     ActorGang::start(job, streams, factories, fabric, patience + WATCHDOG_SLACK).await
 }

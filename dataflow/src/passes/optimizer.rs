@@ -179,9 +179,8 @@ mod tests {
         }
         compile(&program)
             .unwrap()
-            .actors
-            .into_iter()
-            .map(|a| a.stream.instructions)
+            .every_stream()
+            .map(|a| a.instructions)
             .collect()
     }
 
@@ -283,8 +282,8 @@ mod tests {
             let program = Program::new(ModelSpec::parse("mlp:in=8,hidden=16,layers=4,out=3").unwrap())
                 .with_plan(plan)
                 .with_precision(crate::Precision::parse("f16").unwrap());
-            for actor in compile(&program).unwrap().actors {
-                let stream = actor.stream.instructions;
+            for actor in compile(&program).unwrap().every_stream() {
+                let stream = actor.instructions;
                 let reduce = position(&stream, &|i| {
                     matches!(i, Instruction::StartCollective { tensor, group, .. }
                         if *tensor == GRAD_SQUARES && group == &vec![0, 1, 2, 3])
@@ -332,12 +331,7 @@ mod tests {
         let clip = Program::new(model.clone())
             .with_plan(offloaded.clone())
             .with_clip_grad_norm(Some(1.0));
-        for stream in compile(&clip)
-            .unwrap()
-            .actors
-            .into_iter()
-            .map(|a| a.stream.instructions)
-        {
+        for stream in compile(&clip).unwrap().every_stream().map(|a| a.instructions) {
             let norm = position(&stream, &is_compute("GradNorm")).expect("GradNorm");
             let last_hand_off = stream
                 .iter()

@@ -49,14 +49,18 @@ pub fn build(layout: &Layout, batch: usize, orders: &[Vec<Slot>]) -> Graph {
     let splits_backward = orders.iter().flatten().any(|s| s.pass == Pass::W);
     // The replicas with a built actor on each pipeline device.
     let replicas: Vec<Vec<usize>> = (0..pp)
-        .map(|s| (0..dp).filter(|&r| builds_replica(&graph, layout, r, s)).collect())
+        .map(|s| {
+            (0..dp)
+                .filter(|&r| builds_replica(&graph, layout, r, s))
+                .collect()
+        })
         .collect();
     // Batches: the first chunk's device feeds the inputs, the last chunk's device the targets.
-    for s in 0..pp {
+    for (s, built) in replicas.iter().enumerate() {
         if s != layout.device_of_chunk(0) && s != layout.device_of_chunk(last_chunk) {
             continue;
         }
-        for &r in &replicas[s] {
+        for &r in built {
             for mb in 0..m {
                 let start = r * per_replica + mb * per_mb;
                 let op = ComputeOp::LoadBatch {

@@ -49,8 +49,8 @@ mod tests {
     fn dtypes(program: &Program) -> Vec<(CollectiveKind, String, DType)> {
         let plan = compile(program).unwrap();
         let mut out = Vec::new();
-        for actor in &plan.actors {
-            for i in &actor.stream.instructions {
+        for actor in plan.every_stream() {
+            for i in &actor.instructions {
                 if let Instruction::StartCollective {
                     kind, tensor, dtype, ..
                 } = i

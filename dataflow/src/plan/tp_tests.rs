@@ -99,8 +99,7 @@ fn a_tp_plan_meshes_dp_by_tp_and_tp_1_is_unchanged() {
 
 /// Every all-reduce of `tensor`-kind in `actor`'s stream, with its group.
 fn all_reduces(plan: &Plan, actor: usize, of: impl Fn(&TensorId) -> bool) -> Vec<Vec<usize>> {
-    plan.actors[actor]
-        .stream
+    plan.stream(actor)
         .instructions
         .iter()
         .filter_map(|i| match i {
@@ -149,7 +148,7 @@ fn a_gpt_layer_has_two_g_and_two_f_all_reduces_per_microbatch() {
 fn mlp_alternates_column_and_row_layers() {
     let plan = compile(&with_tp("mlp:in=12,hidden=24,layers=3,out=6", 1, 2)).unwrap();
     let segments = |of: fn(&TensorId) -> bool| -> Vec<usize> {
-        (plan.actors[0].stream.instructions.iter())
+        (plan.stream(0).instructions.iter())
             .filter_map(|i| match i {
                 Instruction::StartCollective {
                     tensor:
@@ -188,7 +187,7 @@ fn three_axes_keep_every_collective_in_its_group() {
             !grads.is_empty() && grads.iter().all(|group| *group == dp_group),
             "actor {actor}"
         );
-        for i in &plan.actors[actor].stream.instructions {
+        for i in &plan.stream(actor).instructions {
             if let Instruction::Send { to, .. } = i {
                 assert_eq!(to % 2, actor % 2, "actor {actor} sends to another tp rank");
             }
@@ -261,7 +260,7 @@ fn tensor_parallel_bytes_are_four_all_reduces_per_layer() {
 fn sharded_logits_take_the_vocabulary_parallel_loss() {
     let kinds = |spec: &str| -> Vec<(CollectiveKind, TensorId)> {
         let plan = compile(&with_tp(spec, 1, 2)).unwrap();
-        (plan.actors[1].stream.instructions.iter())
+        (plan.stream(1).instructions.iter())
             .filter_map(|i| match i {
                 Instruction::StartCollective { kind, tensor, .. }
                     if matches!(tensor, TensorId::LossMax { .. } | TensorId::LossSums { .. }) =>
@@ -298,7 +297,7 @@ fn replicated_gradients_are_summed_over_tp_before_dp() {
     let mut p = with_tp("mlp:in=12,hidden=24,layers=3,out=6", 2, 2);
     p.plan.microbatches = 2;
     let plan = compile(&p).unwrap();
-    let stream = &plan.actors[3].stream.instructions;
+    let stream = &plan.stream(3).instructions;
     let position = |want: &dyn Fn(&Instruction) -> bool| stream.iter().position(want);
     for segment in 0..4 {
         let tp_sum = position(&|i| {
@@ -362,7 +361,7 @@ fn refuses_lamb_and_whole_blocks_under_tp() {
 fn tp_all_reduces_of_activations_take_the_compute_dtype() {
     let p = with_tp(GPT, 1, 2).with_precision(crate::precision::Precision::parse("bf16").unwrap());
     let plan = compile(&p).unwrap();
-    for i in &plan.actors[0].stream.instructions {
+    for i in &plan.stream(0).instructions {
         if let Instruction::StartCollective { tensor, dtype, .. } = i {
             let want = match tensor {
                 TensorId::Activation { .. } | TensorId::ActivationGrad { .. } => crate::DType::BF16,

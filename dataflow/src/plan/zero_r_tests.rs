@@ -22,7 +22,7 @@ fn checkpointed(tp: usize, partition: bool, offload: bool) -> Program {
 
 /// The checkpoints each actor gathers, in stream order, and the computes that read them.
 fn gathers(plan: &Plan, actor: usize) -> Vec<TensorId> {
-    (plan.actors[actor].stream.instructions.iter())
+    (plan.stream(actor).instructions.iter())
         .filter_map(|i| match i {
             Instruction::StartCollective {
                 kind: CollectiveKind::AllGather,
@@ -46,7 +46,7 @@ fn each_partitioned_checkpoint_is_gathered_before_its_backward() {
     for actor in 0..2 {
         let found = gathers(&plan, actor);
         assert_eq!(found.len(), 2 * (segments - 1), "{found:?}");
-        let stream = &plan.actors[actor].stream.instructions;
+        let stream = &plan.stream(actor).instructions;
         let mut ahead = 0;
         for tensor in &found {
             let start = (stream.iter())
