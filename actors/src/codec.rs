@@ -242,6 +242,10 @@ mod tests {
             (8, 4, 32),
             (16, 8, 64),
             (32, 8, 64),
+            // A plan keeps one stream per pipeline device (the stream classes), so the streams
+            // grow with pp × micro-batches, the placement with the actors.
+            (8, 16, 1024),
+            (64, 16, 128),
         ] {
             let program = Program::new(ModelSpec::parse("mlp:in=8,hidden=8,layers=16,out=2").unwrap())
                 .with_plan(ParallelPlan {

@@ -344,6 +344,12 @@ impl StreamClasses {
         (0..self.templates.len()).map(|a| self.template(a).len()).sum()
     }
 
+    /// The instructions built: the representatives' streams, summed (what compiling and
+    /// verifying cost grows with).
+    pub fn built_instructions(&self) -> usize {
+        self.templates.iter().map(Vec::len).sum()
+    }
+
     /// The classes as a host of `actors` needs them: their representatives' streams only.
     pub fn for_actors(&self, actors: &[ActorId]) -> StreamClasses {
         let keep: Vec<ActorId> = actors.iter().map(|&a| self.representative(a)).collect();

@@ -37,17 +37,19 @@ fn scale_program(dp: usize, pp: usize, tp: usize) -> anyhow::Result<Program> {
     Ok(program)
 }
 
-/// The median seconds of `reps` compiles (with the verifier) of `program`, and its instructions.
-fn time_compile(program: &Program, reps: usize) -> anyhow::Result<(f64, usize)> {
+/// The median seconds of `reps` compiles (with the verifier) of `program`, its instructions
+/// (every actor's) and the instructions built (one stream per class: `stream_class`).
+fn time_compile(program: &Program, reps: usize) -> anyhow::Result<(f64, usize, usize)> {
     let mut times = Vec::new();
-    let mut instructions = 0;
+    let (mut instructions, mut built) = (0, 0);
     for _ in 0..reps {
         let began = Instant::now();
         let plan = compile(program)?;
         times.push(began.elapsed().as_secs_f64());
         instructions = plan.streams.instructions();
+        built = plan.streams.built_instructions();
     }
-    Ok((median(&mut times), instructions))
+    Ok((median(&mut times), instructions, built))
 }
 
 /// Compile + verify of two 4096-device plans of the same model, `reps` times each, alternated in
@@ -58,14 +60,14 @@ pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
     let program = scale_program(dp, pp, 1)?;
     let tp_program = scale_program(32, pp, 8)?;
     let (mut times, mut tp_times) = (Vec::new(), Vec::new());
-    let (mut instructions, mut tp_instructions) = (0, 0);
+    let (mut instructions, mut tp_instructions, mut built, mut tp_built) = (0, 0, 0, 0);
     for _ in 0..reps {
-        let (s, n) = time_compile(&program, 1)?;
+        let (s, n, b) = time_compile(&program, 1)?;
         times.push(s);
-        instructions = n;
-        let (s, n) = time_compile(&tp_program, 1)?;
+        (instructions, built) = (n, b);
+        let (s, n, b) = time_compile(&tp_program, 1)?;
         tp_times.push(s);
-        tp_instructions = n;
+        (tp_instructions, tp_built) = (n, b);
     }
     let tp_s = median(&mut tp_times);
     let s = median(&mut times);
@@ -98,11 +100,13 @@ pub fn plan_4096_devices(reps: usize) -> anyhow::Result<Value> {
         "config": { "model": program.model.name, "dp": dp, "pp": pp, "tp": 1, "microbatches": m, "schedule": "1f1b", "reps": reps },
         "median_s": s,
         "instructions": instructions,
+        "instructions_built": built,
         "instructions_per_s": instructions as f64 / s,
         "tensor_parallel": {
             "config": { "dp": 32, "pp": pp, "tp": 8, "microbatches": m, "schedule": "1f1b" },
             "median_s": tp_s,
             "instructions": tp_instructions,
+            "instructions_built": tp_built,
             "over_dp_pp": tp_s / s,
             "aim": "at most 3× the dp × pp plan's time (issue 39)",
         },

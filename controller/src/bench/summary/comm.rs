@@ -210,6 +210,15 @@ pub(super) fn scale(out: &Value) -> Vec<String> {
         "compile a 4096-device plan",
         vec![fig_unit(at(plan, "/median_s"), "s"), rate, load(plan)],
     );
+    let tp = &plan["tensor_parallel"];
+    if tp.is_object() {
+        let ratio =
+            at(tp, "/over_dp_pp").map_or(MISSING.to_string(), |r| format!("{r:.2}× dp × pp (aim ≤ 3×)"));
+        table.row(
+            "  the same at tp=8 × pp=16 × dp=32",
+            vec![fig_unit(at(tp, "/median_s"), "s"), ratio, load(plan)],
+        );
+    }
     for key in ["dispatch", "dispatch_working", "dispatch_4096"] {
         match scale.get(key) {
             Some(step) => dispatch_row(&mut table, key, step),
