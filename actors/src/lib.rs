@@ -49,6 +49,7 @@ pub mod proto;
 pub mod ps;
 pub mod runtime;
 pub mod tensor_file;
+pub mod text_tokens;
 pub mod trainer;
 pub mod transfer;
 pub mod trust;

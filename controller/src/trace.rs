@@ -33,7 +33,8 @@ impl TraceRecorder {
                 .fold(f64::INFINITY, f64::min)
         });
         for r in reports {
-            let stream = &plan.stream(r.actor).instructions;
+            // Kinds and micro-batches only: the class's stream, not translated.
+            let stream = plan.class_stream(r.actor);
             for t in &r.timings {
                 let Some(instruction) = stream.get(t.index) else {
                     continue;

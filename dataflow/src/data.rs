@@ -22,10 +22,14 @@ pub enum DataSpec {
         /// Seed of the stream.
         seed: u64,
     },
-    /// The bytes of a text file (character-level language modelling).
+    /// A text file: its bytes (character-level language modelling), or the token ids a
+    /// Hugging Face `tokenizer.json` gives for it.
     TextFile {
         /// Path of the file, read by each actor.
         path: String,
+        /// Path of the `tokenizer.json` that turns the text into token ids (`None`: bytes).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tokenizer: Option<String>,
     },
     /// The rows of a safetensors file: `inputs` `[n, features]` f32 and `targets` `[n]` integer
     /// classes for an mlp, `tokens` `[n, ctx + 1]` integer ids for a gpt (each row's first `ctx`
@@ -122,7 +126,7 @@ impl ClusterPool {
 /// A token stream cut into next-token-prediction sequences.
 #[derive(Debug, Clone)]
 pub struct TokenStream {
-    tokens: Vec<u8>,
+    tokens: Vec<u32>,
 }
 
 /// Length of the synthetic byte stream (WORKLOADS.md).
@@ -138,14 +142,21 @@ impl TokenStream {
         let mut tokens = Vec::with_capacity(SYNTHETIC_STREAM_LEN);
         let mut t: u32 = 0;
         for _ in 0..SYNTHETIC_STREAM_LEN {
-            tokens.push(t as u8);
+            tokens.push(t);
             t = (5 * t + 17 + rng.below(4) as u32) % modulus;
         }
         TokenStream { tokens }
     }
 
     /// A stream over the given bytes (e.g. a text file).
-    pub fn from_bytes(tokens: Vec<u8>) -> TokenStream {
+    pub fn from_bytes(bytes: Vec<u8>) -> TokenStream {
+        TokenStream {
+            tokens: bytes.into_iter().map(u32::from).collect(),
+        }
+    }
+
+    /// A stream over the given token ids (a tokenized text).
+    pub fn from_ids(tokens: Vec<u32>) -> TokenStream {
         TokenStream { tokens }
     }
 
@@ -164,6 +175,32 @@ impl TokenStream {
         if top >= vocab {
             return Err(format!(
                 "--data {path} holds byte values up to {top}, and a gpt with vocab={vocab} has tokens 0..{vocab}: use vocab={} or more (vocab=256 fits any file)",
+                top + 1
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the token ids `ids` that `tokenizer` gave for text file `path` can train a gpt of
+    /// context `ctx` and vocabulary `vocab`; else why not, with the fix.
+    pub fn check_ids(
+        path: &str,
+        tokenizer: &str,
+        ids: &[u32],
+        ctx: usize,
+        vocab: usize,
+    ) -> Result<(), String> {
+        if ids.len() <= ctx + 1 {
+            return Err(format!(
+                "--data {path} is {} tokens under --tokenizer {tokenizer}; it needs more than ctx+1 = {}",
+                ids.len(),
+                ctx + 1
+            ));
+        }
+        let top = ids.iter().copied().max().unwrap_or(0) as usize;
+        if top >= vocab {
+            return Err(format!(
+                "--tokenizer {tokenizer} gives --data {path} token ids up to {top}, and a gpt with vocab={vocab} has tokens 0..{vocab}: use vocab={} or more",
                 top + 1
             ));
         }
@@ -192,8 +229,8 @@ impl TokenStream {
         for j in seqs.clone() {
             let start = ((step as usize * batch + j) * (ctx + 1)) % span;
             let window = &self.tokens[start..start + ctx + 1];
-            inputs.extend(window[..ctx].iter().map(|&t| t as u32));
-            targets.extend(window[1..].iter().map(|&t| t as u32));
+            inputs.extend_from_slice(&window[..ctx]);
+            targets.extend_from_slice(&window[1..]);
         }
         TokenBatch {
             seqs: seqs.len(),
@@ -226,8 +263,8 @@ mod tests {
         assert_eq!(s.len(), SYNTHETIC_STREAM_LEN);
         assert_eq!(s.tokens[0], 0);
         for w in s.tokens.windows(2).take(1000) {
-            let base = (5 * w[0] as u32 + 17) % 256;
-            assert!((0..4).any(|n| (base + n) % 256 == w[1] as u32));
+            let base = (5 * w[0] + 17) % 256;
+            assert!((0..4).any(|n| (base + n) % 256 == w[1]));
         }
         let b = s.batch(2, 16, 128, 3..5);
         assert_eq!(b.inputs.len(), 256);

@@ -3,8 +3,9 @@
 //! rows of the batch they load. The plan builds, lowers and verifies one representative stream
 //! per pipeline device (replica 0, rank 0) and derives every other actor's by translation along
 //! `dp` and `tp` — as Pathways' single controller compiles a program once per sharded
-//! computation, not once per shard (Barham et al. 2022) — so compiling and verifying a plan costs
-//! what its pipeline costs, not what its replicas multiply it to.
+//! computation, not once per shard (Barham et al. 2022) — so building and verifying a plan's
+//! streams cost what its pipeline costs, not what its replicas multiply it to (the actors'
+//! placement and estimates stay per actor).
 //!
 //! The translation: an actor at `(r, s, t)` runs its representative `(0, s, 0)`'s stream with
 //! every peer moved by `(r, ·, t)`, every collective group moved along the axes it does not span
@@ -200,8 +201,19 @@ impl Symmetry {
     /// along a class axis it spans or off the representatives' place on one it does not, or a
     /// collective whose members list different groups.
     pub fn check(&self, streams: &[Vec<Instruction>]) -> Result<(), PlanError> {
+        let places: u64 = (self.axes.iter())
+            .filter(|a| a.class)
+            .map(|a| a.size as u64)
+            .product();
+        if self.tags.saturating_mul(places) >= 1 << 32 {
+            return Err(PlanError::Malformed(format!(
+                "{} edges per class × {places} places need tags past 2³², which a step's edge ids do not hold",
+                self.tags
+            )));
+        }
         let mut groups: HashMap<u64, &[ActorId]> = HashMap::new();
         for (actor, stream) in streams.iter().enumerate() {
+            let mut started = std::collections::HashSet::new();
             for (pc, instruction) in stream.iter().enumerate() {
                 let fault = |why: String| {
                     PlanError::Malformed(format!(
@@ -215,7 +227,13 @@ impl Symmetry {
                     {
                         return Err(fault(format!("its peer {peer} is not at replica 0, rank 0")));
                     }
+                    Instruction::WaitCollective { tag, .. } if !started.contains(tag) => {
+                        return Err(fault(format!(
+                            "it waits for collective tag {tag} before starting it"
+                        )));
+                    }
                     Instruction::StartCollective { group, tag, .. } => {
+                        started.insert(*tag);
                         if *groups.entry(*tag).or_insert(group) != group.as_slice() {
                             return Err(fault(format!("members list different groups for tag {tag}")));
                         }
@@ -241,6 +259,21 @@ impl Symmetry {
             } else if group.first().is_some_and(|&m| self.coord(m, i) != 0) {
                 return Err(format!("group {group:?} sits off coordinate 0 of mesh axis {i}"));
             }
+        }
+        // Whole along what it spans: every member's line along each spanned class axis is in
+        // the group (its places there × its distinct other coordinates, each once).
+        let spanned = self.spanned(group);
+        let members: std::collections::HashSet<ActorId> = group.iter().copied().collect();
+        let others: std::collections::HashSet<ActorId> =
+            group.iter().map(|&m| self.as_member(m, !spanned)).collect();
+        let lines: usize = (self.axes.iter().enumerate())
+            .filter(|(i, a)| a.class && spanned & (1 << i) != 0)
+            .map(|(_, a)| a.size)
+            .product();
+        if members.len() != group.len() || group.len() != others.len() * lines {
+            return Err(format!(
+                "group {group:?} is not whole along the class axes it spans (each member's line along them)"
+            ));
         }
         Ok(())
     }
@@ -339,6 +372,51 @@ impl StreamClasses {
         }
     }
 
+    /// Instruction `index` of `actor`'s own stream (one translated, not the whole stream: what a
+    /// hang report names).
+    pub fn instruction(&self, actor: ActorId, index: usize) -> Option<Instruction> {
+        let template = self.template(actor);
+        let at = template.get(index)?;
+        let Some(symmetry) = &self.symmetry else {
+            return Some(at.clone());
+        };
+        let mut started = HashMap::new();
+        if let Instruction::WaitCollective { tag, .. } = at
+            && let Some(start) = (template[..index].iter())
+                .rfind(|i| matches!(i, Instruction::StartCollective { tag: t, .. } if t == tag))
+        {
+            symmetry.rebase(start, actor, &mut started);
+        }
+        Some(symmetry.rebase(at, actor, &mut started))
+    }
+
+    /// Refuses classes that do not fit a plan of `actors` actors (a plan from the network is
+    /// hostile): one template per actor, and a symmetry over exactly that many.
+    pub fn check_shape(&self, actors: usize) -> Result<(), String> {
+        if self.templates.len() != actors {
+            return Err(format!("{} streams for {actors} actors", self.templates.len()));
+        }
+        let Some(s) = &self.symmetry else {
+            return Ok(());
+        };
+        // Row-major strides over sizes of at least 1 whose product is the actor count.
+        let mut stride = Some(1usize);
+        for a in s.axes.iter().rev() {
+            if a.size == 0 || stride != Some(a.stride) {
+                stride = None;
+                break;
+            }
+            stride = stride.and_then(|x| x.checked_mul(a.size));
+        }
+        if stride != Some(actors) || s.dp.is_some_and(|d| d >= s.axes.len()) {
+            return Err(format!(
+                "a symmetry over axis sizes {:?} for {actors} actors",
+                s.axes.iter().map(|a| a.size).collect::<Vec<_>>()
+            ));
+        }
+        Ok(())
+    }
+
     /// The instructions of every actor's stream, summed.
     pub fn instructions(&self) -> usize {
         (0..self.templates.len()).map(|a| self.template(a).len()).sum()
@@ -352,11 +430,16 @@ impl StreamClasses {
 
     /// The classes as a host of `actors` needs them: their representatives' streams only.
     pub fn for_actors(&self, actors: &[ActorId]) -> StreamClasses {
-        let keep: Vec<ActorId> = actors.iter().map(|&a| self.representative(a)).collect();
+        let mut keep = vec![false; self.templates.len()];
+        for &a in actors {
+            if let Some(k) = keep.get_mut(self.representative(a)) {
+                *k = true;
+            }
+        }
         StreamClasses {
             symmetry: self.symmetry.clone(),
-            templates: (self.templates.iter().enumerate())
-                .map(|(a, t)| if keep.contains(&a) { t.clone() } else { Vec::new() })
+            templates: (self.templates.iter().zip(keep))
+                .map(|(t, keep)| if keep { t.clone() } else { Vec::new() })
                 .collect(),
         }
     }

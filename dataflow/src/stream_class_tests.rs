@@ -64,6 +64,23 @@ fn computes(stream: &[Instruction]) -> Vec<&Instruction> {
         .collect()
 }
 
+/// The sends, receives and collective starts of `stream` without their tags, sorted: who an
+/// actor talks to and over which groups, whatever the order.
+fn edges(stream: &[Instruction]) -> Vec<String> {
+    let mut out: Vec<String> = (stream.iter())
+        .filter_map(|i| match i {
+            Instruction::Send { tensor, to, .. } => Some(format!("send {tensor} to {to}")),
+            Instruction::Recv { tensor, from, .. } => Some(format!("recv {tensor} from {from}")),
+            Instruction::StartCollective {
+                kind, tensor, group, ..
+            } => Some(format!("{kind:?} {tensor} over {group:?}")),
+            _ => None,
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 fn program(model: &str, plan: ParallelPlan) -> Program {
     let mut program = Program::new(ModelSpec::parse(model).unwrap()).with_plan(plan);
     program.devices = DeviceSpec::cpus(program.plan.dp * program.plan.pp * program.plan.tp);
@@ -184,6 +201,9 @@ fn programs() -> Vec<(String, Program)> {
     let mut islands = program(MLP, base(4, 1, 1));
     islands.islands = vec!["a".into(), "b".into(), "a".into(), "b".into()];
     out.push(("mlp dp4 on two islands".into(), islands));
+    let mut islands = program(GPT, base(4, 2, 2));
+    islands.islands = (0..16).map(|a| ["a", "b"][a / 4 % 2].to_string()).collect();
+    out.push(("gpt dp4 pp2 tp2 on two islands".into(), islands));
     out
 }
 
@@ -207,6 +227,16 @@ fn translated_streams_equal_the_streams_built_for_each_actor() {
                 same_but_tags(w, s).unwrap_or_else(|e| panic!("{name}, actor {actor}: {e}"));
             }
             assert_eq!(computes(w), computes(s), "{name}, actor {actor}");
+            assert_eq!(edges(w), edges(s), "{name}, actor {actor}: peers and collectives");
+        }
+        for actor in (0..streams.len()).step_by(3) {
+            for (i, instruction) in streams[actor].iter().enumerate() {
+                assert_eq!(
+                    shared.streams.instruction(actor, i).as_ref(),
+                    Some(instruction),
+                    "{name}"
+                );
+            }
         }
         verify(&streams).unwrap_or_else(|e| panic!("{name}: the translated mesh: {e}"));
         assert_eq!(shared.fabric, whole.fabric, "{name}");
@@ -267,6 +297,25 @@ fn the_symmetry_check_and_the_quotient_refuse_what_they_must() {
     assert!(refused.contains("not all of it"), "{refused}");
     streams[0] = vec![start(vec![0, 2, 4, 6])];
     symmetry.check(&streams).unwrap();
+    // Whole along dp on each member's line: an L over dp and pp, a diagonal, a repeat.
+    for group in [vec![0, 2, 4, 6, 1], vec![0, 3, 4, 6], vec![0, 2, 4, 6, 0]] {
+        streams[0] = vec![start(group.clone())];
+        let refused = symmetry.check(&streams).unwrap_err().to_string();
+        assert!(
+            refused.contains("not whole") || refused.contains("not all of it"),
+            "{group:?}: {refused}"
+        );
+    }
+    streams[0] = vec![Instruction::WaitCollective {
+        tensor: x.clone(),
+        tag: 9,
+    }];
+    let refused = symmetry.check(&streams).unwrap_err().to_string();
+    assert!(refused.contains("before starting it"), "{refused}");
+    let mut many_tags = symmetry.clone();
+    many_tags.tags = 1 << 31;
+    streams[0] = Vec::new();
+    assert!(many_tags.check(&streams).unwrap_err().to_string().contains("2³²"));
     // Stage 0 and stage 1 each wait for the other first.
     let y = TensorId::named("y");
     let make = Instruction::Compute {

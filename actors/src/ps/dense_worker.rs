@@ -118,11 +118,10 @@ fn samples(data: &DataSpec, input: InputKind) -> Result<Samples, String> {
         (DataSpec::SyntheticBytes { seed }, InputKind::Tokens { vocab, ctx }) => {
             Samples::Tokens(TokenStream::synthetic(*seed, vocab), ctx)
         }
-        (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
-            let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;
-            TokenStream::check_text(path, &bytes, ctx, vocab)?;
-            Samples::Tokens(TokenStream::from_bytes(bytes), ctx)
-        }
+        (DataSpec::TextFile { path, tokenizer }, InputKind::Tokens { ctx, vocab }) => Samples::Tokens(
+            crate::text_tokens::text_stream(path, tokenizer.as_deref(), ctx, vocab)?,
+            ctx,
+        ),
         (DataSpec::TensorFile { path }, _) => {
             return Err(format!(
                 "the parameter server's dense workers read the synthetic data and text files, not tensor files yet ({path})"

@@ -99,11 +99,9 @@ pub(super) fn samples(data: &DataSpec, input: InputKind) -> Result<Samples, Stri
         (DataSpec::SyntheticBytes { seed }, InputKind::Tokens { vocab, .. }) => {
             Samples::Tokens(TokenStream::synthetic(*seed, vocab))
         }
-        (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
-            let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {path}: {e}"))?;
-            TokenStream::check_text(path, &bytes, ctx, vocab)?;
-            Samples::Tokens(TokenStream::from_bytes(bytes))
-        }
+        (DataSpec::TextFile { path, tokenizer }, InputKind::Tokens { ctx, vocab }) => Samples::Tokens(
+            crate::text_tokens::text_stream(path, tokenizer.as_deref(), ctx, vocab)?,
+        ),
         (DataSpec::TensorFile { path }, input) => {
             Samples::File(BatchFile::open(std::path::Path::new(path), input)?)
         }

@@ -93,7 +93,20 @@ fn precision_words(precision: &archipelago_dataflow::Precision) -> String {
 
 fn data_words(program: &Program) -> String {
     match (&program.data, program.model.input) {
-        (DataSpec::TextFile { path }, InputKind::Tokens { ctx, .. }) => format!(
+        (
+            DataSpec::TextFile {
+                path,
+                tokenizer: Some(tokenizer),
+            },
+            InputKind::Tokens { ctx, .. },
+        ) => format!(
+            "text {path} tokenized by {tokenizer} (sequence j of step s is the {} tokens from ((s·batch + j)·{}) \
+             mod (tokens − {}))",
+            ctx + 1,
+            ctx + 1,
+            ctx + 1
+        ),
+        (DataSpec::TextFile { path, .. }, InputKind::Tokens { ctx, .. }) => format!(
             "text {path} (one token per byte; sequence j of step s is the {} bytes from ((s·batch + j)·{}) mod \
              (bytes − {}))",
             ctx + 1,
@@ -105,7 +118,7 @@ fn data_words(program: &Program) -> String {
         }
         (DataSpec::Clusters { seed }, _) => format!("synthetic Gaussian clusters (seed {seed})"),
         (DataSpec::SyntheticBytes { seed }, _) => format!("synthetic byte stream (seed {seed})"),
-        (DataSpec::TextFile { path }, _) => format!("text {path}"),
+        (DataSpec::TextFile { path, .. }, _) => format!("text {path}"),
     }
 }
 

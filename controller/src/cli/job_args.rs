@@ -90,6 +90,11 @@ pub struct JobArgs {
     /// `tokens` `[n, ctx+1]` integers (a gpt).
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Turn the text of `--data FILE.txt` into token ids with this Hugging Face `tokenizer.json`
+    /// (as `transformers` writes it; no special tokens added) instead of one token per byte; the
+    /// gpt's vocab must hold the tokenizer's vocabulary.
+    #[arg(long, requires = "data")]
+    pub tokenizer: Option<PathBuf>,
     /// Start from the weights in this safetensors file (PyTorch's names and layouts, as
     /// `archipelago export` writes them) instead of the seeded initialisation.
     #[arg(long)]
@@ -178,6 +183,13 @@ impl JobArgs {
             program.model = archipelago_dataflow::sequence_parallel::desc(&spec)?;
         }
         if let Some(path) = self.data.as_ref().filter(|p| is_safetensors(p)) {
+            if self.tokenizer.is_some() {
+                anyhow::bail!(
+                    "--tokenizer turns a text file into token ids; --data {} is a safetensors file of ids already: \
+                     drop --tokenizer",
+                    path.display()
+                );
+            }
             program.data = DataSpec::TensorFile {
                 path: path.display().to_string(),
             };
@@ -187,6 +199,7 @@ impl JobArgs {
             }
             program.data = DataSpec::TextFile {
                 path: path.display().to_string(),
+                tokenizer: self.tokenizer.as_ref().map(|t| t.display().to_string()),
             };
         }
         program.init = self.init.as_ref().map(|p| p.display().to_string());

@@ -71,6 +71,12 @@ impl PartParams {
     /// each with its own stream, and every actor of the plan must have a peer address.
     fn check(&self) -> Result<(), JobError> {
         let n = self.plan.actors.len();
+        if let Err(why) = self.plan.streams.check_shape(n) {
+            return Err(JobError::Runtime(format!(
+                "job {}: the host part's streams: {why}",
+                self.job
+            )));
+        }
         if self.peers.len() != n {
             return Err(JobError::Runtime(format!(
                 "job {}: the host part names {} peer addresses for a plan of {n} actors",

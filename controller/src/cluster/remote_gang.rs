@@ -461,7 +461,7 @@ impl RemoteGang {
         let states: Vec<(ActorId, Option<ProgressSnapshot>)> =
             progress.into_iter().map(|(a, p)| (a, Some(p))).collect();
         let report = find_hang(&states, |a, i| {
-            (a < self.plan.actors.len()).then(|| self.plan.stream(a).instructions.get(i).cloned())?
+            (a < self.plan.actors.len()).then(|| self.plan.streams.instruction(a, i))?
         })?;
         Some(JobError::Deadlock {
             job: self.job.clone(),
@@ -489,7 +489,7 @@ impl RemoteGang {
         let described: Vec<String> = actors
             .iter()
             .map(|&a| {
-                let (device, instructions) = (self.plan.actors[a].device, &self.plan.stream(a).instructions);
+                let device = self.plan.actors[a].device;
                 let doing = match states.iter().find(|s| s.actor as usize == a) {
                     // The last heartbeat came before the running step began.
                     Some(s) if s.step < self.step && self.step > 0 => {
@@ -503,9 +503,8 @@ impl RemoteGang {
                         "at step {} instruction {} `{}`",
                         s.step,
                         s.index,
-                        instructions
-                            .get(s.index as usize)
-                            .map_or_else(|| "?".to_string(), ToString::to_string)
+                        (self.plan.streams.instruction(a, s.index as usize))
+                            .map_or_else(|| "?".to_string(), |i| i.to_string())
                     ),
                     Some(s) => format!("between steps (after step {})", s.step),
                     None => "not yet heard from".to_string(),

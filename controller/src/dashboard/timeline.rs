@@ -32,7 +32,8 @@ pub fn timeline(plan: &Plan, recent: &[(u64, Vec<StepReport>)], hosts: &[String]
             let Some(lane) = lanes.get_mut(r.actor) else {
                 continue;
             };
-            let stream = &plan.stream(r.actor).instructions;
+            // Kinds and micro-batches only: the class's stream, not translated.
+            let stream = plan.class_stream(r.actor);
             for t in &r.timings {
                 let Some(instruction) = stream.get(t.index) else {
                     continue;

@@ -66,7 +66,7 @@ impl StepFigures {
             .fold(0.0, f64::max);
         for r in reports {
             let a = r.actor;
-            let (compute, wait) = split_time(&plan.stream(a).instructions, r);
+            let (compute, wait) = split_time(plan.class_stream(a), r);
             push_recent(&mut self.compute[a], compute);
             push_recent(&mut self.wait[a], wait);
             if count_bubble {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use archipelago_actors::batch_file::BatchFile;
 use archipelago_actors::checkpoint::{self, CheckpointReader};
 use archipelago_actors::weights_file::InitWeights;
-use archipelago_dataflow::data::{DataSpec, TokenStream};
+use archipelago_dataflow::data::DataSpec;
 use archipelago_dataflow::{InputKind, Program};
 
 use super::options::TrainOptions;
@@ -49,9 +49,13 @@ fn check_options(options: &TrainOptions) -> Result<(), JobError> {
 fn check_data(program: &Program) -> Result<(), JobError> {
     let path_here = |path: &str| Path::new(path).exists();
     match (&program.data, program.model.input) {
-        (DataSpec::TextFile { path }, InputKind::Tokens { ctx, vocab }) => {
-            if let Ok(bytes) = std::fs::read(path) {
-                TokenStream::check_text(path, &bytes, ctx, vocab).map_err(JobError::Runtime)?;
+        (DataSpec::TextFile { path, tokenizer }, InputKind::Tokens { ctx, vocab }) => {
+            if let Some(t) = tokenizer.as_deref().filter(|t| path_here(t)) {
+                archipelago_actors::text_tokens::load(t, vocab).map_err(JobError::Runtime)?;
+            }
+            if path_here(path) && tokenizer.as_deref().is_none_or(path_here) {
+                archipelago_actors::text_tokens::text_stream(path, tokenizer.as_deref(), ctx, vocab)
+                    .map_err(JobError::Runtime)?;
             }
         }
         (DataSpec::TensorFile { path }, input) if path_here(path) => {
