@@ -129,6 +129,24 @@ pub struct TokenStream {
     tokens: Vec<u32>,
 }
 
+/// Why tokens do not fit a gpt: too few for one context, or an id past its vocabulary.
+enum Misfit {
+    Short,
+    Large,
+}
+
+/// Whether `len` tokens, the largest `top`, can train a gpt of context `ctx` and vocabulary
+/// `vocab`.
+fn fits(len: usize, top: usize, ctx: usize, vocab: usize) -> Result<(), Misfit> {
+    if len <= ctx + 1 {
+        Err(Misfit::Short)
+    } else if top >= vocab {
+        Err(Misfit::Large)
+    } else {
+        Ok(())
+    }
+}
+
 /// Length of the synthetic byte stream (WORKLOADS.md).
 pub const SYNTHETIC_STREAM_LEN: usize = 1 << 20;
 
@@ -164,21 +182,14 @@ impl TokenStream {
     /// `vocab` (every byte is a token below `vocab`, and there is more than one context); else
     /// why not, with the fix.
     pub fn check_text(path: &str, bytes: &[u8], ctx: usize, vocab: usize) -> Result<(), String> {
-        if bytes.len() <= ctx + 1 {
-            return Err(format!(
-                "--data {path} has {} bytes; it needs more than ctx+1 = {}",
-                bytes.len(),
-                ctx + 1
-            ));
-        }
         let top = bytes.iter().copied().max().unwrap_or(0) as usize;
-        if top >= vocab {
-            return Err(format!(
+        fits(bytes.len(), top, ctx, vocab).map_err(|misfit| match misfit {
+            Misfit::Short => format!("--data {path} has {} bytes; it needs more than ctx+1 = {}", bytes.len(), ctx + 1),
+            Misfit::Large => format!(
                 "--data {path} holds byte values up to {top}, and a gpt with vocab={vocab} has tokens 0..{vocab}: use vocab={} or more (vocab=256 fits any file)",
                 top + 1
-            ));
-        }
-        Ok(())
+            ),
+        })
     }
 
     /// Whether the token ids `ids` that `tokenizer` gave for text file `path` can train a gpt of
@@ -190,21 +201,18 @@ impl TokenStream {
         ctx: usize,
         vocab: usize,
     ) -> Result<(), String> {
-        if ids.len() <= ctx + 1 {
-            return Err(format!(
+        let top = ids.iter().copied().max().unwrap_or(0) as usize;
+        fits(ids.len(), top, ctx, vocab).map_err(|misfit| match misfit {
+            Misfit::Short => format!(
                 "--data {path} is {} tokens under --tokenizer {tokenizer}; it needs more than ctx+1 = {}",
                 ids.len(),
                 ctx + 1
-            ));
-        }
-        let top = ids.iter().copied().max().unwrap_or(0) as usize;
-        if top >= vocab {
-            return Err(format!(
+            ),
+            Misfit::Large => format!(
                 "--tokenizer {tokenizer} gives --data {path} token ids up to {top}, and a gpt with vocab={vocab} has tokens 0..{vocab}: use vocab={} or more",
                 top + 1
-            ));
-        }
-        Ok(())
+            ),
+        })
     }
 
     /// Bytes in the stream.

@@ -14,7 +14,6 @@ use crate::simulate::{Prediction, simulate, simulate_with_comm};
 use crate::simulate_comm::StageComm;
 use crate::stream_class::{StreamClasses, Symmetry};
 use crate::tensor_parallel::TpPlace;
-use crate::verify::verify;
 use crate::{ActorId, ActorTraining, DeviceSpec, PlanError};
 
 pub use crate::passes::data_parallel::Bucket;
@@ -224,10 +223,8 @@ fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, 
     layout.islands = checks::island_indices(&program.islands, mesh.size())?;
     layout.checkpoints = crate::ActivationCheckpoints::of(plan);
     checks::check_tp_islands(plan.tp, &layout.islands)?;
-    let mut symmetry = Symmetry::of(&layout.mesh, per_replica);
-    if build == Build::Classes {
-        layout.built = Some(symmetry.built());
-    }
+    let symmetry = (build == Build::Classes).then(|| Symmetry::of(&layout.mesh, per_replica));
+    layout.built = symmetry.as_ref().map(Symmetry::built);
     let norms = StepNorms::of(program);
     let mut graph = crate::passes::step::build_step(
         &layout,
@@ -239,24 +236,7 @@ fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, 
     );
     crate::passes::precision::apply(&mut graph, &program.precision);
     let streams = crate::passes::lower::lower(&graph);
-    let streams = match build {
-        Build::EveryActor => {
-            verify(&streams)?;
-            StreamClasses {
-                symmetry: None,
-                templates: streams,
-            }
-        }
-        Build::Classes => {
-            symmetry.tags = graph.nodes.len() as u64;
-            symmetry.check(&streams)?;
-            verify(&symmetry.quotient(&streams))?;
-            StreamClasses {
-                symmetry: Some(symmetry),
-                templates: streams,
-            }
-        }
-    };
+    let streams = StreamClasses::verified(symmetry, streams, graph.nodes.len() as u64)?;
     let optimizer_s = optimizer_seconds(sliced, &layout, &cost_model);
     let prediction = simulate(plan.schedule, shape, &orders, &costs, &optimizer_s);
     let (memory, actors) = actor_plans(sliced, &layout, &devices, &prediction);

@@ -46,22 +46,18 @@ struct Axis {
 }
 
 /// The mesh axes the stream classes translate along.
-pub const CLASS_AXES: [&str; 2] = ["dp", "tp"];
+const CLASS_AXES: [&str; 2] = ["dp", "tp"];
 
 impl Symmetry {
     /// The symmetry of `mesh`'s `dp` and `tp` axes, with `replica_rows` batch rows per replica.
     pub fn of(mesh: &Mesh, replica_rows: usize) -> Symmetry {
-        Symmetry::along(mesh, replica_rows, &CLASS_AXES)
-    }
-
-    fn along(mesh: &Mesh, replica_rows: usize, class_axes: &[&str]) -> Symmetry {
         let mut stride = 1;
         let mut axes: Vec<Axis> = Vec::new();
         for (name, size) in mesh.axes.iter().rev() {
             axes.push(Axis {
                 stride,
                 size: *size,
-                class: class_axes.contains(&name.as_str()),
+                class: CLASS_AXES.contains(&name.as_str()),
             });
             stride *= size;
         }
@@ -93,13 +89,6 @@ impl Symmetry {
     /// Which actors are representatives (indexed by actor).
     pub fn built(&self) -> Vec<bool> {
         (0..self.size()).map(|a| self.representative(a) == a).collect()
-    }
-
-    /// The representatives, in actor order.
-    pub fn representatives(&self) -> Vec<ActorId> {
-        (0..self.size())
-            .filter(|&a| self.representative(a) == a)
-            .collect()
     }
 
     /// Whether `group` spans mesh axis `i` (its members differ there).
@@ -135,8 +124,8 @@ impl Symmetry {
     }
 
     /// The tag `actor` gives its representative's `tag` on an edge over a group spanning
-    /// `spanned` (none for a send or receive): moved by the actor's place along the class axes the group does not span,
-    /// which every member of the edge shares.
+    /// `spanned` (none for a send or receive): moved by the actor's place along the class axes
+    /// the group does not span, which every member of the edge shares.
     fn tag(&self, tag: u64, actor: ActorId, spanned: u64) -> u64 {
         let mut place = 0;
         for (i, a) in self.axes.iter().enumerate().filter(|(_, a)| a.class) {
@@ -283,45 +272,27 @@ impl Symmetry {
     /// whole mesh (see the module's note).
     pub fn quotient(&self, streams: &[Vec<Instruction>]) -> Vec<Vec<Instruction>> {
         let class = |a: ActorId| self.representative(a);
-        (streams.iter())
-            .map(|stream| {
-                (stream.iter())
-                    .map(|i| match i {
-                        Instruction::Send { tensor, to, tag } => Instruction::Send {
-                            tensor: tensor.clone(),
-                            to: class(*to),
-                            tag: *tag,
-                        },
-                        Instruction::Recv { tensor, from, tag } => Instruction::Recv {
-                            tensor: tensor.clone(),
-                            from: class(*from),
-                            tag: *tag,
-                        },
-                        Instruction::StartCollective {
-                            kind,
-                            tensor,
-                            group,
-                            tag,
-                            dtype,
-                        } => {
-                            let mut classes: Vec<ActorId> = Vec::new();
-                            for c in group.iter().map(|&m| class(m)) {
-                                if !classes.contains(&c) {
-                                    classes.push(c);
-                                }
-                            }
-                            Instruction::StartCollective {
-                                kind: *kind,
-                                tensor: tensor.clone(),
-                                group: classes,
-                                tag: *tag,
-                                dtype: *dtype,
-                            }
+        let named_by_class = |i: &Instruction| {
+            let mut i = i.clone();
+            match &mut i {
+                Instruction::Send { to: peer, .. } | Instruction::Recv { from: peer, .. } => {
+                    *peer = class(*peer)
+                }
+                Instruction::StartCollective { group, .. } => {
+                    let mut classes: Vec<ActorId> = Vec::new();
+                    for c in group.iter().map(|&m| class(m)) {
+                        if !classes.contains(&c) {
+                            classes.push(c);
                         }
-                        other => other.clone(),
-                    })
-                    .collect()
-            })
+                    }
+                    *group = classes;
+                }
+                Instruction::Compute { .. } | Instruction::WaitCollective { .. } => {}
+            }
+            i
+        };
+        (streams.iter())
+            .map(|stream| stream.iter().map(named_by_class).collect())
             .collect()
     }
 }
@@ -338,6 +309,31 @@ pub struct StreamClasses {
 }
 
 impl StreamClasses {
+    /// The lowered `streams` (indexed by actor; those of `symmetry`'s representatives only, when
+    /// given, with `tags` edges), verified: whole, or through the symmetry's check and quotient.
+    pub fn verified(
+        symmetry: Option<Symmetry>,
+        streams: Vec<Vec<Instruction>>,
+        tags: u64,
+    ) -> Result<StreamClasses, PlanError> {
+        let symmetry = match symmetry {
+            Some(mut s) => {
+                s.tags = tags;
+                s.check(&streams)?;
+                crate::verify::verify(&s.quotient(&streams))?;
+                Some(s)
+            }
+            None => {
+                crate::verify::verify(&streams)?;
+                None
+            }
+        };
+        Ok(StreamClasses {
+            symmetry,
+            templates: streams,
+        })
+    }
+
     /// The representative whose stream `actor` runs.
     pub fn representative(&self, actor: ActorId) -> ActorId {
         self.symmetry.as_ref().map_or(actor, |s| s.representative(actor))

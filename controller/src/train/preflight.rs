@@ -50,12 +50,12 @@ fn check_data(program: &Program) -> Result<(), JobError> {
     let path_here = |path: &str| Path::new(path).exists();
     match (&program.data, program.model.input) {
         (DataSpec::TextFile { path, tokenizer }, InputKind::Tokens { ctx, vocab }) => {
-            if let Some(t) = tokenizer.as_deref().filter(|t| path_here(t)) {
-                archipelago_actors::text_tokens::load(t, vocab).map_err(JobError::Runtime)?;
-            }
+            // The text with its tokenizer (loaded once), or the tokenizer alone.
             if path_here(path) && tokenizer.as_deref().is_none_or(path_here) {
                 archipelago_actors::text_tokens::text_stream(path, tokenizer.as_deref(), ctx, vocab)
                     .map_err(JobError::Runtime)?;
+            } else if let Some(t) = tokenizer.as_deref().filter(|t| path_here(t)) {
+                archipelago_actors::text_tokens::load(t, vocab).map_err(JobError::Runtime)?;
             }
         }
         (DataSpec::TensorFile { path }, input) if path_here(path) => {
