@@ -37,6 +37,7 @@ pub mod executor;
 pub mod fabric;
 pub mod gpus;
 pub mod host_tensor;
+pub mod inference;
 pub mod kernels;
 pub mod offload;
 pub mod optim;

@@ -3,15 +3,19 @@
 //!
 //! The names, shapes and transposes are [`archipelago_dataflow::param_names`]'s: a file holds
 //! exactly one f32 tensor per parameter, under its PyTorch `state_dict` key, in PyTorch's layout
-//! (a `Linear` weight `[out, in]`, which burn holds as `[in, out]`). [`InitWeights`] reads one
+//! (a `Linear` weight `[out, in]`, which burn holds as `[in, out]`). A family may let names lack
+//! a prefix (GPT-2's `transformer.`) and ignore buffers (GPT-2's `attn.bias` masks); a mirror
+//! (GPT-2's tied `lm_head.weight`) is read from the parameter it mirrors, may be absent, must
+//! equal it when present, and is never written. [`InitWeights`] reads one
 //! block at a time, in the runtime's flattening order, so an actor reads only the blocks it holds.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use safetensors::{Dtype, View};
 
+use archipelago_dataflow::family::ModelFamily;
 use archipelago_dataflow::param_names::{NamedParam, block_params};
 use archipelago_dataflow::{ModelDesc, ModelSpec};
 
@@ -27,41 +31,87 @@ fn zoo_spec(model: &ModelDesc, what: &str) -> Result<ModelSpec, String> {
     })
 }
 
-/// Refuses a weights file that does not hold exactly `params`, naming every missing name, every
-/// extra one and every tensor of the wrong shape or dtype.
-pub fn check_weights(file: &TensorFile, params: &[NamedParam]) -> Result<(), String> {
+/// How one file keys a model's parameters: by their names, or without the family's optional
+/// prefix (GPT-2's `transformer.`, absent from a `GPT2Model` file).
+#[derive(Debug, Clone, Copy)]
+struct FileKeys {
+    /// The prefix the file leaves off (empty: none).
+    dropped: &'static str,
+}
+
+impl FileKeys {
+    /// Whichever keying finds more of `params`' own (untied) names in `file`.
+    fn of(file: &TensorFile, params: &[NamedParam], family: &dyn ModelFamily) -> FileKeys {
+        let found = |keys: FileKeys| {
+            (params.iter().filter(|p| p.tied_to.is_none()))
+                .filter(|p| file.info(keys.key(&p.name)).is_some())
+                .count()
+        };
+        let (with, without) = (
+            FileKeys { dropped: "" },
+            FileKeys {
+                dropped: family.optional_prefix(),
+            },
+        );
+        if !without.dropped.is_empty() && found(without) > found(with) {
+            without
+        } else {
+            with
+        }
+    }
+
+    /// The file's key for parameter name `name`.
+    fn key<'a>(&self, name: &'a str) -> &'a str {
+        name.strip_prefix(self.dropped).unwrap_or(name)
+    }
+}
+
+/// Refuses a weights file that does not hold exactly `params` (the family's buffers aside),
+/// naming every missing name, every extra one and every tensor of the wrong shape or dtype; a
+/// mirror (GPT-2's `lm_head.weight`) may be absent, and if present must equal its parameter.
+fn check_weights(
+    file: &TensorFile,
+    params: &[NamedParam],
+    family: &dyn ModelFamily,
+) -> Result<FileKeys, String> {
+    let keys = FileKeys::of(file, params, family);
     let mut problems = Vec::new();
-    let expected: HashMap<&str, &NamedParam> = params.iter().map(|p| (p.name.as_str(), p)).collect();
-    let missing: Vec<&str> = params
-        .iter()
-        .filter(|p| file.info(&p.name).is_none())
-        .map(|p| p.name.as_str())
+    let own: Vec<&NamedParam> = params.iter().filter(|p| p.tied_to.is_none()).collect();
+    let missing: Vec<&str> = (own.iter())
+        .filter(|p| file.info(keys.key(&p.name)).is_none())
+        .map(|p| keys.key(&p.name))
         .collect();
     if !missing.is_empty() {
         problems.push(format!("missing {}", missing.join(", ")));
     }
-    let extra: Vec<&str> = file
-        .names()
-        .into_iter()
-        .filter(|n| !expected.contains_key(n))
+    let known: HashSet<&str> = params.iter().map(|p| keys.key(&p.name)).collect();
+    let ignored = |n: &str| family.ignored_suffixes().iter().any(|s| n.ends_with(s));
+    let extra: Vec<&str> = (file.names().into_iter())
+        .filter(|n| !known.contains(n) && !ignored(n))
         .collect();
     if !extra.is_empty() {
         problems.push(format!("not parameters of this model: {}", extra.join(", ")));
     }
     for p in params {
-        let Some((dtype, shape)) = file.info(&p.name) else {
+        let Some((dtype, shape)) = file.info(keys.key(&p.name)) else {
             continue;
         };
         let torch_shape = p.torch_shape();
         if dtype != Dtype::F32 || shape != torch_shape.as_slice() {
+            let fix = if dtype == Dtype::F32 {
+                ""
+            } else {
+                " (save the weights in float32: `torch_dtype=torch.float32`)"
+            };
             problems.push(format!(
-                "`{}` is {dtype:?} {shape:?}, expected F32 {torch_shape:?}",
-                p.name
+                "`{}` is {dtype:?} {shape:?}, expected F32 {torch_shape:?}{fix}",
+                keys.key(&p.name)
             ));
         }
     }
     if problems.is_empty() {
-        return Ok(());
+        check_mirrors(file, params, keys)?;
+        return Ok(keys);
     }
     Err(format!(
         "{} does not hold this model's weights: {}",
@@ -70,9 +120,37 @@ pub fn check_weights(file: &TensorFile, params: &[NamedParam]) -> Result<(), Str
     ))
 }
 
-/// Reads parameter `p` in burn's layout (transposing a `Linear` weight).
-fn read_param(file: &TensorFile, p: &NamedParam) -> Result<Vec<f32>, String> {
-    let values = file.read_f32(&p.name)?;
+/// A mirror the file holds (a tied `lm_head.weight`) equals its parameter bit for bit.
+fn check_mirrors(file: &TensorFile, params: &[NamedParam], keys: FileKeys) -> Result<(), String> {
+    for p in params {
+        let Some(target) = &p.tied_to else { continue };
+        if file.info(keys.key(&p.name)).is_none() {
+            continue;
+        }
+        let (mirror, tied) = (
+            file.read_f32(keys.key(&p.name))?,
+            file.read_f32(keys.key(target))?,
+        );
+        if let Some(at) = (mirror.iter().zip(&tied)).position(|(a, b)| a.to_bits() != b.to_bits()) {
+            return Err(format!(
+                "{}: `{}` differs from `{target}` (element {at}: {} against {}): an untied head, and \
+                 this family ties it to the token embedding; give weights whose head is tied, or drop \
+                 `{}` from the file",
+                file.path().display(),
+                p.name,
+                mirror[at],
+                tied[at],
+                p.name
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Reads parameter `p` in burn's layout (transposing a `Linear` weight; a mirror's values from
+/// the parameter it mirrors).
+fn read_param(file: &TensorFile, p: &NamedParam, keys: FileKeys) -> Result<Vec<f32>, String> {
+    let values = file.read_f32(keys.key(p.tied_to.as_deref().unwrap_or(&p.name)))?;
     if !p.transposed {
         return Ok(values);
     }
@@ -96,6 +174,7 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 pub struct InitWeights {
     file: TensorFile,
     blocks: Vec<Vec<NamedParam>>,
+    keys: FileKeys,
 }
 
 impl InitWeights {
@@ -105,7 +184,7 @@ impl InitWeights {
         let file = TensorFile::open(path).map_err(|e| format!("--init: {e}"))?;
         let blocks = block_params(&spec);
         let all: Vec<NamedParam> = blocks.iter().flatten().cloned().collect();
-        check_weights(&file, &all).map_err(|e| format!("--init: {e}"))?;
+        let keys = check_weights(&file, &all, spec.family()).map_err(|e| format!("--init: {e}"))?;
         // Tensors that fit may still be another model's: a file that says which model it holds
         // must hold this one (the shapes alone cannot tell, say, a gpt's heads).
         let other = |m: &&String| ModelSpec::parse(m).map_or(true, |held| held != spec);
@@ -116,7 +195,7 @@ impl InitWeights {
                 path.display()
             ));
         }
-        Ok(InitWeights { file, blocks })
+        Ok(InitWeights { file, blocks, keys })
     }
 
     /// Block `index`'s parameters, flat in the runtime's order and burn's layouts.
@@ -127,7 +206,7 @@ impl InitWeights {
             .ok_or_else(|| format!("the model has no block {index}"))?;
         let mut out = Vec::with_capacity(params.iter().map(NamedParam::len).sum());
         for p in params {
-            out.extend(read_param(&self.file, p)?);
+            out.extend(read_param(&self.file, p, self.keys)?);
         }
         Ok(out)
     }
@@ -181,6 +260,9 @@ pub fn write_weights(path: &Path, model: &ModelSpec, blocks: &[Vec<f32>]) -> Res
         for p in params {
             let values = &flat[at..at + p.len()];
             at += p.len();
+            if p.tied_to.is_some() {
+                continue;
+            }
             let torch = if p.transposed {
                 transpose(values, p.shape[0], p.shape[1])
             } else {
@@ -201,7 +283,7 @@ pub fn write_weights(path: &Path, model: &ModelSpec, blocks: &[Vec<f32>]) -> Res
     let metadata = HashMap::from([
         ("format".to_string(), "pt".to_string()),
         ("archipelago_model".to_string(), model.explicit()),
-        ("config".to_string(), crate::zoo::model_config(model).to_string()),
+        ("config".to_string(), model.config().to_string()),
     ]);
     let bytes = safetensors::serialize(tensors.iter().map(|(name, t)| (name.as_str(), t)), Some(metadata))
         .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -257,13 +339,7 @@ mod tests {
             let model = ModelSpec::parse(spec).unwrap();
             let zoo = ZooModel(model.clone());
             for (index, named) in block_params(&model).iter().enumerate() {
-                let ctx = BuildContext {
-                    seed: 0,
-                    actor: 0,
-                    block: index,
-                    tp: Default::default(),
-                    sequence_parallel: false,
-                };
+                let ctx = BuildContext::whole(index);
                 let block = ModelBuilder::<CpuBackend>::build_block(&zoo, &ctx, &FlexDevice);
                 let shapes = block.param_shapes();
                 assert_eq!(shapes.len(), named.len(), "{spec} block {index}");

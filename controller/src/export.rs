@@ -66,36 +66,47 @@ fn checkpoint_in(dir: &Path) -> Result<(PathBuf, Vec<String>), String> {
     })
 }
 
-/// Writes the model of the checkpoint in `dir` to `out` (see the module docs).
-pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
-    let (checkpoint, skipped) = checkpoint_in(dir)?;
-    let reader = CheckpointReader::open(&checkpoint)?;
-    let manifest = reader.manifest();
-    let model = ModelSpec::parse(&manifest.model).map_err(|e| {
-        format!(
-            "the checkpoint in {} is of `{}`, not a zoo model, so its parameters have no PyTorch names: {e}",
-            checkpoint.display(),
-            manifest.model
-        )
-    })?;
-    let desc = model.desc();
+/// Every block's flat parameters of `model` from a checkpoint, read whole by name (a mirror from
+/// the parameter it mirrors).
+pub fn checkpoint_weights(reader: &CheckpointReader, model: &ModelSpec) -> Result<Vec<Vec<f32>>, String> {
     // By name, not by block index: the same parameter may sit in another block of a checkpoint
     // written before gpt's layers became two blocks each.
-    let blocks = param_names::block_params(&model)
-        .iter()
+    (param_names::block_params(model).iter())
         .map(|params| {
             let mut values = Vec::new();
             for p in params {
-                let (v, _) = reader.read_param(&p.name, &p.shape, 0..p.len(), &[])?;
+                let name = p.tied_to.as_deref().unwrap_or(&p.name);
+                let (v, _) = reader.read_param(name, &p.shape, 0..p.len(), &[])?;
                 values.extend(v);
             }
             Ok(values)
         })
-        .collect::<Result<Vec<_>, String>>()?;
+        .collect()
+}
+
+/// The model a checkpoint in `dir` holds and its step directory, with the newer ones passed over.
+pub fn open_checkpoint(dir: &Path) -> Result<(CheckpointReader, ModelSpec, PathBuf, Vec<String>), String> {
+    let (checkpoint, skipped) = checkpoint_in(dir)?;
+    let reader = CheckpointReader::open(&checkpoint)?;
+    let model = ModelSpec::parse(&reader.manifest().model).map_err(|e| {
+        format!(
+            "the checkpoint in {} is of `{}`, not a zoo model, so its parameters have no PyTorch names: {e}",
+            checkpoint.display(),
+            reader.manifest().model
+        )
+    })?;
+    Ok((reader, model, checkpoint, skipped))
+}
+
+/// Writes the model of the checkpoint in `dir` to `out` (see the module docs).
+pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
+    let (reader, model, checkpoint, skipped) = open_checkpoint(dir)?;
+    let manifest = reader.manifest();
+    let desc = model.desc();
+    let blocks = checkpoint_weights(&reader, &model)?;
     write_weights(out, &model, &blocks)?;
     let config = out.with_file_name("config.json");
-    let text = serde_json::to_string_pretty(&archipelago_actors::zoo::model_config(&model))
-        .map_err(|e| e.to_string())?;
+    let text = serde_json::to_string_pretty(&model.config()).map_err(|e| e.to_string())?;
     std::fs::write(&config, text).map_err(|e| format!("cannot write {}: {e}", config.display()))?;
     Ok(Exported {
         step: manifest.step,

@@ -29,6 +29,7 @@ pub mod cluster;
 pub mod controller;
 pub mod dashboard;
 pub mod error;
+pub mod eval;
 pub mod export;
 pub mod fabric_check;
 pub mod gang;

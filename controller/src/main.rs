@@ -43,6 +43,7 @@ fn main() {
         Command::Host(args) => archipelago_controller::cluster::commands::host(args),
         Command::Devices(args) => archipelago_controller::host_devices::devices(args),
         Command::Export(args) => archipelago_controller::export::run(args),
+        Command::Eval(args) => archipelago_controller::eval::run(args),
         Command::Certs(args) => archipelago_controller::cluster::security::certs(args),
         Command::Health(args) => archipelago_controller::cluster::health::health(args),
         Command::BenchPeer(args) => archipelago_controller::bench::cross_process::peer_main(args),

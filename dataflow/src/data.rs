@@ -225,6 +225,11 @@ impl TokenStream {
         self.tokens.is_empty()
     }
 
+    /// The token ids, in order.
+    pub fn ids(&self) -> &[u32] {
+        &self.tokens
+    }
+
     /// Sequences `seqs` of step `step` with `batch` sequences per global batch and context `ctx`.
     /// Sequence `j` starts at `((step·batch + j)·(ctx+1)) mod (len − ctx − 1)`.
     ///

@@ -40,6 +40,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod fabric_bytes;
+pub mod family;
 pub mod flow;
 pub mod graph;
 pub mod instruction;

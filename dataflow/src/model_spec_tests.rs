@@ -85,3 +85,158 @@ fn refuses_bad_specs_with_reasons() {
         "{err}"
     );
 }
+
+/// A family not registered is refused with the registered ones listed; a spec serializes as its
+/// explicit string and reads back.
+#[test]
+fn families_are_registered_and_specs_serialize_as_strings() {
+    let err = ModelSpec::parse("cnn:x=1").unwrap_err().to_string();
+    assert!(err.contains("`mlp`, `gpt`, `gpt2`"), "{err}");
+    for spec in ["gpt-tiny", "mlp:in=3,hidden=4,layers=1,out=2", "gpt2"] {
+        let spec = ModelSpec::parse(spec).unwrap();
+        let json = serde_json::to_string(&spec).unwrap();
+        assert_eq!(json, format!("\"{}\"", spec.explicit()));
+        assert_eq!(serde_json::from_str::<ModelSpec>(&json).unwrap(), spec);
+    }
+    assert!(serde_json::from_str::<ModelSpec>("\"gpt:heads=3\"").is_err());
+}
+
+/// GPT-2's parameters are `GPT2LMHeadModel`'s `state_dict` keys in `Conv1D`'s layout, the head a
+/// frozen mirror of the token table; while the tie's gradient sum is not built, a model whose
+/// table trains is refused naming the fix, and one whose table is frozen passes.
+#[test]
+fn gpt2_is_transformers_names_with_a_tied_head() {
+    let spec = ModelSpec::parse("gpt2").unwrap();
+    assert_eq!(
+        spec.explicit(),
+        "gpt2:vocab=50257,ctx=1024,d=768,layers=12,heads=12"
+    );
+    assert_eq!(
+        spec.desc().params(),
+        124_439_808 + 50257 * 768,
+        "GPT-2 small and its mirror"
+    );
+    let small = ModelSpec::parse("gpt2:vocab=11,ctx=6,d=8,layers=1,heads=2").unwrap();
+    let mut desc = small.desc();
+    let names: Vec<&str> = desc
+        .blocks
+        .iter()
+        .flat_map(|b| &b.param_descs)
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(
+        names[..4],
+        [
+            "transformer.wte.weight",
+            "transformer.wpe.weight",
+            "transformer.h.0.ln_1.weight",
+            "transformer.h.0.ln_1.bias"
+        ]
+    );
+    let head = desc.blocks.last().unwrap().param_descs.last().unwrap().clone();
+    assert_eq!(
+        (head.name.as_str(), head.tied_to.as_deref(), head.trainable),
+        ("lm_head.weight", Some("transformer.wte.weight"), false)
+    );
+    let c_attn = &desc.blocks[1].param_descs[2];
+    assert_eq!(
+        (c_attn.shape.clone(), c_attn.split),
+        (vec![8, 24], crate::Split::HeadColumns { parts: 3 })
+    );
+    let err = desc.check().unwrap_err().to_string();
+    assert!(err.contains("freeze `transformer.wte.weight`"), "{err}");
+    desc.blocks[0].param_descs[0].trainable = false;
+    desc.check().unwrap();
+    desc.blocks
+        .last_mut()
+        .unwrap()
+        .param_descs
+        .last_mut()
+        .unwrap()
+        .shape = vec![8, 11];
+    assert!(desc.check().unwrap_err().to_string().contains("same shape"));
+}
+
+/// LoRA adapters (Hu et al., 2021) follow their modules in the description, PEFT's suffix rule
+/// picks the modules (`c_proj` matches both GPT-2's), the base is frozen, the spec round-trips
+/// through its string, and a target matching nothing or a rank too large is refused naming the
+/// fix.
+#[test]
+fn lora_adapters_follow_their_modules_and_freeze_the_base() {
+    let spec =
+        ModelSpec::parse("gpt2:vocab=11,ctx=6,d=8,layers=1,heads=2/lora:r=2,alpha=4,targets=c_attn+c_proj")
+            .unwrap();
+    assert_eq!(ModelSpec::parse(&spec.to_string()).unwrap(), spec);
+    let desc = spec.desc();
+    desc.check().unwrap();
+    let attention: Vec<(&str, bool)> = desc.blocks[1]
+        .param_descs
+        .iter()
+        .map(|p| (p.name.as_str(), p.trainable))
+        .collect();
+    assert_eq!(
+        attention,
+        [
+            ("transformer.h.0.ln_1.weight", false),
+            ("transformer.h.0.ln_1.bias", false),
+            ("transformer.h.0.attn.c_attn.weight", false),
+            ("transformer.h.0.attn.c_attn.bias", false),
+            ("transformer.h.0.attn.c_attn.lora_A.weight", true),
+            ("transformer.h.0.attn.c_attn.lora_B.weight", true),
+            ("transformer.h.0.attn.c_proj.weight", false),
+            ("transformer.h.0.attn.c_proj.bias", false),
+            ("transformer.h.0.attn.c_proj.lora_A.weight", true),
+            ("transformer.h.0.attn.c_proj.lora_B.weight", true),
+        ]
+    );
+    let mlp: Vec<&str> = desc.blocks[2]
+        .param_descs
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(
+        mlp,
+        [
+            "transformer.h.0.mlp.c_proj.lora_A.weight",
+            "transformer.h.0.mlp.c_proj.lora_B.weight"
+        ]
+    );
+    let a = &desc.blocks[1].param_descs[4];
+    assert_eq!(
+        (a.shape.clone(), a.init),
+        (vec![8, 2], crate::ParamInit::UniformFanIn { fan_in: 8 })
+    );
+    let b = &desc.blocks[1].param_descs[5];
+    assert_eq!(
+        (b.shape.clone(), b.init, b.split),
+        (
+            vec![2, 24],
+            crate::ParamInit::Zeros,
+            crate::Split::HeadColumns { parts: 3 }
+        )
+    );
+    let a_row = &desc.blocks[1].param_descs[8];
+    assert_eq!(
+        (a_row.split, desc.blocks[1].param_descs[9].split),
+        (crate::Split::Rows, crate::Split::Replicated)
+    );
+    // Trained: the adapters alone (2·(8·2 + 2·24) + 2·(8·2 + 2·8) + (32·2 + 2·8)).
+    let trained: u64 = desc.blocks.iter().map(|b| b.trained_params()).sum();
+    assert_eq!(trained, 2 * 8 + 2 * 24 + 8 * 2 + 2 * 8 + 32 * 2 + 2 * 8);
+    let err = ModelSpec::parse("gpt2:vocab=11,ctx=6,d=8,layers=1,heads=2/lora:r=2,targets=q_proj")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`q_proj` matches no module") && err.contains("c_attn, c_fc, c_proj"),
+        "{err}"
+    );
+    let err = ModelSpec::parse("gpt2:vocab=11,ctx=6,d=8,layers=1,heads=2/lora:r=9,targets=c_attn")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("above min(d_in, d_out) = 8"), "{err}");
+    let err = ModelSpec::parse("mlp:in=3,hidden=4,layers=1,out=2/lora:r=1,targets=0")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("takes no LoRA adapters"), "{err}");
+}

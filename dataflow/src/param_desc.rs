@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::dtype::DType;
 use crate::model_spec::ModelSpec;
-use crate::param_names::{NamedParam, block_params};
+use crate::param_names::NamedParam;
 
 /// How a parameter may be split across the devices of a tensor-parallel group.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -101,6 +101,14 @@ pub struct ParamDesc {
     pub split: Split,
     /// Its initial distribution.
     pub init: ParamInit,
+    /// The parameter whose values this one mirrors (GPT-2's output head, tied to the token
+    /// embedding `transformer.wte.weight`): initialised and read from files under that name,
+    /// never written to a file itself; held frozen (its gradient sum into the tied parameter is
+    /// not built yet, so the tied parameter must be frozen too: [`ModelDesc::check`]).
+    ///
+    /// [`ModelDesc::check`]: crate::ModelDesc::check
+    #[serde(default)]
+    pub tied_to: Option<String>,
 }
 
 impl ParamDesc {
@@ -113,6 +121,7 @@ impl ParamDesc {
             trainable: true,
             split: Split::Replicated,
             init,
+            tied_to: None,
         }
     }
 
@@ -126,6 +135,17 @@ impl ParamDesc {
     pub fn with_dtype(mut self, dtype: DType) -> ParamDesc {
         self.dtype = dtype;
         self
+    }
+
+    /// The same parameter as a mirror of `name` (frozen: see [`ParamDesc::tied_to`]).
+    pub fn tied_to(mut self, name: impl Into<String>) -> ParamDesc {
+        self.tied_to = Some(name.into());
+        self.frozen()
+    }
+
+    /// The name its values are drawn and read under: the tied parameter's for a mirror.
+    pub fn value_name(&self) -> &str {
+        self.tied_to.as_deref().unwrap_or(&self.name)
     }
 
     /// The same parameter, frozen (no gradient, no optimizer state).
@@ -176,19 +196,30 @@ impl ParamDesc {
     }
 }
 
-/// Each block's parameter descriptions for a zoo model, in the runtime's flattening order: the
-/// names and shapes of [`block_params`], the initialisation of the zoo (LayerNorm gain 1 and
-/// shift 0, embeddings `N(0, 0.02²)`, `Linear` weights and biases `U(±1/√fan_in)`) and the
-/// Megatron splits (gpt: `qkv`, `fc1` and the head by columns, `proj` and `fc2` by rows, the
-/// token table by rows; mlp: even layers by columns, odd ones by rows).
+/// Each block's parameter descriptions for a zoo model, in the runtime's flattening order (its
+/// family's: [`crate::family::ModelFamily::describe`]).
 pub fn describe(model: &ModelSpec) -> Vec<Vec<ParamDesc>> {
-    block_params(model)
-        .into_iter()
-        .map(|block| block.iter().map(|p| describe_one(model, p, &block)).collect())
+    model.describe()
+}
+
+/// The descriptions of the `gpt` and `mlp` families: the names and shapes of `blocks`, the
+/// zoo's initialisation (LayerNorm gain 1 and shift 0, embeddings `N(0, 0.02²)`, `Linear`
+/// weights and biases `U(±1/√fan_in)`) and the Megatron splits (`columns` says which layers are
+/// column-parallel, the others' weights are cut by rows; the token table by rows).
+pub(crate) fn describe_zoo(
+    blocks: Vec<Vec<NamedParam>>,
+    columns: impl Fn(&str) -> bool,
+) -> Vec<Vec<ParamDesc>> {
+    (blocks.into_iter())
+        .map(|block| {
+            (block.iter())
+                .map(|p| describe_one(p, &block, &columns))
+                .collect()
+        })
         .collect()
 }
 
-fn describe_one(model: &ModelSpec, p: &NamedParam, block: &[NamedParam]) -> ParamDesc {
+fn describe_one(p: &NamedParam, block: &[NamedParam], columns: &dyn Fn(&str) -> bool) -> ParamDesc {
     let (layer, leaf) = p.name.rsplit_once('.').unwrap_or(("", p.name.as_str()));
     let component = layer.rsplit('.').next().unwrap_or(layer);
     // A bias takes the fan-in of the weight beside it.
@@ -202,11 +233,7 @@ fn describe_one(model: &ModelSpec, p: &NamedParam, block: &[NamedParam]) -> Para
         ("tok" | "pos", _) => ParamInit::Normal { std: 0.02 },
         _ => ParamInit::UniformFanIn { fan_in },
     };
-    let columns = match model {
-        ModelSpec::Gpt { .. } => matches!(component, "qkv" | "fc1" | "head"),
-        ModelSpec::Mlp { .. } => component.parse::<usize>().is_ok_and(|k| k % 2 == 0),
-    };
-    let split = match (leaf, columns) {
+    let split = match (leaf, columns(component)) {
         _ if component == "tok" => Split::Rows,
         _ if component == "qkv" => Split::HeadColumns { parts: 3 },
         _ if component == "pos" || component.starts_with("ln") => Split::Replicated,

@@ -35,6 +35,9 @@ pub struct NamedParam {
     pub shape: Vec<usize>,
     /// Whether PyTorch holds the transpose of `shape` (a `Linear` weight: `[out, in]`).
     pub transposed: bool,
+    /// The parameter this one mirrors (GPT-2's head, tied to the token embedding): read from
+    /// files under that name, never written.
+    pub tied_to: Option<String>,
 }
 
 impl NamedParam {
@@ -58,11 +61,12 @@ impl NamedParam {
     }
 }
 
-fn linear(prefix: &str, d_in: usize, d_out: usize, bias: bool) -> Vec<NamedParam> {
+pub(crate) fn linear(prefix: &str, d_in: usize, d_out: usize, bias: bool) -> Vec<NamedParam> {
     let mut out = vec![NamedParam {
         name: format!("{prefix}.weight"),
         shape: vec![d_in, d_out],
         transposed: true,
+        tied_to: None,
     }];
     if bias {
         out.push(vector(&format!("{prefix}.bias"), d_out));
@@ -70,71 +74,37 @@ fn linear(prefix: &str, d_in: usize, d_out: usize, bias: bool) -> Vec<NamedParam
     out
 }
 
-fn vector(name: &str, n: usize) -> NamedParam {
+pub(crate) fn vector(name: &str, n: usize) -> NamedParam {
     NamedParam {
         name: name.to_string(),
         shape: vec![n],
         transposed: false,
+        tied_to: None,
     }
 }
 
-fn layer_norm(prefix: &str, d: usize) -> Vec<NamedParam> {
+pub(crate) fn layer_norm(prefix: &str, d: usize) -> Vec<NamedParam> {
     vec![
         vector(&format!("{prefix}.weight"), d),
         vector(&format!("{prefix}.bias"), d),
     ]
 }
 
-fn table(name: &str, rows: usize, d: usize) -> NamedParam {
+pub(crate) fn table(name: &str, rows: usize, d: usize) -> NamedParam {
     NamedParam {
         name: name.to_string(),
         shape: vec![rows, d],
         transposed: false,
+        tied_to: None,
     }
 }
 
-/// Each block's parameters, blocks in model order, parameters in the runtime's flattening order.
-/// A gpt layer is two blocks, its attention half (`ln1`, `qkv`, `proj`) and its MLP half (`ln2`,
-/// `fc1`, `fc2`), so that a tensor-parallel all-reduce can sit between them (Megatron-LM's g).
+/// Each block's parameters, blocks in model order, parameters in the runtime's flattening order
+/// (its family's names and layouts: [`crate::family::ModelFamily::block_params`]). A gpt layer is
+/// two blocks, its attention half (`ln1`, `qkv`, `proj`) and its MLP half (`ln2`, `fc1`, `fc2`),
+/// so that a tensor-parallel all-reduce can sit between them (Megatron-LM's g).
 pub fn block_params(model: &ModelSpec) -> Vec<Vec<NamedParam>> {
-    match *model {
-        ModelSpec::Mlp {
-            input,
-            hidden,
-            layers,
-            out,
-        } => (0..=layers)
-            .map(|k| {
-                let d_in = if k == 0 { input } else { hidden };
-                let d_out = if k < layers { hidden } else { out };
-                linear(&format!("layers.{k}"), d_in, d_out, true)
-            })
-            .collect(),
-        ModelSpec::Gpt {
-            vocab,
-            ctx,
-            d,
-            layers,
-            ..
-        } => {
-            let mut blocks = vec![vec![table("tok.weight", vocab, d), table("pos.weight", ctx, d)]];
-            for i in 0..layers {
-                let p = format!("layers.{i}");
-                let mut attention = layer_norm(&format!("{p}.ln1"), d);
-                attention.extend(linear(&format!("{p}.qkv"), d, 3 * d, true));
-                attention.extend(linear(&format!("{p}.proj"), d, d, true));
-                blocks.push(attention);
-                let mut mlp = layer_norm(&format!("{p}.ln2"), d);
-                mlp.extend(linear(&format!("{p}.fc1"), d, 4 * d, true));
-                mlp.extend(linear(&format!("{p}.fc2"), 4 * d, d, true));
-                blocks.push(mlp);
-            }
-            let mut head = layer_norm("ln_f", d);
-            head.extend(linear("head", d, vocab, false));
-            blocks.push(head);
-            blocks
-        }
-    }
+    model.block_params()
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@
 
 use crate::PlanError;
 use crate::model_spec::{BlockInfo, InputKind, ModelDesc, ModelSpec};
-use crate::param_desc::describe;
+use crate::param_desc::ParamDesc;
 use crate::program::Program;
 use crate::tensor_parallel::TpHeld;
 
@@ -28,26 +28,28 @@ pub fn is_sequence_parallel(model: &ModelDesc) -> bool {
     (model.blocks.iter()).any(|b| b.tp.is_some_and(|t| cut(t.input) || cut(t.output)))
 }
 
-/// The sequence-parallel form of a zoo model (gpt only): the embedding, per layer
-/// `[ln1, attention, ln2, mlp]`, then the final LayerNorm and the head, the parameters named and
-/// laid out as in [`ModelSpec::desc`] (checkpoints and `--init` files are the same).
+/// The sequence-parallel form of a zoo model (a transformer family's: `gpt`, `gpt2`): the
+/// embedding, per layer `[ln1, attention, ln2, mlp]`, then the final LayerNorm and the head, the
+/// parameters named and laid out as in [`ModelSpec::desc`] (checkpoints and `--init` files are
+/// the same).
 pub fn desc(spec: &ModelSpec) -> Result<ModelDesc, PlanError> {
-    let ModelSpec::Gpt {
-        vocab,
-        ctx,
-        d,
-        layers,
-        heads,
-    } = *spec
-    else {
-        return Err(PlanError::Conflict(format!(
+    spec.sequence_parallel().ok_or_else(|| {
+        PlanError::Conflict(format!(
             "--sequence-parallel cuts a transformer's LayerNorm and residual regions along the \
              sequence, and {spec} has none: drop --sequence-parallel (--tp alone splits its layers)"
-        )));
-    };
+        ))
+    })
+}
+
+/// The sequence-parallel form of a `vocab, ctx, d, layers, heads` transformer named `name`
+/// whose parameters are `params` (blocks as in its plain form: the embedding, attention and MLP
+/// halves, the head).
+pub(crate) fn transformer_desc(name: String, dims: &[usize], params: Vec<Vec<ParamDesc>>) -> ModelDesc {
+    let [vocab, ctx, d, layers, heads]: [usize; 5] =
+        dims.try_into().expect("a transformer's five dimensions");
     let (seq, replicated, partial) = (TpHeld::SeqSharded, TpHeld::Replicated, TpHeld::Partial);
     let tokens = |floats: usize| (ctx * floats) as u64;
-    let mut params = describe(spec).into_iter();
+    let mut params = params.into_iter();
     let mut blocks = vec![
         BlockInfo::described(
             "embedding",
@@ -92,11 +94,11 @@ pub fn desc(spec: &ModelSpec) -> Result<ModelDesc, PlanError> {
             .with_tp(replicated, TpHeld::Sharded)
             .with_sharded_activations(tokens(3 * vocab)),
     );
-    Ok(ModelDesc {
-        name: spec.to_string(),
+    ModelDesc {
+        name,
         input: InputKind::Tokens { vocab, ctx },
         blocks,
-    })
+    }
 }
 
 /// Refuses `--sequence-parallel` where it cannot run, naming the fix: without a tensor-parallel

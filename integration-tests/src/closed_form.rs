@@ -94,13 +94,8 @@ pub struct Trajectory {
 
 /// The layer widths `(in, hidden, out)` of a one-hidden-layer mlp spec.
 fn dims(model: &ModelSpec) -> (usize, usize, usize) {
-    match *model {
-        ModelSpec::Mlp {
-            input,
-            hidden,
-            layers: 1,
-            out,
-        } => (input, hidden, out),
+    match (model.family().name(), model.dims()) {
+        ("mlp", &[input, hidden, 1, out]) => (input, hidden, out),
         _ => panic!("the closed form is written for an mlp with one hidden layer"),
     }
 }

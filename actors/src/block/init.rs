@@ -21,7 +21,7 @@ fn name_key(name: &str) -> u64 {
 /// distribution with a stream keyed by `(seed, name)`: the same on every actor of every layout.
 pub fn init_param(param: &ParamDesc, seed: u64) -> Vec<f32> {
     let n = param.len();
-    let mut rng = SplitMix64::keyed(&[seed, name_key(&param.name), 0x1417]);
+    let mut rng = SplitMix64::keyed(&[seed, name_key(param.value_name()), 0x1417]);
     match param.init {
         ParamInit::Zeros => vec![0.0; n],
         ParamInit::Ones => vec![1.0; n],

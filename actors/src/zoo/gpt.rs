@@ -10,11 +10,37 @@ use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConf
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::block::{Activation, BlockModule};
+use crate::block::{Activation, Block, BlockModule};
 use crate::kernels::{Kernels, layer_norm, linear};
+use crate::zoo::gpt_sp::{self, Gelu};
 use crate::zoo::tp::TpPlace;
-use crate::zoo::{AttentionMix, HeadLinear, MlpMix};
+use crate::zoo::{AttentionMix, BuildContext, HeadLinear, MlpMix};
 use archipelago_dataflow::tensor_parallel::local_extent;
+
+/// Block `ctx.block` of a gpt `[vocab, ctx, d, layers, heads]`: the embedding, per layer an
+/// attention and an MLP half, then the head (or its sequence-parallel form's blocks).
+pub(super) fn block<B: Kernels>(ctx: &BuildContext, dims: &[usize], device: &B::Device) -> Box<dyn Block<B>> {
+    let [vocab, context, d, layers, heads]: [usize; 5] = dims.try_into().expect("a gpt's five dimensions");
+    let tp = ctx.tp;
+    if ctx.sequence_parallel {
+        return gpt_sp::block(
+            ctx.block,
+            [vocab, context, d, layers, heads],
+            tp,
+            Gelu::Erf,
+            device,
+        );
+    }
+    if ctx.block == 0 {
+        Box::new(GptEmbedding::sliced(vocab, context, d, tp, device))
+    } else if ctx.block > 2 * layers {
+        Box::new(GptHead::sliced(d, vocab, tp, device))
+    } else if ctx.block % 2 == 1 {
+        Box::new(AttentionHalf::sliced(d, heads, tp, device))
+    } else {
+        Box::new(MlpHalf::sliced(d, tp, Gelu::Erf, device))
+    }
+}
 
 /// Token and learned position embeddings: ids `[b, t]` → `[b, t, d]`.
 #[derive(Module, Debug)]
@@ -137,17 +163,17 @@ pub struct MlpHalf<B: Backend> {
 }
 
 impl<B: Backend> MlpHalf<B> {
-    /// The MLP half of a layer of width `d`.
+    /// The MLP half of a layer of width `d` (the erf GELU).
     pub fn new(d: usize, device: &B::Device) -> Self {
-        Self::sliced(d, TpPlace::default(), device)
+        Self::sliced(d, TpPlace::default(), Gelu::Erf, device)
     }
 
     /// Rank `tp`'s MLP half: `fc1` column-parallel, `fc2` row-parallel (bias and residual on the
-    /// first rank).
-    pub fn sliced(d: usize, tp: TpPlace, device: &B::Device) -> Self {
+    /// first rank), with GELU's form `gelu`.
+    pub fn sliced(d: usize, tp: TpPlace, gelu: Gelu, device: &B::Device) -> Self {
         MlpHalf {
             ln2: LayerNormConfig::new(d).with_epsilon(LN_EPSILON).init(device),
-            mlp: MlpMix::sliced(d, tp, device),
+            mlp: MlpMix::sliced(d, tp, gelu, device),
         }
     }
 }

@@ -22,10 +22,12 @@ use super::gpt::LN_EPSILON;
 
 /// Block `index` of gpt `[vocab, ctx, d, layers, heads]` in its sequence-parallel form: the
 /// embedding, per layer `[ln1, attention, ln2, mlp]`, the final LayerNorm and the head.
+/// The tied head (GPT-2's) is built by the caller: `head(vocab, d, tp)` gives the last block.
 pub fn block<B: Kernels>(
     index: usize,
     [vocab, ctx, d, layers, heads]: [usize; 5],
     tp: TpPlace,
+    gelu: Gelu,
     device: &B::Device,
 ) -> Box<dyn Block<B>> {
     if index == 0 {
@@ -35,8 +37,28 @@ pub fn block<B: Kernels>(
     match (layer < layers, part) {
         (_, 0) | (true, 2) => Box::new(SeqLayerNorm::new(d, device)),
         (true, 1) => Box::new(AttentionMix::sliced(d, heads, tp, device)),
-        (true, _) => Box::new(MlpMix::sliced(d, tp, device)),
+        (true, _) => Box::new(MlpMix::sliced(d, tp, gelu, device)),
         (false, _) => Box::new(HeadLinear::sliced(d, vocab, tp, device)),
+    }
+}
+
+/// GELU's form: the exact one (erf, the gpt workload's) or `transformers`' `gelu_new`, the tanh
+/// approximation `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (GPT-2's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Gelu {
+    /// `x·Φ(x)` with the erf.
+    #[default]
+    Erf,
+    /// The tanh approximation.
+    Tanh,
+}
+
+impl Gelu {
+    fn apply<B: Kernels>(self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        match self {
+            Gelu::Erf => gelu(x),
+            Gelu::Tanh => burn::tensor::activation::gelu_approximate(x),
+        }
     }
 }
 
@@ -134,11 +156,13 @@ pub struct MlpMix<B: Backend> {
     pub tp_rank: usize,
     /// The group's size.
     pub tp_size: usize,
+    /// Whether GELU is the tanh form ([`Gelu::Tanh`]).
+    pub tanh_gelu: bool,
 }
 
 impl<B: Backend> MlpMix<B> {
-    /// Rank `tp`'s MLP of a layer of width `d`.
-    pub fn sliced(d: usize, tp: TpPlace, device: &B::Device) -> Self {
+    /// Rank `tp`'s MLP of a layer of width `d`, with GELU's form `gelu`.
+    pub fn sliced(d: usize, tp: TpPlace, gelu: Gelu, device: &B::Device) -> Self {
         MlpMix {
             fc1: LinearConfig::new(d, tp.part(4 * d))
                 .with_initializer(Initializer::Zeros)
@@ -148,6 +172,7 @@ impl<B: Backend> MlpMix<B> {
                 .init(device),
             tp_rank: tp.rank,
             tp_size: tp.size,
+            tanh_gelu: gelu == Gelu::Tanh,
         }
     }
 }
@@ -162,7 +187,8 @@ impl<B: Backend> MlpMix<B> {
 impl<B: Kernels> MlpMix<B> {
     /// `fc2(gelu(fc1(u)))`, this rank's summand (`fc2`'s bias on the first rank).
     pub fn mix(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
-        row_parallel(&self.fc2, gelu(linear(&self.fc1, u)), self.place())
+        let form = if self.tanh_gelu { Gelu::Tanh } else { Gelu::Erf };
+        row_parallel(&self.fc2, form.apply(linear(&self.fc1, u)), self.place())
     }
 }
 

@@ -7,16 +7,15 @@
 //! weights of dp=1. The zoo's parameters are described by [`archipelago_dataflow::ModelSpec::desc`]
 //! (PyTorch's names, burn's shapes).
 
-mod config;
 mod gpt;
+mod gpt2;
 mod gpt_sp;
 mod mlp;
 pub mod tp;
 
-pub use config::model_config;
-
 pub use gpt::{AttentionHalf, GptEmbedding, GptHead, MlpHalf};
-pub use gpt_sp::{AttentionMix, HeadLinear, MlpMix, SeqLayerNorm};
+pub use gpt_sp::{AttentionMix, Gelu, HeadLinear, MlpMix, SeqLayerNorm};
+pub use gpt2::TiedHead;
 pub use mlp::{LinearBlock, LinearReluBlock, TpLinearBlock};
 
 use burn::tensor::backend::AutodiffBackend;
@@ -24,6 +23,7 @@ use burn::tensor::backend::AutodiffBackend;
 use archipelago_dataflow::{ActorId, ModelDesc, ModelSpec};
 
 use crate::block::Block;
+use crate::kernels::Kernels;
 
 /// Where and why a block is being built.
 #[derive(Debug, Clone, Copy)]
@@ -39,6 +39,20 @@ pub struct BuildContext {
     /// Whether the model is in its sequence-parallel form
     /// (`archipelago_dataflow::sequence_parallel`), whose blocks differ.
     pub sequence_parallel: bool,
+}
+
+impl BuildContext {
+    /// Block `block` of a model held whole by one actor (actor 0, seed 0, no tensor or sequence
+    /// parallelism): what inference and the description tests build.
+    pub fn whole(block: usize) -> BuildContext {
+        BuildContext {
+            seed: 0,
+            actor: 0,
+            block,
+            tp: Default::default(),
+            sequence_parallel: false,
+        }
+    }
 }
 
 /// Builds a model's blocks on an actor. The runtime overwrites the parameters a builder produces
@@ -57,53 +71,30 @@ pub trait ModelBuilder<B: AutodiffBackend>: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct ZooModel(pub ModelSpec);
 
-impl<B: crate::kernels::Kernels> ModelBuilder<B> for ZooModel {
+impl<B: Kernels> ModelBuilder<B> for ZooModel {
     fn desc(&self) -> ModelDesc {
         self.0.desc()
     }
 
     fn build_block(&self, ctx: &BuildContext, device: &B::Device) -> Box<dyn Block<B>> {
-        match self.0 {
-            ModelSpec::Mlp {
-                input,
-                hidden,
-                layers,
-                out,
-            } => {
-                let width_in = if ctx.block == 0 { input } else { hidden };
-                if ctx.tp.size > 1 {
-                    let width_out = if ctx.block < layers { hidden } else { out };
-                    let (k, tp) = (ctx.block, ctx.tp);
-                    return Box::new(TpLinearBlock::new(k, layers, width_in, width_out, tp, device));
-                }
-                if ctx.block < layers {
-                    Box::new(LinearReluBlock::new(width_in, hidden, device))
-                } else {
-                    Box::new(LinearBlock::new(width_in, out, device))
-                }
-            }
-            ModelSpec::Gpt {
-                vocab,
-                ctx: context,
-                d,
-                layers,
-                heads,
-            } => {
-                let tp = ctx.tp;
-                if ctx.sequence_parallel {
-                    return gpt_sp::block(ctx.block, [vocab, context, d, layers, heads], tp, device);
-                }
-                if ctx.block == 0 {
-                    Box::new(GptEmbedding::sliced(vocab, context, d, tp, device))
-                } else if ctx.block > 2 * layers {
-                    Box::new(GptHead::sliced(d, vocab, tp, device))
-                } else if ctx.block % 2 == 1 {
-                    Box::new(AttentionHalf::sliced(d, heads, tp, device))
-                } else {
-                    Box::new(MlpHalf::sliced(d, tp, device))
-                }
-            }
-        }
+        let build = builder::<B>(self.0.family().name())
+            .unwrap_or_else(|| panic!("no burn builder for the family of {}", self.0));
+        build(ctx, self.0.dims(), device)
+    }
+}
+
+/// The burn builder of each family of [`archipelago_dataflow::family::FAMILIES`]: the one place
+/// a family's name meets its blocks.
+/// A builder makes block `ctx.block` of a model with dimensions `dims` (its keys' values).
+#[allow(clippy::type_complexity)]
+pub fn builder<B: Kernels>(
+    family: &str,
+) -> Option<fn(&BuildContext, &[usize], &B::Device) -> Box<dyn Block<B>>> {
+    match family {
+        "mlp" => Some(mlp::block::<B>),
+        "gpt" => Some(gpt::block::<B>),
+        "gpt2" => Some(gpt2::block::<B>),
+        _ => None,
     }
 }
 
@@ -123,17 +114,12 @@ mod tests {
         for spec in [
             "mlp:in=5,hidden=7,layers=3,out=2",
             "gpt:vocab=11,ctx=6,d=8,layers=2,heads=2",
+            "gpt2:vocab=11,ctx=6,d=8,layers=2,heads=2",
         ] {
             let model = ZooModel(ModelSpec::parse(spec).unwrap());
             let desc = ModelBuilder::<CpuBackend>::desc(&model);
             for (index, info) in desc.blocks.iter().enumerate() {
-                let ctx = BuildContext {
-                    seed: 0,
-                    actor: 0,
-                    block: index,
-                    tp: Default::default(),
-                    sequence_parallel: false,
-                };
+                let ctx = BuildContext::whole(index);
                 let block = ModelBuilder::<CpuBackend>::build_block(&model, &ctx, &FlexDevice);
                 let shapes = block.param_shapes();
                 check_described(&info.name, &info.param_descs, &shapes).unwrap();
@@ -157,6 +143,19 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every registered family has a burn builder, and a name no family has, none.
+    #[test]
+    fn every_family_has_a_builder() {
+        for family in archipelago_dataflow::family::FAMILIES {
+            assert!(
+                builder::<crate::CpuBackend>(family.name()).is_some(),
+                "{}",
+                family.name()
+            );
+        }
+        assert!(builder::<crate::CpuBackend>("cnn").is_none());
     }
 }
 

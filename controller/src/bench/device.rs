@@ -57,10 +57,7 @@ pub fn gpt_on_device(device: DeviceSpec, quick: bool) -> anyhow::Result<Value> {
     let mut runs = Vec::new();
     for (model, batch) in models {
         let spec = ModelSpec::parse(model)?;
-        let ModelSpec::Gpt { ctx, .. } = spec else {
-            unreachable!("gpt models only")
-        };
-        let tokens = (batch * ctx) as f64;
+        let tokens = (batch * spec.input().tokens_per_sample()) as f64;
         let plan = ParallelPlan {
             batch,
             state,

@@ -1,4 +1,5 @@
-//! The `archipelago` command line: `train`, `plan`, `ps`, `export`, `bench`, `controller` and `host`.
+//! The `archipelago` command line: `train`, `plan`, `ps`, `export`, `eval`, `bench`, `controller`
+//! and `host`.
 //!
 //! `plan` takes every flag of `train` (those that matter only while running are ignored), so it
 //! shows exactly what `train` would run. The job's flags are [`JobArgs`]; `train` adds how to run
@@ -48,6 +49,9 @@ pub enum Command {
     /// Write the full model of a checkpoint (any layout) as one safetensors file with PyTorch's
     /// names and layouts.
     Export(crate::export::ExportArgs),
+    /// The loss and perplexity of a model (weights from a safetensors file or a checkpoint) over a
+    /// text file, on one CPU device.
+    Eval(crate::eval::EvalArgs),
     /// Make a cluster CA and per-process certificates for mutual TLS (`--tls-cert`, `--tls-key`,
     /// `--tls-ca` of controller, host and train).
     Certs(crate::cluster::security::CertsArgs),

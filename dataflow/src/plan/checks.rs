@@ -210,8 +210,7 @@ pub(super) fn check_tp(program: &Program) -> Result<(), PlanError> {
         }
     };
     let (what, n) = match ModelSpec::parse(&model.name) {
-        Ok(ModelSpec::Gpt { heads, .. }) => ("attention heads", heads),
-        Ok(ModelSpec::Mlp { hidden, .. }) => ("hidden width", hidden),
+        Ok(spec) => spec.family().tp_unit(spec.dims()),
         Err(_) => return check_described_splits(program),
     };
     if !n.is_multiple_of(tp) {

@@ -1,0 +1,170 @@
+//! A whole zoo model on one CPU device, for inference: every block built, loaded with given
+//! weights and run forward without autodiff — what `archipelago eval` scores a text with and
+//! what the tests hold to `transformers`' logits.
+//!
+//! The evaluation loss follows the usual sliding-free perplexity of a causal model: windows of
+//! `ctx` inputs start every `ctx` tokens, each predicts the token after each of its inputs, so
+//! every token but the first is predicted once (with at most `ctx` tokens of context); the loss
+//! is the mean cross-entropy over them (in f64) and the perplexity its exponential.
+
+use std::path::Path;
+
+use burn::backend::flex::FlexDevice;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use archipelago_dataflow::ModelSpec;
+
+use crate::CpuBackend;
+use crate::block::{Activation, Block};
+use crate::weights_file::InitWeights;
+use crate::zoo::{BuildContext, ModelBuilder, ZooModel};
+
+/// A token model's blocks, loaded.
+pub struct WholeModel {
+    spec: ModelSpec,
+    blocks: Vec<Box<dyn Block<CpuBackend>>>,
+}
+
+/// A text's loss under a model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Evaluation {
+    /// Tokens predicted (every token of the text but the first).
+    pub predicted: usize,
+    /// Mean cross-entropy (nats per token).
+    pub loss: f64,
+    /// `exp(loss)`.
+    pub perplexity: f64,
+}
+
+impl WholeModel {
+    /// `spec` with block `i`'s flat parameters `values[i]` (the runtime's order and layouts).
+    pub fn load(spec: &ModelSpec, values: &[Vec<f32>]) -> Result<WholeModel, String> {
+        let zoo = ZooModel(spec.clone());
+        Self::load_built(spec, values, &|ctx| {
+            ModelBuilder::<CpuBackend>::build_block(&zoo, ctx, &FlexDevice)
+        })
+    }
+
+    /// [`WholeModel::load`] with blocks from `build` (a test's deliberately wrong variant).
+    pub fn load_built(
+        spec: &ModelSpec,
+        values: &[Vec<f32>],
+        build: &dyn Fn(&BuildContext) -> Box<dyn Block<CpuBackend>>,
+    ) -> Result<WholeModel, String> {
+        let desc = spec.desc();
+        if values.len() != desc.blocks.len() {
+            return Err(format!(
+                "{spec} has {} blocks, {} were given",
+                desc.blocks.len(),
+                values.len()
+            ));
+        }
+        let blocks = (desc.blocks.iter().zip(values).enumerate())
+            .map(|(index, (info, flat))| {
+                if flat.len() as u64 != info.params {
+                    return Err(format!(
+                        "block {index} (`{}`) of {spec} has {} parameters, {} were given",
+                        info.name,
+                        info.params,
+                        flat.len()
+                    ));
+                }
+                let ctx = BuildContext::whole(index);
+                Ok(build(&ctx).load_params(flat, false).untracked_copy())
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(WholeModel {
+            spec: spec.clone(),
+            blocks,
+        })
+    }
+
+    /// `spec` with the weights of safetensors file `path` (as `--init` reads them).
+    pub fn from_file(spec: &ModelSpec, path: &Path) -> Result<WholeModel, String> {
+        Self::load(spec, &read_weights(spec, path)?)
+    }
+
+    /// The model.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Logits `[rows, t, vocab]` (flat, row-major) of `rows` sequences of `t` token ids each
+    /// (`ids.len() == rows · t`, `t` at most the context).
+    pub fn logits(&self, ids: &[u32], rows: usize) -> Result<Vec<f32>, String> {
+        let t = ids.len() / rows.max(1);
+        let ctx = self
+            .spec
+            .get("ctx")
+            .ok_or_else(|| format!("{} takes no tokens", self.spec))?;
+        if rows == 0 || t == 0 || rows * t != ids.len() || t > ctx {
+            return Err(format!(
+                "{} ids do not make {rows} sequences of 1 to {ctx} tokens",
+                ids.len()
+            ));
+        }
+        let vocab = self.spec.get("vocab").unwrap_or(0);
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(format!(
+                "token id {id} is past {}'s vocabulary of {vocab}",
+                self.spec
+            ));
+        }
+        let ids: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+        let tokens = Tensor::<CpuBackend, 2, Int>::from_data(TensorData::new(ids, [rows, t]), &FlexDevice);
+        let mut x = Activation::Tokens(tokens);
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        let Activation::Seq(logits) = x else {
+            return Err(format!("{}'s last block gave no sequence of logits", self.spec));
+        };
+        logits
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .map_err(|e| format!("cannot read the logits: {e:?}"))
+    }
+
+    /// The loss and perplexity of token stream `ids` (see the module docs).
+    pub fn evaluate(&self, ids: &[u32]) -> Result<Evaluation, String> {
+        let ctx = self
+            .spec
+            .get("ctx")
+            .ok_or_else(|| format!("{} takes no tokens", self.spec))?;
+        let vocab = self.spec.get("vocab").unwrap_or(0);
+        if ids.len() < 2 {
+            return Err(format!("{} tokens: evaluation needs at least 2", ids.len()));
+        }
+        let (mut total, mut predicted) = (0.0f64, 0usize);
+        for start in (0..ids.len() - 1).step_by(ctx) {
+            let window = &ids[start..(start + ctx + 1).min(ids.len())];
+            let (inputs, targets) = (&window[..window.len() - 1], &window[1..]);
+            let logits = self.logits(inputs, 1)?;
+            for (row, &target) in logits.chunks(vocab).zip(targets) {
+                total += cross_entropy(row, target as usize);
+            }
+            predicted += targets.len();
+        }
+        let loss = total / predicted as f64;
+        Ok(Evaluation {
+            predicted,
+            loss,
+            perplexity: loss.exp(),
+        })
+    }
+}
+
+/// Every block's flat parameters from safetensors file `path` (as `--init` reads them).
+pub fn read_weights(spec: &ModelSpec, path: &Path) -> Result<Vec<Vec<f32>>, String> {
+    let desc = spec.desc();
+    let weights = InitWeights::open(path, &desc)?;
+    (0..desc.blocks.len()).map(|index| weights.block(index)).collect()
+}
+
+/// `−log softmax(row)[target]`, in f64.
+fn cross_entropy(row: &[f32], target: usize) -> f64 {
+    let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+    let sum: f64 = row.iter().map(|&v| (f64::from(v) - max).exp()).sum();
+    max + sum.ln() - f64::from(row[target])
+}
