@@ -16,7 +16,7 @@ use archipelago_dataflow::ModelSpec;
 
 use crate::CpuBackend;
 use crate::block::{Activation, Block};
-use crate::weights_file::InitWeights;
+use crate::weights_file::{AdapterStart, InitWeights};
 use crate::zoo::{BuildContext, ModelBuilder, ZooModel};
 
 /// A token model's blocks, loaded.
@@ -81,7 +81,7 @@ impl WholeModel {
 
     /// `spec` with the weights of safetensors file `path` (as `--init` reads them).
     pub fn from_file(spec: &ModelSpec, path: &Path) -> Result<WholeModel, String> {
-        Self::load(spec, &read_weights(spec, path)?)
+        Self::load(spec, &read_weights(spec, path, None)?)
     }
 
     /// The model.
@@ -155,10 +155,16 @@ impl WholeModel {
     }
 }
 
-/// Every block's flat parameters from safetensors file `path` (as `--init` reads them).
-pub fn read_weights(spec: &ModelSpec, path: &Path) -> Result<Vec<Vec<f32>>, String> {
+/// Every block's flat parameters from safetensors file `path` (as `--init` reads them), a LoRA
+/// model's adapters from PEFT directory `lora_init` (seeded as training starts them without).
+pub fn read_weights(
+    spec: &ModelSpec,
+    path: &Path,
+    lora_init: Option<&Path>,
+) -> Result<Vec<Vec<f32>>, String> {
     let desc = spec.desc();
-    let weights = InitWeights::open(path, &desc)?;
+    let adapters = lora_init.map_or(AdapterStart::Seeded(0), AdapterStart::Peft);
+    let weights = InitWeights::open(path, &desc, adapters)?;
     (0..desc.blocks.len()).map(|index| weights.block(index)).collect()
 }
 

@@ -42,6 +42,7 @@ pub mod kernels;
 pub mod offload;
 pub mod optim;
 pub mod peak;
+pub mod peft;
 #[doc(hidden)]
 pub mod precision;
 pub mod prerequisite;

@@ -15,10 +15,13 @@ use std::path::Path;
 
 use safetensors::{Dtype, View};
 
+use archipelago_dataflow::ParamDesc;
 use archipelago_dataflow::family::ModelFamily;
+use archipelago_dataflow::family::lora::is_adapter;
 use archipelago_dataflow::param_names::{NamedParam, block_params};
 use archipelago_dataflow::{ModelDesc, ModelSpec};
 
+use crate::peft::PeftAdapters;
 use crate::tensor_file::TensorFile;
 
 /// The zoo spec of `model` (the parameters of a user's own blocks have no PyTorch names).
@@ -159,7 +162,7 @@ fn read_param(file: &TensorFile, p: &NamedParam, keys: FileKeys) -> Result<Vec<f
 }
 
 /// The transpose of row-major `rows × cols` `values`.
-fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(crate) fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; values.len()];
     for r in 0..rows {
         for c in 0..cols {
@@ -175,19 +178,52 @@ pub struct InitWeights {
     file: TensorFile,
     blocks: Vec<Vec<NamedParam>>,
     keys: FileKeys,
+    adapters: AdapterValues,
+}
+
+/// Where a model's LoRA adapters start, beside a base weights file.
+#[derive(Debug, Clone, Copy)]
+pub enum AdapterStart<'a> {
+    /// Drawn from `(seed, name)` as every parameter is (PEFT's init: A Kaiming-uniform, B zero).
+    Seeded(u64),
+    /// Read from a PEFT adapter directory (`--lora-init`).
+    Peft(&'a Path),
+}
+
+/// The adapters' values.
+#[derive(Debug)]
+enum AdapterValues {
+    Seeded {
+        seed: u64,
+        descs: HashMap<String, ParamDesc>,
+    },
+    Peft(PeftAdapters),
 }
 
 impl InitWeights {
-    /// Opens `path` for `model` and checks it holds exactly the model's parameters.
-    pub fn open(path: &Path, model: &ModelDesc) -> Result<InitWeights, String> {
+    /// Opens `path` for `model` and checks it holds exactly the model's parameters (its base's,
+    /// for a model with LoRA adapters, whose values come from `adapters`).
+    pub fn open(path: &Path, model: &ModelDesc, adapters: AdapterStart) -> Result<InitWeights, String> {
         let spec = zoo_spec(model, "--init")?;
         let file = TensorFile::open(path).map_err(|e| format!("--init: {e}"))?;
         let blocks = block_params(&spec);
-        let all: Vec<NamedParam> = blocks.iter().flatten().cloned().collect();
+        let all: Vec<NamedParam> = (blocks.iter().flatten())
+            .filter(|p| !is_adapter(&p.name))
+            .cloned()
+            .collect();
+        let adapters = match adapters {
+            AdapterStart::Peft(dir) => AdapterValues::Peft(PeftAdapters::open(dir, &spec)?),
+            AdapterStart::Seeded(seed) => AdapterValues::Seeded {
+                seed,
+                descs: (spec.describe().into_iter().flatten())
+                    .map(|p| (p.name.clone(), p))
+                    .collect(),
+            },
+        };
         let keys = check_weights(&file, &all, spec.family()).map_err(|e| format!("--init: {e}"))?;
         // Tensors that fit may still be another model's: a file that says which model it holds
         // must hold this one (the shapes alone cannot tell, say, a gpt's heads).
-        let other = |m: &&String| ModelSpec::parse(m).map_or(true, |held| held != spec);
+        let other = |m: &&String| ModelSpec::parse(m).map_or(true, |held| held.base() != spec.base());
         if let Some(held) = file.meta().get("archipelago_model").filter(other) {
             return Err(format!(
                 "--init: {} holds the weights of `{held}`, this job trains `{spec}`: train `{held}`, or \
@@ -195,7 +231,12 @@ impl InitWeights {
                 path.display()
             ));
         }
-        Ok(InitWeights { file, blocks, keys })
+        Ok(InitWeights {
+            file,
+            blocks,
+            keys,
+            adapters,
+        })
     }
 
     /// Block `index`'s parameters, flat in the runtime's order and burn's layouts.
@@ -206,9 +247,30 @@ impl InitWeights {
             .ok_or_else(|| format!("the model has no block {index}"))?;
         let mut out = Vec::with_capacity(params.iter().map(NamedParam::len).sum());
         for p in params {
-            out.extend(read_param(&self.file, p, self.keys)?);
+            if !is_adapter(&p.name) {
+                out.extend(read_param(&self.file, p, self.keys)?);
+                continue;
+            }
+            match &self.adapters {
+                AdapterValues::Peft(file) => out.extend(file.read(p)?),
+                AdapterValues::Seeded { seed, descs } => {
+                    let desc = descs
+                        .get(&p.name)
+                        .ok_or_else(|| format!("`{}` is not described", p.name))?;
+                    out.extend(crate::block::init_param(desc, *seed));
+                }
+            }
         }
         Ok(out)
+    }
+}
+
+/// Where a LoRA model's adapters start beside its `--init` base: `--lora-init`'s PEFT directory,
+/// or the seeded initialisation.
+pub fn adapter_start(program: &archipelago_dataflow::Program) -> AdapterStart<'_> {
+    match &program.lora_init {
+        Some(dir) => AdapterStart::Peft(std::path::Path::new(dir)),
+        None => AdapterStart::Seeded(program.seed),
     }
 }
 
@@ -268,14 +330,7 @@ pub fn write_weights(path: &Path, model: &ModelSpec, blocks: &[Vec<f32>]) -> Res
             } else {
                 values.to_vec()
             };
-            let bytes = torch.iter().flat_map(|v| v.to_le_bytes()).collect();
-            tensors.push((
-                p.name.clone(),
-                F32Tensor {
-                    shape: p.torch_shape(),
-                    bytes,
-                },
-            ));
+            tensors.push((p.name.clone(), p.torch_shape(), torch));
         }
     }
     // What the file holds, for a reader who has only the file (`config.json` beside an export
@@ -285,6 +340,22 @@ pub fn write_weights(path: &Path, model: &ModelSpec, blocks: &[Vec<f32>]) -> Res
         ("archipelago_model".to_string(), model.explicit()),
         ("config".to_string(), model.config().to_string()),
     ]);
+    write_f32_tensors(path, tensors, metadata)
+}
+
+/// Writes named f32 tensors (name, shape, values) as a safetensors file with `metadata`, its
+/// header's keys sorted (the same tensors always give the same bytes).
+pub(crate) fn write_f32_tensors(
+    path: &Path,
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+    metadata: HashMap<String, String>,
+) -> Result<(), String> {
+    let tensors: Vec<(String, F32Tensor)> = (tensors.into_iter())
+        .map(|(name, shape, values)| {
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            (name, F32Tensor { shape, bytes })
+        })
+        .collect();
     let bytes = safetensors::serialize(tensors.iter().map(|(name, t)| (name.as_str(), t)), Some(metadata))
         .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     let bytes = with_sorted_header(bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -373,7 +444,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("w.safetensors");
         write_weights(&path, &model, &blocks).unwrap();
-        let init = InitWeights::open(&path, &model.desc()).unwrap();
+        let init = InitWeights::open(&path, &model.desc(), AdapterStart::Seeded(0)).unwrap();
         for (index, flat) in blocks.iter().enumerate() {
             assert_eq!(&init.block(index).unwrap(), flat);
         }
@@ -385,7 +456,7 @@ mod tests {
             [0.0, 4.0, 8.0, 1.0]
         );
         let other = ModelSpec::parse("mlp:in=3,hidden=5,layers=2,out=2").unwrap();
-        let err = InitWeights::open(&path, &other.desc()).unwrap_err();
+        let err = InitWeights::open(&path, &other.desc(), AdapterStart::Seeded(0)).unwrap_err();
         assert!(err.contains("missing layers.2.weight, layers.2.bias"), "{err}");
         assert!(
             err.contains("`layers.0.weight` is F32 [4, 3], expected F32 [5, 3]"),
@@ -399,7 +470,7 @@ mod tests {
             .map(|b| vec![0.5; b.params as usize])
             .collect();
         write_weights(&path, &deeper, &deeper_blocks).unwrap();
-        let err = InitWeights::open(&path, &model.desc()).unwrap_err();
+        let err = InitWeights::open(&path, &model.desc(), AdapterStart::Seeded(0)).unwrap_err();
         assert!(
             err.contains("not parameters of this model: layers.2.bias, layers.2.weight"),
             "{err}"

@@ -2,7 +2,7 @@
 //! a model's weights from a safetensors file (`--init`, as `transformers` or `export` wrote them)
 //! or from a checkpoint (`--checkpoint`), the text as bytes or through `--tokenizer`. The model
 //! is `--model`, or read from the `config.json` beside the `--init` file (`transformers`'
-//! `GPT2Config`, or the one `export` writes). Windows of `ctx` inputs start every `ctx` tokens,
+//! `GPT2Config`, or the one `export` writes); `--lora-init DIR` adds a PEFT adapter on it. Windows of `ctx` inputs start every `ctx` tokens,
 //! so every token but the first is predicted once ([`archipelago_actors::inference`]).
 
 use std::path::{Path, PathBuf};
@@ -11,6 +11,7 @@ use clap::Args;
 use serde_json::json;
 
 use archipelago_actors::inference::{Evaluation, WholeModel, read_weights};
+use archipelago_actors::peft::read_config;
 use archipelago_actors::text_tokens::text_stream;
 use archipelago_dataflow::ModelSpec;
 use archipelago_dataflow::family::gpt2_from_config;
@@ -31,6 +32,10 @@ pub struct EvalArgs {
     /// complete checkpoint); its model is the one it trained.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
+    /// LoRA adapters on the `--init` base: a PEFT directory (`adapter_config.json`,
+    /// `adapter_model.safetensors`), as PEFT or `train --lora-out` wrote it.
+    #[arg(long, requires = "init")]
+    pub lora_init: Option<PathBuf>,
     /// The text to score (UTF-8 with `--tokenizer`; bytes as tokens without).
     #[arg(long)]
     pub data: PathBuf,
@@ -76,6 +81,13 @@ fn weights(args: &EvalArgs) -> Result<(ModelSpec, Vec<Vec<f32>>, String), String
                 checkpoint.display()
             ));
         }
+        if held.lora().is_some() {
+            return Err(format!(
+                "--checkpoint {} holds LoRA adapters, not its frozen base: give --init BASE.safetensors \
+                 --lora-init ADAPTER_DIR (train --lora-out writes the adapters)",
+                checkpoint.display()
+            ));
+        }
         let values = checkpoint_weights(&reader, &held)?;
         return Ok((held, values, checkpoint.display().to_string()));
     }
@@ -87,7 +99,11 @@ fn weights(args: &EvalArgs) -> Result<(ModelSpec, Vec<Vec<f32>>, String), String
         Some(spec) => given(spec)?,
         None => model_from_config(&init.with_file_name("config.json"))?,
     };
-    let values = read_weights(&spec, init)?;
+    let spec = match &args.lora_init {
+        Some(dir) => spec.with_lora(read_config(dir)?)?,
+        None => spec,
+    };
+    let values = read_weights(&spec, init, args.lora_init.as_deref())?;
     Ok((spec, values, init.display().to_string()))
 }
 

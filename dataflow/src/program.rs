@@ -275,6 +275,10 @@ pub struct Program {
     /// layouts, see [`crate::param_names`]) instead of the seeded initialisation.
     #[serde(default)]
     pub init: Option<String>,
+    /// Start a LoRA model's adapters from this PEFT adapter directory (`adapter_config.json`,
+    /// `adapter_model.safetensors`) instead of the seeded initialisation.
+    #[serde(default)]
+    pub lora_init: Option<String>,
     /// The rates the step simulator predicts with ([`crate::CostModel::default`]: those measured on the
     /// project's 2-core CPU machine); `archipelago plan` measures them with a few real steps
     /// of the model on one actor (`controller/src/calibrate.rs`).
@@ -400,6 +404,7 @@ impl Program {
             devices: Vec::new(),
             islands: Vec::new(),
             init: None,
+            lora_init: None,
             cost_model: None,
             test_fault: None,
         }
@@ -429,6 +434,7 @@ impl Program {
             devices: Vec::new(),
             islands: Vec::new(),
             init: None,
+            lora_init: None,
             cost_model: None,
             test_fault: None,
         }

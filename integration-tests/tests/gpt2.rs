@@ -113,7 +113,7 @@ fn logits_match_transformers_for_every_file_form() {
 fn the_erf_gelu_is_caught() {
     let spec = spec();
     let (ids, want) = ids_and_logits("logits");
-    let values = read_weights(&spec, &fixture("model.safetensors")).unwrap();
+    let values = read_weights(&spec, &fixture("model.safetensors"), None).unwrap();
     let gpt2 = zoo::builder::<CpuBackend>("gpt2").unwrap();
     let d = spec.get("d").unwrap();
     let erf = |ctx: &BuildContext| -> Box<dyn Block<CpuBackend>> {
@@ -122,7 +122,7 @@ fn the_erf_gelu_is_caught() {
         if mlp_half {
             Box::new(MlpHalf::<CpuBackend>::sliced(d, ctx.tp, Gelu::Erf, &FlexDevice))
         } else {
-            gpt2(ctx, spec.dims(), &FlexDevice)
+            gpt2(ctx, &spec, &FlexDevice)
         }
     };
     let model = WholeModel::load_built(&spec, &values, &erf).unwrap();
@@ -200,7 +200,7 @@ fn evaluation_gives_transformers_loss() {
 #[test]
 fn written_weights_are_transformers_layout_and_read_back() {
     let spec = spec();
-    let values = read_weights(&spec, &fixture("bare.safetensors")).unwrap();
+    let values = read_weights(&spec, &fixture("bare.safetensors"), None).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("model.safetensors");
     write_weights(&out, &spec, &values).unwrap();

@@ -20,7 +20,7 @@ use super::{Placement, Sharding, Trainer};
 use crate::block::{Block, check_described, describe_shapes, init_local_range};
 use crate::block_frozen::PartlyFrozen;
 use crate::optim::FlatOptimizer;
-use crate::weights_file::InitWeights;
+use crate::weights_file::{InitWeights, adapter_start};
 use crate::zoo::{BuildContext, ModelBuilder};
 
 /// The parameters of block `index` (`info` in the model) as built (`block`), described one by
@@ -140,7 +140,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let init_file = program
             .init
             .as_deref()
-            .map(|path| InitWeights::open(std::path::Path::new(path), &desc))
+            .map(|path| InitWeights::open(std::path::Path::new(path), &desc, adapter_start(program)))
             .transpose()?;
         let mut param_descs = Vec::with_capacity(desc.blocks.len());
         let mut layouts = Vec::with_capacity(desc.blocks.len());

@@ -13,32 +13,59 @@ use burn::tensor::{Int, Tensor};
 use crate::block::{Activation, Block, BlockModule};
 use crate::kernels::{Kernels, layer_norm, linear};
 use crate::zoo::gpt_sp::{self, Gelu};
+use crate::zoo::lora::AdapterShape;
 use crate::zoo::tp::TpPlace;
-use crate::zoo::{AttentionMix, BuildContext, HeadLinear, MlpMix};
+use crate::zoo::{AttentionMix, BuildContext, HeadLinear, MlpMix, adapter_shape};
+use archipelago_dataflow::ModelSpec;
 use archipelago_dataflow::tensor_parallel::local_extent;
 
 /// Block `ctx.block` of a gpt `[vocab, ctx, d, layers, heads]`: the embedding, per layer an
 /// attention and an MLP half, then the head (or its sequence-parallel form's blocks).
-pub(super) fn block<B: Kernels>(ctx: &BuildContext, dims: &[usize], device: &B::Device) -> Box<dyn Block<B>> {
-    let [vocab, context, d, layers, heads]: [usize; 5] = dims.try_into().expect("a gpt's five dimensions");
+pub(super) fn block<B: Kernels>(
+    ctx: &BuildContext,
+    spec: &ModelSpec,
+    device: &B::Device,
+) -> Box<dyn Block<B>> {
+    let [vocab, context, d, layers, heads]: [usize; 5] =
+        spec.dims().try_into().expect("a gpt's five dimensions");
+    let adapters = |layer: usize, half: usize| {
+        let [first, second] = [["qkv", "proj"], ["fc1", "fc2"]][half];
+        [first, second].map(|m| adapter_shape(spec, &format!("layers.{layer}.{m}")))
+    };
+    let head = || -> Box<dyn Block<B>> { Box::new(GptHead::sliced(d, vocab, ctx.tp, device)) };
+    let dims = [vocab, context, d, layers, heads];
+    transformer_block(ctx, dims, Gelu::Erf, &adapters, device, head)
+}
+
+/// Block `ctx.block` of a transformer family (gpt, gpt2): the embedding, attention and MLP
+/// halves with GELU's form `gelu` and adapters `adapters(layer, half)`, then `head()` (the
+/// sequence-parallel form's blocks where the model is in that form).
+pub(super) fn transformer_block<B: Kernels>(
+    ctx: &BuildContext,
+    [vocab, context, d, layers, heads]: [usize; 5],
+    gelu: Gelu,
+    adapters: &dyn Fn(usize, usize) -> [Option<AdapterShape>; 2],
+    device: &B::Device,
+    head: impl FnOnce() -> Box<dyn Block<B>>,
+) -> Box<dyn Block<B>> {
     let tp = ctx.tp;
     if ctx.sequence_parallel {
-        return gpt_sp::block(
-            ctx.block,
-            [vocab, context, d, layers, heads],
-            tp,
-            Gelu::Erf,
-            device,
-        );
+        let dims = [vocab, context, d, layers, heads];
+        return gpt_sp::block(ctx.block, dims, tp, gelu, adapters, device);
     }
+    let layer = ctx.block.saturating_sub(1) / 2;
     if ctx.block == 0 {
         Box::new(GptEmbedding::sliced(vocab, context, d, tp, device))
     } else if ctx.block > 2 * layers {
-        Box::new(GptHead::sliced(d, vocab, tp, device))
+        head()
     } else if ctx.block % 2 == 1 {
-        Box::new(AttentionHalf::sliced(d, heads, tp, device))
+        let mut half = AttentionHalf::sliced(d, heads, tp, device);
+        half.attention = half.attention.with_adapters(d, adapters(layer, 0), device);
+        Box::new(half)
     } else {
-        Box::new(MlpHalf::sliced(d, tp, Gelu::Erf, device))
+        let mut half = MlpHalf::sliced(d, tp, gelu, device);
+        half.mlp = half.mlp.with_adapters(d, adapters(layer, 1), device);
+        Box::new(half)
     }
 }
 

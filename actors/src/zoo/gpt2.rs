@@ -11,39 +11,33 @@ use burn::tensor::backend::Backend;
 
 use crate::block::{Activation, Block, BlockModule};
 use crate::kernels::{Kernels, layer_norm};
-use crate::zoo::gpt::LN_EPSILON;
-use crate::zoo::gpt_sp::{self, Gelu};
+use crate::zoo::gpt::{LN_EPSILON, transformer_block};
+use crate::zoo::gpt_sp::Gelu;
 use crate::zoo::tp::TpPlace;
-use crate::zoo::{AttentionHalf, BuildContext, GptEmbedding, MlpHalf};
+use crate::zoo::{BuildContext, adapter_shape};
+use archipelago_dataflow::ModelSpec;
 use archipelago_dataflow::tensor_parallel::local_extent;
 
 /// Block `ctx.block` of a gpt2 `[vocab, ctx, d, layers, heads]`: the embedding, per layer an
 /// attention and an MLP half (tanh GELU), then the tied head (or the sequence-parallel form's
 /// blocks, its last the tied projection alone).
-pub(super) fn block<B: Kernels>(ctx: &BuildContext, dims: &[usize], device: &B::Device) -> Box<dyn Block<B>> {
-    let [vocab, context, d, layers, heads]: [usize; 5] = dims.try_into().expect("a gpt2's five dimensions");
-    let tp = ctx.tp;
-    if ctx.sequence_parallel {
-        if ctx.block == 4 * layers + 2 {
-            return Box::new(TiedLinear::sliced(vocab, d, tp, device));
-        }
-        return gpt_sp::block(
-            ctx.block,
-            [vocab, context, d, layers, heads],
-            tp,
-            Gelu::Tanh,
-            device,
-        );
+pub(super) fn block<B: Kernels>(
+    ctx: &BuildContext,
+    spec: &ModelSpec,
+    device: &B::Device,
+) -> Box<dyn Block<B>> {
+    let [vocab, context, d, layers, heads]: [usize; 5] =
+        spec.dims().try_into().expect("a gpt2's five dimensions");
+    let adapters = |layer: usize, half: usize| {
+        let [first, second] = [["attn.c_attn", "attn.c_proj"], ["mlp.c_fc", "mlp.c_proj"]][half];
+        [first, second].map(|m| adapter_shape(spec, &format!("transformer.h.{layer}.{m}")))
+    };
+    if ctx.sequence_parallel && ctx.block == 4 * layers + 2 {
+        return Box::new(TiedLinear::sliced(vocab, d, ctx.tp, device));
     }
-    if ctx.block == 0 {
-        Box::new(GptEmbedding::sliced(vocab, context, d, tp, device))
-    } else if ctx.block > 2 * layers {
-        Box::new(TiedHead::sliced(d, vocab, tp, device))
-    } else if ctx.block % 2 == 1 {
-        Box::new(AttentionHalf::sliced(d, heads, tp, device))
-    } else {
-        Box::new(MlpHalf::sliced(d, tp, Gelu::Tanh, device))
-    }
+    let head = || -> Box<dyn Block<B>> { Box::new(TiedHead::sliced(d, vocab, ctx.tp, device)) };
+    let dims = [vocab, context, d, layers, heads];
+    transformer_block(ctx, dims, Gelu::Tanh, &adapters, device, head)
 }
 
 /// `x · Wᵀ` with `W` a `[rows, d]` mirror of the token table (this rank's rows of the vocabulary

@@ -15,7 +15,9 @@ use burn::tensor::backend::Backend;
 use crate::block::{Activation, Block, BlockModule};
 use crate::kernels::{Kernels, causal_attention, gelu, layer_norm, linear};
 use crate::zoo::GptEmbedding;
+use crate::zoo::lora::{Adapter, AdapterShape, adapted};
 use crate::zoo::tp::{TpPlace, row_parallel};
+use archipelago_dataflow::Split;
 use archipelago_dataflow::tensor_parallel::local_extent;
 
 use super::gpt::LN_EPSILON;
@@ -23,11 +25,14 @@ use super::gpt::LN_EPSILON;
 /// Block `index` of gpt `[vocab, ctx, d, layers, heads]` in its sequence-parallel form: the
 /// embedding, per layer `[ln1, attention, ln2, mlp]`, the final LayerNorm and the head.
 /// The tied head (GPT-2's) is built by the caller: `head(vocab, d, tp)` gives the last block.
+/// `adapters(layer, half)` gives the LoRA adapters of a half-layer's two projections (half 0:
+/// attention, 1: MLP).
 pub fn block<B: Kernels>(
     index: usize,
     [vocab, ctx, d, layers, heads]: [usize; 5],
     tp: TpPlace,
     gelu: Gelu,
+    adapters: &dyn Fn(usize, usize) -> [Option<AdapterShape>; 2],
     device: &B::Device,
 ) -> Box<dyn Block<B>> {
     if index == 0 {
@@ -36,8 +41,12 @@ pub fn block<B: Kernels>(
     let (layer, part) = ((index - 1) / 4, (index - 1) % 4);
     match (layer < layers, part) {
         (_, 0) | (true, 2) => Box::new(SeqLayerNorm::new(d, device)),
-        (true, 1) => Box::new(AttentionMix::sliced(d, heads, tp, device)),
-        (true, _) => Box::new(MlpMix::sliced(d, tp, gelu, device)),
+        (true, 1) => {
+            Box::new(AttentionMix::sliced(d, heads, tp, device).with_adapters(d, adapters(layer, 0), device))
+        }
+        (true, _) => {
+            Box::new(MlpMix::sliced(d, tp, gelu, device).with_adapters(d, adapters(layer, 1), device))
+        }
         (false, _) => Box::new(HeadLinear::sliced(d, vocab, tp, device)),
     }
 }
@@ -93,8 +102,12 @@ impl<B: Kernels> BlockModule<B> for SeqLayerNorm<B> {
 pub struct AttentionMix<B: Backend> {
     /// Fused query/key/value projection (this rank's heads of each).
     pub qkv: Linear<B>,
+    /// `qkv`'s LoRA adapter, if adapted.
+    pub qkv_lora: Option<Adapter<B>>,
     /// Output projection, row-parallel.
     pub proj: Linear<B>,
+    /// `proj`'s LoRA adapter, if adapted.
+    pub proj_lora: Option<Adapter<B>>,
     /// This rank's heads.
     pub heads: usize,
     /// This rank in its tensor-parallel group.
@@ -110,9 +123,11 @@ impl<B: Backend> AttentionMix<B> {
             qkv: LinearConfig::new(d, 3 * tp.part(d))
                 .with_initializer(Initializer::Zeros)
                 .init(device),
+            qkv_lora: None,
             proj: LinearConfig::new(tp.part(d), d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
+            proj_lora: None,
             heads: tp.part(heads),
             tp_rank: tp.rank,
             tp_size: tp.size,
@@ -125,13 +140,32 @@ impl<B: Backend> AttentionMix<B> {
     pub fn place(&self) -> TpPlace {
         TpPlace::new(self.tp_rank, self.tp_size)
     }
+
+    /// The same attention with LoRA adapters on `qkv` and `proj` where `[qkv, proj]` give them.
+    pub fn with_adapters(
+        mut self,
+        d: usize,
+        [qkv, proj]: [Option<AdapterShape>; 2],
+        device: &B::Device,
+    ) -> Self {
+        let tp = self.place();
+        let heads = Split::HeadColumns { parts: 3 };
+        self.qkv_lora = qkv.map(|a| Adapter::sliced(d, 3 * d, a, heads, tp, device));
+        self.proj_lora = proj.map(|a| Adapter::sliced(d, d, a, Split::Rows, tp, device));
+        self
+    }
 }
 
 impl<B: Kernels> AttentionMix<B> {
     /// `proj(attn(qkv(u)))`, this rank's summand (the projection's bias on the first rank).
     pub fn mix(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
-        let attended = causal_attention(linear(&self.qkv, u), self.heads);
-        row_parallel(&self.proj, attended, self.place())
+        let qkv = adapted(linear(&self.qkv, u.clone()), &self.qkv_lora, u);
+        let attended = causal_attention(qkv, self.heads);
+        adapted(
+            row_parallel(&self.proj, attended.clone(), self.place()),
+            &self.proj_lora,
+            attended,
+        )
     }
 }
 
@@ -150,8 +184,12 @@ impl<B: Kernels> BlockModule<B> for AttentionMix<B> {
 pub struct MlpMix<B: Backend> {
     /// Up-projection, column-parallel.
     pub fc1: Linear<B>,
+    /// `fc1`'s LoRA adapter, if adapted.
+    pub fc1_lora: Option<Adapter<B>>,
     /// Down-projection, row-parallel.
     pub fc2: Linear<B>,
+    /// `fc2`'s LoRA adapter, if adapted.
+    pub fc2_lora: Option<Adapter<B>>,
     /// This rank in its tensor-parallel group.
     pub tp_rank: usize,
     /// The group's size.
@@ -167,9 +205,11 @@ impl<B: Backend> MlpMix<B> {
             fc1: LinearConfig::new(d, tp.part(4 * d))
                 .with_initializer(Initializer::Zeros)
                 .init(device),
+            fc1_lora: None,
             fc2: LinearConfig::new(tp.part(4 * d), d)
                 .with_initializer(Initializer::Zeros)
                 .init(device),
+            fc2_lora: None,
             tp_rank: tp.rank,
             tp_size: tp.size,
             tanh_gelu: gelu == Gelu::Tanh,
@@ -182,13 +222,31 @@ impl<B: Backend> MlpMix<B> {
     pub fn place(&self) -> TpPlace {
         TpPlace::new(self.tp_rank, self.tp_size)
     }
+
+    /// The same MLP with LoRA adapters on `fc1` and `fc2` where `[fc1, fc2]` give them.
+    pub fn with_adapters(
+        mut self,
+        d: usize,
+        [fc1, fc2]: [Option<AdapterShape>; 2],
+        device: &B::Device,
+    ) -> Self {
+        let tp = self.place();
+        self.fc1_lora = fc1.map(|a| Adapter::sliced(d, 4 * d, a, Split::Columns, tp, device));
+        self.fc2_lora = fc2.map(|a| Adapter::sliced(4 * d, d, a, Split::Rows, tp, device));
+        self
+    }
 }
 
 impl<B: Kernels> MlpMix<B> {
     /// `fc2(gelu(fc1(u)))`, this rank's summand (`fc2`'s bias on the first rank).
     pub fn mix(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
         let form = if self.tanh_gelu { Gelu::Tanh } else { Gelu::Erf };
-        row_parallel(&self.fc2, form.apply(linear(&self.fc1, u)), self.place())
+        let up = form.apply(adapted(linear(&self.fc1, u.clone()), &self.fc1_lora, u));
+        adapted(
+            row_parallel(&self.fc2, up.clone(), self.place()),
+            &self.fc2_lora,
+            up,
+        )
     }
 }
 

@@ -68,7 +68,11 @@ impl<B: Backend> Adapter<B> {
 }
 
 /// `base + adapter.update(x)` where there is an adapter.
-pub fn adapted<B: Backend>(base: Tensor<B, 3>, adapter: &Option<Adapter<B>>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+pub fn adapted<B: Backend>(
+    base: Tensor<B, 3>,
+    adapter: &Option<Adapter<B>>,
+    x: Tensor<B, 3>,
+) -> Tensor<B, 3> {
     match adapter {
         Some(adapter) => base + adapter.update(x),
         None => base,

@@ -9,12 +9,17 @@ use crate::block::{Activation, Block, BlockModule};
 use crate::kernels::{Kernels, linear};
 use crate::zoo::BuildContext;
 use crate::zoo::tp::{TpPlace, row_parallel};
+use archipelago_dataflow::ModelSpec;
 use archipelago_dataflow::tensor_parallel::local_extent;
 
 /// Block `ctx.block` of an mlp `[in, hidden, layers, out]`: `Linear + ReLU` blocks, then the
 /// output `Linear`; under tp, Megatron's alternating column- and row-parallel layers.
-pub(super) fn block<B: Kernels>(ctx: &BuildContext, dims: &[usize], device: &B::Device) -> Box<dyn Block<B>> {
-    let [input, hidden, layers, out]: [usize; 4] = dims.try_into().expect("an mlp's four dimensions");
+pub(super) fn block<B: Kernels>(
+    ctx: &BuildContext,
+    spec: &ModelSpec,
+    device: &B::Device,
+) -> Box<dyn Block<B>> {
+    let [input, hidden, layers, out]: [usize; 4] = spec.dims().try_into().expect("an mlp's four dimensions");
     let width_in = if ctx.block == 0 { input } else { hidden };
     if ctx.tp.size > 1 {
         let width_out = if ctx.block < layers { hidden } else { out };

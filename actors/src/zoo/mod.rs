@@ -10,6 +10,7 @@
 mod gpt;
 mod gpt2;
 mod gpt_sp;
+pub mod lora;
 mod mlp;
 pub mod tp;
 
@@ -79,17 +80,26 @@ impl<B: Kernels> ModelBuilder<B> for ZooModel {
     fn build_block(&self, ctx: &BuildContext, device: &B::Device) -> Box<dyn Block<B>> {
         let build = builder::<B>(self.0.family().name())
             .unwrap_or_else(|| panic!("no burn builder for the family of {}", self.0));
-        build(ctx, self.0.dims(), device)
+        build(ctx, &self.0, device)
     }
+}
+
+/// The adapter of module `module` of `spec`, if its LoRA targets it.
+pub fn adapter_shape(spec: &ModelSpec, module: &str) -> Option<lora::AdapterShape> {
+    let lora = spec.lora().filter(|l| l.targets_module(module))?;
+    Some(lora::AdapterShape {
+        rank: lora.rank,
+        scale: lora.scale(),
+    })
 }
 
 /// The burn builder of each family of [`archipelago_dataflow::family::FAMILIES`]: the one place
 /// a family's name meets its blocks.
-/// A builder makes block `ctx.block` of a model with dimensions `dims` (its keys' values).
+/// A builder makes block `ctx.block` of a model (its dimensions, its adapters).
 #[allow(clippy::type_complexity)]
 pub fn builder<B: Kernels>(
     family: &str,
-) -> Option<fn(&BuildContext, &[usize], &B::Device) -> Box<dyn Block<B>>> {
+) -> Option<fn(&BuildContext, &ModelSpec, &B::Device) -> Box<dyn Block<B>>> {
     match family {
         "mlp" => Some(mlp::block::<B>),
         "gpt" => Some(gpt::block::<B>),

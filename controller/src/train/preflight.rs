@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use archipelago_actors::batch_file::BatchFile;
 use archipelago_actors::checkpoint::{self, CheckpointReader};
-use archipelago_actors::weights_file::InitWeights;
+use archipelago_actors::weights_file::{InitWeights, adapter_start};
 use archipelago_dataflow::data::DataSpec;
 use archipelago_dataflow::{InputKind, Program};
 
@@ -64,7 +64,8 @@ fn check_data(program: &Program) -> Result<(), JobError> {
         _ => {}
     }
     if let Some(path) = program.init.as_deref().filter(|p| path_here(p)) {
-        InitWeights::open(Path::new(path), &program.model).map_err(JobError::Runtime)?;
+        InitWeights::open(Path::new(path), &program.model, adapter_start(program))
+            .map_err(JobError::Runtime)?;
     }
     Ok(())
 }
