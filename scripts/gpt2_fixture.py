@@ -9,9 +9,10 @@ fixture (`../tokenizer/tokenizer.json`). The Rust tests read them; no Python run
     bash scripts/peers_venv.sh hf      # torch 2.9.0, transformers 4.57.6, peft 0.17.1, tokenizers 0.22.1
     ~/.cache/archipelago-peers/hf/bin/python scripts/gpt2_fixture.py integration-tests/fixtures/gpt2
 
-`--check DIR` loads an `archipelago export` directory with `GPT2LMHeadModel.from_pretrained` and
-prints its largest logit difference from the fixture's (and, with `--adapter ADAPTER_DIR`, PEFT's
-`PeftModel.from_pretrained` on top).
+`--check DIR` loads an `archipelago export` directory with `GPT2LMHeadModel.from_pretrained` (and,
+with `--adapter ADAPTER_DIR`, PEFT's `PeftModel.from_pretrained` on top: `train --lora-out`'s
+adapters) and prints its largest logit difference from the fixture's and its loss on `eval.txt`,
+to hold beside `archipelago eval`'s.
 """
 
 import argparse
@@ -197,7 +198,21 @@ def check(export_dir, fixture_dir, adapter):
         want = expected["lora_logits"]
     with torch.no_grad():
         got = model(expected["ids"]).logits
-    print(json.dumps({"export": export_dir, "adapter": adapter, "max_abs_diff": float((got - want).abs().max())}))
+    tok = tokenizers.Tokenizer.from_file(os.path.join(fixture_dir, "..", "tokenizer", "tokenizer.json"))
+    with open(os.path.join(fixture_dir, "eval.txt"), encoding="utf-8") as f:
+        ids = tok.encode(f.read(), add_special_tokens=False).ids
+    print(
+        json.dumps(
+            {
+                "export": export_dir,
+                "adapter": adapter,
+                # Against the fixture's logits: 0 up to rounding for the fixture's own weights
+                # and adapter; for others, the eval loss is what to compare with archipelago's.
+                "max_abs_diff_to_fixture": float((got - want).abs().max()),
+                "eval_loss": eval_loss(model, ids),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ use archipelago_dataflow::{
 /// The flags that describe a job (shared by `train` and `plan`).
 #[derive(Debug, Clone, Args, Serialize)]
 pub struct JobArgs {
-    /// Model: `mlp-8x1024`, `gpt-tiny`, `mlp:in=I,hidden=H,layers=L,out=O` or
-    /// `gpt:vocab=V,ctx=C,d=D,layers=L,heads=H`.
+    /// Model: `mlp-8x1024`, `gpt-tiny`, `gpt2`, `mlp:in=I,hidden=H,layers=L,out=O`,
+    /// `gpt:vocab=V,ctx=C,d=D,layers=L,heads=H` or `gpt2:vocab=V,ctx=C,d=D,layers=L,heads=H`.
     #[arg(long, default_value = "mlp-8x1024")]
     pub model: String,
     /// Data-parallel replicas (one CPU device each).
@@ -172,13 +172,19 @@ pub struct JobArgs {
     /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.
     #[arg(long)]
     pub stages: Option<String>,
+    /// LoRA adapters (`--lora-rank`, `--lora-init`, …).
+    #[command(flatten)]
+    pub lora: super::lora_args::LoraArgs,
 }
 
 impl JobArgs {
     /// The program these flags describe.
     pub fn program(&self) -> anyhow::Result<Program> {
-        let spec = ModelSpec::parse(&self.model)?;
+        let spec = self
+            .lora
+            .apply(ModelSpec::parse(&self.model)?, self.init.as_deref())?;
         let mut program = Program::new(spec.clone()).with_seed(self.seed);
+        program.lora_init = self.lora.lora_init.as_ref().map(|p| p.display().to_string());
         if self.sequence_parallel {
             program.model = archipelago_dataflow::sequence_parallel::desc(&spec)?;
         }

@@ -8,6 +8,7 @@
 
 mod console;
 pub mod job_args;
+pub mod lora_args;
 mod plan_cmd;
 mod train_cmd;
 

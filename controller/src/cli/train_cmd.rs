@@ -140,7 +140,8 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         data_path: args.data_path,
         dashboard: None,
         collectives: args.collectives,
-        keep_params: false,
+        // The adapters `--lora-out` writes are read from every actor's final parameters.
+        keep_params: args.job.lora.lora_out.is_some(),
     };
     if let Some(addr) = &args.dashboard {
         options.dashboard = Some(serve_dashboard(args, addr, &controller, &program)?);
@@ -157,7 +158,19 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         println!("the dashboard stays up for {} s", args.dashboard_linger_s);
         std::thread::sleep(std::time::Duration::from_secs_f64(args.dashboard_linger_s));
     }
-    print_outcome(args, &program, &result?)
+    let report = result?;
+    if let Some(dir) = &args.job.lora.lora_out {
+        let blocks =
+            crate::replica_check::assemble_params(&report, &program.model).map_err(anyhow::Error::msg)?;
+        let base = args
+            .job
+            .init
+            .as_ref()
+            .map_or("seeded random base".into(), |p| p.display().to_string());
+        super::lora_args::write_adapters(dir, &program.model, &blocks, &base).map_err(anyhow::Error::msg)?;
+        println!("adapters written to {} (PEFT's format)", dir.display());
+    }
+    print_outcome(args, &program, &report)
 }
 
 /// Refuses what cannot work before anything starts: `--dashboard` with `--controller`,
