@@ -58,6 +58,9 @@ pub struct StepMetrics {
     pub loss: Option<f32>,
     /// Parameters + gradients + optimizer state held now.
     pub model_state_bytes: u64,
+    /// Of which the optimizer's state (its moments).
+    #[serde(default)]
+    pub optimizer_state_bytes: u64,
     /// The most held during the step.
     pub peak_model_state_bytes: u64,
     /// Bytes of the weights the compute modules hold beside the f32 master parameters.

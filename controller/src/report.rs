@@ -70,6 +70,12 @@ pub struct ActorRecord {
     pub estimated_activation_checkpoint_bytes: archipelago_dataflow::CheckpointBytes,
     /// Parameters + gradients + optimizer state held at the end of the last step.
     pub model_state_bytes: u64,
+    /// Of which the optimizer's state (measured; the adapters' alone under LoRA).
+    #[serde(default)]
+    pub optimizer_state_bytes: u64,
+    /// The plan's estimate of `optimizer_state_bytes`.
+    #[serde(default)]
+    pub estimated_optimizer_state_bytes: u64,
     /// The most held during a step.
     pub peak_model_state_bytes: u64,
     /// The plan's estimate of its model state (parameters + gradients + optimizer).
@@ -154,6 +160,9 @@ pub struct TrainReport {
     pub plan: serde_json::Value,
     /// Parameter count.
     pub params: u64,
+    /// Of which trained (the rest frozen: a LoRA run's base).
+    #[serde(default)]
+    pub trainable_params: u64,
     /// Every step.
     pub steps: Vec<StepRecord>,
     /// The last step's global mean loss on its batch, computed in its forward pass, before that

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use archipelago_actors::inference::read_weights;
 use archipelago_controller::{TrainOptions, TrainReport};
 use archipelago_dataflow::family::{LoraSpec, gpt2_from_config};
-use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Program, compile};
+use archipelago_dataflow::{FabricKind, ModelSpec, OptimizerSpec, ParallelPlan, Program, compile};
 use archipelago_integration_tests::{
     assert_caught, assert_replicas_agree, assert_same_losses_and_norms, small_plan, train_program,
 };
@@ -124,6 +124,7 @@ fn lora_trains_like_one_device_on_every_layout_and_the_base_stays_put() {
             let (run, params) = train(&run_program);
             assert_eq!(base_changed(&run_program, &params), 0, "{what}: the base moved");
             assert_same_losses_and_norms(&reference, &run, RTOL, &what);
+            assert_state_and_fabric_are_the_adapters(&run_program, &run, &what);
             if optimizer.name() == "sgd" {
                 let excess = excess(&reference_params, &params);
                 eprintln!("lora {what}: allclose excess {excess:.3}");
@@ -132,6 +133,37 @@ fn lora_trains_like_one_device_on_every_layout_and_the_base_stays_put() {
                     "{what}: adapters differ ({excess:.1}× the tolerance)"
                 );
             }
+        }
+    }
+}
+
+/// Every actor's measured optimizer state is the plan's (within 10%), which holds the adapters'
+/// moments alone (Adam: two f32 per adapter element it updates; none under plain SGD); a dp=2
+/// replica's gradient reduction reads the adapters' gradients and nothing of the base.
+fn assert_state_and_fabric_are_the_adapters(program: &Program, run: &TrainReport, what: &str) {
+    let adapters: u64 = (program.model.blocks.iter()).map(|b| b.trained_params()).sum();
+    assert_eq!(
+        run.trainable_params, adapters,
+        "{what}: the report's trainable parameters"
+    );
+    for (a, actor) in run.actors.iter().enumerate() {
+        let (measured, planned) = (actor.optimizer_state_bytes, actor.estimated_optimizer_state_bytes);
+        eprintln!(
+            "{what}: actor {a} optimizer bytes {measured} (plan {planned}), gradient reads {}",
+            actor.fabric_bytes_per_step.of_kind(FabricKind::Gradients)
+        );
+        assert!(
+            measured.abs_diff(planned) * 10 <= planned.max(1),
+            "{what}: actor {a} optimizer bytes {measured}, plan {planned}"
+        );
+        if program.plan.dp == 2 && program.plan.zero == 0 {
+            // A two-member ring all-reduce reads (n−1)/n of the bucket twice: its bytes, once.
+            let reads = actor.fabric_bytes_per_step.of_kind(FabricKind::Gradients);
+            assert_eq!(
+                reads,
+                4 * adapters,
+                "{what}: actor {a} reads {reads} gradient bytes"
+            );
         }
     }
 }

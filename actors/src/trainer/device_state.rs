@@ -265,6 +265,14 @@ impl<B: Backend> DeviceState<B> {
     }
 
     /// Bytes held on the device: parameters, optimizer state, masks and buckets in flight.
+    /// Bytes of the optimizer's state (moments, decay masks) on the device.
+    pub(super) fn optimizer_bytes(&self) -> u64 {
+        let n = |t: &Tensor<B, 1>| 4 * t.shape().num_elements() as u64;
+        (self.segments.values())
+            .map(|s| s.m.as_ref().map_or(0, n) + s.v.as_ref().map_or(0, n) + s.decay.as_ref().map_or(0, n))
+            .sum()
+    }
+
     pub(super) fn bytes(&self) -> u64 {
         let n = |t: &Tensor<B, 1>| 4 * t.shape().num_elements() as u64;
         let state: u64 = self

@@ -271,6 +271,7 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
         let metrics = StepMetrics {
             loss: self.step.loss_sum.take(),
             model_state_bytes: state + held_grads,
+            optimizer_state_bytes: self.state.store.optimizer_bytes(&self.state.optimizer),
             peak_model_state_bytes: state + self.step.peak_grad_bytes.max(held_grads),
             compute_weight_bytes: (burn::tensor::DType::from(self.stage.compute).size() * materialized)
                 as u64,

@@ -177,6 +177,14 @@ impl<B: Backend> Store<B> {
 
     /// Bytes of model state this actor holds: `held` parameters and `frozen` values (elements)
     /// and the optimizer's state — on the device, the device's own count.
+    /// Bytes of the optimizer's state alone (moments; none for plain SGD).
+    pub(super) fn optimizer_bytes(&self, optimizer: &FlatOptimizer) -> u64 {
+        match self {
+            Store::Device(d) => d.optimizer_bytes(),
+            _ => optimizer.state_bytes(),
+        }
+    }
+
     pub(super) fn state_bytes(&self, held: usize, frozen: usize, optimizer: &FlatOptimizer) -> u64 {
         match self {
             Store::Device(d) => d.bytes() + 4 * frozen as u64,
