@@ -211,3 +211,52 @@ pub fn write(
     let path = dir.join(ADAPTER_CONFIG);
     std::fs::write(&path, text).map_err(|e| format!("--lora-out: cannot write {}: {e}", path.display()))
 }
+
+/// The base model of `spec` with its adapters merged in, `W + α/r · A·B` (burn's layout: `A`
+/// `[d_in, r]`, `B` `[r, d_out]`, `W` `[d_in, d_out]`): every block's flat parameters of
+/// `spec.base()` from `blocks`, `spec`'s (adapters included).
+pub fn merge(spec: &ModelSpec, blocks: &[Vec<f32>]) -> Result<Vec<Vec<f32>>, String> {
+    let lora = spec
+        .lora()
+        .ok_or_else(|| format!("{spec} has no LoRA adapters to merge"))?;
+    let scale = lora.scale() as f32;
+    let named = spec.block_params();
+    if named.len() != blocks.len() {
+        return Err(format!(
+            "{spec} has {} blocks, {} were given",
+            named.len(),
+            blocks.len()
+        ));
+    }
+    let mut merged = Vec::with_capacity(blocks.len());
+    for (params, flat) in named.iter().zip(blocks) {
+        let mut at = 0;
+        let mut values: HashMap<&str, &[f32]> = HashMap::new();
+        for p in params {
+            values.insert(&p.name, &flat[at..at + p.len()]);
+            at += p.len();
+        }
+        let mut out = Vec::with_capacity(flat.len());
+        for p in params.iter().filter(|p| !is_adapter(&p.name)) {
+            let mut w = values[p.name.as_str()].to_vec();
+            let module = p.name.strip_suffix(".weight").unwrap_or(&p.name);
+            let (a, b) = (
+                format!("{module}.lora_A.weight"),
+                format!("{module}.lora_B.weight"),
+            );
+            if let (Some(a), Some(b)) = (values.get(a.as_str()), values.get(b.as_str())) {
+                let (d_in, d_out) = (p.shape[0], p.shape[1]);
+                let rank = a.len() / d_in;
+                for i in 0..d_in {
+                    for o in 0..d_out {
+                        let update: f32 = (0..rank).map(|k| a[i * rank + k] * b[k * d_out + o]).sum();
+                        w[i * d_out + o] += scale * update;
+                    }
+                }
+            }
+            out.extend(w);
+        }
+        merged.push(out);
+    }
+    Ok(merged)
+}

@@ -49,7 +49,7 @@ pub struct EvalArgs {
 
 /// The model a `config.json` describes: a `transformers` GPT-2 config, or one `export` wrote
 /// (its `archipelago_model`).
-fn model_from_config(path: &Path) -> Result<ModelSpec, String> {
+pub(crate) fn model_from_config(path: &Path) -> Result<ModelSpec, String> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         format!(
             "no --model, and cannot read {} beside --init: {e}",

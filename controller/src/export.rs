@@ -21,11 +21,23 @@ use archipelago_dataflow::{ModelSpec, param_names};
 #[derive(Debug, Args)]
 pub struct ExportArgs {
     /// A checkpoint: one `step-N` directory, or a checkpoint directory (its newest complete
-    /// checkpoint is taken).
-    pub checkpoint_dir: PathBuf,
+    /// checkpoint is taken). With --merge-lora, optional: --lora-init gives the adapters.
+    #[arg(required_unless_present = "lora_init")]
+    pub checkpoint_dir: Option<PathBuf>,
     /// The safetensors file to write.
     #[arg(long)]
     pub out: PathBuf,
+    /// Merge LoRA adapters into their base (W + α/r · B·A) and write the base model's format
+    /// (GPT-2's for gpt2): the adapters of the checkpoint (a LoRA run's) or of --lora-init, the
+    /// base from --init.
+    #[arg(long, requires = "init")]
+    pub merge_lora: bool,
+    /// With --merge-lora: the base weights the adapters were trained on.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// With --merge-lora and no checkpoint: a PEFT adapter directory.
+    #[arg(long, requires = "merge_lora")]
+    pub lora_init: Option<PathBuf>,
 }
 
 /// What an export wrote.
@@ -120,7 +132,22 @@ pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
 
 /// Runs `archipelago export`.
 pub fn run(args: &ExportArgs) -> anyhow::Result<()> {
-    let done = export(&args.checkpoint_dir, &args.out).map_err(anyhow::Error::msg)?;
+    if args.merge_lora {
+        let (spec, source) = crate::export_merged::export_merged(args).map_err(anyhow::Error::msg)?;
+        println!(
+            "merged the adapters of {source} into {} and wrote {} to {} (config.json beside it)",
+            args.init
+                .as_ref()
+                .map_or(String::new(), |p| p.display().to_string()),
+            spec.base(),
+            args.out.display()
+        );
+        return Ok(());
+    }
+    let Some(dir) = &args.checkpoint_dir else {
+        anyhow::bail!("give a checkpoint directory (or --merge-lora with --init and --lora-init)");
+    };
+    let done = export(dir, &args.out).map_err(anyhow::Error::msg)?;
     for why in &done.skipped {
         eprintln!("passed over a newer checkpoint: {why}");
     }

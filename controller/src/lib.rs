@@ -31,6 +31,7 @@ pub mod dashboard;
 pub mod error;
 pub mod eval;
 pub mod export;
+pub mod export_merged;
 pub mod fabric_check;
 pub mod gang;
 pub mod hang;

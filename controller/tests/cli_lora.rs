@@ -1,6 +1,7 @@
 //! `train --lora-rank`: fine-tuning adapters on `transformers`' GPT-2 fixture from the command
 //! line — the fine-tuning text's loss falls, `--lora-out` writes a PEFT directory that
-//! `eval --lora-init` scores lower on that text than the base alone — and bad LoRA input is
+//! `eval --lora-init` scores lower on that text than the base alone, and `export --merge-lora`
+//! writes a plain model with the same loss — and bad LoRA input is
 //! refused before launch with the fix: a target that matches no module (the modules listed), a
 //! rank above min(d, k), `--lora-rank` without `--init`, an adapter directory of another shape.
 
@@ -90,6 +91,36 @@ fn adapters_train_write_peft_files_and_bad_lora_input_is_refused() {
         adapted.contains("/lora:r=8,alpha=8,targets=c_attn+c_proj+c_fc"),
         "{adapted}"
     );
+    // Merged into the base, the adapters give the same loss with no LoRA code.
+    let merged = dir.path().join("merged/model.safetensors");
+    std::fs::create_dir_all(merged.parent().unwrap()).unwrap();
+    let merged = merged.display().to_string();
+    let (ok, out) = archipelago(&[
+        "export",
+        "--merge-lora",
+        "--init",
+        &init,
+        "--lora-init",
+        &out_dir,
+        "--out",
+        &merged,
+    ]);
+    assert!(ok, "{out}");
+    let (ok, from_merged) = archipelago(&[
+        "eval",
+        "--init",
+        &merged,
+        "--data",
+        &text,
+        "--tokenizer",
+        &tokenizer,
+    ]);
+    assert!(ok, "{from_merged}");
+    assert!(
+        (eval_loss(&from_merged) - after).abs() < 1e-5,
+        "{from_merged} against {after}"
+    );
+    assert!(from_merged.contains(&format!("eval {MODEL} ")), "{from_merged}");
 
     let train = |extra: &[&str]| {
         let mut args = vec![

@@ -179,3 +179,41 @@ fn adapters_we_cannot_run_are_refused_by_field() {
         "{err}"
     );
 }
+
+/// `export --merge-lora`'s merge: the base with `W + α/r · A·B` gives the logits of base +
+/// adapters (1e-5), and only the adapted weights change.
+#[test]
+fn merged_weights_give_the_adapted_logits() {
+    let spec = adapted_spec();
+    let values = read_weights(&spec, &fixture("model.safetensors"), Some(&fixture("adapter"))).unwrap();
+    let merged = peft::merge(&spec, &values).unwrap();
+    let (ids, _) = ids_and("lora_logits");
+    let adapted = WholeModel::load(&spec, &values).unwrap().logits(&ids, 1).unwrap();
+    let from_merged = WholeModel::load(&spec.base(), &merged)
+        .unwrap()
+        .logits(&ids, 1)
+        .unwrap();
+    let difference = max_difference(&adapted, &from_merged);
+    assert!(difference < 1e-5, "merged logits differ by {difference}");
+    let base = read_weights(&spec.base(), &fixture("model.safetensors"), None).unwrap();
+    let changed: Vec<String> = (block_params(&spec.base()).iter().zip(base.iter().zip(&merged)))
+        .flat_map(|(named, (b, m))| {
+            let mut at = 0;
+            named
+                .iter()
+                .filter_map(|p| {
+                    let range = at..at + p.len();
+                    at += p.len();
+                    (b[range.clone()] != m[range]).then(|| p.name.clone())
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(
+        changed,
+        [
+            "transformer.h.0.attn.c_attn.weight",
+            "transformer.h.1.attn.c_attn.weight"
+        ]
+    );
+}
