@@ -3,7 +3,8 @@
 //! `eval --lora-init` scores lower on that text than the base alone, and `export --merge-lora`
 //! writes a plain model with the same loss — and bad LoRA input is
 //! refused before launch with the fix: a target that matches no module (the modules listed), a
-//! rank above min(d, k), `--lora-rank` without `--init`, an adapter directory of another shape.
+//! rank above min(d, k), `--lora-rank` without `--init`, an adapter directory of another shape, a
+//! resume on another base file than the checkpoint's (its SHA-256 recorded).
 
 mod common;
 
@@ -127,8 +128,6 @@ fn adapters_train_write_peft_files_and_bad_lora_input_is_refused() {
             "train",
             "--model",
             MODEL,
-            "--steps",
-            "1",
             "--data",
             &text,
             "--tokenizer",
@@ -171,9 +170,59 @@ fn adapters_train_write_peft_files_and_bad_lora_input_is_refused() {
         &["--init", &init, "--lora-init", &other],
         &["expected F32 [2, 16]", "does not fit"],
     );
+    // Checkpoints hold the adapters and the base file's hash: a resume on another base is
+    // refused naming both hashes; on the same base it goes on.
+    let checkpoints = dir.path().join("ck").display().to_string();
+    let first = train(&[
+        "--init",
+        &init,
+        "--lora-rank",
+        "2",
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        &checkpoints,
+        "--checkpoint-every",
+        "2",
+    ]);
+    let (ok, out) = archipelago(&first.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{out}");
+    let other_base = dir.path().join("other-base.safetensors");
+    let mut bytes = std::fs::read(&init).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(&other_base, bytes).unwrap();
+    let other_base = other_base.display().to_string();
+    refused_with(
+        &[
+            "--init",
+            &other_base,
+            "--lora-rank",
+            "2",
+            "--steps",
+            "4",
+            "--resume",
+            &checkpoints,
+        ],
+        &["the checkpoint's frozen base was", "resume with --init"],
+    );
+    let again = train(&[
+        "--init",
+        &init,
+        "--lora-rank",
+        "2",
+        "--steps",
+        "4",
+        "--resume",
+        &checkpoints,
+        "--resume-override",
+        "steps",
+    ]);
+    let (ok, out) = archipelago(&again.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(ok, "{out}");
     // A seeded random base trains when asked for.
     let (ok, out) = archipelago(
-        &train(&["--lora-rank", "2", "--lora-random-base"])
+        &train(&["--lora-rank", "2", "--lora-random-base", "--steps", "1"])
             .iter()
             .map(String::as_str)
             .collect::<Vec<_>>(),

@@ -343,6 +343,20 @@ pub struct RunRecord {
     pub data: archipelago_dataflow::data::DataSpec,
     /// The dtype forward and backward compute in (f32 until mixed precision).
     pub precision: archipelago_dataflow::DType,
+    /// The frozen base's weights file and its SHA-256, for a run with frozen parameters from
+    /// `--init` (LoRA): a checkpoint holds no frozen values, so a resume must start from the same
+    /// file (absent in checkpoints written before it was recorded, and for runs without one).
+    #[serde(default)]
+    pub base: Option<BaseWeights>,
+}
+
+/// A weights file a run's frozen parameters come from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BaseWeights {
+    /// Its path as the run gave it.
+    pub path: String,
+    /// SHA-256 of its bytes, hex.
+    pub sha256: String,
 }
 
 /// Directory of the checkpoint after `step` under `root`.

@@ -7,7 +7,7 @@
 //! load them over whatever the new run says; here the new run must say the same, or say that it
 //! changes it.)
 
-use archipelago_actors::checkpoint::{Manifest, RunRecord};
+use archipelago_actors::checkpoint::{BaseWeights, Manifest, RunRecord};
 use archipelago_dataflow::{LrDecay, LrSchedule, Program};
 
 /// The names `--resume-override` takes, one per recorded setting.
@@ -23,6 +23,52 @@ pub fn record(program: &Program, total_steps: u64) -> RunRecord {
         data: program.data.clone(),
         // The compute dtype; the checkpoint's master and optimizer state are f32 whatever it is.
         precision: program.precision.compute,
+        base: base_weights(program),
+    }
+}
+
+/// The `--init` file of a run with frozen parameters (which its checkpoints do not hold), with
+/// its SHA-256 (computed once per file and size per process).
+fn base_weights(program: &Program) -> Option<BaseWeights> {
+    use sha2::Digest;
+    static HASHES: std::sync::Mutex<Vec<(String, u64, String)>> = std::sync::Mutex::new(Vec::new());
+    let frozen = program.model.blocks.iter().any(|b| b.has_frozen());
+    let path = program.init.as_ref().filter(|_| frozen)?;
+    let size = std::fs::metadata(path).ok()?.len();
+    let mut hashes = HASHES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, _, hash)) = hashes.iter().find(|(p, s, _)| p == path && *s == size) {
+        return Some(BaseWeights {
+            path: path.clone(),
+            sha256: hash.clone(),
+        });
+    }
+    let mut hasher = sha2::Sha256::new();
+    let mut file = std::fs::File::open(path).ok()?;
+    std::io::copy(&mut file, &mut hasher).ok()?;
+    let hash: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    hashes.push((path.clone(), size, hash.clone()));
+    Some(BaseWeights {
+        path: path.clone(),
+        sha256: hash,
+    })
+}
+
+/// Refuses a resume whose frozen base is not the checkpoint's: the checkpoint holds the trained
+/// parameters (a LoRA run's adapters) and none of the base, so another base file would pair the
+/// adapters with weights they were not trained on.
+pub fn check_base(was: &RunRecord, now: &RunRecord) -> Result<(), String> {
+    match (&was.base, &now.base) {
+        (Some(was), Some(now)) if was.sha256 != now.sha256 => Err(format!(
+            "the checkpoint's frozen base was {} (SHA-256 {}), and --init {} has SHA-256 {}: resume with \
+             --init {} (the checkpoint holds the adapters, not the base)",
+            was.path, was.sha256, now.path, now.sha256, was.path
+        )),
+        (Some(was), None) => Err(format!(
+            "the checkpoint's frozen base was {} (SHA-256 {}) and this run gives no --init: resume with \
+             --init {}",
+            was.path, was.sha256, was.path
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -108,6 +154,7 @@ pub fn check(
         return Ok(());
     };
     let now = record(program, total_steps);
+    check_base(was, &now)?;
     let refused: Vec<(&str, String, String)> = differences(was, &now)
         .into_iter()
         .filter(|(name, _, _)| !overrides.iter().any(|o| o == name))
