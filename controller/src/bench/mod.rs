@@ -9,6 +9,7 @@ pub mod cross_process;
 pub mod device;
 mod hang;
 mod kernels;
+mod lora;
 mod offload;
 pub mod parameter_server;
 mod peers;
@@ -93,6 +94,11 @@ pub struct BenchArgs {
     /// dp=2 and tp=2, one after the other in one window (tokens/s, fabric bytes per step).
     #[arg(long)]
     pub layouts_only: bool,
+    /// Run only LoRA against full fine-tuning and stop: gpt-tiny at dp=2, full against adapters
+    /// of rank 8 (on qkv, and on every projection), alternated (steps/s, model-state, optimizer
+    /// and gradient fabric bytes).
+    #[arg(long)]
+    pub lora_only: bool,
     /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
     /// collectives and DDP steps are measured right after ours, in the same window, and their
     /// figures and our ratios to them land in the JSON (`peers`). Never in CI.
@@ -141,6 +147,9 @@ fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     } else if args.layouts_only {
         let (warmup, timed) = if args.quick { (2, 3) } else { (5, 30) };
         json!({ "suite": "layouts", "quick": args.quick, "gpt_tiny": training::gpt_tiny(warmup, timed)?, "load_avg_end": load_avg(), "wall_s": wall() })
+    } else if args.lora_only {
+        let (warmup, timed, rounds) = if args.quick { (2, 3, 1) } else { (3, 15, 2) };
+        json!({ "suite": "lora", "quick": args.quick, "lora": lora::lora_vs_full(warmup, timed, rounds)?, "load_avg_end": load_avg(), "wall_s": wall() })
     } else if args.scale_only {
         json!({ "suite": "scale", "scale": scale_only(args)?, "wall_s": wall() })
     } else if args.tls_only {
