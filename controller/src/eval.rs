@@ -50,12 +50,8 @@ pub struct EvalArgs {
 /// The model a `config.json` describes: a `transformers` GPT-2 config, or one `export` wrote
 /// (its `archipelago_model`).
 pub(crate) fn model_from_config(path: &Path) -> Result<ModelSpec, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        format!(
-            "no --model, and cannot read {} beside --init: {e}",
-            path.display()
-        )
-    })?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the model's {}: {e}", path.display()))?;
     let config: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
     if let Some(spec) = config.get("archipelago_model").and_then(|v| v.as_str()) {

@@ -220,6 +220,23 @@ fn adapters_train_write_peft_files_and_bad_lora_input_is_refused() {
     ]);
     let (ok, out) = archipelago(&again.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(ok, "{out}");
+    // The model from transformers' config.json (--model-config) instead of --model.
+    let (ok, out) = archipelago(&[
+        "train",
+        "--model-config",
+        &fixture("gpt2/config.json"),
+        "--init",
+        &init,
+        "--lora-rank",
+        "2",
+        "--steps",
+        "1",
+        "--data",
+        &text,
+        "--tokenizer",
+        &tokenizer,
+    ]);
+    assert!(ok && out.contains(&format!("training {MODEL}/lora:r=2")), "{out}");
     // A seeded random base trains when asked for.
     let (ok, out) = archipelago(
         &train(&["--lora-rank", "2", "--lora-random-base", "--steps", "1"])

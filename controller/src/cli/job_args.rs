@@ -21,6 +21,11 @@ pub struct JobArgs {
     /// `gpt:vocab=V,ctx=C,d=D,layers=L,heads=H` or `gpt2:vocab=V,ctx=C,d=D,layers=L,heads=H`.
     #[arg(long, default_value = "mlp-8x1024")]
     pub model: String,
+    /// The model from a `config.json` instead of --model: `transformers`' GPT2Config (a gpt2
+    /// with its shapes; what it describes and is not built is refused by field) or one
+    /// `archipelago export` wrote.
+    #[arg(long, conflicts_with = "model")]
+    pub model_config: Option<PathBuf>,
     /// Data-parallel replicas (one CPU device each).
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
@@ -178,11 +183,17 @@ pub struct JobArgs {
 }
 
 impl JobArgs {
+    /// The model `--model-config` or `--model` names (before adapters).
+    fn base_model(&self) -> anyhow::Result<ModelSpec> {
+        match &self.model_config {
+            Some(path) => crate::eval::model_from_config(path).map_err(anyhow::Error::msg),
+            None => Ok(ModelSpec::parse(&self.model)?),
+        }
+    }
+
     /// The program these flags describe.
     pub fn program(&self) -> anyhow::Result<Program> {
-        let spec = self
-            .lora
-            .apply(ModelSpec::parse(&self.model)?, self.init.as_deref())?;
+        let spec = self.lora.apply(self.base_model()?, self.init.as_deref())?;
         let mut program = Program::new(spec.clone()).with_seed(self.seed);
         program.lora_init = self.lora.lora_init.as_ref().map(|p| p.display().to_string());
         if self.sequence_parallel {
@@ -201,7 +212,10 @@ impl JobArgs {
             };
         } else if let Some(path) = &self.data {
             if !matches!(program.model.input, InputKind::Tokens { .. }) {
-                anyhow::bail!("--data trains a gpt on text; `{}` is not a gpt model", self.model);
+                anyhow::bail!(
+                    "--data trains a gpt on text; `{}` is not a gpt model",
+                    program.model.name
+                );
             }
             program.data = DataSpec::TextFile {
                 path: path.display().to_string(),
