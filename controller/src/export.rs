@@ -9,12 +9,14 @@
 //! run from exactly these weights (and refuses them for another model). Newer checkpoints passed
 //! over are named.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
 
 use archipelago_actors::checkpoint::{self, CheckpointReader, MANIFEST};
 use archipelago_actors::weights_file::write_weights;
+use archipelago_dataflow::family::lora::is_adapter;
 use archipelago_dataflow::{ModelSpec, param_names};
 
 /// Flags of `export`.
@@ -92,6 +94,23 @@ pub fn checkpoint_weights(reader: &CheckpointReader, model: &ModelSpec) -> Resul
                 values.extend(v);
             }
             Ok(values)
+        })
+        .collect()
+}
+
+/// The LoRA adapters of `model` a checkpoint holds (trained parameters, unlike the frozen base),
+/// each by name, flat in burn's layout.
+pub fn checkpoint_adapters(
+    reader: &CheckpointReader,
+    model: &ModelSpec,
+) -> Result<HashMap<String, Vec<f32>>, String> {
+    (model.block_params().into_iter().flatten())
+        .filter(|p| is_adapter(&p.name))
+        .map(|p| {
+            Ok((
+                p.name.clone(),
+                reader.read_param(&p.name, &p.shape, 0..p.len(), &[])?.0,
+            ))
         })
         .collect()
 }

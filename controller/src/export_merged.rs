@@ -10,10 +10,9 @@ use archipelago_actors::inference::read_weights;
 use archipelago_actors::peft::{self, read_config};
 use archipelago_actors::weights_file::write_weights;
 use archipelago_dataflow::ModelSpec;
-use archipelago_dataflow::family::lora::is_adapter;
 
 use crate::eval::model_from_config;
-use crate::export::{ExportArgs, open_checkpoint};
+use crate::export::{ExportArgs, checkpoint_adapters, open_checkpoint};
 
 /// Writes the merged model; gives the spec (with its adapters) and where the adapters came from.
 pub fn export_merged(args: &ExportArgs) -> Result<(ModelSpec, String), String> {
@@ -53,12 +52,12 @@ fn from_checkpoint(dir: &Path, init: &Path) -> Result<(ModelSpec, Vec<Vec<f32>>,
         ));
     }
     let mut values = read_weights(&spec, init, None)?;
+    let adapters = checkpoint_adapters(&reader, &spec)?;
     for (params, flat) in spec.block_params().iter().zip(&mut values) {
         let mut at = 0;
         for p in params {
-            if is_adapter(&p.name) {
-                let (v, _) = reader.read_param(&p.name, &p.shape, 0..p.len(), &[])?;
-                flat[at..at + p.len()].copy_from_slice(&v);
+            if let Some(v) = adapters.get(&p.name) {
+                flat[at..at + p.len()].copy_from_slice(v);
             }
             at += p.len();
         }

@@ -5,23 +5,7 @@
 
 mod common;
 
-use common::{archipelago, refused};
-
-fn fixture(name: &str) -> String {
-    format!(
-        "{}/../integration-tests/fixtures/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    )
-}
-
-/// The loss `archipelago eval` printed.
-fn loss(out: &str) -> f64 {
-    let rest = out
-        .split("loss ")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no loss in {out}"));
-    rest.split(',').next().unwrap().trim().parse().unwrap()
-}
+use common::{archipelago, eval_loss, fixture, refused};
 
 #[test]
 fn eval_scores_transformers_weights_and_checkpoints_alike() {
@@ -49,7 +33,7 @@ fn eval_scores_transformers_weights_and_checkpoints_alike() {
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("gpt2/expected.json")).unwrap()).unwrap();
     let want = expected["eval"]["loss"].as_f64().unwrap();
-    assert!((loss(&out) - want).abs() < 1e-5, "{out} against {want}");
+    assert!((eval_loss(&out) - want).abs() < 1e-5, "{out} against {want}");
     let written: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     assert_eq!(written["predicted_tokens"], 70);
@@ -88,8 +72,8 @@ fn eval_scores_transformers_weights_and_checkpoints_alike() {
     let (ok, from_export) = archipelago(&["eval", "--init", &exported, "--data", &text]);
     assert!(ok, "{from_export}");
     assert_eq!(
-        loss(&from_checkpoint),
-        loss(&from_export),
+        eval_loss(&from_checkpoint),
+        eval_loss(&from_export),
         "{from_checkpoint}\n{from_export}"
     );
     assert!(from_export.contains(model), "{from_export}");

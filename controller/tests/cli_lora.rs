@@ -8,23 +8,7 @@
 
 mod common;
 
-use common::{archipelago, refused};
-
-fn fixture(name: &str) -> String {
-    format!(
-        "{}/../integration-tests/fixtures/{name}",
-        env!("CARGO_MANIFEST_DIR")
-    )
-}
-
-/// The loss `archipelago eval` printed.
-fn eval_loss(out: &str) -> f64 {
-    let rest = out
-        .split("loss ")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no loss in {out}"));
-    rest.split(',').next().unwrap().trim().parse().unwrap()
-}
+use common::{archipelago, eval_loss, fixture, refused};
 
 const MODEL: &str = "gpt2:vocab=320,ctx=16,d=16,layers=2,heads=4";
 

@@ -5,16 +5,7 @@
 
 mod common;
 
-use common::archipelago;
-
-/// The loss `archipelago eval` printed.
-fn eval_loss(out: &str) -> f64 {
-    let rest = out
-        .split("loss ")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no loss in {out}"));
-    rest.split(',').next().unwrap().trim().parse().unwrap()
-}
+use common::{archipelago, eval_loss};
 
 #[test]
 fn a_pretrained_gpt_fine_tunes_with_adapters_and_merges() {

@@ -7,12 +7,10 @@
 use serde_json::{Value, json};
 
 use archipelago_dataflow::family::LoraSpec;
-use archipelago_dataflow::{DeviceSpec, FabricKind, ModelSpec, ParallelPlan, Program};
+use archipelago_dataflow::{DeviceSpec, FabricKind, ModelSpec, ParallelPlan};
 
-use crate::Controller;
 use crate::process_stats::load_avg;
 use crate::report::median;
-use crate::train::TrainOptions;
 
 /// One run of `spec` at dp=2, batch 16: its figures.
 fn run(name: &str, spec: &ModelSpec, warmup: u64, timed: u64) -> anyhow::Result<Value> {
@@ -21,20 +19,10 @@ fn run(name: &str, spec: &ModelSpec, warmup: u64, timed: u64) -> anyhow::Result<
         batch: 16,
         ..ParallelPlan::default()
     };
-    let program = Program::new(spec.clone()).with_plan(plan);
-    let options = TrainOptions {
-        steps: warmup + timed,
-        job: format!("bench-lora-{name}"),
-        ..TrainOptions::default()
-    };
-    let report = Controller::local(DeviceSpec::cpus(2)).train(&program, &options)?;
-    let mut times: Vec<f64> = report
-        .steps
-        .iter()
-        .skip(warmup as usize)
-        .map(|s| s.time_s)
-        .collect();
-    let step_s = median(&mut times);
+    let devices = DeviceSpec::cpus(2);
+    let job = format!("bench-lora-{name}");
+    let (report, step_s) =
+        super::training::timed_model_on(&spec.to_string(), plan, devices, warmup, timed, job)?;
     let actor = &report.actors[0];
     Ok(json!({
         "name": name,

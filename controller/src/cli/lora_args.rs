@@ -3,15 +3,14 @@
 //! suffix, the rest of the model frozen; or the adapters of a PEFT directory (`--lora-init`);
 //! `--lora-out DIR` writes the trained adapters as PEFT does.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
 use serde::Serialize;
 
 use archipelago_actors::peft;
-use archipelago_dataflow::family::{LoraSpec, lora::is_adapter};
-use archipelago_dataflow::{ModelDesc, ModelSpec, param_names::block_params};
+use archipelago_dataflow::ModelSpec;
+use archipelago_dataflow::family::LoraSpec;
 
 /// The LoRA flags.
 #[derive(Debug, Clone, Default, Args, Serialize)]
@@ -36,7 +35,8 @@ pub struct LoraArgs {
     #[arg(long)]
     pub lora_random_base: bool,
     /// Write the trained adapters to this directory as PEFT does (adapter_model.safetensors,
-    /// adapter_config.json).
+    /// adapter_config.json), read from the run's last checkpoint (in --checkpoint-dir, or in
+    /// DIR-checkpoints beside DIR).
     #[arg(long)]
     pub lora_out: Option<PathBuf>,
 }
@@ -80,19 +80,23 @@ impl LoraArgs {
     }
 }
 
-/// Writes the adapters of `blocks` (every block's final parameters of `model`) to `dir` as PEFT
-/// does, naming `base` as the base model.
-pub fn write_adapters(dir: &Path, model: &ModelDesc, blocks: &[Vec<f32>], base: &str) -> Result<(), String> {
-    let spec = ModelSpec::parse(&model.name).map_err(|e| e.to_string())?;
-    let mut adapters = HashMap::new();
-    for (named, flat) in block_params(&spec).iter().zip(blocks) {
-        let mut at = 0;
-        for p in named {
-            if is_adapter(&p.name) {
-                adapters.insert(p.name.clone(), flat[at..at + p.len()].to_vec());
-            }
-            at += p.len();
-        }
-    }
-    peft::write(dir, &spec, &adapters, base)
+/// Where `train --lora-out DIR` checkpoints when no --checkpoint-dir is given: `DIR-checkpoints`
+/// beside it (the adapters are read from the last checkpoint, so no parameter travels to this
+/// process).
+pub fn checkpoints_beside(dir: &Path) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push("-checkpoints");
+    dir.with_file_name(name)
+}
+
+/// Writes the adapters of checkpoint `checkpoint` (a `step-N` directory) to `dir` as PEFT does,
+/// naming `base` as the base model.
+pub fn write_adapters(dir: &Path, checkpoint: &Path, base: &str) -> Result<(), String> {
+    let (reader, spec, _, _) = crate::export::open_checkpoint(checkpoint)?;
+    peft::write(
+        dir,
+        &spec,
+        &crate::export::checkpoint_adapters(&reader, &spec)?,
+        base,
+    )
 }

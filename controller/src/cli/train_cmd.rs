@@ -132,7 +132,14 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         flags: serde_json::to_value(args.job.resolved(&program))?,
         on_step: Some(on_step),
         trace: args.trace.clone(),
-        checkpoint_dir: args.resume.clone().or_else(|| args.checkpoint_dir.clone()),
+        // `--lora-out` reads the adapters from the last checkpoint (written after the last step).
+        checkpoint_dir: (args.resume.clone().or_else(|| args.checkpoint_dir.clone())).or_else(|| {
+            args.job
+                .lora
+                .lora_out
+                .as_deref()
+                .map(super::lora_args::checkpoints_beside)
+        }),
         checkpoint_every: args.checkpoint_every,
         resume: args.resume.is_some(),
         resume_override: args.resume_override.clone(),
@@ -140,8 +147,7 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
         data_path: args.data_path,
         dashboard: None,
         collectives: args.collectives,
-        // The adapters `--lora-out` writes are read from every actor's final parameters.
-        keep_params: args.job.lora.lora_out.is_some(),
+        keep_params: false,
     };
     if let Some(addr) = &args.dashboard {
         options.dashboard = Some(serve_dashboard(args, addr, &controller, &program)?);
@@ -160,14 +166,16 @@ pub fn train(args: &TrainArgs) -> anyhow::Result<()> {
     }
     let report = result?;
     if let Some(dir) = &args.job.lora.lora_out {
-        let blocks =
-            crate::replica_check::assemble_params(&report, &program.model).map_err(anyhow::Error::msg)?;
         let base = args
             .job
             .init
             .as_ref()
             .map_or("seeded random base".into(), |p| p.display().to_string());
-        super::lora_args::write_adapters(dir, &program.model, &blocks, &base).map_err(anyhow::Error::msg)?;
+        // The checkpoint of this run's last step (not the newest under the directory: another
+        // run's may be there).
+        let root = options.checkpoint_dir.as_deref().expect("--lora-out checkpoints");
+        let last = archipelago_actors::checkpoint::step_dir(root, options.steps);
+        super::lora_args::write_adapters(dir, &last, &base).map_err(anyhow::Error::msg)?;
         println!("adapters written to {} (PEFT's format)", dir.display());
     }
     print_outcome(args, &program, &report)

@@ -286,3 +286,20 @@ pub fn refused(args: &[&str], needles: &[&str]) {
         assert!(text.contains(needle), "{args:?}: `{needle}` not in: {text}");
     }
 }
+
+/// A file of `integration-tests/fixtures/` (e.g. `gpt2/model.safetensors`).
+pub fn fixture(name: &str) -> String {
+    format!(
+        "{}/../integration-tests/fixtures/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// The loss `archipelago eval` printed.
+pub fn eval_loss(out: &str) -> f64 {
+    let rest = out
+        .split("loss ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no loss in {out}"));
+    rest.split(',').next().unwrap().trim().parse().unwrap()
+}
