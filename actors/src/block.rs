@@ -121,6 +121,18 @@ pub trait Block<B: AutodiffBackend>: Send {
     /// frozen one, see [`Block::freeze`]). The caller reads a whole gradient bucket back to host
     /// memory with [`read_flat`].
     fn take_grads(&self, grads: &mut B::Gradients) -> Vec<Tensor<B::InnerBackend, 1>>;
+    /// Moves the gradients of the parameters whose `which` entry (flattening order, frozen ones
+    /// included) is true out of `grads`, in order (zeros where one has none).
+    fn take_grads_of(&self, grads: &mut B::Gradients, which: &[bool]) -> Vec<Tensor<B::InnerBackend, 1>>;
+    /// The gradients of the mirrors this block keeps in autodiff though they are not in its
+    /// trained vector ([`crate::block_frozen::PartlyFrozen`]; a tie's, [`archipelago_dataflow::ties`]),
+    /// moved out of `grads` in order; none for a block without.
+    fn take_tied_grads(&self, _grads: &mut B::Gradients) -> Vec<Tensor<B::InnerBackend, 1>> {
+        Vec::new()
+    }
+    /// The same block with the parameters whose `which` entry is true back in autodiff, as
+    /// fresh leaves (a tie's mirror in the copy a micro-batch runs on).
+    fn track(self: Box<Self>, which: &[bool]) -> Box<dyn Block<B>>;
     /// The same block with the parameters whose `trainable` entry (flattening order) is false
     /// taken out of autodiff: no backward computes their gradient and [`Block::take_grads`]
     /// skips them. The trainer holds such a block through [`crate::block_frozen::PartlyFrozen`].
@@ -261,9 +273,26 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         let mut v = GradVisitor::<B> {
             grads,
             parts: Vec::new(),
+            which: None,
+            index: 0,
         };
         self.visit(&mut v);
         v.parts
+    }
+
+    fn take_grads_of(&self, grads: &mut B::Gradients, which: &[bool]) -> Vec<Tensor<B::InnerBackend, 1>> {
+        let mut v = GradVisitor::<B> {
+            grads,
+            parts: Vec::new(),
+            which: Some(which),
+            index: 0,
+        };
+        self.visit(&mut v);
+        v.parts
+    }
+
+    fn track(self: Box<Self>, which: &[bool]) -> Box<dyn Block<B>> {
+        Box::new((*self).map(&mut TrackMapper { which, index: 0 }))
     }
 
     fn freeze(self: Box<Self>, trainable: &[bool]) -> Box<dyn Block<B>> {
@@ -281,7 +310,7 @@ mod visit;
 pub use init::{check_described, describe_shapes, init_local_range, init_param, init_range, initial_params};
 use visit::{
     CastMapper, FlattenVisitor, FreezeMapper, FreshLeafMapper, GradVisitor, LoadMapper, ShapeVisitor,
-    UntrackedMapper,
+    TrackMapper, UntrackedMapper,
 };
 
 #[cfg(test)]

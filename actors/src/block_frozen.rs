@@ -8,6 +8,11 @@
 //! computes their gradient) and writes their values into the module once, when it is built; every
 //! later load writes the trained vector only (a frozen base model is never uploaded again), and
 //! only the trainable parameters' values, shapes and gradients are handed out.
+//!
+//! A tie's mirror ([`archipelago_dataflow::ties`]) is frozen in that sense (no place in the
+//! trained vector, its values written by the step's `LoadTied`), but when the parameter it mirrors
+//! trains, each micro-batch's copy of the block keeps it in autodiff, and its gradient is handed
+//! out apart ([`Block::take_tied_grads`]) to be added into the mirrored parameter's.
 
 use std::sync::Arc;
 
@@ -21,28 +26,39 @@ use crate::block::{Activation, Block};
 pub struct PartlyFrozen<B: AutodiffBackend> {
     inner: Box<dyn Block<B>>,
     layout: Arc<TrainedLayout>,
+    /// Per parameter (flattening order): a mirror of a trained parameter, tracked in the
+    /// micro-batches' copies; `None` when the block has none.
+    tied: Option<Arc<Vec<bool>>>,
 }
 
 impl<B: AutodiffBackend> PartlyFrozen<B> {
     /// `block` as the trainer holds it: itself when nothing in `layout` is frozen, else with its
     /// frozen parameters out of autodiff and set to `frozen` (their concatenation), once: later
-    /// loads ([`Block::load_params`]) write only the trained vector.
+    /// loads ([`Block::load_params`]) write only the trained vector. `tied` (per parameter, or
+    /// empty) marks the mirrors of trained parameters.
     ///
     /// # Panics
     /// When `frozen` is not as long as the layout's frozen values.
-    pub fn hold(block: Box<dyn Block<B>>, layout: Arc<TrainedLayout>, frozen: &[f32]) -> Box<dyn Block<B>> {
+    pub fn hold(
+        block: Box<dyn Block<B>>,
+        layout: Arc<TrainedLayout>,
+        frozen: &[f32],
+        tied: &[bool],
+    ) -> Box<dyn Block<B>> {
         if !layout.has_frozen() {
             return block;
         }
         assert_eq!(frozen.len(), layout.frozen_len(), "a block's frozen values");
         let inner = block.freeze(&layout.trainable_mask()).load_frozen(frozen);
-        Box::new(PartlyFrozen { inner, layout })
+        let tied = tied.contains(&true).then(|| Arc::new(tied.to_vec()));
+        Box::new(PartlyFrozen { inner, layout, tied })
     }
 
     fn rewrap(&self, inner: Box<dyn Block<B>>) -> Box<dyn Block<B>> {
         Box::new(PartlyFrozen {
             inner,
             layout: self.layout.clone(),
+            tied: self.tied.clone(),
         })
     }
 }
@@ -76,19 +92,23 @@ impl<B: AutodiffBackend> Block<B> for PartlyFrozen<B> {
 
     fn load_params(self: Box<Self>, flat: &[f32], one_transfer: bool) -> Box<dyn Block<B>> {
         // The frozen parameters stay as they are on the device: nothing of them moves.
-        let PartlyFrozen { inner, layout } = *self;
+        let PartlyFrozen { inner, layout, tied } = *self;
         let inner = inner.load_params(flat, one_transfer);
-        Box::new(PartlyFrozen { inner, layout })
+        Box::new(PartlyFrozen { inner, layout, tied })
     }
 
     fn load_params_from(self: Box<Self>, whole: Tensor<B::InnerBackend, 1>) -> Box<dyn Block<B>> {
-        let PartlyFrozen { inner, layout } = *self;
+        let PartlyFrozen { inner, layout, tied } = *self;
         let inner = inner.load_params_from(whole);
-        Box::new(PartlyFrozen { inner, layout })
+        Box::new(PartlyFrozen { inner, layout, tied })
     }
 
     fn fresh_copy(&self) -> Box<dyn Block<B>> {
-        self.rewrap(self.inner.fresh_copy())
+        let copy = self.inner.fresh_copy();
+        match &self.tied {
+            Some(tied) => self.rewrap(copy.track(tied)),
+            None => self.rewrap(copy),
+        }
     }
 
     fn untracked_copy(&self) -> Box<dyn Block<B>> {
@@ -96,8 +116,29 @@ impl<B: AutodiffBackend> Block<B> for PartlyFrozen<B> {
     }
 
     fn take_grads(&self, grads: &mut B::Gradients) -> Vec<Tensor<B::InnerBackend, 1>> {
-        // The frozen parameters are out of autodiff: the inner block skips them.
-        self.inner.take_grads(grads)
+        // The frozen parameters are out of autodiff: the inner block skips them (the tracked
+        // mirrors of a copy are in it, so it is told which).
+        match &self.tied {
+            Some(_) => self.inner.take_grads_of(grads, &self.layout.trainable_mask()),
+            None => self.inner.take_grads(grads),
+        }
+    }
+
+    fn take_grads_of(&self, grads: &mut B::Gradients, which: &[bool]) -> Vec<Tensor<B::InnerBackend, 1>> {
+        self.inner.take_grads_of(grads, which)
+    }
+
+    fn take_tied_grads(&self, grads: &mut B::Gradients) -> Vec<Tensor<B::InnerBackend, 1>> {
+        match &self.tied {
+            Some(tied) => self.inner.take_grads_of(grads, tied),
+            None => Vec::new(),
+        }
+    }
+
+    fn track(self: Box<Self>, which: &[bool]) -> Box<dyn Block<B>> {
+        let PartlyFrozen { inner, layout, tied } = *self;
+        let inner = inner.track(which);
+        Box::new(PartlyFrozen { inner, layout, tied })
     }
 
     /// Already frozen as its layout says; `trainable` (over its trained vector) is not consulted.
@@ -106,14 +147,14 @@ impl<B: AutodiffBackend> Block<B> for PartlyFrozen<B> {
     }
 
     fn load_frozen(self: Box<Self>, values: &[f32]) -> Box<dyn Block<B>> {
-        let PartlyFrozen { inner, layout } = *self;
+        let PartlyFrozen { inner, layout, tied } = *self;
         let inner = inner.load_frozen(values);
-        Box::new(PartlyFrozen { inner, layout })
+        Box::new(PartlyFrozen { inner, layout, tied })
     }
 
     fn cast_params(self: Box<Self>, dtype: burn::tensor::FloatDType) -> Box<dyn Block<B>> {
-        let PartlyFrozen { inner, layout } = *self;
+        let PartlyFrozen { inner, layout, tied } = *self;
         let inner = inner.cast_params(dtype);
-        Box::new(PartlyFrozen { inner, layout })
+        Box::new(PartlyFrozen { inner, layout, tied })
     }
 }

@@ -92,10 +92,13 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             | ComputeOp::OffloadGrads { .. }
             | ComputeOp::ReplicatedGrads { .. }
             | ComputeOp::GradNorm { .. }
-            | ComputeOp::TrustNorms { .. } => "optimizer",
-            ComputeOp::LoadParams { .. } | ComputeOp::ShardParams { .. } | ComputeOp::DropParams { .. } => {
-                "params"
-            }
+            | ComputeOp::TrustNorms { .. }
+            | ComputeOp::AddTiedGrads { .. } => "optimizer",
+            ComputeOp::LoadParams { .. }
+            | ComputeOp::ShardParams { .. }
+            | ComputeOp::DropParams { .. }
+            | ComputeOp::TiedValues { .. }
+            | ComputeOp::LoadTied { .. } => "params",
             ComputeOp::User { .. } | ComputeOp::Output { .. } => "user",
         },
         Instruction::Send { .. } => "send",
@@ -131,6 +134,9 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
             ComputeOp::TrustNorms { .. } => "trust norms",
             ComputeOp::OffloadGrads { .. } => "offload grads",
             ComputeOp::ReplicatedGrads { .. } => "replicated grads",
+            ComputeOp::AddTiedGrads { .. } => "tied grads",
+            ComputeOp::TiedValues { .. } => "tied values",
+            ComputeOp::LoadTied { .. } => "load tied",
             ComputeOp::LoadParams { .. } => "load params",
             ComputeOp::ShardParams { .. } => "shard params",
             ComputeOp::DropParams { .. } => "drop params",

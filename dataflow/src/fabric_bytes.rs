@@ -68,8 +68,10 @@ impl FabricKind {
     /// elsewhere).
     pub fn of(tensor: &TensorId) -> Option<FabricKind> {
         Some(match tensor {
-            TensorId::GradBucket { .. } => FabricKind::Gradients,
-            TensorId::UpdatedParams { .. } | TensorId::GatheredParams { .. } => FabricKind::Parameters,
+            TensorId::GradBucket { .. } | TensorId::TiedGrads { .. } => FabricKind::Gradients,
+            TensorId::UpdatedParams { .. }
+            | TensorId::GatheredParams { .. }
+            | TensorId::TiedValues { .. } => FabricKind::Parameters,
             TensorId::Activation { .. } | TensorId::Residual { .. } => FabricKind::Activations,
             TensorId::ActivationGrad { .. } | TensorId::ResidualGrad { .. } => FabricKind::ActivationGrads,
             TensorId::GradSquares | TensorId::TrustSquares => FabricKind::Norms,
@@ -389,6 +391,10 @@ fn tensor_elems(
         TensorId::TpGrads { segment } => plan.buckets.get(*segment).map_or(0, |b| {
             crate::tensor_parallel::replicated_trained(&local.blocks[b.start..b.end])
         }),
+        // A tie's mirror, this rank's part of it.
+        TensorId::TiedGrads { block } | TensorId::TiedValues { block } => (local.blocks.get(*block))
+            .and_then(|b| b.param_descs.iter().find(|p| p.tied_to.is_some()))
+            .map_or(0, |p| p.len()),
         TensorId::Batch { .. } | TensorId::Loss { .. } | TensorId::Named(_) => 0,
     }
 }

@@ -99,6 +99,26 @@ pub enum ComputeOp {
         /// One past the last block.
         end: usize,
     },
+    /// A tie ([`crate::ties`]): the values of the parameter the mirror in block `block`
+    /// mirrors, read from the module about to run its first forward of the step, into
+    /// [`crate::TensorId::TiedValues`].
+    TiedValues {
+        /// The mirror's block.
+        block: usize,
+    },
+    /// A tie: [`crate::TensorId::TiedValues`] written into the mirror in block `block` before
+    /// its first forward of the step.
+    LoadTied {
+        /// The mirror's block.
+        block: usize,
+    },
+    /// A tie: the mirror's gradient ([`crate::TensorId::TiedGrads`], the micro-batches' sum)
+    /// added into its target's place in the target's gradient bucket, before that bucket's
+    /// reduction: the update sees the sum of both uses.
+    AddTiedGrads {
+        /// The mirror's block.
+        block: usize,
+    },
     /// Gradient clipping's first phase (`torch.nn.utils.clip_grad_norm_`): the sum of squares of
     /// this actor's share of the reduced gradients of blocks `start..end` (its shard of each
     /// bucket, so that every element counts once over the dp group) into a one-value tensor;
@@ -320,6 +340,9 @@ impl fmt::Display for ComputeOp {
             }
             ComputeOp::OffloadGrads { start, end } => write!(f, "OffloadGrads(blocks {start}..{end})"),
             ComputeOp::ReplicatedGrads { start, end } => write!(f, "ReplicatedGrads(blocks {start}..{end})"),
+            ComputeOp::TiedValues { block } => write!(f, "TiedValues(mirror in block {block})"),
+            ComputeOp::LoadTied { block } => write!(f, "LoadTied(mirror in block {block})"),
+            ComputeOp::AddTiedGrads { block } => write!(f, "AddTiedGrads(mirror in block {block})"),
             ComputeOp::GradNorm { start, end } => write!(f, "GradNorm(blocks {start}..{end})"),
             ComputeOp::TrustNorms { start, end } => write!(f, "TrustNorms(blocks {start}..{end})"),
             ComputeOp::OptimizerStep { start, end, scope } => {

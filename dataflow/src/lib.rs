@@ -69,6 +69,7 @@ pub mod state_layout;
 pub mod stream_class;
 pub mod tensor_id;
 pub mod tensor_parallel;
+pub mod ties;
 pub mod trained_layout;
 pub mod verify;
 
@@ -89,6 +90,7 @@ pub use program::{Offload, ParallelPlan, Program, StatePlacement, TestFault};
 pub use simulate::CostModel;
 pub use state_layout::{SliceState, Tier};
 pub use tensor_id::{GatherFor, TensorId};
+pub use ties::Tie;
 pub use trained_layout::TrainedLayout;
 
 /// Index of an actor in a plan: its rank in the mesh.

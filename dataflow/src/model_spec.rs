@@ -212,45 +212,6 @@ impl ModelDesc {
         }
         self.check_ties()
     }
-
-    /// Each mirror ([`ParamDesc::tied_to`]) names a parameter of the model with its shape, and
-    /// both are frozen: the sum of a tied pair's gradients is not built yet, so a tie trains only
-    /// with its parameter frozen (LoRA's base, evaluation).
-    fn check_ties(&self) -> Result<(), PlanError> {
-        let all = || self.blocks.iter().flat_map(|b| &b.param_descs);
-        for (index, block) in self.blocks.iter().enumerate() {
-            for p in block.param_descs.iter().filter(|p| p.tied_to.is_some()) {
-                let bad = |why: String| PlanError::BadParams {
-                    block: index,
-                    name: block.name.clone(),
-                    why,
-                };
-                let target = p.value_name();
-                let Some(tied) = all().find(|q| q.name == target) else {
-                    return Err(bad(format!(
-                        "`{}` is tied to `{target}`, which the model lacks",
-                        p.name
-                    )));
-                };
-                if tied.shape != p.shape || tied.tied_to.is_some() {
-                    return Err(bad(format!(
-                        "`{}` {:?} is tied to `{target}` {:?}: a tie needs the same shape and a \
-                         parameter that is not itself a mirror",
-                        p.name, p.shape, tied.shape
-                    )));
-                }
-                if p.trainable || tied.trainable {
-                    return Err(bad(format!(
-                        "`{}` mirrors `{target}` (a tied output head), and training a tied pair needs \
-                         their gradients summed, which is not built yet: evaluate the model with \
-                         `archipelago eval`, or freeze `{target}`",
-                        p.name
-                    )));
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]

@@ -143,10 +143,21 @@ fn gpt2_is_transformers_names_with_a_tied_head() {
         (c_attn.shape.clone(), c_attn.split),
         (vec![8, 24], crate::Split::HeadColumns { parts: 3 })
     );
-    let err = desc.check().unwrap_err().to_string();
-    assert!(err.contains("freeze `transformer.wte.weight`"), "{err}");
+    // The tie trains with the token table; frozen, it needs no step of its own.
+    desc.check().unwrap();
+    let last = desc.blocks.len() - 1;
+    let tie = crate::Tie {
+        mirror: (last, desc.blocks[last].param_descs.len() - 1),
+        target: (0, 0),
+    };
+    assert_eq!(desc.ties(), [tie]);
     desc.blocks[0].param_descs[0].trainable = false;
     desc.check().unwrap();
+    assert_eq!(desc.ties(), []);
+    desc.blocks[last].param_descs.last_mut().unwrap().trainable = true;
+    let err = desc.check().unwrap_err().to_string();
+    assert!(err.contains("describe it frozen"), "{err}");
+    desc.blocks[last].param_descs.last_mut().unwrap().trainable = false;
     desc.blocks
         .last_mut()
         .unwrap()

@@ -230,9 +230,9 @@ fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, 
         &layout,
         plan.batch,
         &orders,
-        plan.zero_stage(),
-        plan.offload.is_some(),
+        (plan.zero_stage(), plan.offload.is_some()),
         norms,
+        &sliced.model.ties(),
     );
     crate::passes::precision::apply(&mut graph, &program.precision);
     let streams = crate::passes::lower::lower(&graph);

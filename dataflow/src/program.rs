@@ -377,6 +377,12 @@ pub enum TestFault {
     /// Sequence parallelism with the residual stream's gradient dropped: a segment that passed
     /// the residual on back-propagates only its own output's gradient.
     DropResidualGrad,
+    /// A tie ([`crate::ties`]) without its gradient sum: `AddTiedGrads` drops the mirror's
+    /// gradient, so the tied parameter is updated with its first use's gradient alone.
+    SkipTiedGrads,
+    /// A tie without its values: `LoadTied` ignores them, so the mirror keeps the values it
+    /// started with while the parameter it mirrors trains.
+    StaleTiedValues,
 }
 
 impl Program {

@@ -90,6 +90,18 @@ pub enum TensorId {
         /// Segment index.
         segment: usize,
     },
+    /// A tie ([`crate::ties`]): the gradient of the mirror in block `block`, summed over the
+    /// step's micro-batches, on its way to the actor holding the parameter it mirrors.
+    TiedGrads {
+        /// The mirror's block.
+        block: usize,
+    },
+    /// A tie: the values of the parameter the mirror in block `block` mirrors, as the step
+    /// starts, on their way to the mirror.
+    TiedValues {
+        /// The mirror's block.
+        block: usize,
+    },
     /// Activation checkpointing: segment `segment`'s input for micro-batch `mb`, kept from the
     /// forward for the backward's recompute where the plan names it — each tp rank's 1/tp of it
     /// under `--partition-activations` (ZeRO-R), all-gathered before the backward; in host
@@ -192,6 +204,8 @@ impl fmt::Display for TensorId {
             TensorId::LossMax { mb } => write!(f, "lossmax.{mb}"),
             TensorId::LossSums { mb } => write!(f, "losssums.{mb}"),
             TensorId::TpGrads { segment } => write!(f, "tpgrad.{segment}"),
+            TensorId::TiedGrads { block } => write!(f, "tiedgrad.{block}"),
+            TensorId::TiedValues { block } => write!(f, "tiedval.{block}"),
             TensorId::Checkpoint { segment, mb } => write!(f, "ckpt.{segment}.{mb}"),
             TensorId::Residual { segment, mb } => write!(f, "res.{segment}.{mb}"),
             TensorId::ResidualGrad { segment, mb } => write!(f, "dres.{segment}.{mb}"),

@@ -48,12 +48,21 @@ impl<B: Backend> ModuleVisitor<B> for FlattenVisitor<'_> {
 pub(super) struct GradVisitor<'a, B: AutodiffBackend> {
     pub(super) grads: &'a mut B::Gradients,
     pub(super) parts: Vec<Tensor<B::InnerBackend, 1>>,
+    /// Only the parameters whose entry is true (flattening order), else every tracked one.
+    pub(super) which: Option<&'a [bool]>,
+    pub(super) index: usize,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for GradVisitor<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let tensor = param.val();
-        if !tensor.is_require_grad() {
+        let index = self.index;
+        self.index += 1;
+        let taken = match self.which {
+            Some(which) => which.get(index).copied().unwrap_or(false),
+            None => tensor.is_require_grad(),
+        };
+        if !taken {
             return; // frozen (`Block::freeze`): no gradient, no place in a bucket
         }
         let n = tensor.shape().num_elements();
@@ -94,6 +103,25 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreezeMapper<'_> {
         }
         let (id, tensor, mapper) = param.consume();
         Param::from_mapped_value(id, tensor.detach().set_require_grad(false), mapper)
+    }
+}
+
+/// Puts the parameters whose `which` entry is true back into autodiff as fresh leaves
+/// ([`Block::track`]).
+pub(super) struct TrackMapper<'a> {
+    pub(super) which: &'a [bool],
+    pub(super) index: usize,
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for TrackMapper<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let tracks = self.which.get(self.index).copied().unwrap_or(false);
+        self.index += 1;
+        if !tracks {
+            return param;
+        }
+        let (id, tensor, mapper) = param.consume();
+        Param::from_mapped_value(id, tensor.detach().require_grad(), mapper)
     }
 }
 

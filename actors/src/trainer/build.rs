@@ -202,7 +202,12 @@ impl<B: AutodiffBackend> Trainer<B> {
                     init_local_range(&frozen, &whole(false), program.seed, tp, 0..len)
                 }
             });
-            let block = PartlyFrozen::hold(built, layout.clone(), &frozen_values);
+            let block = PartlyFrozen::hold(
+                built,
+                layout.clone(),
+                &frozen_values,
+                &desc.tracked_mirrors(index),
+            );
             let block = super::parts::in_compute_dtype(block, compute);
             stage_params.push_block(offsets[index], &block.param_shapes(), program.param_groups);
             let init = |range: Range<usize>| match &from_file {

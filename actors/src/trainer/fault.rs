@@ -54,6 +54,16 @@ impl FaultHook {
         self.fault == TestFault::SkipCheckpointGather
     }
 
+    /// `SkipTiedGrads`: whether a tie's gradient is dropped instead of added.
+    pub(super) fn skips_tied_grads(&self) -> bool {
+        self.fault == TestFault::SkipTiedGrads
+    }
+
+    /// `StaleTiedValues`: whether a mirror keeps its old values.
+    pub(super) fn keeps_stale_mirror(&self) -> bool {
+        self.fault == TestFault::StaleTiedValues
+    }
+
     /// `DropResidualGrad`: whether the residual stream's gradient is back-propagated as zeros.
     pub(super) fn drops_residual_grad(&self) -> bool {
         self.fault == TestFault::DropResidualGrad

@@ -55,6 +55,7 @@ mod seq_shards;
 mod store;
 mod store_device;
 mod store_offload;
+mod tied;
 mod tp_grads;
 mod vocab_loss;
 mod zero;
@@ -210,6 +211,9 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
                 self.backward_weight(*start..*end, *mb, outputs, table)
             }
             ComputeOp::OffloadGrads { .. } => self.offload_grads(&nth(inputs, 0)?, table),
+            ComputeOp::AddTiedGrads { block } => self.add_tied_grads(*block, inputs, outputs, table),
+            ComputeOp::TiedValues { block } => self.tied_values(*block, outputs, table),
+            ComputeOp::LoadTied { block } => self.load_tied(*block, inputs, table),
             ComputeOp::GradNorm { .. } => self.grad_norm(inputs, outputs, table),
             ComputeOp::TrustNorms { .. } => self.trust_norms(inputs, outputs, table),
             ComputeOp::OptimizerStep { scope, .. } => {

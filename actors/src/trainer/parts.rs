@@ -88,6 +88,9 @@ pub(super) struct InFlight<B: AutodiffBackend> {
     pub(super) offloaded_bytes: HashMap<TensorId, u64>,
     /// The most checkpoint bytes held at once this step.
     pub(super) checkpoint_peak: archipelago_dataflow::CheckpointBytes,
+    /// Each tie's mirror's gradient so far this step (the micro-batches' sum), by the mirror's
+    /// block.
+    pub(super) tied_grads: HashMap<usize, Vec<f32>>,
 }
 
 impl<B: AutodiffBackend> HeldStage<B> {
@@ -102,7 +105,8 @@ impl<B: AutodiffBackend> HeldStage<B> {
             sequence_parallel: self.sequence_parallel,
         };
         let block = self.builder.build_block(&ctx, &self.device);
-        let held = PartlyFrozen::hold(block, self.layouts[index].clone(), &self.frozen[index]);
+        let tied = self.desc.tracked_mirrors(index);
+        let held = PartlyFrozen::hold(block, self.layouts[index].clone(), &self.frozen[index], &tied);
         in_compute_dtype(held, self.compute)
     }
 }
@@ -141,6 +145,7 @@ impl<B: AutodiffBackend> Default for InFlight<B> {
             checkpoints: HashMap::new(),
             offloaded_bytes: HashMap::new(),
             checkpoint_peak: Default::default(),
+            tied_grads: HashMap::new(),
         }
     }
 }
@@ -158,6 +163,7 @@ impl<B: AutodiffBackend> InFlight<B> {
         self.live.clear();
         self.checkpoints.clear();
         self.offloaded_bytes.clear();
+        self.tied_grads.clear();
     }
 }
 

@@ -418,6 +418,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         table: &mut TensorTable,
     ) -> Result<(), String> {
         let grad_name = outputs.first().ok_or("the backward names no gradient output")?;
+        // A tie's mirror's gradient first: it is not in the bucket.
+        self.accumulate_tied(blocks.start, copies, grads);
+        self.hand_out_tied(outputs, table)?;
         self.accumulate(blocks.clone(), copies, grads, grad_name, table)?;
         if let Some(shared) = outputs.iter().find(|t| matches!(t, TensorId::TpGrads { .. })) {
             self.share_replicated_grads(blocks, grad_name, shared, table)?;

@@ -14,4 +14,5 @@ pub mod runs;
 pub mod schedule;
 pub mod step;
 pub mod tensor_parallel;
+pub mod tied;
 pub mod zero;

@@ -21,17 +21,22 @@ use crate::tensor_id::TensorId;
 /// Rewrites `graph` so that every bucket is handed to the host after its reduction.
 pub fn apply(graph: &mut Graph, layout: &Layout) {
     // Each bucket's last writer, and the node after which it is complete (its reduction, when
-    // the data-parallel pass placed one).
+    // the data-parallel pass placed one, or a tie's add into it).
     let mut last_writer = BTreeMap::new();
     for run in segment_runs(graph, layout).into_iter().filter(|r| r.writes_grads) {
         last_writer.insert(run.segment, run);
     }
     let complete = |segment: usize| {
         let grad = TensorId::GradBucket { segment };
-        let reduced = graph
-            .nodes
-            .iter()
-            .rposition(|n| matches!(n, NodeOp::Collective { tensor, .. } if *tensor == grad));
+        let reduced = graph.nodes.iter().rposition(|n| match n {
+            NodeOp::Collective { tensor, .. } => *tensor == grad,
+            NodeOp::Compute {
+                op: ComputeOp::AddTiedGrads { .. },
+                outputs,
+                ..
+            } => outputs.contains(&grad),
+            _ => false,
+        });
         reduced.unwrap_or(last_writer[&segment].last)
     };
     // Buckets finished by the same slot (device, chunk, micro-batch), in completion order.
