@@ -9,6 +9,10 @@ fixture (`../tokenizer/tokenizer.json`). The Rust tests read them; no Python run
     bash scripts/peers_venv.sh hf      # torch 2.9.0, transformers 4.57.6, peft 0.17.1, tokenizers 0.22.1
     ~/.cache/archipelago-peers/hf/bin/python scripts/gpt2_fixture.py integration-tests/fixtures/gpt2
 
+It also trains the model whole (the tied head included) for `torch_fixture.py`'s five SGD and
+AdamW steps and writes the losses, rates, gradient norms and final weights (`training.json`,
+`gpt2.*.safetensors`), which the tied-head equivalence tests hold archipelago to.
+
 `--check DIR` loads an `archipelago export` directory with `GPT2LMHeadModel.from_pretrained` (and,
 with `--adapter ADAPTER_DIR`, PEFT's `PeftModel.from_pretrained` on top: `train --lora-out`'s
 adapters) and prints its largest logit difference from the fixture's and its loss on `eval.txt`,
@@ -25,6 +29,8 @@ import safetensors.torch
 import tokenizers
 import torch
 import transformers
+
+import torch_fixture
 
 VOCAB, CTX, D, LAYERS, HEADS = 320, 16, 16, 2, 4
 PROMPT_LEN, NEW_TOKENS = 6, 8
@@ -186,7 +192,43 @@ def write(out_dir):
     with open(os.path.join(out_dir, "expected.json"), "w") as f:
         json.dump(expected, f, indent=1)
         f.write("\n")
+    write_training(out_dir, seed)
     print(json.dumps(expected, indent=1))
+
+
+class Logits(torch.nn.Module):
+    """`GPT2LMHeadModel` as `torch_fixture.train` calls a gpt: token ids in, logits out."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(tokens).logits
+
+
+def write_training(out_dir, seed):
+    """Full fine-tuning of the tied model in PyTorch, as `torch_fixture.py` trains its gpt (its
+    SGD and AdamW runs, its batches): `training.json` (every step's loss, rate and gradient
+    norm), `gpt2.data.safetensors` (the token rows) and `gpt2.{run}.final.safetensors` (the
+    parameters after, under `save_pretrained`'s names: one token table, no `lm_head`). PyTorch
+    sums the tied table's two gradients itself (one `Parameter` used twice)."""
+    steps, batch = torch_fixture.STEPS, 4
+    gen = torch.Generator().manual_seed(31)
+    data = {"tokens": torch.randint(0, VOCAB, (steps * batch, CTX + 1), generator=gen)}
+    safetensors.torch.save_file(data, os.path.join(out_dir, "gpt2.data.safetensors"))
+    runs = {}
+    for name, flags in torch_fixture.OPTIMIZERS.items():
+        model = tiny_model(seed).train()
+        record = torch_fixture.train("gpt", Logits(model), data, batch, flags)
+        runs[name] = {"flags": flags, **record}
+        final = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        safetensors.torch.save_file(final, os.path.join(out_dir, f"gpt2.{name}.final.safetensors"), {"format": "pt"})
+    spec = f"gpt2:vocab={VOCAB},ctx={CTX},d={D},layers={LAYERS},heads={HEADS}"
+    training = {"steps": steps, "torch": torch.__version__, "models": {"gpt2": {"spec": spec, "batch": batch, "runs": runs}}}
+    with open(os.path.join(out_dir, "training.json"), "w") as f:
+        json.dump(training, f, indent=1)
+        f.write("\n")
 
 
 def check(export_dir, fixture_dir, adapter):

@@ -102,8 +102,8 @@ fn families_are_registered_and_specs_serialize_as_strings() {
 }
 
 /// GPT-2's parameters are `GPT2LMHeadModel`'s `state_dict` keys in `Conv1D`'s layout, the head a
-/// frozen mirror of the token table; while the tie's gradient sum is not built, a model whose
-/// table trains is refused naming the fix, and one whose table is frozen passes.
+/// frozen mirror of the token table: a tie the step carries while the table trains, none once it
+/// is frozen; a mirror described trainable, or of another shape, is refused.
 #[test]
 fn gpt2_is_transformers_names_with_a_tied_head() {
     let spec = ModelSpec::parse("gpt2").unwrap();

@@ -103,8 +103,10 @@ pub struct ParamDesc {
     pub init: ParamInit,
     /// The parameter whose values this one mirrors (GPT-2's output head, tied to the token
     /// embedding `transformer.wte.weight`): initialised and read from files under that name,
-    /// never written to a file itself; held frozen (its gradient sum into the tied parameter is
-    /// not built yet, so the tied parameter must be frozen too: [`ModelDesc::check`]).
+    /// never written to a file itself; described frozen (no state of its own). When the
+    /// parameter it mirrors trains, the step sums the two uses' gradients into it and copies its
+    /// values back into the mirror ([`crate::ties`]); [`ModelDesc::check`] refuses a tie whose
+    /// shapes or splits differ.
     ///
     /// [`ModelDesc::check`]: crate::ModelDesc::check
     #[serde(default)]
