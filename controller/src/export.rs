@@ -132,6 +132,15 @@ pub fn open_checkpoint(dir: &Path) -> Result<(CheckpointReader, ModelSpec, PathB
 /// Writes the model of the checkpoint in `dir` to `out` (see the module docs).
 pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
     let (reader, model, checkpoint, skipped) = open_checkpoint(dir)?;
+    if model.lora().is_some() {
+        return Err(format!(
+            "the checkpoint in {} is a LoRA run's (`{model}`): it holds the adapters, not the frozen \
+             base they were trained on; write the merged model with `archipelago export {} \
+             --merge-lora --init BASE.safetensors --out FILE.safetensors` (BASE: the run's --init)",
+            checkpoint.display(),
+            dir.display()
+        ));
+    }
     let manifest = reader.manifest();
     let desc = model.desc();
     let blocks = checkpoint_weights(&reader, &model)?;

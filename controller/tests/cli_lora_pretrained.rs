@@ -1,11 +1,12 @@
 //! The fine-tuning workflow from the command line on a model pretrained here: a gpt trains on
 //! one text and is exported; LoRA adapters fine-tune it on another text (`--init` the export,
 //! `--lora-out`); the new text's loss falls under `eval`, and `export --merge-lora` writes a plain
-//! gpt whose loss is the adapted one's (1e-5).
+//! gpt whose loss is the adapted one's (1e-5), from the adapter directory or from the run's
+//! checkpoint (whose plain export, lacking the base, is refused naming that merge).
 
 mod common;
 
-use common::{archipelago, eval_loss};
+use common::{archipelago, eval_loss, refused};
 
 #[test]
 fn a_pretrained_gpt_fine_tunes_with_adapters_and_merges() {
@@ -91,5 +92,28 @@ fn a_pretrained_gpt_fine_tunes_with_adapters_and_merges() {
     assert!(
         (from_merged - after).abs() < 1e-5,
         "merged {from_merged} against adapted {after}"
+    );
+    // The run's checkpoints (beside --lora-out) hold the adapters, not the base: a plain export
+    // is refused with the merge to run instead, and that merge gives the same model.
+    let checkpoints = path("adapter-checkpoints");
+    let merged_again = path("merged/again.safetensors");
+    refused(
+        &["export", &checkpoints, "--out", &merged_again],
+        &["a LoRA run's", "--merge-lora --init BASE.safetensors"],
+    );
+    let (ok, out) = archipelago(&[
+        "export",
+        &checkpoints,
+        "--merge-lora",
+        "--init",
+        &base,
+        "--out",
+        &merged_again,
+    ]);
+    assert!(ok, "{out}");
+    let again = eval(&["--init", &merged_again]);
+    assert!(
+        (again - from_merged).abs() < 1e-6,
+        "{again} against {from_merged}"
     );
 }

@@ -1,7 +1,7 @@
 //! Tied parameters: one parameter used by two blocks, as GPT-2's output head reuses the token
 //! embedding (Press & Wolf, "Using the Output Embedding to Improve Language Models", 2017).
 //!
-//! The second use is a *mirror* ([`ParamDesc::tied_to`]): described beside its block, held whole
+//! The second use is a *mirror* ([`crate::ParamDesc::tied_to`]): described beside its block, held whole
 //! by the actor that runs that block, with no place in any trained vector, optimizer state,
 //! ZeRO shard or checkpoint — the parameter is one, its target. When the target trains, the step
 //! carries the tie ([`crate::passes::tied`]): the mirror's gradient is added into the target's
