@@ -231,6 +231,18 @@ impl InitWeights {
                 path.display()
             ));
         }
+        // The model's blocks as it runs them, by name: the sequence-parallel form cuts the same
+        // parameters into other blocks than the file's (the plain form's).
+        let by_name: HashMap<&str, &NamedParam> =
+            blocks.iter().flatten().map(|p| (p.name.as_str(), p)).collect();
+        let regrouped: Option<Vec<Vec<NamedParam>>> = (model.blocks.iter())
+            .map(|b| {
+                (b.param_descs.iter())
+                    .map(|d| by_name.get(d.name.as_str()).map(|p| (*p).clone()))
+                    .collect()
+            })
+            .collect();
+        let blocks = regrouped.unwrap_or(blocks);
         Ok(InitWeights {
             file,
             blocks,

@@ -43,7 +43,7 @@ fn compare(program: &Program, run: &str) -> torch_fixture::TorchComparison {
     torch_fixture::compare_with_torch_in(&fixture_dir(), program, "gpt2", run, torch)
 }
 
-/// Every layout, SGD and AdamW, ends at PyTorch's parameters (SGD 1e-5 relative, AdamW
+/// Every layout (sequence parallelism's too), SGD and AdamW, ends at PyTorch's parameters (SGD 1e-5 relative, AdamW
 /// allclose(1e-4, 1e-3·lr)) with its losses, rates and gradient norms (the norm counts the
 /// table once, with both uses' gradient in it).
 #[test]
@@ -58,17 +58,33 @@ fn full_fine_tuning_of_the_tied_gpt2_matches_transformers() {
             (tp(2, plan(1, 2, 0)), "tp=2 pp=2"),
         ] {
             let what = format!("gpt2 {run} {what}");
-            let c = compare(&program(run, layout), run);
-            eprintln!(
-                "torch {what}: max |Δparam| {:e} (excess {:.3}), figures excess {:.3}",
-                c.param_abs, c.param_excess, c.figures_excess
-            );
-            assert!(
-                c.figures_excess <= 1.0 && c.param_excess <= 1.0,
-                "{what}: differs from PyTorch: {c:?}"
-            );
+            check(&program(run, layout), run, &what);
         }
+        // Sequence parallelism cuts the same parameters into other blocks: `--init` reads them
+        // by name.
+        let spec = ModelSpec::parse(training()["models"]["gpt2"]["spec"].as_str().unwrap()).unwrap();
+        let sequence_parallel = program(run, tp(2, plan(1, 2, 0)))
+            .sequence_parallel(&spec)
+            .expect("the sequence-parallel form");
+        check(
+            &sequence_parallel,
+            run,
+            &format!("gpt2 {run} tp=2 pp=2 sequence-parallel"),
+        );
     }
+}
+
+/// Trains `program` as the fixture's `run` and holds it to PyTorch's.
+fn check(program: &Program, run: &str, what: &str) {
+    let c = compare(program, run);
+    eprintln!(
+        "torch {what}: max |Δparam| {:e} (excess {:.3}), figures excess {:.3}",
+        c.param_abs, c.param_excess, c.figures_excess
+    );
+    assert!(
+        c.figures_excess <= 1.0 && c.param_excess <= 1.0,
+        "{what}: differs from PyTorch: {c:?}"
+    );
 }
 
 /// The same comparison catches a tie half built: its gradient sum skipped (on one device and
