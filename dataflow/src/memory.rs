@@ -41,7 +41,7 @@ pub struct MemoryEstimate {
     pub optimizer: u64,
     /// Activations kept for backward at the peak.
     pub activations: u64,
-    /// Communication buffers in flight.
+    /// Communication buffers in flight (a tie's gradient sum and values among them).
     pub buffers: u64,
     /// What a block's backward holds beyond the activations kept for it on a GPU: the gradients
     /// of its intermediates and the kernels' temporaries, counted as [`BACKWARD_TEMPORARIES`]
@@ -214,6 +214,13 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         4 * optimized * program.optimizer.state_floats_per_param(),
         ZeroStage::ShardedOptimizer,
     );
+    // A tie ([`crate::ties`]) moves its mirror's f32 gradient sum one way and the table's values
+    // the other: two buffers of the mirror's length on each actor of the pair.
+    let holds = |block: usize| share.chunks.iter().any(|&(s, e)| (s..e).contains(&block));
+    let tied: u64 = (model.ties().iter())
+        .filter(|t| holds(t.mirror.0) || holds(t.target.0))
+        .map(|t| 2 * 4 * model.blocks[t.mirror.0].param_descs[t.mirror.1].len() as u64)
+        .sum();
     let mut estimate = MemoryEstimate {
         actor: share.actor,
         params: sharded(params - frozen, ZeroStage::ShardedParameters) + frozen,
@@ -222,11 +229,12 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         activations,
         activation_checkpoints: c * rows * in_flight * kept.device,
         activation_checkpoints_host: c * rows * in_flight * kept.host,
-        buffers: if dp > 1 {
-            largest_bucket / dp * 2 + gathered
-        } else {
-            0
-        },
+        buffers: tied
+            + if dp > 1 {
+                largest_bucket / dp * 2 + gathered
+            } else {
+                0
+            },
         backward_temporaries,
         host: 0,
         disk: 0,

@@ -137,3 +137,91 @@ pub fn share_values(graph: &mut Graph, layout: &Layout, ties: &[Tie]) {
     }
     insert_before(graph, inserts);
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::instruction::{ComputeOp, Instruction};
+    use crate::{ModelSpec, ParallelPlan, Program, TensorId, compile};
+
+    const GPT2: &str = "gpt2:vocab=96,ctx=8,d=16,layers=2,heads=2";
+
+    fn plan(spec: &str, dp: usize, pp: usize) -> crate::Plan {
+        let program = Program::new(ModelSpec::parse(spec).unwrap()).with_plan(ParallelPlan {
+            dp,
+            pp,
+            batch: 8,
+            microbatches: pp,
+            ..ParallelPlan::default()
+        });
+        compile(&program).unwrap()
+    }
+
+    /// What an actor's stream does with a tie, in order: its tie computes, and its sends and
+    /// receives of the tie's tensors, and its gradient all-reduces.
+    fn tie_steps(plan: &crate::Plan, actor: usize) -> Vec<String> {
+        let tied = |t: &TensorId| matches!(t, TensorId::TiedGrads { .. } | TensorId::TiedValues { .. });
+        (plan.stream(actor).instructions.iter())
+            .filter_map(|i| match i {
+                Instruction::Compute { op, outputs, .. } => match op {
+                    ComputeOp::TiedValues { .. }
+                    | ComputeOp::LoadTied { .. }
+                    | ComputeOp::AddTiedGrads { .. } => Some(op.to_string()),
+                    ComputeOp::Forward { mb: 0, .. } => Some("Forward".into()),
+                    _ if outputs.iter().any(tied) => Some(format!("{op} → {}", outputs.last().unwrap())),
+                    _ => None,
+                },
+                Instruction::Send { tensor, to, .. } if tied(tensor) => {
+                    Some(format!("send {tensor} to {to}"))
+                }
+                Instruction::Recv { tensor, from, .. } if tied(tensor) => {
+                    Some(format!("recv {tensor} from {from}"))
+                }
+                Instruction::StartCollective { tensor, .. }
+                    if matches!(tensor, TensorId::GradBucket { .. }) =>
+                {
+                    Some(format!("reduce {tensor}"))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// At dp=2 × pp=2 the first stage reads the table before its first forward and sends it to
+    /// the last stage, which loads it into the mirror before its own; the last stage's final
+    /// backward hands out the mirror's gradient and sends it back, and the first stage adds it
+    /// into the table's bucket before that bucket's all-reduce. Each side holds the two buffers
+    /// in its estimate. A gpt2 whose table is frozen (LoRA's base) carries no tie.
+    #[test]
+    fn a_trained_tie_crosses_the_pipeline_both_ways() {
+        let tied = plan(GPT2, 2, 2);
+        let (first, last) = (tied.actors[0].actor, tied.actors[1].actor);
+        let first_steps = tie_steps(&tied, first);
+        let last_steps = tie_steps(&tied, last);
+        let index = |steps: &[String], what: &str| {
+            steps
+                .iter()
+                .position(|s| s.starts_with(what))
+                .unwrap_or_else(|| panic!("`{what}` not in {steps:#?}"))
+        };
+        assert!(index(&first_steps, "TiedValues") < index(&first_steps, "Forward"));
+        assert!(index(&first_steps, "send tiedval") < index(&first_steps, "Forward"));
+        assert!(index(&last_steps, "LoadTied") < index(&last_steps, "Forward"));
+        assert!(index(&last_steps, "recv tiedval") < index(&last_steps, "LoadTied"));
+        assert!(index(&last_steps, "Backward") < index(&last_steps, "send tiedgrad"));
+        let add = index(&first_steps, "AddTiedGrads");
+        assert!(index(&first_steps, "recv tiedgrad") < add);
+        assert!(add < index(&first_steps, "reduce grad.0"), "{first_steps:#?}");
+        let mirror = 4 * 96 * 16;
+        let frozen = plan(&format!("{GPT2}/lora:r=2,alpha=4,targets=c_attn"), 2, 2);
+        for a in 0..2 {
+            assert_eq!(
+                tie_steps(&frozen, a)
+                    .iter()
+                    .filter(|s| s.contains("Tied"))
+                    .count(),
+                0
+            );
+            assert!(tied.memory[a].buffers >= 2 * mirror, "{:?}", tied.memory[a]);
+        }
+    }
+}
