@@ -151,7 +151,7 @@ pub fn export(dir: &Path, out: &Path) -> Result<Exported, String> {
     Ok(Exported {
         step: manifest.step,
         checkpoint,
-        params: desc.params(),
+        params: desc.distinct_params(),
         model,
         config,
         skipped,

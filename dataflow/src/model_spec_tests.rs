@@ -116,6 +116,7 @@ fn gpt2_is_transformers_names_with_a_tied_head() {
         124_439_808 + 50257 * 768,
         "GPT-2 small and its mirror"
     );
+    assert_eq!(spec.desc().distinct_params(), 124_439_808, "transformers' count");
     let small = ModelSpec::parse("gpt2:vocab=11,ctx=6,d=8,layers=1,heads=2").unwrap();
     let mut desc = small.desc();
     let names: Vec<&str> = desc

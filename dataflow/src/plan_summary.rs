@@ -18,7 +18,7 @@ impl Plan {
         let mut out = format!(
             "model {} ({} parameters, {} blocks)\nmesh {} ({})   global batch {}   micro-batches {}   zero {}   buckets {}\n",
             p.model.name,
-            p.model.params(),
+            p.model.distinct_params(),
             p.model.blocks.len(),
             self.mesh,
             count(self.actors.len(), "actor"),

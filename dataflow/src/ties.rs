@@ -42,6 +42,17 @@ impl ModelDesc {
         ties
     }
 
+    /// The parameters counted once each, a mirror as the parameter it mirrors (what
+    /// `transformers` gives as a tied model's size; [`ModelDesc::params`] counts every block's
+    /// elements, a mirror's too).
+    pub fn distinct_params(&self) -> u64 {
+        let mirrors: u64 = (self.blocks.iter().flat_map(|b| &b.param_descs))
+            .filter(|p| p.tied_to.is_some())
+            .map(|p| p.len() as u64)
+            .sum();
+        self.params() - mirrors
+    }
+
     /// Whether block `block`'s parameters are mirrors of a trained target, in order (what the
     /// actor running it keeps in autodiff though they are not in its trained vector).
     pub fn tracked_mirrors(&self, block: usize) -> Vec<bool> {

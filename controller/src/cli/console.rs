@@ -49,7 +49,7 @@ pub fn banner(program: &Program, plan: &Plan, steps: u64, start: Start<'_>) -> V
         format!(
             "training {} ({} parameters) on {} [{}], global batch {}, {}",
             program.model.name,
-            program.model.params(),
+            program.model.distinct_params(),
             count(plan.actors.len(), "actor"),
             plan.mesh,
             pl.batch,

@@ -156,7 +156,7 @@ impl Dashboard {
         let job = JobView {
             name: name.to_string(),
             model: p.model.name.clone(),
-            params: p.model.params(),
+            params: p.model.distinct_params(),
             mesh: plan.mesh.to_string(),
             batch: p.plan.batch,
             steps,

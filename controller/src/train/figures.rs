@@ -120,7 +120,7 @@ pub(crate) async fn final_report<G: Gang>(
     Ok(TrainReport {
         model: program.model.name.clone(),
         plan: options.flags.clone(),
-        params: program.model.params(),
+        params: program.model.distinct_params(),
         trainable_params: (program.model.blocks.iter()).map(|b| b.trained_params()).sum(),
         final_loss: steps.last().map_or(f32::NAN, |s| s.loss),
         restarts: Vec::new(),
