@@ -3,7 +3,7 @@
 `GPT2Model` state dict, a full state dict with the tied `lm_head.weight` and the old `attn.bias`
 mask buffers), fixed token ids whose greedy continuation has a clear top-1 margin at every step,
 the model's logits on them, a PEFT LoRA adapter on `c_attn` with non-zero B and PEFT's logits
-with it, and the loss and perplexity of `archipelago eval` on a text tokenized by the tokenizer
+with it (on those ids, and on its own greedy continuation of the same prompt), and the loss and perplexity of `archipelago eval` on a text tokenized by the tokenizer
 fixture (`../tokenizer/tokenizer.json`). The Rust tests read them; no Python runs at test time.
 
     bash scripts/peers_venv.sh hf      # torch 2.9.0, transformers 4.57.6, peft 0.17.1, tokenizers 0.22.1
@@ -157,6 +157,10 @@ def write(out_dir):
     os.remove(os.path.join(out_dir, "adapter", "README.md"))
     with torch.no_grad():
         lora_logits = adapted(torch.tensor([ids])).logits
+    # The adapted model's own greedy continuation of the same prompt (generation's check).
+    lora_ids, lora_margin = greedy(adapted, prompt)
+    with torch.no_grad():
+        lora_greedy_logits = adapted(torch.tensor([lora_ids])).logits
 
     tok = tokenizers.Tokenizer.from_file(os.path.join(out_dir, "..", "tokenizer", "tokenizer.json"))
     eval_ids = tok.encode(EVAL_TEXT, add_special_tokens=False).ids
@@ -169,6 +173,8 @@ def write(out_dir):
             "ids": torch.tensor([ids], dtype=torch.int64),
             "logits": logits.contiguous(),
             "lora_logits": lora_logits.contiguous(),
+            "lora_greedy_ids": torch.tensor([lora_ids], dtype=torch.int64),
+            "lora_greedy_logits": lora_greedy_logits.contiguous(),
         },
         os.path.join(out_dir, "expected.safetensors"),
     )
@@ -181,6 +187,8 @@ def write(out_dir):
         "erf_gelu_logit_difference": erf_difference(seed, ids),
         "loss": loss,
         "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "targets": ["c_attn"]},
+        "lora_greedy": lora_ids,
+        "lora_least_top1_margin": lora_margin,
         "eval": {"ids": len(eval_ids), "loss": loss_eval, "perplexity": math.exp(loss_eval)},
         "versions": {
             "torch": torch.__version__,

@@ -13,6 +13,22 @@ use burn::tensor::{Float, FloatDType, Int, Tensor, TensorData};
 
 use crate::transfer::{TransferKind, download, upload};
 
+/// What a block keeps of the positions it has seen, for generation (the KV cache of Pope et
+/// al., 2022): how many there are and, for an attention block, their keys and values.
+#[derive(Debug, Clone)]
+pub struct Past<B: Backend> {
+    /// Positions seen so far (the next new one is at this position).
+    pub offset: usize,
+    /// An attention's keys and values of those positions, each `[b, heads, offset, head width]`.
+    pub kv: Option<(Tensor<B, 4>, Tensor<B, 4>)>,
+}
+
+impl<B: Backend> Default for Past<B> {
+    fn default() -> Self {
+        Past { offset: 0, kv: None }
+    }
+}
+
 /// What flows between blocks.
 #[derive(Debug, Clone)]
 pub enum Activation<B: Backend> {
@@ -86,12 +102,22 @@ impl<B: AutodiffBackend> Activation<B> {
 pub trait BlockModule<B: AutodiffBackend>: Module<B> + Send + 'static {
     /// The block's forward.
     fn forward(&self, x: Activation<B>) -> Activation<B>;
+
+    /// The forward of new positions that follow `past` (generation: `x` holds only the new
+    /// positions, which start at `past.offset`); what it keeps of them goes into `past` (an
+    /// attention's keys and values). The default is [`BlockModule::forward`]: a block whose
+    /// output at a position depends on that position's input alone.
+    fn forward_cached(&self, x: Activation<B>, _past: &mut Past<B>) -> Activation<B> {
+        self.forward(x)
+    }
 }
 
 /// A block as the runtime holds it (object safe).
 pub trait Block<B: AutodiffBackend>: Send {
     /// The forward.
     fn forward(&self, x: Activation<B>) -> Activation<B>;
+    /// The forward of new positions after `past` ([`BlockModule::forward_cached`]).
+    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B>;
     /// Number of f32 parameters.
     fn num_params(&self) -> usize;
     /// Parameter paths and shapes in flattening order.
@@ -190,6 +216,10 @@ pub fn read_flat<B: Backend>(
 impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         BlockModule::forward(self, x)
+    }
+
+    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B> {
+        BlockModule::forward_cached(self, x, past)
     }
 
     fn num_params(&self) -> usize {

@@ -20,7 +20,7 @@ use archipelago_dataflow::TrainedLayout;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::block::{Activation, Block};
+use crate::block::{Activation, Block, Past};
 
 /// A block whose frozen parameters stay out of the trainer's view.
 pub struct PartlyFrozen<B: AutodiffBackend> {
@@ -66,6 +66,10 @@ impl<B: AutodiffBackend> PartlyFrozen<B> {
 impl<B: AutodiffBackend> Block<B> for PartlyFrozen<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
         self.inner.forward(x)
+    }
+
+    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B> {
+        self.inner.forward_cached(x, past)
     }
 
     fn num_params(&self) -> usize {

@@ -21,8 +21,8 @@ use crate::zoo::{BuildContext, ModelBuilder, ZooModel};
 
 /// A token model's blocks, loaded.
 pub struct WholeModel {
-    spec: ModelSpec,
-    blocks: Vec<Box<dyn Block<CpuBackend>>>,
+    pub(crate) spec: ModelSpec,
+    pub(crate) blocks: Vec<Box<dyn Block<CpuBackend>>>,
 }
 
 /// A text's loss under a model.

@@ -35,6 +35,7 @@ pub mod device_actor;
 pub mod error;
 pub mod executor;
 pub mod fabric;
+pub mod generate;
 pub mod gpus;
 pub mod host_tensor;
 pub mod inference;

@@ -21,6 +21,8 @@
 //! [`describe`] says what is in use and why (`train`, the run report and the bench carry it).
 
 mod attention;
+mod attention_past;
+pub use attention_past::attention_with_past;
 mod autodiff_attention;
 mod autodiff_linear;
 mod autodiff_matmul;

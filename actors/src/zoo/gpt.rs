@@ -10,7 +10,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConf
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::block::{Activation, Block, BlockModule};
+use crate::block::{Activation, Block, BlockModule, Past};
 use crate::kernels::{Kernels, layer_norm, linear};
 use crate::zoo::gpt_sp::{self, Gelu};
 use crate::zoo::lora::AdapterShape;
@@ -111,11 +111,24 @@ impl<B: Backend> GptEmbedding<B> {
 
 impl<B: Kernels> BlockModule<B> for GptEmbedding<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
+        self.embed(x, 0)
+    }
+
+    /// The new tokens at their positions after the past's.
+    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B> {
+        self.embed(x, past.offset)
+    }
+}
+
+impl<B: Kernels> GptEmbedding<B> {
+    /// Token ids `[b, t]` at positions `first..first + t`.
+    fn embed(&self, x: Activation<B>, first: usize) -> Activation<B> {
         let Activation::Tokens(tokens) = x else {
             panic!("GptEmbedding takes token ids")
         };
         let [b, t] = tokens.dims();
-        let positions = Tensor::<B, 1, Int>::arange(0..t as i64, &tokens.device()).reshape([1, t]);
+        let positions =
+            Tensor::<B, 1, Int>::arange(first as i64..(first + t) as i64, &tokens.device()).reshape([1, t]);
         if self.tp_size == 1 {
             return Activation::Seq(
                 self.tok_embedding.forward(tokens) + self.pos_embedding.forward(positions),
@@ -171,10 +184,22 @@ impl<B: Backend> AttentionHalf<B> {
 
 impl<B: Kernels> BlockModule<B> for AttentionHalf<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
+        self.residual(x, |u| self.attention.mix(u))
+    }
+
+    /// The new positions attend to the past's keys and values and their own.
+    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B> {
+        self.residual(x, |u| self.attention.mix_cached(u, past))
+    }
+}
+
+impl<B: Kernels> AttentionHalf<B> {
+    /// `x + mix(ln1(x))` (the mix alone past the first tp rank).
+    fn residual(&self, x: Activation<B>, mix: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>) -> Activation<B> {
         let Activation::Seq(x) = x else {
             panic!("AttentionHalf takes a sequence")
         };
-        let y = self.attention.mix(layer_norm(&self.ln1, x.clone(), LN_EPSILON));
+        let y = mix(layer_norm(&self.ln1, x.clone(), LN_EPSILON));
         Activation::Seq(if self.attention.place().leads() { x + y } else { y })
     }
 }

@@ -12,8 +12,8 @@ use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use crate::block::{Activation, Block, BlockModule};
-use crate::kernels::{Kernels, causal_attention, gelu, layer_norm, linear};
+use crate::block::{Activation, Block, BlockModule, Past};
+use crate::kernels::{Kernels, attention_with_past, causal_attention, gelu, layer_norm, linear};
 use crate::zoo::GptEmbedding;
 use crate::zoo::lora::{Adapter, AdapterShape, adapted};
 use crate::zoo::tp::{TpPlace, row_parallel};
@@ -161,6 +161,34 @@ impl<B: Kernels> AttentionMix<B> {
     pub fn mix(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
         let qkv = adapted(linear(&self.qkv, u.clone()), &self.qkv_lora, u);
         let attended = causal_attention(qkv, self.heads);
+        adapted(
+            row_parallel(&self.proj, attended.clone(), self.place()),
+            &self.proj_lora,
+            attended,
+        )
+    }
+}
+
+impl<B: Kernels> AttentionMix<B> {
+    /// [`AttentionMix::mix`] of new positions `u` `[b, n, d]` after `past`: their keys and
+    /// values join the past's, and their queries attend to all of them up to their own position
+    /// ([`attention_with_past`]).
+    pub fn mix_cached(&self, u: Tensor<B, 3>, past: &mut Past<B>) -> Tensor<B, 3> {
+        let qkv = adapted(linear(&self.qkv, u.clone()), &self.qkv_lora, u);
+        let [b, n, d3] = qkv.dims();
+        let (d, h) = (d3 / 3, self.heads);
+        let split = |i: usize| {
+            (qkv.clone().narrow(2, i * d, d))
+                .reshape([b, n, h, d / h])
+                .swap_dims(1, 2)
+        };
+        let (q, mut k, mut v) = (split(0), split(1), split(2));
+        if let Some((past_k, past_v)) = past.kv.take() {
+            (k, v) = (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2));
+        }
+        past.kv = Some((k.clone(), v.clone()));
+        let (attended, _) = attention_with_past(q, k, v, past.offset);
+        let attended = attended.swap_dims(1, 2).reshape([b, n, d]);
         adapted(
             row_parallel(&self.proj, attended.clone(), self.place()),
             &self.proj_lora,

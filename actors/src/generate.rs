@@ -1,0 +1,109 @@
+//! Generation with a KV cache on one device: prefill the prompt, then decode one token a step,
+//! each block keeping what it has seen of the sequence ([`Past`]: an attention's keys and
+//! values, Pope et al. 2022), so a step computes the new position only. Greedy decoding here;
+//! sampling, batching over a paged cache and the service build on [`WholeModel::extend`].
+
+use burn::backend::flex::FlexDevice;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use crate::CpuBackend;
+use crate::block::{Activation, Past};
+use crate::inference::WholeModel;
+
+/// One sequence being generated: every block's past and the tokens so far.
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    /// Each block's past, in block order (all at the same offset).
+    pub pasts: Vec<Past<CpuBackend>>,
+    /// The tokens the model has seen.
+    pub tokens: Vec<u32>,
+}
+
+/// A greedy continuation: the new tokens and, for each, the logits it was the argmax of.
+#[derive(Debug, Clone)]
+pub struct Greedy {
+    /// The generated tokens.
+    pub tokens: Vec<u32>,
+    /// The logits (`vocab` values) each was picked from.
+    pub logits: Vec<Vec<f32>>,
+}
+
+impl WholeModel {
+    /// An empty sequence for this model.
+    pub fn start(&self) -> Sequence {
+        Sequence {
+            pasts: (0..self.blocks.len()).map(|_| Past::default()).collect(),
+            tokens: Vec::new(),
+        }
+    }
+
+    /// The logits `[n, vocab]` (flat) of `ids`, the `n` positions after `sequence`'s, which
+    /// keeps them.
+    pub fn extend(&self, sequence: &mut Sequence, ids: &[u32]) -> Result<Vec<f32>, String> {
+        let (ctx, vocab) = (self.spec.get("ctx"), self.spec.get("vocab"));
+        let (Some(ctx), Some(vocab)) = (ctx, vocab) else {
+            return Err(format!("{} takes no tokens", self.spec));
+        };
+        let seen = sequence.tokens.len();
+        if ids.is_empty() || seen + ids.len() > ctx {
+            return Err(format!(
+                "{} new tokens after {seen}: {} has {ctx} positions",
+                ids.len(),
+                self.spec
+            ));
+        }
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(format!(
+                "token id {id} is past {}'s vocabulary of {vocab}",
+                self.spec
+            ));
+        }
+        let data: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
+        let tokens =
+            Tensor::<CpuBackend, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &FlexDevice);
+        let mut x = Activation::Tokens(tokens);
+        for (block, past) in self.blocks.iter().zip(&mut sequence.pasts) {
+            x = block.forward_cached(x, past);
+            past.offset += ids.len();
+        }
+        sequence.tokens.extend_from_slice(ids);
+        let Activation::Seq(logits) = x else {
+            return Err(format!("{}'s last block gave no sequence of logits", self.spec));
+        };
+        (logits.into_data().convert::<f32>().to_vec::<f32>())
+            .map_err(|e| format!("cannot read the logits: {e:?}"))
+    }
+
+    /// The greedy continuation of `prompt` by `new_tokens` tokens: the prompt prefilled in one
+    /// pass, then one decoding step per token.
+    pub fn greedy(&self, prompt: &[u32], new_tokens: usize) -> Result<Greedy, String> {
+        let vocab = self.spec.get("vocab").unwrap_or(0);
+        let mut sequence = self.start();
+        let prefill = self.extend(&mut sequence, prompt)?;
+        let mut last = prefill[prefill.len() - vocab..].to_vec();
+        let mut out = Greedy {
+            tokens: Vec::with_capacity(new_tokens),
+            logits: Vec::with_capacity(new_tokens),
+        };
+        for step in 0..new_tokens {
+            let next = argmax(&last);
+            out.tokens.push(next);
+            out.logits.push(std::mem::take(&mut last));
+            if step + 1 < new_tokens {
+                last = self.extend(&mut sequence, &[next])?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The index of the largest value (the first of equals).
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
