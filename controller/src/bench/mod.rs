@@ -94,9 +94,9 @@ pub struct BenchArgs {
     /// dp=2 and tp=2, one after the other in one window (tokens/s, fabric bytes per step).
     #[arg(long)]
     pub layouts_only: bool,
-    /// Run only LoRA against full fine-tuning and stop: gpt-tiny at dp=2, full against adapters
-    /// of rank 8 (on qkv, and on every projection), alternated (steps/s, model-state, optimizer
-    /// and gradient fabric bytes).
+    /// Run only LoRA against full fine-tuning and stop: a GPT-2 of gpt-tiny's size at dp=2, full
+    /// against adapters of rank 8 (on c_attn, and on every projection), alternated (steps/s,
+    /// backward seconds, model-state, optimizer and gradient fabric bytes).
     #[arg(long)]
     pub lora_only: bool,
     /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
