@@ -1,7 +1,8 @@
 //! Generation with a KV cache on one device: prefill the prompt, then decode one token a step,
 //! each block keeping what it has seen of the sequence ([`Past`]: an attention's keys and
-//! values, Pope et al. 2022), so a step computes the new position only. Greedy decoding here;
-//! sampling, batching over a paged cache and the service build on [`WholeModel::extend`].
+//! values, Pope et al. 2022), so a step computes the new position only. [`WholeModel::generate`]
+//! answers a request (sampling, `max_tokens`, stop sequences, text streamed as it comes);
+//! batching over a paged cache and the service build on [`WholeModel::extend`].
 
 use burn::backend::flex::FlexDevice;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -9,6 +10,8 @@ use burn::tensor::{Int, Tensor, TensorData};
 use crate::CpuBackend;
 use crate::block::{Activation, Past};
 use crate::inference::WholeModel;
+use crate::sampling::{Sampler, Sampling};
+use crate::text_stream::{Decode, TextStream};
 
 /// One sequence being generated: every block's past and the tokens so far.
 #[derive(Debug, Clone)]
@@ -94,6 +97,99 @@ impl WholeModel {
             }
         }
         Ok(out)
+    }
+}
+
+/// What to generate after a prompt.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// The prompt's token ids.
+    pub prompt: Vec<u32>,
+    /// The most tokens to generate.
+    pub max_tokens: usize,
+    /// How each token is chosen.
+    pub sampling: Sampling,
+    /// Text that ends the answer where it first appears (not included).
+    pub stop: Vec<String>,
+}
+
+/// Why generation ended (OpenAI's `finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// `max_tokens` were generated.
+    Length,
+    /// A stop sequence appeared.
+    Stop,
+}
+
+/// A finished answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// The tokens generated (the one that completed a stop sequence included).
+    pub tokens: Vec<u32>,
+    /// The text sent, up to any stop sequence.
+    pub text: String,
+    /// Why it ended.
+    pub finish: Finish,
+}
+
+impl WholeModel {
+    /// Answers `request`: the prompt prefilled, then a token a step under its sampling until
+    /// `max_tokens` or a stop sequence, each piece of text handed to `on_text` as soon as it can
+    /// go out ([`TextStream`]). Refused before any work: an empty prompt, a bad sampling
+    /// parameter, a prompt and `max_tokens` that do not fit the model's positions.
+    pub fn generate(
+        &self,
+        request: &Request,
+        decode: &Decode,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Completion, String> {
+        request.sampling.check()?;
+        let ctx = self.spec.get("ctx").unwrap_or(0);
+        let vocab = self.spec.get("vocab").unwrap_or(0);
+        if request.prompt.is_empty() || request.prompt.len() + request.max_tokens > ctx {
+            return Err(format!(
+                "a prompt of {} tokens and max_tokens {} need {} positions; {} has {ctx} (give a \
+                 prompt of 1 token or more and at most {ctx} tokens with max_tokens)",
+                request.prompt.len(),
+                request.max_tokens,
+                request.prompt.len() + request.max_tokens,
+                self.spec
+            ));
+        }
+        let mut sequence = self.start();
+        let prefill = self.extend(&mut sequence, &request.prompt)?;
+        let mut last = prefill[prefill.len() - vocab..].to_vec();
+        let mut sampler = Sampler::new(request.sampling);
+        let mut stream = TextStream::new(decode, &request.stop);
+        let mut tokens = Vec::with_capacity(request.max_tokens);
+        for step in 0..request.max_tokens {
+            let token = sampler.next(&last);
+            tokens.push(token);
+            let chunk = stream.push(token)?;
+            if !chunk.is_empty() {
+                on_text(&chunk);
+            }
+            if stream.stopped() {
+                break;
+            }
+            if step + 1 < request.max_tokens {
+                last = self.extend(&mut sequence, &[token])?;
+            }
+        }
+        let rest = stream.finish()?;
+        if !rest.is_empty() {
+            on_text(&rest);
+        }
+        Ok(Completion {
+            tokens,
+            text: stream.text().to_string(),
+            finish: if stream.stopped() {
+                Finish::Stop
+            } else {
+                Finish::Length
+            },
+        })
     }
 }
 

@@ -2,15 +2,18 @@
 //! values gives what recomputing the whole sequence gives (64 greedy tokens: the same tokens,
 //! every step's logits within 1e-5) for gpt2 and gpt, and a decode that forgets the cache is
 //! caught; the fixture's GPT-2 continues its prompt as `transformers`' greedy search does, with
-//! and without the PEFT adapter (logits within 1e-4 at every step).
+//! and without the PEFT adapter (logits within 1e-4 at every step); a request samples
+//! repeatably per seed, stops before its stop sequence and streams its text whole.
 
 use std::path::{Path, PathBuf};
 
 use archipelago_actors::block::initial_params;
-use archipelago_actors::generate::argmax;
+use archipelago_actors::generate::{Finish, Request, argmax};
 use archipelago_actors::inference::{WholeModel, read_weights};
 use archipelago_actors::peft::read_config;
+use archipelago_actors::sampling::Sampling;
 use archipelago_actors::tensor_file::TensorFile;
+use archipelago_actors::text_tokens;
 use archipelago_dataflow::ModelSpec;
 use archipelago_dataflow::family::gpt2_from_config;
 use archipelago_integration_tests::{MARGIN, assert_caught};
@@ -130,4 +133,73 @@ fn the_fixture_gpt2_continues_as_transformers_with_and_without_its_adapter() {
         eprintln!("{spec}: {new} tokens as transformers', largest logit difference {worst:e}");
         assert!(worst <= 1e-4, "{spec}: logits differ by {worst:e}");
     }
+}
+
+/// A request through the fixture's tokenizer: greedy answers the greedy continuation and its
+/// streamed chunks add up to the decoded text; a stop sequence from the middle of that text ends
+/// the answer before it; a seed repeats a sampled answer and another seed changes it; a request
+/// past the context or with a negative temperature is refused naming the field.
+#[test]
+fn requests_sample_repeatably_stop_and_stream_their_text() {
+    let config = std::fs::read_to_string(fixture("config.json")).unwrap();
+    let spec = gpt2_from_config(&serde_json::from_str(&config).unwrap()).unwrap();
+    let model = WholeModel::load(
+        &spec,
+        &read_weights(&spec, &fixture("model.safetensors"), None).unwrap(),
+    )
+    .unwrap();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tokenizer/tokenizer.json");
+    let path = path.display().to_string();
+    let tokenizer = text_tokens::load(&path, 320).unwrap();
+    let decode = |ids: &[u32]| tokenizer.decode(ids, false).map_err(|e| e.to_string());
+    let prompt = text_tokens::token_ids(&tokenizer, "The quick brown fox", &path).unwrap();
+    let request = |max_tokens: usize, sampling: Sampling, stop: &[&str]| Request {
+        prompt: prompt.clone(),
+        max_tokens,
+        sampling,
+        stop: stop.iter().map(|s| s.to_string()).collect(),
+    };
+    let run = |r: &Request| {
+        let mut chunks = Vec::new();
+        let done = model
+            .generate(r, &decode, &mut |t| chunks.push(t.to_string()))
+            .unwrap();
+        assert_eq!(chunks.concat(), done.text, "the chunks are the text");
+        done
+    };
+    let new = 16 - prompt.len();
+    let greedy = run(&request(new, Sampling::greedy(), &[]));
+    assert_eq!(greedy.tokens, model.greedy(&prompt, new).unwrap().tokens);
+    assert_eq!(
+        (greedy.finish, greedy.text.clone()),
+        (Finish::Length, decode(&greedy.tokens).unwrap())
+    );
+    let chars: Vec<char> = greedy.text.chars().collect();
+    assert!(chars.len() >= 4, "{:?}", greedy.text);
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let stopped = run(&request(new, Sampling::greedy(), &[&stop]));
+    let before = &greedy.text[..greedy.text.find(&stop).unwrap()];
+    assert_eq!(
+        (stopped.finish, stopped.text.as_str()),
+        (Finish::Stop, before),
+        "stop {stop:?}"
+    );
+    let sampled = |seed: u64| {
+        let sampling = Sampling {
+            temperature: 1.0,
+            top_k: Some(50),
+            top_p: Some(0.95),
+            seed,
+        };
+        run(&request(new, sampling, &[])).tokens
+    };
+    assert_eq!(sampled(5), sampled(5), "a seed repeats its answer");
+    assert_ne!(sampled(5), sampled(6), "another seed, another answer");
+    let refused = |r: &Request| model.generate(r, &decode, &mut |_| {}).unwrap_err();
+    assert!(refused(&request(new + 1, Sampling::greedy(), &[])).contains("max_tokens"));
+    let cold = Sampling {
+        temperature: -1.0,
+        ..Sampling::greedy()
+    };
+    assert!(refused(&request(4, cold, &[])).contains("temperature"));
 }
