@@ -29,6 +29,24 @@ impl<B: Backend> Default for Past<B> {
     }
 }
 
+/// The pasts of the sequences whose new positions lie side by side in one activation
+/// (`[1, Σ new, ·]`: continuous batching's flattened step, Yu et al., Orca, OSDI 2022), each with
+/// how many new positions it has there, in order.
+#[derive(Debug, Clone)]
+pub struct Pasts<B: Backend> {
+    /// Each sequence's past and its count of new positions.
+    pub seqs: Vec<(Past<B>, usize)>,
+}
+
+impl<B: Backend> Pasts<B> {
+    /// The absolute positions of the new ones, sequence after sequence.
+    pub fn positions(&self) -> Vec<i64> {
+        (self.seqs.iter())
+            .flat_map(|(past, new)| (past.offset..past.offset + new).map(|p| p as i64))
+            .collect()
+    }
+}
+
 /// What flows between blocks.
 #[derive(Debug, Clone)]
 pub enum Activation<B: Backend> {
@@ -103,11 +121,12 @@ pub trait BlockModule<B: AutodiffBackend>: Module<B> + Send + 'static {
     /// The block's forward.
     fn forward(&self, x: Activation<B>) -> Activation<B>;
 
-    /// The forward of new positions that follow `past` (generation: `x` holds only the new
-    /// positions, which start at `past.offset`); what it keeps of them goes into `past` (an
-    /// attention's keys and values). The default is [`BlockModule::forward`]: a block whose
-    /// output at a position depends on that position's input alone.
-    fn forward_cached(&self, x: Activation<B>, _past: &mut Past<B>) -> Activation<B> {
+    /// The forward of new positions that follow the sequences' pasts (generation: `x` holds
+    /// only the new positions, sequence after sequence in one row, each sequence's starting at
+    /// its past's offset); what it keeps of them goes into the pasts (an attention's keys and
+    /// values). The default is [`BlockModule::forward`]: a block whose output at a position
+    /// depends on that position's input alone.
+    fn forward_cached(&self, x: Activation<B>, _pasts: &mut Pasts<B>) -> Activation<B> {
         self.forward(x)
     }
 }
@@ -116,8 +135,8 @@ pub trait BlockModule<B: AutodiffBackend>: Module<B> + Send + 'static {
 pub trait Block<B: AutodiffBackend>: Send {
     /// The forward.
     fn forward(&self, x: Activation<B>) -> Activation<B>;
-    /// The forward of new positions after `past` ([`BlockModule::forward_cached`]).
-    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B>;
+    /// The forward of new positions after the pasts ([`BlockModule::forward_cached`]).
+    fn forward_cached(&self, x: Activation<B>, pasts: &mut Pasts<B>) -> Activation<B>;
     /// Number of f32 parameters.
     fn num_params(&self) -> usize;
     /// Parameter paths and shapes in flattening order.
@@ -218,8 +237,8 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
         BlockModule::forward(self, x)
     }
 
-    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B> {
-        BlockModule::forward_cached(self, x, past)
+    fn forward_cached(&self, x: Activation<B>, pasts: &mut Pasts<B>) -> Activation<B> {
+        BlockModule::forward_cached(self, x, pasts)
     }
 
     fn num_params(&self) -> usize {

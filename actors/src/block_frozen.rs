@@ -20,7 +20,7 @@ use archipelago_dataflow::TrainedLayout;
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::block::{Activation, Block, Past};
+use crate::block::{Activation, Block, Pasts};
 
 /// A block whose frozen parameters stay out of the trainer's view.
 pub struct PartlyFrozen<B: AutodiffBackend> {
@@ -68,8 +68,8 @@ impl<B: AutodiffBackend> Block<B> for PartlyFrozen<B> {
         self.inner.forward(x)
     }
 
-    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B> {
-        self.inner.forward_cached(x, past)
+    fn forward_cached(&self, x: Activation<B>, pasts: &mut Pasts<B>) -> Activation<B> {
+        self.inner.forward_cached(x, pasts)
     }
 
     fn num_params(&self) -> usize {

@@ -8,7 +8,7 @@ use burn::backend::flex::FlexDevice;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::CpuBackend;
-use crate::block::{Activation, Past};
+use crate::block::{Activation, Past, Pasts};
 use crate::inference::WholeModel;
 use crate::sampling::{Sampler, Sampling};
 use crate::text_stream::{Decode, TextStream};
@@ -43,38 +43,77 @@ impl WholeModel {
     /// The logits `[n, vocab]` (flat) of `ids`, the `n` positions after `sequence`'s, which
     /// keeps them.
     pub fn extend(&self, sequence: &mut Sequence, ids: &[u32]) -> Result<Vec<f32>, String> {
+        let mut logits = self.extend_many(&mut [sequence], &[ids])?;
+        Ok(logits.pop().unwrap_or_default())
+    }
+
+    /// [`WholeModel::extend`] of several sequences in one pass: their new ids side by side in
+    /// one row (continuous batching's flattened step), each attending to its own past only.
+    pub fn extend_many(
+        &self,
+        sequences: &mut [&mut Sequence],
+        ids: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>, String> {
         let (ctx, vocab) = (self.spec.get("ctx"), self.spec.get("vocab"));
         let (Some(ctx), Some(vocab)) = (ctx, vocab) else {
             return Err(format!("{} takes no tokens", self.spec));
         };
-        let seen = sequence.tokens.len();
-        if ids.is_empty() || seen + ids.len() > ctx {
+        if sequences.len() != ids.len() || sequences.is_empty() {
             return Err(format!(
-                "{} new tokens after {seen}: {} has {ctx} positions",
-                ids.len(),
-                self.spec
+                "{} sequences and {} lists of new ids",
+                sequences.len(),
+                ids.len()
             ));
         }
-        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(format!(
-                "token id {id} is past {}'s vocabulary of {vocab}",
-                self.spec
-            ));
+        for (sequence, ids) in sequences.iter().zip(ids) {
+            let seen = sequence.tokens.len();
+            if ids.is_empty() || seen + ids.len() > ctx {
+                return Err(format!(
+                    "{} new tokens after {seen}: {} has {ctx} positions",
+                    ids.len(),
+                    self.spec
+                ));
+            }
+            if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+                return Err(format!(
+                    "token id {id} is past {}'s vocabulary of {vocab}",
+                    self.spec
+                ));
+            }
         }
-        let data: Vec<i32> = ids.iter().map(|&id| id as i32).collect();
-        let tokens =
-            Tensor::<CpuBackend, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &FlexDevice);
+        let data: Vec<i32> = ids
+            .iter()
+            .flat_map(|ids| ids.iter().map(|&id| id as i32))
+            .collect();
+        let total = data.len();
+        let tokens = Tensor::<CpuBackend, 2, Int>::from_data(TensorData::new(data, [1, total]), &FlexDevice);
         let mut x = Activation::Tokens(tokens);
-        for (block, past) in self.blocks.iter().zip(&mut sequence.pasts) {
-            x = block.forward_cached(x, past);
-            past.offset += ids.len();
+        for (b, block) in self.blocks.iter().enumerate() {
+            let seqs = (sequences.iter_mut().zip(ids))
+                .map(|(s, ids)| (std::mem::take(&mut s.pasts[b]), ids.len()))
+                .collect();
+            let mut pasts = Pasts { seqs };
+            x = block.forward_cached(x, &mut pasts);
+            for (sequence, (past, new)) in sequences.iter_mut().zip(pasts.seqs) {
+                sequence.pasts[b] = Past {
+                    offset: past.offset + new,
+                    kv: past.kv,
+                };
+            }
         }
-        sequence.tokens.extend_from_slice(ids);
         let Activation::Seq(logits) = x else {
             return Err(format!("{}'s last block gave no sequence of logits", self.spec));
         };
-        (logits.into_data().convert::<f32>().to_vec::<f32>())
-            .map_err(|e| format!("cannot read the logits: {e:?}"))
+        let flat = (logits.into_data().convert::<f32>().to_vec::<f32>())
+            .map_err(|e| format!("cannot read the logits: {e:?}"))?;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(ids.len());
+        for (sequence, ids) in sequences.iter_mut().zip(ids) {
+            sequence.tokens.extend_from_slice(ids);
+            out.push(flat[at * vocab..(at + ids.len()) * vocab].to_vec());
+            at += ids.len();
+        }
+        Ok(out)
     }
 
     /// The greedy continuation of `prompt` by `new_tokens` tokens: the prompt prefilled in one

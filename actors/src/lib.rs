@@ -26,6 +26,7 @@
 pub mod allocator;
 pub mod backend;
 pub mod batch_file;
+pub mod batching;
 pub mod block;
 pub mod block_frozen;
 pub mod checkpoint;

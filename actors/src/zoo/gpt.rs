@@ -10,7 +10,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConf
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-use crate::block::{Activation, Block, BlockModule, Past};
+use crate::block::{Activation, Block, BlockModule, Pasts};
 use crate::kernels::{Kernels, layer_norm, linear};
 use crate::zoo::gpt_sp::{self, Gelu};
 use crate::zoo::lora::AdapterShape;
@@ -111,24 +111,28 @@ impl<B: Backend> GptEmbedding<B> {
 
 impl<B: Kernels> BlockModule<B> for GptEmbedding<B> {
     fn forward(&self, x: Activation<B>) -> Activation<B> {
-        self.embed(x, 0)
+        self.embed(x, None)
     }
 
-    /// The new tokens at their positions after the past's.
-    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B> {
-        self.embed(x, past.offset)
+    /// The new tokens at their positions after their sequences' pasts.
+    fn forward_cached(&self, x: Activation<B>, pasts: &mut Pasts<B>) -> Activation<B> {
+        self.embed(x, Some(pasts.positions()))
     }
 }
 
 impl<B: Kernels> GptEmbedding<B> {
-    /// Token ids `[b, t]` at positions `first..first + t`.
-    fn embed(&self, x: Activation<B>, first: usize) -> Activation<B> {
+    /// Token ids `[b, t]` at positions `positions` (`t` of them; `0..t` when `None`).
+    fn embed(&self, x: Activation<B>, positions: Option<Vec<i64>>) -> Activation<B> {
         let Activation::Tokens(tokens) = x else {
             panic!("GptEmbedding takes token ids")
         };
         let [b, t] = tokens.dims();
-        let positions =
-            Tensor::<B, 1, Int>::arange(first as i64..(first + t) as i64, &tokens.device()).reshape([1, t]);
+        let device = tokens.device();
+        let positions = match positions {
+            Some(p) => Tensor::<B, 1, Int>::from_data(burn::tensor::TensorData::new(p, [t]), &device),
+            None => Tensor::<B, 1, Int>::arange(0..t as i64, &device),
+        }
+        .reshape([1, t]);
         if self.tp_size == 1 {
             return Activation::Seq(
                 self.tok_embedding.forward(tokens) + self.pos_embedding.forward(positions),
@@ -187,9 +191,9 @@ impl<B: Kernels> BlockModule<B> for AttentionHalf<B> {
         self.residual(x, |u| self.attention.mix(u))
     }
 
-    /// The new positions attend to the past's keys and values and their own.
-    fn forward_cached(&self, x: Activation<B>, past: &mut Past<B>) -> Activation<B> {
-        self.residual(x, |u| self.attention.mix_cached(u, past))
+    /// The new positions attend to their sequence's past keys and values and their own.
+    fn forward_cached(&self, x: Activation<B>, pasts: &mut Pasts<B>) -> Activation<B> {
+        self.residual(x, |u| self.attention.mix_cached(u, pasts))
     }
 }
 

@@ -12,7 +12,7 @@ use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
-use crate::block::{Activation, Block, BlockModule, Past};
+use crate::block::{Activation, Block, BlockModule, Pasts};
 use crate::kernels::{Kernels, attention_with_past, causal_attention, gelu, layer_norm, linear};
 use crate::zoo::GptEmbedding;
 use crate::zoo::lora::{Adapter, AdapterShape, adapted};
@@ -170,25 +170,33 @@ impl<B: Kernels> AttentionMix<B> {
 }
 
 impl<B: Kernels> AttentionMix<B> {
-    /// [`AttentionMix::mix`] of new positions `u` `[b, n, d]` after `past`: their keys and
-    /// values join the past's, and their queries attend to all of them up to their own position
-    /// ([`attention_with_past`]).
-    pub fn mix_cached(&self, u: Tensor<B, 3>, past: &mut Past<B>) -> Tensor<B, 3> {
+    /// [`AttentionMix::mix`] of new positions `u` `[1, Σ n, d]`, each sequence's `n` after its
+    /// past: their keys and values join their sequence's, and their queries attend to those up
+    /// to their own position ([`attention_with_past`]); the projections run over all of them at
+    /// once.
+    pub fn mix_cached(&self, u: Tensor<B, 3>, pasts: &mut Pasts<B>) -> Tensor<B, 3> {
         let qkv = adapted(linear(&self.qkv, u.clone()), &self.qkv_lora, u);
-        let [b, n, d3] = qkv.dims();
-        let (d, h) = (d3 / 3, self.heads);
-        let split = |i: usize| {
-            (qkv.clone().narrow(2, i * d, d))
-                .reshape([b, n, h, d / h])
-                .swap_dims(1, 2)
-        };
-        let (q, mut k, mut v) = (split(0), split(1), split(2));
-        if let Some((past_k, past_v)) = past.kv.take() {
-            (k, v) = (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2));
+        let d = qkv.dims()[2] / 3;
+        let h = self.heads;
+        let mut outputs = Vec::with_capacity(pasts.seqs.len());
+        let mut start = 0;
+        for (past, n) in &mut pasts.seqs {
+            let rows = qkv.clone().narrow(1, start, *n);
+            start += *n;
+            let split = |i: usize| {
+                (rows.clone().narrow(2, i * d, d))
+                    .reshape([1, *n, h, d / h])
+                    .swap_dims(1, 2)
+            };
+            let (q, mut k, mut v) = (split(0), split(1), split(2));
+            if let Some((past_k, past_v)) = past.kv.take() {
+                (k, v) = (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2));
+            }
+            past.kv = Some((k.clone(), v.clone()));
+            let (attended, _) = attention_with_past(q, k, v, past.offset);
+            outputs.push(attended.swap_dims(1, 2).reshape([1, *n, d]));
         }
-        past.kv = Some((k.clone(), v.clone()));
-        let (attended, _) = attention_with_past(q, k, v, past.offset);
-        let attended = attended.swap_dims(1, 2).reshape([b, n, d]);
+        let attended = Tensor::cat(outputs, 1);
         adapted(
             row_parallel(&self.proj, attended.clone(), self.place()),
             &self.proj_lora,
