@@ -1,10 +1,15 @@
-//! Continuous batching (Orca's iteration-level scheduling, Yu et al., OSDI 2022): the batch is
-//! formed again at every decoding step. A request that arrives joins at the next step (its
-//! prompt prefilled in the same flattened pass as the others' next tokens,
-//! [`WholeModel::extend_many`]), and one that finishes leaves at once; requests past
-//! `max_sequences` wait in arrival order. Each sequence attends to its own past only, so what
-//! it gets does not depend on what it was batched with (up to the order of float sums). Tokens
-//! here; text, stop sequences and the paged cache pool sit on top.
+//! Continuous batching (Orca's iteration-level scheduling, Yu et al., OSDI 2022) over a cache
+//! counted in fixed-size blocks (vLLM's PagedAttention accounting, Kwon et al., SOSP 2023): the
+//! batch is formed again at every decoding step. A request that arrives joins at the next step
+//! when the pool has blocks for its prompt (its prompt prefilled in the same flattened pass as
+//! the others' next tokens, [`WholeModel::extend_many`]), and one that finishes leaves at once,
+//! its blocks back in the pool; requests past `max_sequences` or the pool wait in arrival order,
+//! never an out-of-memory. A running sequence that needs a new block when none is free
+//! preempts the latest admitted one, which gives its blocks back and waits at the front of the
+//! queue, to be recomputed (its prompt and what it had generated prefilled again) — vLLM's
+//! recompute preemption. Each sequence attends to its own past only, so what it gets does not
+//! depend on what it was batched with (up to the order of float sums). The blocks are counted
+//! here; each sequence's keys and values are still its own tensors (a paged tensor pool is next).
 
 use std::collections::VecDeque;
 
@@ -31,45 +36,79 @@ pub enum Event {
     },
 }
 
-struct Running {
+/// A request, waiting or running.
+struct Entry {
     id: usize,
-    sequence: Sequence,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
     sampler: Sampler,
     max_tokens: usize,
-    /// What the next pass feeds it: the prompt, then its last token.
-    next: Vec<u32>,
-    generated: usize,
+    /// Its cache (empty while it waits).
+    sequence: Sequence,
+    /// Blocks it holds.
+    blocks: usize,
+}
+
+impl Entry {
+    /// What the next pass feeds it: everything so far when it (re)starts, else its last token.
+    fn next(&self) -> Vec<u32> {
+        if self.sequence.tokens.is_empty() {
+            [self.prompt.as_slice(), self.generated.as_slice()].concat()
+        } else {
+            vec![*self.generated.last().expect("a running sequence has generated")]
+        }
+    }
+}
+
+/// The cache's blocks: `block_tokens` positions each, `total` of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CachePool {
+    /// Positions per block.
+    pub block_tokens: usize,
+    /// Blocks in the pool.
+    pub total: usize,
+}
+
+impl CachePool {
+    fn blocks_for(&self, positions: usize) -> usize {
+        positions.div_ceil(self.block_tokens.max(1))
+    }
 }
 
 /// The requests of one model replica, stepped together.
 pub struct Batcher<'m> {
     model: &'m WholeModel,
     max_sequences: usize,
-    waiting: VecDeque<(usize, Request)>,
-    running: Vec<Running>,
+    pool: CachePool,
+    used: usize,
+    waiting: VecDeque<Entry>,
+    running: Vec<Entry>,
     submitted: usize,
+    preemptions: usize,
 }
 
 impl<'m> Batcher<'m> {
-    /// A batcher running at most `max_sequences` sequences a step.
-    pub fn new(model: &'m WholeModel, max_sequences: usize) -> Batcher<'m> {
+    /// A batcher running at most `max_sequences` sequences a step over a cache of `pool`.
+    pub fn new(model: &'m WholeModel, max_sequences: usize, pool: CachePool) -> Batcher<'m> {
         Batcher {
             model,
             max_sequences: max_sequences.max(1),
+            pool,
+            used: 0,
             waiting: VecDeque::new(),
             running: Vec::new(),
             submitted: 0,
+            preemptions: 0,
         }
     }
 
-    /// Queues `request` (checked now, so a bad one never joins a batch); its id.
+    /// Queues `request` (checked now, so a bad one never joins a batch: one the whole pool
+    /// cannot hold is refused); its id.
     pub fn submit(&mut self, request: Request) -> Result<usize, String> {
         request.sampling.check()?;
         let ctx = self.model.spec().get("ctx").unwrap_or(0);
-        if request.prompt.is_empty()
-            || request.max_tokens == 0
-            || request.prompt.len() + request.max_tokens > ctx
-        {
+        let positions = request.prompt.len() + request.max_tokens;
+        if request.prompt.is_empty() || request.max_tokens == 0 || positions > ctx {
             return Err(format!(
                 "a prompt of {} tokens and max_tokens {}: give 1 token or more and max_tokens ≥ 1, \
                  at most {ctx} together",
@@ -77,9 +116,25 @@ impl<'m> Batcher<'m> {
                 request.max_tokens
             ));
         }
+        if self.pool.blocks_for(positions) > self.pool.total {
+            return Err(format!(
+                "{positions} positions need {} cache blocks of {}; the pool has {}",
+                self.pool.blocks_for(positions),
+                self.pool.block_tokens,
+                self.pool.total
+            ));
+        }
         let id = self.submitted;
         self.submitted += 1;
-        self.waiting.push_back((id, request));
+        self.waiting.push_back(Entry {
+            id,
+            prompt: request.prompt,
+            generated: Vec::new(),
+            sampler: Sampler::new(request.sampling),
+            max_tokens: request.max_tokens,
+            sequence: self.model.start(),
+            blocks: 0,
+        });
         Ok(id)
     }
 
@@ -93,49 +148,93 @@ impl<'m> Batcher<'m> {
         self.running.len()
     }
 
-    /// One decoding step: the waiting requests that fit join, every sequence in the batch gets
-    /// its next token in one pass, and those done leave.
+    /// The cache's blocks.
+    pub fn pool(&self) -> CachePool {
+        self.pool
+    }
+
+    /// Cache blocks held by the running sequences.
+    pub fn blocks_used(&self) -> usize {
+        self.used
+    }
+
+    /// Sequences preempted so far (each recomputed when it ran again).
+    pub fn preemptions(&self) -> usize {
+        self.preemptions
+    }
+
+    /// One decoding step: the running sequences get the blocks their next position needs
+    /// (preempting the latest admitted when the pool is out), the waiting requests that fit
+    /// join, every sequence in the batch gets its next token in one pass, and those done leave.
     pub fn step(&mut self) -> Result<Vec<Event>, String> {
-        while self.running.len() < self.max_sequences
-            && let Some((id, request)) = self.waiting.pop_front()
-        {
-            self.running.push(Running {
-                id,
-                sequence: self.model.start(),
-                sampler: Sampler::new(request.sampling),
-                max_tokens: request.max_tokens,
-                next: request.prompt,
-                generated: 0,
-            });
-        }
+        self.grow_running();
+        self.admit_waiting();
         if self.running.is_empty() {
             return Ok(Vec::new());
         }
-        let inputs: Vec<Vec<u32>> = self
-            .running
-            .iter_mut()
-            .map(|r| std::mem::take(&mut r.next))
-            .collect();
+        let inputs: Vec<Vec<u32>> = self.running.iter().map(Entry::next).collect();
         let slices: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
         let mut sequences: Vec<&mut Sequence> = self.running.iter_mut().map(|r| &mut r.sequence).collect();
         let logits = self.model.extend_many(&mut sequences, &slices)?;
         let vocab = self.model.spec().get("vocab").unwrap_or(0);
         let mut events = Vec::new();
-        for (running, all) in self.running.iter_mut().zip(logits) {
+        for (entry, all) in self.running.iter_mut().zip(logits) {
             let last = all[all.len() - vocab..].to_vec();
-            let token = running.sampler.next(&last);
-            running.next = vec![token];
-            running.generated += 1;
+            let token = entry.sampler.next(&last);
+            entry.generated.push(token);
             events.push(Event::Token {
-                id: running.id,
+                id: entry.id,
                 token,
                 logits: last,
             });
-            if running.generated == running.max_tokens {
-                events.push(Event::Done { id: running.id });
+            if entry.generated.len() == entry.max_tokens {
+                events.push(Event::Done { id: entry.id });
             }
         }
-        self.running.retain(|r| r.generated < r.max_tokens);
+        let (done, running): (Vec<Entry>, Vec<Entry>) =
+            (self.running.drain(..)).partition(|e| e.generated.len() == e.max_tokens);
+        self.used -= done.iter().map(|e| e.blocks).sum::<usize>();
+        self.running = running;
         Ok(events)
+    }
+
+    /// Each running sequence's next position gets its block, in admission order; when the
+    /// pool is out, the latest admitted sequence goes back to the queue's front.
+    fn grow_running(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let entry = &self.running[i];
+            let needed = self.pool.blocks_for(entry.sequence.tokens.len() + 1);
+            if needed <= entry.blocks {
+                i += 1;
+            } else if self.used < self.pool.total {
+                self.running[i].blocks += 1;
+                self.used += 1;
+                i += 1;
+            } else {
+                let mut victim = self.running.pop().expect("a running sequence");
+                self.used -= victim.blocks;
+                victim.blocks = 0;
+                victim.sequence = self.model.start();
+                self.waiting.push_front(victim);
+                self.preemptions += 1;
+            }
+        }
+    }
+
+    /// Waiting requests join in order while the batch and the pool have room.
+    fn admit_waiting(&mut self) {
+        while self.running.len() < self.max_sequences
+            && let Some(entry) = self.waiting.front()
+        {
+            let needed = self.pool.blocks_for(entry.prompt.len() + entry.generated.len());
+            if self.used + needed > self.pool.total {
+                break;
+            }
+            let mut entry = self.waiting.pop_front().expect("a waiting request");
+            entry.blocks = needed;
+            self.used += needed;
+            self.running.push(entry);
+        }
     }
 }

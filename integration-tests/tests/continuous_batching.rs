@@ -2,12 +2,13 @@
 //! prompt lengths and answer lengths, greedy and seeded sampling, arriving two a step into a
 //! batch of at most 6 sequences (so some wait), each get the tokens they get alone and logits
 //! within 1e-4 of those, wherever the alone run's top-1 beats its top-2 by more than 1e-3 (past
-//! such a near tie the two runs may part, and the comparison stops). The control: a sequence
-//! decoding over another sequence's cache is caught by the same comparison.
+//! such a near tie the two runs may part, and the comparison stops); so do they through a cache
+//! pool too small for the load, which makes them wait and preempts them. The control: a
+//! sequence decoding over another sequence's cache is caught by the same comparison.
 
 use std::collections::BTreeMap;
 
-use archipelago_actors::batching::{Batcher, Event};
+use archipelago_actors::batching::{Batcher, CachePool, Event};
 use archipelago_actors::block::initial_params;
 use archipelago_actors::generate::Request;
 use archipelago_actors::inference::WholeModel;
@@ -16,6 +17,19 @@ use archipelago_dataflow::ModelSpec;
 use archipelago_integration_tests::{MARGIN, assert_caught};
 
 const VOCAB: usize = 97;
+/// The small pool: 12 blocks of 4 positions, where a request needs up to 7.
+const SMALL: CachePool = CachePool {
+    block_tokens: 4,
+    total: 12,
+};
+
+/// A pool that never runs out for these requests (16 × 48 positions).
+fn roomy() -> CachePool {
+    CachePool {
+        block_tokens: 4,
+        total: 192,
+    }
+}
 
 fn model() -> WholeModel {
     let spec = ModelSpec::parse("gpt2:vocab=97,ctx=48,d=32,layers=2,heads=4").unwrap();
@@ -61,15 +75,21 @@ fn run(batcher: &mut Batcher, ids: &[usize], arrival: impl Fn(usize) -> usize) -
             ours.insert(batcher.submit(request(i)).unwrap(), i);
         }
         peak_waiting = peak_waiting.max(batcher.waiting());
-        for event in batcher.step().unwrap() {
+        let events = batcher.step().unwrap();
+        assert!(
+            batcher.blocks_used() <= batcher.pool().total,
+            "the pool overflowed"
+        );
+        for event in events {
             match event {
                 Event::Token { id, token, logits } => out.entry(ours[&id]).or_default().push((token, logits)),
                 Event::Done { .. } => done += 1,
             }
         }
         step += 1;
-        assert!(step < 200, "the batch never drained");
+        assert!(step < 400, "the batch never drained");
     }
+    assert_eq!(batcher.blocks_used(), 0, "every block went back to the pool");
     (out, peak_waiting)
 }
 
@@ -79,16 +99,13 @@ fn margin(logits: &[f32]) -> f32 {
     sorted[0] - sorted[1]
 }
 
-#[test]
-fn sixteen_requests_batched_get_what_they_get_alone() {
-    let model = model();
-    let all: Vec<usize> = (0..16).collect();
-    let (batched, peak_waiting) = run(&mut Batcher::new(&model, 6), &all, |i| i / 2);
-    assert!(peak_waiting > 0, "some requests waited for a place");
+/// Holds each request's batched answer to its alone answer (see the module docs); returns the
+/// tokens compared and the largest logit difference.
+fn compare_with_alone(model: &WholeModel, batched: &Answers) -> (usize, f32) {
     let (mut worst, mut compared) = (0.0f32, 0);
-    for i in all {
-        let (alone, _) = run(&mut Batcher::new(&model, 1), &[i], |_| 0);
-        let (alone, got) = (&alone[&i], &batched[&i]);
+    for (&i, got) in batched {
+        let (alone, _) = run(&mut Batcher::new(model, 1, roomy()), &[i], |_| 0);
+        let alone = &alone[&i];
         assert_eq!(got.len(), request(i).max_tokens, "request {i}'s answer length");
         for ((token, logits), (want_token, want)) in got.iter().zip(alone) {
             let diff = logits
@@ -105,6 +122,16 @@ fn sixteen_requests_batched_get_what_they_get_alone() {
             compared += 1;
         }
     }
+    (compared, worst)
+}
+
+#[test]
+fn sixteen_requests_batched_get_what_they_get_alone() {
+    let model = model();
+    let all: Vec<usize> = (0..16).collect();
+    let (batched, peak_waiting) = run(&mut Batcher::new(&model, 6, roomy()), &all, |i| i / 2);
+    assert!(peak_waiting > 0, "some requests waited for a place");
+    let (compared, worst) = compare_with_alone(&model, &batched);
     eprintln!("16 requests, batch ≤ 6: {compared} tokens compared, largest logit difference {worst:e}");
 
     // The control: two sequences prefilled alone, then decoded with their caches swapped.
@@ -125,5 +152,43 @@ fn sixteen_requests_batched_get_what_they_get_alone() {
         diff as f64,
         1e-4,
         MARGIN,
+    );
+}
+
+/// A pool too small for the load (12 blocks of 4 positions; a request needs up to 7): requests
+/// wait, running ones are preempted and recomputed, the pool never overflows and is empty at
+/// the end, and every request gets its alone answer all the same.
+#[test]
+fn a_small_pool_makes_requests_wait_and_every_one_finishes() {
+    let model = model();
+    let all: Vec<usize> = (0..16).collect();
+    let mut batcher = Batcher::new(&model, 6, SMALL);
+    let (batched, peak_waiting) = run(&mut batcher, &all, |i| i / 2);
+    assert!(
+        peak_waiting > 0 && batcher.preemptions() > 0,
+        "the pool was short"
+    );
+    assert_eq!(batched.len(), 16, "every request finished");
+    let (compared, worst) = compare_with_alone(&model, &batched);
+    eprintln!(
+        "16 requests, {} blocks of {}: {} preemptions, peak {peak_waiting} waiting, {compared} tokens \
+         compared, largest logit difference {worst:e}",
+        SMALL.total,
+        SMALL.block_tokens,
+        batcher.preemptions()
+    );
+    let too_long = Request {
+        prompt: vec![1; 20],
+        max_tokens: 20,
+        ..request(0)
+    };
+    let tiny = CachePool {
+        block_tokens: 4,
+        total: 5,
+    };
+    let refused = Batcher::new(&model, 6, tiny).submit(too_long).unwrap_err();
+    assert!(
+        refused.contains("need 10 cache blocks of 4; the pool has 5"),
+        "{refused}"
     );
 }
