@@ -13,6 +13,8 @@
 
 use std::collections::VecDeque;
 
+use archipelago_dataflow::ModelSpec;
+
 use crate::generate::{Request, Sequence};
 use crate::inference::WholeModel;
 use crate::sampling::Sampler;
@@ -72,6 +74,27 @@ pub struct CachePool {
 impl CachePool {
     fn blocks_for(&self, positions: usize) -> usize {
         positions.div_ceil(self.block_tokens.max(1))
+    }
+
+    /// The bytes one block of `block_tokens` positions holds for `spec`: every layer's keys and
+    /// values (`2 · layers · d` values a position) of `value_bytes` each.
+    pub fn block_bytes(spec: &ModelSpec, block_tokens: usize, value_bytes: usize) -> u64 {
+        let (layers, d) = (spec.get("layers").unwrap_or(0), spec.get("d").unwrap_or(0));
+        (2 * layers * d * block_tokens * value_bytes) as u64
+    }
+
+    /// The pool of `block_tokens`-position blocks that `bytes` hold for `spec`.
+    pub fn fitting(spec: &ModelSpec, bytes: u64, block_tokens: usize, value_bytes: usize) -> CachePool {
+        let per_block = Self::block_bytes(spec, block_tokens, value_bytes).max(1);
+        CachePool {
+            block_tokens,
+            total: (bytes / per_block) as usize,
+        }
+    }
+
+    /// Positions the whole pool holds.
+    pub fn tokens(&self) -> usize {
+        self.total * self.block_tokens
     }
 }
 

@@ -4,7 +4,8 @@
 //! within 1e-4 of those, wherever the alone run's top-1 beats its top-2 by more than 1e-3 (past
 //! such a near tie the two runs may part, and the comparison stops); so do they through a cache
 //! pool too small for the load, which makes them wait and preempts them. The control: a
-//! sequence decoding over another sequence's cache is caught by the same comparison.
+//! sequence decoding over another sequence's cache is caught by the same comparison. A cache
+//! block's bytes are what the cache holds.
 
 use std::collections::BTreeMap;
 
@@ -191,4 +192,20 @@ fn a_small_pool_makes_requests_wait_and_every_one_finishes() {
         refused.contains("need 10 cache blocks of 4; the pool has 5"),
         "{refused}"
     );
+}
+
+/// A block's bytes are what a sequence's keys and values take for that many positions (read
+/// from its cache after a prefill of one block), and a budget gives the pool of its whole blocks.
+#[test]
+fn a_cache_block_costs_what_the_cache_holds() {
+    let model = model();
+    let mut sequence = model.start();
+    model.extend(&mut sequence, &[1, 2, 3, 4]).unwrap();
+    let held: usize = (sequence.pasts.iter())
+        .filter_map(|p| p.kv.as_ref())
+        .map(|(k, v)| k.shape().num_elements() + v.shape().num_elements())
+        .sum();
+    assert_eq!(CachePool::block_bytes(model.spec(), 4, 4), 4 * held as u64);
+    let pool = CachePool::fitting(model.spec(), 10 * 4 * held as u64 + 5, 4, 4);
+    assert_eq!((pool.total, pool.tokens()), (10, 40));
 }
