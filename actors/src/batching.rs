@@ -186,6 +186,20 @@ impl<'m> Batcher<'m> {
         self.preemptions
     }
 
+    /// Drops request `id` wherever it is (its client went away): a running sequence's blocks go
+    /// back to the pool at once and it gets no further event. False for an id not waiting or
+    /// running (unknown, or already done).
+    pub fn cancel(&mut self, id: usize) -> bool {
+        if let Some(at) = self.running.iter().position(|e| e.id == id) {
+            let entry = self.running.remove(at);
+            self.used -= entry.blocks;
+            return true;
+        }
+        let before = self.waiting.len();
+        self.waiting.retain(|e| e.id != id);
+        self.waiting.len() < before
+    }
+
     /// One decoding step: the running sequences get the blocks their next position needs
     /// (preempting the latest admitted when the pool is out), the waiting requests that fit
     /// join, every sequence in the batch gets its next token in one pass, and those done leave.

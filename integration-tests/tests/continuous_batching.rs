@@ -5,7 +5,7 @@
 //! such a near tie the two runs may part, and the comparison stops); so do they through a cache
 //! pool too small for the load, which makes them wait and preempts them. The control: a
 //! sequence decoding over another sequence's cache is caught by the same comparison. A cache
-//! block's bytes are what the cache holds.
+//! block's bytes are what the cache holds; a cancelled request gives its blocks back at once.
 
 use std::collections::BTreeMap;
 
@@ -208,4 +208,31 @@ fn a_cache_block_costs_what_the_cache_holds() {
     assert_eq!(CachePool::block_bytes(model.spec(), 4, 4), 4 * held as u64);
     let pool = CachePool::fitting(model.spec(), 10 * 4 * held as u64 + 5, 4, 4);
     assert_eq!((pool.total, pool.tokens()), (10, 40));
+}
+
+/// A request cancelled mid-answer (its client gone) gives its blocks back at once and gets no
+/// further token; the others go on; a waiting one cancelled never runs; an unknown id is no-op.
+#[test]
+fn a_cancelled_request_gives_its_blocks_back() {
+    let model = model();
+    let mut batcher = Batcher::new(&model, 2, roomy());
+    let ids: Vec<usize> = (0..3).map(|i| batcher.submit(request(i)).unwrap()).collect();
+    batcher.step().unwrap();
+    batcher.step().unwrap();
+    let (used, running) = (batcher.blocks_used(), batcher.running());
+    assert_eq!((running, batcher.waiting()), (2, 1));
+    assert!(batcher.cancel(ids[0]));
+    assert!(batcher.cancel(ids[2]), "the waiting one");
+    assert!(batcher.blocks_used() < used, "its blocks went back");
+    assert!(!batcher.cancel(ids[0]) && !batcher.cancel(99));
+    let mut seen = Vec::new();
+    while batcher.running() > 0 {
+        for event in batcher.step().unwrap() {
+            if let Event::Token { id, .. } = event {
+                seen.push(id);
+            }
+        }
+    }
+    assert!(seen.iter().all(|&id| id == ids[1]), "{seen:?}");
+    assert_eq!(batcher.blocks_used(), 0);
 }
