@@ -215,8 +215,9 @@ impl<'m> Batcher<'m> {
         let logits = self.model.extend_many(&mut sequences, &slices)?;
         let vocab = self.model.spec().get("vocab").unwrap_or(0);
         let mut events = Vec::new();
-        for (entry, all) in self.running.iter_mut().zip(logits) {
-            let last = all[all.len() - vocab..].to_vec();
+        for (entry, mut last) in self.running.iter_mut().zip(logits) {
+            // The last position's row (a prefill computed the prompt's every position).
+            last.drain(..last.len() - vocab);
             let token = entry.sampler.next(&last);
             entry.generated.push(token);
             events.push(Event::Token {

@@ -341,12 +341,20 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
     }
 
     fn track(self: Box<Self>, which: &[bool]) -> Box<dyn Block<B>> {
-        Box::new((*self).map(&mut TrackMapper { which, index: 0 }))
+        Box::new((*self).map(&mut TrackedMapper {
+            which,
+            tracked: true,
+            index: 0,
+        }))
     }
 
     fn freeze(self: Box<Self>, trainable: &[bool]) -> Box<dyn Block<B>> {
-        let mut mapper = FreezeMapper { trainable, index: 0 };
-        Box::new((*self).map(&mut mapper))
+        let frozen: Vec<bool> = trainable.iter().map(|trains| !trains).collect();
+        Box::new((*self).map(&mut TrackedMapper {
+            which: &frozen,
+            tracked: false,
+            index: 0,
+        }))
     }
 
     fn cast_params(self: Box<Self>, dtype: FloatDType) -> Box<dyn Block<B>> {
@@ -358,8 +366,8 @@ mod init;
 mod visit;
 pub use init::{check_described, describe_shapes, init_local_range, init_param, init_range, initial_params};
 use visit::{
-    CastMapper, FlattenVisitor, FreezeMapper, FreshLeafMapper, GradVisitor, LoadMapper, ShapeVisitor,
-    TrackMapper, UntrackedMapper,
+    CastMapper, FlattenVisitor, FreshLeafMapper, GradVisitor, LoadMapper, ShapeVisitor, TrackedMapper,
+    UntrackedMapper,
 };
 
 #[cfg(test)]

@@ -8,9 +8,10 @@ use burn::backend::flex::FlexDevice;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::CpuBackend;
+use crate::batching::{Batcher, CachePool, Event};
 use crate::block::{Activation, Past, Pasts};
 use crate::inference::WholeModel;
-use crate::sampling::{Sampler, Sampling};
+use crate::sampling::Sampling;
 use crate::text_stream::{Decode, TextStream};
 
 /// One sequence being generated: every block's past and the tokens so far.
@@ -119,23 +120,55 @@ impl WholeModel {
     /// The greedy continuation of `prompt` by `new_tokens` tokens: the prompt prefilled in one
     /// pass, then one decoding step per token.
     pub fn greedy(&self, prompt: &[u32], new_tokens: usize) -> Result<Greedy, String> {
-        let vocab = self.spec.get("vocab").unwrap_or(0);
-        let mut sequence = self.start();
-        let prefill = self.extend(&mut sequence, prompt)?;
-        let mut last = prefill[prefill.len() - vocab..].to_vec();
+        let request = Request {
+            prompt: prompt.to_vec(),
+            max_tokens: new_tokens,
+            sampling: Sampling::greedy(),
+            stop: Vec::new(),
+        };
         let mut out = Greedy {
             tokens: Vec::with_capacity(new_tokens),
             logits: Vec::with_capacity(new_tokens),
         };
-        for step in 0..new_tokens {
-            let next = argmax(&last);
-            out.tokens.push(next);
-            out.logits.push(std::mem::take(&mut last));
-            if step + 1 < new_tokens {
-                last = self.extend(&mut sequence, &[next])?;
+        self.run_alone(request, &mut |token, logits| {
+            out.tokens.push(token);
+            out.logits.push(logits);
+            Ok(true)
+        })?;
+        Ok(out)
+    }
+
+    /// Runs `request` alone through a [`Batcher`] whose pool holds the model's whole context,
+    /// handing each token and its logits to `on_token`, which says whether to go on.
+    fn run_alone(
+        &self,
+        request: Request,
+        on_token: &mut dyn FnMut(u32, Vec<f32>) -> Result<bool, String>,
+    ) -> Result<(), String> {
+        let ctx = self.spec.get("ctx").unwrap_or(0).max(1);
+        let pool = CachePool {
+            block_tokens: ctx,
+            total: 1,
+        };
+        let mut batcher = Batcher::new(self, 1, pool);
+        let id = batcher.submit(request)?;
+        loop {
+            let events = batcher.step()?;
+            if events.is_empty() {
+                return Err("the request never joined the batch".into());
+            }
+            for event in events {
+                match event {
+                    Event::Token { token, logits, .. } => {
+                        if !on_token(token, logits)? {
+                            batcher.cancel(id);
+                            return Ok(());
+                        }
+                    }
+                    Event::Done { .. } => return Ok(()),
+                }
             }
         }
-        Ok(out)
     }
 }
 
@@ -175,47 +208,25 @@ pub struct Completion {
 impl WholeModel {
     /// Answers `request`: the prompt prefilled, then a token a step under its sampling until
     /// `max_tokens` or a stop sequence, each piece of text handed to `on_text` as soon as it can
-    /// go out ([`TextStream`]). Refused before any work: an empty prompt, a bad sampling
-    /// parameter, a prompt and `max_tokens` that do not fit the model's positions.
+    /// go out ([`TextStream`]); the request runs alone through a [`Batcher`] (the one decoding
+    /// loop), cancelled at its stop. Refused before any work: an empty prompt, `max_tokens` 0, a
+    /// bad sampling parameter, a prompt and `max_tokens` that do not fit the model's positions.
     pub fn generate(
         &self,
         request: &Request,
         decode: &Decode,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<Completion, String> {
-        request.sampling.check()?;
-        let ctx = self.spec.get("ctx").unwrap_or(0);
-        let vocab = self.spec.get("vocab").unwrap_or(0);
-        if request.prompt.is_empty() || request.prompt.len() + request.max_tokens > ctx {
-            return Err(format!(
-                "a prompt of {} tokens and max_tokens {} need {} positions; {} has {ctx} (give a \
-                 prompt of 1 token or more and at most {ctx} tokens with max_tokens)",
-                request.prompt.len(),
-                request.max_tokens,
-                request.prompt.len() + request.max_tokens,
-                self.spec
-            ));
-        }
-        let mut sequence = self.start();
-        let prefill = self.extend(&mut sequence, &request.prompt)?;
-        let mut last = prefill[prefill.len() - vocab..].to_vec();
-        let mut sampler = Sampler::new(request.sampling);
         let mut stream = TextStream::new(decode, &request.stop);
         let mut tokens = Vec::with_capacity(request.max_tokens);
-        for step in 0..request.max_tokens {
-            let token = sampler.next(&last);
+        self.run_alone(request.clone(), &mut |token, _| {
             tokens.push(token);
             let chunk = stream.push(token)?;
             if !chunk.is_empty() {
                 on_text(&chunk);
             }
-            if stream.stopped() {
-                break;
-            }
-            if step + 1 < request.max_tokens {
-                last = self.extend(&mut sequence, &[token])?;
-            }
-        }
+            Ok(!stream.stopped())
+        })?;
         let rest = stream.finish()?;
         if !rest.is_empty() {
             on_text(&rest);

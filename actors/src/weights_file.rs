@@ -235,14 +235,16 @@ impl InitWeights {
         // parameters into other blocks than the file's (the plain form's).
         let by_name: HashMap<&str, &NamedParam> =
             blocks.iter().flatten().map(|p| (p.name.as_str(), p)).collect();
-        let regrouped: Option<Vec<Vec<NamedParam>>> = (model.blocks.iter())
+        let blocks = (model.blocks.iter())
             .map(|b| {
                 (b.param_descs.iter())
-                    .map(|d| by_name.get(d.name.as_str()).map(|p| (*p).clone()))
-                    .collect()
+                    .map(|d| {
+                        (by_name.get(d.name.as_str()).map(|p| (*p).clone()))
+                            .ok_or_else(|| format!("--init: `{}` is not a parameter of {spec}", d.name))
+                    })
+                    .collect::<Result<Vec<_>, String>>()
             })
-            .collect();
-        let blocks = regrouped.unwrap_or(blocks);
+            .collect::<Result<Vec<_>, String>>()?;
         Ok(InitWeights {
             file,
             blocks,

@@ -88,40 +88,28 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeafMapper {
     }
 }
 
-/// Takes the parameters whose `trainable` entry is false out of autodiff ([`Block::freeze`]).
-pub(super) struct FreezeMapper<'a> {
-    pub(super) trainable: &'a [bool],
-    pub(super) index: usize,
-}
-
-impl<B: AutodiffBackend> ModuleMapper<B> for FreezeMapper<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let trains = self.trainable.get(self.index).copied().unwrap_or(true);
-        self.index += 1;
-        if trains {
-            return param;
-        }
-        let (id, tensor, mapper) = param.consume();
-        Param::from_mapped_value(id, tensor.detach().set_require_grad(false), mapper)
-    }
-}
-
-/// Puts the parameters whose `which` entry is true back into autodiff as fresh leaves
-/// ([`Block::track`]).
-pub(super) struct TrackMapper<'a> {
+/// Sets whether the parameters whose `which` entry is true are in autodiff: out of it
+/// ([`Block::freeze`]: no backward computes their gradient) or back in as fresh leaves
+/// ([`Block::track`]); the others, and those past `which`'s end, are left as they are.
+pub(super) struct TrackedMapper<'a> {
     pub(super) which: &'a [bool],
+    pub(super) tracked: bool,
     pub(super) index: usize,
 }
 
-impl<B: AutodiffBackend> ModuleMapper<B> for TrackMapper<'_> {
+impl<B: AutodiffBackend> ModuleMapper<B> for TrackedMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let tracks = self.which.get(self.index).copied().unwrap_or(false);
+        let picked = self.which.get(self.index).copied().unwrap_or(false);
         self.index += 1;
-        if !tracks {
+        if !picked {
             return param;
         }
         let (id, tensor, mapper) = param.consume();
-        Param::from_mapped_value(id, tensor.detach().require_grad(), mapper)
+        let tensor = match self.tracked {
+            true => tensor.detach().require_grad(),
+            false => tensor.detach().set_require_grad(false),
+        };
+        Param::from_mapped_value(id, tensor, mapper)
     }
 }
 

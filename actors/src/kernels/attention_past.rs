@@ -50,7 +50,7 @@ mod tests {
 
     use super::*;
     use crate::CpuBackend;
-    use crate::kernels::composed_causal_attention;
+    use crate::kernels::{composed_causal_attention, qkv_part};
 
     type B = CpuBackend;
 
@@ -63,12 +63,7 @@ mod tests {
         let d = h * hd;
         let qkv = Tensor::<B, 3>::random([b, t, 3 * d], Distribution::Normal(0.0, 1.0), &FlexDevice);
         let whole = composed_causal_attention(qkv.clone(), h);
-        let split = |i: usize| {
-            qkv.clone()
-                .narrow(2, i * d, d)
-                .reshape([b, t, h, hd])
-                .swap_dims(1, 2)
-        };
+        let split = |i: usize| qkv_part(&qkv, i, h);
         let (q, k, v) = (split(0), split(1), split(2));
         let (prefill, lse) = attention_with_past(q.clone(), k.clone(), v.clone(), 0);
         let prefill = prefill.swap_dims(1, 2).reshape([b, t, d]);

@@ -330,6 +330,20 @@ pub fn causal_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize) -> Tensor<B
     B::kernel_causal_attention(qkv, heads)
 }
 
+/// Part `part` (0 the queries, 1 the keys, 2 the values) of a fused projection `qkv`
+/// `[b, t, 3d]`, by head: `[b, heads, t, d / heads]`.
+pub fn qkv_part<B: burn::tensor::backend::Backend>(
+    qkv: &Tensor<B, 3>,
+    part: usize,
+    heads: usize,
+) -> Tensor<B, 4> {
+    let [b, t, d3] = qkv.dims();
+    let d = d3 / 3;
+    (qkv.clone().narrow(2, part * d, d))
+        .reshape([b, t, heads, d / heads])
+        .swap_dims(1, 2)
+}
+
 /// [`causal_attention`] composed of burn's ops (narrow, reshape, swap_dims, matmul, masked
 /// softmax): what every backend can run, and the reference the fused version is tested against.
 pub fn composed_causal_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
@@ -342,13 +356,7 @@ fn composed_attention<B: Kernels>(qkv: Tensor<B, 3>, heads: usize, causal: bool)
     let [b, t, d3] = qkv.dims();
     let (d, h) = (d3 / 3, heads);
     let hd = d / h;
-    let split = |i: usize| {
-        qkv.clone()
-            .narrow(2, i * d, d)
-            .reshape([b, t, h, hd])
-            .swap_dims(1, 2)
-    };
-    let (q, k, v) = (split(0), split(1), split(2));
+    let (q, k, v) = (qkv_part(&qkv, 0, h), qkv_part(&qkv, 1, h), qkv_part(&qkv, 2, h));
     let dtype = q.dtype();
     // The scores' scale, mask and softmax in f32 whatever the compute dtype (mixed precision),
     // the weights rounded back to it for their product with the values.

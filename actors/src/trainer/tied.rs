@@ -143,9 +143,11 @@ impl<B: AutodiffBackend> Trainer<B> {
         let name = outputs.first().ok_or("TiedValues names no output")?;
         let (_, tb, ti) = self.tie_of(block)?;
         let module = self.block(tb)?;
-        let mut trained = vec![0.0f32; module.num_params()];
-        module.write_params(&mut trained);
-        let values = trained[self.param_range(tb, ti, true)].to_vec();
+        let mut values = vec![0.0f32; module.num_params()];
+        module.write_params(&mut values);
+        let range = self.param_range(tb, ti, true);
+        values.truncate(range.end);
+        values.drain(..range.start);
         table.insert(name.clone(), TypedTensor::flat(values));
         Ok(())
     }

@@ -13,7 +13,7 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
 use crate::block::{Activation, Block, BlockModule, Pasts};
-use crate::kernels::{Kernels, attention_with_past, causal_attention, gelu, layer_norm, linear};
+use crate::kernels::{Kernels, attention_with_past, causal_attention, gelu, layer_norm, linear, qkv_part};
 use crate::zoo::GptEmbedding;
 use crate::zoo::lora::{Adapter, AdapterShape, adapted};
 use crate::zoo::tp::{TpPlace, row_parallel};
@@ -183,12 +183,11 @@ impl<B: Kernels> AttentionMix<B> {
         for (past, n) in &mut pasts.seqs {
             let rows = qkv.clone().narrow(1, start, *n);
             start += *n;
-            let split = |i: usize| {
-                (rows.clone().narrow(2, i * d, d))
-                    .reshape([1, *n, h, d / h])
-                    .swap_dims(1, 2)
-            };
-            let (q, mut k, mut v) = (split(0), split(1), split(2));
+            let (q, mut k, mut v) = (
+                qkv_part(&rows, 0, h),
+                qkv_part(&rows, 1, h),
+                qkv_part(&rows, 2, h),
+            );
             if let Some((past_k, past_v)) = past.kv.take() {
                 (k, v) = (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2));
             }

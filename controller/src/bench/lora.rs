@@ -85,22 +85,17 @@ pub fn lora_vs_full(warmup: u64, timed: u64, rounds: usize) -> anyhow::Result<Va
             runs.push(figures);
         }
     }
-    let step = |name: &str| {
-        let mut times: Vec<f64> = (runs.iter())
+    // The median over the rounds of run `name`'s figure `key`.
+    let median_of = |name: &str, key: &str| {
+        let mut values: Vec<f64> = (runs.iter())
             .filter(|r| r["name"] == name)
-            .filter_map(|r| r["median_step_s"].as_f64())
+            .filter_map(|r| r[key].as_f64())
             .collect();
-        median(&mut times)
+        median(&mut values)
     };
-    let full = step("full");
-    let backward = |name: &str| {
-        let mut times: Vec<f64> = (runs.iter())
-            .filter(|r| r["name"] == name)
-            .filter_map(|r| r["backward_s_actor0"].as_f64())
-            .collect();
-        median(&mut times)
-    };
-    let full_backward = backward("full");
+    let step = |name: &str| median_of(name, "median_step_s");
+    let backward = |name: &str| median_of(name, "backward_s_actor0");
+    let (full, full_backward) = (step("full"), backward("full"));
     let ratios: Vec<Value> = (variants.iter().skip(1))
         .map(|(name, _)| {
             json!({

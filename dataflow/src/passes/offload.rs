@@ -20,8 +20,8 @@ use crate::tensor_id::TensorId;
 
 /// Rewrites `graph` so that every bucket is handed to the host after its reduction.
 pub fn apply(graph: &mut Graph, layout: &Layout) {
-    // Each bucket's last writer, and the node after which it is complete (its reduction, when
-    // the data-parallel pass placed one, or a tie's add into it).
+    // Each bucket's last writer, and the node after which it is complete: the last that writes
+    // or reduces it (a backward, tp's replicated sum, a tie's add, the data-parallel reduction).
     let mut last_writer = BTreeMap::new();
     for run in segment_runs(graph, layout).into_iter().filter(|r| r.writes_grads) {
         last_writer.insert(run.segment, run);
@@ -30,12 +30,8 @@ pub fn apply(graph: &mut Graph, layout: &Layout) {
         let grad = TensorId::GradBucket { segment };
         let reduced = graph.nodes.iter().rposition(|n| match n {
             NodeOp::Collective { tensor, .. } => *tensor == grad,
-            NodeOp::Compute {
-                op: ComputeOp::AddTiedGrads { .. },
-                outputs,
-                ..
-            } => outputs.contains(&grad),
-            _ => false,
+            NodeOp::Compute { outputs, .. } => outputs.contains(&grad),
+            NodeOp::Transfer { .. } => false,
         });
         reduced.unwrap_or(last_writer[&segment].last)
     };
