@@ -8,6 +8,7 @@
 #
 #   bash scripts/peers_venv.sh            # makes (or completes) every environment
 #   bash scripts/peers_venv.sh hf         # only Hugging Face's (transformers, peft): the GPT-2 fixtures
+#   bash scripts/peers_venv.sh serve      # only OpenAI's client and Prometheus' parser: scripts/openai_check.py
 #   ~/.cache/archipelago-peers/torch-ray/bin/python scripts/actor_peers.py --system ray
 #   ~/.cache/archipelago-peers/monarch/bin/python scripts/actor_peers.py --system monarch
 #   ~/.cache/archipelago-peers/torch-ray/bin/python scripts/torch_reference.py --device cpu ...
@@ -30,6 +31,10 @@ if [ "$which" = all ] || [ "$which" = torch-ray ]; then
 fi
 if [ "$which" = all ] || [ "$which" = monarch ]; then
     make_env monarch torch==2.9.0 torchmonarch==0.7.0
+fi
+# OpenAI's official client and Prometheus' parser, against `archipelago serve` (scripts/openai_check.py).
+if [ "$which" = all ] || [ "$which" = serve ]; then
+    make_env serve openai==2.8.1 prometheus_client==0.23.1
 fi
 # Hugging Face's stack for the GPT-2 / LoRA fixtures (scripts/gpt2_fixture.py).
 if [ "$which" = all ] || [ "$which" = hf ]; then

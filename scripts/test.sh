@@ -68,7 +68,8 @@ status=0
 # and message that would cross a process is checked against the registry and encoded, also in one
 # process, so a missing `.actor`/`.handles`/`.compiled` line fails here, in the tests, and not on
 # a user's first cluster run. Deliberately local-only programs and tests turn it off on their runtime.
-ARCHIPELAGO_STRICT_REGISTRY=1 ARCHIPELAGO_SKIP_LOG="$skip_log" cargo test --workspace "$@" || status=$?
+# --no-fail-fast: every test binary runs, so one failure does not hide the others.
+ARCHIPELAGO_STRICT_REGISTRY=1 ARCHIPELAGO_SKIP_LOG="$skip_log" cargo test --workspace --no-fail-fast "$@" || status=$?
 
 echo
 if [ -s "$skip_log" ]; then

@@ -72,7 +72,8 @@ pub struct CachePool {
 }
 
 impl CachePool {
-    fn blocks_for(&self, positions: usize) -> usize {
+    /// Blocks that `positions` positions take.
+    pub fn blocks_for(&self, positions: usize) -> usize {
         positions.div_ceil(self.block_tokens.max(1))
     }
 

@@ -53,6 +53,7 @@ pub mod proto;
 pub mod ps;
 pub mod runtime;
 pub mod sampling;
+pub mod serving;
 pub mod tensor_file;
 pub mod text_stream;
 pub mod text_tokens;

@@ -48,6 +48,37 @@ pub fn token_ids(tokenizer: &tokenizers::Tokenizer, text: &str, path: &str) -> R
     Ok(encoding.get_ids().to_vec())
 }
 
+/// Text to token ids, from any thread.
+pub type Encode = dyn Fn(&str) -> Result<Vec<u32>, String> + Send + Sync;
+
+/// The encoder and decoder generation uses: `tokenizer.json` at `tokenizer` (refused when its
+/// vocabulary is larger than `vocab`), or bytes as tokens (ids past 255 decode to nothing).
+pub fn codec(
+    tokenizer: Option<&str>,
+    vocab: usize,
+) -> Result<(Box<Encode>, Box<crate::serving::SendDecode>), String> {
+    let Some(path) = tokenizer else {
+        if vocab < 256 {
+            return Err(format!(
+                "without --tokenizer the text's bytes are the tokens, which needs vocab ≥ 256 (the model has {vocab})"
+            ));
+        }
+        let encode = |text: &str| Ok(text.bytes().map(u32::from).collect());
+        let decode = |ids: &[u32]| {
+            let bytes: Vec<u8> = ids.iter().filter_map(|&id| u8::try_from(id).ok()).collect();
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        };
+        return Ok((Box::new(encode), Box::new(decode)));
+    };
+    let tokenizer = std::sync::Arc::new(load(path, vocab)?);
+    let (path, for_decode) = (path.to_string(), tokenizer.clone());
+    let encode = move |text: &str| token_ids(&tokenizer, text, &path);
+    let decode = move |ids: &[u32]| {
+        (for_decode.decode(ids, false)).map_err(|e| format!("the tokenizer cannot decode {ids:?}: {e}"))
+    };
+    Ok((Box::new(encode), Box::new(decode)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -45,9 +45,11 @@ pub mod replay;
 pub mod replica_check;
 pub mod report;
 pub mod runtime;
+pub mod serve;
 pub mod telemetry;
 pub mod trace;
 pub mod train;
+pub mod weight_args;
 
 pub use controller::Controller;
 pub use error::JobError;

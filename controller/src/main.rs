@@ -18,6 +18,7 @@ fn main() {
     let (service, level) = match &cli.command {
         Command::Controller(_) => ("archipelago-controller", "info"),
         Command::Host(_) => ("archipelago-host", "info"),
+        Command::Serve(_) => ("archipelago-serve", "info"),
         Command::Train(_) => ("archipelago-train", "warn"),
         _ => ("archipelago", "warn"),
     };
@@ -27,7 +28,12 @@ fn main() {
     // variable for the library's load (kernels/openblas.rs, `open_as`).
     if matches!(
         &cli.command,
-        Command::Train(_) | Command::Host(_) | Command::Ps(_) | Command::Bench(_) | Command::BenchPeer(_)
+        Command::Train(_)
+            | Command::Host(_)
+            | Command::Ps(_)
+            | Command::Bench(_)
+            | Command::BenchPeer(_)
+            | Command::Serve(_)
     ) && let Err(why) = archipelago_actors::kernels::select_from_env()
     {
         eprintln!("error: {why}");
@@ -44,6 +50,7 @@ fn main() {
         Command::Devices(args) => archipelago_controller::host_devices::devices(args),
         Command::Export(args) => archipelago_controller::export::run(args),
         Command::Eval(args) => archipelago_controller::eval::run(args),
+        Command::Serve(args) => archipelago_controller::serve::run(args),
         Command::Certs(args) => archipelago_controller::cluster::security::certs(args),
         Command::Health(args) => archipelago_controller::cluster::health::health(args),
         Command::BenchPeer(args) => archipelago_controller::bench::cross_process::peer_main(args),

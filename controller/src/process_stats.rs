@@ -15,6 +15,11 @@ pub fn mem_total_bytes() -> u64 {
     proc_kib_field("/proc/meminfo", "MemTotal:")
 }
 
+/// Memory available for new allocations on this machine (`MemAvailable`), 0 where unknown.
+pub fn mem_available_bytes() -> u64 {
+    proc_kib_field("/proc/meminfo", "MemAvailable:")
+}
+
 /// The field `key` (in kB) of a `/proc` file, in bytes; 0 where unknown.
 fn proc_kib_field(path: &str, key: &str) -> u64 {
     std::fs::read_to_string(path)

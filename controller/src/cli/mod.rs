@@ -1,5 +1,5 @@
-//! The `archipelago` command line: `train`, `plan`, `ps`, `export`, `eval`, `bench`, `controller`
-//! and `host`.
+//! The `archipelago` command line: `train`, `plan`, `ps`, `export`, `eval`, `serve`, `bench`,
+//! `controller` and `host`.
 //!
 //! `plan` takes every flag of `train` (those that matter only while running are ignored), so it
 //! shows exactly what `train` would run. The job's flags are [`JobArgs`]; `train` adds how to run
@@ -53,6 +53,10 @@ pub enum Command {
     /// The loss and perplexity of a model (weights from a safetensors file or a checkpoint) over a
     /// text file, on one CPU device.
     Eval(crate::eval::EvalArgs),
+    /// Serve a model over OpenAI's HTTP API (completions and chat, streamed or not), with
+    /// /v1/models, /health and Prometheus /metrics: continuous batching over a cache pool,
+    /// --replicas behind one router.
+    Serve(Box<crate::serve::ServeArgs>),
     /// Make a cluster CA and per-process certificates for mutual TLS (`--tls-cert`, `--tls-key`,
     /// `--tls-ca` of controller, host and train).
     Certs(crate::cluster::security::CertsArgs),

@@ -79,7 +79,7 @@ fn refusal(addr: &str) -> String {
 }
 
 /// Compares without an early exit on the first differing byte.
-fn same(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 

@@ -1,0 +1,295 @@
+//! `archipelago serve`: a model answering OpenAI's HTTP API (`/v1/completions`,
+//! `/v1/chat/completions`, streamed or not), with `/v1/models`, `/health` and Prometheus
+//! `/metrics` — the official OpenAI client libraries work against it unchanged. `--replicas R`
+//! model replicas (one CPU device and one thread each, [`archipelago_actors::serving::Replica`])
+//! sit behind one router that sends each request to the least loaded; each replica batches
+//! continuously over its cache pool ([`archipelago_actors::batching`]). The pool is sized from
+//! the memory free after the weights are loaded (`--cache-fraction` of it, shared by the
+//! replicas) unless `--cache-tokens` says. It listens on 127.0.0.1 unless told otherwise, and
+//! anywhere else only with the cluster token (`--token-file`), which every request then carries
+//! as `Authorization: Bearer` (the OpenAI clients' `api_key`).
+
+pub mod chat;
+pub mod http;
+pub mod metrics;
+pub mod openai;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use clap::Args;
+
+use archipelago_actors::batching::CachePool;
+use archipelago_actors::inference::WholeModel;
+use archipelago_actors::serving::{Replica, Router};
+use archipelago_actors::text_tokens::codec;
+use archipelago_dataflow::ModelSpec;
+
+use crate::weight_args::WeightArgs;
+use chat::ChatTemplate;
+use http::Service;
+
+/// Flags of `serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// The model and its weights.
+    #[command(flatten)]
+    pub weights: WeightArgs,
+    /// A Hugging Face `tokenizer.json` (without it, the text's bytes are the tokens).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// The chat template: `plain` (`role: content` lines, then `assistant:`) or a Jinja file;
+    /// default: the `chat_template` of the `tokenizer_config.json` beside --tokenizer, else plain.
+    #[arg(long)]
+    pub chat_template: Option<String>,
+    /// Where to listen (HOST:PORT; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: String,
+    /// Model replicas behind the router (each its own copy of the weights and its own thread).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Sequences one replica runs in a step at most (the batch).
+    #[arg(long, default_value_t = 16)]
+    pub max_sequences: usize,
+    /// Positions per cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: usize,
+    /// Cache positions per replica (rounded down to whole blocks); default: from free memory.
+    #[arg(long)]
+    pub cache_tokens: Option<usize>,
+    /// The share of the memory free after loading the weights that the replicas' caches take.
+    #[arg(long, default_value_t = 0.5)]
+    pub cache_fraction: f64,
+    /// Requests answered at once; more get 503.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
+    /// The largest request body read; larger gets 413.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// The model's name in answers and `/v1/models` (default: the model, e.g. `gpt2:vocab=…`).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Print the plan (weight and cache memory, how many positions of cache fit) and exit
+    /// without serving.
+    #[arg(long)]
+    pub plan: bool,
+    /// A file holding the cluster token, which every request must then carry (needed off
+    /// loopback).
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+}
+
+/// What a started service is.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// The model.
+    pub spec: ModelSpec,
+    /// Where its weights came from.
+    pub source: String,
+    /// Bytes of weights per replica.
+    pub weight_bytes: u64,
+    /// Each replica's cache pool.
+    pub pool: CachePool,
+    /// Bytes of one cache block.
+    pub block_bytes: u64,
+    /// Replicas.
+    pub replicas: usize,
+    /// How the pool was sized.
+    pub sized_by: String,
+}
+
+impl Summary {
+    /// One line for the log.
+    pub fn line(&self) -> String {
+        format!(
+            "{} ({}): {} replica(s), weights {:.1} MiB each, cache pool {} blocks × {} positions \
+             ({} positions, {:.1} MiB) each",
+            self.spec,
+            self.source,
+            self.replicas,
+            mib(self.weight_bytes),
+            self.pool.total,
+            self.pool.block_tokens,
+            self.pool.tokens(),
+            mib(self.cache_bytes()),
+        )
+    }
+
+    /// Bytes of one replica's cache pool.
+    pub fn cache_bytes(&self) -> u64 {
+        self.block_bytes * self.pool.total as u64
+    }
+
+    /// The plan, as `serve --plan` prints it.
+    pub fn plan(&self) -> String {
+        let ctx = self.spec.get("ctx").unwrap_or(0);
+        let r = self.replicas as u64;
+        format!(
+            "serve plan: {} ({})\n\
+             \x20 weights: {:.1} MiB per replica × {} = {:.1} MiB\n\
+             \x20 cache:   {} blocks × {} positions × {:.1} KiB = {} positions, {:.1} MiB per replica ({}), {:.1} MiB in all\n\
+             \x20 a full context ({ctx} positions) takes {} blocks: the pool holds {} full-context sequences at once\n\
+             \x20 memory:  {:.1} MiB of weights and cache in all",
+            self.spec,
+            self.source,
+            mib(self.weight_bytes),
+            self.replicas,
+            mib(self.weight_bytes * r),
+            self.pool.total,
+            self.pool.block_tokens,
+            self.block_bytes as f64 / 1024.0,
+            self.pool.tokens(),
+            mib(self.cache_bytes()),
+            self.sized_by,
+            mib(self.cache_bytes() * r),
+            self.pool.blocks_for(ctx),
+            self.pool.total / self.pool.blocks_for(ctx).max(1),
+            mib((self.weight_bytes + self.cache_bytes()) * r),
+        )
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1 << 20) as f64
+}
+
+/// The model, its weights and the plan, without starting anything.
+pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
+    if args.replicas == 0 || args.max_sequences == 0 || args.block_tokens == 0 {
+        return Err("--replicas, --max-sequences and --block-tokens must be 1 or more".into());
+    }
+    let (spec, values, source) = args.weights.load()?;
+    let Some(ctx) = spec.get("ctx").filter(|_| spec.get("vocab").is_some()) else {
+        return Err(format!(
+            "{spec} does not generate tokens: serve a gpt or gpt2 model"
+        ));
+    };
+    let weight_bytes = values.iter().map(|v| v.len() as u64 * 4).sum::<u64>();
+    let (pool, sized_by) = pool_for(args, &spec, ctx, weight_bytes);
+    if pool.blocks_for(2) > pool.total {
+        return Err(format!(
+            "the cache pool holds {} positions, fewer than one request needs: give --cache-tokens {} or more",
+            pool.tokens(),
+            args.block_tokens
+        ));
+    }
+    let summary = Summary {
+        block_bytes: CachePool::block_bytes(&spec, args.block_tokens, 4),
+        spec,
+        source,
+        weight_bytes,
+        pool,
+        replicas: args.replicas,
+        sized_by,
+    };
+    Ok((summary, values))
+}
+
+/// Loads the model, starts the replicas and makes the routes' shared state.
+pub fn build(args: &ServeArgs) -> Result<(Arc<Service>, Summary), String> {
+    let token = match &args.token_file {
+        Some(path) => Some(crate::cluster::read_token(path).map_err(|e| e.to_string())?),
+        None => None,
+    };
+    let (summary, values) = plan(args)?;
+    let spec = &summary.spec;
+    let (ctx, vocab) = (spec.get("ctx").unwrap_or(0), spec.get("vocab").unwrap_or(0));
+    let tokenizer = args
+        .tokenizer
+        .as_deref()
+        .map(|p| p.to_string_lossy().into_owned());
+    let template = ChatTemplate::choose(args.chat_template.as_deref(), args.tokenizer.as_deref())?;
+    let mut replicas = Vec::with_capacity(args.replicas);
+    for r in 0..args.replicas {
+        let model = WholeModel::load(spec, &values)?;
+        let (_, decode) = codec(tokenizer.as_deref(), vocab)?;
+        let replica = Replica::start(
+            &format!("replica-{r}"),
+            model,
+            decode,
+            args.max_sequences,
+            summary.pool,
+        )
+        .map_err(|e| format!("cannot start replica {r}'s thread: {e}"))?;
+        replicas.push(replica);
+    }
+    drop(values);
+    let stats = replicas.iter().map(Replica::shared_stats).collect();
+    let (encode, _) = codec(tokenizer.as_deref(), vocab)?;
+    let service = Service {
+        replicas: Router::new(replicas)?,
+        encode,
+        template,
+        name: (args.served_model_name.clone()).unwrap_or_else(|| spec.explicit()),
+        ctx,
+        vocab,
+        metrics: metrics::Metrics::new(stats),
+        max_body_bytes: args.max_body_bytes,
+        connections: Arc::new(tokio::sync::Semaphore::new(args.max_connections.max(1))),
+        token: token.map(|t| Arc::from(t.as_str())),
+        answered: AtomicU64::new(0),
+        created: http::unix_seconds(),
+    };
+    Ok((Arc::new(service), summary))
+}
+
+/// One replica's pool and how it was sized: `--cache-tokens`, else `--cache-fraction` of the
+/// memory free once every replica's weights are loaded, shared by the replicas, at most what
+/// `--max-sequences` full contexts need.
+fn pool_for(args: &ServeArgs, spec: &ModelSpec, ctx: usize, weight_bytes: u64) -> (CachePool, String) {
+    let (tokens, sized_by) = match args.cache_tokens {
+        Some(tokens) => (tokens, format!("--cache-tokens {tokens}")),
+        None => {
+            let other_replicas = weight_bytes * (args.replicas as u64 - 1);
+            let available = crate::process_stats::mem_available_bytes().saturating_sub(other_replicas);
+            let fraction = args.cache_fraction.clamp(0.0, 1.0);
+            let bytes = (available as f64 * fraction / args.replicas as f64) as u64;
+            let fitting = CachePool::fitting(spec, bytes, args.block_tokens, 4).tokens();
+            let most = args.max_sequences * ctx;
+            let why = if fitting > most {
+                format!("{} full contexts of --max-sequences", args.max_sequences)
+            } else {
+                format!(
+                    "{:.0}% of {:.1} GiB free",
+                    fraction * 100.0,
+                    available as f64 / (1u64 << 30) as f64
+                )
+            };
+            (fitting.min(most), why)
+        }
+    };
+    let pool = CachePool {
+        block_tokens: args.block_tokens,
+        total: tokens / args.block_tokens,
+    };
+    (pool, sized_by)
+}
+
+/// Serves on `listener` until the process ends.
+pub async fn serve_on(listener: tokio::net::TcpListener, service: Arc<Service>) -> std::io::Result<()> {
+    let app = http::app(service);
+    axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await
+}
+
+/// Runs `archipelago serve`.
+pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    if args.plan {
+        println!("{}", plan(args).map_err(anyhow::Error::msg)?.0.plan());
+        return Ok(());
+    }
+    crate::dashboard::access::check_bind(&args.listen, args.token_file.is_some())?;
+    let (service, summary) = build(args).map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on --listen {}: {e}", args.listen))?;
+        let addr = listener.local_addr()?;
+        println!("serving {}", summary.line());
+        println!("listening on http://{addr} (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics)");
+        serve_on(listener, service).await?;
+        Ok(())
+    })
+}

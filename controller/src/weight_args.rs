@@ -1,0 +1,94 @@
+//! Which model, with which weights, for the commands that run one whole (`eval`, `serve`): a
+//! safetensors file (`--init`, as `transformers` or `export` wrote it, the model read from the
+//! `config.json` beside it unless `--model` says) with a PEFT adapter on it (`--lora-init`), or a
+//! training checkpoint (`--checkpoint`).
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use archipelago_actors::inference::read_weights;
+use archipelago_actors::peft::read_config;
+use archipelago_dataflow::ModelSpec;
+use archipelago_dataflow::family::gpt2_from_config;
+
+use crate::export::{checkpoint_weights, open_checkpoint};
+
+/// Which model, with which weights (`eval`, `serve`).
+#[derive(Debug, Clone, Args)]
+pub struct WeightArgs {
+    /// The model (`gpt-tiny`, `gpt2:vocab=…`); without it, read from the `config.json` beside
+    /// the `--init` file.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Weights as a safetensors file (`transformers`' `model.safetensors`, or `export`'s).
+    #[arg(long, conflicts_with = "checkpoint", required_unless_present = "checkpoint")]
+    pub init: Option<PathBuf>,
+    /// Weights from a checkpoint: a `step-N` directory or a run's --checkpoint-dir (its newest
+    /// complete checkpoint); its model is the one it trained.
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// LoRA adapters on the `--init` base: a PEFT directory (`adapter_config.json`,
+    /// `adapter_model.safetensors`), as PEFT or `train --lora-out` wrote it.
+    #[arg(long, requires = "init")]
+    pub lora_init: Option<PathBuf>,
+}
+
+/// The model a `config.json` describes: a `transformers` GPT-2 config, or one `export` wrote
+/// (its `archipelago_model`).
+pub fn model_from_config(path: &Path) -> Result<ModelSpec, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the model's {}: {e}", path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", path.display()))?;
+    if let Some(spec) = config.get("archipelago_model").and_then(|v| v.as_str()) {
+        return ModelSpec::parse(spec).map_err(|e| format!("{}: {e}", path.display()));
+    }
+    gpt2_from_config(&config).map_err(|e| format!("{}: {e} (or give --model)", path.display()))
+}
+
+impl WeightArgs {
+    /// The model, its weights (the runtime's blocks) and where they came from, as the flags say.
+    pub fn load(&self) -> Result<(ModelSpec, Vec<Vec<f32>>, String), String> {
+        let args = self;
+        let given = |spec: &str| ModelSpec::parse(spec).map_err(|e| e.to_string());
+        if let Some(dir) = &args.checkpoint {
+            let (reader, held, checkpoint, _) = open_checkpoint(dir)?;
+            if let Some(spec) = args
+                .model
+                .as_deref()
+                .map(given)
+                .transpose()?
+                .filter(|s| *s != held)
+            {
+                return Err(format!(
+                    "--checkpoint {} holds `{held}`, --model says `{spec}`: drop --model",
+                    checkpoint.display()
+                ));
+            }
+            if held.lora().is_some() {
+                return Err(format!(
+                    "--checkpoint {} holds LoRA adapters, not its frozen base: give --init BASE.safetensors \
+                 --lora-init ADAPTER_DIR (train --lora-out writes the adapters)",
+                    checkpoint.display()
+                ));
+            }
+            let values = checkpoint_weights(&reader, &held)?;
+            return Ok((held, values, checkpoint.display().to_string()));
+        }
+        let init = args
+            .init
+            .as_ref()
+            .ok_or("give --init FILE.safetensors or --checkpoint DIR")?;
+        let spec = match &args.model {
+            Some(spec) => given(spec)?,
+            None => model_from_config(&init.with_file_name("config.json"))?,
+        };
+        let spec = match &args.lora_init {
+            Some(dir) => spec.with_lora(read_config(dir)?)?,
+            None => spec,
+        };
+        let values = read_weights(&spec, init, args.lora_init.as_deref())?;
+        Ok((spec, values, init.display().to_string()))
+    }
+}
