@@ -129,6 +129,13 @@ pub trait BlockModule<B: AutodiffBackend>: Module<B> + Send + 'static {
     fn forward_cached(&self, x: Activation<B>, _pasts: &mut Pasts<B>) -> Activation<B> {
         self.forward(x)
     }
+
+    /// The block's linear layers in int8 for inference (LLM.int8,
+    /// [`crate::kernels::int8`]), their f32 weights dropped; the bytes before and after. The
+    /// default: a block without layers to quantize.
+    fn quantize_int8(&mut self, _threshold: f32) -> Result<crate::zoo::int8_layers::Int8Bytes, String> {
+        Ok(Default::default())
+    }
 }
 
 /// A block as the runtime holds it (object safe).
@@ -137,6 +144,10 @@ pub trait Block<B: AutodiffBackend>: Send {
     fn forward(&self, x: Activation<B>) -> Activation<B>;
     /// The forward of new positions after the pasts ([`BlockModule::forward_cached`]).
     fn forward_cached(&self, x: Activation<B>, pasts: &mut Pasts<B>) -> Activation<B>;
+    /// [`BlockModule::quantize_int8`].
+    fn quantize_int8(&mut self, _threshold: f32) -> Result<crate::zoo::int8_layers::Int8Bytes, String> {
+        Err("this block cannot run in int8".into())
+    }
     /// Number of f32 parameters.
     fn num_params(&self) -> usize;
     /// Parameter paths and shapes in flattening order.
@@ -239,6 +250,10 @@ impl<B: AutodiffBackend, M: BlockModule<B>> Block<B> for M {
 
     fn forward_cached(&self, x: Activation<B>, pasts: &mut Pasts<B>) -> Activation<B> {
         BlockModule::forward_cached(self, x, pasts)
+    }
+
+    fn quantize_int8(&mut self, threshold: f32) -> Result<crate::zoo::int8_layers::Int8Bytes, String> {
+        BlockModule::quantize_int8(self, threshold)
     }
 
     fn num_params(&self) -> usize {

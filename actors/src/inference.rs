@@ -37,6 +37,25 @@ pub struct Evaluation {
 }
 
 impl WholeModel {
+    /// Every attention and MLP projection in int8 (LLM.int8: input features reaching
+    /// `threshold` through f32; [`crate::kernels::int8`]), their f32 weights dropped; the bytes
+    /// before and after. The embeddings, LayerNorms and the output head stay in f32.
+    pub fn quantize_int8(&mut self, threshold: f32) -> Result<crate::zoo::int8_layers::Int8Bytes, String> {
+        if threshold.is_nan() || threshold <= 0.0 {
+            return Err(format!(
+                "the outlier threshold {threshold} must be a number > 0 (LLM.int8's is 6)"
+            ));
+        }
+        let mut total = crate::zoo::int8_layers::Int8Bytes::default();
+        for block in &mut self.blocks {
+            total += block.quantize_int8(threshold)?;
+        }
+        if total.layers == 0 {
+            return Err(format!("{} has no linear layers to quantize", self.spec));
+        }
+        Ok(total)
+    }
+
     /// `spec` with block `i`'s flat parameters `values[i]` (the runtime's order and layouts).
     pub fn load(spec: &ModelSpec, values: &[Vec<f32>]) -> Result<WholeModel, String> {
         let zoo = ZooModel(spec.clone());

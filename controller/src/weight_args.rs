@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use archipelago_actors::inference::read_weights;
+use archipelago_actors::inference::{WholeModel, read_weights};
+use archipelago_actors::kernels::int8::DEFAULT_OUTLIER_THRESHOLD;
 use archipelago_actors::peft::read_config;
+use archipelago_actors::zoo::int8_layers::Int8Bytes;
 use archipelago_dataflow::ModelSpec;
 use archipelago_dataflow::family::gpt2_from_config;
 
@@ -90,5 +92,40 @@ impl WeightArgs {
         };
         let values = read_weights(&spec, init, args.lora_init.as_deref())?;
         Ok((spec, values, init.display().to_string()))
+    }
+}
+
+/// Whether to run the linear layers in int8 (`eval`, `serve`).
+#[derive(Debug, Clone, Args)]
+pub struct QuantizeArgs {
+    /// `int8`: the attention and MLP projections in int8 with a scale per output column
+    /// (LLM.int8; embeddings, LayerNorms and the head stay f32).
+    #[arg(long, value_parser = ["int8"])]
+    pub quantize: Option<String>,
+    /// With --quantize int8: input features whose magnitude reaches this go through f32.
+    #[arg(long, default_value_t = DEFAULT_OUTLIER_THRESHOLD)]
+    pub outlier_threshold: f32,
+}
+
+impl QuantizeArgs {
+    /// Quantizes `model` as the flags say; the bytes before and after when it did.
+    pub fn apply(&self, model: &mut WholeModel) -> Result<Option<Int8Bytes>, String> {
+        match self.quantize.as_deref() {
+            Some(_) => model.quantize_int8(self.outlier_threshold).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// One line on what int8 did to the linear weights.
+    pub fn describe(bytes: &Int8Bytes) -> String {
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        format!(
+            "int8: {} linear layers, weights {:.2} MiB f32 -> {:.2} MiB int8 + {:.3} MiB column scales ({:.2}x smaller)",
+            bytes.layers,
+            mib(bytes.f32_bytes),
+            mib(bytes.int8_bytes),
+            mib(bytes.scale_bytes),
+            bytes.f32_bytes as f64 / (bytes.int8_bytes + bytes.scale_bytes).max(1) as f64
+        )
     }
 }

@@ -30,6 +30,7 @@ mod cast;
 pub mod core_type;
 mod flex_blas;
 mod gelu;
+pub mod int8;
 mod layer_norm;
 pub mod openblas;
 mod openblas_check;

@@ -13,6 +13,7 @@ use burn::tensor::{Int, Tensor};
 use crate::block::{Activation, Block, BlockModule, Pasts};
 use crate::kernels::{Kernels, layer_norm, linear};
 use crate::zoo::gpt_sp::{self, Gelu};
+use crate::zoo::int8_layers::Int8Bytes;
 use crate::zoo::lora::AdapterShape;
 use crate::zoo::tp::TpPlace;
 use crate::zoo::{AttentionMix, BuildContext, HeadLinear, MlpMix, adapter_shape};
@@ -195,6 +196,10 @@ impl<B: Kernels> BlockModule<B> for AttentionHalf<B> {
     fn forward_cached(&self, x: Activation<B>, pasts: &mut Pasts<B>) -> Activation<B> {
         self.residual(x, |u| self.attention.mix_cached(u, pasts))
     }
+
+    fn quantize_int8(&mut self, threshold: f32) -> Result<Int8Bytes, String> {
+        self.attention.quantize_int8(threshold)
+    }
 }
 
 impl<B: Kernels> AttentionHalf<B> {
@@ -241,6 +246,10 @@ impl<B: Kernels> BlockModule<B> for MlpHalf<B> {
         };
         let y = self.mlp.mix(layer_norm(&self.ln2, x.clone(), LN_EPSILON));
         Activation::Seq(if self.mlp.place().leads() { x + y } else { y })
+    }
+
+    fn quantize_int8(&mut self, threshold: f32) -> Result<Int8Bytes, String> {
+        self.mlp.quantize_int8(threshold)
     }
 }
 

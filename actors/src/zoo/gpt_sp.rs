@@ -15,8 +15,9 @@ use burn::tensor::backend::Backend;
 use crate::block::{Activation, Block, BlockModule, Pasts};
 use crate::kernels::{Kernels, attention_with_past, causal_attention, gelu, layer_norm, linear, qkv_part};
 use crate::zoo::GptEmbedding;
+use crate::zoo::int8_layers::{Int8Bytes, Int8Pair, project, quantize_pair};
 use crate::zoo::lora::{Adapter, AdapterShape, adapted};
-use crate::zoo::tp::{TpPlace, row_parallel};
+use crate::zoo::tp::TpPlace;
 use archipelago_dataflow::Split;
 use archipelago_dataflow::tensor_parallel::local_extent;
 
@@ -108,6 +109,9 @@ pub struct AttentionMix<B: Backend> {
     pub proj: Linear<B>,
     /// `proj`'s LoRA adapter, if adapted.
     pub proj_lora: Option<Adapter<B>>,
+    /// `qkv` and `proj` in int8, for inference ([`AttentionMix::quantize_int8`]).
+    #[module(skip)]
+    pub int8: Int8Pair,
     /// This rank's heads.
     pub heads: usize,
     /// This rank in its tensor-parallel group.
@@ -128,6 +132,7 @@ impl<B: Backend> AttentionMix<B> {
                 .with_initializer(Initializer::Zeros)
                 .init(device),
             proj_lora: None,
+            int8: None,
             heads: tp.part(heads),
             tp_rank: tp.rank,
             tp_size: tp.size,
@@ -159,13 +164,28 @@ impl<B: Backend> AttentionMix<B> {
 impl<B: Kernels> AttentionMix<B> {
     /// `proj(attn(qkv(u)))`, this rank's summand (the projection's bias on the first rank).
     pub fn mix(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
-        let qkv = adapted(linear(&self.qkv, u.clone()), &self.qkv_lora, u);
-        let attended = causal_attention(qkv, self.heads);
-        adapted(
-            row_parallel(&self.proj, attended.clone(), self.place()),
-            &self.proj_lora,
-            attended,
-        )
+        let qkv = self.qkv(u);
+        self.proj(causal_attention(qkv, self.heads))
+    }
+
+    /// `qkv(u)`, adapted.
+    fn qkv(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
+        let base = project(&self.int8, 0, &self.qkv, u.clone(), self.place());
+        adapted(base, &self.qkv_lora, u)
+    }
+
+    /// `proj(attended)`, adapted (row-parallel).
+    fn proj(&self, attended: Tensor<B, 3>) -> Tensor<B, 3> {
+        let base = project(&self.int8, 1, &self.proj, attended.clone(), self.place());
+        adapted(base, &self.proj_lora, attended)
+    }
+
+    /// `qkv` and `proj` in int8 at `threshold` (LLM.int8), their f32 weights dropped.
+    pub fn quantize_int8(&mut self, threshold: f32) -> Result<Int8Bytes, String> {
+        let tp = self.place();
+        let (pair, bytes) = quantize_pair([&mut self.qkv, &mut self.proj], threshold, tp)?;
+        self.int8 = Some(pair);
+        Ok(bytes)
     }
 }
 
@@ -175,7 +195,7 @@ impl<B: Kernels> AttentionMix<B> {
     /// to their own position ([`attention_with_past`]); the projections run over all of them at
     /// once.
     pub fn mix_cached(&self, u: Tensor<B, 3>, pasts: &mut Pasts<B>) -> Tensor<B, 3> {
-        let qkv = adapted(linear(&self.qkv, u.clone()), &self.qkv_lora, u);
+        let qkv = self.qkv(u);
         let d = qkv.dims()[2] / 3;
         let h = self.heads;
         let mut outputs = Vec::with_capacity(pasts.seqs.len());
@@ -195,12 +215,7 @@ impl<B: Kernels> AttentionMix<B> {
             let (attended, _) = attention_with_past(q, k, v, past.offset);
             outputs.push(attended.swap_dims(1, 2).reshape([1, *n, d]));
         }
-        let attended = Tensor::cat(outputs, 1);
-        adapted(
-            row_parallel(&self.proj, attended.clone(), self.place()),
-            &self.proj_lora,
-            attended,
-        )
+        self.proj(Tensor::cat(outputs, 1))
     }
 }
 
@@ -225,6 +240,9 @@ pub struct MlpMix<B: Backend> {
     pub fc2: Linear<B>,
     /// `fc2`'s LoRA adapter, if adapted.
     pub fc2_lora: Option<Adapter<B>>,
+    /// `fc1` and `fc2` in int8, for inference ([`MlpMix::quantize_int8`]).
+    #[module(skip)]
+    pub int8: Int8Pair,
     /// This rank in its tensor-parallel group.
     pub tp_rank: usize,
     /// The group's size.
@@ -245,6 +263,7 @@ impl<B: Backend> MlpMix<B> {
                 .with_initializer(Initializer::Zeros)
                 .init(device),
             fc2_lora: None,
+            int8: None,
             tp_rank: tp.rank,
             tp_size: tp.size,
             tanh_gelu: gelu == Gelu::Tanh,
@@ -276,12 +295,18 @@ impl<B: Kernels> MlpMix<B> {
     /// `fc2(gelu(fc1(u)))`, this rank's summand (`fc2`'s bias on the first rank).
     pub fn mix(&self, u: Tensor<B, 3>) -> Tensor<B, 3> {
         let form = if self.tanh_gelu { Gelu::Tanh } else { Gelu::Erf };
-        let up = form.apply(adapted(linear(&self.fc1, u.clone()), &self.fc1_lora, u));
-        adapted(
-            row_parallel(&self.fc2, up.clone(), self.place()),
-            &self.fc2_lora,
-            up,
-        )
+        let fc1 = project(&self.int8, 0, &self.fc1, u.clone(), self.place());
+        let up = form.apply(adapted(fc1, &self.fc1_lora, u));
+        let fc2 = project(&self.int8, 1, &self.fc2, up.clone(), self.place());
+        adapted(fc2, &self.fc2_lora, up)
+    }
+
+    /// `fc1` and `fc2` in int8 at `threshold` (LLM.int8), their f32 weights dropped.
+    pub fn quantize_int8(&mut self, threshold: f32) -> Result<Int8Bytes, String> {
+        let tp = self.place();
+        let (pair, bytes) = quantize_pair([&mut self.fc1, &mut self.fc2], threshold, tp)?;
+        self.int8 = Some(pair);
+        Ok(bytes)
     }
 }
 

@@ -10,6 +10,7 @@
 mod gpt;
 mod gpt2;
 mod gpt_sp;
+pub mod int8_layers;
 pub mod lora;
 mod mlp;
 pub mod tp;

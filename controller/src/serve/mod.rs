@@ -27,7 +27,7 @@ use archipelago_actors::serving::{Replica, Router};
 use archipelago_actors::text_tokens::codec;
 use archipelago_dataflow::ModelSpec;
 
-use crate::weight_args::WeightArgs;
+use crate::weight_args::{QuantizeArgs, WeightArgs};
 use chat::ChatTemplate;
 use http::Service;
 
@@ -37,6 +37,9 @@ pub struct ServeArgs {
     /// The model and its weights.
     #[command(flatten)]
     pub weights: WeightArgs,
+    /// int8 weights.
+    #[command(flatten)]
+    pub quantize: QuantizeArgs,
     /// A Hugging Face `tokenizer.json` (without it, the text's bytes are the tokens).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
@@ -166,7 +169,15 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
             "{spec} does not generate tokens: serve a gpt or gpt2 model"
         ));
     };
-    let weight_bytes = values.iter().map(|v| v.len() as u64 * 4).sum::<u64>();
+    let mut weight_bytes = values.iter().map(|v| v.len() as u64 * 4).sum::<u64>();
+    if args.quantize.quantize.is_some() {
+        // Each layer's four projections: 12·d² weights from 4 bytes to 1, 9·d column scales.
+        let (d, layers) = (
+            spec.get("d").unwrap_or(0) as u64,
+            spec.get("layers").unwrap_or(0) as u64,
+        );
+        weight_bytes = weight_bytes - 3 * 12 * d * d * layers + 4 * 9 * d * layers;
+    }
     let (pool, sized_by) = pool_for(args, &spec, ctx, weight_bytes);
     if pool.blocks_for(2) > pool.total {
         return Err(format!(
@@ -203,7 +214,8 @@ pub fn build(args: &ServeArgs) -> Result<(Arc<Service>, Summary), String> {
     let template = ChatTemplate::choose(args.chat_template.as_deref(), args.tokenizer.as_deref())?;
     let mut replicas = Vec::with_capacity(args.replicas);
     for r in 0..args.replicas {
-        let model = WholeModel::load(spec, &values)?;
+        let mut model = WholeModel::load(spec, &values)?;
+        args.quantize.apply(&mut model)?;
         let (_, decode) = codec(tokenizer.as_deref(), vocab)?;
         let replica = Replica::start(
             &format!("replica-{r}"),
