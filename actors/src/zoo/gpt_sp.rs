@@ -183,9 +183,7 @@ impl<B: Kernels> AttentionMix<B> {
     /// `qkv` and `proj` in int8 at `threshold` (LLM.int8), their f32 weights dropped.
     pub fn quantize_int8(&mut self, threshold: f32) -> Result<Int8Bytes, String> {
         let tp = self.place();
-        let (pair, bytes) = quantize_pair([&mut self.qkv, &mut self.proj], threshold, tp)?;
-        self.int8 = Some(pair);
-        Ok(bytes)
+        quantize_pair([&mut self.qkv, &mut self.proj], &mut self.int8, threshold, tp)
     }
 }
 
@@ -304,9 +302,7 @@ impl<B: Kernels> MlpMix<B> {
     /// `fc1` and `fc2` in int8 at `threshold` (LLM.int8), their f32 weights dropped.
     pub fn quantize_int8(&mut self, threshold: f32) -> Result<Int8Bytes, String> {
         let tp = self.place();
-        let (pair, bytes) = quantize_pair([&mut self.fc1, &mut self.fc2], threshold, tp)?;
-        self.int8 = Some(pair);
-        Ok(bytes)
+        quantize_pair([&mut self.fc1, &mut self.fc2], &mut self.int8, threshold, tp)
     }
 }
 

@@ -39,13 +39,14 @@ impl std::ops::AddAssign for Int8Bytes {
 /// A block's pair of projections in int8 (`qkv` and `proj`, or `fc1` and `fc2`).
 pub type Int8Pair = Option<Arc<[Int8Linear; 2]>>;
 
-/// `layers` in int8 at `threshold`, their f32 weights replaced by empty ones; refused under
-/// tensor parallelism (inference runs whole blocks).
+/// `layers` in int8 at `threshold` into `pair`, their f32 weights replaced by empty ones;
+/// refused under tensor parallelism (inference runs whole blocks).
 pub fn quantize_pair<B: Backend>(
     layers: [&mut Linear<B>; 2],
+    pair: &mut Int8Pair,
     threshold: f32,
     tp: TpPlace,
-) -> Result<(Arc<[Int8Linear; 2]>, Int8Bytes), String> {
+) -> Result<Int8Bytes, String> {
     if tp.size > 1 {
         return Err(
             "int8 weights run whole blocks: quantize a model loaded without tensor parallelism".into(),
@@ -62,7 +63,8 @@ pub fn quantize_pair<B: Backend>(
         };
         quantized
     });
-    Ok((Arc::new([first, second]), bytes))
+    *pair = Some(Arc::new([first, second]));
+    Ok(bytes)
 }
 
 /// One layer in int8; its f32 weight is dropped (an empty `[0, out]` tensor in its place).

@@ -54,8 +54,10 @@ pub struct Service {
     pub connections: Arc<Semaphore>,
     /// The cluster token every request must carry as `Authorization: Bearer`, if any.
     pub token: Option<Arc<str>>,
-    /// Answers so far (ids and default seeds).
+    /// Answers so far (their ids).
     pub answered: AtomicU64,
+    /// Seeds drawn for requests that name none: each its own, even when requests arrive together.
+    pub seeds_drawn: AtomicU64,
     /// Unix seconds at start.
     pub created: u64,
 }
@@ -172,11 +174,8 @@ async fn start(
     let body: Value = serde_json::from_slice(&bytes).map_err(|e| {
         ApiError::field("body", format!("the body is not valid JSON: {e}")).with_code("invalid_json")
     })?;
-    let default_seed = service.created
-        ^ service
-            .answered
-            .load(Ordering::Relaxed)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let draw = service.seeds_drawn.fetch_add(1, Ordering::Relaxed);
+    let default_seed = service.created ^ draw.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let params = openai::parse(&body, chat, default_seed)?;
     let (prompt, param) = prompt_ids(service, &params.prompt)?;
     let ctx = service.ctx;

@@ -171,12 +171,12 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
     };
     let mut weight_bytes = values.iter().map(|v| v.len() as u64 * 4).sum::<u64>();
     if args.quantize.quantize.is_some() {
-        // Each layer's four projections: 12·d² weights from 4 bytes to 1, 9·d column scales.
-        let (d, layers) = (
-            spec.get("d").unwrap_or(0) as u64,
-            spec.get("layers").unwrap_or(0) as u64,
-        );
-        weight_bytes = weight_bytes - 3 * 12 * d * d * layers + 4 * 9 * d * layers;
+        // Every projection (the model's own list): its weights from 4 bytes to 1, plus a 4-byte
+        // scale per output column.
+        for (_, [d_in, d_out]) in spec.projections() {
+            let (d_in, d_out) = (d_in as u64, d_out as u64);
+            weight_bytes = weight_bytes - 3 * d_in * d_out + 4 * d_out;
+        }
     }
     let (pool, sized_by) = pool_for(args, &spec, ctx, weight_bytes);
     if pool.blocks_for(2) > pool.total {
@@ -242,6 +242,7 @@ pub fn build(args: &ServeArgs) -> Result<(Arc<Service>, Summary), String> {
         connections: Arc::new(tokio::sync::Semaphore::new(args.max_connections.max(1))),
         token: token.map(|t| Arc::from(t.as_str())),
         answered: AtomicU64::new(0),
+        seeds_drawn: AtomicU64::new(0),
         created: http::unix_seconds(),
     };
     Ok((Arc::new(service), summary))
@@ -304,4 +305,37 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         serve_on(listener, service).await?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn args(extra: &[&str]) -> ServeArgs {
+        let init = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../integration-tests/fixtures/gpt2/model.safetensors"
+        );
+        let base = ["serve", "--init", init, "--cache-tokens", "256"];
+        Cli::parse_from(base.iter().chain(extra)).serve
+    }
+
+    #[test]
+    fn the_plans_int8_weights_are_what_quantizing_the_model_leaves() {
+        let (f32_plan, values) = plan(&args(&[])).unwrap();
+        let (int8_plan, _) = plan(&args(&["--quantize", "int8"])).unwrap();
+        let mut model = WholeModel::load(&f32_plan.spec, &values).unwrap();
+        let bytes = model.quantize_int8(6.0).unwrap();
+        assert!(bytes.layers > 0);
+        let saved = bytes.f32_bytes - bytes.int8_bytes - bytes.scale_bytes;
+        assert_eq!(f32_plan.weight_bytes - int8_plan.weight_bytes, saved as u64);
+    }
 }
