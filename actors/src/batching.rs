@@ -10,6 +10,7 @@
 //! recompute preemption. Each sequence attends to its own past only, so what it gets does not
 //! depend on what it was batched with (up to the order of float sums). The blocks are counted
 //! here; each sequence's keys and values are still its own tensors (a paged tensor pool is next).
+//! [`Batcher::whole_batches`] is the static batching it is measured against.
 
 use std::collections::VecDeque;
 
@@ -109,6 +110,8 @@ pub struct Batcher<'m> {
     running: Vec<Entry>,
     submitted: usize,
     preemptions: usize,
+    /// Static batching: a batch forms only once the last one has ended.
+    whole_batches: bool,
 }
 
 impl<'m> Batcher<'m> {
@@ -123,7 +126,25 @@ impl<'m> Batcher<'m> {
             running: Vec::new(),
             submitted: 0,
             preemptions: 0,
+            whole_batches: false,
         }
+    }
+
+    /// Static batching, the baseline continuous batching is measured against: waiting requests
+    /// join only when the batch is empty, and the batch runs until its last request ends.
+    pub fn whole_batches(mut self) -> Batcher<'m> {
+        self.whole_batches = true;
+        self
+    }
+
+    /// The model it runs.
+    pub fn spec(&self) -> &ModelSpec {
+        self.model.spec()
+    }
+
+    /// The most sequences a step runs.
+    pub fn max_sequences(&self) -> usize {
+        self.max_sequences
     }
 
     /// Queues `request` (checked now, so a bad one never joins a batch: one the whole pool
@@ -261,8 +282,12 @@ impl<'m> Batcher<'m> {
         }
     }
 
-    /// Waiting requests join in order while the batch and the pool have room.
+    /// Waiting requests join in order while the batch and the pool have room (under static
+    /// batching, only into an empty batch).
     fn admit_waiting(&mut self) {
+        if self.whole_batches && !self.running.is_empty() {
+            return;
+        }
         while self.running.len() < self.max_sequences
             && let Some(entry) = self.waiting.front()
         {

@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc as tokio_mpsc, oneshot};
 
@@ -79,6 +80,19 @@ impl ReplicaStats {
     }
 }
 
+/// How a replica forms its batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheduling {
+    /// Orca's iteration-level scheduling: requests join and leave at every step.
+    Continuous,
+    /// Static batching (the baseline): wait for a full batch or `wait` after the first request,
+    /// then run that batch until its longest request ends; later requests wait for the next.
+    Static {
+        /// The longest a request waits for others to fill the batch.
+        wait: Duration,
+    },
+}
+
 /// A request and where its updates go.
 struct Submission {
     request: Request,
@@ -103,14 +117,15 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// Starts `model`'s thread: at most `max_sequences` a step over a cache of `pool`, text
-    /// made by `decode`. The thread ends when the replica is dropped and its work is done.
+    /// Starts `model`'s thread: at most `max_sequences` a step over a cache of `pool`, batches
+    /// formed by `scheduling`, text made by `decode`. The thread ends when the replica is dropped
+    /// and its work is done.
     pub fn start(
         name: &str,
         model: WholeModel,
         decode: Box<SendDecode>,
-        max_sequences: usize,
-        pool: CachePool,
+        (max_sequences, pool): (usize, CachePool),
+        scheduling: Scheduling,
     ) -> std::io::Result<Replica> {
         let (submissions, incoming) = mpsc::channel();
         let stats = Arc::new(ReplicaStats::default());
@@ -119,7 +134,13 @@ impl Replica {
         let thread_stats = stats.clone();
         std::thread::Builder::new()
             .name(name.to_string())
-            .spawn(move || serve(&model, &*decode, max_sequences, pool, &incoming, &thread_stats))?;
+            .spawn(move || {
+                let mut batcher = Batcher::new(&model, max_sequences, pool);
+                if scheduling != Scheduling::Continuous {
+                    batcher = batcher.whole_batches();
+                }
+                serve(&mut batcher, &*decode, scheduling, &incoming, &thread_stats)
+            })?;
         Ok(Replica {
             submissions,
             stats,
@@ -174,32 +195,48 @@ impl Replica {
     }
 }
 
-/// The replica's loop: wait for work when there is none, take every new request, step.
+/// The replica's loop: wait for work when there is none, take every new request (under static
+/// batching, gather the next batch), step.
 fn serve(
-    model: &WholeModel,
+    batcher: &mut Batcher,
     decode: &SendDecode,
-    max_sequences: usize,
-    pool: CachePool,
+    scheduling: Scheduling,
     incoming: &mpsc::Receiver<Submission>,
     stats: &ReplicaStats,
 ) {
-    let mut batcher = Batcher::new(model, max_sequences, pool);
     let mut live: HashMap<usize, Live> = HashMap::new();
+    // When the oldest request waiting for a static batch arrived.
+    let mut gathering_since: Option<Instant> = None;
     loop {
         if live.is_empty() {
             match incoming.recv() {
-                Ok(submission) => admit(&mut batcher, &mut live, decode, submission, stats),
+                Ok(submission) => admit(batcher, &mut live, decode, submission, stats),
                 Err(_) => return,
             }
         }
         while let Ok(submission) = incoming.try_recv() {
-            admit(&mut batcher, &mut live, decode, submission, stats);
+            admit(batcher, &mut live, decode, submission, stats);
         }
-        publish(&batcher, stats);
+        if let Scheduling::Static { wait } = scheduling
+            && batcher.running() == 0
+            && batcher.waiting() > 0
+        {
+            let deadline = *gathering_since.get_or_insert_with(Instant::now) + wait;
+            while batcher.waiting() < batcher.max_sequences()
+                && let Some(left) = deadline.checked_duration_since(Instant::now())
+                && let Ok(submission) = incoming.recv_timeout(left)
+            {
+                admit(batcher, &mut live, decode, submission, stats);
+            }
+            gathering_since = None;
+        } else if batcher.running() > 0 && batcher.waiting() > 0 {
+            gathering_since.get_or_insert_with(Instant::now);
+        }
+        publish(batcher, stats);
         match batcher.step() {
             Ok(events) => {
                 for event in events {
-                    route(&mut batcher, &mut live, event, stats);
+                    route(batcher, &mut live, event, stats);
                 }
             }
             Err(e) => {
@@ -207,11 +244,11 @@ fn serve(
                     batcher.cancel(id);
                     let _ = request
                         .updates
-                        .send(Update::Failed(format!("{}: {e}", model.spec())));
+                        .send(Update::Failed(format!("{}: {e}", batcher.spec())));
                 }
             }
         }
-        publish(&batcher, stats);
+        publish(batcher, stats);
     }
 }
 

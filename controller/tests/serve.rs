@@ -1,7 +1,7 @@
 //! `archipelago serve` as a user runs it (issue 41): a real process on 127.0.0.1, asked over
 //! HTTP in OpenAI's shapes. The fixture's GPT-2 answers a greedy completion with
-//! `transformers`' greedy continuation, whole and streamed (the chunks add up to the whole
-//! text; `[DONE]` last; the usage chunk when asked); a chat request goes through the plain
+//! `transformers`' greedy continuation, whole and streamed (a chunk per token, adding up to the
+//! whole text; `[DONE]` last; the usage chunk when asked); a chat request goes through the plain
 //! template; requests sent at once get what each gets alone; every bad input is a 4xx in
 //! OpenAI's error shape naming the field while the server goes on serving; `/v1/models`,
 //! `/health` and `/metrics` (OpenMetrics) answer. A client that disconnects mid-stream gives its
@@ -198,6 +198,11 @@ fn serve_answers_in_openai_shapes_and_refuses_bad_input_by_field() {
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 8);
     assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "length");
+    // A chunk per generated token (as vLLM sends), then the finish and the usage.
+    let token_chunks = (chunks.iter())
+        .filter(|c| c["choices"][0]["finish_reason"].is_null() && c["usage"].is_null())
+        .count();
+    assert_eq!(token_chunks, 8);
 
     // A chat through the plain template.
     let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0});

@@ -236,3 +236,61 @@ fn a_cancelled_request_gives_its_blocks_back() {
     assert!(seen.iter().all(|&id| id == ids[1]), "{seen:?}");
     assert_eq!(batcher.blocks_used(), 0);
 }
+
+/// Static batching (the serving bench's baseline): a request that arrives while a batch runs
+/// waits until that batch's longest request has ended, then gets what it gets alone; under
+/// continuous batching the same arrival joins at the next step (the control).
+#[test]
+fn a_static_batch_runs_to_its_longest_request_before_the_next_joins() {
+    let model = model();
+    let first_token_step = |whole_batches: bool| {
+        let mut batcher = Batcher::new(&model, 4, roomy());
+        if whole_batches {
+            batcher = batcher.whole_batches();
+        }
+        let short = batcher.submit(request(0)).unwrap(); // 4 tokens
+        let long = batcher.submit(request(2)).unwrap(); // 10 tokens
+        let (mut late, mut done, mut first_late) = (None, BTreeMap::new(), None);
+        let mut late_tokens = Vec::new();
+        for step in 0.. {
+            if step == 1 {
+                late = Some(batcher.submit(request(4)).unwrap());
+            }
+            let events = batcher.step().unwrap();
+            if events.is_empty() && batcher.waiting() == 0 {
+                break;
+            }
+            for event in events {
+                match event {
+                    Event::Token { id, token, logits } if Some(id) == late => {
+                        first_late.get_or_insert(step);
+                        late_tokens.push((token, logits));
+                    }
+                    Event::Done { id } => {
+                        done.insert(id, step);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        assert!(done[&short] < done[&long]);
+        let late_answer: Answers = BTreeMap::from([(4, late_tokens)]);
+        (first_late.unwrap(), done[&long], late_answer)
+    };
+    let (first, long_done, answers) = first_token_step(true);
+    assert_eq!(
+        first,
+        long_done + 1,
+        "the late request starts right after the batch's longest ends"
+    );
+    let (compared, worst) = compare_with_alone(&model, &answers);
+    assert!(
+        compared > 0 && worst < 1e-4,
+        "{compared} tokens, logits off by {worst}"
+    );
+    let (first_continuous, _, _) = first_token_step(false);
+    assert_eq!(
+        first_continuous, 1,
+        "continuous batching admits it at the next step"
+    );
+}

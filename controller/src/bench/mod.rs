@@ -16,6 +16,7 @@ mod peers;
 mod precision;
 mod precision_convergence;
 mod scale;
+mod serving;
 mod soak;
 pub mod summary;
 mod training;
@@ -99,6 +100,13 @@ pub struct BenchArgs {
     /// backward seconds, model-state, optimizer and gradient fabric bytes).
     #[arg(long)]
     pub lora_only: bool,
+    /// Run only the serving load and stop: a GPT-2 of gpt-tiny's size behind `archipelago serve`
+    /// on 127.0.0.1 with continuous and with static batching (16 requests or 50 ms), Poisson
+    /// arrivals at 2, 8 and 32 requests/s and 16 clients in a closed loop (generated tokens/s,
+    /// time to first token and inter-token latency p50/p99, cache-pool use), and batch-1
+    /// decoding; with --peers, `transformers`' generate on the same weights.
+    #[arg(long)]
+    pub serving_only: bool,
     /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
     /// collectives and DDP steps are measured right after ours, in the same window, and their
     /// figures and our ratios to them land in the JSON (`peers`). Never in CI.
@@ -150,6 +158,9 @@ fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     } else if args.lora_only {
         let (warmup, timed, rounds) = if args.quick { (2, 3, 1) } else { (3, 15, 2) };
         json!({ "suite": "lora", "quick": args.quick, "lora": lora::lora_vs_full(warmup, timed, rounds)?, "load_avg_end": load_avg(), "wall_s": wall() })
+    } else if args.serving_only {
+        let serving = serving::serving(args.quick, args.peers.as_deref())?;
+        json!({ "suite": "serving", "quick": args.quick, "serving": serving, "load_avg_end": load_avg(), "wall_s": wall() })
     } else if args.scale_only {
         json!({ "suite": "scale", "scale": scale_only(args)?, "wall_s": wall() })
     } else if args.tls_only {

@@ -120,3 +120,19 @@ mod tests {
         assert_eq!(gloo_gb_per_s(&gloo, "all_gather"), None);
     }
 }
+
+/// `transformers`' `generate` with its KV cache on the GPT-2 in `model_dir` (its
+/// `model.safetensors` and `config.json`), greedy, `max_tokens` new tokens for each prompt of
+/// `prompts` (a JSON list of token-id lists), one at a time and 16 at once (`serve_peer.py`).
+pub fn transformers_generate(python: &Path, model_dir: &Path, prompts: &Path, max_tokens: usize) -> Value {
+    let args = [
+        format!("--model-dir={}", model_dir.display()),
+        format!("--prompts={}", prompts.display()),
+        format!("--max-tokens={max_tokens}"),
+    ];
+    match run_script(python, "serve_peer.py", &args) {
+        Ok(mut lines) if !lines.is_empty() => lines.remove(0),
+        Ok(_) => json!({ "error": "serve_peer.py printed no JSON line" }),
+        Err(why) => json!({ "error": why }),
+    }
+}

@@ -365,8 +365,8 @@ fn stream(
     Sse::new(events).into_response()
 }
 
-/// The events of the next update: a chunk per token with text, the last chunk, the usage chunk
-/// and `[DONE]` at the end.
+/// The events of the next update: a chunk per token, the last chunk, the usage chunk and
+/// `[DONE]` at the end.
 async fn next_events(s: &mut Streaming) -> Vec<Event> {
     let data = |value: Value| Event::default().data(value.to_string());
     let chunk = |s: &mut Streaming, text: &str, finish: Option<Finish>| {
@@ -377,11 +377,9 @@ async fn next_events(s: &mut Streaming) -> Vec<Event> {
     match s.updates.recv().await {
         Some(Update::Token { text }) => {
             s.timing.token(&s.service.metrics);
-            if text.is_empty() {
-                Vec::new()
-            } else {
-                vec![chunk(s, &text, None)]
-            }
+            // One chunk per token, its text empty while a partial character or a possible stop
+            // sequence is held back (as vLLM sends): a client times every token.
+            vec![chunk(s, &text, None)]
         }
         Some(Update::Done {
             text,
@@ -391,11 +389,8 @@ async fn next_events(s: &mut Streaming) -> Vec<Event> {
         }) => {
             s.ended = true;
             s.service.metrics.outcome("ok");
-            let mut events = Vec::new();
-            if !text.is_empty() {
-                events.push(chunk(s, &text, None));
-            }
-            events.push(chunk(s, "", Some(finish)));
+            // The text still held back goes out with the finish reason, as vLLM's last chunk.
+            let mut events = vec![chunk(s, &text, Some(finish))];
             if s.include_usage {
                 events.push(data(
                     s.answer.usage_chunk(usage(prompt_tokens, completion_tokens)),

@@ -23,7 +23,7 @@ use clap::Args;
 
 use archipelago_actors::batching::CachePool;
 use archipelago_actors::inference::WholeModel;
-use archipelago_actors::serving::{Replica, Router};
+use archipelago_actors::serving::{Replica, Router, Scheduling};
 use archipelago_actors::text_tokens::codec;
 use archipelago_dataflow::ModelSpec;
 
@@ -56,6 +56,14 @@ pub struct ServeArgs {
     /// Sequences one replica runs in a step at most (the batch).
     #[arg(long, default_value_t = 16)]
     pub max_sequences: usize,
+    /// How batches form: `continuous` (requests join and leave at every step) or `static` (the
+    /// baseline: wait for --max-sequences requests or --batch-wait-ms, run that batch until its
+    /// longest request ends).
+    #[arg(long, default_value = "continuous", value_parser = ["continuous", "static"])]
+    pub batching: String,
+    /// With --batching static: the longest a request waits for the batch to fill.
+    #[arg(long, default_value_t = 50)]
+    pub batch_wait_ms: u64,
     /// Positions per cache block.
     #[arg(long, default_value_t = 16)]
     pub block_tokens: usize,
@@ -82,6 +90,18 @@ pub struct ServeArgs {
     /// loopback).
     #[arg(long)]
     pub token_file: Option<PathBuf>,
+}
+
+impl ServeArgs {
+    /// How the replicas form their batches.
+    pub fn scheduling(&self) -> Scheduling {
+        match self.batching.as_str() {
+            "static" => Scheduling::Static {
+                wait: std::time::Duration::from_millis(self.batch_wait_ms),
+            },
+            _ => Scheduling::Continuous,
+        }
+    }
 }
 
 /// What a started service is.
@@ -221,8 +241,8 @@ pub fn build(args: &ServeArgs) -> Result<(Arc<Service>, Summary), String> {
             &format!("replica-{r}"),
             model,
             decode,
-            args.max_sequences,
-            summary.pool,
+            (args.max_sequences, summary.pool),
+            args.scheduling(),
         )
         .map_err(|e| format!("cannot start replica {r}'s thread: {e}"))?;
         replicas.push(replica);
