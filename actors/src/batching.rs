@@ -53,13 +53,17 @@ struct Entry {
 }
 
 impl Entry {
-    /// What the next pass feeds it: everything so far when it (re)starts, else its last token.
-    fn next(&self) -> Vec<u32> {
-        if self.sequence.tokens.is_empty() {
-            [self.prompt.as_slice(), self.generated.as_slice()].concat()
-        } else {
-            vec![*self.generated.last().expect("a running sequence has generated")]
-        }
+    /// What the model has not seen yet: everything so far when it (re)starts, the rest of its
+    /// prompt while a chunked prefill goes on, else its last token.
+    fn pending(&self) -> Vec<u32> {
+        let seen = self.sequence.tokens.len();
+        let all = self.prompt.len() + self.generated.len();
+        (seen..all)
+            .map(|i| match self.prompt.get(i) {
+                Some(&token) => token,
+                None => self.generated[i - self.prompt.len()],
+            })
+            .collect()
     }
 }
 
@@ -112,6 +116,8 @@ pub struct Batcher<'m> {
     preemptions: usize,
     /// Static batching: a batch forms only once the last one has ended.
     whole_batches: bool,
+    /// The most positions one pass computes (chunked prefill); `usize::MAX`: no limit.
+    step_tokens: usize,
 }
 
 impl<'m> Batcher<'m> {
@@ -127,7 +133,17 @@ impl<'m> Batcher<'m> {
             submitted: 0,
             preemptions: 0,
             whole_batches: false,
+            step_tokens: usize::MAX,
         }
+    }
+
+    /// Chunked prefill (Sarathi-Serve, Agrawal et al. OSDI 2024; vLLM's `max_num_batched_tokens`):
+    /// a pass computes at most `tokens` positions — every decoding sequence's next one, then
+    /// prompts in admission order, a long one cut into chunks over several steps — so that a
+    /// prompt joining the batch delays the others' next tokens by at most a chunk.
+    pub fn step_tokens(mut self, tokens: usize) -> Batcher<'m> {
+        self.step_tokens = tokens.max(1);
+        self
     }
 
     /// Static batching, the baseline continuous batching is measured against: waiting requests
@@ -231,13 +247,28 @@ impl<'m> Batcher<'m> {
         if self.running.is_empty() {
             return Ok(Vec::new());
         }
-        let inputs: Vec<Vec<u32>> = self.running.iter().map(Entry::next).collect();
-        let slices: Vec<&[u32]> = inputs.iter().map(Vec::as_slice).collect();
-        let mut sequences: Vec<&mut Sequence> = self.running.iter_mut().map(|r| &mut r.sequence).collect();
+        let pending: Vec<Vec<u32>> = self.running.iter().map(Entry::pending).collect();
+        let fed = self.chunks(&pending);
+        let mut sequences = Vec::new();
+        let mut slices = Vec::new();
+        for ((entry, pending), &n) in self.running.iter_mut().zip(&pending).zip(&fed) {
+            if n > 0 {
+                sequences.push(&mut entry.sequence);
+                slices.push(&pending[..n]);
+            }
+        }
         let logits = self.model.extend_many(&mut sequences, &slices)?;
         let vocab = self.model.spec().get("vocab").unwrap_or(0);
         let mut events = Vec::new();
-        for (entry, mut last) in self.running.iter_mut().zip(logits) {
+        let mut logits = logits.into_iter();
+        for ((entry, pending), &n) in self.running.iter_mut().zip(&pending).zip(&fed) {
+            if n == 0 {
+                continue;
+            }
+            let mut last = logits.next().expect("logits for each sequence fed");
+            if n < pending.len() {
+                continue; // a prefill chunk: no token until the whole prompt is in
+            }
             // The last position's row (a prefill computed the prompt's every position).
             last.drain(..last.len() - vocab);
             let token = entry.sampler.next(&last);
@@ -256,6 +287,24 @@ impl<'m> Batcher<'m> {
         self.used -= done.iter().map(|e| e.blocks).sum::<usize>();
         self.running = running;
         Ok(events)
+    }
+
+    /// How many of its pending positions each running sequence feeds this pass: a decoding
+    /// sequence its one, prompts what the step's budget leaves, in admission order (at least one
+    /// position a pass, so a prefill always progresses).
+    fn chunks(&self, pending: &[Vec<u32>]) -> Vec<usize> {
+        let decoding = pending.iter().filter(|p| p.len() == 1).count();
+        let mut left = self.step_tokens.saturating_sub(decoding).max(1);
+        (pending.iter())
+            .map(|p| {
+                if p.len() == 1 {
+                    return 1;
+                }
+                let n = p.len().min(left);
+                left -= n;
+                n
+            })
+            .collect()
     }
 
     /// Each running sequence's next position gets its block, in admission order; when the

@@ -84,7 +84,11 @@ impl ReplicaStats {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scheduling {
     /// Orca's iteration-level scheduling: requests join and leave at every step.
-    Continuous,
+    Continuous {
+        /// The most positions a pass computes, prompts prefilled in chunks within it
+        /// ([`Batcher::step_tokens`]); `None`: whole prompts.
+        step_tokens: Option<usize>,
+    },
     /// Static batching (the baseline): wait for a full batch or `wait` after the first request,
     /// then run that batch until its longest request ends; later requests wait for the next.
     Static {
@@ -136,9 +140,13 @@ impl Replica {
             .name(name.to_string())
             .spawn(move || {
                 let mut batcher = Batcher::new(&model, max_sequences, pool);
-                if scheduling != Scheduling::Continuous {
-                    batcher = batcher.whole_batches();
-                }
+                batcher = match scheduling {
+                    Scheduling::Continuous { step_tokens: None } => batcher,
+                    Scheduling::Continuous {
+                        step_tokens: Some(tokens),
+                    } => batcher.step_tokens(tokens),
+                    Scheduling::Static { .. } => batcher.whole_batches(),
+                };
                 serve(&mut batcher, &*decode, scheduling, &incoming, &thread_stats)
             })?;
         Ok(Replica {

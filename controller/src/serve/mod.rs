@@ -64,6 +64,10 @@ pub struct ServeArgs {
     /// With --batching static: the longest a request waits for the batch to fill.
     #[arg(long, default_value_t = 50)]
     pub batch_wait_ms: u64,
+    /// Chunked prefill: the most positions one step computes (each running sequence's next
+    /// token first, then prompts, a long one over several steps); default: whole prompts.
+    #[arg(long)]
+    pub max_step_tokens: Option<usize>,
     /// Positions per cache block.
     #[arg(long, default_value_t = 16)]
     pub block_tokens: usize,
@@ -99,7 +103,9 @@ impl ServeArgs {
             "static" => Scheduling::Static {
                 wait: std::time::Duration::from_millis(self.batch_wait_ms),
             },
-            _ => Scheduling::Continuous,
+            _ => Scheduling::Continuous {
+                step_tokens: self.max_step_tokens,
+            },
         }
     }
 }

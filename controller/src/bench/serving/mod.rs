@@ -1,7 +1,8 @@
 //! The serving bench (issue 41; WORKLOADS.md's serving load): a GPT-2 of gpt-tiny's size served
 //! by `archipelago serve` on 127.0.0.1 with continuous batching (Orca, Yu et al. OSDI 2022) and
 //! with static batching (wait for 16 requests or 50 ms, run the batch until its longest request
-//! ends), the two servers up side by side and each load run on one then the other: prompts of
+//! ends), and continuous with chunked prefill (Sarathi-Serve: at most 64 positions a pass), the
+//! three servers up side by side and each load run on each in turn: prompts of
 //! 32–96 tokens from gpt-tiny's data, 64 tokens each, Poisson arrivals at several rates and 16
 //! clients in a closed loop; generated tokens/s, time to first token and inter-token latency
 //! p50/p99, cache-pool use. Then one request at a time in this process (batch-1 decoding), and
@@ -46,10 +47,16 @@ const MAX_TOKENS: usize = 64;
 /// The varied answer lengths' range.
 const VARIED: (usize, usize) = (8, 120);
 
+/// Chunked prefill's positions a pass: 16 decoding sequences' next tokens and 48 of prompts.
+const STEP_TOKENS: &str = "64";
+
+/// The chunked-prefill server's name in the JSON.
+const CHUNKED: &str = "continuous, chunked prefill";
+
 /// Sequences a step (and the static batch).
 const BATCH: usize = 16;
 
-/// The bench: both servers under each load, batch-1 decoding, the peer.
+/// The bench: the three servers under each load, batch-1 decoding, the peer.
 pub fn serving(quick: bool, peers: Option<&Path>) -> anyhow::Result<Value> {
     let spec = ModelSpec::parse(MODEL).map_err(anyhow::Error::msg)?;
     let dir = std::env::temp_dir().join(format!("archipelago-serving-bench-{}", std::process::id()));
@@ -73,9 +80,11 @@ pub fn serving(quick: bool, peers: Option<&Path>) -> anyhow::Result<Value> {
     loads.push((Arrivals::Closed { clients: BATCH }, VARIED));
 
     let runtime = tokio::runtime::Runtime::new()?;
-    let servers = ["continuous", "static"].map(|batching| start(&runtime, &weights, batching));
-    let [continuous, stat] = servers;
-    let (continuous, stat) = (continuous?, stat?);
+    let servers = [
+        start(&runtime, &weights, "continuous", &[])?,
+        start(&runtime, &weights, CHUNKED, &["--max-step-tokens", STEP_TOKENS])?,
+        start(&runtime, &weights, "static", &["--batching", "static"])?,
+    ];
     let mut runs = Vec::new();
     for (i, &(arrivals, max_tokens)) in loads.iter().enumerate() {
         let load = Load {
@@ -85,7 +94,7 @@ pub fn serving(quick: bool, peers: Option<&Path>) -> anyhow::Result<Value> {
             max_tokens,
             seed: i as u64,
         };
-        for server in [&continuous, &stat] {
+        for server in &servers {
             let figures = runtime.block_on(server.run(prompts.clone(), load));
             eprintln!("serving: {} {arrivals:?} done", server.batching);
             runs.push(figures);
@@ -137,11 +146,12 @@ struct Server {
     stats: Arc<ReplicaStats>,
 }
 
-/// Starts `archipelago serve` with `--batching batching` on a free port of 127.0.0.1.
+/// Starts `archipelago serve` with `flags` on a free port of 127.0.0.1.
 fn start(
     runtime: &tokio::runtime::Runtime,
     weights: &Path,
     batching: &'static str,
+    flags: &[&str],
 ) -> anyhow::Result<Server> {
     #[derive(Parser)]
     struct Cli {
@@ -151,7 +161,7 @@ fn start(
     let init = weights.to_string_lossy();
     let cache = (BATCH * CTX).to_string();
     let batch = BATCH.to_string();
-    let flags = [
+    let common = [
         "serve",
         "--init",
         &init,
@@ -160,7 +170,7 @@ fn start(
         "--max-sequences",
         &batch,
     ];
-    let args = Cli::parse_from(flags.into_iter().chain(["--batching", batching])).serve;
+    let args = Cli::parse_from(common.iter().chain(flags)).serve;
     let (service, _) = serve::build(&args).map_err(anyhow::Error::msg)?;
     let stats = service.replicas.replicas()[0].shared_stats();
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
@@ -265,16 +275,22 @@ fn ratios(runs: &[Value], alone: &Value, peer: Option<&Value>) -> Value {
                 && (r["max_tokens"][0] != r["max_tokens"][1]) == varied
         })
     };
-    let over = |key: &str, varied: bool| {
-        let (c, s) = (closed("continuous", varied)?, closed("static", varied)?);
+    let ratio = |a: &str, key: &str, varied: bool| {
+        let (c, s) = (closed(a, varied)?, closed("static", varied)?);
         Some(c[key].as_f64()? / s[key].as_f64()?)
     };
+    let over = |key: &str, varied: bool| ratio("continuous", key, varied);
+    let chunked = |key: &str, varied: bool| ratio(CHUNKED, key, varied);
     let peer_decode = peer.and_then(|p| p["batch_1"]["decode_tokens_per_s"].as_f64());
     json!({
         "closed_16_tokens_per_s_continuous_over_static": over("generated_tokens_per_s", false),
         "closed_16_itl_p99_continuous_over_static": over("itl_ms_p99", false),
         "closed_16_varied_tokens_per_s_continuous_over_static": over("generated_tokens_per_s", true),
         "closed_16_varied_itl_p99_continuous_over_static": over("itl_ms_p99", true),
+        "closed_16_tokens_per_s_chunked_over_static": chunked("generated_tokens_per_s", false),
+        "closed_16_itl_p99_chunked_over_static": chunked("itl_ms_p99", false),
+        "closed_16_varied_tokens_per_s_chunked_over_static": chunked("generated_tokens_per_s", true),
+        "closed_16_varied_itl_p99_chunked_over_static": chunked("itl_ms_p99", true),
         "batch_1_decode_ours_over_peer": peer_decode
             .and_then(|p| Some(alone["decode_tokens_per_s"].as_f64()? / p)),
     })
