@@ -1,22 +1,24 @@
-//! Continuous batching (Orca's iteration-level scheduling, Yu et al., OSDI 2022) over a cache
-//! counted in fixed-size blocks (vLLM's PagedAttention accounting, Kwon et al., SOSP 2023): the
-//! batch is formed again at every decoding step. A request that arrives joins at the next step
-//! when the pool has blocks for its prompt (its prompt prefilled in the same flattened pass as
-//! the others' next tokens, [`WholeModel::extend_many`]), and one that finishes leaves at once,
-//! its blocks back in the pool; requests past `max_sequences` or the pool wait in arrival order,
-//! never an out-of-memory. A running sequence that needs a new block when none is free
-//! preempts the latest admitted one, which gives its blocks back and waits at the front of the
-//! queue, to be recomputed (its prompt and what it had generated prefilled again) — vLLM's
-//! recompute preemption. Each sequence attends to its own past only, so what it gets does not
-//! depend on what it was batched with (up to the order of float sums). The blocks are counted
-//! here; each sequence's keys and values are still its own tensors (a paged tensor pool is next).
-//! [`Batcher::whole_batches`] is the static batching it is measured against.
+//! Continuous batching (Orca's iteration-level scheduling, Yu et al., OSDI 2022) over a paged
+//! cache (vLLM's PagedAttention, Kwon et al., SOSP 2023): the batch is formed again at every
+//! decoding step. A request that arrives joins at the next step when the pool has free blocks
+//! for its prompt (its prompt prefilled in the same flattened pass as the others' next tokens,
+//! [`WholeModel::extend_paged`]), and one that finishes leaves at once, its blocks back in the
+//! pool; requests past `max_sequences` or the pool wait in arrival order, never an
+//! out-of-memory. Every attention layer's keys and values live in one pool of fixed-size blocks
+//! allocated once ([`PagedCache`]); a sequence holds a block table and gets a block from the
+//! free list when its next position needs one; when none is free it preempts the latest
+//! admitted sequence, which gives its blocks back and waits at the front of the queue, to be
+//! recomputed (its prompt and what it had generated prefilled again) — vLLM's recompute
+//! preemption. Each sequence attends to its own blocks only, so what it gets does not depend on
+//! what it was batched with (up to the order of float sums). [`Batcher::step_tokens`] prefills
+//! long prompts in chunks; [`Batcher::whole_batches`] is the static batching it is measured
+//! against.
 
 use std::collections::VecDeque;
 
 use archipelago_dataflow::ModelSpec;
 
-use crate::generate::{Request, Sequence};
+use crate::generate::{PagedCache, Request, Sequence};
 use crate::inference::WholeModel;
 use crate::sampling::Sampler;
 
@@ -46,10 +48,8 @@ struct Entry {
     generated: Vec<u32>,
     sampler: Sampler,
     max_tokens: usize,
-    /// Its cache (empty while it waits).
+    /// Its cache: positions seen and the blocks holding them (none while it waits).
     sequence: Sequence,
-    /// Blocks it holds.
-    blocks: usize,
 }
 
 impl Entry {
@@ -109,7 +109,10 @@ pub struct Batcher<'m> {
     model: &'m WholeModel,
     max_sequences: usize,
     pool: CachePool,
-    used: usize,
+    /// The keys and values, in the pool's blocks.
+    cache: PagedCache,
+    /// Blocks no sequence holds.
+    free: Vec<usize>,
     waiting: VecDeque<Entry>,
     running: Vec<Entry>,
     submitted: usize,
@@ -127,7 +130,8 @@ impl<'m> Batcher<'m> {
             model,
             max_sequences: max_sequences.max(1),
             pool,
-            used: 0,
+            cache: PagedCache::new(pool),
+            free: (0..pool.total).rev().collect(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             submitted: 0,
@@ -194,7 +198,6 @@ impl<'m> Batcher<'m> {
             sampler: Sampler::new(request.sampling),
             max_tokens: request.max_tokens,
             sequence: self.model.start(),
-            blocks: 0,
         });
         Ok(id)
     }
@@ -216,7 +219,17 @@ impl<'m> Batcher<'m> {
 
     /// Cache blocks held by the running sequences.
     pub fn blocks_used(&self) -> usize {
-        self.used
+        self.pool.total - self.free.len()
+    }
+
+    /// Bytes the cache pool has allocated (its keys and values, allocated at the first step).
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.bytes()
+    }
+
+    /// Gives `entry`'s blocks back to the pool.
+    fn release(&mut self, entry: &mut Entry) {
+        self.free.append(&mut entry.sequence.table);
     }
 
     /// Sequences preempted so far (each recomputed when it ran again).
@@ -229,8 +242,8 @@ impl<'m> Batcher<'m> {
     /// running (unknown, or already done).
     pub fn cancel(&mut self, id: usize) -> bool {
         if let Some(at) = self.running.iter().position(|e| e.id == id) {
-            let entry = self.running.remove(at);
-            self.used -= entry.blocks;
+            let mut entry = self.running.remove(at);
+            self.release(&mut entry);
             return true;
         }
         let before = self.waiting.len();
@@ -257,7 +270,9 @@ impl<'m> Batcher<'m> {
                 slices.push(&pending[..n]);
             }
         }
-        let logits = self.model.extend_many(&mut sequences, &slices)?;
+        let logits = self
+            .model
+            .extend_paged(&mut sequences, &slices, &mut self.cache)?;
         let vocab = self.model.spec().get("vocab").unwrap_or(0);
         let mut events = Vec::new();
         let mut logits = logits.into_iter();
@@ -284,7 +299,9 @@ impl<'m> Batcher<'m> {
         }
         let (done, running): (Vec<Entry>, Vec<Entry>) =
             (self.running.drain(..)).partition(|e| e.generated.len() == e.max_tokens);
-        self.used -= done.iter().map(|e| e.blocks).sum::<usize>();
+        for mut entry in done {
+            self.release(&mut entry);
+        }
         self.running = running;
         Ok(events)
     }
@@ -314,16 +331,14 @@ impl<'m> Batcher<'m> {
         while i < self.running.len() {
             let entry = &self.running[i];
             let needed = self.pool.blocks_for(entry.sequence.tokens.len() + 1);
-            if needed <= entry.blocks {
+            if needed <= entry.sequence.table.len() {
                 i += 1;
-            } else if self.used < self.pool.total {
-                self.running[i].blocks += 1;
-                self.used += 1;
+            } else if let Some(block) = self.free.pop() {
+                self.running[i].sequence.table.push(block);
                 i += 1;
             } else {
                 let mut victim = self.running.pop().expect("a running sequence");
-                self.used -= victim.blocks;
-                victim.blocks = 0;
+                self.release(&mut victim);
                 victim.sequence = self.model.start();
                 self.waiting.push_front(victim);
                 self.preemptions += 1;
@@ -341,12 +356,12 @@ impl<'m> Batcher<'m> {
             && let Some(entry) = self.waiting.front()
         {
             let needed = self.pool.blocks_for(entry.prompt.len() + entry.generated.len());
-            if self.used + needed > self.pool.total {
+            if needed > self.free.len() {
                 break;
             }
             let mut entry = self.waiting.pop_front().expect("a waiting request");
-            entry.blocks = needed;
-            self.used += needed;
+            let at = self.free.len() - needed;
+            entry.sequence.table = self.free.split_off(at);
             self.running.push(entry);
         }
     }

@@ -11,6 +11,7 @@ use burn::module::Module;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Float, FloatDType, Int, Tensor, TensorData};
 
+use crate::kernels::paged_attention::{PageShape, PagedLayer};
 use crate::transfer::{TransferKind, download, upload};
 
 /// What a block keeps of the positions it has seen, for generation (the KV cache of Pope et
@@ -36,6 +37,58 @@ impl<B: Backend> Default for Past<B> {
 pub struct Pasts<B: Backend> {
     /// Each sequence's past and its count of new positions.
     pub seqs: Vec<(Past<B>, usize)>,
+    /// With a paged cache: the layer's pool and each sequence's block table (the pasts then
+    /// hold offsets only).
+    pub paged: Option<PagedStep>,
+}
+
+/// One attention layer's paged pool during a step ([`crate::kernels::paged_attention`]), and
+/// the block table of each sequence in the step, in order.
+#[derive(Debug, Clone, Default)]
+pub struct PagedStep {
+    /// The layer's keys and values.
+    pub layer: PagedLayer,
+    /// Blocks in the pool.
+    pub blocks: usize,
+    /// Positions per block.
+    pub block_tokens: usize,
+    /// Each sequence's blocks.
+    pub tables: Vec<Vec<usize>>,
+}
+
+impl PagedStep {
+    /// Attention of the new positions in the fused projection `qkv` `[1, Σ n, 3d]` — sequence
+    /// after sequence, `n` of each after its `offset` (`seqs`) — over each one's paged past and
+    /// itself, with `heads` heads: their keys and values written into the pool first. `[1, Σ n, d]`.
+    pub fn attend<B: Backend>(
+        &mut self,
+        qkv: Tensor<B, 3>,
+        seqs: &[(Past<B>, usize)],
+        heads: usize,
+    ) -> Tensor<B, 3> {
+        let [_, total, d3] = qkv.dims();
+        let d = d3 / 3;
+        let (device, dtype) = (qkv.device(), qkv.dtype());
+        let rows = (qkv.into_data().convert::<f32>().to_vec::<f32>()).expect("a float projection");
+        let shape = PageShape {
+            block_tokens: self.block_tokens,
+            heads,
+            head_width: d / heads,
+        };
+        self.layer.reserve(self.blocks, shape);
+        let mut out = vec![0.0; total * d];
+        let mut lse = vec![0.0; total * heads];
+        let mut start = 0;
+        for ((past, n), table) in seqs.iter().zip(&self.tables) {
+            let (first, end) = (start, start + n);
+            let qkv = &rows[first * d3..end * d3];
+            self.layer.write(shape, table, past.offset, qkv);
+            let (out, lse) = (&mut out[first * d..end * d], &mut lse[first * heads..end * heads]);
+            self.layer.attend(shape, table, past.offset, qkv, out, lse);
+            start = end;
+        }
+        Tensor::<B, 3>::from_data(TensorData::new(out, [1, total, d]), &device).cast(dtype)
+    }
 }
 
 impl<B: Backend> Pasts<B> {

@@ -9,8 +9,9 @@ use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::CpuBackend;
 use crate::batching::{Batcher, CachePool, Event};
-use crate::block::{Activation, Past, Pasts};
+use crate::block::{Activation, PagedStep, Past, Pasts};
 use crate::inference::WholeModel;
+use crate::kernels::paged_attention::PagedLayer;
 use crate::sampling::Sampling;
 use crate::text_stream::{Decode, TextStream};
 
@@ -21,6 +22,34 @@ pub struct Sequence {
     pub pasts: Vec<Past<CpuBackend>>,
     /// The tokens the model has seen.
     pub tokens: Vec<u32>,
+    /// Its blocks in a [`PagedCache`] (empty when its pasts hold their own keys and values).
+    pub table: Vec<usize>,
+}
+
+/// A replica's keys and values in one pool of fixed-size blocks per attention layer (vLLM's
+/// PagedAttention), allocated at the first step that needs them and kept; sequences hold block
+/// tables into it ([`WholeModel::extend_paged`]).
+#[derive(Debug)]
+pub struct PagedCache {
+    /// The blocks.
+    pub pool: CachePool,
+    /// Each model block's pool (empty for a block without attention).
+    layers: Vec<PagedLayer>,
+}
+
+impl PagedCache {
+    /// An unallocated cache of `pool`'s blocks.
+    pub fn new(pool: CachePool) -> PagedCache {
+        PagedCache {
+            pool,
+            layers: Vec::new(),
+        }
+    }
+
+    /// Bytes allocated.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(PagedLayer::bytes).sum()
+    }
 }
 
 /// A greedy continuation: the new tokens and, for each, the logits it was the argmax of.
@@ -38,6 +67,7 @@ impl WholeModel {
         Sequence {
             pasts: (0..self.blocks.len()).map(|_| Past::default()).collect(),
             tokens: Vec::new(),
+            table: Vec::new(),
         }
     }
 
@@ -54,6 +84,36 @@ impl WholeModel {
         &self,
         sequences: &mut [&mut Sequence],
         ids: &[&[u32]],
+    ) -> Result<Vec<Vec<f32>>, String> {
+        self.extend_inner(sequences, ids, None)
+    }
+
+    /// [`WholeModel::extend_many`] with the keys and values in `cache`'s blocks, each sequence
+    /// through its block table (which must hold its new positions).
+    pub fn extend_paged(
+        &self,
+        sequences: &mut [&mut Sequence],
+        ids: &[&[u32]],
+        cache: &mut PagedCache,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let bt = cache.pool.block_tokens;
+        if let Some((s, n)) =
+            (sequences.iter().zip(ids)).find(|(s, n)| s.table.len() * bt < s.tokens.len() + n.len())
+        {
+            return Err(format!(
+                "{} positions and {} blocks of {bt}: the sequence's table is short",
+                s.tokens.len() + n.len(),
+                s.table.len()
+            ));
+        }
+        self.extend_inner(sequences, ids, Some(cache))
+    }
+
+    fn extend_inner(
+        &self,
+        sequences: &mut [&mut Sequence],
+        ids: &[&[u32]],
+        mut cache: Option<&mut PagedCache>,
     ) -> Result<Vec<Vec<f32>>, String> {
         let (ctx, vocab) = (self.spec.get("ctx"), self.spec.get("vocab"));
         let (Some(ctx), Some(vocab)) = (ctx, vocab) else {
@@ -93,8 +153,22 @@ impl WholeModel {
             let seqs = (sequences.iter_mut().zip(ids))
                 .map(|(s, ids)| (std::mem::take(&mut s.pasts[b]), ids.len()))
                 .collect();
-            let mut pasts = Pasts { seqs };
+            let paged = cache.as_deref_mut().map(|cache| {
+                if cache.layers.len() <= b {
+                    cache.layers.resize_with(b + 1, PagedLayer::default);
+                }
+                PagedStep {
+                    layer: std::mem::take(&mut cache.layers[b]),
+                    blocks: cache.pool.total,
+                    block_tokens: cache.pool.block_tokens,
+                    tables: sequences.iter().map(|s| s.table.clone()).collect(),
+                }
+            });
+            let mut pasts = Pasts { seqs, paged };
             x = block.forward_cached(x, &mut pasts);
+            if let (Some(cache), Some(step)) = (cache.as_deref_mut(), pasts.paged.take()) {
+                cache.layers[b] = step.layer;
+            }
             for (sequence, (past, new)) in sequences.iter_mut().zip(pasts.seqs) {
                 sequence.pasts[b] = Past {
                     offset: past.offset + new,

@@ -197,7 +197,8 @@ fn a_small_pool_makes_requests_wait_and_every_one_finishes() {
 }
 
 /// A block's bytes are what a sequence's keys and values take for that many positions (read
-/// from its cache after a prefill of one block), and a budget gives the pool of its whole blocks.
+/// from its cache after a prefill of one block), a budget gives the pool of its whole blocks, and
+/// the paged pool allocates those bytes once.
 #[test]
 fn a_cache_block_costs_what_the_cache_holds() {
     let model = model();
@@ -210,6 +211,17 @@ fn a_cache_block_costs_what_the_cache_holds() {
     assert_eq!(CachePool::block_bytes(model.spec(), 4, 4), 4 * held as u64);
     let pool = CachePool::fitting(model.spec(), 10 * 4 * held as u64 + 5, 4, 4);
     assert_eq!((pool.total, pool.tokens()), (10, 40));
+    // The paged pool allocates exactly its blocks' bytes, once, at the first step.
+    let mut batcher = Batcher::new(&model, 2, pool);
+    assert_eq!(batcher.cache_bytes(), 0);
+    batcher.submit(request(3)).unwrap();
+    batcher.step().unwrap();
+    let allocated = batcher.cache_bytes();
+    assert_eq!(allocated as u64, 10 * CachePool::block_bytes(model.spec(), 4, 4));
+    while batcher.running() > 0 {
+        batcher.step().unwrap();
+    }
+    assert_eq!(batcher.cache_bytes(), allocated, "kept, not grown");
 }
 
 /// A request cancelled mid-answer (its client gone) gives its blocks back at once and gets no

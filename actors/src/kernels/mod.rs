@@ -22,6 +22,7 @@
 
 mod attention;
 mod attention_past;
+pub mod paged_attention;
 pub use attention_past::attention_with_past;
 mod autodiff_attention;
 mod autodiff_linear;

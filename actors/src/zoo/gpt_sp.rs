@@ -194,6 +194,9 @@ impl<B: Kernels> AttentionMix<B> {
     /// once.
     pub fn mix_cached(&self, u: Tensor<B, 3>, pasts: &mut Pasts<B>) -> Tensor<B, 3> {
         let qkv = self.qkv(u);
+        if let Some(paged) = pasts.paged.as_mut() {
+            return self.proj(paged.attend(qkv, &pasts.seqs, self.heads));
+        }
         let d = qkv.dims()[2] / 3;
         let h = self.heads;
         let mut outputs = Vec::with_capacity(pasts.seqs.len());

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use serde_json::{Value, json};
 
-use archipelago_actors::batching::{Batcher, CachePool};
+use archipelago_actors::batching::{Batcher, CachePool, Event};
 use archipelago_actors::block::initial_params;
 use archipelago_actors::generate::Request;
 use archipelago_actors::inference::WholeModel;
@@ -101,12 +101,18 @@ pub fn serving(quick: bool, peers: Option<&Path>) -> anyhow::Result<Value> {
         }
     }
     runtime.shutdown_background();
-    let alone = batch_one(&spec, &values, &prompts[..if quick { 4 } else { 16 }])?;
+    let count = if quick { 4 } else { 16 };
+    let mut alone = batch_one(&spec, &values, &prompts[..count])?;
+    let ours = alone["greedy_tokens"].take();
     let peer = peers.map(|python| {
         let file = dir.join("prompts.json");
-        let count = if quick { 4 } else { 16 };
         std::fs::write(&file, json!(prompts[..count]).to_string())
             .map(|_| super::peers::transformers_generate(python, &dir, &file, MAX_TOKENS))
+            .map(|mut peer| {
+                let theirs = peer["greedy_tokens"].take();
+                peer["same_greedy_answers"] = json!(same_answers(&ours, &theirs));
+                peer
+            })
             .unwrap_or_else(|e| json!({ "error": e.to_string() }))
     });
     let _ = std::fs::remove_dir_all(&dir);
@@ -123,6 +129,16 @@ pub fn serving(quick: bool, peers: Option<&Path>) -> anyhow::Result<Value> {
         "ratios": ratios,
         "load_avg": load_avg(),
     }))
+}
+
+/// How many prompts got the same greedy answer from both (the peer ran the same weights), of
+/// how many.
+fn same_answers(ours: &Value, theirs: &Value) -> Value {
+    let (Some(ours), Some(theirs)) = (ours.as_array(), theirs.as_array()) else {
+        return Value::Null;
+    };
+    let same = ours.iter().zip(theirs).filter(|(a, b)| a == b).count();
+    json!({ "same": same, "of": ours.len().min(theirs.len()) })
 }
 
 /// `count` prompts of 32–96 tokens cut from gpt-tiny's data at seeded places.
@@ -227,6 +243,7 @@ fn batch_one(spec: &ModelSpec, values: &[Vec<f32>], prompts: &[Vec<u32>]) -> any
         total: 1,
     };
     let (mut first, mut steps, mut tokens) = (Vec::new(), Vec::new(), 0usize);
+    let mut answers = Vec::new();
     let started = Instant::now();
     for (i, prompt) in prompts.iter().enumerate() {
         let mut batcher = Batcher::new(&model, 1, pool);
@@ -237,10 +254,15 @@ fn batch_one(spec: &ModelSpec, values: &[Vec<f32>], prompts: &[Vec<u32>]) -> any
             stop: Vec::new(),
         };
         batcher.submit(request).map_err(anyhow::Error::msg)?;
+        let mut answer = Vec::with_capacity(MAX_TOKENS);
         for step in 0..MAX_TOKENS {
             let at = Instant::now();
-            batcher.step().map_err(anyhow::Error::msg)?;
+            let events = batcher.step().map_err(anyhow::Error::msg)?;
             let s = at.elapsed().as_secs_f64();
+            answer.extend(events.iter().filter_map(|e| match e {
+                Event::Token { token, .. } => Some(*token),
+                Event::Done { .. } => None,
+            }));
             // The first prompt warms up and is not counted.
             if i > 0 {
                 if step == 0 {
@@ -251,6 +273,7 @@ fn batch_one(spec: &ModelSpec, values: &[Vec<f32>], prompts: &[Vec<u32>]) -> any
                 tokens += 1;
             }
         }
+        answers.push(answer);
     }
     let wall = started.elapsed().as_secs_f64();
     let decode_s: f64 = steps.iter().sum();
@@ -262,6 +285,7 @@ fn batch_one(spec: &ModelSpec, values: &[Vec<f32>], prompts: &[Vec<u32>]) -> any
         "ttft_ms_median": crate::report::median(&mut first) * 1e3,
         "itl_ms_median": crate::report::median(&mut sorted) * 1e3,
         "wall_s": wall,
+        "greedy_tokens": answers,
     }))
 }
 
