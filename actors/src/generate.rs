@@ -260,7 +260,7 @@ pub struct Request {
 }
 
 /// Why generation ended (OpenAI's `finish_reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Finish {
     /// `max_tokens` were generated.
     Length,

@@ -37,6 +37,7 @@ pub mod error;
 pub mod executor;
 pub mod fabric;
 pub mod generate;
+pub mod generator;
 pub mod gpus;
 pub mod host_tensor;
 pub mod inference;

@@ -6,7 +6,7 @@
 use archipelago_dataflow::rng::SplitMix64;
 
 /// A request's sampling parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
     /// Divides the logits; 0 picks the most likely token (greedy).
     pub temperature: f32,

@@ -94,6 +94,31 @@ pub fn throughput_ratios(ours: &Value, torch: &Value) -> Value {
     Value::Array(ratios)
 }
 
+/// `transformers`' `generate` with its KV cache on the GPT-2 in `model_dir` (its
+/// `model.safetensors` and `config.json`), greedy, `max_tokens` new tokens for each prompt of
+/// `prompts` (a JSON list of token-id lists), one at a time and 16 at once (`serve_peer.py`);
+/// its answers one at a time as `greedy_tokens`.
+pub fn transformers_generate(python: &Path, model_dir: &Path, prompts: &Path, max_tokens: usize) -> Value {
+    let tokens_out = model_dir.join("peer_tokens.json");
+    let args = [
+        format!("--model-dir={}", model_dir.display()),
+        format!("--prompts={}", prompts.display()),
+        format!("--max-tokens={max_tokens}"),
+        format!("--tokens-out={}", tokens_out.display()),
+    ];
+    match run_script(python, "serve_peer.py", &args) {
+        Ok(mut lines) if !lines.is_empty() => {
+            let mut peer = lines.remove(0);
+            let tokens = std::fs::read(&tokens_out).ok();
+            peer["greedy_tokens"] =
+                (tokens.and_then(|t| serde_json::from_slice(&t).ok())).unwrap_or(Value::Null);
+            peer
+        }
+        Ok(_) => json!({ "error": "serve_peer.py printed no JSON line" }),
+        Err(why) => json!({ "error": why }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,30 +143,5 @@ mod tests {
         let gloo = json!({ "runs": [{ "collective": "all_reduce", "algbw_gb_per_s": 1.1 }] });
         assert_eq!(gloo_gb_per_s(&gloo, "all_reduce"), Some(1.1));
         assert_eq!(gloo_gb_per_s(&gloo, "all_gather"), None);
-    }
-}
-
-/// `transformers`' `generate` with its KV cache on the GPT-2 in `model_dir` (its
-/// `model.safetensors` and `config.json`), greedy, `max_tokens` new tokens for each prompt of
-/// `prompts` (a JSON list of token-id lists), one at a time and 16 at once (`serve_peer.py`);
-/// its answers one at a time as `greedy_tokens`.
-pub fn transformers_generate(python: &Path, model_dir: &Path, prompts: &Path, max_tokens: usize) -> Value {
-    let tokens_out = model_dir.join("peer_tokens.json");
-    let args = [
-        format!("--model-dir={}", model_dir.display()),
-        format!("--prompts={}", prompts.display()),
-        format!("--max-tokens={max_tokens}"),
-        format!("--tokens-out={}", tokens_out.display()),
-    ];
-    match run_script(python, "serve_peer.py", &args) {
-        Ok(mut lines) if !lines.is_empty() => {
-            let mut peer = lines.remove(0);
-            let tokens = std::fs::read(&tokens_out).ok();
-            peer["greedy_tokens"] =
-                (tokens.and_then(|t| serde_json::from_slice(&t).ok())).unwrap_or(Value::Null);
-            peer
-        }
-        Ok(_) => json!({ "error": "serve_peer.py printed no JSON line" }),
-        Err(why) => json!({ "error": why }),
     }
 }
