@@ -243,6 +243,8 @@ fn serve(
         publish(batcher, stats);
         match batcher.step() {
             Ok(events) => {
+                // The figures first: a client answered by these events may read them at once.
+                publish(batcher, stats);
                 for event in events {
                     route(batcher, &mut live, event, stats);
                 }

@@ -75,6 +75,8 @@ pub enum TlsError {
 /// files, shared by every listener and connection of the process.
 pub struct Tls {
     server: Arc<ServerConfig>,
+    /// The same server side for HTTP/1.1 (ALPN `http/1.1`: `archipelago serve`).
+    http1: Arc<ServerConfig>,
     client: Arc<ClientConfig>,
     pem: Pem,
 }
@@ -153,6 +155,8 @@ impl Tls {
             .with_client_cert_verifier(verifier)
             .with_single_cert(chain.clone(), key.clone_key())
             .map_err(|e| refused(e.to_string()))?;
+        let mut http1 = server.clone();
+        http1.alpn_protocols = vec![b"http/1.1".to_vec()];
         // gRPC clients (tonic) insist on HTTP/2 by ALPN; the raw data paths offer no ALPN.
         server.alpn_protocols = vec![b"h2".to_vec()];
         let client = ClientConfig::builder_with_provider(provider())
@@ -163,6 +167,7 @@ impl Tls {
             .map_err(|e| refused(e.to_string()))?;
         Ok(Tls {
             server: Arc::new(server),
+            http1: Arc::new(http1),
             client: Arc::new(client),
             pem,
         })
@@ -179,6 +184,16 @@ impl Tls {
     /// The server side of a handshake on an accepted connection, within [`HANDSHAKE_PATIENCE`].
     pub async fn accept(&self, tcp: TcpStream) -> io::Result<tokio_rustls::server::TlsStream<TcpStream>> {
         let acceptor = tokio_rustls::TlsAcceptor::from(self.server.clone());
+        within_patience(acceptor.accept(tcp)).await
+    }
+
+    /// [`Tls::accept`] for an HTTP/1.1 server (ALPN `http/1.1`; the same identity, the same
+    /// demand for a certificate the cluster CA signed).
+    pub async fn accept_http1(
+        &self,
+        tcp: TcpStream,
+    ) -> io::Result<tokio_rustls::server::TlsStream<TcpStream>> {
+        let acceptor = tokio_rustls::TlsAcceptor::from(self.http1.clone());
         within_patience(acceptor.accept(tcp)).await
     }
 

@@ -13,6 +13,7 @@ pub mod chat;
 pub mod http;
 pub mod metrics;
 pub mod openai;
+pub mod tls_listener;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -27,6 +28,7 @@ use archipelago_actors::serving::{Replica, Router, Scheduling};
 use archipelago_actors::text_tokens::codec;
 use archipelago_dataflow::ModelSpec;
 
+use crate::cluster::security::TlsArgs;
 use crate::weight_args::{QuantizeArgs, WeightArgs};
 use chat::ChatTemplate;
 use http::Service;
@@ -94,6 +96,10 @@ pub struct ServeArgs {
     /// loopback).
     #[arg(long)]
     pub token_file: Option<PathBuf>,
+    /// Mutual TLS, as the cluster's processes take it: clients connect over HTTPS and show a
+    /// certificate the cluster CA signed.
+    #[command(flatten)]
+    pub tls: TlsArgs,
 }
 
 impl ServeArgs {
@@ -306,10 +312,12 @@ fn pool_for(args: &ServeArgs, spec: &ModelSpec, ctx: usize, weight_bytes: u64) -
     (pool, sized_by)
 }
 
-/// Serves on `listener` until the process ends.
-pub async fn serve_on(listener: tokio::net::TcpListener, service: Arc<Service>) -> std::io::Result<()> {
-    let app = http::app(service);
-    axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await
+/// Serves on `listener` (TCP, or [`tls_listener::TlsListener`]) until the process ends.
+pub async fn serve_on<L>(listener: L, service: Arc<Service>) -> std::io::Result<()>
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
+    axum::serve(listener, http::app(service).into_make_service()).await
 }
 
 /// Runs `archipelago serve`.
@@ -319,6 +327,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     crate::dashboard::access::check_bind(&args.listen, args.token_file.is_some())?;
+    let tls = match args.tls.files()? {
+        Some(files) => Some(Arc::new(archipelago_actors::trust::Tls::load(&files)?)),
+        None => None,
+    };
     let (service, summary) = build(args).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
@@ -326,9 +338,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on --listen {}: {e}", args.listen))?;
         let addr = listener.local_addr()?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
         println!("serving {}", summary.line());
-        println!("listening on http://{addr} (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics)");
-        serve_on(listener, service).await?;
+        println!("listening on {scheme}://{addr} (POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics)");
+        match tls {
+            Some(tls) => serve_on(tls_listener::TlsListener::new(listener, tls)?, service).await?,
+            None => serve_on(listener, service).await?,
+        }
         Ok(())
     })
 }
