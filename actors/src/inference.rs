@@ -56,6 +56,17 @@ impl WholeModel {
         Ok(total)
     }
 
+    /// Every weight in bf16 (half the bytes; rounded to nearest even): activations follow in
+    /// bf16, the logits are read out as f32 and the paged cache keeps its keys and values in f32.
+    /// For a model not quantized to int8 (whose outliers run in f32). The weights' bytes after.
+    pub fn to_bf16(&mut self) -> u64 {
+        let blocks = std::mem::take(&mut self.blocks);
+        self.blocks = (blocks.into_iter())
+            .map(|b| b.cast_params(burn::tensor::FloatDType::BF16))
+            .collect();
+        self.blocks.iter().map(|b| 2 * b.num_params() as u64).sum()
+    }
+
     /// `spec` with block `i`'s flat parameters `values[i]` (the runtime's order and layouts).
     pub fn load(spec: &ModelSpec, values: &[Vec<f32>]) -> Result<WholeModel, String> {
         let zoo = ZooModel(spec.clone());

@@ -83,6 +83,7 @@ pub fn run(args: &EvalArgs) -> anyhow::Result<()> {
             "predicted_tokens": e.predicted,
             "loss": e.loss,
             "perplexity": e.perplexity,
+            "precision": args.quantize.precision,
             "quantize": args.quantize.quantize,
             "outlier_threshold": args.quantize.quantize.as_ref().map(|_| args.quantize.outlier_threshold),
             "int8": int8.map(|b| json!({

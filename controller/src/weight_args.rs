@@ -95,7 +95,7 @@ impl WeightArgs {
     }
 }
 
-/// Whether to run the linear layers in int8 (`eval`, `serve`).
+/// How the weights are held: f32, bf16, or the linear layers in int8 (`eval`, `serve`).
 #[derive(Debug, Clone, Args)]
 pub struct QuantizeArgs {
     /// `int8`: the attention and MLP projections in int8 with a scale per output column
@@ -105,11 +105,37 @@ pub struct QuantizeArgs {
     /// With --quantize int8: input features whose magnitude reaches this go through f32.
     #[arg(long, default_value_t = DEFAULT_OUTLIER_THRESHOLD)]
     pub outlier_threshold: f32,
+    /// The weights' precision: `f32`, or `bf16` (half the bytes; activations in bf16, the logits
+    /// and the cache in f32). Not with --quantize int8.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    pub precision: String,
 }
 
 impl QuantizeArgs {
-    /// Quantizes `model` as the flags say; the bytes before and after when it did.
+    /// Whether the weights are held in bf16.
+    pub fn bf16(&self) -> bool {
+        self.precision == "bf16"
+    }
+
+    /// Refuses flags that do not go together, before any weight is read.
+    pub fn check(&self) -> Result<(), String> {
+        if self.bf16() && self.quantize.is_some() {
+            return Err(
+                "--precision bf16 and --quantize int8 do not go together (int8 runs its outliers in f32): \
+                 choose one"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Quantizes or casts `model` as the flags say; int8's bytes before and after when it
+    /// quantized.
     pub fn apply(&self, model: &mut WholeModel) -> Result<Option<Int8Bytes>, String> {
+        self.check()?;
+        if self.bf16() {
+            model.to_bf16();
+        }
         match self.quantize.as_deref() {
             Some(_) => model.quantize_int8(self.outlier_threshold).map(Some),
             None => Ok(None),

@@ -203,3 +203,47 @@ fn requests_sample_repeatably_stop_and_stream_their_text() {
     };
     assert!(refused(&request(4, cold, &[])).contains("temperature"));
 }
+
+/// `--precision bf16`: the fixture's GPT-2 with every weight in bf16 (half the bytes) continues
+/// its prompt as `transformers`' greedy search (f32) does wherever that step's top-1 beats its
+/// top-2 by more than twice the tolerance, each step's logits within bf16's rounding (0.05) of
+/// `transformers`'; the control, the same comparison held to f32's 1e-4, catches bf16's rounding.
+#[test]
+fn bf16_weights_continue_as_transformers_within_bf16_rounding() {
+    let config = std::fs::read_to_string(fixture("config.json")).unwrap();
+    let spec = gpt2_from_config(&serde_json::from_str(&config).unwrap()).unwrap();
+    let values = read_weights(&spec, &fixture("model.safetensors"), None).unwrap();
+    let elements: usize = values.iter().map(Vec::len).sum();
+    let mut model = WholeModel::load(&spec, &values).unwrap();
+    assert_eq!(model.to_bf16(), 2 * elements as u64, "half the bytes");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("expected.json")).unwrap()).unwrap();
+    let prompt: Vec<u32> = (expected["prompt"].as_array().unwrap().iter())
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let file = TensorFile::open(&fixture("expected.safetensors")).unwrap();
+    let want_ids: Vec<u32> = file.read_ints("ids").unwrap().iter().map(|&i| i as u32).collect();
+    let want_logits = file.read_f32("logits").unwrap();
+    let vocab = spec.get("vocab").unwrap();
+    let new = want_ids.len() - prompt.len();
+    let got = model.greedy(&prompt, new).unwrap();
+    let (tolerance, mut worst, mut compared) = (0.05f32, 0.0f32, 0);
+    for (step, logits) in got.logits.iter().enumerate() {
+        let at = prompt.len() - 1 + step;
+        let want = &want_logits[at * vocab..(at + 1) * vocab];
+        worst = worst.max(max_difference(logits, want));
+        let mut sorted = want.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        if sorted[0] - sorted[1] <= 2.0 * tolerance {
+            break;
+        }
+        assert_eq!(got.tokens[step], want_ids[prompt.len() + step], "step {step}");
+        compared += 1;
+    }
+    eprintln!("bf16: {compared} of {new} tokens as transformers', largest logit difference {worst:e}");
+    assert!(
+        compared > 0 && worst <= tolerance,
+        "{compared} compared, logits off by {worst}"
+    );
+    assert_caught("bf16 weights held to f32's tolerance", worst as f64, 1e-4, MARGIN);
+}

@@ -201,7 +201,9 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
             "{spec} does not generate tokens: serve a gpt or gpt2 model"
         ));
     };
-    let mut weight_bytes = values.iter().map(|v| v.len() as u64 * 4).sum::<u64>();
+    args.quantize.check()?;
+    let value_bytes = if args.quantize.bf16() { 2 } else { 4 };
+    let mut weight_bytes = values.iter().map(|v| v.len() as u64 * value_bytes).sum::<u64>();
     if args.quantize.quantize.is_some() {
         // Every projection (the model's own list): its weights from 4 bytes to 1, plus a 4-byte
         // scale per output column.
@@ -379,5 +381,9 @@ mod tests {
         assert!(bytes.layers > 0);
         let saved = bytes.f32_bytes - bytes.int8_bytes - bytes.scale_bytes;
         assert_eq!(f32_plan.weight_bytes - int8_plan.weight_bytes, saved as u64);
+        let (bf16_plan, _) = plan(&args(&["--precision", "bf16"])).unwrap();
+        assert_eq!(2 * bf16_plan.weight_bytes, f32_plan.weight_bytes);
+        let both = plan(&args(&["--precision", "bf16", "--quantize", "int8"])).unwrap_err();
+        assert!(both.contains("do not go together"), "{both}");
     }
 }
