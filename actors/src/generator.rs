@@ -121,10 +121,9 @@ impl Handler<Generate> for Generator {
         Generate(requests): Generate,
         _ctx: &Context<Self>,
     ) -> Vec<Result<Generation, String>> {
-        let mut submitted = Vec::with_capacity(requests.len());
-        for request in requests {
-            submitted.push(self.submit(request).await);
-        }
+        // All handed over before the replica's next step (each is sent before its first await),
+        // so their prompts are prefilled together.
+        let submitted = futures::future::join_all(requests.into_iter().map(|r| self.submit(r))).await;
         let mut answers = Vec::with_capacity(submitted.len());
         for updates in submitted {
             answers.push(match updates {

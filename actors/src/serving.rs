@@ -226,19 +226,20 @@ fn serve(
             admit(batcher, &mut live, decode, submission, stats);
         }
         if let Scheduling::Static { wait } = scheduling
-            && batcher.running() == 0
             && batcher.waiting() > 0
         {
-            let deadline = *gathering_since.get_or_insert_with(Instant::now) + wait;
-            while batcher.waiting() < batcher.max_sequences()
-                && let Some(left) = deadline.checked_duration_since(Instant::now())
-                && let Ok(submission) = incoming.recv_timeout(left)
-            {
-                admit(batcher, &mut live, decode, submission, stats);
+            let since = *gathering_since.get_or_insert_with(Instant::now);
+            if batcher.running() == 0 {
+                // The next static batch: up to max_sequences, or whoever came by the deadline.
+                while batcher.waiting() < batcher.max_sequences()
+                    && let Some(left) = (since + wait).checked_duration_since(Instant::now())
+                    && let Ok(submission) = incoming.recv_timeout(left)
+                {
+                    admit(batcher, &mut live, decode, submission, stats);
+                    publish(batcher, stats);
+                }
+                gathering_since = None;
             }
-            gathering_since = None;
-        } else if batcher.running() > 0 && batcher.waiting() > 0 {
-            gathering_since.get_or_insert_with(Instant::now);
         }
         publish(batcher, stats);
         match batcher.step() {
@@ -250,6 +251,7 @@ fn serve(
                 }
             }
             Err(e) => {
+                gathering_since = None;
                 for (id, request) in live.drain() {
                     batcher.cancel(id);
                     let _ = request
@@ -332,6 +334,8 @@ fn route(batcher: &mut Batcher, live: &mut HashMap<usize, Live>, event: Event, s
         let mut request = live.remove(&id).expect("a live request");
         if !done {
             batcher.cancel(id);
+            // Its blocks are free before its client hears it ended.
+            publish(batcher, stats);
             if request.stream.stopped() {
                 let last = finished(&mut request);
                 let _ = request.updates.send(last);

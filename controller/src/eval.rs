@@ -41,6 +41,7 @@ pub struct EvalArgs {
 
 /// Scores the text (see the module docs).
 pub fn evaluate(args: &EvalArgs) -> Result<(ModelSpec, Evaluation, String, Option<Int8Bytes>), String> {
+    args.quantize.check()?;
     let (spec, values, source) = args.weights.load()?;
     let (Some(ctx), Some(vocab)) = (spec.get("ctx"), spec.get("vocab")) else {
         return Err(format!("{spec} does not read tokens: eval scores token models"));

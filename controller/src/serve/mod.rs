@@ -195,13 +195,23 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
     if args.replicas == 0 || args.max_sequences == 0 || args.block_tokens == 0 {
         return Err("--replicas, --max-sequences and --block-tokens must be 1 or more".into());
     }
+    args.quantize.check()?;
+    match (args.batching.as_str(), args.max_step_tokens) {
+        (_, Some(0)) => return Err("--max-step-tokens must be 1 or more".into()),
+        ("static", Some(_)) => {
+            return Err(
+                "--max-step-tokens chunks prefill under continuous batching: drop it or --batching static"
+                    .into(),
+            );
+        }
+        _ => {}
+    }
     let (spec, values, source) = args.weights.load()?;
     let Some(ctx) = spec.get("ctx").filter(|_| spec.get("vocab").is_some()) else {
         return Err(format!(
             "{spec} does not generate tokens: serve a gpt or gpt2 model"
         ));
     };
-    args.quantize.check()?;
     let value_bytes = if args.quantize.bf16() { 2 } else { 4 };
     let mut weight_bytes = values.iter().map(|v| v.len() as u64 * value_bytes).sum::<u64>();
     if args.quantize.quantize.is_some() {
@@ -385,5 +395,9 @@ mod tests {
         assert_eq!(2 * bf16_plan.weight_bytes, f32_plan.weight_bytes);
         let both = plan(&args(&["--precision", "bf16", "--quantize", "int8"])).unwrap_err();
         assert!(both.contains("do not go together"), "{both}");
+        let chunked_static = plan(&args(&["--batching", "static", "--max-step-tokens", "8"])).unwrap_err();
+        assert!(chunked_static.contains("--max-step-tokens"), "{chunked_static}");
+        let zero = plan(&args(&["--max-step-tokens", "0"])).unwrap_err();
+        assert!(zero.contains("1 or more"), "{zero}");
     }
 }

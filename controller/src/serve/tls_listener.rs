@@ -11,8 +11,11 @@ use std::sync::Arc;
 use archipelago_actors::trust::Tls;
 use axum::serve::Listener;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio_rustls::server::TlsStream;
+
+/// Handshakes in flight at most (each bounded by the trust module's patience).
+const MAX_HANDSHAKES: usize = 256;
 
 /// Accepted connections whose TLS handshake succeeded.
 pub struct TlsListener {
@@ -25,15 +28,22 @@ impl TlsListener {
     pub fn new(tcp: TcpListener, tls: Arc<Tls>) -> io::Result<TlsListener> {
         let local = tcp.local_addr()?;
         let (done, accepted) = mpsc::channel(64);
+        let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
         tokio::spawn(async move {
             while !done.is_closed() {
+                // Connections past MAX_HANDSHAKES wait in the kernel's backlog, not as tasks.
+                let Ok(permit) = handshakes.clone().acquire_owned().await else {
+                    return;
+                };
                 let Ok((socket, peer)) = tcp.accept().await else {
                     tokio::time::sleep(std::time::Duration::from_millis(10)).await;
                     continue;
                 };
                 let (tls, done) = (tls.clone(), done.clone());
                 tokio::spawn(async move {
-                    if let Ok(stream) = tls.accept_http1(socket).await {
+                    let handshake = tls.accept_http1(socket).await;
+                    drop(permit);
+                    if let Ok(stream) = handshake {
                         let _ = done.send((stream, peer)).await;
                     }
                 });

@@ -211,6 +211,9 @@ async fn stream_tokens(
                 return Ok(());
             }
             let value: Value = serde_json::from_str(data).map_err(|e| format!("a chunk: {e}"))?;
+            if let Some(error) = value.get("error") {
+                return Err(format!("failed mid-stream: {error}"));
+            }
             let choice = &value["choices"][0];
             if choice.is_object() && choice["finish_reason"].is_null() {
                 arrived.push(now);

@@ -207,6 +207,8 @@ impl Server {
             Arc::new(std::sync::atomic::AtomicBool::new(false)),
         );
         let sampling = done.clone();
+        // The server runs every load: its preemptions counted from this one's start.
+        let preempted_before = stats.preemptions.load(Ordering::Relaxed);
         let sampler = tokio::spawn(async move {
             let (mut samples, mut peak, mut sum, mut waiting_peak) = (0usize, 0usize, 0usize, 0usize);
             while !sampling.load(Ordering::Relaxed) {
@@ -222,7 +224,7 @@ impl Server {
                 "pool_use_mean": sum as f64 / samples.max(1) as f64 / total,
                 "pool_use_peak": peak as f64 / total,
                 "waiting_peak": waiting_peak,
-                "preemptions": stats.preemptions.load(Ordering::Relaxed),
+                "preemptions": stats.preemptions.load(Ordering::Relaxed) - preempted_before,
             })
         });
         let mut figures = load::run(self.addr, prompts, load).await;
