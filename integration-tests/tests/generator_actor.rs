@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use archipelago_actors::generate::Finish;
 use archipelago_actors::generator::{Generate, GenerationRequest, Generator, GeneratorParams, Prompt};
-use archipelago_actors::runtime::{Runtime, SpawnOptions};
+use archipelago_actors::runtime::{Registry, Runtime, SpawnOptions};
 use archipelago_actors::sampling::Sampling;
 use archipelago_actors::tensor_file::TensorFile;
 use archipelago_actors::text_tokens;
@@ -39,6 +39,11 @@ fn a_generator_actor_answers_requests_batched_as_it_answers_them_alone() {
     let tokenizer = text_tokens::load(&path, spec.get("vocab").unwrap()).unwrap();
     let decode = |ids: &[u32]| tokenizer.decode(ids, false).unwrap();
 
+    // Registered as a program that may run it on other hosts does (CI runs in strict mode).
+    Registry::new()
+        .actor::<Generator>()
+        .handles::<Generator, Generate>()
+        .install();
     let runtime = Runtime::local(DeviceSpec::cpus(1));
     let params = GeneratorParams {
         model: spec.explicit(),
