@@ -17,7 +17,7 @@ use archipelago_dataflow::family::gpt2_from_config;
 use crate::export::{checkpoint_weights, open_checkpoint};
 
 /// Which model, with which weights (`eval`, `serve`).
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, serde::Serialize, serde::Deserialize)]
 pub struct WeightArgs {
     /// The model (`gpt-tiny`, `gpt2:vocab=…`); without it, read from the `config.json` beside
     /// the `--init` file.
@@ -96,7 +96,7 @@ impl WeightArgs {
 }
 
 /// How the weights are held: f32, bf16, or the linear layers in int8 (`eval`, `serve`).
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, serde::Serialize, serde::Deserialize)]
 pub struct QuantizeArgs {
     /// `int8`: the attention and MLP projections in int8 with a scale per output column
     /// (LLM.int8; embeddings, LayerNorms and the head stay f32).

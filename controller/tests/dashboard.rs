@@ -9,7 +9,9 @@
 //! carry the same state. `cluster` (in `dashboard/cluster.rs`): two host processes of a
 //! controller, lanes named by each host, one host killed: it stays in the table marked lost,
 //! with when, and the restart is marked on the chart. `access` (in `dashboard/access.rs`):
-//! nothing listens openly (loopback open, other addresses need the token).
+//! nothing listens openly (loopback open, other addresses need the token). `serving` (in
+//! `dashboard/serving.rs`): a serving job placed on a host by `serve --controller`, listed with
+//! its figures, stopped with its client, failed with its host.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -25,6 +27,8 @@ mod cluster;
 mod common;
 #[path = "dashboard/dom.rs"]
 mod dom;
+#[path = "dashboard/serving.rs"]
+mod serving;
 
 use common::{chromium, dump_dom};
 

@@ -6,6 +6,7 @@
 //! OpenAI's error shape naming the field while the server goes on serving; `/v1/models`,
 //! `/health` and `/metrics` (OpenMetrics) answer. A client that disconnects mid-stream gives its
 //! cache blocks back (the metrics show it), and a request past `--max-connections` gets 503.
+//! `archipelago plan serve` prints the pool the server then holds and the weights' bytes.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -345,4 +346,60 @@ fn a_client_that_disconnects_gives_its_cache_blocks_back() {
     }
     let (status, answer) = post(addr, "/v1/completions", &json!({"prompt": "a", "max_tokens": 2}));
     assert_eq!(status, 200, "{answer}");
+}
+
+/// `archipelago plan serve` prints what the server then holds: the pool `/metrics` counts, and
+/// weight bytes of the model's parameters in f32 (half in bf16); a bad flag is refused by name.
+#[test]
+fn plan_serve_prints_what_the_server_then_holds() {
+    let init = fixture("gpt2/model.safetensors");
+    let flags = [
+        "--init",
+        init.to_str().unwrap(),
+        "--replicas",
+        "2",
+        "--cache-tokens",
+        "256",
+    ];
+    let plan = |extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_archipelago"))
+            .args(["plan", "serve"])
+            .args(flags)
+            .args(extra)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let (ok, text) = plan(&[]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("the pool holds 16 full-context sequences at once"),
+        "{text}"
+    );
+    let (ok, json) = plan(&["--json"]);
+    assert!(ok, "{json}");
+    let json: Value = serde_json::from_str(&json).unwrap();
+    let spec = ModelSpec::parse(json["model"].as_str().unwrap()).unwrap();
+    let elements: usize = (spec.desc().blocks.iter())
+        .map(|b| initial_params(&b.param_descs, 5).len())
+        .sum();
+    assert_eq!(json["weight_bytes_per_replica"], 4 * elements);
+    let (_, bf16) = plan(&["--json", "--precision", "bf16"]);
+    let bf16: Value = serde_json::from_str(&bf16).unwrap();
+    assert_eq!(bf16["weight_bytes_per_replica"], 2 * elements);
+    let server = serve(&flags);
+    let (_, metrics) = http(&server.addr, "GET", "/metrics", b"");
+    let blocks = json["cache"]["blocks"].as_f64().unwrap();
+    assert_eq!(
+        metric(&metrics, "archipelago_serve_cache_blocks_free"),
+        2.0 * blocks,
+        "{metrics}"
+    );
+    assert_eq!(json["cache"]["tokens"], 256);
+    let (ok, refused) = plan(&["--max-step-tokens", "0"]);
+    assert!(
+        !ok && refused.contains("--max-step-tokens must be 1 or more"),
+        "{refused}"
+    );
 }

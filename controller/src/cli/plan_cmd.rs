@@ -2,9 +2,12 @@
 //! it would run — a summary by default (mesh, schedule, predicted step, memory and bytes per
 //! actor), the instruction streams with `--streams`, the plan as JSON with `--json`, or several
 //! layouts side by side with `--compare`. It takes every flag of `train`; those that matter only
-//! while running (`--report`, `--resume`, `--dashboard`, …) are ignored.
+//! while running (`--report`, `--resume`, `--dashboard`, …) are ignored. `plan serve` takes
+//! every flag of `serve` instead and prints a serving job's plan: weight and cache memory per
+//! replica and how many positions of cache fit (the model and its weights are read and checked;
+//! no replica starts).
 
-use clap::Args;
+use clap::{Args, Subcommand};
 
 use archipelago_dataflow::{CostModel, Plan};
 
@@ -15,7 +18,11 @@ use crate::calibrate::Calibration;
 
 /// Flags of `plan`.
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct PlanArgs {
+    /// A job other than training (`plan serve <serve's flags>`).
+    #[command(subcommand)]
+    pub job: Option<PlanJob>,
     /// The job, with every flag `train` takes.
     #[command(flatten)]
     pub train: TrainArgs,
@@ -40,8 +47,31 @@ pub struct PlanArgs {
     pub rate: String,
 }
 
+/// The jobs `plan` shows besides training.
+#[derive(Debug, Subcommand)]
+pub enum PlanJob {
+    /// A serving job (`archipelago serve`'s flags): weight and cache memory per replica, how many
+    /// positions of cache fit and how many full-context sequences the pool holds at once.
+    Serve {
+        /// The serving job.
+        #[command(flatten)]
+        serve: Box<crate::serve::ServeArgs>,
+        /// Print the plan as JSON instead of the summary.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 /// Runs `archipelago plan`.
 pub fn plan(args: &PlanArgs) -> anyhow::Result<()> {
+    if let Some(PlanJob::Serve { serve, json }) = &args.job {
+        let (summary, _) = crate::serve::plan(serve).map_err(anyhow::Error::msg)?;
+        match json {
+            true => println!("{}", serde_json::to_string_pretty(&summary.to_json())?),
+            false => println!("{}", summary.plan()),
+        }
+        return Ok(());
+    }
     if !args.compare.is_empty() {
         return compare(args);
     }

@@ -253,6 +253,11 @@ impl HostResources {
         Ok(resources)
     }
 
+    /// This process's resources, when it is an `archipelago host`.
+    pub fn current() -> Option<Arc<HostResources>> {
+        HOST.get().cloned()
+    }
+
     /// Ends the job launched as `launch` (`None`: whichever runs).
     pub async fn stop_job(&self, launch: Option<&str>, reason: &str) {
         let _one_at_a_time = self.lifecycle.lock().await;

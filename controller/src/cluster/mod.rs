@@ -4,6 +4,8 @@
 //! - [`host_agent`]: `archipelago host` — one per machine, runs its part of each job;
 //! - [`client`]: `Controller::connect` / `archipelago train --controller`;
 //! - [`remote_gang`], [`remote_job`]: placement, dispatch, loss detection and restarts;
+//! - [`serving_job`], [`serve_part`]: `archipelago serve --controller` — a serving job placed on
+//!   a host, its service started there, followed on the dashboard;
 //! - [`security`]: the TLS flags every process takes, and `archipelago certs`;
 //! - [`health`]: `/healthz` and `/readyz` for supervisors and probes, and `archipelago health`;
 //! - [`slurm`]: addresses, names and devices from a Slurm job's environment (`auto`).
@@ -17,7 +19,9 @@ pub mod registry;
 pub mod remote_gang;
 pub mod remote_job;
 pub mod security;
+pub mod serve_part;
 pub mod service;
+pub mod serving_job;
 pub mod slurm;
 
 /// Reads the cluster token from `path` (surrounding whitespace trimmed; must not be empty).

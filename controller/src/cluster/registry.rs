@@ -69,8 +69,8 @@ impl HostInfo {
     }
 }
 
-/// What the running job hears from the hosts' sessions.
-#[derive(Debug)]
+/// What the running job (and every serving job) hears from the hosts' sessions.
+#[derive(Debug, Clone)]
 pub enum HostEvent {
     /// A host is lost: its info, why, and its actors' last known states.
     Gone(HostInfo, String, Vec<ActorState>),
@@ -90,6 +90,8 @@ struct Inner {
     hosts: BTreeMap<u32, HostEntry>,
     next_id: u32,
     job: Option<UnboundedSender<HostEvent>>,
+    /// The serving jobs' ears (each hears every loss; closed ones are dropped).
+    watchers: Vec<UnboundedSender<HostEvent>>,
 }
 
 /// The hosts of the cluster.
@@ -197,8 +199,10 @@ impl Registry {
                 &format!("host `{}` (pid {}) lost: {why}", h.info.name, h.info.pid),
             );
         }
+        let event = HostEvent::Gone(h.info, why.to_string(), h.actors);
+        inner.watchers.retain(|w| w.send(event.clone()).is_ok());
         if let Some(job) = &inner.job {
-            let _ = job.send(HostEvent::Gone(h.info, why.to_string(), h.actors));
+            let _ = job.send(event);
         }
         drop(inner);
         self.changed.notify_waiters();
@@ -242,6 +246,14 @@ impl Registry {
     pub fn subscribe(&self) -> UnboundedReceiver<HostEvent> {
         let (tx, rx) = unbounded_channel();
         self.lock().job = Some(tx);
+        rx
+    }
+
+    /// Hears every host lost from now on, beside the running job (a serving job watches its
+    /// host); dropping the receiver ends it.
+    pub fn watch(&self) -> UnboundedReceiver<HostEvent> {
+        let (tx, rx) = unbounded_channel();
+        self.lock().watchers.push(tx);
         rx
     }
 

@@ -10,7 +10,7 @@ use clap::Args;
 use archipelago_actors::trust::{Credentials, Tls, TlsFiles};
 
 /// `--tls-cert`, `--tls-key`, `--tls-ca`: all three or none.
-#[derive(Debug, Clone, Default, Args, serde::Serialize)]
+#[derive(Debug, Clone, Default, Args, serde::Serialize, serde::Deserialize)]
 pub struct TlsArgs {
     /// This process's certificate (PEM), signed by the cluster CA: turns on mutual TLS for
     /// every connection to and from this process (needs --tls-key and --tls-ca).

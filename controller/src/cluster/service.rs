@@ -1,7 +1,8 @@
 //! The controller's gRPC service (`archipelago controller`): hosts open a `Session` and register
-//! their devices; clients `Submit` jobs, which run one at a time on the registered hosts. Every
-//! call must carry the cluster's token; a refusal is logged with the peer's address. With TLS in
-//! the credentials, hosts and clients must also show a certificate signed by the cluster CA.
+//! their devices; clients `Submit` jobs, which run one at a time on the registered hosts, and
+//! `Serve` models (serving jobs, beside the training job: each on the host holding the fewest,
+//! kept while the client's call is open). Every call must carry the cluster's token; a refusal
+//! is logged with the peer's address. With TLS in the credentials, hosts and clients must also show a certificate signed by the cluster CA.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,6 +25,8 @@ use archipelago_dataflow::{DeviceSpec, Program};
 pub use super::registry::ClusterConfig;
 use super::registry::{HostInfo, Registry};
 use super::remote_job::{RemoteOptions, run_job};
+use super::serving_job::{ServingJob, ServingJobs};
+use crate::serve::ServeArgs;
 
 struct ControllerService {
     registry: Arc<Registry>,
@@ -32,12 +35,15 @@ struct ControllerService {
     credentials: Credentials,
     /// One job at a time.
     running: Arc<tokio::sync::Mutex<()>>,
+    /// The serving jobs.
+    serving: Arc<ServingJobs>,
 }
 
 #[tonic::async_trait]
 impl ControllerRpc for ControllerService {
     type SessionStream = UnboundedReceiverStream<Result<ControllerMessage, Status>>;
     type SubmitStream = UnboundedReceiverStream<Result<JobEvent, Status>>;
+    type ServeStream = UnboundedReceiverStream<Result<JobEvent, Status>>;
 
     async fn session(
         &self,
@@ -152,6 +158,27 @@ impl ControllerRpc for ControllerService {
         });
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
+
+    async fn serve(
+        &self,
+        request: Request<archipelago_actors::proto::ServeRequest>,
+    ) -> Result<Response<Self::ServeStream>, Status> {
+        let request = request.into_inner();
+        let args: ServeArgs = serde_json::from_slice(&request.args)
+            .map_err(|e| Status::invalid_argument(format!("unreadable serve flags: {e}")))?;
+        let (tx, rx) = unbounded_channel();
+        let job = ServingJob {
+            registry: self.registry.clone(),
+            config: self.config.clone(),
+            credentials: self.credentials.clone(),
+            jobs: self.serving.clone(),
+            name: self.serving.name(&request.job),
+            args,
+            events: tx,
+        };
+        tokio::spawn(job.run());
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
 }
 
 /// Serves the controller on `listener` (on the current tokio runtime) under the cluster's
@@ -169,6 +196,7 @@ pub fn serve_controller(
         config,
         credentials: credentials.clone(),
         running: Arc::default(),
+        serving: Arc::default(),
     };
     let check = TokenCheck::new(credentials.token());
     let credentials = credentials.clone();

@@ -9,7 +9,8 @@
 //! happen. It renders the state embedded in the page at request time, then every server-sent
 //! event (`/events`), each carrying the whole state. JSON endpoints serve the same data:
 //! `/api/state`, `/api/cluster`, `/api/job`, `/api/timeline`, `/api/failures`, `/api/actors`
-//! (the actors of a program on the runtime API, with their message rates and failures).
+//! (the actors of a program on the runtime API, with their message rates and failures),
+//! `/api/serving` (the serving jobs: host, address, load, cache blocks, how they ended).
 //!
 //! Nothing listens openly (see [`access`]): on a loopback address the page is open to this
 //! machine; on any other address every request must carry the cluster token
@@ -18,6 +19,7 @@
 pub mod access;
 mod cluster;
 pub mod history;
+mod serving;
 mod timeline;
 mod views;
 
@@ -40,7 +42,7 @@ use archipelago_dataflow::Plan;
 use crate::report::StepRecord;
 pub use views::{
     ActorView, DashboardView, DeviceMemoryView, FailureView, HostRow, HostView, JobView, LaneView,
-    RestartView, SpanView, TimelineView,
+    RestartView, ServingView, SpanView, TimelineView,
 };
 
 /// The page; its style sheet and scripts are put in where it names them.
@@ -292,6 +294,10 @@ async fn actors(State(d): State<Arc<Dashboard>>) -> impl IntoResponse {
     Json(d.view().actors)
 }
 
+async fn serving_json(State(d): State<Arc<Dashboard>>) -> impl IntoResponse {
+    Json(d.view().serving)
+}
+
 async fn events(
     State(d): State<Arc<Dashboard>>,
 ) -> Sse<impl tokio_stream::Stream<Item = Result<Event, Infallible>>> {
@@ -319,6 +325,7 @@ pub fn serve(listener: tokio::net::TcpListener, dashboard: Arc<Dashboard>) -> st
         .route("/api/timeline", get(timeline_json))
         .route("/api/failures", get(failures))
         .route("/api/actors", get(actors))
+        .route("/api/serving", get(serving_json))
         .route("/events", get(events))
         .with_state(dashboard);
     let app = match token {

@@ -1,8 +1,8 @@
 //! The dashboard's page logic (put into page.html by the server): renders the whole state the
 //! server embedded in the page, then each server-sent event (each carries the whole state; at
 //! most one render per frame), into the figures, the loss chart (chart.js), the timeline
-//! (timeline.js), the cluster table (lost hosts kept, marked lost with when), the actors and the
-//! failures.
+//! (timeline.js), the cluster table (lost hosts kept, marked lost with when), the serving jobs,
+//! the actors and the failures.
 "use strict";
 function bytes(n) {
   if (!n) return "-";
@@ -120,6 +120,21 @@ function renderActors(actors) {
     body.appendChild(tr);
   }
 }
+function renderServing(jobs) {
+  document.getElementById("serving-section").hidden = !jobs || jobs.length === 0;
+  const body = document.querySelector("#serving tbody");
+  body.innerHTML = "";
+  for (const s of jobs || []) {
+    const tr = document.createElement("tr");
+    tr.className = "serving serving-" + s.state;
+    tr.dataset.job = s.job;
+    const state = s.state === "failed" ? "failed: " + s.reason : s.state;
+    for (const v of [s.job, s.host, s.url, state, s.waiting, s.running, s.blocks_used + " / " + s.blocks_total, s.generated_tokens, s.finished, s.summary]) {
+      cell(tr, v);
+    }
+    body.appendChild(tr);
+  }
+}
 /** Above everything: why the job failed, or that it restarted (the newest restart). */
 function renderAlert(view) {
   const alert = document.getElementById("alert");
@@ -141,6 +156,7 @@ function renderAlert(view) {
 function render(view) {
   renderAlert(view);
   renderActors(view.actors);
+  renderServing(view.serving);
   renderJob(view.job);
   renderTimeline(view.timeline);
   renderCluster(view.cluster);

@@ -181,9 +181,36 @@ pub struct ActorView {
     pub state: String,
 }
 
+/// A serving job (`archipelago serve --controller`): where it runs and what its replicas do.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ServingView {
+    /// The job's name.
+    pub job: String,
+    /// The host it runs on.
+    pub host: String,
+    /// Where its service listens (`http://…`), once it does.
+    pub url: String,
+    /// The model, its weights and its cache pool.
+    pub summary: String,
+    /// `starting`, `serving`, `stopped` (its client went away), or `failed` (with `reason`).
+    pub state: String,
+    /// Why it failed.
+    pub reason: String,
+    /// When it was placed (Unix seconds).
+    pub started_unix_s: f64,
+    /// When it stopped or failed.
+    pub ended_unix_s: Option<f64>,
+    /// Its replicas' figures, refreshed every second (the JSON's fields `waiting`, `running`,
+    /// `blocks_used`, `blocks_total`, `generated_tokens`, `finished`).
+    #[serde(flatten)]
+    pub load: crate::cluster::serve_part::LoadFigures,
+}
+
 /// Everything the page shows.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct DashboardView {
+    /// The serving jobs, running ones and those that ended (the newest kept).
+    pub serving: Vec<ServingView>,
     /// The actors of a program on the runtime API (empty for training jobs).
     pub actors: Vec<ActorView>,
     /// The hosts: the live ones, then those lost.

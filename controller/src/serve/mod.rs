@@ -13,6 +13,7 @@ pub mod chat;
 pub mod http;
 pub mod metrics;
 pub mod openai;
+pub mod remote;
 pub mod tls_listener;
 
 use std::net::SocketAddr;
@@ -34,7 +35,7 @@ use chat::ChatTemplate;
 use http::Service;
 
 /// Flags of `serve`.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, Args, serde::Serialize, serde::Deserialize)]
 pub struct ServeArgs {
     /// The model and its weights.
     #[command(flatten)]
@@ -97,9 +98,19 @@ pub struct ServeArgs {
     #[arg(long)]
     pub token_file: Option<PathBuf>,
     /// Mutual TLS, as the cluster's processes take it: clients connect over HTTPS and show a
-    /// certificate the cluster CA signed.
+    /// certificate the cluster CA signed (with --controller: how this client reaches the
+    /// controller).
     #[command(flatten)]
     pub tls: TlsArgs,
+    /// Place the service on a host of this controller's cluster instead of serving here
+    /// (`host:port`; the token from --token-file): the controller picks a host, starts the
+    /// service there, lists it on its dashboard and keeps it while this process runs. Paths
+    /// (weights, tokenizer, template) must be readable on the hosts at the same place.
+    #[arg(long)]
+    pub controller: Option<String>,
+    /// The serving job's name on the cluster (default: the controller names it `serve-N`).
+    #[arg(long, requires = "controller")]
+    pub job: Option<String>,
 }
 
 impl ServeArgs {
@@ -157,7 +168,31 @@ impl Summary {
         self.block_bytes * self.pool.total as u64
     }
 
-    /// The plan, as `serve --plan` prints it.
+    /// The plan as data (`plan serve --json`): bytes per replica and in all, the pool, how many
+    /// full-context sequences it holds.
+    pub fn to_json(&self) -> serde_json::Value {
+        let ctx = self.spec.get("ctx").unwrap_or(0);
+        let r = self.replicas as u64;
+        serde_json::json!({
+            "model": self.spec.explicit(),
+            "weights_from": self.source,
+            "replicas": self.replicas,
+            "weight_bytes_per_replica": self.weight_bytes,
+            "cache": {
+                "blocks": self.pool.total,
+                "block_tokens": self.pool.block_tokens,
+                "block_bytes": self.block_bytes,
+                "tokens": self.pool.tokens(),
+                "bytes_per_replica": self.cache_bytes(),
+                "sized_by": self.sized_by,
+                "full_context_sequences": self.pool.total / self.pool.blocks_for(ctx).max(1),
+            },
+            "context": ctx,
+            "bytes_in_all": (self.weight_bytes + self.cache_bytes()) * r,
+        })
+    }
+
+    /// The plan, as `plan serve` (and `serve --plan`) prints it.
     pub fn plan(&self) -> String {
         let ctx = self.spec.get("ctx").unwrap_or(0);
         let r = self.replicas as u64;
@@ -190,8 +225,8 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1 << 20) as f64
 }
 
-/// The model, its weights and the plan, without starting anything.
-pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
+/// Refuses flags that cannot go together or are out of range, before any file is read.
+pub fn check_flags(args: &ServeArgs) -> Result<(), String> {
     if args.replicas == 0 || args.max_sequences == 0 || args.block_tokens == 0 {
         return Err("--replicas, --max-sequences and --block-tokens must be 1 or more".into());
     }
@@ -206,6 +241,12 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
         }
         _ => {}
     }
+    Ok(())
+}
+
+/// The model, its weights and the plan, without starting anything.
+pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
+    check_flags(args)?;
     let (spec, values, source) = args.weights.load()?;
     let Some(ctx) = spec.get("ctx").filter(|_| spec.get("vocab").is_some()) else {
         return Err(format!(
@@ -242,12 +283,22 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
     Ok((summary, values))
 }
 
-/// Loads the model, starts the replicas and makes the routes' shared state.
+/// Loads the model, starts the replicas and makes the routes' shared state; every request
+/// carries the token of `--token-file`, when given.
 pub fn build(args: &ServeArgs) -> Result<(Arc<Service>, Summary), String> {
     let token = match &args.token_file {
         Some(path) => Some(crate::cluster::read_token(path).map_err(|e| e.to_string())?),
         None => None,
     };
+    build_with_token(args, token.map(|t| Arc::from(t.as_str())))
+}
+
+/// [`build`] with the token every request must carry given (a serving job on a host takes the
+/// host's).
+pub fn build_with_token(
+    args: &ServeArgs,
+    token: Option<Arc<str>>,
+) -> Result<(Arc<Service>, Summary), String> {
     let (summary, values) = plan(args)?;
     let spec = &summary.spec;
     let (ctx, vocab) = (spec.get("ctx").unwrap_or(0), spec.get("vocab").unwrap_or(0));
@@ -284,7 +335,7 @@ pub fn build(args: &ServeArgs) -> Result<(Arc<Service>, Summary), String> {
         metrics: metrics::Metrics::new(stats),
         max_body_bytes: args.max_body_bytes,
         connections: Arc::new(tokio::sync::Semaphore::new(args.max_connections.max(1))),
-        token: token.map(|t| Arc::from(t.as_str())),
+        token,
         answered: AtomicU64::new(0),
         seeds_drawn: AtomicU64::new(0),
         created: http::unix_seconds(),
@@ -334,6 +385,11 @@ where
 
 /// Runs `archipelago serve`.
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    if let Some(controller) = &args.controller
+        && !args.plan
+    {
+        return remote::serve_on_cluster(args, controller);
+    }
     if args.plan {
         println!("{}", plan(args).map_err(anyhow::Error::msg)?.0.plan());
         return Ok(());

@@ -1,0 +1,102 @@
+//! `archipelago serve --controller ADDR`: the client of a serving job on a cluster. The flags
+//! are checked here first (ranges, combinations, that the files exist), their paths made
+//! absolute (the host reads them at the same place), and sent in one `Serve` call; the
+//! controller places the job on a host and answers where its service listens, which this
+//! prints as the local `serve` does (`listening on http://ADDR`). The job lasts as long as this
+//! process: Ctrl-C (or a kill) closes the call and the controller stops the service; a lost
+//! host ends it with an error naming the host, and this exits with status 1.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use archipelago_actors::fabric::grpc::{MAX_MESSAGE_BYTES, with_token};
+use archipelago_actors::proto::controller_client::ControllerClient;
+use archipelago_actors::proto::{ServeRequest, job_event};
+
+use super::ServeArgs;
+
+/// How long the client waits for a controller that does not listen yet.
+const CONNECT_PATIENCE: Duration = Duration::from_secs(30);
+
+/// The flags as the host gets them: paths absolute, this client's own flags dropped.
+pub fn flags_for_host(args: &ServeArgs) -> Result<ServeArgs, String> {
+    super::check_flags(args)?;
+    let mut sent = args.clone();
+    let weights = &mut sent.weights;
+    for (flag, path) in [
+        ("--init", &mut weights.init),
+        ("--checkpoint", &mut weights.checkpoint),
+        ("--lora-init", &mut weights.lora_init),
+        ("--tokenizer", &mut sent.tokenizer),
+    ] {
+        if let Some(p) = path {
+            *p = absolute(flag, p)?;
+        }
+    }
+    if let Some(template) = &mut sent.chat_template
+        && template != "plain"
+    {
+        *template = absolute("--chat-template", Path::new(template))?
+            .display()
+            .to_string();
+    }
+    (sent.controller, sent.job, sent.token_file, sent.plan) = (None, None, None, false);
+    sent.tls = Default::default();
+    Ok(sent)
+}
+
+/// `path` made absolute, refused when it does not exist here (the hosts see this machine's
+/// files at the same paths).
+fn absolute(flag: &str, path: &Path) -> Result<PathBuf, String> {
+    std::path::absolute(path)
+        .ok()
+        .filter(|p| p.exists())
+        .ok_or_else(|| format!("{flag} {}: no such file or directory", path.display()))
+}
+
+/// Runs the serving job on the cluster of `controller` until this process ends or the job fails.
+pub fn serve_on_cluster(args: &ServeArgs, controller: &str) -> anyhow::Result<()> {
+    let sent = flags_for_host(args).map_err(anyhow::Error::msg)?;
+    let token_file = (args.token_file.as_ref())
+        .ok_or_else(|| anyhow::anyhow!("--controller needs --token-file (the cluster token)"))?;
+    let credentials = args.tls.credentials(token_file)?;
+    let request = ServeRequest {
+        job: args.job.clone().unwrap_or_default(),
+        args: serde_json::to_vec(&sent)?.into(),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let channel = crate::cluster::host_agent::connect(controller, &credentials, CONNECT_PATIENCE).await?;
+        let mut client = ControllerClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let request = with_token(credentials.token(), request).map_err(|e| anyhow::anyhow!("{}", e.message()))?;
+        let mut events = (client.serve(request).await)
+            .map_err(|e| anyhow::anyhow!("the controller at {controller} refused the serving job: {}", e.message()))?
+            .into_inner();
+        loop {
+            let event = tokio::select! {
+                event = events.message() => event,
+                _ = tokio::signal::ctrl_c() => {
+                    println!("stopping: the controller ends the serving job");
+                    return Ok(());
+                }
+            };
+            let event = event
+                .map_err(|e| anyhow::anyhow!("the controller's stream broke: {}", e.message()))?
+                .ok_or_else(|| anyhow::anyhow!("the controller ended the serving job without saying why"))?;
+            match event.kind {
+                Some(job_event::Kind::Info(line)) => println!("{line}"),
+                Some(job_event::Kind::Serving(at)) => {
+                    println!("serving {}", at.summary);
+                    println!(
+                        "listening on {} (serving job {} on host `{}`; POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /metrics)",
+                        at.url, at.job, at.host
+                    );
+                }
+                Some(job_event::Kind::Error(message)) => anyhow::bail!("{message}"),
+                Some(_) | None => {}
+            }
+        }
+    })
+}
