@@ -5,7 +5,7 @@
 //! batching over a paged cache and the service build on [`WholeModel::extend`].
 
 use burn::backend::flex::FlexDevice;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 
 use crate::CpuBackend;
 use crate::batching::{Batcher, CachePool, Event};
@@ -59,6 +59,32 @@ pub struct Greedy {
     pub tokens: Vec<u32>,
     /// The logits (`vocab` values) each was picked from.
     pub logits: Vec<Vec<f32>>,
+}
+
+/// The new ids of several sequences side by side in one row `[1, total]`.
+pub(crate) fn tokens_of(ids: &[&[u32]]) -> Activation<CpuBackend> {
+    let data: Vec<i32> = (ids.iter())
+        .flat_map(|ids| ids.iter().map(|&id| id as i32))
+        .collect();
+    let total = data.len();
+    Activation::Tokens(Tensor::from_data(TensorData::new(data, [1, total]), &FlexDevice))
+}
+
+/// Logits `[1, total, vocab]` cut into each sequence's rows (`ids` of each), flat.
+pub(crate) fn split_logits(
+    logits: Tensor<CpuBackend, 3>,
+    ids: &[&[u32]],
+    vocab: usize,
+) -> Result<Vec<Vec<f32>>, String> {
+    let flat = (logits.into_data().convert::<f32>().to_vec::<f32>())
+        .map_err(|e| format!("cannot read the logits: {e:?}"))?;
+    let mut at = 0;
+    let mut out = Vec::with_capacity(ids.len());
+    for ids in ids {
+        out.push(flat[at * vocab..(at + ids.len()) * vocab].to_vec());
+        at += ids.len();
+    }
+    Ok(out)
 }
 
 impl WholeModel {
@@ -142,53 +168,57 @@ impl WholeModel {
                 ));
             }
         }
-        let data: Vec<i32> = ids
-            .iter()
-            .flat_map(|ids| ids.iter().map(|&id| id as i32))
-            .collect();
-        let total = data.len();
-        let tokens = Tensor::<CpuBackend, 2, Int>::from_data(TensorData::new(data, [1, total]), &FlexDevice);
-        let mut x = Activation::Tokens(tokens);
-        for (b, block) in self.blocks.iter().enumerate() {
-            let seqs = (sequences.iter_mut().zip(ids))
-                .map(|(s, ids)| (std::mem::take(&mut s.pasts[b]), ids.len()))
-                .collect();
-            let paged = cache.as_deref_mut().map(|cache| {
-                if cache.layers.len() <= b {
-                    cache.layers.resize_with(b + 1, PagedLayer::default);
-                }
-                PagedStep {
-                    layer: std::mem::take(&mut cache.layers[b]),
-                    blocks: cache.pool.total,
-                    block_tokens: cache.pool.block_tokens,
-                    tables: sequences.iter().map(|s| s.table.clone()).collect(),
-                }
-            });
-            let mut pasts = Pasts { seqs, paged };
-            x = block.forward_cached(x, &mut pasts);
-            if let (Some(cache), Some(step)) = (cache.as_deref_mut(), pasts.paged.take()) {
-                cache.layers[b] = step.layer;
-            }
-            for (sequence, (past, new)) in sequences.iter_mut().zip(pasts.seqs) {
-                sequence.pasts[b] = Past {
-                    offset: past.offset + new,
-                    kv: past.kv,
-                };
-            }
+        let mut x = tokens_of(ids);
+        for b in 0..self.blocks.len() {
+            x = self.step_block(b, x, sequences, ids, cache.as_deref_mut());
         }
         let Activation::Seq(logits) = x else {
             return Err(format!("{}'s last block gave no sequence of logits", self.spec));
         };
-        let flat = (logits.into_data().convert::<f32>().to_vec::<f32>())
-            .map_err(|e| format!("cannot read the logits: {e:?}"))?;
-        let mut at = 0;
-        let mut out = Vec::with_capacity(ids.len());
+        let out = split_logits(logits, ids, vocab)?;
         for (sequence, ids) in sequences.iter_mut().zip(ids) {
             sequence.tokens.extend_from_slice(ids);
-            out.push(flat[at * vocab..(at + ids.len()) * vocab].to_vec());
-            at += ids.len();
         }
         Ok(out)
+    }
+
+    /// Block `b`'s forward of the new positions `x` of `sequences` (`ids` of each), their pasts
+    /// (and `cache`'s layer) kept: one block of [`WholeModel::extend_many`], which tensor
+    /// parallelism runs rank by rank between its reductions.
+    pub(crate) fn step_block(
+        &self,
+        b: usize,
+        x: Activation<CpuBackend>,
+        sequences: &mut [&mut Sequence],
+        ids: &[&[u32]],
+        mut cache: Option<&mut PagedCache>,
+    ) -> Activation<CpuBackend> {
+        let seqs = (sequences.iter_mut().zip(ids))
+            .map(|(s, ids)| (std::mem::take(&mut s.pasts[b]), ids.len()))
+            .collect();
+        let paged = cache.as_deref_mut().map(|cache| {
+            if cache.layers.len() <= b {
+                cache.layers.resize_with(b + 1, PagedLayer::default);
+            }
+            PagedStep {
+                layer: std::mem::take(&mut cache.layers[b]),
+                blocks: cache.pool.total,
+                block_tokens: cache.pool.block_tokens,
+                tables: sequences.iter().map(|s| s.table.clone()).collect(),
+            }
+        });
+        let mut pasts = Pasts { seqs, paged };
+        let x = self.blocks[b].forward_cached(x, &mut pasts);
+        if let (Some(cache), Some(step)) = (cache, pasts.paged.take()) {
+            cache.layers[b] = step.layer;
+        }
+        for (sequence, (past, new)) in sequences.iter_mut().zip(pasts.seqs) {
+            sequence.pasts[b] = Past {
+                offset: past.offset + new,
+                kv: past.kv,
+            };
+        }
+        x
     }
 
     /// The greedy continuation of `prompt` by `new_tokens` tokens: the prompt prefilled in one

@@ -41,6 +41,7 @@ pub mod generator;
 pub mod gpus;
 pub mod host_tensor;
 pub mod inference;
+pub mod inference_tp;
 pub mod kernels;
 pub mod offload;
 pub mod optim;

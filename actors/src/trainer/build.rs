@@ -316,7 +316,7 @@ impl<B: AutodiffBackend> Trainer<B> {
 
 /// Block `whole`'s parameters as tp rank `tp` holds them, from `values`, the whole block's (its
 /// parameters in order, as a weights file holds them): each split parameter's local slice.
-fn local_block(whole: &BlockInfo, values: Vec<f32>, tp: crate::zoo::tp::TpPlace) -> Vec<f32> {
+pub(crate) fn local_block(whole: &BlockInfo, values: Vec<f32>, tp: crate::zoo::tp::TpPlace) -> Vec<f32> {
     if tp.size == 1 || whole.param_descs.is_empty() {
         return values;
     }

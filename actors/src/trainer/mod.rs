@@ -40,6 +40,7 @@ pub use zero::Sharding;
 use zero::part_of;
 
 mod build;
+pub(crate) use build::local_block;
 mod checkpoint;
 mod cpu_buffers;
 mod data;

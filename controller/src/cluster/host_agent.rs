@@ -81,7 +81,9 @@ pub async fn run_host(options: HostOptions) -> anyhow::Result<()> {
     )?;
     // The controller spawns the job's host part here and drives it over this port.
     // … and a serving job's part.
-    host_part::registry().merge(super::serve_part::registry()).install();
+    host_part::registry()
+        .merge(super::serve_part::registry())
+        .install();
     let runtime = Runtime::new("host", &options.name, vec![options.devices[0]]);
     let actor_listener = tokio::net::TcpListener::bind(any_port_on(&options.fabric_listen))
         .await

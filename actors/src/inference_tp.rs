@@ -1,0 +1,242 @@
+//! Tensor-parallel generation (Megatron-LM's layers, Shoeybi et al. 2019; issue 42's first
+//! step): a model cut over `tp` ranks exactly as training cuts it — each rank builds the zoo's
+//! sliced blocks (its heads of every attention, its columns of `fc1` and rows of `fc2`, its rows
+//! of the vocabulary-parallel embedding and its columns of the head) and loads its slice of the
+//! whole weights ([`take_local`](archipelago_dataflow::tensor_parallel::take_local)). A step runs
+//! every rank's block on the same input and sums their outputs (the all-reduce after each
+//! row-parallel projection, Megatron's g; the first rank adds biases and the residual), and
+//! gathers the head's vocabulary columns into the logits. Each rank keeps its own heads' keys
+//! and values. The ranks run one after another in this process: the reductions are the
+//! arithmetic of the collectives, so the sharded forward is checked against one device before
+//! the ranks move onto actors with the runtime's collectives.
+
+use burn::tensor::Tensor;
+
+use archipelago_dataflow::ModelSpec;
+
+use crate::CpuBackend;
+use crate::block::Activation;
+use crate::generate::{Sequence, split_logits, tokens_of};
+use crate::inference::WholeModel;
+use crate::zoo::tp::TpPlace;
+use crate::zoo::{BuildContext, ModelBuilder, ZooModel};
+
+/// How a step combines the ranks' outputs between blocks (a test's deliberately broken
+/// variant skips a sum).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Every sum done (the model's arithmetic).
+    Sum,
+    /// Block `b`'s sum skipped: rank 0's summand alone goes on (the negative control).
+    SkipAfter(usize),
+}
+
+/// A model cut over tensor-parallel ranks.
+pub struct TpModel {
+    spec: ModelSpec,
+    ranks: Vec<WholeModel>,
+    reduction: Reduction,
+}
+
+/// A sequence on a [`TpModel`]: each rank's past of it.
+#[derive(Debug, Clone)]
+pub struct TpSequence {
+    ranks: Vec<Sequence>,
+}
+
+impl TpSequence {
+    /// The tokens the model has seen.
+    pub fn tokens(&self) -> &[u32] {
+        &self.ranks[0].tokens
+    }
+}
+
+impl TpModel {
+    /// `spec` cut over `tp` ranks, each with its slice of block `i`'s whole flat parameters
+    /// `values[i]`; refused where the model does not divide (heads by `tp`).
+    pub fn load(spec: &ModelSpec, values: &[Vec<f32>], tp: usize) -> Result<TpModel, String> {
+        if tp == 0 {
+            return Err("tp must be 1 or more".into());
+        }
+        let desc = spec.desc();
+        if let Some(heads) = spec.get("heads").filter(|h| h % tp != 0) {
+            return Err(format!("{spec}: {heads} heads do not divide over tp={tp}"));
+        }
+        if values.len() != desc.blocks.len() {
+            return Err(format!(
+                "{spec} has {} blocks, {} were given",
+                desc.blocks.len(),
+                values.len()
+            ));
+        }
+        if let Some((index, (info, flat))) = (desc.blocks.iter().zip(values).enumerate())
+            .find(|(_, (info, flat))| flat.len() as u64 != info.params)
+        {
+            return Err(format!(
+                "block {index} (`{}`) of {spec} has {} parameters, {} were given",
+                info.name,
+                info.params,
+                flat.len()
+            ));
+        }
+        let zoo = ZooModel(spec.clone());
+        let ranks = (0..tp)
+            .map(|rank| {
+                let place = TpPlace::new(rank, tp);
+                let local: Vec<Vec<f32>> = (desc.blocks.iter().zip(values))
+                    .map(|(info, flat)| crate::trainer::local_block(info, flat.clone(), place))
+                    .collect();
+                let blocks = (local.iter().enumerate())
+                    .map(|(index, flat)| {
+                        let ctx = BuildContext {
+                            tp: place,
+                            ..BuildContext::whole(index)
+                        };
+                        let block = ModelBuilder::<CpuBackend>::build_block(&zoo, &ctx, &burn::backend::flex::FlexDevice);
+                        if block.num_params() != flat.len() {
+                            return Err(format!(
+                                "block {index} of {spec} at tp rank {rank}/{tp}: {} parameters built, {} sliced",
+                                block.num_params(),
+                                flat.len()
+                            ));
+                        }
+                        Ok(block.load_params(flat, false).untracked_copy())
+                    })
+                    .collect::<Result<Vec<_>, String>>()?;
+                Ok(WholeModel {
+                    spec: spec.clone(),
+                    blocks,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(TpModel {
+            spec: spec.clone(),
+            ranks,
+            reduction: Reduction::Sum,
+        })
+    }
+
+    /// The same model combining its ranks' outputs by `reduction`.
+    pub fn with_reduction(self, reduction: Reduction) -> TpModel {
+        TpModel { reduction, ..self }
+    }
+
+    /// The ranks.
+    pub fn tp(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// An empty sequence.
+    pub fn start(&self) -> TpSequence {
+        TpSequence {
+            ranks: self.ranks.iter().map(WholeModel::start).collect(),
+        }
+    }
+
+    /// The logits `[n, vocab]` (flat) of `ids`, the `n` positions after `sequence`'s, which
+    /// keeps them: every block on every rank, the outputs summed between blocks, the head's
+    /// columns gathered.
+    pub fn extend(&self, sequence: &mut TpSequence, ids: &[u32]) -> Result<Vec<f32>, String> {
+        let (ctx, vocab) = (
+            self.spec.get("ctx").unwrap_or(0),
+            self.spec.get("vocab").unwrap_or(0),
+        );
+        let seen = sequence.tokens().len();
+        if ids.is_empty() || seen + ids.len() > ctx {
+            return Err(format!(
+                "{} new tokens after {seen}: {} has {ctx} positions",
+                ids.len(),
+                self.spec
+            ));
+        }
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(format!(
+                "token id {id} is past {}'s vocabulary of {vocab}",
+                self.spec
+            ));
+        }
+        let blocks = self.ranks[0].blocks.len();
+        let mut x = tokens_of(&[ids]);
+        for b in 0..blocks {
+            let outs: Vec<Activation<CpuBackend>> = (self.ranks.iter().zip(&mut sequence.ranks))
+                .map(|(rank, seq)| rank.step_block(b, x.clone(), &mut [seq], &[ids], None))
+                .collect();
+            x = if b + 1 == blocks {
+                gather(outs)?
+            } else {
+                self.reduce(b, outs)?
+            };
+        }
+        let Activation::Seq(logits) = x else {
+            return Err(format!("{}'s last block gave no sequence of logits", self.spec));
+        };
+        let [_, t, width] = logits.dims();
+        let logits = logits.slice([0..1, 0..t, 0..vocab.min(width)]);
+        for seq in &mut sequence.ranks {
+            seq.tokens.extend_from_slice(ids);
+        }
+        Ok(split_logits(logits, &[ids], vocab)?.pop().unwrap_or_default())
+    }
+
+    /// The greedy continuation of `prompt` by `new_tokens` tokens, with each token's logits.
+    pub fn greedy(&self, prompt: &[u32], new_tokens: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>), String> {
+        let vocab = self.spec.get("vocab").unwrap_or(0);
+        let mut sequence = self.start();
+        let mut logits = self.extend(&mut sequence, prompt)?;
+        let (mut tokens, mut all) = (Vec::new(), Vec::new());
+        for _ in 0..new_tokens {
+            let last = logits[logits.len() - vocab..].to_vec();
+            let token = argmax(&last);
+            tokens.push(token);
+            all.push(last);
+            if tokens.len() < new_tokens {
+                logits = self.extend(&mut sequence, &[token])?;
+            }
+        }
+        Ok((tokens, all))
+    }
+
+    /// The ranks' outputs of block `b` summed (each rank's summand of the group's output).
+    fn reduce(&self, b: usize, outs: Vec<Activation<CpuBackend>>) -> Result<Activation<CpuBackend>, String> {
+        let mut outs = outs.into_iter();
+        let Some(Activation::Seq(mut sum)) = outs.next() else {
+            return Err(format!("block {b} of {} gave no sequence", self.spec));
+        };
+        if self.reduction == Reduction::SkipAfter(b) {
+            return Ok(Activation::Seq(sum));
+        }
+        for out in outs {
+            let Activation::Seq(part) = out else {
+                return Err(format!("block {b} of {} gave no sequence", self.spec));
+            };
+            sum = sum + part;
+        }
+        Ok(Activation::Seq(sum))
+    }
+}
+
+/// The head's vocabulary columns of every rank side by side.
+fn gather(outs: Vec<Activation<CpuBackend>>) -> Result<Activation<CpuBackend>, String> {
+    let parts = (outs.into_iter())
+        .map(|out| match out {
+            Activation::Seq(part) => Ok(part),
+            _ => Err("the head gave no sequence of logits".to_string()),
+        })
+        .collect::<Result<Vec<Tensor<CpuBackend, 3>>, String>>()?;
+    Ok(Activation::Seq(Tensor::cat(parts, 2)))
+}
+
+/// The index of the largest value (the first of equals).
+fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+#[path = "inference_tp_tests.rs"]
+mod tests;
