@@ -2,7 +2,7 @@
 //! cache (vLLM's PagedAttention, Kwon et al., SOSP 2023): the batch is formed again at every
 //! decoding step. A request that arrives joins at the next step when the pool has free blocks
 //! for its prompt (its prompt prefilled in the same flattened pass as the others' next tokens,
-//! [`WholeModel::extend_paged`]), and one that finishes leaves at once, its blocks back in the
+//! [`StepModel::extend_paged`]: one device's model or one cut over tensor-parallel ranks), and one that finishes leaves at once, its blocks back in the
 //! pool; requests past `max_sequences` or the pool wait in arrival order, never an
 //! out-of-memory. Every attention layer's keys and values live in one pool of fixed-size blocks
 //! allocated once ([`PagedCache`]); a sequence holds a block table and gets a block from the
@@ -19,8 +19,8 @@ use std::collections::VecDeque;
 use archipelago_dataflow::ModelSpec;
 
 use crate::generate::{PagedCache, Request, Sequence};
-use crate::inference::WholeModel;
 use crate::sampling::Sampler;
+use crate::step_model::StepModel;
 
 /// What a step produced for one request.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,7 +106,7 @@ impl CachePool {
 
 /// The requests of one model replica, stepped together.
 pub struct Batcher<'m> {
-    model: &'m WholeModel,
+    model: &'m dyn StepModel,
     max_sequences: usize,
     pool: CachePool,
     /// The keys and values, in the pool's blocks.
@@ -125,7 +125,7 @@ pub struct Batcher<'m> {
 
 impl<'m> Batcher<'m> {
     /// A batcher running at most `max_sequences` sequences a step over a cache of `pool`.
-    pub fn new(model: &'m WholeModel, max_sequences: usize, pool: CachePool) -> Batcher<'m> {
+    pub fn new(model: &'m dyn StepModel, max_sequences: usize, pool: CachePool) -> Batcher<'m> {
         Batcher {
             model,
             max_sequences: max_sequences.max(1),

@@ -28,13 +28,14 @@ pub struct Sequence {
 
 /// A replica's keys and values in one pool of fixed-size blocks per attention layer (vLLM's
 /// PagedAttention), allocated at the first step that needs them and kept; sequences hold block
-/// tables into it ([`WholeModel::extend_paged`]).
+/// tables into it ([`WholeModel::extend_paged`]). Under tensor parallelism each rank keeps its
+/// own heads' layers, every rank's at the same block tables.
 #[derive(Debug)]
 pub struct PagedCache {
     /// The blocks.
     pub pool: CachePool,
-    /// Each model block's pool (empty for a block without attention).
-    layers: Vec<PagedLayer>,
+    /// Each rank's pool of each model block (empty for a block without attention).
+    ranks: Vec<Vec<PagedLayer>>,
 }
 
 impl PagedCache {
@@ -42,13 +43,21 @@ impl PagedCache {
     pub fn new(pool: CachePool) -> PagedCache {
         PagedCache {
             pool,
-            layers: Vec::new(),
+            ranks: Vec::new(),
         }
     }
 
-    /// Bytes allocated.
+    /// Bytes allocated (every rank's).
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(PagedLayer::bytes).sum()
+        self.ranks.iter().flatten().map(PagedLayer::bytes).sum()
+    }
+
+    /// Rank `rank`'s layers, with the pool.
+    pub(crate) fn rank(&mut self, rank: usize) -> (CachePool, &mut Vec<PagedLayer>) {
+        if self.ranks.len() <= rank {
+            self.ranks.resize_with(rank + 1, Vec::new);
+        }
+        (self.pool, &mut self.ranks[rank])
     }
 }
 
@@ -122,25 +131,18 @@ impl WholeModel {
         ids: &[&[u32]],
         cache: &mut PagedCache,
     ) -> Result<Vec<Vec<f32>>, String> {
-        let bt = cache.pool.block_tokens;
-        if let Some((s, n)) =
-            (sequences.iter().zip(ids)).find(|(s, n)| s.table.len() * bt < s.tokens.len() + n.len())
-        {
-            return Err(format!(
-                "{} positions and {} blocks of {bt}: the sequence's table is short",
-                s.tokens.len() + n.len(),
-                s.table.len()
-            ));
-        }
         self.extend_inner(sequences, ids, Some(cache))
     }
 
-    fn extend_inner(
+    /// Refuses a step of `ids` after `sequences` that the model cannot take: new ids past the
+    /// context or the vocabulary, a block table (with `pool`) too short for the new positions.
+    /// The model's vocabulary.
+    pub(crate) fn check_step(
         &self,
-        sequences: &mut [&mut Sequence],
+        sequences: &[&mut Sequence],
         ids: &[&[u32]],
-        mut cache: Option<&mut PagedCache>,
-    ) -> Result<Vec<Vec<f32>>, String> {
+        pool: Option<CachePool>,
+    ) -> Result<usize, String> {
         let (ctx, vocab) = (self.spec.get("ctx"), self.spec.get("vocab"));
         let (Some(ctx), Some(vocab)) = (ctx, vocab) else {
             return Err(format!("{} takes no tokens", self.spec));
@@ -167,10 +169,30 @@ impl WholeModel {
                     self.spec
                 ));
             }
+            if let Some(bt) = pool.map(|p| p.block_tokens)
+                && sequence.table.len() * bt < seen + ids.len()
+            {
+                return Err(format!(
+                    "{} positions and {} blocks of {bt}: the sequence's table is short",
+                    seen + ids.len(),
+                    sequence.table.len()
+                ));
+            }
         }
+        Ok(vocab)
+    }
+
+    fn extend_inner(
+        &self,
+        sequences: &mut [&mut Sequence],
+        ids: &[&[u32]],
+        mut cache: Option<&mut PagedCache>,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let vocab = self.check_step(sequences, ids, cache.as_ref().map(|c| c.pool))?;
         let mut x = tokens_of(ids);
         for b in 0..self.blocks.len() {
-            x = self.step_block(b, x, sequences, ids, cache.as_deref_mut());
+            let layers = cache.as_deref_mut().map(|c| c.rank(0));
+            x = self.step_block(b, x, sequences, ids, layers);
         }
         let Activation::Seq(logits) = x else {
             return Err(format!("{}'s last block gave no sequence of logits", self.spec));
@@ -191,26 +213,26 @@ impl WholeModel {
         x: Activation<CpuBackend>,
         sequences: &mut [&mut Sequence],
         ids: &[&[u32]],
-        mut cache: Option<&mut PagedCache>,
+        mut cache: Option<(CachePool, &mut Vec<PagedLayer>)>,
     ) -> Activation<CpuBackend> {
         let seqs = (sequences.iter_mut().zip(ids))
             .map(|(s, ids)| (std::mem::take(&mut s.pasts[b]), ids.len()))
             .collect();
-        let paged = cache.as_deref_mut().map(|cache| {
-            if cache.layers.len() <= b {
-                cache.layers.resize_with(b + 1, PagedLayer::default);
+        let paged = cache.as_mut().map(|(pool, layers)| {
+            if layers.len() <= b {
+                layers.resize_with(b + 1, PagedLayer::default);
             }
             PagedStep {
-                layer: std::mem::take(&mut cache.layers[b]),
-                blocks: cache.pool.total,
-                block_tokens: cache.pool.block_tokens,
+                layer: std::mem::take(&mut layers[b]),
+                blocks: pool.total,
+                block_tokens: pool.block_tokens,
                 tables: sequences.iter().map(|s| s.table.clone()).collect(),
             }
         });
         let mut pasts = Pasts { seqs, paged };
         let x = self.blocks[b].forward_cached(x, &mut pasts);
-        if let (Some(cache), Some(step)) = (cache, pasts.paged.take()) {
-            cache.layers[b] = step.layer;
+        if let (Some((_, layers)), Some(step)) = (cache, pasts.paged.take()) {
+            layers[b] = step.layer;
         }
         for (sequence, (past, new)) in sequences.iter_mut().zip(pasts.seqs) {
             sequence.pasts[b] = Past {

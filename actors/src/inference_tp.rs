@@ -16,7 +16,7 @@ use archipelago_dataflow::ModelSpec;
 
 use crate::CpuBackend;
 use crate::block::Activation;
-use crate::generate::{Sequence, split_logits, tokens_of};
+use crate::generate::{PagedCache, Sequence, split_logits, tokens_of};
 use crate::inference::WholeModel;
 use crate::zoo::tp::TpPlace;
 use crate::zoo::{BuildContext, ModelBuilder, ZooModel};
@@ -161,21 +161,83 @@ impl TpModel {
             let outs: Vec<Activation<CpuBackend>> = (self.ranks.iter().zip(&mut sequence.ranks))
                 .map(|(rank, seq)| rank.step_block(b, x.clone(), &mut [seq], &[ids], None))
                 .collect();
-            x = if b + 1 == blocks {
-                gather(outs)?
-            } else {
-                self.reduce(b, outs)?
-            };
+            x = self.combine(b, blocks, outs)?;
         }
-        let Activation::Seq(logits) = x else {
-            return Err(format!("{}'s last block gave no sequence of logits", self.spec));
-        };
-        let [_, t, width] = logits.dims();
-        let logits = logits.slice([0..1, 0..t, 0..vocab.min(width)]);
+        let logits = self.logits(x)?;
         for seq in &mut sequence.ranks {
             seq.tokens.extend_from_slice(ids);
         }
         Ok(split_logits(logits, &[ids], vocab)?.pop().unwrap_or_default())
+    }
+
+    /// The model.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Every rank's weights in bf16 ([`WholeModel::to_bf16`]); the weights' bytes after.
+    pub fn to_bf16(&mut self) -> u64 {
+        self.ranks.iter_mut().map(WholeModel::to_bf16).sum()
+    }
+
+    /// An empty sequence whose keys and values will live in a [`PagedCache`] (one sequence for
+    /// every rank: the ranks share its block table, each keeps its heads' layers).
+    pub fn start_paged(&self) -> Sequence {
+        self.ranks[0].start()
+    }
+
+    /// [`WholeModel::extend_paged`] over the ranks: each rank's block runs from the sequences'
+    /// positions before the block (a paged past holds no keys, only its offset) into its own
+    /// layers of `cache`, the outputs summed between blocks and the head's columns gathered.
+    pub fn extend_paged(
+        &self,
+        sequences: &mut [&mut Sequence],
+        ids: &[&[u32]],
+        cache: &mut PagedCache,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let vocab = self.ranks[0].check_step(sequences, ids, Some(cache.pool))?;
+        let blocks = self.ranks[0].blocks.len();
+        let mut x = tokens_of(ids);
+        for b in 0..blocks {
+            let before: Vec<usize> = sequences.iter().map(|s| s.pasts[b].offset).collect();
+            let mut outs = Vec::with_capacity(self.ranks.len());
+            for (r, rank) in self.ranks.iter().enumerate() {
+                for (sequence, &offset) in sequences.iter_mut().zip(&before) {
+                    sequence.pasts[b].offset = offset;
+                }
+                outs.push(rank.step_block(b, x.clone(), sequences, ids, Some(cache.rank(r))));
+            }
+            x = self.combine(b, blocks, outs)?;
+        }
+        let logits = self.logits(x)?;
+        for (sequence, ids) in sequences.iter_mut().zip(ids) {
+            sequence.tokens.extend_from_slice(ids);
+        }
+        split_logits(logits, ids, vocab)
+    }
+
+    /// Block `b`'s outputs combined: summed, or the head's (the last of `blocks`) gathered.
+    fn combine(
+        &self,
+        b: usize,
+        blocks: usize,
+        outs: Vec<Activation<CpuBackend>>,
+    ) -> Result<Activation<CpuBackend>, String> {
+        if b + 1 == blocks {
+            gather(outs)
+        } else {
+            self.reduce(b, outs)
+        }
+    }
+
+    /// The gathered logits without the vocabulary's padding columns.
+    fn logits(&self, x: Activation<CpuBackend>) -> Result<Tensor<CpuBackend, 3>, String> {
+        let vocab = self.spec.get("vocab").unwrap_or(0);
+        let Activation::Seq(logits) = x else {
+            return Err(format!("{}'s last block gave no sequence of logits", self.spec));
+        };
+        let [rows, t, width] = logits.dims();
+        Ok(logits.slice([0..rows, 0..t, 0..vocab.min(width)]))
     }
 
     /// The greedy continuation of `prompt` by `new_tokens` tokens, with each token's logits.

@@ -4,7 +4,10 @@
 //! caught.
 
 use super::*;
+use crate::batching::{Batcher, CachePool, Event};
 use crate::block::initial_params;
+use crate::generate::Request;
+use crate::sampling::Sampling;
 
 /// One device's greedy continuation and logits beside tp's; the largest logit difference.
 fn compare(spec: &ModelSpec, values: &[Vec<f32>], tp: TpModel, prompt: &[u32], n: usize) -> f32 {
@@ -88,4 +91,64 @@ fn a_skipped_all_reduce_is_caught() {
     }
     let refused = TpModel::load(&spec, &values, 3).err().expect("tp=3 refused");
     assert!(refused.contains("4 heads do not divide over tp=3"), "{refused}");
+}
+
+/// Every request's tokens and logits through a batcher over `model`.
+fn batched(
+    model: &dyn crate::step_model::StepModel,
+    prompts: &[Vec<u32>],
+    pool: CachePool,
+) -> Vec<Vec<(u32, Vec<f32>)>> {
+    let mut batcher = Batcher::new(model, 4, pool);
+    for prompt in prompts {
+        let request = Request {
+            prompt: prompt.clone(),
+            max_tokens: 12,
+            sampling: Sampling::greedy(),
+            stop: Vec::new(),
+        };
+        batcher.submit(request).unwrap();
+    }
+    let mut out = vec![Vec::new(); prompts.len()];
+    let mut done = 0;
+    while done < prompts.len() {
+        for event in batcher.step().unwrap() {
+            match event {
+                Event::Token { id, token, logits } => out[id].push((token, logits)),
+                Event::Done { .. } => done += 1,
+            }
+        }
+    }
+    out
+}
+
+/// Continuous batching over the paged cache at tp=2 (each rank its heads' layers, the block
+/// tables shared) answers as one device does; a pool too small for all makes some wait.
+#[test]
+fn tp_continuous_batching_over_the_paged_cache_equals_one_device() {
+    let (spec, values) = gpt();
+    let prompts: Vec<Vec<u32>> = vec![
+        vec![3, 14, 15],
+        vec![9, 26, 5, 35, 8, 9, 7],
+        vec![1],
+        vec![2, 7, 18, 28, 18],
+    ];
+    let pool = CachePool {
+        block_tokens: 4,
+        total: 12,
+    };
+    let one = WholeModel::load(&spec, &values).unwrap();
+    let want = batched(&one, &prompts, pool);
+    let tp = TpModel::load(&spec, &values, 2).unwrap();
+    let got = batched(&tp, &prompts, pool);
+    let mut worst = 0.0f32;
+    for (w, g) in want.iter().zip(&got) {
+        assert_eq!(w.len(), g.len());
+        for ((wt, wl), (gt, gl)) in w.iter().zip(g) {
+            assert_eq!(wt, gt);
+            worst = wl.iter().zip(gl).fold(worst, |m, (a, b)| m.max((a - b).abs()));
+        }
+    }
+    eprintln!("tp=2 batched over the paged cache: largest logit difference {worst:.2e}");
+    assert!(worst < 1e-4, "{worst}");
 }

@@ -56,6 +56,7 @@ pub mod ps;
 pub mod runtime;
 pub mod sampling;
 pub mod serving;
+pub mod step_model;
 pub mod tensor_file;
 pub mod text_stream;
 pub mod text_tokens;

@@ -1,4 +1,4 @@
-//! A model replica serving requests: one thread owns a [`WholeModel`] and its [`Batcher`], takes
+//! A model replica serving requests: one thread owns a [`StepModel`] (one device's, or tensor-parallel ranks') and its [`Batcher`], takes
 //! requests from any thread or task, steps the batch while it has work (Orca's iteration-level
 //! loop) and streams each request's text back as its tokens come ([`TextStream`]: no split
 //! character, no stop sequence sent). A request whose receiver is dropped (its client went
@@ -18,7 +18,7 @@ use archipelago_dataflow::ModelSpec;
 
 use crate::batching::{Batcher, CachePool, Event};
 use crate::generate::{Finish, Request};
-use crate::inference::WholeModel;
+use crate::step_model::StepModel;
 use crate::text_stream::TextStream;
 
 /// Decodes a whole token sequence to text, from the replica's thread.
@@ -126,7 +126,7 @@ impl Replica {
     /// and its work is done.
     pub fn start(
         name: &str,
-        model: WholeModel,
+        model: impl StepModel + 'static,
         decode: Box<SendDecode>,
         (max_sequences, pool): (usize, CachePool),
         scheduling: Scheduling,
@@ -139,7 +139,7 @@ impl Replica {
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                let mut batcher = Batcher::new(&model, max_sequences, pool);
+                let mut batcher = Batcher::new(&model as &dyn StepModel, max_sequences, pool);
                 batcher = match scheduling {
                     Scheduling::Continuous { step_tokens: None } => batcher,
                     Scheduling::Continuous {

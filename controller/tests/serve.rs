@@ -403,3 +403,46 @@ fn plan_serve_prints_what_the_server_then_holds() {
         "{refused}"
     );
 }
+
+/// `serve --tp 2` (each replica's model cut over two tensor-parallel ranks) answers the fixture's
+/// prompt with `transformers`' greedy continuation, whole and streamed; `--tp 3` (4 heads) is
+/// refused at start naming both.
+#[test]
+fn serve_at_tp_2_answers_as_one_device() {
+    let tokenizer = fixture("tokenizer/tokenizer.json");
+    let init = fixture("gpt2/model.safetensors");
+    let flags = [
+        "--init",
+        init.to_str().unwrap(),
+        "--tokenizer",
+        tokenizer.to_str().unwrap(),
+    ];
+    let server = serve(&[&flags[..], &["--tp", "2", "--cache-tokens", "64"]].concat());
+    let (_, decode) = codec(tokenizer.to_str(), 320).unwrap();
+    let expected = expected();
+    let (prompt, greedy) = (ids(&expected["prompt"]), ids(&expected["greedy"]));
+    let continuation = decode(&greedy[prompt.len()..]).unwrap();
+    let request = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let (status, whole) = post(&server.addr, "/v1/completions", &request);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["choices"][0]["text"], continuation.as_str());
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let data = events(open_stream(&server.addr, "/v1/completions", &streamed));
+    let text: String = (data[..data.len() - 1].iter())
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, continuation);
+    let out = Command::new(env!("CARGO_BIN_EXE_archipelago"))
+        .arg("serve")
+        .args(flags)
+        .args(["--tp", "3"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("4 heads") && said.contains("--tp 3"),
+        "{said}"
+    );
+}

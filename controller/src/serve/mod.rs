@@ -25,6 +25,7 @@ use clap::Args;
 
 use archipelago_actors::batching::CachePool;
 use archipelago_actors::inference::WholeModel;
+use archipelago_actors::inference_tp::TpModel;
 use archipelago_actors::serving::{Replica, Router, Scheduling};
 use archipelago_actors::text_tokens::codec;
 use archipelago_dataflow::ModelSpec;
@@ -56,6 +57,12 @@ pub struct ServeArgs {
     /// Model replicas behind the router (each its own copy of the weights and its own thread).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
+    /// Tensor parallelism: each replica's model cut over this many ranks as training cuts it
+    /// (heads and MLP columns; Megatron-LM's layers), their outputs summed after each sub-layer
+    /// and the head's vocabulary columns gathered; each rank keeps its heads' cache. The ranks
+    /// run one after another on the replica's thread today.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
     /// Sequences one replica runs in a step at most (the batch).
     #[arg(long, default_value_t = 16)]
     pub max_sequences: usize,
@@ -144,6 +151,8 @@ pub struct Summary {
     pub replicas: usize,
     /// How the pool was sized.
     pub sized_by: String,
+    /// Tensor-parallel ranks per replica.
+    pub tp: usize,
 }
 
 impl Summary {
@@ -177,6 +186,7 @@ impl Summary {
             "model": self.spec.explicit(),
             "weights_from": self.source,
             "replicas": self.replicas,
+            "tp": self.tp,
             "weight_bytes_per_replica": self.weight_bytes,
             "cache": {
                 "blocks": self.pool.total,
@@ -201,7 +211,7 @@ impl Summary {
              \x20 weights: {:.1} MiB per replica × {} = {:.1} MiB\n\
              \x20 cache:   {} blocks × {} positions × {:.1} KiB = {} positions, {:.1} MiB per replica ({}), {:.1} MiB in all\n\
              \x20 a full context ({ctx} positions) takes {} blocks: the pool holds {} full-context sequences at once\n\
-             \x20 memory:  {:.1} MiB of weights and cache in all",
+             \x20 memory:  {:.1} MiB of weights and cache in all{}",
             self.spec,
             self.source,
             mib(self.weight_bytes),
@@ -217,6 +227,12 @@ impl Summary {
             self.pool.blocks_for(ctx),
             self.pool.total / self.pool.blocks_for(ctx).max(1),
             mib((self.weight_bytes + self.cache_bytes()) * r),
+            match self.tp {
+                1 => String::new(),
+                tp => format!(
+                    "\n  tensor parallel: {tp} ranks per replica, each holding 1/{tp} of every attention's heads and cache and of the MLP"
+                ),
+            },
         )
     }
 }
@@ -227,8 +243,11 @@ fn mib(bytes: u64) -> f64 {
 
 /// Refuses flags that cannot go together or are out of range, before any file is read.
 pub fn check_flags(args: &ServeArgs) -> Result<(), String> {
-    if args.replicas == 0 || args.max_sequences == 0 || args.block_tokens == 0 {
-        return Err("--replicas, --max-sequences and --block-tokens must be 1 or more".into());
+    if args.replicas == 0 || args.max_sequences == 0 || args.block_tokens == 0 || args.tp == 0 {
+        return Err("--replicas, --tp, --max-sequences and --block-tokens must be 1 or more".into());
+    }
+    if args.tp > 1 && args.quantize.quantize.is_some() {
+        return Err("--quantize int8 runs on one device per replica: drop --tp or --quantize".into());
     }
     args.quantize.check()?;
     match (args.batching.as_str(), args.max_step_tokens) {
@@ -253,6 +272,12 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
             "{spec} does not generate tokens: serve a gpt or gpt2 model"
         ));
     };
+    if let Some(heads) = spec.get("heads").filter(|h| h % args.tp != 0) {
+        return Err(format!(
+            "--tp {}: {spec} has {heads} heads, which do not divide over {} ranks; give a --tp that divides {heads}",
+            args.tp, args.tp
+        ));
+    }
     let value_bytes = if args.quantize.bf16() { 2 } else { 4 };
     let mut weight_bytes = values.iter().map(|v| v.len() as u64 * value_bytes).sum::<u64>();
     if args.quantize.quantize.is_some() {
@@ -279,6 +304,7 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
         pool,
         replicas: args.replicas,
         sized_by,
+        tp: args.tp,
     };
     Ok((summary, values))
 }
@@ -309,17 +335,20 @@ pub fn build_with_token(
     let template = ChatTemplate::choose(args.chat_template.as_deref(), args.tokenizer.as_deref())?;
     let mut replicas = Vec::with_capacity(args.replicas);
     for r in 0..args.replicas {
-        let mut model = WholeModel::load(spec, &values)?;
-        args.quantize.apply(&mut model)?;
         let (_, decode) = codec(tokenizer.as_deref(), vocab)?;
-        let replica = Replica::start(
-            &format!("replica-{r}"),
-            model,
-            decode,
-            (args.max_sequences, summary.pool),
-            args.scheduling(),
-        )
-        .map_err(|e| format!("cannot start replica {r}'s thread: {e}"))?;
+        let (name, batch) = (format!("replica-{r}"), (args.max_sequences, summary.pool));
+        let started = if args.tp > 1 {
+            let mut model = TpModel::load(spec, &values, args.tp)?;
+            if args.quantize.bf16() {
+                model.to_bf16();
+            }
+            Replica::start(&name, model, decode, batch, args.scheduling())
+        } else {
+            let mut model = WholeModel::load(spec, &values)?;
+            args.quantize.apply(&mut model)?;
+            Replica::start(&name, model, decode, batch, args.scheduling())
+        };
+        let replica = started.map_err(|e| format!("cannot start replica {r}'s thread: {e}"))?;
         replicas.push(replica);
     }
     drop(values);
