@@ -1,18 +1,18 @@
-//! Continuous batching (Orca's iteration-level scheduling, Yu et al., OSDI 2022) over a paged
-//! cache (vLLM's PagedAttention, Kwon et al., SOSP 2023): the batch is formed again at every
-//! decoding step. A request that arrives joins at the next step when the pool has free blocks
-//! for its prompt (its prompt prefilled in the same flattened pass as the others' next tokens,
-//! [`StepModel::extend_paged`]: one device's model or one cut over tensor-parallel ranks), and one that finishes leaves at once, its blocks back in the
-//! pool; requests past `max_sequences` or the pool wait in arrival order, never an
-//! out-of-memory. Every attention layer's keys and values live in one pool of fixed-size blocks
-//! allocated once ([`PagedCache`]); a sequence holds a block table and gets a block from the
-//! free list when its next position needs one; when none is free it preempts the latest
-//! admitted sequence, which gives its blocks back and waits at the front of the queue, to be
-//! recomputed (its prompt and what it had generated prefilled again) — vLLM's recompute
-//! preemption. Each sequence attends to its own blocks only, so what it gets does not depend on
-//! what it was batched with (up to the order of float sums). [`Batcher::step_tokens`] prefills
-//! long prompts in chunks; [`Batcher::whole_batches`] is the static batching it is measured
-//! against.
+//! Continuous batching (Orca's iteration-level scheduling, Yu et al., OSDI 2022) over a paged cache
+//! (vLLM's PagedAttention, Kwon et al., SOSP 2023): the batch is formed again at every decoding
+//! step. A request that arrives joins at the next step when the pool has free blocks for its prompt
+//! (its prompt prefilled in the same flattened pass as the others' next tokens,
+//! [`StepModel::extend_paged`]: one device's model or one cut over tensor-parallel ranks), and one
+//! that finishes leaves at once, its blocks back in the pool; requests past `max_sequences` or the
+//! pool wait in arrival order, never an out-of-memory. Every attention layer's keys and values live
+//! in one pool of fixed-size blocks allocated once ([`PagedCache`]); a sequence holds a block table
+//! and gets a block from the free list when its next position needs one; when none is free it
+//! preempts the latest admitted sequence, which gives its blocks back and waits at the front of the
+//! queue, to be recomputed (its prompt and what it had generated prefilled again) — vLLM's
+//! recompute preemption. Each sequence attends to its own blocks only, so what it gets does not
+//! depend on what it was batched with (up to the order of float sums). [`Batcher::step_tokens`]
+//! prefills long prompts in chunks; [`Batcher::whole_batches`] is the static batching it is
+//! measured against.
 
 use std::collections::VecDeque;
 

@@ -170,6 +170,13 @@ impl TpModel {
         Ok(split_logits(logits, &[ids], vocab)?.pop().unwrap_or_default())
     }
 
+    /// Parameter elements held by all ranks together.
+    pub fn params(&self) -> usize {
+        (self.ranks.iter().flat_map(|r| &r.blocks))
+            .map(|b| b.num_params())
+            .sum()
+    }
+
     /// The model.
     pub fn spec(&self) -> &ModelSpec {
         &self.spec

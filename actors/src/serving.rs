@@ -1,10 +1,10 @@
-//! A model replica serving requests: one thread owns a [`StepModel`] (one device's, or tensor-parallel ranks') and its [`Batcher`], takes
-//! requests from any thread or task, steps the batch while it has work (Orca's iteration-level
-//! loop) and streams each request's text back as its tokens come ([`TextStream`]: no split
-//! character, no stop sequence sent). A request whose receiver is dropped (its client went
-//! away) is cancelled at its next token and its cache blocks go back to the pool at once. A
-//! [`Router`] spreads requests over replicas, to the least loaded. What the HTTP service and a
-//! program's generator actor both stand on.
+//! A model replica serving requests: one thread owns a [`StepModel`] (one device's, or
+//! tensor-parallel ranks') and its [`Batcher`], takes requests from any thread or task, steps the
+//! batch while it has work (Orca's iteration-level loop) and streams each request's text back as
+//! its tokens come ([`TextStream`]: no split character, no stop sequence sent). A request whose
+//! receiver is dropped (its client went away) is cancelled at its next token and its cache blocks
+//! go back to the pool at once. A [`Router`] spreads requests over replicas, to the least loaded.
+//! What the HTTP service and a program's generator actor both stand on.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -104,6 +104,8 @@ fn a_checkpoint_trained_at_dp2_pp2_zero3_serves_at_tp2_as_its_export_on_one_devi
     let prompt = [5, 17, 33, 2, 60, 41];
     let want = one.greedy(&prompt, 12).unwrap();
     let (tokens, logits) = tp.greedy(&prompt, 12).unwrap();
+    assert_eq!((want.logits.len(), logits.len()), (12, 12));
+    assert!(logits.iter().chain(&want.logits).all(|row| row.len() == 256));
     let mut worst = 0.0f32;
     for (i, (w, g)) in want.logits.iter().zip(&logits).enumerate() {
         worst = w.iter().zip(g).fold(worst, |m, (a, b)| m.max((a - b).abs()));

@@ -253,7 +253,9 @@ impl Registry {
     /// host); dropping the receiver ends it.
     pub fn watch(&self) -> UnboundedReceiver<HostEvent> {
         let (tx, rx) = unbounded_channel();
-        self.lock().watchers.push(tx);
+        let mut inner = self.lock();
+        inner.watchers.retain(|w| !w.is_closed());
+        inner.watchers.push(tx);
         rx
     }
 

@@ -76,8 +76,13 @@ pub struct LoadFigures {
 /// The part's service while it runs: stopping it drops the sender, which ends the thread.
 struct Running {
     service: Arc<Service>,
+    /// Why the service stopped on its own, once it has.
+    ended: Ended,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
+
+/// Why a service stopped on its own (its listener failed), set by its thread.
+type Ended = Arc<std::sync::Mutex<Option<String>>>;
 
 /// A serving job's part on this host.
 pub struct ServePart {
@@ -116,9 +121,11 @@ impl Handler<StartServing> for ServePart {
         let (ready, started) = tokio::sync::oneshot::channel();
         let (stop, stopped) = tokio::sync::oneshot::channel();
         let (params, host) = (self.params.clone(), self.host.clone());
+        let ended = Ended::default();
+        let thread_ended = ended.clone();
         std::thread::Builder::new()
-            .name(format!("serve {}", params.job))
-            .spawn(move || run_service(params, host, ready, stopped))
+            .name("serving job".into())
+            .spawn(move || run_service(params, host, ready, stopped, thread_ended))
             .map_err(|e| format!("cannot start the service's thread: {e}"))?;
         let named = |why: String| {
             format!(
@@ -130,15 +137,27 @@ impl Handler<StartServing> for ServePart {
             .await
             .map_err(|_| named("the service's thread ended before it listened".into()))?
             .map_err(named)?;
-        self.running = Some(Running { service, _stop: stop });
+        self.running = Some(Running {
+            service,
+            ended,
+            _stop: stop,
+        });
         Ok(started)
     }
 }
 
 impl Handler<ServingLoad> for ServePart {
     async fn handle(&mut self, _: ServingLoad, _ctx: &Context<Self>) -> Result<LoadFigures, String> {
-        let running = (self.running.as_ref())
-            .ok_or_else(|| format!("serving job {} has not started here", self.params.job))?;
+        let named = |why: &str| {
+            format!(
+                "serving job {} on host `{}`: {why}",
+                self.params.job, self.host.name
+            )
+        };
+        let running = (self.running.as_ref()).ok_or_else(|| named("it has not started here"))?;
+        if let Some(why) = running.ended.lock().expect("service end").as_deref() {
+            return Err(named(&format!("its service stopped: {why}")));
+        }
         let mut figures = LoadFigures::default();
         for replica in running.service.replicas.replicas() {
             let s = replica.stats();
@@ -156,6 +175,12 @@ impl Handler<ServingLoad> for ServePart {
 /// The service's answer to [`StartServing`]: the routes' state and where it listens.
 type Ready = Result<(Arc<Service>, ServingStarted), String>;
 
+/// A bound listener: plain TCP, or TLS over it under the host's identity.
+enum Bound {
+    Plain(tokio::net::TcpListener),
+    Tls(TlsListener),
+}
+
 /// The service's thread: builds it, listens, answers `ready`, serves until `stopped` (or its
 /// sender's drop) — then its runtime, the open connections and the replicas go with it.
 fn run_service(
@@ -163,6 +188,7 @@ fn run_service(
     host: Arc<HostResources>,
     ready: tokio::sync::oneshot::Sender<Ready>,
     stopped: tokio::sync::oneshot::Receiver<()>,
+    ended: Ended,
 ) {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -188,17 +214,15 @@ fn run_service(
             }
         };
         let served = async {
-            match host.credentials.tls() {
-                Some(tls) => match TlsListener::new(listener, tls.clone()) {
-                    Ok(listener) => serve::serve_on(listener, service).await,
-                    Err(e) => Err(e),
-                },
-                None => serve::serve_on(listener, service).await,
+            match listener {
+                Bound::Tls(listener) => serve::serve_on(listener, service).await,
+                Bound::Plain(listener) => serve::serve_on(listener, service).await,
             }
         };
         tokio::select! {
             result = served => if let Err(e) = result {
                 tracing::error!(job = %params.job, "the service stopped: {e}");
+                *ended.lock().expect("service end") = Some(e.to_string());
             },
             _ = stopped => {}
         }
@@ -209,7 +233,7 @@ fn run_service(
 async fn listen(
     params: &ServingParams,
     host: &HostResources,
-) -> Result<(tokio::net::TcpListener, Arc<Service>, ServingStarted), String> {
+) -> Result<(Bound, Arc<Service>, ServingStarted), String> {
     let mut args = params.args.clone();
     // The client's token file and TLS files are its way to the controller: the service takes
     // the host's.
@@ -221,13 +245,24 @@ async fn listen(
     let token = crate::dashboard::access::token_for(addr, Some(host.credentials.token()))
         .map_err(|e| e.to_string())?;
     let (service, summary) = tokio::task::block_in_place(|| serve::build_with_token(&args, token))?;
-    let scheme = if host.credentials.tls().is_some() {
-        "https"
-    } else {
-        "http"
+    let (listener, scheme) = match host.credentials.tls() {
+        Some(tls) => {
+            let listener =
+                TlsListener::new(listener, tls.clone()).map_err(|e| format!("cannot serve TLS: {e}"))?;
+            (Bound::Tls(listener), "https")
+        }
+        None => (Bound::Plain(listener), "http"),
+    };
+    // Bound to every interface: the address the host publishes is where clients reach it.
+    let reach = match addr.ip().is_unspecified() {
+        true => {
+            let published = host.fabric_addr.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+            format!("{published}:{}", addr.port())
+        }
+        false => addr.to_string(),
     };
     let started = ServingStarted {
-        url: format!("{scheme}://{addr}"),
+        url: format!("{scheme}://{reach}"),
         summary: summary.line(),
     };
     Ok((listener, service, started))

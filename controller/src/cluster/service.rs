@@ -166,13 +166,17 @@ impl ControllerRpc for ControllerService {
         let request = request.into_inner();
         let args: ServeArgs = serde_json::from_slice(&request.args)
             .map_err(|e| Status::invalid_argument(format!("unreadable serve flags: {e}")))?;
+        let name = self
+            .serving
+            .name(&request.job)
+            .map_err(Status::invalid_argument)?;
         let (tx, rx) = unbounded_channel();
         let job = ServingJob {
             registry: self.registry.clone(),
             config: self.config.clone(),
             credentials: self.credentials.clone(),
             jobs: self.serving.clone(),
-            name: self.serving.name(&request.job),
+            name,
             args,
             events: tx,
         };

@@ -6,7 +6,7 @@
 //! (the part is stopped with the connection) or fails when its host is lost or its part stops
 //! answering — the client hears why, naming the host.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -26,21 +26,54 @@ use crate::serve::ServeArgs;
 /// How often the dashboard's figures of a serving job are refreshed.
 const LOAD_EVERY: Duration = Duration::from_secs(1);
 
-/// The serving jobs the controller runs: names and how many each host holds.
+/// The longest name a serving job may have.
+const MAX_NAME: usize = 64;
+
+/// The serving jobs the controller runs: their names and how many each host holds.
 #[derive(Default)]
 pub struct ServingJobs {
     started: AtomicU64,
     by_host: Mutex<BTreeMap<u32, usize>>,
+    running: Mutex<BTreeSet<String>>,
 }
 
 impl ServingJobs {
-    /// The job's name: the client's, or `serve-N`.
-    pub fn name(&self, asked: &str) -> String {
-        let n = self.started.fetch_add(1, Ordering::Relaxed) + 1;
-        match asked.trim() {
-            "" => format!("serve-{n}"),
+    /// A new job's name, now taken: the client's (at most [`MAX_NAME`] of `A-Z a-z 0-9 . _ -`,
+    /// not one running), or `serve-N`.
+    pub fn name(&self, asked: &str) -> Result<String, String> {
+        let mut running = self.running.lock().expect("serving jobs");
+        let name = match asked {
+            "" => loop {
+                let n = self.started.fetch_add(1, Ordering::Relaxed) + 1;
+                let name = format!("serve-{n}");
+                if !running.contains(&name) {
+                    break name;
+                }
+            },
+            name if name.len() > MAX_NAME
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) =>
+            {
+                return Err(format!(
+                    "serving job name `{}`: use at most {MAX_NAME} of A-Z a-z 0-9 . _ -",
+                    name.chars().take(MAX_NAME).collect::<String>().escape_debug()
+                ));
+            }
+            name if running.contains(name) => {
+                return Err(format!(
+                    "a serving job named `{name}` already runs: give another --job"
+                ));
+            }
             name => name.to_string(),
-        }
+        };
+        running.insert(name.clone());
+        Ok(name)
+    }
+
+    /// The job named `name` ended: the name is free again.
+    fn ended(&self, name: &str) {
+        self.running.lock().expect("serving jobs").remove(name);
     }
 
     /// The host among `hosts` holding the fewest serving jobs (the first of those), counted as
@@ -94,6 +127,7 @@ impl ServingJob {
         let wait = self.config.wait_for_hosts;
         let hosts = self.registry.wait_for_devices(1, wait, false).await;
         let Some(host) = self.jobs.place(&hosts) else {
+            self.jobs.ended(&self.name);
             self.send(job_event::Kind::Error(format!(
                 "serving job {}: no `archipelago host` registered with the controller after waiting {wait:?}; start one (`archipelago host --controller …`)",
                 self.name
@@ -118,6 +152,7 @@ impl ServingJob {
             std::thread::spawn(move || drop(runtime));
         }
         self.jobs.release(host.id);
+        self.jobs.ended(&self.name);
         let failure = match &ended {
             Ended::Stopped => None,
             Ended::Failed(why) => Some(why.as_str()),
@@ -214,6 +249,7 @@ impl ServingJob {
                 _ = tokio::time::sleep(LOAD_EVERY) => {}
             }
             let figures = match self.unless_lost(host, losses, part.call(ServingLoad)).await {
+                // The part's own error names the job and the host.
                 Err(lost) => return lost,
                 Ok(Ok(Ok(figures))) => figures,
                 Ok(Ok(Err(why))) => return Ended::Failed(why),

@@ -29,6 +29,7 @@ use archipelago_actors::inference_tp::TpModel;
 use archipelago_actors::serving::{Replica, Router, Scheduling};
 use archipelago_actors::text_tokens::codec;
 use archipelago_dataflow::ModelSpec;
+use archipelago_dataflow::tensor_parallel::local_model;
 
 use crate::cluster::security::TlsArgs;
 use crate::weight_args::{QuantizeArgs, WeightArgs};
@@ -279,7 +280,18 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
         ));
     }
     let value_bytes = if args.quantize.bf16() { 2 } else { 4 };
-    let mut weight_bytes = values.iter().map(|v| v.len() as u64 * value_bytes).sum::<u64>();
+    // Under tensor parallelism every rank holds its slices (padded where a split does not divide)
+    // and its own copy of what is replicated (LayerNorms, positions, row-parallel biases).
+    let elements = match args.tp {
+        1 => values.iter().map(|v| v.len() as u64).sum::<u64>(),
+        tp => {
+            tp as u64
+                * (local_model(&spec.desc(), tp).blocks.iter())
+                    .map(|b| b.params)
+                    .sum::<u64>()
+        }
+    };
+    let mut weight_bytes = elements * value_bytes;
     if args.quantize.quantize.is_some() {
         // Every projection (the model's own list): its weights from 4 bytes to 1, plus a 4-byte
         // scale per output column.
@@ -296,8 +308,21 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
             args.block_tokens
         ));
     }
+    let block_bytes = CachePool::block_bytes(&spec, args.block_tokens, 4);
+    if args.cache_tokens.is_some() {
+        let needed = (weight_bytes + block_bytes * pool.total as u64) * args.replicas as u64;
+        let free = crate::process_stats::mem_available_bytes();
+        if needed > free {
+            return Err(format!(
+                "the weights and cache pools of {} replica(s) take {:.1} MiB, more than the {:.1} MiB free here: lower --cache-tokens or --replicas",
+                args.replicas,
+                mib(needed),
+                mib(free)
+            ));
+        }
+    }
     let summary = Summary {
-        block_bytes: CachePool::block_bytes(&spec, args.block_tokens, 4),
+        block_bytes,
         spec,
         source,
         weight_bytes,
@@ -484,5 +509,14 @@ mod tests {
         assert!(chunked_static.contains("--max-step-tokens"), "{chunked_static}");
         let zero = plan(&args(&["--max-step-tokens", "0"])).unwrap_err();
         assert!(zero.contains("1 or more"), "{zero}");
+        // At tp=2 the ranks hold their slices and each a copy of what is replicated.
+        let (tp_plan, _) = plan(&args(&["--tp", "2"])).unwrap();
+        let tp = TpModel::load(&f32_plan.spec, &values, 2).unwrap();
+        assert_eq!(tp_plan.weight_bytes, 4 * tp.params() as u64);
+        assert!(tp_plan.weight_bytes > f32_plan.weight_bytes);
+        let mut huge = args(&[]);
+        huge.cache_tokens = Some(100_000_000_000);
+        let huge = plan(&huge).unwrap_err();
+        assert!(huge.contains("lower --cache-tokens"), "{huge}");
     }
 }

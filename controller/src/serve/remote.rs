@@ -74,10 +74,12 @@ pub fn serve_on_cluster(args: &ServeArgs, controller: &str) -> anyhow::Result<()
         let mut events = (client.serve(request).await)
             .map_err(|e| anyhow::anyhow!("the controller at {controller} refused the serving job: {}", e.message()))?
             .into_inner();
+        let ctrl_c = tokio::signal::ctrl_c();
+        tokio::pin!(ctrl_c);
         loop {
             let event = tokio::select! {
                 event = events.message() => event,
-                _ = tokio::signal::ctrl_c() => {
+                _ = &mut ctrl_c => {
                     println!("stopping: the controller ends the serving job");
                     return Ok(());
                 }

@@ -121,6 +121,19 @@ fn a_serving_job_runs_on_a_host_and_the_dashboard_lists_it() {
         }
     }
 
+    // A second job of the same name is refused while the first runs.
+    let out = Command::new(BIN)
+        .args(["serve", "--controller", &cluster.addr, "--token-file"])
+        .arg(cluster.dir.path().join("token"))
+        .args(["--init", &fixture("gpt2/model.safetensors"), "--job", "gpt2-tiny"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("`gpt2-tiny` already runs"),
+        "{said}"
+    );
+
     // The client goes away: the job stops and its port closes.
     drop(client);
     wait_until("the job stopped", Duration::from_secs(30), || {
