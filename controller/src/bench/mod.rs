@@ -107,6 +107,10 @@ pub struct BenchArgs {
     /// decoding; with --peers, `transformers`' generate on the same weights.
     #[arg(long)]
     pub serving_only: bool,
+    /// Run only the serving layouts and stop: the serving load's closed loop of 16 clients and
+    /// Poisson arrivals at 8/s against one device, `--tp 2` and `--replicas 2` side by side.
+    #[arg(long)]
+    pub serving_layouts_only: bool,
     /// The Python of the peers' environment (`scripts/peers_venv.sh` makes it): PyTorch's gloo
     /// collectives and DDP steps are measured right after ours, in the same window, and their
     /// figures and our ratios to them land in the JSON (`peers`). Never in CI.
@@ -158,6 +162,9 @@ fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     } else if args.lora_only {
         let (warmup, timed, rounds) = if args.quick { (2, 3, 1) } else { (3, 15, 2) };
         json!({ "suite": "lora", "quick": args.quick, "lora": lora::lora_vs_full(warmup, timed, rounds)?, "load_avg_end": load_avg(), "wall_s": wall() })
+    } else if args.serving_layouts_only {
+        let layouts = serving::serving_layouts(args.quick)?;
+        json!({ "suite": "serving_layouts", "quick": args.quick, "serving_layouts": layouts, "load_avg_end": load_avg(), "wall_s": wall() })
     } else if args.serving_only {
         let serving = serving::serving(args.quick, args.peers.as_deref())?;
         json!({ "suite": "serving", "quick": args.quick, "serving": serving, "load_avg_end": load_avg(), "wall_s": wall() })

@@ -9,6 +9,7 @@
 //! with `--peers` `transformers`' `generate` with its KV cache on the same weights
 //! (`scripts/serve_peer.py`), with the ratios the aims are stated in.
 
+mod layouts;
 mod load;
 
 use std::path::Path;
@@ -55,6 +56,22 @@ const CHUNKED: &str = "continuous, chunked prefill";
 
 /// Sequences a step (and the static batch).
 const BATCH: usize = 16;
+
+/// The layouts part alone (`bench --serving-layouts-only`): one device, tp=2 and 2 replicas.
+pub fn serving_layouts(quick: bool) -> anyhow::Result<Value> {
+    let spec = ModelSpec::parse(MODEL).map_err(anyhow::Error::msg)?;
+    let dir = std::env::temp_dir().join(format!("archipelago-serving-layouts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let values: Vec<Vec<f32>> = (spec.desc().blocks.iter())
+        .map(|b| initial_params(&b.param_descs, 7))
+        .collect();
+    let weights = dir.join("model.safetensors");
+    write_weights(&weights, &spec, &values).map_err(anyhow::Error::msg)?;
+    std::fs::write(dir.join("config.json"), spec.config().to_string())?;
+    let result = layouts::layouts(&weights, Arc::new(prompts(200)), quick);
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(json!({ "model": MODEL, "max_tokens": MAX_TOKENS, "layouts": result?, "load_avg": load_avg() }))
+}
 
 /// The bench: the three servers under each load, batch-1 decoding, the peer.
 pub fn serving(quick: bool, peers: Option<&Path>) -> anyhow::Result<Value> {
@@ -159,7 +176,8 @@ fn prompts(count: usize) -> Vec<Vec<u32>> {
 struct Server {
     batching: &'static str,
     addr: std::net::SocketAddr,
-    stats: Arc<ReplicaStats>,
+    /// Each replica's figures.
+    stats: Vec<Arc<ReplicaStats>>,
 }
 
 /// Starts `archipelago serve` with `flags` on a free port of 127.0.0.1.
@@ -188,7 +206,12 @@ fn start(
     ];
     let args = Cli::parse_from(common.iter().chain(flags)).serve;
     let (service, _) = serve::build(&args).map_err(anyhow::Error::msg)?;
-    let stats = service.replicas.replicas()[0].shared_stats();
+    let stats = service
+        .replicas
+        .replicas()
+        .iter()
+        .map(|r| r.shared_stats())
+        .collect();
     let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let addr = listener.local_addr()?;
     runtime.spawn(serve::serve_on(listener, service));
@@ -208,23 +231,25 @@ impl Server {
         );
         let sampling = done.clone();
         // The server runs every load: its preemptions counted from this one's start.
-        let preempted_before = stats.preemptions.load(Ordering::Relaxed);
+        let sum = move |field: fn(&ReplicaStats) -> usize| stats.iter().map(|s| field(s)).sum::<usize>();
+        let preemptions = |s: &ReplicaStats| s.preemptions.load(Ordering::Relaxed) as usize;
+        let preempted_before = sum(preemptions);
         let sampler = tokio::spawn(async move {
-            let (mut samples, mut peak, mut sum, mut waiting_peak) = (0usize, 0usize, 0usize, 0usize);
+            let (mut samples, mut peak, mut total_used, mut waiting_peak) = (0usize, 0usize, 0usize, 0usize);
             while !sampling.load(Ordering::Relaxed) {
-                let used = stats.blocks_used.load(Ordering::Relaxed);
-                (samples, sum, peak) = (samples + 1, sum + used, peak.max(used));
-                waiting_peak = waiting_peak.max(stats.waiting.load(Ordering::Relaxed));
+                let used = sum(|s| s.blocks_used.load(Ordering::Relaxed));
+                (samples, total_used, peak) = (samples + 1, total_used + used, peak.max(used));
+                waiting_peak = waiting_peak.max(sum(|s| s.waiting.load(Ordering::Relaxed)));
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            let total = stats.blocks_total.load(Ordering::Relaxed).max(1) as f64;
+            let total = sum(|s| s.blocks_total.load(Ordering::Relaxed)).max(1) as f64;
             json!({
                 "blocks_total": total,
                 "blocks_used_peak": peak,
-                "pool_use_mean": sum as f64 / samples.max(1) as f64 / total,
+                "pool_use_mean": total_used as f64 / samples.max(1) as f64 / total,
                 "pool_use_peak": peak as f64 / total,
                 "waiting_peak": waiting_peak,
-                "preemptions": stats.preemptions.load(Ordering::Relaxed) - preempted_before,
+                "preemptions": sum(preemptions) - preempted_before,
             })
         });
         let mut figures = load::run(self.addr, prompts, load).await;
