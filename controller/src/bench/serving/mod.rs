@@ -12,7 +12,7 @@
 mod layouts;
 mod load;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -57,10 +57,11 @@ const CHUNKED: &str = "continuous, chunked prefill";
 /// Sequences a step (and the static batch).
 const BATCH: usize = 16;
 
-/// The layouts part alone (`bench --serving-layouts-only`): one device, tp=2 and 2 replicas.
-pub fn serving_layouts(quick: bool) -> anyhow::Result<Value> {
+/// The bench's model with seeded weights, written as a safetensors file (and its `config.json`)
+/// in a fresh directory: the model, its values, the directory and the file.
+fn bench_model(part: &str) -> anyhow::Result<(ModelSpec, Vec<Vec<f32>>, PathBuf, PathBuf)> {
     let spec = ModelSpec::parse(MODEL).map_err(anyhow::Error::msg)?;
-    let dir = std::env::temp_dir().join(format!("archipelago-serving-layouts-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("archipelago-serving-{part}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let values: Vec<Vec<f32>> = (spec.desc().blocks.iter())
         .map(|b| initial_params(&b.param_descs, 7))
@@ -68,6 +69,12 @@ pub fn serving_layouts(quick: bool) -> anyhow::Result<Value> {
     let weights = dir.join("model.safetensors");
     write_weights(&weights, &spec, &values).map_err(anyhow::Error::msg)?;
     std::fs::write(dir.join("config.json"), spec.config().to_string())?;
+    Ok((spec, values, dir, weights))
+}
+
+/// The layouts part alone (`bench --serving-layouts-only`): one device, tp=2 and 2 replicas.
+pub fn serving_layouts(quick: bool) -> anyhow::Result<Value> {
+    let (_, _, dir, weights) = bench_model("layouts")?;
     let result = layouts::layouts(&weights, Arc::new(prompts(200)), quick);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(json!({ "model": MODEL, "max_tokens": MAX_TOKENS, "layouts": result?, "load_avg": load_avg() }))
@@ -75,15 +82,7 @@ pub fn serving_layouts(quick: bool) -> anyhow::Result<Value> {
 
 /// The bench: the three servers under each load, batch-1 decoding, the peer.
 pub fn serving(quick: bool, peers: Option<&Path>) -> anyhow::Result<Value> {
-    let spec = ModelSpec::parse(MODEL).map_err(anyhow::Error::msg)?;
-    let dir = std::env::temp_dir().join(format!("archipelago-serving-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let values: Vec<Vec<f32>> = (spec.desc().blocks.iter())
-        .map(|b| initial_params(&b.param_descs, 7))
-        .collect();
-    let weights = dir.join("model.safetensors");
-    write_weights(&weights, &spec, &values).map_err(anyhow::Error::msg)?;
-    std::fs::write(dir.join("config.json"), spec.config().to_string())?;
+    let (spec, values, dir, weights) = bench_model("bench")?;
     let prompts = Arc::new(prompts(200));
     let (max_requests, max_s) = if quick { (40, 15.0) } else { (200, 60.0) };
     let rates: &[f64] = if quick { &[8.0] } else { &[2.0, 8.0, 32.0] };
