@@ -38,7 +38,7 @@ pub struct ServingJobs {
 }
 
 impl ServingJobs {
-    /// A new job's name, now taken: the client's (at most [`MAX_NAME`] of `A-Z a-z 0-9 . _ -`,
+    /// A new job's name, now taken: the client's (at most 64 of `A-Z a-z 0-9 . _ -`,
     /// not one running), or `serve-N`.
     pub fn name(&self, asked: &str) -> Result<String, String> {
         let mut running = self.running.lock().expect("serving jobs");
