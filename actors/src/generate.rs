@@ -13,6 +13,7 @@ use crate::block::{Activation, PagedStep, Past, Pasts};
 use crate::inference::WholeModel;
 use crate::kernels::paged_attention::PagedLayer;
 use crate::sampling::Sampling;
+use crate::step_model::StepModel;
 use crate::text_stream::{Decode, TextStream};
 
 /// One sequence being generated: every block's past and the tokens so far.
@@ -246,55 +247,7 @@ impl WholeModel {
     /// The greedy continuation of `prompt` by `new_tokens` tokens: the prompt prefilled in one
     /// pass, then one decoding step per token.
     pub fn greedy(&self, prompt: &[u32], new_tokens: usize) -> Result<Greedy, String> {
-        let request = Request {
-            prompt: prompt.to_vec(),
-            max_tokens: new_tokens,
-            sampling: Sampling::greedy(),
-            stop: Vec::new(),
-        };
-        let mut out = Greedy {
-            tokens: Vec::with_capacity(new_tokens),
-            logits: Vec::with_capacity(new_tokens),
-        };
-        self.run_alone(request, &mut |token, logits| {
-            out.tokens.push(token);
-            out.logits.push(logits);
-            Ok(true)
-        })?;
-        Ok(out)
-    }
-
-    /// Runs `request` alone through a [`Batcher`] whose pool holds the model's whole context,
-    /// handing each token and its logits to `on_token`, which says whether to go on.
-    fn run_alone(
-        &self,
-        request: Request,
-        on_token: &mut dyn FnMut(u32, Vec<f32>) -> Result<bool, String>,
-    ) -> Result<(), String> {
-        let ctx = self.spec.get("ctx").unwrap_or(0).max(1);
-        let pool = CachePool {
-            block_tokens: ctx,
-            total: 1,
-        };
-        let mut batcher = Batcher::new(self, 1, pool);
-        let id = batcher.submit(request)?;
-        loop {
-            let events = batcher.step()?;
-            if events.is_empty() {
-                return Err("the request never joined the batch".into());
-            }
-            for event in events {
-                match event {
-                    Event::Token { token, logits, .. } => {
-                        if !on_token(token, logits)? {
-                            batcher.cancel(id);
-                            return Ok(());
-                        }
-                    }
-                    Event::Done { .. } => return Ok(()),
-                }
-            }
-        }
+        greedy(self, prompt, new_tokens)
     }
 }
 
@@ -345,7 +298,7 @@ impl WholeModel {
     ) -> Result<Completion, String> {
         let mut stream = TextStream::new(decode, &request.stop);
         let mut tokens = Vec::with_capacity(request.max_tokens);
-        self.run_alone(request.clone(), &mut |token, _| {
+        run_alone(self, request.clone(), &mut |token, _| {
             tokens.push(token);
             let chunk = stream.push(token)?;
             if !chunk.is_empty() {
@@ -378,4 +331,58 @@ pub fn argmax(values: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// The greedy continuation of `prompt` by `new_tokens` tokens on `model`, each token with its
+/// logits.
+pub fn greedy(model: &dyn StepModel, prompt: &[u32], new_tokens: usize) -> Result<Greedy, String> {
+    let request = Request {
+        prompt: prompt.to_vec(),
+        max_tokens: new_tokens,
+        sampling: Sampling::greedy(),
+        stop: Vec::new(),
+    };
+    let mut out = Greedy {
+        tokens: Vec::with_capacity(new_tokens),
+        logits: Vec::with_capacity(new_tokens),
+    };
+    run_alone(model, request, &mut |token, logits| {
+        out.tokens.push(token);
+        out.logits.push(logits);
+        Ok(true)
+    })?;
+    Ok(out)
+}
+
+/// Runs `request` alone through a [`Batcher`] whose pool holds the model's whole context,
+/// handing each token and its logits to `on_token`, which says whether to go on.
+fn run_alone(
+    model: &dyn StepModel,
+    request: Request,
+    on_token: &mut dyn FnMut(u32, Vec<f32>) -> Result<bool, String>,
+) -> Result<(), String> {
+    let ctx = model.spec().get("ctx").unwrap_or(0).max(1);
+    let pool = CachePool {
+        block_tokens: ctx,
+        total: 1,
+    };
+    let mut batcher = Batcher::new(model, 1, pool);
+    let id = batcher.submit(request)?;
+    loop {
+        let events = batcher.step()?;
+        if events.is_empty() {
+            return Err("the request never joined the batch".into());
+        }
+        for event in events {
+            match event {
+                Event::Token { token, logits, .. } => {
+                    if !on_token(token, logits)? {
+                        batcher.cancel(id);
+                        return Ok(());
+                    }
+                }
+                Event::Done { .. } => return Ok(()),
+            }
+        }
+    }
 }

@@ -16,8 +16,9 @@ use archipelago_dataflow::ModelSpec;
 
 use crate::CpuBackend;
 use crate::block::Activation;
-use crate::generate::{PagedCache, Sequence, split_logits, tokens_of};
+use crate::generate::{Greedy, PagedCache, Sequence, greedy, split_logits, tokens_of};
 use crate::inference::WholeModel;
+use crate::step_model::StepModel;
 use crate::zoo::tp::TpPlace;
 use crate::zoo::{BuildContext, ModelBuilder, ZooModel};
 
@@ -36,19 +37,6 @@ pub struct TpModel {
     spec: ModelSpec,
     ranks: Vec<WholeModel>,
     reduction: Reduction,
-}
-
-/// A sequence on a [`TpModel`]: each rank's past of it.
-#[derive(Debug, Clone)]
-pub struct TpSequence {
-    ranks: Vec<Sequence>,
-}
-
-impl TpSequence {
-    /// The tokens the model has seen.
-    pub fn tokens(&self) -> &[u32] {
-        &self.ranks[0].tokens
-    }
 }
 
 impl TpModel {
@@ -126,50 +114,6 @@ impl TpModel {
         self.ranks.len()
     }
 
-    /// An empty sequence.
-    pub fn start(&self) -> TpSequence {
-        TpSequence {
-            ranks: self.ranks.iter().map(WholeModel::start).collect(),
-        }
-    }
-
-    /// The logits `[n, vocab]` (flat) of `ids`, the `n` positions after `sequence`'s, which
-    /// keeps them: every block on every rank, the outputs summed between blocks, the head's
-    /// columns gathered.
-    pub fn extend(&self, sequence: &mut TpSequence, ids: &[u32]) -> Result<Vec<f32>, String> {
-        let (ctx, vocab) = (
-            self.spec.get("ctx").unwrap_or(0),
-            self.spec.get("vocab").unwrap_or(0),
-        );
-        let seen = sequence.tokens().len();
-        if ids.is_empty() || seen + ids.len() > ctx {
-            return Err(format!(
-                "{} new tokens after {seen}: {} has {ctx} positions",
-                ids.len(),
-                self.spec
-            ));
-        }
-        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(format!(
-                "token id {id} is past {}'s vocabulary of {vocab}",
-                self.spec
-            ));
-        }
-        let blocks = self.ranks[0].blocks.len();
-        let mut x = tokens_of(&[ids]);
-        for b in 0..blocks {
-            let outs: Vec<Activation<CpuBackend>> = (self.ranks.iter().zip(&mut sequence.ranks))
-                .map(|(rank, seq)| rank.step_block(b, x.clone(), &mut [seq], &[ids], None))
-                .collect();
-            x = self.combine(b, blocks, outs)?;
-        }
-        let logits = self.logits(x)?;
-        for seq in &mut sequence.ranks {
-            seq.tokens.extend_from_slice(ids);
-        }
-        Ok(split_logits(logits, &[ids], vocab)?.pop().unwrap_or_default())
-    }
-
     /// Parameter elements held by all ranks together.
     pub fn params(&self) -> usize {
         (self.ranks.iter().flat_map(|r| &r.blocks))
@@ -177,50 +121,9 @@ impl TpModel {
             .sum()
     }
 
-    /// The model.
-    pub fn spec(&self) -> &ModelSpec {
-        &self.spec
-    }
-
     /// Every rank's weights in bf16 ([`WholeModel::to_bf16`]); the weights' bytes after.
     pub fn to_bf16(&mut self) -> u64 {
         self.ranks.iter_mut().map(WholeModel::to_bf16).sum()
-    }
-
-    /// An empty sequence whose keys and values will live in a [`PagedCache`] (one sequence for
-    /// every rank: the ranks share its block table, each keeps its heads' layers).
-    pub fn start_paged(&self) -> Sequence {
-        self.ranks[0].start()
-    }
-
-    /// [`WholeModel::extend_paged`] over the ranks: each rank's block runs from the sequences'
-    /// positions before the block (a paged past holds no keys, only its offset) into its own
-    /// layers of `cache`, the outputs summed between blocks and the head's columns gathered.
-    pub fn extend_paged(
-        &self,
-        sequences: &mut [&mut Sequence],
-        ids: &[&[u32]],
-        cache: &mut PagedCache,
-    ) -> Result<Vec<Vec<f32>>, String> {
-        let vocab = self.ranks[0].check_step(sequences, ids, Some(cache.pool))?;
-        let blocks = self.ranks[0].blocks.len();
-        let mut x = tokens_of(ids);
-        for b in 0..blocks {
-            let before: Vec<usize> = sequences.iter().map(|s| s.pasts[b].offset).collect();
-            let mut outs = Vec::with_capacity(self.ranks.len());
-            for (r, rank) in self.ranks.iter().enumerate() {
-                for (sequence, &offset) in sequences.iter_mut().zip(&before) {
-                    sequence.pasts[b].offset = offset;
-                }
-                outs.push(rank.step_block(b, x.clone(), sequences, ids, Some(cache.rank(r))));
-            }
-            x = self.combine(b, blocks, outs)?;
-        }
-        let logits = self.logits(x)?;
-        for (sequence, ids) in sequences.iter_mut().zip(ids) {
-            sequence.tokens.extend_from_slice(ids);
-        }
-        split_logits(logits, ids, vocab)
     }
 
     /// Block `b`'s outputs combined: summed, or the head's (the last of `blocks`) gathered.
@@ -247,22 +150,9 @@ impl TpModel {
         Ok(logits.slice([0..rows, 0..t, 0..vocab.min(width)]))
     }
 
-    /// The greedy continuation of `prompt` by `new_tokens` tokens, with each token's logits.
-    pub fn greedy(&self, prompt: &[u32], new_tokens: usize) -> Result<(Vec<u32>, Vec<Vec<f32>>), String> {
-        let vocab = self.spec.get("vocab").unwrap_or(0);
-        let mut sequence = self.start();
-        let mut logits = self.extend(&mut sequence, prompt)?;
-        let (mut tokens, mut all) = (Vec::new(), Vec::new());
-        for _ in 0..new_tokens {
-            let last = logits[logits.len() - vocab..].to_vec();
-            let token = argmax(&last);
-            tokens.push(token);
-            all.push(last);
-            if tokens.len() < new_tokens {
-                logits = self.extend(&mut sequence, &[token])?;
-            }
-        }
-        Ok((tokens, all))
+    /// The greedy continuation of `prompt` by `new_tokens` tokens ([`WholeModel::greedy`]).
+    pub fn greedy(&self, prompt: &[u32], new_tokens: usize) -> Result<Greedy, String> {
+        greedy(self, prompt, new_tokens)
     }
 
     /// The ranks' outputs of block `b` summed (each rank's summand of the group's output).
@@ -284,6 +174,48 @@ impl TpModel {
     }
 }
 
+/// [`WholeModel::extend_paged`] over the ranks: one sequence for every rank (the ranks share its
+/// block table, each keeps its heads' layers of the cache).
+impl StepModel for TpModel {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn start(&self) -> Sequence {
+        self.ranks[0].start()
+    }
+
+    /// [`WholeModel::extend_paged`] over the ranks: each rank's block runs from the sequences'
+    /// positions before the block (a paged past holds no keys, only its offset) into its own
+    /// layers of `cache`, the outputs summed between blocks and the head's columns gathered.
+    fn extend_paged(
+        &self,
+        sequences: &mut [&mut Sequence],
+        ids: &[&[u32]],
+        cache: &mut PagedCache,
+    ) -> Result<Vec<Vec<f32>>, String> {
+        let vocab = self.ranks[0].check_step(sequences, ids, Some(cache.pool))?;
+        let blocks = self.ranks[0].blocks.len();
+        let mut x = tokens_of(ids);
+        for b in 0..blocks {
+            let before: Vec<usize> = sequences.iter().map(|s| s.pasts[b].offset).collect();
+            let mut outs = Vec::with_capacity(self.ranks.len());
+            for (r, rank) in self.ranks.iter().enumerate() {
+                for (sequence, &offset) in sequences.iter_mut().zip(&before) {
+                    sequence.pasts[b].offset = offset;
+                }
+                outs.push(rank.step_block(b, x.clone(), sequences, ids, Some(cache.rank(r))));
+            }
+            x = self.combine(b, blocks, outs)?;
+        }
+        let logits = self.logits(x)?;
+        for (sequence, ids) in sequences.iter_mut().zip(ids) {
+            sequence.tokens.extend_from_slice(ids);
+        }
+        split_logits(logits, ids, vocab)
+    }
+}
+
 /// The head's vocabulary columns of every rank side by side.
 fn gather(outs: Vec<Activation<CpuBackend>>) -> Result<Activation<CpuBackend>, String> {
     let parts = (outs.into_iter())
@@ -293,17 +225,6 @@ fn gather(outs: Vec<Activation<CpuBackend>>) -> Result<Activation<CpuBackend>, S
         })
         .collect::<Result<Vec<Tensor<CpuBackend, 3>>, String>>()?;
     Ok(Activation::Seq(Tensor::cat(parts, 2)))
-}
-
-/// The index of the largest value (the first of equals).
-fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in values.iter().enumerate() {
-        if v > values[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[cfg(test)]

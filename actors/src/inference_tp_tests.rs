@@ -12,7 +12,7 @@ use crate::sampling::Sampling;
 /// One device's greedy continuation and logits beside tp's; the largest logit difference.
 fn compare(spec: &ModelSpec, values: &[Vec<f32>], tp: TpModel, prompt: &[u32], n: usize) -> f32 {
     let one = WholeModel::load(spec, values).unwrap().greedy(prompt, n).unwrap();
-    let (tokens, logits) = tp.greedy(prompt, n).unwrap();
+    let crate::generate::Greedy { tokens, logits } = tp.greedy(prompt, n).unwrap();
     let vocab = spec.get("vocab").unwrap();
     assert_eq!((one.logits.len(), logits.len()), (n, n));
     assert!(logits.iter().chain(&one.logits).all(|row| row.len() == vocab));

@@ -1,12 +1,11 @@
 //! What continuous batching steps: a model that extends sequences over a paged cache — one
-//! device's [`WholeModel`], or a [`TpModel`] cut over tensor-parallel ranks. The
+//! device's [`WholeModel`], or a [`TpModel`](crate::inference_tp::TpModel) cut over tensor-parallel ranks. The
 //! [`Batcher`](crate::batching::Batcher) and the serving replicas run either.
 
 use archipelago_dataflow::ModelSpec;
 
 use crate::generate::{PagedCache, Sequence};
 use crate::inference::WholeModel;
-use crate::inference_tp::TpModel;
 
 /// A model the batcher steps.
 pub trait StepModel: Send {
@@ -40,24 +39,5 @@ impl StepModel for WholeModel {
         cache: &mut PagedCache,
     ) -> Result<Vec<Vec<f32>>, String> {
         WholeModel::extend_paged(self, sequences, ids, cache)
-    }
-}
-
-impl StepModel for TpModel {
-    fn spec(&self) -> &ModelSpec {
-        TpModel::spec(self)
-    }
-
-    fn start(&self) -> Sequence {
-        TpModel::start_paged(self)
-    }
-
-    fn extend_paged(
-        &self,
-        sequences: &mut [&mut Sequence],
-        ids: &[&[u32]],
-        cache: &mut PagedCache,
-    ) -> Result<Vec<Vec<f32>>, String> {
-        TpModel::extend_paged(self, sequences, ids, cache)
     }
 }

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use serde_json::{Value, json};
+use serde_json::json;
 
 use archipelago_actors::inference::WholeModel;
 use archipelago_actors::inference_tp::TpModel;
@@ -49,18 +49,9 @@ fn serve(args: &[&str]) -> (common::Proc, String) {
 
 /// The greedy completion's text of `prompt` at `addr`.
 fn complete(addr: &str, prompt: &[u32]) -> String {
-    use std::io::{Read, Write};
-    let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0}).to_string();
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    write!(
-        stream,
-        "POST /v1/completions HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    let answer: Value = serde_json::from_str(text.split_once("\r\n\r\n").unwrap().1).unwrap();
+    let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0});
+    let (status, answer) = common::post_json(addr, "/v1/completions", &body);
+    assert_eq!(status, 200, "{answer}");
     answer["choices"][0]["text"]
         .as_str()
         .expect("a completion")
@@ -103,7 +94,7 @@ fn a_checkpoint_trained_at_dp2_pp2_zero3_serves_at_tp2_as_its_export_on_one_devi
     let tp = TpModel::load(&spec, &trained, 2).unwrap();
     let prompt = [5, 17, 33, 2, 60, 41];
     let want = one.greedy(&prompt, 12).unwrap();
-    let (tokens, logits) = tp.greedy(&prompt, 12).unwrap();
+    let archipelago_actors::generate::Greedy { tokens, logits } = tp.greedy(&prompt, 12).unwrap();
     assert_eq!((want.logits.len(), logits.len()), (12, 12));
     assert!(logits.iter().chain(&want.logits).all(|row| row.len() == 256));
     let mut worst = 0.0f32;

@@ -7,7 +7,6 @@
 //! closes); a second job's host killed ends it with an error naming the host (the client exits
 //! 1) and the dashboard marks it failed with why.
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,7 +15,7 @@ use serde_json::{Value, json};
 
 use archipelago_actors::text_tokens::codec;
 
-use super::common::{BIN, Cluster, Proc, fixture, wait_for_line};
+use super::common::{BIN, Cluster, Proc, fixture, post_json as post, wait_for_line};
 use super::{chromium, dump_dom, get, wait_until};
 
 /// Starts `serve --controller` for job `job`; the client and the address its service listens on.
@@ -42,23 +41,6 @@ fn start_job(cluster: &Cluster, job: &str) -> (Child, String) {
         .next()
         .unwrap();
     (child, addr.to_string())
-}
-
-/// `POST path` with a JSON body; the status and the JSON answer.
-fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
-    let body = body.to_string();
-    let mut stream = TcpStream::connect(addr).unwrap();
-    write!(
-        stream,
-        "POST {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    (status, serde_json::from_str(body).unwrap())
 }
 
 /// The dashboard's entry for serving job `job`.
