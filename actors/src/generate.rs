@@ -7,9 +7,11 @@
 use burn::backend::flex::FlexDevice;
 use burn::tensor::{Tensor, TensorData};
 
+use archipelago_dataflow::ModelSpec;
+
 use crate::CpuBackend;
 use crate::batching::{Batcher, CachePool, Event};
-use crate::block::{Activation, PagedStep, Past, Pasts};
+use crate::block::{Activation, Block, PagedStep, Past, Pasts};
 use crate::inference::WholeModel;
 use crate::kernels::paged_attention::PagedLayer;
 use crate::sampling::Sampling;
@@ -30,7 +32,8 @@ pub struct Sequence {
 /// A replica's keys and values in one pool of fixed-size blocks per attention layer (vLLM's
 /// PagedAttention), allocated at the first step that needs them and kept; sequences hold block
 /// tables into it ([`WholeModel::extend_paged`]). Under tensor parallelism each rank keeps its
-/// own heads' layers, every rank's at the same block tables.
+/// own heads' layers and a pipeline stage its blocks' layers, every one at the same block
+/// tables.
 #[derive(Debug)]
 pub struct PagedCache {
     /// The blocks.
@@ -59,6 +62,15 @@ impl PagedCache {
             self.ranks.resize_with(rank + 1, Vec::new);
         }
         (self.pool, &mut self.ranks[rank])
+    }
+
+    /// The layers of `n` ranks (a sharded model's every stage's ranks, stage-major), with the
+    /// pool.
+    pub(crate) fn ranks(&mut self, n: usize) -> (CachePool, &mut [Vec<PagedLayer>]) {
+        if self.ranks.len() < n {
+            self.ranks.resize_with(n, Vec::new);
+        }
+        (self.pool, &mut self.ranks[..n])
     }
 }
 
@@ -135,52 +147,14 @@ impl WholeModel {
         self.extend_inner(sequences, ids, Some(cache))
     }
 
-    /// Refuses a step of `ids` after `sequences` that the model cannot take: new ids past the
-    /// context or the vocabulary, a block table (with `pool`) too short for the new positions.
-    /// The model's vocabulary.
+    /// [`check_step`] of this model.
     pub(crate) fn check_step(
         &self,
         sequences: &[&mut Sequence],
         ids: &[&[u32]],
         pool: Option<CachePool>,
     ) -> Result<usize, String> {
-        let (ctx, vocab) = (self.spec.get("ctx"), self.spec.get("vocab"));
-        let (Some(ctx), Some(vocab)) = (ctx, vocab) else {
-            return Err(format!("{} takes no tokens", self.spec));
-        };
-        if sequences.len() != ids.len() || sequences.is_empty() {
-            return Err(format!(
-                "{} sequences and {} lists of new ids",
-                sequences.len(),
-                ids.len()
-            ));
-        }
-        for (sequence, ids) in sequences.iter().zip(ids) {
-            let seen = sequence.tokens.len();
-            if ids.is_empty() || seen + ids.len() > ctx {
-                return Err(format!(
-                    "{} new tokens after {seen}: {} has {ctx} positions",
-                    ids.len(),
-                    self.spec
-                ));
-            }
-            if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
-                return Err(format!(
-                    "token id {id} is past {}'s vocabulary of {vocab}",
-                    self.spec
-                ));
-            }
-            if let Some(bt) = pool.map(|p| p.block_tokens)
-                && sequence.table.len() * bt < seen + ids.len()
-            {
-                return Err(format!(
-                    "{} positions and {} blocks of {bt}: the sequence's table is short",
-                    seen + ids.len(),
-                    sequence.table.len()
-                ));
-            }
-        }
-        Ok(vocab)
+        check_step(&self.spec, sequences, ids, pool)
     }
 
     fn extend_inner(
@@ -193,7 +167,7 @@ impl WholeModel {
         let mut x = tokens_of(ids);
         for b in 0..self.blocks.len() {
             let layers = cache.as_deref_mut().map(|c| c.rank(0));
-            x = self.step_block(b, x, sequences, ids, layers);
+            x = step_block(self.blocks[b].as_ref(), b, x, sequences, ids, layers);
         }
         let Activation::Seq(logits) = x else {
             return Err(format!("{}'s last block gave no sequence of logits", self.spec));
@@ -205,50 +179,96 @@ impl WholeModel {
         Ok(out)
     }
 
-    /// Block `b`'s forward of the new positions `x` of `sequences` (`ids` of each), their pasts
-    /// (and `cache`'s layer) kept: one block of [`WholeModel::extend_many`], which tensor
-    /// parallelism runs rank by rank between its reductions.
-    pub(crate) fn step_block(
-        &self,
-        b: usize,
-        x: Activation<CpuBackend>,
-        sequences: &mut [&mut Sequence],
-        ids: &[&[u32]],
-        mut cache: Option<(CachePool, &mut Vec<PagedLayer>)>,
-    ) -> Activation<CpuBackend> {
-        let seqs = (sequences.iter_mut().zip(ids))
-            .map(|(s, ids)| (std::mem::take(&mut s.pasts[b]), ids.len()))
-            .collect();
-        let paged = cache.as_mut().map(|(pool, layers)| {
-            if layers.len() <= b {
-                layers.resize_with(b + 1, PagedLayer::default);
-            }
-            PagedStep {
-                layer: std::mem::take(&mut layers[b]),
-                blocks: pool.total,
-                block_tokens: pool.block_tokens,
-                tables: sequences.iter().map(|s| s.table.clone()).collect(),
-            }
-        });
-        let mut pasts = Pasts { seqs, paged };
-        let x = self.blocks[b].forward_cached(x, &mut pasts);
-        if let (Some((_, layers)), Some(step)) = (cache, pasts.paged.take()) {
-            layers[b] = step.layer;
-        }
-        for (sequence, (past, new)) in sequences.iter_mut().zip(pasts.seqs) {
-            sequence.pasts[b] = Past {
-                offset: past.offset + new,
-                kv: past.kv,
-            };
-        }
-        x
-    }
-
     /// The greedy continuation of `prompt` by `new_tokens` tokens: the prompt prefilled in one
     /// pass, then one decoding step per token.
     pub fn greedy(&self, prompt: &[u32], new_tokens: usize) -> Result<Greedy, String> {
         greedy(self, prompt, new_tokens)
     }
+}
+
+/// Refuses a step of `ids` after `sequences` that the model cannot take: new ids past the
+/// context or the vocabulary, a block table (with `pool`) too short for the new positions.
+/// The model's vocabulary.
+pub(crate) fn check_step(
+    spec: &ModelSpec,
+    sequences: &[&mut Sequence],
+    ids: &[&[u32]],
+    pool: Option<CachePool>,
+) -> Result<usize, String> {
+    let (ctx, vocab) = (spec.get("ctx"), spec.get("vocab"));
+    let (Some(ctx), Some(vocab)) = (ctx, vocab) else {
+        return Err(format!("{} takes no tokens", spec));
+    };
+    if sequences.len() != ids.len() || sequences.is_empty() {
+        return Err(format!(
+            "{} sequences and {} lists of new ids",
+            sequences.len(),
+            ids.len()
+        ));
+    }
+    for (sequence, ids) in sequences.iter().zip(ids) {
+        let seen = sequence.tokens.len();
+        if ids.is_empty() || seen + ids.len() > ctx {
+            return Err(format!(
+                "{} new tokens after {seen}: {} has {ctx} positions",
+                ids.len(),
+                spec
+            ));
+        }
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(format!("token id {id} is past {}'s vocabulary of {vocab}", spec));
+        }
+        if let Some(bt) = pool.map(|p| p.block_tokens)
+            && sequence.table.len() * bt < seen + ids.len()
+        {
+            return Err(format!(
+                "{} positions and {} blocks of {bt}: the sequence's table is short",
+                seen + ids.len(),
+                sequence.table.len()
+            ));
+        }
+    }
+    Ok(vocab)
+}
+
+/// Block `b`'s forward of the new positions `x` of `sequences` (`ids` of each), their pasts
+/// (and `cache`'s layer) kept: one block of [`WholeModel::extend_many`], which a
+/// sharded model's ranks run between their collectives (`b` indexes the sequences' pasts
+/// and the cache's layers).
+pub(crate) fn step_block(
+    block: &dyn Block<CpuBackend>,
+    b: usize,
+    x: Activation<CpuBackend>,
+    sequences: &mut [&mut Sequence],
+    ids: &[&[u32]],
+    mut cache: Option<(CachePool, &mut Vec<PagedLayer>)>,
+) -> Activation<CpuBackend> {
+    let seqs = (sequences.iter_mut().zip(ids))
+        .map(|(s, ids)| (std::mem::take(&mut s.pasts[b]), ids.len()))
+        .collect();
+    let paged = cache.as_mut().map(|(pool, layers)| {
+        if layers.len() <= b {
+            layers.resize_with(b + 1, PagedLayer::default);
+        }
+        PagedStep {
+            layer: std::mem::take(&mut layers[b]),
+            blocks: pool.total,
+            block_tokens: pool.block_tokens,
+            tables: sequences.iter().map(|s| s.table.clone()).collect(),
+        }
+    });
+    let mut pasts = Pasts { seqs, paged };
+    let x = block.forward_cached(x, &mut pasts);
+    if let (Some((_, layers)), Some(step)) = (cache, pasts.paged.take()) {
+        layers[b] = step.layer;
+    }
+    for (sequence, (past, new)) in sequences.iter_mut().zip(pasts.seqs) {
+        sequence.pasts[b] = Past {
+            offset: past.offset + new,
+            kv: past.kv,
+        };
+    }
+    x
 }
 
 /// What to generate after a prompt.

@@ -1,6 +1,7 @@
 //! What continuous batching steps: a model that extends sequences over a paged cache — one
-//! device's [`WholeModel`], or a [`TpModel`](crate::inference_tp::TpModel) cut over tensor-parallel ranks. The
-//! [`Batcher`](crate::batching::Batcher) and the serving replicas run either.
+//! device's [`WholeModel`], or a [`ShardedModel`](crate::inference_sharded::ShardedModel) cut
+//! into pipeline stages of tensor-parallel ranks. The [`Batcher`](crate::batching::Batcher) and
+//! the serving replicas run either.
 
 use archipelago_dataflow::ModelSpec;
 

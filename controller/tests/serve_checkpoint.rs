@@ -1,8 +1,9 @@
 //! Serve what was trained, on another layout (issue 42): a gpt trained at dp=2 × pp=2 with ZeRO-3
-//! writes a sharded checkpoint; `serve --checkpoint DIR --tp 2` reads it resharded to two
-//! tensor-parallel ranks with no export step, and gives the same greedy tokens and logits
-//! (1e-4) as the same weights exported (`archipelago export`) and run on one device — in
-//! process (logits) and over HTTP (the same text as `serve --init EXPORTED`).
+//! writes a sharded checkpoint; `serve --checkpoint DIR --tp 2` (and `--pp 2`) reads it
+//! resharded to two tensor-parallel ranks (two pipeline stages) with no export step, and gives
+//! the same greedy tokens and logits (1e-4) as the same weights exported (`archipelago export`)
+//! and run on one device — in process (logits) and over HTTP (the same text as
+//! `serve --init EXPORTED`).
 
 mod common;
 
@@ -11,7 +12,7 @@ use std::path::PathBuf;
 use serde_json::json;
 
 use archipelago_actors::inference::WholeModel;
-use archipelago_actors::inference_tp::TpModel;
+use archipelago_actors::inference_sharded::{Layout, ShardedModel};
 use archipelago_controller::weight_args::WeightArgs;
 
 use common::{BIN, archipelago, wait_for_line};
@@ -59,7 +60,7 @@ fn complete(addr: &str, prompt: &[u32]) -> String {
 }
 
 #[test]
-fn a_checkpoint_trained_at_dp2_pp2_zero3_serves_at_tp2_as_its_export_on_one_device() {
+fn a_checkpoint_trained_at_dp2_pp2_zero3_serves_at_tp2_and_pp2_as_its_export_on_one_device() {
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, out) = (dir.path().join("ckpt"), dir.path().join("model.safetensors"));
     let (ok, text) = archipelago(&[
@@ -91,23 +92,25 @@ fn a_checkpoint_trained_at_dp2_pp2_zero3_serves_at_tp2_as_its_export_on_one_devi
     let (spec, trained, _) = weights(None, Some(ckpt.clone())).load().unwrap();
     let (_, exported, _) = weights(Some(out.clone()), None).load().unwrap();
     let one = WholeModel::load(&spec, &exported).unwrap();
-    let tp = TpModel::load(&spec, &trained, 2).unwrap();
     let prompt = [5, 17, 33, 2, 60, 41];
     let want = one.greedy(&prompt, 12).unwrap();
-    let archipelago_actors::generate::Greedy { tokens, logits } = tp.greedy(&prompt, 12).unwrap();
-    assert_eq!((want.logits.len(), logits.len()), (12, 12));
-    assert!(logits.iter().chain(&want.logits).all(|row| row.len() == 256));
-    let mut worst = 0.0f32;
-    for (i, (w, g)) in want.logits.iter().zip(&logits).enumerate() {
-        worst = w.iter().zip(g).fold(worst, |m, (a, b)| m.max((a - b).abs()));
-        let mut sorted = w.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        if sorted[0] - sorted[1] > 1e-3 {
-            assert_eq!(tokens[i], want.tokens[i], "token {i}");
+    for layout in [Layout { tp: 2, pp: 1 }, Layout { tp: 1, pp: 2 }] {
+        let sharded = ShardedModel::load(&spec, &trained, layout).unwrap();
+        let archipelago_actors::generate::Greedy { tokens, logits } = sharded.greedy(&prompt, 12).unwrap();
+        assert_eq!((want.logits.len(), logits.len()), (12, 12));
+        assert!(logits.iter().chain(&want.logits).all(|row| row.len() == 256));
+        let mut worst = 0.0f32;
+        for (i, (w, g)) in want.logits.iter().zip(&logits).enumerate() {
+            worst = w.iter().zip(g).fold(worst, |m, (a, b)| m.max((a - b).abs()));
+            let mut sorted = w.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] > 1e-3 {
+                assert_eq!(tokens[i], want.tokens[i], "token {i} at {layout}");
+            }
         }
+        eprintln!("checkpoint at {layout} against its export on one device: logits {worst:.2e}");
+        assert!(worst < 1e-4, "{layout}: {worst}");
     }
-    eprintln!("checkpoint at tp=2 against its export on one device: logits {worst:.2e}");
-    assert!(worst < 1e-4, "{worst}");
     // Trained weights, not a fresh model's: the export differs from a seed-0 start.
     let fresh = WholeModel::load(&spec, &initial(&spec))
         .unwrap()
@@ -119,8 +122,11 @@ fn a_checkpoint_trained_at_dp2_pp2_zero3_serves_at_tp2_as_its_export_on_one_devi
     );
 
     let (_one_server, one_addr) = serve(&["--init", out.to_str().unwrap(), "--model", GPT]);
-    let (_tp_server, tp_addr) = serve(&["--checkpoint", ckpt.to_str().unwrap(), "--tp", "2"]);
-    assert_eq!(complete(&tp_addr, &prompt), complete(&one_addr, &prompt));
+    let want = complete(&one_addr, &prompt);
+    for layout in [["--tp", "2"], ["--pp", "2"]] {
+        let (_server, addr) = serve(&[&["--checkpoint", ckpt.to_str().unwrap()][..], &layout].concat());
+        assert_eq!(complete(&addr, &prompt), want, "served at {layout:?}");
+    }
 }
 
 fn initial(spec: &archipelago_dataflow::ModelSpec) -> Vec<Vec<f32>> {

@@ -14,7 +14,11 @@ pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod remote;
+pub mod summary;
 pub mod tls_listener;
+
+use summary::mib;
+pub use summary::{ActorMemory, Summary};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -25,11 +29,10 @@ use clap::Args;
 
 use archipelago_actors::batching::CachePool;
 use archipelago_actors::inference::WholeModel;
-use archipelago_actors::inference_tp::TpModel;
+use archipelago_actors::inference_sharded::{Layout, ShardedModel};
 use archipelago_actors::serving::{Replica, Router, Scheduling};
 use archipelago_actors::text_tokens::codec;
 use archipelago_dataflow::ModelSpec;
-use archipelago_dataflow::tensor_parallel::local_model;
 
 use crate::cluster::security::TlsArgs;
 use crate::weight_args::{QuantizeArgs, WeightArgs};
@@ -58,12 +61,21 @@ pub struct ServeArgs {
     /// Model replicas behind the router (each its own copy of the weights and its own thread).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
-    /// Tensor parallelism: each replica's model cut over this many ranks as training cuts it
-    /// (heads and MLP columns; Megatron-LM's layers), their outputs summed after each sub-layer
-    /// and the head's vocabulary columns gathered; each rank keeps its heads' cache. The ranks
-    /// run one after another on the replica's thread today.
+    /// Tensor parallelism: each stage of a replica cut over this many ranks as training cuts it
+    /// (heads and MLP columns; Megatron-LM's layers), each rank on a thread of its own with its
+    /// heads' cache; their outputs all-reduced after each sub-layer and the head's vocabulary
+    /// columns all-gathered with training's collectives.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// Pipeline parallelism: each replica's blocks cut into this many stages balanced by
+    /// parameters, each stage (its ranks) on threads of its own with its blocks' cache; a step's
+    /// sequences go through the stages as --micro-batches micro-batches, so the stages work at
+    /// once.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// With --pp: micro-batches a step's sequences are cut into (default: --pp).
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
     /// Sequences one replica runs in a step at most (the batch).
     #[arg(long, default_value_t = 16)]
     pub max_sequences: usize,
@@ -122,6 +134,14 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// How each replica is cut.
+    pub fn layout(&self) -> Layout {
+        Layout {
+            tp: self.tp,
+            pp: self.pp,
+        }
+    }
+
     /// How the replicas form their batches.
     pub fn scheduling(&self) -> Scheduling {
         match self.batching.as_str() {
@@ -135,120 +155,23 @@ impl ServeArgs {
     }
 }
 
-/// What a started service is.
-#[derive(Debug, Clone)]
-pub struct Summary {
-    /// The model.
-    pub spec: ModelSpec,
-    /// Where its weights came from.
-    pub source: String,
-    /// Bytes of weights per replica.
-    pub weight_bytes: u64,
-    /// Each replica's cache pool.
-    pub pool: CachePool,
-    /// Bytes of one cache block.
-    pub block_bytes: u64,
-    /// Replicas.
-    pub replicas: usize,
-    /// How the pool was sized.
-    pub sized_by: String,
-    /// Tensor-parallel ranks per replica.
-    pub tp: usize,
-}
-
-impl Summary {
-    /// One line for the log.
-    pub fn line(&self) -> String {
-        format!(
-            "{} ({}): {} replica(s), weights {:.1} MiB each, cache pool {} blocks × {} positions \
-             ({} positions, {:.1} MiB) each",
-            self.spec,
-            self.source,
-            self.replicas,
-            mib(self.weight_bytes),
-            self.pool.total,
-            self.pool.block_tokens,
-            self.pool.tokens(),
-            mib(self.cache_bytes()),
-        )
-    }
-
-    /// Bytes of one replica's cache pool.
-    pub fn cache_bytes(&self) -> u64 {
-        self.block_bytes * self.pool.total as u64
-    }
-
-    /// The plan as data (`plan serve --json`): bytes per replica and in all, the pool, how many
-    /// full-context sequences it holds.
-    pub fn to_json(&self) -> serde_json::Value {
-        let ctx = self.spec.get("ctx").unwrap_or(0);
-        let r = self.replicas as u64;
-        serde_json::json!({
-            "model": self.spec.explicit(),
-            "weights_from": self.source,
-            "replicas": self.replicas,
-            "tp": self.tp,
-            "weight_bytes_per_replica": self.weight_bytes,
-            "cache": {
-                "blocks": self.pool.total,
-                "block_tokens": self.pool.block_tokens,
-                "block_bytes": self.block_bytes,
-                "tokens": self.pool.tokens(),
-                "bytes_per_replica": self.cache_bytes(),
-                "sized_by": self.sized_by,
-                "full_context_sequences": self.pool.total / self.pool.blocks_for(ctx).max(1),
-            },
-            "context": ctx,
-            "bytes_in_all": (self.weight_bytes + self.cache_bytes()) * r,
-        })
-    }
-
-    /// The plan, as `plan serve` (and `serve --plan`) prints it.
-    pub fn plan(&self) -> String {
-        let ctx = self.spec.get("ctx").unwrap_or(0);
-        let r = self.replicas as u64;
-        format!(
-            "serve plan: {} ({})\n\
-             \x20 weights: {:.1} MiB per replica × {} = {:.1} MiB\n\
-             \x20 cache:   {} blocks × {} positions × {:.1} KiB = {} positions, {:.1} MiB per replica ({}), {:.1} MiB in all\n\
-             \x20 a full context ({ctx} positions) takes {} blocks: the pool holds {} full-context sequences at once\n\
-             \x20 memory:  {:.1} MiB of weights and cache in all{}",
-            self.spec,
-            self.source,
-            mib(self.weight_bytes),
-            self.replicas,
-            mib(self.weight_bytes * r),
-            self.pool.total,
-            self.pool.block_tokens,
-            self.block_bytes as f64 / 1024.0,
-            self.pool.tokens(),
-            mib(self.cache_bytes()),
-            self.sized_by,
-            mib(self.cache_bytes() * r),
-            self.pool.blocks_for(ctx),
-            self.pool.total / self.pool.blocks_for(ctx).max(1),
-            mib((self.weight_bytes + self.cache_bytes()) * r),
-            match self.tp {
-                1 => String::new(),
-                tp => format!(
-                    "\n  tensor parallel: {tp} ranks per replica, each holding 1/{tp} of every attention's heads and cache and of the MLP"
-                ),
-            },
-        )
-    }
-}
-
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1 << 20) as f64
-}
-
 /// Refuses flags that cannot go together or are out of range, before any file is read.
 pub fn check_flags(args: &ServeArgs) -> Result<(), String> {
-    if args.replicas == 0 || args.max_sequences == 0 || args.block_tokens == 0 || args.tp == 0 {
-        return Err("--replicas, --tp, --max-sequences and --block-tokens must be 1 or more".into());
+    let counts = [
+        args.replicas,
+        args.max_sequences,
+        args.block_tokens,
+        args.tp,
+        args.pp,
+    ];
+    if counts.contains(&0) || args.micro_batches == Some(0) {
+        return Err(
+            "--replicas, --tp, --pp, --micro-batches, --max-sequences and --block-tokens must be 1 or more"
+                .into(),
+        );
     }
-    if args.tp > 1 && args.quantize.quantize.is_some() {
-        return Err("--quantize int8 runs on one device per replica: drop --tp or --quantize".into());
+    if args.layout() != (Layout { tp: 1, pp: 1 }) && args.quantize.quantize.is_some() {
+        return Err("--quantize int8 runs on one device per replica: drop --tp/--pp or --quantize".into());
     }
     args.quantize.check()?;
     match (args.batching.as_str(), args.max_step_tokens) {
@@ -280,26 +203,19 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
         ));
     }
     let value_bytes = if args.quantize.bf16() { 2 } else { 4 };
-    // Under tensor parallelism every rank holds its slices (padded where a split does not divide)
-    // and its own copy of what is replicated (LayerNorms, positions, row-parallel biases).
-    let elements = match args.tp {
-        1 => values.iter().map(|v| v.len() as u64).sum::<u64>(),
-        tp => {
-            tp as u64
-                * (local_model(&spec.desc(), tp).blocks.iter())
-                    .map(|b| b.params)
-                    .sum::<u64>()
-        }
-    };
-    let mut weight_bytes = elements * value_bytes;
+    let block_bytes = CachePool::block_bytes(&spec, args.block_tokens, 4);
+    // Each actor holds its slices (padded where a split does not divide) and its own copy of
+    // what is replicated (LayerNorms, positions, row-parallel biases).
+    let mut actors = summary::actor_memory(&spec, args.layout(), value_bytes, block_bytes, 0)?;
     if args.quantize.quantize.is_some() {
         // Every projection (the model's own list): its weights from 4 bytes to 1, plus a 4-byte
         // scale per output column.
         for (_, [d_in, d_out]) in spec.projections() {
             let (d_in, d_out) = (d_in as u64, d_out as u64);
-            weight_bytes = weight_bytes - 3 * d_in * d_out + 4 * d_out;
+            actors[0].weight_bytes = actors[0].weight_bytes - 3 * d_in * d_out + 4 * d_out;
         }
     }
+    let weight_bytes = actors.iter().map(|a| a.weight_bytes).sum();
     let (pool, sized_by) = pool_for(args, &spec, ctx, weight_bytes);
     if pool.blocks_for(2) > pool.total {
         return Err(format!(
@@ -308,7 +224,10 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
             args.block_tokens
         ));
     }
-    let block_bytes = CachePool::block_bytes(&spec, args.block_tokens, 4);
+    let with_cache = summary::actor_memory(&spec, args.layout(), value_bytes, block_bytes, pool.total)?;
+    for (actor, cached) in actors.iter_mut().zip(with_cache) {
+        actor.cache_bytes = cached.cache_bytes;
+    }
     if args.cache_tokens.is_some() {
         let needed = (weight_bytes + block_bytes * pool.total as u64) * args.replicas as u64;
         let free = crate::process_stats::mem_available_bytes();
@@ -329,7 +248,8 @@ pub fn plan(args: &ServeArgs) -> Result<(Summary, Vec<Vec<f32>>), String> {
         pool,
         replicas: args.replicas,
         sized_by,
-        tp: args.tp,
+        layout: args.layout(),
+        actors,
     };
     Ok((summary, values))
 }
@@ -362,8 +282,10 @@ pub fn build_with_token(
     for r in 0..args.replicas {
         let (_, decode) = codec(tokenizer.as_deref(), vocab)?;
         let (name, batch) = (format!("replica-{r}"), (args.max_sequences, summary.pool));
-        let started = if args.tp > 1 {
-            let mut model = TpModel::load(spec, &values, args.tp)?;
+        let started = if args.layout() != (Layout { tp: 1, pp: 1 }) {
+            let micro_batches = args.micro_batches.unwrap_or(args.pp);
+            let mut model =
+                ShardedModel::load(spec, &values, args.layout())?.with_micro_batches(micro_batches);
             if args.quantize.bf16() {
                 model.to_bf16();
             }
@@ -511,9 +433,29 @@ mod tests {
         assert!(zero.contains("1 or more"), "{zero}");
         // At tp=2 the ranks hold their slices and each a copy of what is replicated.
         let (tp_plan, _) = plan(&args(&["--tp", "2"])).unwrap();
-        let tp = TpModel::load(&f32_plan.spec, &values, 2).unwrap();
+        let tp = ShardedModel::load(&f32_plan.spec, &values, Layout { tp: 2, pp: 1 }).unwrap();
         assert_eq!(tp_plan.weight_bytes, 4 * tp.params() as u64);
         assert!(tp_plan.weight_bytes > f32_plan.weight_bytes);
+        // At tp=2 × pp=2 every actor holds what its rank of its stage loads, and a share of the
+        // cache: the shares add up to the pool.
+        let (plan_2x2, _) = plan(&args(&["--tp", "2", "--pp", "2"])).unwrap();
+        let model = ShardedModel::load(&f32_plan.spec, &values, Layout { tp: 2, pp: 2 }).unwrap();
+        let held: Vec<u64> = (model.rank_params().iter().flatten())
+            .map(|&p| 4 * p as u64)
+            .collect();
+        let planned: Vec<u64> = plan_2x2.actors.iter().map(|a| a.weight_bytes).collect();
+        assert_eq!(planned, held);
+        let stages: Vec<_> = plan_2x2
+            .actors
+            .iter()
+            .step_by(2)
+            .map(|a| a.blocks.clone())
+            .collect();
+        assert_eq!(stages, model.stages());
+        let cache: u64 = plan_2x2.actors.iter().map(|a| a.cache_bytes).sum();
+        assert_eq!(cache, plan_2x2.cache_bytes());
+        let too_many = plan(&args(&["--pp", "9"])).unwrap_err();
+        assert!(too_many.contains("do not cut into 9 stages"), "{too_many}");
         let mut huge = args(&[]);
         huge.cache_tokens = Some(100_000_000_000);
         let huge = plan(&huge).unwrap_err();

@@ -1,10 +1,11 @@
 //! The serving bench's layouts (issue 42): one model served on one device, cut over two
-//! tensor-parallel ranks (`--tp 2`), and as two replicas behind the router (`--replicas 2`, a
-//! thread each), the three servers up side by side under the same loads (16 clients in a closed
-//! loop and Poisson arrivals at 8 requests/s, 64 tokens each), with the ratios to one device.
-//! On this machine's 2 cores the tp ranks run one after another on their replica's thread (the
-//! collectives' arithmetic, not yet ranks on their own devices), so tp=2 measures the cost of the
-//! cut, not a speed-up; two replicas use both cores.
+//! tensor-parallel ranks (`--tp 2`), into two pipeline stages (`--pp 2`, a step's sequences as
+//! two micro-batches), and as two replicas behind the router (`--replicas 2`), the four servers
+//! up side by side under the same loads (16 clients in a closed loop and Poisson arrivals at 8
+//! requests/s, 64 tokens each), with the ratios to one device. Every rank, stage and replica runs
+//! on a thread of its own; on this machine's 2 cores they share two cores (CPU devices), so the
+//! figures show what the cut costs and what overlap two cores give, not what separate devices
+//! would.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -22,9 +23,10 @@ pub fn layouts(weights: &Path, prompts: Arc<Vec<Vec<u32>>>, quick: bool) -> anyh
         Arrivals::Poisson { rate: 8.0 },
     ];
     let runtime = tokio::runtime::Runtime::new()?;
-    let servers: [Server; 3] = [
+    let servers: [Server; 4] = [
         start(&runtime, weights, "one device", &[])?,
         start(&runtime, weights, "tp=2", &["--tp", "2"])?,
+        start(&runtime, weights, "pp=2", &["--pp", "2"])?,
         start(&runtime, weights, "2 replicas", &["--replicas", "2"])?,
     ];
     let mut runs = Vec::new();
@@ -51,16 +53,27 @@ pub fn layouts(weights: &Path, prompts: Arc<Vec<Vec<u32>>>, quick: bool) -> anyh
         };
         Some(find(layout)?[key].as_f64()? / find("one device")?[key].as_f64()?)
     };
-    let ratios = json!({
-        "closed_16_tokens_per_s_tp2_over_one": ratio("tp=2", true, "generated_tokens_per_s"),
-        "closed_16_tokens_per_s_2_replicas_over_one": ratio("2 replicas", true, "generated_tokens_per_s"),
-        "closed_16_itl_p50_tp2_over_one": ratio("tp=2", true, "itl_ms_p50"),
-        "closed_16_itl_p50_2_replicas_over_one": ratio("2 replicas", true, "itl_ms_p50"),
-        "poisson_8_ttft_p50_tp2_over_one": ratio("tp=2", false, "ttft_ms_p50"),
-        "poisson_8_ttft_p50_2_replicas_over_one": ratio("2 replicas", false, "ttft_ms_p50"),
-    });
+    let mut ratios = serde_json::Map::new();
+    for (layout, key) in [("tp=2", "tp2"), ("pp=2", "pp2"), ("2 replicas", "2_replicas")] {
+        for (name, closed, figure) in [
+            ("closed_16_tokens_per_s", true, "generated_tokens_per_s"),
+            ("closed_16_itl_p50", true, "itl_ms_p50"),
+            ("closed_16_itl_p99", true, "itl_ms_p99"),
+            ("poisson_8_ttft_p50", false, "ttft_ms_p50"),
+        ] {
+            ratios.insert(
+                format!("{name}_{key}_over_one"),
+                json!(ratio(layout, closed, figure)),
+            );
+        }
+    }
     Ok(json!({
-        "layouts": ["one device", "tp=2 (ranks one after another on one thread)", "2 replicas (a thread each)"],
+        "layouts": [
+            "one device",
+            "tp=2 (a thread per rank, all-reduce through shared buffers)",
+            "pp=2 (a thread per stage, 2 micro-batches a step)",
+            "2 replicas (a thread each)"
+        ],
         "runs": runs,
         "ratios": ratios,
     }))
