@@ -109,6 +109,21 @@ impl CollectiveWorker {
     }
 }
 
+/// Runs collective `kind` over `tensor` on `me`'s side at once, on this thread (what the worker
+/// runs, for callers with a thread of their own: the runtime API's collective groups).
+pub(crate) fn run_collective(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    kind: CollectiveKind,
+    edge: u64,
+    group: &[ActorId],
+    tensor: TypedTensor,
+) -> Result<TypedTensor, FabricError> {
+    let call = Call { kind, edge, group };
+    let mut pool = ChunkPool::default();
+    run_job(fabric, me, super::DEFAULT_CHUNK_ELEMS, &mut pool, &call, tensor)
+}
+
 /// What one collective is, but its tensor.
 struct Call<'a> {
     kind: CollectiveKind,

@@ -45,6 +45,7 @@ mod call;
 pub(crate) mod call_wire;
 mod cell;
 mod cluster;
+mod collective_group;
 pub mod compiled;
 mod context;
 mod dry_run;
@@ -62,6 +63,7 @@ pub use actor::{Actor, Handler, Message};
 pub use actor_ref::ActorRef;
 pub use call::{Call, Pending, Waited, wait};
 pub use cluster::Slot;
+pub use collective_group::{CollectiveError, CollectiveGroup, DEFAULT_PATIENCE};
 pub use context::Context;
 pub use find::{FindError, PeerHosts};
 pub use keeper::RELEASED;
@@ -72,6 +74,8 @@ pub use supervision::{ActorEnd, ActorInfo, ActorStats, CallError, SpawnOptions};
 pub use system::{Runtime, RuntimeHandle, STRICT_REGISTRY_VAR, SpawnError, strict_registry_from_env};
 pub use tensor_store::{BorrowKey, TensorError, TensorId, TensorRef};
 
+#[cfg(test)]
+mod collective_group_tests;
 #[cfg(test)]
 mod tests;
 
