@@ -217,3 +217,29 @@ fn sharded_continuous_batching_over_the_paged_cache_equals_one_device() {
         assert!(worst < 1e-4, "{worst}");
     }
 }
+
+/// A model with LoRA adapters (PEFT's, on `c_attn` and `c_proj`, their B made non-zero) cut at
+/// tp=2, pp=2 and tp=2 × pp=2 gives one device's logits: the adapters are split with the
+/// projections they adapt.
+#[test]
+fn sharded_generation_with_lora_adapters_equals_one_device() {
+    let spec =
+        ModelSpec::parse("gpt2:vocab=64,ctx=16,d=16,layers=2,heads=4/lora:r=2,alpha=4,targets=c_attn+c_proj")
+            .unwrap();
+    let values: Vec<Vec<f32>> = (spec.desc().blocks.iter())
+        .map(|b| {
+            let mut v = initial_params(&b.param_descs, 5);
+            // Every value non-zero (a fresh adapter's B is zero and would hide a wrong split).
+            for (i, x) in v.iter_mut().enumerate() {
+                *x += ((i % 13) as f32 - 6.0) * 1e-2;
+            }
+            v
+        })
+        .collect();
+    for (tp, pp) in [(2, 1), (1, 2), (2, 2)] {
+        let model = ShardedModel::load(&spec, &values, layout(tp, pp)).unwrap();
+        let worst = compare(&spec, &values, model, &[1, 2, 3, 40, 5], 6);
+        eprintln!("gpt2 with LoRA at tp={tp} × pp={pp}: largest logit difference {worst:.2e}");
+        assert!(worst < 1e-4, "gpt2 with LoRA at tp={tp} × pp={pp}: {worst}");
+    }
+}

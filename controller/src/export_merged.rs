@@ -43,7 +43,7 @@ pub fn export_merged(args: &ExportArgs) -> Result<(ModelSpec, String), String> {
 }
 
 /// A LoRA run's checkpoint: its model, the base from `init` with the checkpoint's adapters.
-fn from_checkpoint(dir: &Path, init: &Path) -> Result<(ModelSpec, Vec<Vec<f32>>, String), String> {
+pub(crate) fn from_checkpoint(dir: &Path, init: &Path) -> Result<(ModelSpec, Vec<Vec<f32>>, String), String> {
     let (reader, spec, checkpoint, _) = open_checkpoint(dir)?;
     if spec.lora().is_none() {
         return Err(format!(

@@ -1,12 +1,15 @@
 //! Which model, with which weights, for the commands that run one whole (`eval`, `serve`): a
 //! safetensors file (`--init`, as `transformers` or `export` wrote it, the model read from the
 //! `config.json` beside it unless `--model` says) with a PEFT adapter on it (`--lora-init`), or a
-//! training checkpoint (`--checkpoint`).
+//! training checkpoint (`--checkpoint`) — a LoRA run's included: its adapters from the checkpoint
+//! on the frozen base it was trained on (the base file the checkpoint records, checked by its
+//! SHA-256, or `--init`), with no export step.
 
 use std::path::{Path, PathBuf};
 
 use clap::Args;
 
+use archipelago_actors::checkpoint::CheckpointReader;
 use archipelago_actors::inference::{WholeModel, read_weights};
 use archipelago_actors::kernels::int8::DEFAULT_OUTLIER_THRESHOLD;
 use archipelago_actors::peft::read_config;
@@ -23,8 +26,9 @@ pub struct WeightArgs {
     /// the `--init` file.
     #[arg(long)]
     pub model: Option<String>,
-    /// Weights as a safetensors file (`transformers`' `model.safetensors`, or `export`'s).
-    #[arg(long, conflicts_with = "checkpoint", required_unless_present = "checkpoint")]
+    /// Weights as a safetensors file (`transformers`' `model.safetensors`, or `export`'s); with
+    /// the --checkpoint of a LoRA run, its frozen base (default: the file the checkpoint records).
+    #[arg(long, required_unless_present = "checkpoint")]
     pub init: Option<PathBuf>,
     /// Weights from a checkpoint: a `step-N` directory or a run's --checkpoint-dir (its newest
     /// complete checkpoint); its model is the one it trained.
@@ -68,10 +72,18 @@ impl WeightArgs {
                     checkpoint.display()
                 ));
             }
+            if args.lora_init.is_some() {
+                return Err("--lora-init puts a PEFT adapter on --init: drop it with --checkpoint".into());
+            }
             if held.lora().is_some() {
+                let base = lora_base(&reader, &checkpoint, args.init.as_deref())?;
+                let (spec, values, _) = crate::export_merged::from_checkpoint(dir, &base)?;
+                let source = format!("{} (adapters) on {} (base)", checkpoint.display(), base.display());
+                return Ok((spec, values, source));
+            }
+            if args.init.is_some() {
                 return Err(format!(
-                    "--checkpoint {} holds LoRA adapters, not its frozen base: give --init BASE.safetensors \
-                 --lora-init ADAPTER_DIR (train --lora-out writes the adapters)",
+                    "--checkpoint {} holds the whole of `{held}`: drop --init (it gives the base of a LoRA run's checkpoint)",
                     checkpoint.display()
                 ));
             }
@@ -93,6 +105,46 @@ impl WeightArgs {
         let values = read_weights(&spec, init, args.lora_init.as_deref())?;
         Ok((spec, values, init.display().to_string()))
     }
+}
+
+/// The frozen base of a LoRA run's checkpoint: `init` when given, else the file the checkpoint
+/// records; refused when the checkpoint records another file's SHA-256 (adapters on weights they
+/// were not trained on).
+fn lora_base(reader: &CheckpointReader, checkpoint: &Path, init: Option<&Path>) -> Result<PathBuf, String> {
+    let recorded = reader.manifest().run.as_ref().and_then(|run| run.base.clone());
+    let base = match (init, &recorded) {
+        (Some(init), _) => init.to_path_buf(),
+        (None, Some(recorded)) => PathBuf::from(&recorded.path),
+        (None, None) => {
+            return Err(format!(
+                "--checkpoint {} holds LoRA adapters and records no base file: give --init BASE.safetensors (the run's --init)",
+                checkpoint.display()
+            ));
+        }
+    };
+    if let Some(recorded) = recorded {
+        let hash = sha256_of(&base)?;
+        if hash != recorded.sha256 {
+            return Err(format!(
+                "--checkpoint {}'s adapters were trained on {} (SHA-256 {}), and {} has SHA-256 {hash}: give --init {}",
+                checkpoint.display(),
+                recorded.path,
+                recorded.sha256,
+                base.display(),
+                recorded.path
+            ));
+        }
+    }
+    Ok(base)
+}
+
+/// SHA-256 of a file's bytes, hex.
+fn sha256_of(path: &Path) -> Result<String, String> {
+    use sha2::Digest;
+    let mut file = std::fs::File::open(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mut hasher = sha2::Sha256::new();
+    std::io::copy(&mut file, &mut hasher).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// How the weights are held: f32, bf16, or the linear layers in int8 (`eval`, `serve`).
