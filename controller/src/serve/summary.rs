@@ -37,11 +37,15 @@ impl Summary {
     /// One line for the log.
     pub fn line(&self) -> String {
         format!(
-            "{} ({}): {} replica(s), weights {:.1} MiB each, cache pool {} blocks × {} positions \
+            "{} ({}): {} replica(s){}, weights {:.1} MiB each, cache pool {} blocks × {} positions \
              ({} positions, {:.1} MiB) each",
             self.spec,
             self.source,
             self.replicas,
+            match self.actors.len() {
+                0 | 1 => String::new(),
+                n => format!(" cut {} ({n} actors each)", self.layout),
+            },
             mib(self.weight_bytes),
             self.pool.total,
             self.pool.block_tokens,
