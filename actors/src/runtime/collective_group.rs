@@ -115,7 +115,7 @@ impl CollectiveGroup {
     }
 
     /// Runs collective `kind` of member `me` over `tensor` on a thread of its own.
-    async fn run(
+    pub(crate) async fn run(
         &self,
         me: ActorId,
         kind: CollectiveKind,

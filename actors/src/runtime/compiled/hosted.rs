@@ -97,5 +97,12 @@ pub(crate) fn install(
     };
     let bind = |n: usize| binders.get(&n).and_then(|bind| bind(runtime.inner(), n));
     let me = (part.program, part.me);
-    interpreter::start(me, &part.stream, &outbox, &invokers, bind, &executor)
+    interpreter::start(
+        me,
+        &part.stream,
+        &outbox,
+        (&invokers, &Default::default()),
+        bind,
+        &executor,
+    )
 }

@@ -11,10 +11,11 @@ use std::sync::Arc;
 use archipelago_dataflow::{ComputeOp, Instruction};
 
 use super::direct::{Deliver, Direct, Onward};
-use super::plan::{Plan, Resolve, Step, Table};
+use super::plan::{Plan, Resolve, Step, StreamCollectives, Table};
 use super::routes::{self, Inbox, Outbox};
 use super::{Invoke, Shared};
 use crate::runtime::CallError;
+use crate::typed_tensor::TypedTensor;
 
 /// The node a `node:{i}` compute names.
 pub(crate) fn node_of(op: &ComputeOp) -> Option<usize> {
@@ -47,13 +48,14 @@ pub(crate) fn start(
     (program, me): (u64, usize),
     stream: &[Instruction],
     outbox: &Outbox,
-    invokers: &HashMap<usize, Invoke>,
+    (invokers, collectives): (&HashMap<usize, Invoke>, &StreamCollectives),
     bind: impl FnOnce(usize) -> Option<Deliver>,
     executor: &tokio::runtime::Handle,
 ) -> Result<(), String> {
     let resolve = Resolve {
         invokers: Some(invokers),
         gathers: None,
+        collectives: Some(collectives),
     };
     let plan = Plan::lower(stream, outbox, resolve);
     let direct = plan.shape_node().and_then(bind);
@@ -131,8 +133,75 @@ async fn iteration(plan: &Plan, inbox: &mut Inbox, table: &mut Table) -> bool {
                     return false;
                 }
             }
+            Step::Alias { input, output } => {
+                if let Some(value) = table.read(*input) {
+                    table.put(*output, value);
+                }
+            }
+            Step::Collective {
+                slot,
+                kind,
+                group,
+                me,
+            } => {
+                let Some(value) = table.take(*slot) else {
+                    continue;
+                };
+                table.put(*slot, collective(value, *kind, group, *me).await);
+            }
             Step::Gather { .. } | Step::Return { .. } => {}
         }
     }
     true
+}
+
+/// A recorded collective of this stream's actor `me` over `value` (a [`TypedTensor`]). The
+/// members first gather whether each brings a tensor and of how many elements, so that a member
+/// whose value failed (its call's error, which stays its stream's) fails the others' runs
+/// naming it — without a wrong total, a wait, or a group left broken for the next run.
+async fn collective(
+    value: Result<Shared, CallError>,
+    kind: archipelago_dataflow::CollectiveKind,
+    group: &crate::runtime::CollectiveGroup,
+    me: archipelago_dataflow::ActorId,
+) -> Result<Shared, CallError> {
+    let failed = |reason: String| CallError::Program { reason };
+    let tensor = match value {
+        Ok(shared) => match shared.downcast::<TypedTensor>() {
+            Ok(tensor) => Ok(Arc::try_unwrap(tensor).unwrap_or_else(|shared| (*shared).clone())),
+            Err(_) => Err(failed(
+                "a recorded collective's value is not a TypedTensor".into(),
+            )),
+        },
+        Err(error) => Err(error),
+    };
+    let members = group.members();
+    let rank = members.iter().position(|&m| m == me).unwrap_or(0);
+    let brought = tensor.as_ref().map_or(-1, |t| t.elements() as i64);
+    let mut status = vec![0i64; members.len()];
+    status[rank] = brought;
+    let gather = archipelago_dataflow::CollectiveKind::AllGather;
+    let status = (group
+        .run(me, gather, TypedTensor::from_values(vec![members.len()], &status))
+        .await)
+        .map_err(|e| failed(e.to_string()))?;
+    let status = status.values::<i64>();
+    let tensor = tensor?;
+    if let Some(r) = status.iter().position(|&n| n < 0) {
+        return Err(failed(format!(
+            "the recorded all-reduce's member {r} (actor {}) has no value: its call failed",
+            members[r]
+        )));
+    }
+    if let Some(r) = status.iter().position(|&n| n != brought) {
+        return Err(failed(format!(
+            "the recorded all-reduce's members bring {brought} and {} elements (actors {me} and {}): every member must bring the same shape",
+            status[r], members[r]
+        )));
+    }
+    let reduced = group
+        .run(me, kind, tensor)
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    Ok(Arc::new(reduced))
 }

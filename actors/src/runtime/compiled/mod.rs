@@ -44,6 +44,8 @@
 //! builds the message with its own binary's constructor; compiling checks that
 //! before anything runs.
 
+#[cfg(test)]
+mod collective_tests;
 mod direct;
 mod hosted;
 mod interpreter;
@@ -129,9 +131,24 @@ pub(crate) struct Participant {
     pub(crate) keeper: Option<Arc<crate::runtime::keeper::Keeper>>,
 }
 
+/// What a recorded node is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NodeKind {
+    /// A call of an actor's handler.
+    Call,
+    /// A gather in the program's own stream.
+    Gather,
+    /// A member's value entering all-reduce `group` (`groups[group]`).
+    Reduced { group: usize },
+}
+
 /// Records calls over actors into a program whose input is an `I`.
 pub struct Recorder<I> {
-    flow_calls: Vec<(usize, Vec<FlowValue>, String)>,
+    flow_calls: Vec<(usize, Vec<FlowValue>, String, NodeKind)>,
+    /// Each recorded all-reduce's member nodes.
+    groups: Vec<Vec<usize>>,
+    /// What recording found wrong, refused at compile.
+    errors: Vec<String>,
     participants: Vec<Participant>,
     nodes: Vec<Invoke>,
     /// Each node's direct path (see [`direct`]).
@@ -149,6 +166,8 @@ impl<I: Clone + Send + Sync + 'static> Default for Recorder<I> {
     fn default() -> Self {
         Recorder {
             flow_calls: Vec::new(),
+            groups: Vec::new(),
+            errors: Vec::new(),
             participants: Vec::new(),
             nodes: Vec::new(),
             binders: Vec::new(),
@@ -198,8 +217,12 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
         let output = format!("v{index}");
         self.value_types
             .insert(output.clone(), std::any::type_name::<M::Reply>());
-        self.flow_calls
-            .push((participant, vec![value.flow.clone()], output.clone()));
+        self.flow_calls.push((
+            participant,
+            vec![value.flow.clone()],
+            output.clone(),
+            NodeKind::Call,
+        ));
         Value {
             flow: FlowValue {
                 actor: participant,
@@ -229,7 +252,8 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
             .insert(output.clone(), std::any::type_name::<Vec<T>>());
         self.gathers.insert(output.clone(), gather_erased::<T>);
         let inputs = values.iter().map(|v| v.flow.clone()).collect();
-        self.flow_calls.push((GATHERED, inputs, output.clone()));
+        self.flow_calls
+            .push((GATHERED, inputs, output.clone(), NodeKind::Gather));
         Value {
             flow: FlowValue {
                 actor: GATHERED,
@@ -237,6 +261,60 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
             },
             _type: PhantomData,
         }
+    }
+
+    /// Records an all-reduce: the values (one [`TypedTensor`](crate::typed_tensor::TypedTensor)
+    /// on each of several actors, from their calls) summed, every actor getting the total in
+    /// place of its value — with the collective training's executor runs
+    /// ([`Context::all_reduce`](crate::runtime::Context::all_reduce)'s, through shared buffers).
+    /// The actors must be distinct and live in this process.
+    pub fn all_reduce(
+        &mut self,
+        values: &[Value<crate::typed_tensor::TypedTensor>],
+    ) -> Vec<Value<crate::typed_tensor::TypedTensor>> {
+        let group = self.groups.len();
+        let holders: Vec<usize> = values.iter().map(|v| v.flow.actor).collect();
+        if holders.iter().any(|&a| a == usize::MAX || a == GATHERED) {
+            self.errors
+                .push("an all-reduce joins values of actors' calls, not the input or a gather".into());
+        } else if (1..holders.len()).any(|i| holders[..i].contains(&holders[i])) {
+            self.errors.push(format!(
+                "an all-reduce joins values of distinct actors; got participants {holders:?}"
+            ));
+        }
+        let mut members = Vec::with_capacity(values.len());
+        let reduced = (values.iter())
+            .map(|value| {
+                let index = self.nodes.len();
+                members.push(index);
+                // A member's alias is no call: its node index keeps values and nodes numbered alike.
+                self.nodes.push(Arc::new(|_| {
+                    Box::pin(async {
+                        Err(CallError::Program {
+                            reason: "an all-reduce is not a call".into(),
+                        })
+                    })
+                }));
+                self.keys.push("all_reduce".into());
+                self.binders.push(Arc::new(|_: &RuntimeInner, _| None));
+                let output = format!("v{index}");
+                self.value_types.insert(
+                    output.clone(),
+                    std::any::type_name::<crate::typed_tensor::TypedTensor>(),
+                );
+                let kind = NodeKind::Reduced { group };
+                (self.flow_calls).push((value.flow.actor, vec![value.flow.clone()], output.clone(), kind));
+                Value {
+                    flow: FlowValue {
+                        actor: value.flow.actor,
+                        name: output,
+                    },
+                    _type: PhantomData,
+                }
+            })
+            .collect();
+        self.groups.push(members);
+        reduced
     }
 
     fn participant<A: Actor>(&mut self, actor: &ActorRef<A>) -> usize {
@@ -267,11 +345,14 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
         output: &Value<R>,
     ) -> Result<CompiledProgram<I, R>, CallError> {
         let refused = |reason: String| CallError::Program { reason };
+        if let Some(error) = self.errors.first() {
+            return Err(refused(error.clone()));
+        }
         let program = self.participants.len();
         let mut flow = FlowGraph::new(program + 1);
         let input = flow.compute(program, "input", &[], "input");
         let mut values: Vec<FlowValue> = Vec::new();
-        for (participant, inputs, output) in &self.flow_calls {
+        for (participant, inputs, output, kind) in &self.flow_calls {
             let inputs: Vec<&FlowValue> = inputs
                 .iter()
                 .map(|v| {
@@ -283,10 +364,24 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
                 })
                 .collect();
             let node = values.len();
-            values.push(if *participant == GATHERED {
-                flow.compute(program, "gather", &inputs, output)
-            } else {
-                flow.compute(*participant, &format!("node:{node}"), &inputs, output)
+            values.push(match kind {
+                NodeKind::Gather => flow.compute(program, "gather", &inputs, output),
+                NodeKind::Call => flow.compute(*participant, &format!("node:{node}"), &inputs, output),
+                // Every member's value under the group's one name, all-reduced once the last
+                // member's is there.
+                NodeKind::Reduced { group } => {
+                    let value = flow.compute(*participant, "alias", &inputs, &format!("all_reduce{group}"));
+                    if self.groups[*group].last() == Some(&node) {
+                        let mut members: Vec<FlowValue> = self.groups[*group]
+                            [..self.groups[*group].len() - 1]
+                            .iter()
+                            .map(|&m| values[m].clone())
+                            .collect();
+                        members.push(value.clone());
+                        flow.all_reduce(&members);
+                    }
+                    value
+                }
             });
         }
         let result = if output.flow.actor == usize::MAX {

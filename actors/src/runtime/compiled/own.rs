@@ -129,7 +129,7 @@ impl Own {
                     table.put(*output, values.map(gather));
                 }
                 Step::Return { value } => return Ok(table.read(*value).unwrap_or_else(|| Err(stopped()))),
-                Step::Call { .. } => {}
+                Step::Call { .. } | Step::Alias { .. } | Step::Collective { .. } => {}
             }
         }
         Err(stopped())

@@ -48,6 +48,17 @@ pub(crate) enum Step {
     },
     /// The run's output (the program's own stream).
     Return { value: Read },
+    /// A value under another name (a member's value entering a collective under the name every
+    /// member gives it).
+    Alias { input: Read, output: usize },
+    /// A collective over the value in `slot` with `group` (this stream's actor is `me`), its
+    /// result put back there.
+    Collective {
+        slot: usize,
+        kind: archipelago_dataflow::CollectiveKind,
+        group: crate::runtime::CollectiveGroup,
+        me: archipelago_dataflow::ActorId,
+    },
 }
 
 /// A lowered stream and the size of its table.
@@ -60,10 +71,19 @@ pub(crate) struct Plan {
     pub(crate) input: Option<usize>,
 }
 
-/// What a stream's calls and gathers resolve to.
+/// What a stream's calls, gathers and collectives resolve to.
 pub(crate) struct Resolve<'a> {
     pub(crate) invokers: Option<&'a HashMap<usize, Invoke>>,
     pub(crate) gathers: Option<&'a HashMap<String, GatherFn>>,
+    pub(crate) collectives: Option<&'a StreamCollectives>,
+}
+
+/// The collective groups of one participant's stream, by the tag of their collective, and the
+/// participant's actor.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StreamCollectives {
+    pub(crate) me: archipelago_dataflow::ActorId,
+    pub(crate) groups: HashMap<u64, crate::runtime::CollectiveGroup>,
 }
 
 /// The reads of each value still to come while a stream is lowered (a read that leaves none is
@@ -137,7 +157,21 @@ impl Plan {
                     };
                     step
                 }
-                _ => continue,
+                Instruction::StartCollective {
+                    kind, tensor, tag, ..
+                } => {
+                    reads.read(&mut slots, tensor);
+                    let Some(group) = resolve.collectives.and_then(|c| c.groups.get(tag)) else {
+                        continue;
+                    };
+                    Step::Collective {
+                        slot: slots.of(tensor),
+                        kind: *kind,
+                        group: group.clone(),
+                        me: resolve.collectives.map_or(0, |c| c.me),
+                    }
+                }
+                Instruction::WaitCollective { .. } => continue,
             };
             steps.push(step);
         }
@@ -238,6 +272,10 @@ fn compute<'a>(
         "return" => Some(Step::Return {
             value: reads.read(slots, inputs.first()?),
         }),
+        "alias" => Some(Step::Alias {
+            input: reads.read(slots, inputs.first()?),
+            output: slots.of(outputs.first()?),
+        }),
         "input" => {
             slots.of(outputs.first()?);
             None
@@ -262,6 +300,11 @@ impl Table {
     pub(crate) fn read(&mut self, read: Read) -> Option<Result<Shared, CallError>> {
         let value = self.values.get_mut(read.slot)?;
         if read.last { value.take() } else { value.clone() }
+    }
+
+    /// The value in `slot`, moved out.
+    pub(crate) fn take(&mut self, slot: usize) -> Option<Result<Shared, CallError>> {
+        self.values.get_mut(slot)?.take()
     }
 
     pub(crate) fn put(&mut self, slot: usize, value: Result<Shared, CallError>) {

@@ -13,13 +13,13 @@ use archipelago_dataflow::Instruction;
 
 use super::interpreter::{self, node_of};
 use super::own::Own;
-use super::plan::{Plan, Resolve};
+use super::plan::{Plan, Resolve, StreamCollectives};
 use super::registered::{node, value_codec};
 use super::routes::{self, Outbox, Route, value_name};
 use super::{Invoke, Participant};
 use crate::runtime::remote::HostConnection;
 use crate::runtime::remote::wire::{Frame, Peer};
-use crate::runtime::{CallError, Pending, RuntimeHandle};
+use crate::runtime::{CallError, CollectiveGroup, Pending, RuntimeHandle};
 
 /// A compiled program, dispatched: [`CompiledProgram::run`] it as often as needed.
 pub struct CompiledProgram<I, R> {
@@ -120,6 +120,7 @@ pub(crate) fn dispatch<I, R>(
             codecs: sends(p)?,
         })
     };
+    let groups = collective_groups(&recorded.participants, &streams)?;
     // Check and build everything before starting anything.
     let mut local = Vec::new();
     let mut installs = Vec::new();
@@ -145,7 +146,11 @@ pub(crate) fn dispatch<I, R>(
                     .iter()
                     .map(|n| (*n, recorded.invokers[*n].clone()))
                     .collect();
-                local.push((p, executor, invokers, outbox_here(p)?));
+                let collectives = StreamCollectives {
+                    me: participant.id,
+                    groups: groups.clone(),
+                };
+                local.push((p, executor, (invokers, collectives), outbox_here(p)?));
             }
             Some(connection) => {
                 let mut keys = Vec::new();
@@ -204,6 +209,7 @@ pub(crate) fn dispatch<I, R>(
     let resolve = Resolve {
         invokers: None,
         gathers: Some(&recorded.gathers),
+        collectives: None,
     };
     let plan = Plan::lower(&own_stream, &own_outbox, resolve);
     let compiled = CompiledProgram {
@@ -223,13 +229,13 @@ pub(crate) fn dispatch<I, R>(
             .collect(),
         _types: PhantomData,
     };
-    for (p, executor, invokers, outbox) in local {
+    for (p, executor, (invokers, collectives), outbox) in local {
         let bind = |node: usize| (recorded.binders[node])(runtime.inner(), node);
         interpreter::start(
             (program, p),
             &compiled.streams[p],
             &outbox,
-            &invokers,
+            (&invokers, &collectives),
             bind,
             &executor,
         )
@@ -242,6 +248,47 @@ pub(crate) fn dispatch<I, R>(
         answer.map_err(|e| refused(format!("host {host} could not install its part: {e}")))?;
     }
     Ok(compiled)
+}
+
+/// The collective group of every recorded collective, by its tag: the participants it joins
+/// (in the group's order), which must all run in this process.
+fn collective_groups(
+    participants: &[Participant],
+    streams: &[Vec<Instruction>],
+) -> Result<HashMap<u64, CollectiveGroup>, CallError> {
+    let mut groups = HashMap::new();
+    for instruction in streams.iter().flatten() {
+        let Instruction::StartCollective { group, tag, .. } = instruction else {
+            continue;
+        };
+        if groups.contains_key(tag) {
+            continue;
+        }
+        let mut members = Vec::with_capacity(group.len());
+        for &p in group {
+            let participant = &participants[p];
+            if let Some(connection) = &participant.connection {
+                return Err(CallError::Program {
+                    reason: format!(
+                        "a recorded all-reduce joins actor {} of host {}: collective groups meet in one process (record it over actors of this runtime's devices)",
+                        participant.id,
+                        connection.host()
+                    ),
+                });
+            }
+            members.push((
+                participant.id,
+                format!("actor {} on {}", participant.id, participant.device),
+            ));
+        }
+        let made = CollectiveGroup::new(&members, crate::runtime::DEFAULT_PATIENCE).map_err(|e| {
+            CallError::Program {
+                reason: e.to_string(),
+            }
+        })?;
+        groups.insert(*tag, made);
+    }
+    Ok(groups)
 }
 
 impl<I, R> CompiledProgram<I, R>
