@@ -14,6 +14,7 @@ pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod remote;
+pub mod router;
 pub mod summary;
 pub mod tls_listener;
 

@@ -1,0 +1,286 @@
+//! `archipelago serve --controller ADDR --replicas 2` (issue 42), as a user runs it: a
+//! controller and two `archipelago host` processes on 127.0.0.1, one replica placed on each,
+//! the client's router in front of them on its own `--listen`. Under a load of concurrent
+//! completions one host is SIGKILLed: every request that fails fails within 5 s of the kill with
+//! HTTP 502 naming that host, at least one does (the kill landed mid-load), every other request
+//! gets its whole completion, the requests after the kill all go to the survivor, `/health`
+//! says one replica of two is live, the dashboard shows the lost replica failed (naming the
+//! host) and the other serving, and the client stays up. `--replicas 3` with two hosts is
+//! refused before anything starts, naming the count.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use archipelago_actors::block::initial_params;
+use archipelago_actors::weights_file::write_weights;
+use archipelago_dataflow::ModelSpec;
+
+mod common;
+
+use common::{BIN, Cluster, Proc, wait_for_line};
+
+/// Tokens each completion of the load asks for: enough to keep it in flight for a while.
+const MAX_TOKENS: u64 = 600;
+/// Requests of the load, and how many at once.
+const LOAD: usize = 12;
+const AT_ONCE: usize = 4;
+/// The bound on reporting a lost replica's requests failed.
+const FAILURE_BOUND: Duration = Duration::from_secs(5);
+
+/// A GPT-2 of random weights with a long context (no stop token: every completion runs to
+/// `max_tokens`); its `--model` and `--init`.
+fn long_context_model(dir: &std::path::Path) -> (String, String) {
+    let spec = ModelSpec::parse("gpt2:vocab=320,ctx=2048,d=64,layers=4,heads=4").unwrap();
+    let values: Vec<Vec<f32>> = (spec.desc().blocks.iter())
+        .map(|b| initial_params(&b.param_descs, 5))
+        .collect();
+    let init = dir.join("model.safetensors");
+    write_weights(&init, &spec, &values).unwrap();
+    (spec.explicit(), init.to_string_lossy().into_owned())
+}
+
+/// `archipelago serve --controller … --replicas N --listen 127.0.0.1:0` for job `job`.
+fn serve_command(cluster: &Cluster, model: &(String, String), replicas: usize, job: &str) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .args(["serve", "--controller", &cluster.addr, "--token-file"])
+        .arg(cluster.dir.path().join("token"))
+        .args(["--model", &model.0, "--init", &model.1])
+        .args(["--replicas", &replicas.to_string(), "--listen", "127.0.0.1:0"])
+        .args(["--cache-tokens", "4096", "--job", job]);
+    command
+}
+
+/// An HTTP/1.0 exchange with `addr`: the status and the body (empty when the connection broke).
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+        return (0, text);
+    };
+    let status = (head.split_whitespace().nth(1)).and_then(|s| s.parse().ok());
+    (status.unwrap_or(0), body.to_string())
+}
+
+fn get_json(addr: &str, path: &str) -> Value {
+    let (status, body) = http(addr, "GET", path, "");
+    assert!(status == 200 || status == 503, "GET {path}: {status} {body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// One completion of the load: when it was sent and answered, its status and answer.
+#[derive(Debug)]
+struct Outcome {
+    sent: Instant,
+    answered: Instant,
+    status: u16,
+    answer: Value,
+}
+
+/// Sends `count` completions to `router`, `at_once` at a time; every outcome.
+fn load(router: &str, count: usize, at_once: usize) -> Vec<Outcome> {
+    let next = Arc::new(Mutex::new(0usize));
+    let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let workers: Vec<_> = (0..at_once)
+        .map(|_| {
+            let (router, next, outcomes) = (router.to_string(), next.clone(), outcomes.clone());
+            std::thread::spawn(move || {
+                loop {
+                    let n = {
+                        let mut next = next.lock().unwrap();
+                        *next += 1;
+                        *next
+                    };
+                    if n > count {
+                        return;
+                    }
+                    let request = json!({"prompt": format!("request {n}:"), "max_tokens": MAX_TOKENS, "temperature": 0});
+                    let sent = Instant::now();
+                    let (status, body) = http(&router, "POST", "/v1/completions", &request.to_string());
+                    let answered = Instant::now();
+                    let answer = serde_json::from_str(&body).unwrap_or(Value::String(body));
+                    outcomes.lock().unwrap().push(Outcome {
+                        sent,
+                        answered,
+                        status,
+                        answer,
+                    });
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.join().unwrap();
+    }
+    Arc::try_unwrap(outcomes).unwrap().into_inner().unwrap()
+}
+
+/// The whole completion: `max_tokens` tokens, ended by the length.
+fn assert_complete(outcome: &Outcome) {
+    assert_eq!(outcome.status, 200, "{outcome:?}");
+    let choice = &outcome.answer["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{outcome:?}");
+    assert_eq!(
+        outcome.answer["usage"]["completion_tokens"], MAX_TOKENS,
+        "{outcome:?}"
+    );
+    assert!(!choice["text"].as_str().unwrap().is_empty(), "{outcome:?}");
+}
+
+/// The replica states `/health` of the router gives, by host.
+fn replica_state(health: &Value, host: &str) -> Value {
+    (health["replica_states"].as_array().unwrap().iter())
+        .find(|r| r["host"] == host)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn two_replicas_on_two_hosts_one_host_killed_mid_load() {
+    let (mut cluster, dashboard) = Cluster::start_with_dashboard(1.0, 3.0);
+    cluster.add_host("h1", "cpu:0");
+    cluster.add_host("h2", "cpu:0");
+    let model = long_context_model(cluster.dir.path());
+
+    // More replicas than hosts: refused, naming the count, before anything starts.
+    let out = serve_command(&cluster, &model, 3, "three").output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("--replicas 3 needs 3 distinct hosts") && said.contains("but 2"),
+        "{said}"
+    );
+
+    let log = std::fs::File::create(cluster.dir.path().join("client.err")).unwrap();
+    let mut child: Child = serve_command(&cluster, &model, 2, "pair")
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let line = wait_for_line(&mut child, "listening on http://");
+    let mut client = Proc(child);
+    assert!(
+        line.contains("on host `h1`") && line.contains("on host `h2`"),
+        "{line}"
+    );
+    let router = (line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap())
+    .to_string();
+    let health = get_json(&router, "/health");
+    assert_eq!(
+        (health["replicas"].as_u64(), health["live"].as_u64()),
+        (Some(2), Some(2)),
+        "{health}"
+    );
+
+    // The load; h2 is killed once requests are in flight through it.
+    let loader = {
+        let router = router.clone();
+        std::thread::spawn(move || load(&router, LOAD, AT_ONCE))
+    };
+    wait_until("requests in flight on h2", Duration::from_secs(60), || {
+        replica_state(&get_json(&router, "/health"), "h2")["in_flight"].as_u64() >= Some(1)
+    });
+    let (_, mut h2) = cluster.hosts.remove(1);
+    h2.0.kill().unwrap();
+    let killed = Instant::now();
+    let _ = h2.0.wait();
+    let outcomes = loader.join().unwrap();
+    assert_eq!(outcomes.len(), LOAD);
+
+    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.status != 200).collect();
+    let slowest = (failed.iter())
+        .map(|o| o.answered.saturating_duration_since(killed))
+        .max();
+    eprintln!(
+        "{} of {LOAD} requests failed (slowest report {slowest:?} after the kill), {} finished",
+        failed.len(),
+        LOAD - failed.len()
+    );
+    assert!(
+        !failed.is_empty(),
+        "no request was in flight on h2 when it was killed"
+    );
+    for outcome in &failed {
+        assert_eq!(outcome.status, 502, "{outcome:?}");
+        let message = outcome.answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("host `h2`") && message.contains("lost"),
+            "{outcome:?}"
+        );
+        assert!(
+            outcome.sent < killed,
+            "a request sent after the kill failed: {outcome:?}"
+        );
+        assert!(
+            outcome.answered.saturating_duration_since(killed) <= FAILURE_BOUND,
+            "reported {:?} after the kill: {outcome:?}",
+            outcome.answered.saturating_duration_since(killed)
+        );
+    }
+    for outcome in outcomes.iter().filter(|o| o.status == 200) {
+        assert_complete(outcome);
+    }
+
+    // After the kill: everything goes to h1, /health says one of two live, the client runs.
+    for outcome in load(&router, AT_ONCE, AT_ONCE) {
+        assert_complete(&outcome);
+    }
+    let health = get_json(&router, "/health");
+    assert_eq!(
+        (health["replicas"].as_u64(), health["live"].as_u64()),
+        (Some(2), Some(1)),
+        "{health}"
+    );
+    assert_eq!(replica_state(&health, "h2")["state"], "lost", "{health}");
+    assert_eq!(replica_state(&health, "h1")["state"], "serving", "{health}");
+    assert!(client.0.try_wait().unwrap().is_none(), "the client ended");
+
+    // The dashboard: the lost replica failed naming its host, the other serving.
+    let rows =
+        || -> Vec<Value> { serde_json::from_str(&http(&dashboard, "GET", "/api/serving", "").1).unwrap() };
+    let row = |host: &str| {
+        rows()
+            .into_iter()
+            .find(|r| r["job"] == "pair" && r["host"] == host)
+    };
+    wait_until(
+        "the dashboard shows h2's replica failed",
+        Duration::from_secs(30),
+        || row("h2").is_some_and(|r| r["state"] == "failed"),
+    );
+    let lost = row("h2").unwrap();
+    assert!(lost["reason"].as_str().unwrap().contains("host `h2`"), "{lost}");
+    assert_eq!(row("h1").unwrap()["state"], "serving");
+    assert!(
+        client.0.try_wait().unwrap().is_none(),
+        "the client ended after the controller's word"
+    );
+}
