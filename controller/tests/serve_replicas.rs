@@ -1,14 +1,16 @@
 //! `archipelago serve --controller ADDR --replicas 2` (issue 42), as a user runs it: a
 //! controller and two `archipelago host` processes on 127.0.0.1, one replica placed on each,
-//! the client's router in front of them on its own `--listen`. Under a load of concurrent
-//! completions one host is SIGKILLed: every request that fails fails within 5 s of the kill with
-//! HTTP 502 naming that host, at least one does (the kill landed mid-load), every other request
-//! gets its whole completion, the requests after the kill all go to the survivor, `/health`
-//! says one replica of two is live, the dashboard shows the lost replica failed (naming the
-//! host) and the other serving, and the client stays up. `--replicas 3` with two hosts is
-//! refused before anything starts, naming the count.
+//! the client's router in front of them on its own `--listen`. A long stream is opened on each
+//! replica, then under a load of concurrent completions one host is SIGKILLed: every request
+//! that fails fails within 5 s of the kill with HTTP 502 naming that host, at least one does
+//! (the kill landed mid-load), every other request gets its whole completion; the stream on
+//! the killed host ends within 5 s with an error event naming it, the other runs to `[DONE]`;
+//! the requests after the kill all go to the survivor, `/health` says one replica of two is
+//! live, the dashboard shows the lost replica failed (naming the host) and the other serving,
+//! and the client stays up. `--replicas 3` with two hosts is refused before anything starts,
+//! naming the count.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -22,7 +24,7 @@ use archipelago_dataflow::ModelSpec;
 
 mod common;
 
-use common::{BIN, Cluster, Proc, wait_for_line};
+use common::{BIN, Cluster, Proc};
 
 /// Tokens each completion of the load asks for: enough to keep it in flight for a while.
 const MAX_TOKENS: u64 = 600;
@@ -149,12 +151,189 @@ fn assert_complete(outcome: &Outcome) {
     assert!(!choice["text"].as_str().unwrap().is_empty(), "{outcome:?}");
 }
 
+/// A streamed completion's lines as they came, and when the stream closed.
+struct Streamed {
+    lines: Vec<String>,
+    closed: Instant,
+}
+
+/// Opens a streamed completion of `max_tokens` on `router` and waits for its first token; the
+/// thread that reads the rest.
+fn open_stream(router: &str, max_tokens: u64) -> std::thread::JoinHandle<Streamed> {
+    let body = json!({"prompt": "a long story:", "max_tokens": max_tokens, "temperature": 0, "stream": true})
+        .to_string();
+    let mut stream = TcpStream::connect(router).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        stream,
+        "POST /v1/completions HTTP/1.0\r\nHost: {router}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(stream);
+    let mut lines = Vec::new();
+    while !lines.last().is_some_and(|l: &String| l.starts_with("data: ")) {
+        let mut line = String::new();
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "the stream closed before its first token: {lines:?}"
+        );
+        lines.push(line.trim_end().to_string());
+    }
+    std::thread::spawn(move || {
+        for line in reader.lines() {
+            match line {
+                Ok(line) => lines.push(line),
+                Err(_) => break,
+            }
+        }
+        Streamed {
+            lines,
+            closed: Instant::now(),
+        }
+    })
+}
+
 /// The replica states `/health` of the router gives, by host.
 fn replica_state(health: &Value, host: &str) -> Value {
     (health["replica_states"].as_array().unwrap().iter())
         .find(|r| r["host"] == host)
         .cloned()
         .unwrap_or(Value::Null)
+}
+
+/// The client of `serve --controller … --replicas 2` for job `pair`, its router's address and
+/// the lines it printed (read on as it prints them).
+struct Client {
+    process: Proc,
+    router: String,
+    printed: Arc<Mutex<Vec<String>>>,
+}
+
+fn start_client(cluster: &Cluster, model: &(String, String)) -> Client {
+    let log = std::fs::File::create(cluster.dir.path().join("client.err")).unwrap();
+    let mut child: Child = serve_command(cluster, model, 2, "pair")
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let process = Proc(child);
+    let printed = Arc::new(Mutex::new(Vec::new()));
+    let listening = loop {
+        let line = lines.next().expect("the client ended before listening").unwrap();
+        printed.lock().unwrap().push(line.clone());
+        if line.contains("listening on http://") {
+            break line;
+        }
+    };
+    let reading = printed.clone();
+    std::thread::spawn(move || {
+        lines
+            .map_while(Result::ok)
+            .for_each(|l| reading.lock().unwrap().push(l))
+    });
+    assert!(
+        listening.contains("replica 0 on host `h1`") && listening.contains("replica 1 on host `h2`"),
+        "{listening}"
+    );
+    let router = listening
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    Client {
+        process,
+        router: router.to_string(),
+        printed,
+    }
+}
+
+/// Every failed request of the load failed within the bound of the kill, naming h2; at least
+/// one did; every other got its whole completion.
+fn assert_load_outcomes(outcomes: &[Outcome], killed: Instant) {
+    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.status != 200).collect();
+    let slowest = (failed.iter())
+        .map(|o| o.answered.saturating_duration_since(killed))
+        .max();
+    eprintln!(
+        "{} of {} requests failed (slowest report {slowest:?} after the kill), {} finished",
+        failed.len(),
+        outcomes.len(),
+        outcomes.len() - failed.len()
+    );
+    assert!(
+        !failed.is_empty(),
+        "no request was in flight on h2 when it was killed"
+    );
+    for outcome in &failed {
+        assert_eq!(outcome.status, 502, "{outcome:?}");
+        let message = outcome.answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("host `h2`") && message.contains("lost"),
+            "{outcome:?}"
+        );
+        assert!(
+            outcome.sent < killed,
+            "a request sent after the kill failed: {outcome:?}"
+        );
+        let after = outcome.answered.saturating_duration_since(killed);
+        assert!(
+            after <= FAILURE_BOUND,
+            "reported {after:?} after the kill: {outcome:?}"
+        );
+    }
+    for outcome in outcomes.iter().filter(|o| o.status == 200) {
+        assert_complete(outcome);
+    }
+}
+
+/// The stream on h2 ended within the bound of the kill with an error event naming h2 (no
+/// `[DONE]`); the other ran to `[DONE]`.
+fn assert_streams(streams: [Streamed; 2], killed: Instant) {
+    let ended_by_error = |s: &Streamed| s.lines.iter().any(|l| l.contains("\"error\""));
+    let [first, second] = streams;
+    let (cut, whole) = match ended_by_error(&first) {
+        true => (first, second),
+        false => (second, first),
+    };
+    let error = cut.lines.iter().find(|l| l.contains("\"error\"")).unwrap();
+    let after = cut.closed.saturating_duration_since(killed);
+    eprintln!("the stream on h2 ended {after:?} after the kill: {error}");
+    assert!(error.contains("host `h2`") && error.contains("lost"), "{error}");
+    assert!(
+        after <= FAILURE_BOUND,
+        "the stream on h2 ended {after:?} after the kill"
+    );
+    assert!(!cut.lines.iter().any(|l| l == "data: [DONE]"), "{:?}", cut.lines);
+    assert!(!ended_by_error(&whole), "{:?}", whole.lines);
+    let last = whole.lines.iter().rev().find(|l| !l.is_empty());
+    assert_eq!(last.map(String::as_str), Some("data: [DONE]"));
+}
+
+/// The dashboard shows h2's replica failed naming its host, h1's serving.
+fn assert_dashboard(dashboard: &str) {
+    let row = |host: &str| {
+        let rows: Vec<Value> = serde_json::from_str(&http(dashboard, "GET", "/api/serving", "").1).unwrap();
+        rows.into_iter().find(|r| r["job"] == "pair" && r["host"] == host)
+    };
+    wait_until(
+        "the dashboard shows h2's replica failed",
+        Duration::from_secs(30),
+        || row("h2").is_some_and(|r| r["state"] == "failed"),
+    );
+    let lost = row("h2").unwrap();
+    assert!(lost["reason"].as_str().unwrap().contains("host `h2`"), "{lost}");
+    assert_eq!(lost["replicas"], 2, "{lost}");
+    assert_eq!(row("h1").unwrap()["state"], "serving");
+}
+
+/// `/health`'s replicas and live replicas.
+fn live_of(router: &str) -> (Option<u64>, Option<u64>) {
+    let health = get_json(router, "/health");
+    (health["replicas"].as_u64(), health["live"].as_u64())
 }
 
 #[test]
@@ -173,40 +352,19 @@ fn two_replicas_on_two_hosts_one_host_killed_mid_load() {
         "{said}"
     );
 
-    let log = std::fs::File::create(cluster.dir.path().join("client.err")).unwrap();
-    let mut child: Child = serve_command(&cluster, &model, 2, "pair")
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let line = wait_for_line(&mut child, "listening on http://");
-    let mut client = Proc(child);
-    assert!(
-        line.contains("on host `h1`") && line.contains("on host `h2`"),
-        "{line}"
-    );
-    let router = (line
-        .split("http://")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap())
-    .to_string();
-    let health = get_json(&router, "/health");
-    assert_eq!(
-        (health["replicas"].as_u64(), health["live"].as_u64()),
-        (Some(2), Some(2)),
-        "{health}"
-    );
+    let mut client = start_client(&cluster, &model);
+    let router = client.router.clone();
+    assert_eq!(live_of(&router), (Some(2), Some(2)));
 
-    // The load; h2 is killed once requests are in flight through it.
+    // A long stream on each replica (the second goes to the one the first left idle), then the
+    // load; h2 is killed once requests of the load are in flight through it too.
+    let streams = [open_stream(&router, 1500), open_stream(&router, 1500)];
     let loader = {
         let router = router.clone();
         std::thread::spawn(move || load(&router, LOAD, AT_ONCE))
     };
     wait_until("requests in flight on h2", Duration::from_secs(60), || {
-        replica_state(&get_json(&router, "/health"), "h2")["in_flight"].as_u64() >= Some(1)
+        replica_state(&get_json(&router, "/health"), "h2")["in_flight"].as_u64() >= Some(2)
     });
     let (_, mut h2) = cluster.hosts.remove(1);
     h2.0.kill().unwrap();
@@ -214,73 +372,27 @@ fn two_replicas_on_two_hosts_one_host_killed_mid_load() {
     let _ = h2.0.wait();
     let outcomes = loader.join().unwrap();
     assert_eq!(outcomes.len(), LOAD);
-
-    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.status != 200).collect();
-    let slowest = (failed.iter())
-        .map(|o| o.answered.saturating_duration_since(killed))
-        .max();
-    eprintln!(
-        "{} of {LOAD} requests failed (slowest report {slowest:?} after the kill), {} finished",
-        failed.len(),
-        LOAD - failed.len()
-    );
-    assert!(
-        !failed.is_empty(),
-        "no request was in flight on h2 when it was killed"
-    );
-    for outcome in &failed {
-        assert_eq!(outcome.status, 502, "{outcome:?}");
-        let message = outcome.answer["error"]["message"].as_str().unwrap_or_default();
-        assert!(
-            message.contains("host `h2`") && message.contains("lost"),
-            "{outcome:?}"
-        );
-        assert!(
-            outcome.sent < killed,
-            "a request sent after the kill failed: {outcome:?}"
-        );
-        assert!(
-            outcome.answered.saturating_duration_since(killed) <= FAILURE_BOUND,
-            "reported {:?} after the kill: {outcome:?}",
-            outcome.answered.saturating_duration_since(killed)
-        );
-    }
-    for outcome in outcomes.iter().filter(|o| o.status == 200) {
-        assert_complete(outcome);
-    }
+    assert_load_outcomes(&outcomes, killed);
+    assert_streams(streams.map(|s| s.join().unwrap()), killed);
 
     // After the kill: everything goes to h1, /health says one of two live, the client runs.
     for outcome in load(&router, AT_ONCE, AT_ONCE) {
         assert_complete(&outcome);
     }
+    assert_eq!(live_of(&router), (Some(2), Some(1)));
     let health = get_json(&router, "/health");
-    assert_eq!(
-        (health["replicas"].as_u64(), health["live"].as_u64()),
-        (Some(2), Some(1)),
-        "{health}"
-    );
     assert_eq!(replica_state(&health, "h2")["state"], "lost", "{health}");
     assert_eq!(replica_state(&health, "h1")["state"], "serving", "{health}");
-    assert!(client.0.try_wait().unwrap().is_none(), "the client ended");
 
-    // The dashboard: the lost replica failed naming its host, the other serving.
-    let rows =
-        || -> Vec<Value> { serde_json::from_str(&http(&dashboard, "GET", "/api/serving", "").1).unwrap() };
-    let row = |host: &str| {
-        rows()
-            .into_iter()
-            .find(|r| r["job"] == "pair" && r["host"] == host)
-    };
+    // The controller's word: the client printed the replica lost, naming the host, and runs on.
+    assert_dashboard(&dashboard);
     wait_until(
-        "the dashboard shows h2's replica failed",
+        "the client printed the controller's word",
         Duration::from_secs(30),
-        || row("h2").is_some_and(|r| r["state"] == "failed"),
+        || {
+            (client.printed.lock().unwrap().iter())
+                .any(|l| l.contains("replica 1 on host `h2` was lost (1 of 2 replicas live)"))
+        },
     );
-    let lost = row("h2").unwrap();
-    assert!(lost["reason"].as_str().unwrap().contains("host `h2`"), "{lost}");
-    assert_eq!(row("h1").unwrap()["state"], "serving");
-    assert!(
-        client.0.try_wait().unwrap().is_none(),
-        "the client ended after the controller's word"
-    );
+    assert!(client.process.0.try_wait().unwrap().is_none(), "the client ended");
 }

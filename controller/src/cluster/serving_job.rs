@@ -162,28 +162,7 @@ impl ServingJob {
         }
         let mut failures = Vec::new();
         while let Some((replica, ended)) = running.next().await {
-            self.jobs.release(replica.host.id);
-            let failure = match &ended {
-                Ended::Stopped => None,
-                Ended::Failed(why) => Some(why.as_str()),
-            };
-            if let Some(d) = &self.config.dashboard {
-                d.serving_ended(&self.name, replica.index, failure);
-            }
-            let Ended::Failed(why) = ended else {
-                tracing::info!(job = %self.name, replica = replica.index, host = %replica.host.name, "serving replica stopped: its client went away");
-                continue;
-            };
-            tracing::error!(job = %self.name, replica = replica.index, host = %replica.host.name, "{why}");
-            failures.push(why.clone());
-            if failures.len() < replicas {
-                self.send(job_event::Kind::ReplicaLost(ReplicaLost {
-                    job: self.name.clone(),
-                    replica: replica.index as u32,
-                    host: replica.host.name.clone(),
-                    why,
-                }));
-            }
+            self.replica_ended(&replica, ended, &mut failures);
         }
         self.jobs.ended(&self.name);
         if failures.len() == replicas {
@@ -196,6 +175,34 @@ impl ServingJob {
                 ),
             };
             self.send(job_event::Kind::Error(why));
+        }
+    }
+
+    /// Replica `replica` ended: its host counted out, the dashboard told; a failure is added
+    /// to `failures` and, while other replicas serve, reported to the client as lost.
+    fn replica_ended(&self, replica: &ServingReplica<'_>, ended: Ended, failures: &mut Vec<String>) {
+        let (index, host) = (replica.index, &replica.host.name);
+        self.jobs.release(replica.host.id);
+        let failure = match &ended {
+            Ended::Stopped => None,
+            Ended::Failed(why) => Some(why.as_str()),
+        };
+        if let Some(d) = &self.config.dashboard {
+            d.serving_ended(&self.name, index, failure);
+        }
+        let Ended::Failed(why) = ended else {
+            tracing::info!(job = %self.name, replica = index, host = %host, "serving replica stopped: its client went away");
+            return;
+        };
+        tracing::error!(job = %self.name, replica = index, host = %host, "{why}");
+        failures.push(why.clone());
+        if failures.len() < replica.replicas {
+            self.send(job_event::Kind::ReplicaLost(ReplicaLost {
+                job: self.name.clone(),
+                replica: index as u32,
+                host: host.clone(),
+                why,
+            }));
         }
     }
 

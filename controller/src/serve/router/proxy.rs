@@ -168,7 +168,7 @@ where
         let _ = connection.await;
     });
     (sender.send_request(request).await)
-        .map_err(|e| Failure::Broken(format!("the connection broke under the request: {e}")))
+        .map_err(|e| Failure::Broken(format!("its connection broke under a request: {e}")))
 }
 
 /// What the relay of an answer's body carries from chunk to chunk.
@@ -207,7 +207,7 @@ fn relay(
                 Some(Ok(bytes)) => return Some((Ok(bytes), Some(relay))),
                 None => return None,
                 Some(Err(e)) => {
-                    let why = format!("the connection broke during the answer: {e}");
+                    let why = format!("its connection broke during an answer: {e}");
                     relay.flight.set.lose(relay.flight.replica().address.index, &why);
                     why
                 }
