@@ -252,8 +252,10 @@ fn start_client(cluster: &Cluster, model: &(String, String)) -> Client {
 }
 
 /// Every failed request of the load failed within the bound of the kill, naming h2; at least
-/// one did; every other got its whole completion.
-fn assert_load_outcomes(outcomes: &[Outcome], killed: Instant) {
+/// one did; every other got its whole completion. With `sent_after_may_fail`, a request sent
+/// after the kill may have failed too (h2 frozen: its connections hang until the controller's
+/// word), still within the bound.
+fn assert_load_outcomes(outcomes: &[Outcome], killed: Instant, sent_after_may_fail: bool) {
     let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.status != 200).collect();
     let slowest = (failed.iter())
         .map(|o| o.answered.saturating_duration_since(killed))
@@ -276,7 +278,7 @@ fn assert_load_outcomes(outcomes: &[Outcome], killed: Instant) {
             "{outcome:?}"
         );
         assert!(
-            outcome.sent < killed,
+            sent_after_may_fail || outcome.sent < killed,
             "a request sent after the kill failed: {outcome:?}"
         );
         let after = outcome.answered.saturating_duration_since(killed);
@@ -336,21 +338,42 @@ fn live_of(router: &str) -> (Option<u64>, Option<u64>) {
     (health["replicas"].as_u64(), health["live"].as_u64())
 }
 
+/// How h2 goes away mid-load.
+#[derive(Clone, Copy, PartialEq)]
+enum Loss {
+    /// SIGKILL: its connections break at once.
+    Killed,
+    /// SIGSTOP: its connections hang; only the controller's word (its heartbeats stop) tells.
+    Frozen,
+}
+
 #[test]
 fn two_replicas_on_two_hosts_one_host_killed_mid_load() {
+    one_host_lost_mid_load(Loss::Killed);
+}
+
+#[test]
+fn two_replicas_on_two_hosts_one_host_frozen_mid_load_is_told_by_the_controller() {
+    one_host_lost_mid_load(Loss::Frozen);
+}
+
+/// The scenario of the file's doc with h2 lost as `loss` says.
+fn one_host_lost_mid_load(loss: Loss) {
     let (mut cluster, dashboard) = Cluster::start_with_dashboard(1.0, 3.0);
     cluster.add_host("h1", "cpu:0");
     cluster.add_host("h2", "cpu:0");
     let model = long_context_model(cluster.dir.path());
 
-    // More replicas than hosts: refused, naming the count, before anything starts.
-    let out = serve_command(&cluster, &model, 3, "three").output().unwrap();
-    let said = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{said}");
-    assert!(
-        said.contains("--replicas 3 needs 3 distinct hosts") && said.contains("but 2"),
-        "{said}"
-    );
+    if loss == Loss::Killed {
+        // More replicas than hosts: refused, naming the count, before anything starts.
+        let out = serve_command(&cluster, &model, 3, "three").output().unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{said}");
+        assert!(
+            said.contains("--replicas 3 needs 3 distinct hosts") && said.contains("but 2"),
+            "{said}"
+        );
+    }
 
     let mut client = start_client(&cluster, &model);
     let router = client.router.clone();
@@ -367,12 +390,24 @@ fn two_replicas_on_two_hosts_one_host_killed_mid_load() {
         replica_state(&get_json(&router, "/health"), "h2")["in_flight"].as_u64() >= Some(2)
     });
     let (_, mut h2) = cluster.hosts.remove(1);
-    h2.0.kill().unwrap();
-    let killed = Instant::now();
-    let _ = h2.0.wait();
+    let killed = match loss {
+        Loss::Killed => {
+            h2.0.kill().unwrap();
+            let killed = Instant::now();
+            let _ = h2.0.wait();
+            killed
+        }
+        Loss::Frozen => {
+            let stop = Command::new("kill")
+                .args(["-STOP", &h2.0.id().to_string()])
+                .status();
+            assert!(stop.unwrap().success());
+            Instant::now()
+        }
+    };
     let outcomes = loader.join().unwrap();
     assert_eq!(outcomes.len(), LOAD);
-    assert_load_outcomes(&outcomes, killed);
+    assert_load_outcomes(&outcomes, killed, loss == Loss::Frozen);
     assert_streams(streams.map(|s| s.join().unwrap()), killed);
 
     // After the kill: everything goes to h1, /health says one of two live, the client runs.
