@@ -6,7 +6,8 @@
 //! (the kill landed mid-load), every other request gets its whole completion; the stream on
 //! the killed host ends within 5 s with an error event naming it, the other runs to `[DONE]`;
 //! the requests after the kill all go to the survivor, `/health` says one replica of two is
-//! live, the dashboard shows the lost replica failed (naming the host) and the other serving,
+//! live, the dashboard shows the lost replica failed (naming the host) and the other serving
+//! (`/api/serving`, and the page's rows in headless Chromium),
 //! and the client stays up. `--replicas 3` with two hosts is refused before anything starts,
 //! naming the count.
 
@@ -24,7 +25,7 @@ use archipelago_dataflow::ModelSpec;
 
 mod common;
 
-use common::{BIN, Cluster, Proc};
+use common::{BIN, Cluster, Proc, chromium, dump_dom};
 
 /// Tokens each completion of the load asks for: enough to keep it in flight for a while.
 const MAX_TOKENS: u64 = 600;
@@ -330,6 +331,21 @@ fn assert_dashboard(dashboard: &str) {
     assert!(lost["reason"].as_str().unwrap().contains("host `h2`"), "{lost}");
     assert_eq!(lost["replicas"], 2, "{lost}");
     assert_eq!(row("h1").unwrap()["state"], "serving");
+    if let Some(browser) = chromium() {
+        let dom = dump_dom(&browser, &format!("http://{dashboard}/"));
+        for cell in [
+            "<td>pair replica 0</td><td>h1</td>",
+            "<td>pair replica 1</td><td>h2</td>",
+        ] {
+            assert!(dom.contains(cell), "no `{cell}` in the page's serving table");
+        }
+        let row = dom.split("<td>pair replica 1</td>").nth(1).unwrap();
+        let row = row.split("</tr>").next().unwrap();
+        assert!(
+            row.contains("<td>failed: serving job pair replica 1") && row.contains("`h2`"),
+            "{row}"
+        );
+    }
 }
 
 /// `/health`'s replicas and live replicas.
