@@ -20,15 +20,16 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use archipelago_actors::block::initial_params;
+use archipelago_actors::trust::certs::make_certs;
 use archipelago_actors::weights_file::write_weights;
 use archipelago_dataflow::ModelSpec;
 
 mod common;
 
-use common::{BIN, Cluster, Proc, chromium, dump_dom};
+use common::{BIN, Cluster, Proc, chromium, dump_dom, tls_flags};
 
 /// Tokens each completion of the load asks for: enough to keep it in flight for a while.
-const MAX_TOKENS: u64 = 600;
+const MAX_TOKENS: u64 = 1000;
 /// Requests of the load, and how many at once.
 const LOAD: usize = 12;
 const AT_ONCE: usize = 4;
@@ -396,14 +397,14 @@ fn one_host_lost_mid_load(loss: Loss) {
     assert_eq!(live_of(&router), (Some(2), Some(2)));
 
     // A long stream on each replica (the second goes to the one the first left idle), then the
-    // load; h2 is killed once requests of the load are in flight through it too.
+    // load; h2 is killed once two requests of the load are in flight through it too.
     let streams = [open_stream(&router, 1500), open_stream(&router, 1500)];
     let loader = {
         let router = router.clone();
         std::thread::spawn(move || load(&router, LOAD, AT_ONCE))
     };
     wait_until("requests in flight on h2", Duration::from_secs(60), || {
-        replica_state(&get_json(&router, "/health"), "h2")["in_flight"].as_u64() >= Some(2)
+        replica_state(&get_json(&router, "/health"), "h2")["in_flight"].as_u64() >= Some(3)
     });
     let (_, mut h2) = cluster.hosts.remove(1);
     let killed = match loss {
@@ -446,4 +447,38 @@ fn one_host_lost_mid_load(loss: Loss) {
         },
     );
     assert!(client.process.0.try_wait().unwrap().is_none(), "the client ended");
+}
+
+/// Under the cluster's mutual TLS the replicas speak HTTPS under their hosts' identities, and
+/// the router reaches them with the client's certificate.
+#[test]
+fn two_replicas_under_mutual_tls_answer_through_the_router() {
+    let certs = tempfile::tempdir().unwrap();
+    let names = ["controller", "h1", "h2", "client"].map(String::from);
+    make_certs(certs.path(), &names, &[]).unwrap();
+    let mut cluster = Cluster::start_tls(5.0, 5.0, certs.path());
+    cluster.add_host("h1", "cpu:0");
+    cluster.add_host("h2", "cpu:0");
+    let model = long_context_model(cluster.dir.path());
+    let mut child = serve_command(&cluster, &model, 2, "secure")
+        .args(tls_flags(certs.path(), "client"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let line = common::wait_for_line(&mut child, "listening on http://");
+    let _client = Proc(child);
+    assert!(line.contains("at https://"), "{line}");
+    eprintln!("{line}");
+    let router = line
+        .split("http://")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    for outcome in load(router, AT_ONCE, AT_ONCE) {
+        assert_complete(&outcome);
+    }
+    assert_eq!(live_of(router), (Some(2), Some(2)));
 }
