@@ -8,8 +8,10 @@
 //! the requests after the kill all go to the survivor, `/health` says one replica of two is
 //! live, the dashboard shows the lost replica failed (naming the host) and the other serving
 //! (`/api/serving`, and the page's rows in headless Chromium),
-//! and the client stays up. `--replicas 3` with two hosts is refused before anything starts,
-//! naming the count.
+//! and the client stays up — until the other host is killed too: the job fails and the client
+//! exits 1 naming both hosts. `--replicas 3` with two hosts is refused before anything starts,
+//! naming the count. Under mutual TLS the router reaches HTTPS replicas (completions, chat,
+//! the model list).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -447,6 +449,21 @@ fn one_host_lost_mid_load(loss: Loss) {
         },
     );
     assert!(client.process.0.try_wait().unwrap().is_none(), "the client ended");
+
+    // The last replica's host killed: the job fails, the client exits 1 naming both hosts.
+    let (_, mut h1) = cluster.hosts.remove(0);
+    h1.0.kill().unwrap();
+    let mut status = None;
+    wait_until("the client's end", Duration::from_secs(30), || {
+        status = client.process.0.try_wait().unwrap();
+        status.is_some()
+    });
+    let said = std::fs::read_to_string(cluster.dir.path().join("client.err")).unwrap();
+    assert_eq!(status.unwrap().code(), Some(1), "{said}");
+    assert!(
+        said.contains("every replica was lost") && said.contains("host `h1`") && said.contains("host `h2`"),
+        "{said}"
+    );
 }
 
 /// Under the cluster's mutual TLS the replicas speak HTTPS under their hosts' identities, and
@@ -481,4 +498,13 @@ fn two_replicas_under_mutual_tls_answer_through_the_router() {
         assert_complete(&outcome);
     }
     assert_eq!(live_of(router), (Some(2), Some(2)));
+    // The other routes, forwarded: a chat completion, the model list.
+    let chat = json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0});
+    let (status, answer) = http(router, "POST", "/v1/chat/completions", &chat.to_string());
+    let answer: Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["usage"]["completion_tokens"], 8, "{answer}");
+    assert!(answer["choices"][0]["message"]["content"].is_string(), "{answer}");
+    let models = get_json(router, "/v1/models");
+    assert_eq!(models["data"][0]["object"], "model", "{models}");
 }
