@@ -65,6 +65,10 @@ pub async fn forward(State(set): State<Arc<ReplicaSet>>, request: Request) -> Re
         };
         let replica = flight.replica();
         let mut lost = replica.lost.subscribe();
+        if lost.borrow().is_some() {
+            // Lost since it was picked: nothing went there yet.
+            continue;
+        }
         let request = Outgoing {
             method: &parts.method,
             path,
