@@ -90,7 +90,7 @@ pub async fn submit(
                 return serde_json::from_slice(&json).map_err(|e| runtime(format!("unreadable report: {e}")));
             }
             Some(job_event::Kind::Error(message)) => return Err(JobError::Remote(message)),
-            Some(job_event::Kind::Serving(_)) | None => {}
+            Some(job_event::Kind::Serving(_) | job_event::Kind::ReplicaLost(_)) | None => {}
         }
     }
 }

@@ -4,8 +4,9 @@
 //! - [`host_agent`]: `archipelago host` — one per machine, runs its part of each job;
 //! - [`client`]: `Controller::connect` / `archipelago train --controller`;
 //! - [`remote_gang`], [`remote_job`]: placement, dispatch, loss detection and restarts;
-//! - [`serving_job`], [`serve_part`]: `archipelago serve --controller` — a serving job placed on
-//!   a host, its service started there, followed on the dashboard;
+//! - [`serving_job`], [`serving_replica`], [`serve_part`]: `archipelago serve --controller` — a
+//!   serving job's replicas placed on distinct hosts, each one's service started there, followed
+//!   on the dashboard (a lost replica reported while the others serve on);
 //! - [`security`]: the TLS flags every process takes, and `archipelago certs`;
 //! - [`health`]: `/healthz` and `/readyz` for supervisors and probes, and `archipelago health`;
 //! - [`slurm`]: addresses, names and devices from a Slurm job's environment (`auto`).
@@ -22,6 +23,7 @@ pub mod security;
 pub mod serve_part;
 pub mod service;
 pub mod serving_job;
+pub mod serving_replica;
 pub mod slurm;
 
 /// Reads the cluster token from `path` (surrounding whitespace trimmed; must not be empty).

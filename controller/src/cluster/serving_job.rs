@@ -1,30 +1,30 @@
 //! A serving job on the cluster (`archipelago serve --controller`), the controller's side: it
-//! places the job on the registered `archipelago host` with the fewest serving jobs, spawns the
-//! job's [`ServePart`] there over the host's actor port, tells the client where the service
-//! listens, shows the job on the dashboard with its replicas' load (asked every second), and
-//! keeps it for as long as the client's call is open. The job ends when the client goes away
-//! (the part is stopped with the connection) or fails when its host is lost or its part stops
-//! answering — the client hears why, naming the host.
+//! places the job's `--replicas R` replicas on R distinct registered `archipelago host`s (those
+//! with the fewest serving jobs; refused, naming the count, when fewer than R register within
+//! the controller's `--wait-for-hosts-s`), runs each as a [`ServingReplica`] (its part spawned
+//! over the host's actor port, its address sent to the client, its figures on the dashboard),
+//! and keeps them for as long as the client's call is open. The job ends when the client goes
+//! away (the parts are stopped with their connections). A replica whose host is lost or whose
+//! part stops answering is reported to the client as a [`ReplicaLost`] event naming the host
+//! while other replicas serve on; the job fails (the client hears why, naming the hosts) when
+//! every replica is lost.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::sync::mpsc::UnboundedSender;
 use tonic::Status;
 
-use archipelago_actors::proto::{JobEvent, ServingAt, job_event};
-use archipelago_actors::runtime::remote::Liveness;
-use archipelago_actors::runtime::{ActorRef, Runtime, Slot, SpawnOptions};
+use archipelago_actors::proto::{JobEvent, ReplicaLost, job_event};
 use archipelago_actors::trust::Credentials;
 
-use super::registry::{ClusterConfig, HostEvent, HostInfo, Registry};
-use super::serve_part::{ServePart, ServingLoad, ServingParams, ServingStarted, StartServing};
+use super::registry::{ClusterConfig, HostInfo, Registry};
+use super::serving_replica::{Ended, ReplicaJob, ServingReplica};
 use crate::serve::ServeArgs;
-
-/// How often the dashboard's figures of a serving job are refreshed.
-const LOAD_EVERY: Duration = Duration::from_secs(1);
 
 /// The longest name a serving job may have.
 const MAX_NAME: usize = 64;
@@ -76,15 +76,21 @@ impl ServingJobs {
         self.running.lock().expect("serving jobs").remove(name);
     }
 
-    /// The host among `hosts` holding the fewest serving jobs (the first of those), counted as
-    /// holding one more.
-    fn place(&self, hosts: &[HostInfo]) -> Option<HostInfo> {
+    /// `count` distinct hosts among `hosts`, those holding the fewest serving jobs first (in
+    /// registration order among equals), each counted as holding one more; `None` when there
+    /// are fewer than `count`.
+    fn place(&self, hosts: &[HostInfo], count: usize) -> Option<Vec<HostInfo>> {
+        if hosts.len() < count {
+            return None;
+        }
         let mut by_host = self.by_host.lock().expect("serving jobs by host");
-        let host = hosts
-            .iter()
-            .min_by_key(|h| by_host.get(&h.id).copied().unwrap_or(0))?;
-        *by_host.entry(host.id).or_default() += 1;
-        Some(host.clone())
+        let mut ranked: Vec<&HostInfo> = hosts.iter().collect();
+        ranked.sort_by_key(|h| by_host.get(&h.id).copied().unwrap_or(0));
+        let placed: Vec<HostInfo> = ranked.into_iter().take(count).cloned().collect();
+        for host in &placed {
+            *by_host.entry(host.id).or_default() += 1;
+        }
+        Some(placed)
     }
 
     fn release(&self, host: u32) {
@@ -113,186 +119,123 @@ pub struct ServingJob {
     pub events: UnboundedSender<Result<JobEvent, Status>>,
 }
 
-/// Why a serving job ended.
-enum Ended {
-    /// Its client closed the call.
-    Stopped,
-    /// It failed: why, naming the host.
-    Failed(String),
-}
-
 impl ServingJob {
-    /// Places and runs the job until its client goes away or it fails.
+    /// Places and runs the job's replicas until its client goes away or every replica failed.
     pub async fn run(self) {
-        let wait = self.config.wait_for_hosts;
-        let hosts = self.registry.wait_for_devices(1, wait, false).await;
-        let Some(host) = self.jobs.place(&hosts) else {
-            self.jobs.ended(&self.name);
-            self.send(job_event::Kind::Error(format!(
-                "serving job {}: no `archipelago host` registered with the controller after waiting {wait:?}; start one (`archipelago host --controller …`)",
-                self.name
-            )));
-            return;
+        let replicas = self.args.replicas.max(1);
+        let hosts = match self.place(replicas).await {
+            Ok(hosts) => hosts,
+            Err(why) => {
+                self.jobs.ended(&self.name);
+                self.send(job_event::Kind::Error(why));
+                return;
+            }
         };
-        let dashboard = self.config.dashboard.clone();
-        if let Some(d) = &dashboard {
-            d.serving_placed(&self.name, &host.name);
-        }
-        self.send(job_event::Kind::Info(format!(
-            "serving job {} placed on host `{}` ({})",
-            self.name, host.name, host.devices[0]
-        )));
         // The part's types, known here as on every host.
         super::serve_part::registry().install();
-        let mut losses = self.registry.watch();
-        let (runtime, ended) = self.serve_on(&host, &mut losses).await;
-        if let Some(runtime) = runtime {
-            // A runtime is not dropped inside an async context; its connection closes with it,
-            // which stops the part and its service.
-            std::thread::spawn(move || drop(runtime));
+        let job = ReplicaJob {
+            name: &self.name,
+            args: &self.args,
+            registry: &self.registry,
+            config: &self.config,
+            credentials: &self.credentials,
+            events: &self.events,
+        };
+        let mut running = FuturesUnordered::new();
+        for (index, host) in hosts.into_iter().enumerate() {
+            if let Some(d) = &self.config.dashboard {
+                d.serving_placed(&self.name, index, replicas, &host.name);
+            }
+            let replica = ServingReplica {
+                job: &job,
+                index,
+                replicas,
+                host,
+            };
+            self.send(job_event::Kind::Info(format!(
+                "{} placed on host `{}` ({})",
+                replica.who(),
+                replica.host.name,
+                replica.host.devices[0]
+            )));
+            running.push(replica.run());
         }
-        self.jobs.release(host.id);
+        let mut failures = Vec::new();
+        while let Some((replica, ended)) = running.next().await {
+            self.replica_ended(&replica, ended, &mut failures);
+        }
         self.jobs.ended(&self.name);
+        if failures.len() == replicas {
+            let why = match replicas {
+                1 => failures.remove(0),
+                _ => format!(
+                    "serving job {}: every replica was lost: {}",
+                    self.name,
+                    failures.join("; ")
+                ),
+            };
+            self.send(job_event::Kind::Error(why));
+        }
+    }
+
+    /// Replica `replica` ended: its host counted out, the dashboard told; a failure is added
+    /// to `failures` and, while other replicas serve, reported to the client as lost.
+    fn replica_ended(&self, replica: &ServingReplica<'_>, ended: Ended, failures: &mut Vec<String>) {
+        let (index, host) = (replica.index, &replica.host.name);
+        self.jobs.release(replica.host.id);
         let failure = match &ended {
             Ended::Stopped => None,
             Ended::Failed(why) => Some(why.as_str()),
         };
-        if let Some(d) = &dashboard {
-            d.serving_ended(&self.name, failure);
+        if let Some(d) = &self.config.dashboard {
+            d.serving_ended(&self.name, index, failure);
         }
-        match failure {
-            Some(why) => {
-                tracing::error!(job = %self.name, host = %host.name, "{why}");
-                self.send(job_event::Kind::Error(why.to_string()));
-            }
-            None => {
-                tracing::info!(job = %self.name, host = %host.name, "serving job stopped: its client went away")
-            }
+        let Ended::Failed(why) = ended else {
+            tracing::info!(job = %self.name, replica = index, host = %host, "serving replica stopped: its client went away");
+            return;
+        };
+        tracing::error!(job = %self.name, replica = index, host = %host, "{why}");
+        failures.push(why.clone());
+        if failures.len() < replica.replicas {
+            self.send(job_event::Kind::ReplicaLost(ReplicaLost {
+                job: self.name.clone(),
+                replica: index as u32,
+                host: host.clone(),
+                why,
+            }));
         }
     }
 
-    /// Starts the part on `host` and keeps it while the client listens; the runtime that reaches
-    /// it (to be dropped off the async context) and how the job ended.
-    async fn serve_on(
-        &self,
-        host: &HostInfo,
-        losses: &mut UnboundedReceiver<HostEvent>,
-    ) -> (Option<Runtime>, Ended) {
-        let named = |why: String| format!("serving job {} on host `{}`: {why}", self.name, host.name);
-        let slot = Slot {
-            host: host.name.clone(),
-            island: host.island.clone(),
-            addr: host.actor_addr.clone(),
-            device: host.devices[0],
-        };
-        let liveness = Liveness {
-            ping_every: Duration::from_millis(250),
-            // The registry declares a silent host lost first, and names it.
-            patience: 2 * self.config.host_timeout,
-        };
-        let (job, credentials) = (self.name.clone(), self.credentials.clone());
-        let connect =
-            tokio::task::spawn_blocking(move || Runtime::on_cluster(&job, vec![slot], credentials, liveness));
-        let runtime = match self.unless_lost(host, losses, connect).await {
-            Err(lost) => return (None, lost),
-            Ok(Ok(Ok(runtime))) => runtime,
-            Ok(Ok(Err(e))) => return (None, Ended::Failed(named(format!("cannot reach the host: {e}")))),
-            Ok(Err(e)) => return (None, Ended::Failed(named(format!("cannot reach the host: {e}")))),
-        };
-        let params = ServingParams {
-            job: self.name.clone(),
-            args: self.args.clone(),
-        };
-        let spawn = runtime.spawn_at::<ServePart>(0, params, SpawnOptions::default());
-        let part = match self.unless_lost(host, losses, spawn).await {
-            Err(lost) => return (Some(runtime), lost),
-            Ok(Ok(part)) => part,
-            Ok(Err(e)) => {
-                return (
-                    Some(runtime),
-                    Ended::Failed(named(format!("cannot start its part: {e}"))),
-                );
-            }
-        };
-        let started = match self.unless_lost(host, losses, part.call(StartServing)).await {
-            Err(lost) => return (Some(runtime), lost),
-            Ok(Ok(Ok(started))) => started,
-            Ok(Ok(Err(why))) => return (Some(runtime), Ended::Failed(why)),
-            Ok(Err(e)) => return (Some(runtime), Ended::Failed(named(e.to_string()))),
-        };
-        let ended = self.serving(host, losses, &part, started).await;
-        (Some(runtime), ended)
-    }
-
-    /// The service is up: tell the client and the dashboard, then follow it.
-    async fn serving(
-        &self,
-        host: &HostInfo,
-        losses: &mut UnboundedReceiver<HostEvent>,
-        part: &ActorRef<ServePart>,
-        started: ServingStarted,
-    ) -> Ended {
-        let dashboard = self.config.dashboard.clone();
-        if let Some(d) = &dashboard {
-            d.serving_started(&self.name, &started.url, &started.summary);
-        }
-        self.send(job_event::Kind::Serving(ServingAt {
-            job: self.name.clone(),
-            host: host.name.clone(),
-            url: started.url.clone(),
-            summary: started.summary,
-        }));
-        tracing::info!(job = %self.name, host = %host.name, url = %started.url, "serving");
+    /// `replicas` distinct hosts for the job, waiting up to the cluster's `--wait-for-hosts-s`
+    /// for enough to register; refused, naming the count, when fewer do.
+    async fn place(&self, replicas: usize) -> Result<Vec<HostInfo>, String> {
+        let wait = self.config.wait_for_hosts;
+        let deadline = Instant::now() + wait;
         loop {
-            tokio::select! {
-                _ = self.events.closed() => return Ended::Stopped,
-                _ = tokio::time::sleep(LOAD_EVERY) => {}
+            let mut hosts = self.registry.wait_for_devices(replicas, wait, false).await;
+            hosts.retain(|h| !h.devices.is_empty());
+            if let Some(placed) = self.jobs.place(&hosts, replicas) {
+                return Ok(placed);
             }
-            let figures = match self.unless_lost(host, losses, part.call(ServingLoad)).await {
-                // The part's own error names the job and the host.
-                Err(lost) => return lost,
-                Ok(Ok(Ok(figures))) => figures,
-                Ok(Ok(Err(why))) => return Ended::Failed(why),
-                Ok(Err(e)) => {
-                    return Ended::Failed(format!(
-                        "serving job {}: its part on host `{}` stopped answering: {e}",
-                        self.name, host.name
-                    ));
-                }
-            };
-            if let Some(d) = &dashboard {
-                d.serving_load(&self.name, figures);
+            if Instant::now() >= deadline {
+                return Err(match (replicas, hosts.len()) {
+                    (1, _) => format!(
+                        "serving job {}: no `archipelago host` registered with the controller after waiting {wait:?}; start one (`archipelago host --controller …`)",
+                        self.name
+                    ),
+                    (_, registered) => format!(
+                        "serving job {}: --replicas {replicas} needs {replicas} distinct hosts, but {registered} `archipelago host`(s) registered with the controller after waiting {wait:?}; start more hosts or lower --replicas",
+                        self.name
+                    ),
+                });
             }
+            // Enough devices but too few hosts: look again as hosts register.
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
 
-    /// `work`'s result, unless `host` is lost (or the client goes away) first.
-    async fn unless_lost<T>(
-        &self,
-        host: &HostInfo,
-        losses: &mut UnboundedReceiver<HostEvent>,
-        work: impl Future<Output = T>,
-    ) -> Result<T, Ended> {
-        tokio::pin!(work);
-        loop {
-            tokio::select! {
-                result = &mut work => return Ok(result),
-                _ = self.events.closed() => return Err(Ended::Stopped),
-                event = losses.recv() => match event {
-                    Some(HostEvent::Gone(lost, why, _)) if lost.id == host.id => {
-                        return Err(Ended::Failed(format!(
-                            "serving job {}: host `{}` (pid {}) was lost: {why}; its service and the requests in flight there ended with it",
-                            self.name, lost.name, lost.pid
-                        )));
-                    }
-                    Some(_) => {}
-                    None => return Ok(work.await),
-                },
-            }
-        }
-    }
-
-    fn send(&self, kind: job_event::Kind) {
+    /// Sends `kind` to the client (gone already: nothing to do).
+    pub fn send(&self, kind: job_event::Kind) {
         let _ = self.events.send(Ok(JobEvent { kind: Some(kind) }));
     }
 }

@@ -10,7 +10,8 @@
 //! event (`/events`), each carrying the whole state. JSON endpoints serve the same data:
 //! `/api/state`, `/api/cluster`, `/api/job`, `/api/timeline`, `/api/failures`, `/api/actors`
 //! (the actors of a program on the runtime API, with their message rates and failures),
-//! `/api/serving` (the serving jobs: host, address, load, cache blocks, how they ended).
+//! `/api/serving` (the serving jobs, a row per replica: host, address, load, cache blocks, how
+//! they ended).
 //!
 //! Nothing listens openly (see [`access`]): on a loopback address the page is open to this
 //! machine; on any other address every request must carry the cluster token

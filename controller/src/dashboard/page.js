@@ -129,7 +129,8 @@ function renderServing(jobs) {
     tr.className = "serving serving-" + s.state;
     tr.dataset.job = s.job;
     const state = s.state === "failed" ? "failed: " + s.reason : s.state;
-    for (const v of [s.job, s.host, s.url, state, s.waiting, s.running, s.blocks_used + " / " + s.blocks_total, s.generated_tokens, s.finished, s.summary]) {
+    const job = s.replicas > 1 ? s.job + " replica " + s.replica : s.job;
+    for (const v of [job, s.host, s.url, state, s.waiting, s.running, s.blocks_used + " / " + s.blocks_total, s.generated_tokens, s.finished, s.summary]) {
       cell(tr, v);
     }
     body.appendChild(tr);

@@ -181,11 +181,16 @@ pub struct ActorView {
     pub state: String,
 }
 
-/// A serving job (`archipelago serve --controller`): where it runs and what its replicas do.
+/// A serving job's replica (`archipelago serve --controller`): where it runs and what it does.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct ServingView {
     /// The job's name.
     pub job: String,
+    /// Which of the job's replicas this row is (0-based; a job of `--replicas R` on the
+    /// cluster has a row per replica, each on its own host).
+    pub replica: usize,
+    /// The job's replicas.
+    pub replicas: usize,
     /// The host it runs on.
     pub host: String,
     /// Where its service listens (`http://…`), once it does.

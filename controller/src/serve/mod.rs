@@ -14,6 +14,7 @@ pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod remote;
+pub mod router;
 pub mod summary;
 pub mod tls_listener;
 
@@ -58,7 +59,8 @@ pub struct ServeArgs {
     /// Where to listen (HOST:PORT; port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub listen: String,
-    /// Model replicas behind the router (each its own copy of the weights and its own thread).
+    /// Model replicas behind the router (each its own copy of the weights and its own thread;
+    /// with --controller, one on each of R distinct hosts behind a router in this process).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
     /// Tensor parallelism: each stage of a replica cut over this many ranks as training cuts it

@@ -1,0 +1,229 @@
+//! Forwarding one request of the router ([`super`]) to a replica: the body read (at most
+//! `--max-body-bytes`, else 413), the live replica with the fewest requests in flight picked,
+//! a fresh HTTP/1.1 connection opened to it (hyper's client; TLS under the cluster's identity
+//! for an `https://` replica), the request sent with the cluster token, and the answer relayed
+//! chunk by chunk — a server-sent-events stream token by token as the replica sends it.
+//!
+//! A replica that cannot be reached before the request went out is marked lost and the
+//! request goes to another one (nothing ran there). Once sent, a broken connection or the
+//! controller's word that the replica's host was lost ends the request at once: before the
+//! answer's head with HTTP 502 in OpenAI's error shape naming the host, during a stream with an
+//! error event naming it (`data: {"error": …}`) before the stream closes; the replica is marked
+//! lost either way, so the requests after go to the others.
+
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use super::{InFlight, ReplicaSet, RoutedReplica};
+use crate::serve::openai::ApiError;
+
+/// Why a forwarded request did not get its answer's head.
+enum Failure {
+    /// The replica could not be reached; the request never went out.
+    Unreachable(String),
+    /// The connection broke once the request went out.
+    Broken(String),
+    /// The replica was lost (its host, as the controller or another request found).
+    Lost(String),
+}
+
+/// The router's handler of every forwarded route.
+pub async fn forward(State(set): State<Arc<ReplicaSet>>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let body = match axum::body::to_bytes(body, set.max_body_bytes).await {
+        Ok(body) => body,
+        Err(_) => {
+            return ApiError::status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "body_too_large",
+                format!("the request body is over {} bytes", set.max_body_bytes),
+            )
+            .into_response();
+        }
+    };
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let content_type = parts.headers.get(header::CONTENT_TYPE);
+    loop {
+        let Some(flight) = set.pick() else {
+            return ApiError::status(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "no_replica",
+                set.all_lost(),
+            )
+            .into_response();
+        };
+        let replica = flight.replica();
+        let mut lost = replica.lost.subscribe();
+        if lost.borrow().is_some() {
+            // Lost since it was picked: nothing went there yet.
+            continue;
+        }
+        let request = Outgoing {
+            method: &parts.method,
+            path,
+            content_type,
+            body: body.clone(),
+        };
+        let sent = tokio::select! {
+            sent = send(&set, replica, request) => sent,
+            why = lost_now(&mut lost) => Err(Failure::Lost(why)),
+        };
+        let why = match sent {
+            Ok(answer) => return relay(answer, flight, lost),
+            Err(Failure::Unreachable(why)) => {
+                if set.lose(replica.address.index, &why) {
+                    tracing::warn!(
+                        "{} was lost: {why}; the request goes to another replica",
+                        replica.who()
+                    );
+                }
+                continue;
+            }
+            Err(Failure::Broken(why)) => {
+                set.lose(replica.address.index, &why);
+                why
+            }
+            Err(Failure::Lost(why)) => why,
+        };
+        return lost_answer(replica, &why).into_response();
+    }
+}
+
+/// The request as it goes to a replica.
+struct Outgoing<'r> {
+    method: &'r Method,
+    path: &'r str,
+    content_type: Option<&'r HeaderValue>,
+    body: Bytes,
+}
+
+/// 502 in OpenAI's shape: `replica I on host `H` was lost: why`.
+fn lost_answer(replica: &RoutedReplica, why: &str) -> ApiError {
+    ApiError::status(
+        StatusCode::BAD_GATEWAY,
+        "server_error",
+        "replica_lost",
+        format!("{} was lost: {why}", replica.who()),
+    )
+}
+
+/// Why the replica was lost, once it is (never, while it is live).
+async fn lost_now(lost: &mut watch::Receiver<Option<String>>) -> String {
+    let why = (lost.wait_for(Option::is_some).await)
+        .ok()
+        .and_then(|why| why.clone());
+    match why {
+        Some(why) => why,
+        // The set is gone: the router with it.
+        None => std::future::pending().await,
+    }
+}
+
+/// Opens a connection to `replica` and sends `request` with the cluster token; the answer's
+/// head (its body still coming).
+async fn send(
+    set: &ReplicaSet,
+    replica: &RoutedReplica,
+    request: Outgoing<'_>,
+) -> Result<hyper::Response<Incoming>, Failure> {
+    let unreachable = |e: &dyn std::fmt::Display| {
+        Failure::Unreachable(format!("cannot connect to {}: {e}", replica.address.url))
+    };
+    let tcp = (TcpStream::connect(&replica.authority).await).map_err(|e| unreachable(&e))?;
+    let _ = tcp.set_nodelay(true);
+    let mut builder = hyper::Request::builder()
+        .method(request.method.clone())
+        .uri(request.path)
+        .header(header::HOST, &replica.authority)
+        .header(header::AUTHORIZATION, format!("Bearer {}", set.token));
+    if let Some(content_type) = request.content_type {
+        builder = builder.header(header::CONTENT_TYPE, content_type);
+    }
+    let outgoing = (builder.body(Body::from(request.body))).map_err(|e| unreachable(&e))?;
+    match (&set.tls, replica.https) {
+        (Some(tls), true) => {
+            let stream = (tls.connect(&replica.authority, tcp).await).map_err(|e| unreachable(&e))?;
+            exchange(TokioIo::new(stream), outgoing).await
+        }
+        _ => exchange(TokioIo::new(tcp), outgoing).await,
+    }
+}
+
+/// One HTTP/1.1 exchange on `io`; the connection is driven by a task of its own until the
+/// answer's body is read (or dropped).
+async fn exchange<Io>(io: Io, request: hyper::Request<Body>) -> Result<hyper::Response<Incoming>, Failure>
+where
+    Io: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = (hyper::client::conn::http1::handshake(io).await)
+        .map_err(|e| Failure::Unreachable(format!("the HTTP handshake failed: {e}")))?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    (sender.send_request(request).await)
+        .map_err(|e| Failure::Broken(format!("its connection broke under a request: {e}")))
+}
+
+/// What the relay of an answer's body carries from chunk to chunk.
+struct Relay {
+    chunks: axum::body::BodyDataStream,
+    lost: watch::Receiver<Option<String>>,
+    flight: InFlight,
+    event_stream: bool,
+}
+
+/// The replica's answer relayed: its status and headers, then its body chunk by chunk until it
+/// ends, its connection breaks or the replica is lost (an error event naming the host closes a
+/// stream; any other body is cut off).
+fn relay(
+    answer: hyper::Response<Incoming>,
+    flight: InFlight,
+    lost: watch::Receiver<Option<String>>,
+) -> Response {
+    let (mut parts, body) = answer.into_parts();
+    for hop_by_hop in [header::CONNECTION, header::TRANSFER_ENCODING] {
+        parts.headers.remove(hop_by_hop);
+    }
+    parts.headers.remove("keep-alive");
+    let event_stream = (parts.headers.get(header::CONTENT_TYPE))
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let relay = Relay {
+        chunks: Body::new(body).into_data_stream(),
+        lost,
+        flight,
+        event_stream,
+    };
+    let stream = futures::stream::unfold(Some(relay), |relay| async move {
+        let mut relay = relay?;
+        let why = tokio::select! {
+            chunk = relay.chunks.next() => match chunk {
+                Some(Ok(bytes)) => return Some((Ok(bytes), Some(relay))),
+                None => return None,
+                Some(Err(e)) => {
+                    let why = format!("its connection broke during an answer: {e}");
+                    relay.flight.set.lose(relay.flight.replica().address.index, &why);
+                    why
+                }
+            },
+            why = lost_now(&mut relay.lost) => why,
+        };
+        let error = lost_answer(relay.flight.replica(), &why);
+        let last = match relay.event_stream {
+            true => Ok(Bytes::from(format!("data: {}\n\n", error.body()))),
+            false => Err(std::io::Error::other(error.message)),
+        };
+        Some((last, None))
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
+}
