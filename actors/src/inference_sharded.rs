@@ -11,6 +11,7 @@
 
 use std::ops::Range;
 use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::tensor::Tensor;
@@ -22,7 +23,7 @@ use crate::CpuBackend;
 use crate::batching::CachePool;
 use crate::block::Activation;
 use crate::collectives::Collectives;
-use crate::fabric::InProcessFabric;
+use crate::fabric::{Fabric, InProcessFabric};
 use crate::generate::{
     Greedy, PagedCache, Sequence, check_step, greedy, split_logits, step_block, tokens_of,
 };
@@ -58,6 +59,8 @@ pub enum Fault {
     /// Block `b`'s output dropped (its input goes on; its cache is still written): a stage
     /// boundary off by one block.
     SkipBlock(usize),
+    /// The last rank of block `b`'s stage panics at block `b` (a failing device).
+    PanicAt(usize),
 }
 
 /// A model cut into pipeline stages of tensor-parallel ranks.
@@ -65,8 +68,9 @@ pub struct ShardedModel {
     spec: ModelSpec,
     layout: Layout,
     stages: Vec<TpStage>,
-    fabric: InProcessFabric,
-    fault: Fault,
+    /// Where the ranks meet: a fresh one after a step that failed (a failure aborts it).
+    fabric: Mutex<Arc<InProcessFabric>>,
+    fault: Mutex<Fault>,
     micro_batches: usize,
 }
 
@@ -114,15 +118,21 @@ impl ShardedModel {
             spec: spec.clone(),
             layout,
             stages,
-            fabric: InProcessFabric::with_collectives(tp * pp, PATIENCE, Collectives::Shared),
-            fault: Fault::None,
+            fabric: Mutex::new(Arc::new(fabric(layout))),
+            fault: Mutex::new(Fault::None),
             micro_batches: pp,
         })
     }
 
     /// The same model, broken as `fault` says.
     pub fn with_fault(self, fault: Fault) -> ShardedModel {
-        ShardedModel { fault, ..self }
+        self.set_fault(fault);
+        self
+    }
+
+    /// Breaks the model as `fault` says from the next step on (`Fault::None` mends it).
+    pub fn set_fault(&self, fault: Fault) {
+        *self.fault.lock().unwrap_or_else(|e| e.into_inner()) = fault;
     }
 
     /// The same model running a step's sequences as `micro_batches` micro-batches (at most one
@@ -287,25 +297,42 @@ impl ShardedModel {
             steps[i - tp].output = Some(tx);
             steps[i].input = Some(rx);
         }
+        let fabric = self.fabric.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let joined: Vec<Result<Option<RankOutput>, String>> = std::thread::scope(|scope| {
             let handles: Vec<_> = (steps.into_iter())
                 .map(|step| {
-                    let (stage, rank) = (step.stage, step.rank);
-                    let handle = scope.spawn(move || self.run_rank(step, pool, groups, ids));
-                    (stage, rank, handle)
+                    let (stage, rank, fabric) = (step.stage, step.rank, fabric.as_ref());
+                    let at = format!("{} stage {stage} rank {rank}", self.spec);
+                    let handle = scope.spawn(move || {
+                        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            self.run_rank(step, fabric, pool, groups, ids)
+                        }));
+                        let out = match ran {
+                            Ok(Ok(out)) => Ok(out),
+                            Ok(Err(e)) => Err(format!("{at}: {e}")),
+                            Err(panic) => Err(format!("{at} panicked: {}", panic_text(&panic))),
+                        };
+                        // The others wake now instead of after the patience.
+                        if let Err(e) = &out {
+                            fabric.abort(e);
+                        }
+                        out
+                    });
+                    (rank, handle)
                 })
                 .collect();
             (handles.into_iter())
-                .map(|(stage, rank, handle)| {
-                    let at = format!("{} stage {stage} rank {rank}", self.spec);
-                    match handle.join() {
-                        Ok(Ok(out)) => Ok((rank == 0).then_some(out)),
-                        Ok(Err(e)) => Err(format!("{at}: {e}")),
-                        Err(panic) => Err(format!("{at} panicked: {}", panic_text(&panic))),
-                    }
+                .map(|(rank, handle)| match handle.join() {
+                    Ok(out) => out.map(|out| (rank == 0).then_some(out)),
+                    Err(panic) => Err(format!("a rank's thread panicked: {}", panic_text(&panic))),
                 })
                 .collect()
         });
+        if joined.iter().any(Result::is_err) {
+            // The aborted fabric stays broken: the next step meets at a fresh one.
+            *self.fabric.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(self::fabric(self.layout));
+            return Err(root_cause(joined.into_iter().filter_map(Result::err).collect()));
+        }
         let mut outputs = Vec::with_capacity(pp);
         for out in joined {
             if let Some(out) = out? {
@@ -320,6 +347,7 @@ impl ShardedModel {
     fn run_rank(
         &self,
         mut step: RankStep,
+        fabric: &InProcessFabric,
         pool: CachePool,
         groups: &[Range<usize>],
         ids: &[&[u32]],
@@ -330,7 +358,7 @@ impl ShardedModel {
         let head = self.spec.desc().blocks.len() - 1;
         let first = step.stage * tp;
         let mut group = RankGroup {
-            fabric: &self.fabric,
+            fabric,
             me: first + step.rank,
             group: (first..first + tp).collect(),
             pool: Default::default(),
@@ -360,7 +388,12 @@ impl ShardedModel {
                     }
                     break;
                 }
-                x = match self.fault {
+                let fault = *self.fault.lock().unwrap_or_else(|e| e.into_inner());
+                assert!(
+                    !(fault == Fault::PanicAt(b) && step.rank + 1 == tp),
+                    "a deliberate failure at block {b}"
+                );
+                x = match fault {
                     Fault::SkipBlock(skip) if skip == b => x,
                     Fault::SkipSum(skip) if skip == b => out,
                     _ => group.all_reduce(out, edge)?,
@@ -376,6 +409,19 @@ impl ShardedModel {
             logits,
         })
     }
+}
+
+/// A fabric for `layout`'s ranks.
+fn fabric(layout: Layout) -> InProcessFabric {
+    InProcessFabric::with_collectives(layout.tp * layout.pp, PATIENCE, Collectives::Shared)
+}
+
+/// The error that caused the others: the first that is not a rank hearing that a peer stopped
+/// or that the fabric was aborted.
+fn root_cause(errors: Vec<String>) -> String {
+    let secondary = |e: &String| e.contains("stopped") || e.contains("aborted");
+    let first = errors.iter().find(|e| !secondary(e)).or(errors.first());
+    first.cloned().unwrap_or_else(|| "a rank failed".into())
 }
 
 /// A panic's message.

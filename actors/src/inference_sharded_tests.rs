@@ -13,7 +13,14 @@ use crate::inference::WholeModel;
 use crate::sampling::Sampling;
 
 /// One device's greedy continuation and logits beside tp's; the largest logit difference.
-fn compare(spec: &ModelSpec, values: &[Vec<f32>], model: ShardedModel, prompt: &[u32], n: usize) -> f32 {
+fn compare(
+    spec: &ModelSpec,
+    values: &[Vec<f32>],
+    model: impl std::borrow::Borrow<ShardedModel>,
+    prompt: &[u32],
+    n: usize,
+) -> f32 {
+    let model = model.borrow();
     let one = WholeModel::load(spec, values).unwrap().greedy(prompt, n).unwrap();
     let crate::generate::Greedy { tokens, logits } = model.greedy(prompt, n).unwrap();
     let vocab = spec.get("vocab").unwrap();
@@ -241,5 +248,32 @@ fn sharded_generation_with_lora_adapters_equals_one_device() {
         let worst = compare(&spec, &values, model, &[1, 2, 3, 40, 5], 6);
         eprintln!("gpt2 with LoRA at tp={tp} × pp={pp}: largest logit difference {worst:.2e}");
         assert!(worst < 1e-4, "gpt2 with LoRA at tp={tp} × pp={pp}: {worst}");
+    }
+}
+
+/// A rank that fails mid-step fails the step at once with its own error (not a peer's "stopped"
+/// or a timeout), and the next step meets at a fresh fabric: the mended model answers as one
+/// device does.
+#[test]
+fn a_failing_rank_fails_its_step_naming_it_and_the_next_steps_run() {
+    let (spec, values) = gpt();
+    let model = ShardedModel::load(&spec, &values, layout(2, 2)).unwrap();
+    let boundary = model.stages()[1].start;
+    for b in [1, boundary] {
+        model.set_fault(Fault::PanicAt(b));
+        let started = std::time::Instant::now();
+        let failed = model.greedy(&[3, 14, 15], 4).unwrap_err();
+        eprintln!(
+            "a rank panicking at block {b}: {failed} ({:.2?})",
+            started.elapsed()
+        );
+        assert!(
+            failed.contains("panicked: a deliberate failure at block"),
+            "{failed}"
+        );
+        assert!(failed.contains("rank 1"), "{failed}");
+        model.set_fault(Fault::None);
+        let worst = compare(&spec, &values, &model, &[3, 14, 15], 4);
+        assert!(worst < 1e-4, "after a failed step: {worst}");
     }
 }

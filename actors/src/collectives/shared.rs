@@ -18,7 +18,7 @@
 //! `unsafe` code: each block says why it is sound.
 #![allow(unsafe_code)]
 
-use archipelago_dataflow::{ActorId, DType};
+use archipelago_dataflow::ActorId;
 
 use super::element::{Accumulation, Reducible};
 use super::ring_all_reduce::shard_range;
@@ -35,6 +35,15 @@ enum Phases {
     AllReduce,
     ReduceScatter,
     AllGather,
+}
+
+/// A [`PublishedBuffer::work`]'s collective.
+fn work_name(work: u8) -> &'static str {
+    match work {
+        w if w == Phases::AllReduce as u8 => "all-reduce",
+        w if w == Phases::ReduceScatter as u8 => "reduce-scatter",
+        _ => "all-gather",
+    }
 }
 
 /// The collectives of the members of one process through the fabric's [`SharedBuffers`]: every
@@ -157,10 +166,11 @@ fn run<T: Element>(
         len,
         dtype: T::DTYPE,
         edge,
+        work: phases as u8,
     };
     let published = round.barrier(i, edge, Some(mine))?;
     // Every member sees the same published buffers, so every member returns here alike.
-    check_in_step(group, edge, len, T::DTYPE, &published)?;
+    check_in_step(group, mine, &published)?;
     let shard = shard_range(len, n, i);
     // What this member reads from its peers: their values of its shard (summed), and in an
     // all-reduce or all-gather every other shard (written into its buffer by the shard's owner).
@@ -184,11 +194,10 @@ fn run<T: Element>(
 /// Refuses a round whose members brought different collectives or lengths.
 fn check_in_step(
     group: &[ActorId],
-    edge: u64,
-    len: usize,
-    dtype: DType,
+    mine: PublishedBuffer,
     published: &[PublishedBuffer],
 ) -> Result<(), FabricError> {
+    let PublishedBuffer { edge, len, dtype, .. } = mine;
     if let Some(other) = published.iter().find(|b| b.edge != edge) {
         return Err(FabricError::Aborted(format!(
             "members of group {group:?} brought collectives {edge} and {} at once; every member must run the group's collectives in the same order",
@@ -199,6 +208,13 @@ fn check_in_step(
         return Err(FabricError::Aborted(format!(
             "members of a collective on edge {edge} brought {dtype} and {} buffers; every member must bring the collective's dtype",
             other.dtype
+        )));
+    }
+    if let Some(other) = published.iter().find(|b| b.work != mine.work) {
+        return Err(FabricError::Aborted(format!(
+            "members of a collective on edge {edge} brought it to {} and {}; every member must run the same collective",
+            work_name(mine.work),
+            work_name(other.work)
         )));
     }
     if let Some(other) = published.iter().find(|b| b.len != len) {

@@ -35,6 +35,9 @@ pub struct PublishedBuffer {
     pub dtype: archipelago_dataflow::DType,
     /// The edge the member is at (members at different edges are out of step).
     pub edge: u64,
+    /// What the member does with the buffers (its collective, as its user numbers them: members
+    /// that disagree would read and write each other's buffers differently).
+    pub work: u8,
 }
 
 // SAFETY: a `PublishedBuffer` is only an address and a length; this module never dereferences

@@ -38,7 +38,8 @@ pub const DEFAULT_PATIENCE: Duration = Duration::from_secs(60);
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CollectiveGroup {
     id: u64,
-    process: u32,
+    /// The process it was made in (a random number per process: pids repeat across containers).
+    process: u64,
     members: Vec<ActorId>,
     names: Vec<String>,
 }
@@ -84,7 +85,7 @@ impl CollectiveGroup {
         (groups().lock().unwrap_or_else(|e| e.into_inner())).insert(id, Arc::new(state));
         Ok(CollectiveGroup {
             id,
-            process: std::process::id(),
+            process: crate::runtime::remote::links::process_id(),
             members: members.iter().map(|(id, _)| *id).collect(),
             names: members.iter().map(|(_, name)| name.clone()).collect(),
         })
@@ -122,9 +123,9 @@ impl CollectiveGroup {
         tensor: TypedTensor,
     ) -> Result<TypedTensor, CollectiveError> {
         let fail = |why: String| CollectiveError(format!("{}: {why}", self.describe(me)));
-        if self.process != std::process::id() {
+        if self.process != crate::runtime::remote::links::process_id() {
             return Err(fail(format!(
-                "the group was made in process {}; its members must all run there",
+                "the group was made in another process ({:x}); its members must all run there",
                 self.process
             )));
         }

@@ -1,8 +1,9 @@
 //! Collective groups of a mesh's actors: the tp groups of a `dp × tp` mesh all-reduce (f32 and
 //! bf16), reduce-scatter and all-gather typed tensors inside their handlers and get the sums and
 //! shards computed here; the negative controls — a member that never comes, members out of
-//! step, an actor outside the group, an axis the mesh lacks — fail with errors naming them
-//! instead of answering.
+//! step (an all-reduce meeting an all-gather, or a reduce-scatter of the same type and length),
+//! an actor outside the group, an axis the mesh lacks — fail with errors naming them instead of
+//! answering.
 
 use std::time::Duration;
 
@@ -201,6 +202,28 @@ fn a_missing_member_members_out_of_step_and_outsiders_fail_naming_them() {
         .unwrap()
         .unwrap_err();
     assert!(outsider.contains("is not a member"), "{outsider}");
+    // Out of step with buffers of one type and length: an all-reduce meets a reduce-scatter.
+    let (_runtime, ranks, groups) = mesh(Duration::from_millis(300));
+    let calls = [
+        (0, Collective::AllReduce { half: false }),
+        (1, Collective::ReduceScatter),
+    ]
+    .map(|(r, collective)| {
+        ranks.members()[r].call(Run {
+            group: groups[r].clone(),
+            collective,
+            values: values(r, 16),
+        })
+    });
+    let answers: Vec<_> = calls.into_iter().map(|c| c.get().unwrap()).collect();
+    eprintln!("an all-reduce meets a reduce-scatter: {answers:?}");
+    assert!(
+        answers.iter().all(|a| a
+            .as_ref()
+            .is_err_and(|e| e.contains("all-reduce and reduce-scatter")
+                || e.contains("reduce-scatter and all-reduce"))),
+        "{answers:?}"
+    );
     let no_axis = ranks.collective_groups("pp", DEFAULT_PATIENCE).unwrap_err();
     assert!(no_axis.to_string().contains("no axis `pp`"), "{no_axis}");
 }

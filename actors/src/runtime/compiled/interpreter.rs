@@ -144,9 +144,13 @@ async fn iteration(plan: &Plan, inbox: &mut Inbox, table: &mut Table) -> bool {
                 group,
                 me,
             } => {
-                let Some(value) = table.take(*slot) else {
-                    continue;
-                };
+                // A value that never came still takes part (as a failure), so the others do not
+                // wait for this member.
+                let value = table.take(*slot).unwrap_or_else(|| {
+                    Err(CallError::Program {
+                        reason: "a recorded all-reduce's value never came".into(),
+                    })
+                });
                 table.put(*slot, collective(value, *kind, group, *me).await);
             }
             Step::Gather { .. } | Step::Return { .. } => {}

@@ -149,6 +149,8 @@ pub struct Recorder<I> {
     groups: Vec<Vec<usize>>,
     /// What recording found wrong, refused at compile.
     errors: Vec<String>,
+    /// How long a recorded collective's member waits for the others.
+    patience: std::time::Duration,
     participants: Vec<Participant>,
     nodes: Vec<Invoke>,
     /// Each node's direct path (see [`direct`]).
@@ -168,6 +170,7 @@ impl<I: Clone + Send + Sync + 'static> Default for Recorder<I> {
             flow_calls: Vec::new(),
             groups: Vec::new(),
             errors: Vec::new(),
+            patience: crate::runtime::DEFAULT_PATIENCE,
             participants: Vec::new(),
             nodes: Vec::new(),
             binders: Vec::new(),
@@ -261,6 +264,14 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
             },
             _type: PhantomData,
         }
+    }
+
+    /// How long a member of a recorded all-reduce waits for the others (60 s unless told): a
+    /// member later than that breaks the program's group, whose later runs then fail naming the
+    /// wait (compile again).
+    pub fn collective_patience(&mut self, patience: std::time::Duration) -> &mut Self {
+        self.patience = patience;
+        self
     }
 
     /// Records an all-reduce: the values (one [`TypedTensor`](crate::typed_tensor::TypedTensor)
@@ -398,6 +409,7 @@ impl<I: Clone + Send + Sync + 'static> Recorder<I> {
             keys: self.keys,
             value_types: self.value_types,
             gathers: self.gathers,
+            patience: self.patience,
         };
         runner::dispatch(runtime, recorded, streams)
     }

@@ -34,6 +34,8 @@ pub struct CompiledProgram<I, R> {
     runtime: RuntimeHandle,
     /// Its actors' keepers: a program keeps its actors alive as their references do.
     _keepers: Vec<Arc<crate::runtime::keeper::Keeper>>,
+    /// Its collective groups, closed with it.
+    _groups: Groups,
     _types: PhantomData<fn(I) -> R>,
 }
 
@@ -47,6 +49,8 @@ pub(crate) struct Recorded {
     pub(crate) keys: Vec<String>,
     pub(crate) value_types: HashMap<String, &'static str>,
     pub(crate) gathers: HashMap<String, super::GatherFn>,
+    /// How long a recorded collective's member waits for the others.
+    pub(crate) patience: std::time::Duration,
 }
 
 /// A program id no other process picks (this process's random id, then a count).
@@ -120,7 +124,7 @@ pub(crate) fn dispatch<I, R>(
             codecs: sends(p)?,
         })
     };
-    let groups = collective_groups(&recorded.participants, &streams)?;
+    let groups = collective_groups(&recorded.participants, &streams, recorded.patience)?;
     // Check and build everything before starting anything.
     let mut local = Vec::new();
     let mut installs = Vec::new();
@@ -148,7 +152,7 @@ pub(crate) fn dispatch<I, R>(
                     .collect();
                 let collectives = StreamCollectives {
                     me: participant.id,
-                    groups: groups.clone(),
+                    groups: groups.0.clone(),
                 };
                 local.push((p, executor, (invokers, collectives), outbox_here(p)?));
             }
@@ -227,6 +231,7 @@ pub(crate) fn dispatch<I, R>(
         _keepers: (recorded.participants.iter())
             .filter_map(|p| p.keeper.clone())
             .collect(),
+        _groups: groups,
         _types: PhantomData,
     };
     for (p, executor, (invokers, collectives), outbox) in local {
@@ -255,13 +260,14 @@ pub(crate) fn dispatch<I, R>(
 fn collective_groups(
     participants: &[Participant],
     streams: &[Vec<Instruction>],
-) -> Result<HashMap<u64, CollectiveGroup>, CallError> {
-    let mut groups = HashMap::new();
+    patience: std::time::Duration,
+) -> Result<Groups, CallError> {
+    let mut groups = Groups(HashMap::new());
     for instruction in streams.iter().flatten() {
         let Instruction::StartCollective { group, tag, .. } = instruction else {
             continue;
         };
-        if groups.contains_key(tag) {
+        if groups.0.contains_key(tag) {
             continue;
         }
         let mut members = Vec::with_capacity(group.len());
@@ -281,14 +287,22 @@ fn collective_groups(
                 format!("actor {} on {}", participant.id, participant.device),
             ));
         }
-        let made = CollectiveGroup::new(&members, crate::runtime::DEFAULT_PATIENCE).map_err(|e| {
-            CallError::Program {
-                reason: e.to_string(),
-            }
+        let made = CollectiveGroup::new(&members, patience).map_err(|e| CallError::Program {
+            reason: e.to_string(),
         })?;
-        groups.insert(*tag, made);
+        groups.0.insert(*tag, made);
     }
     Ok(groups)
+}
+
+/// A program's collective groups, by tag, closed when the program (or a dispatch that fails)
+/// drops them.
+struct Groups(HashMap<u64, CollectiveGroup>);
+
+impl Drop for Groups {
+    fn drop(&mut self) {
+        self.0.values().for_each(CollectiveGroup::close);
+    }
 }
 
 impl<I, R> CompiledProgram<I, R>

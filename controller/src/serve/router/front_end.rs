@@ -22,6 +22,7 @@ pub struct FrontEnd {
     credentials: Credentials,
     /// `--max-body-bytes`.
     max_body_bytes: usize,
+    max_connections: usize,
     /// The replicas serving so far.
     serving: Vec<ReplicaAddress>,
     /// Replicas lost before the routes started: index and why.
@@ -42,6 +43,7 @@ impl FrontEnd {
             listener: Some(listener),
             credentials: credentials.clone(),
             max_body_bytes: args.max_body_bytes,
+            max_connections: args.max_connections,
             serving: Vec::new(),
             lost_early: Vec::new(),
             set: None,
@@ -69,7 +71,7 @@ impl FrontEnd {
             self.serving.clone(),
             self.credentials.token(),
             self.credentials.tls().cloned(),
-            self.max_body_bytes,
+            (self.max_body_bytes, self.max_connections),
         )
         .map_err(anyhow::Error::msg)?;
         let set = Arc::new(set);

@@ -84,6 +84,8 @@ pub struct ReplicaSet {
     tls: Option<Arc<Tls>>,
     /// The largest request body read.
     pub max_body_bytes: usize,
+    /// Requests forwarded at once (`--max-connections`); more get 503.
+    pub connections: Arc<tokio::sync::Semaphore>,
     /// Held while a replica is picked, so that two requests arriving together see each other.
     picking: Mutex<()>,
 }
@@ -118,7 +120,7 @@ impl ReplicaSet {
         addresses: Vec<ReplicaAddress>,
         token: &str,
         tls: Option<Arc<Tls>>,
-        max_body_bytes: usize,
+        (max_body_bytes, max_connections): (usize, usize),
     ) -> Result<ReplicaSet, String> {
         let mut replicas = Vec::with_capacity(addresses.len());
         for address in addresses {
@@ -146,6 +148,7 @@ impl ReplicaSet {
             token: token.to_string(),
             tls,
             max_body_bytes,
+            connections: Arc::new(tokio::sync::Semaphore::new(max_connections.max(1))),
             picking: Mutex::new(()),
         })
     }

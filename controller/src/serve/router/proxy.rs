@@ -28,9 +28,12 @@ use crate::serve::openai::ApiError;
 
 /// Why a forwarded request did not get its answer's head.
 enum Failure {
-    /// The replica could not be reached; the request never went out.
+    /// The replica's address refused or did not answer a connection: the replica is lost (the
+    /// request never went out and goes to another).
     Unreachable(String),
-    /// The connection broke once the request went out.
+    /// This request failed at the replica (a connection this side could not open, a TLS or HTTP
+    /// handshake that failed, a connection that broke under the request): it fails alone and the
+    /// replica stays (the controller says when its host is lost).
     Broken(String),
     /// The replica was lost (its host, as the controller or another request found).
     Lost(String),
@@ -38,6 +41,15 @@ enum Failure {
 
 /// The router's handler of every forwarded route.
 pub async fn forward(State(set): State<Arc<ReplicaSet>>, request: Request) -> Response {
+    let Ok(_slot) = set.connections.clone().try_acquire_owned() else {
+        return ApiError::status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "too_many_requests",
+            "the router forwards --max-connections requests at once: try again".to_string(),
+        )
+        .into_response();
+    };
     let (parts, body) = request.into_parts();
     let body = match axum::body::to_bytes(body, set.max_body_bytes).await {
         Ok(body) => body,
@@ -90,14 +102,24 @@ pub async fn forward(State(set): State<Arc<ReplicaSet>>, request: Request) -> Re
                 }
                 continue;
             }
-            Err(Failure::Broken(why)) => {
-                set.lose(replica.address.index, &why);
-                why
-            }
+            Err(Failure::Broken(why)) => why,
             Err(Failure::Lost(why)) => why,
         };
         return lost_answer(replica, &why).into_response();
     }
+}
+
+/// How long the router waits for a replica to take a connection.
+const CONNECT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether a connection error says the replica's address is gone (nothing listens there, or
+/// its host cannot be reached), not that this side could not open one.
+fn refused_or_unreachable(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionRefused | HostUnreachable | NetworkUnreachable | TimedOut
+    )
 }
 
 /// The request as it goes to a replica.
@@ -108,13 +130,18 @@ struct Outgoing<'r> {
     body: Bytes,
 }
 
-/// 502 in OpenAI's shape: `replica I on host `H` was lost: why`.
+/// 502 in OpenAI's shape: `replica I on host `H` failed or was lost: why` (`was lost` once the
+/// replica is known lost).
 fn lost_answer(replica: &RoutedReplica, why: &str) -> ApiError {
+    let what = match replica.lost.borrow().is_some() {
+        true => "was lost",
+        false => "failed or was lost",
+    };
     ApiError::status(
         StatusCode::BAD_GATEWAY,
         "server_error",
         "replica_lost",
-        format!("{} was lost: {why}", replica.who()),
+        format!("{} {what}: {why}", replica.who()),
     )
 }
 
@@ -137,10 +164,19 @@ async fn send(
     replica: &RoutedReplica,
     request: Outgoing<'_>,
 ) -> Result<hyper::Response<Incoming>, Failure> {
-    let unreachable = |e: &dyn std::fmt::Display| {
-        Failure::Unreachable(format!("cannot connect to {}: {e}", replica.address.url))
+    let url = &replica.address.url;
+    let failed = |e: &dyn std::fmt::Display| Failure::Broken(format!("cannot reach {url}: {e}"));
+    let tcp = match tokio::time::timeout(CONNECT_PATIENCE, TcpStream::connect(&replica.authority)).await {
+        Ok(Ok(tcp)) => tcp,
+        Ok(Err(e)) if refused_or_unreachable(&e) => {
+            return Err(Failure::Unreachable(format!("cannot connect to {url}: {e}")));
+        }
+        Ok(Err(e)) => return Err(failed(&e)),
+        Err(_) => {
+            let why = format!("{url} did not answer a connection within {CONNECT_PATIENCE:?}");
+            return Err(Failure::Unreachable(why));
+        }
     };
-    let tcp = (TcpStream::connect(&replica.authority).await).map_err(|e| unreachable(&e))?;
     let _ = tcp.set_nodelay(true);
     let mut builder = hyper::Request::builder()
         .method(request.method.clone())
@@ -150,10 +186,10 @@ async fn send(
     if let Some(content_type) = request.content_type {
         builder = builder.header(header::CONTENT_TYPE, content_type);
     }
-    let outgoing = (builder.body(Body::from(request.body))).map_err(|e| unreachable(&e))?;
+    let outgoing = (builder.body(Body::from(request.body))).map_err(|e| failed(&e))?;
     match (&set.tls, replica.https) {
         (Some(tls), true) => {
-            let stream = (tls.connect(&replica.authority, tcp).await).map_err(|e| unreachable(&e))?;
+            let stream = (tls.connect(&replica.authority, tcp).await).map_err(|e| failed(&e))?;
             exchange(TokioIo::new(stream), outgoing).await
         }
         _ => exchange(TokioIo::new(tcp), outgoing).await,
@@ -167,7 +203,7 @@ where
     Io: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let (mut sender, connection) = (hyper::client::conn::http1::handshake(io).await)
-        .map_err(|e| Failure::Unreachable(format!("the HTTP handshake failed: {e}")))?;
+        .map_err(|e| Failure::Broken(format!("the HTTP handshake failed: {e}")))?;
     tokio::spawn(async move {
         let _ = connection.await;
     });
@@ -210,11 +246,7 @@ fn relay(
             chunk = relay.chunks.next() => match chunk {
                 Some(Ok(bytes)) => return Some((Ok(bytes), Some(relay))),
                 None => return None,
-                Some(Err(e)) => {
-                    let why = format!("its connection broke during an answer: {e}");
-                    relay.flight.set.lose(relay.flight.replica().address.index, &why);
-                    why
-                }
+                Some(Err(e)) => format!("its connection broke during an answer: {e}"),
             },
             why = lost_now(&mut relay.lost) => why,
         };
