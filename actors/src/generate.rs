@@ -29,6 +29,17 @@ pub struct Sequence {
     pub table: Vec<usize>,
 }
 
+impl Sequence {
+    /// An empty sequence of a model of `blocks` blocks.
+    pub fn empty(blocks: usize) -> Sequence {
+        Sequence {
+            pasts: (0..blocks).map(|_| Past::default()).collect(),
+            tokens: Vec::new(),
+            table: Vec::new(),
+        }
+    }
+}
+
 /// A replica's keys and values in one pool of fixed-size blocks per attention layer (vLLM's
 /// PagedAttention), allocated at the first step that needs them and kept; sequences hold block
 /// tables into it ([`WholeModel::extend_paged`]). Under tensor parallelism each rank keeps its
@@ -112,11 +123,7 @@ pub(crate) fn split_logits(
 impl WholeModel {
     /// An empty sequence for this model.
     pub fn start(&self) -> Sequence {
-        Sequence {
-            pasts: (0..self.blocks.len()).map(|_| Past::default()).collect(),
-            tokens: Vec::new(),
-            table: Vec::new(),
-        }
+        Sequence::empty(self.blocks.len())
     }
 
     /// The logits `[n, vocab]` (flat) of `ids`, the `n` positions after `sequence`'s, which

@@ -25,6 +25,30 @@ pub struct WholeModel {
     pub(crate) blocks: Vec<Box<dyn Block<CpuBackend>>>,
 }
 
+/// Refuses whole flat parameters `values` that are not one per block of `spec`, each of its
+/// block's length.
+pub(crate) fn check_values(spec: &ModelSpec, values: &[Vec<f32>]) -> Result<(), String> {
+    let desc = spec.desc();
+    if values.len() != desc.blocks.len() {
+        return Err(format!(
+            "{spec} has {} blocks, {} were given",
+            desc.blocks.len(),
+            values.len()
+        ));
+    }
+    let wrong = (desc.blocks.iter().zip(values).enumerate())
+        .find(|(_, (info, flat))| flat.len() as u64 != info.params);
+    match wrong {
+        Some((index, (info, flat))) => Err(format!(
+            "block {index} (`{}`) of {spec} has {} parameters, {} were given",
+            info.name,
+            info.params,
+            flat.len()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// A text's loss under a model.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Evaluation {
@@ -81,28 +105,14 @@ impl WholeModel {
         values: &[Vec<f32>],
         build: &dyn Fn(&BuildContext) -> Box<dyn Block<CpuBackend>>,
     ) -> Result<WholeModel, String> {
-        let desc = spec.desc();
-        if values.len() != desc.blocks.len() {
-            return Err(format!(
-                "{spec} has {} blocks, {} were given",
-                desc.blocks.len(),
-                values.len()
-            ));
-        }
-        let blocks = (desc.blocks.iter().zip(values).enumerate())
-            .map(|(index, (info, flat))| {
-                if flat.len() as u64 != info.params {
-                    return Err(format!(
-                        "block {index} (`{}`) of {spec} has {} parameters, {} were given",
-                        info.name,
-                        info.params,
-                        flat.len()
-                    ));
-                }
-                let ctx = BuildContext::whole(index);
-                Ok(build(&ctx).load_params(flat, false).untracked_copy())
+        check_values(spec, values)?;
+        let blocks = (values.iter().enumerate())
+            .map(|(index, flat)| {
+                build(&BuildContext::whole(index))
+                    .load_params(flat, false)
+                    .untracked_copy()
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect();
         Ok(WholeModel {
             spec: spec.clone(),
             blocks,

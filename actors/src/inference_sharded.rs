@@ -87,23 +87,7 @@ impl ShardedModel {
         if let Some(heads) = spec.get("heads").filter(|h| h % tp != 0) {
             return Err(format!("{spec}: {heads} heads do not divide over tp={tp}"));
         }
-        if values.len() != desc.blocks.len() {
-            return Err(format!(
-                "{spec} has {} blocks, {} were given",
-                desc.blocks.len(),
-                values.len()
-            ));
-        }
-        if let Some((index, (info, flat))) = (desc.blocks.iter().zip(values).enumerate())
-            .find(|(_, (info, flat))| flat.len() as u64 != info.params)
-        {
-            return Err(format!(
-                "block {index} (`{}`) of {spec} has {} parameters, {} were given",
-                info.name,
-                info.params,
-                flat.len()
-            ));
-        }
+        crate::inference::check_values(spec, values)?;
         let chunks = balanced(&desc, pp);
         if chunks.len() != pp {
             return Err(format!(
@@ -182,13 +166,7 @@ impl StepModel for ShardedModel {
     }
 
     fn start(&self) -> Sequence {
-        Sequence {
-            pasts: (0..self.spec.desc().blocks.len())
-                .map(|_| Default::default())
-                .collect(),
-            tokens: Vec::new(),
-            table: Vec::new(),
-        }
+        Sequence::empty(self.spec.desc().blocks.len())
     }
 
     /// The step's sequences through the pipeline as micro-batches, every rank on a thread of

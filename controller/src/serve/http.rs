@@ -84,18 +84,32 @@ pub fn app(service: Arc<Service>) -> Router {
 /// 401 in OpenAI's shape without the cluster token (OpenAI clients send their `api_key` so).
 async fn require_token(State(service): State<Arc<Service>>, request: Request, next: Next) -> Response {
     let token = service.token.as_deref().unwrap_or_default();
+    match refused_without(&request, token, "server") {
+        Some(refused) => refused,
+        None => next.run(request).await,
+    }
+}
+
+/// The 401 (OpenAI's shape) for a request to this `what` (server, router) that does not carry
+/// `token` as `Authorization: Bearer`; `None` when it does.
+pub(crate) fn refused_without(request: &Request, token: &str, what: &str) -> Option<Response> {
     let given =
         (request.headers().get(header::AUTHORIZATION)).and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
     if given.is_some_and(|g| crate::dashboard::access::same(g, token.as_bytes())) {
-        return next.run(request).await;
+        return None;
     }
-    ApiError::status(
-        StatusCode::UNAUTHORIZED,
-        "authentication_error",
-        "invalid_api_key",
-        "this server needs the cluster token: send `Authorization: Bearer <token>` (the OpenAI clients' api_key)",
+    let why = format!(
+        "this {what} needs the cluster token: send `Authorization: Bearer <token>` (the OpenAI clients' api_key)"
+    );
+    Some(
+        ApiError::status(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_api_key",
+            why,
+        )
+        .into_response(),
     )
-    .into_response()
 }
 
 /// 503 past `--max-connections` requests at once; the permit lives as long as the answer's body.

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use axum::Router as Routes;
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{StatusCode, header};
+use axum::http::StatusCode;
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -250,18 +250,10 @@ async fn health(State(set): State<Arc<ReplicaSet>>) -> Response {
 
 /// 401 in OpenAI's shape without the cluster token.
 async fn require_token(State(token): State<Arc<str>>, request: Request, next: Next) -> Response {
-    let given =
-        (request.headers().get(header::AUTHORIZATION)).and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
-    if given.is_some_and(|g| crate::dashboard::access::same(g, token.as_bytes())) {
-        return next.run(request).await;
+    match crate::serve::http::refused_without(&request, &token, "router") {
+        Some(refused) => refused,
+        None => next.run(request).await,
     }
-    ApiError::status(
-        StatusCode::UNAUTHORIZED,
-        "authentication_error",
-        "invalid_api_key",
-        "this router needs the cluster token: send `Authorization: Bearer <token>` (the OpenAI clients' api_key)",
-    )
-    .into_response()
 }
 
 async fn not_found(request: Request<Body>) -> Response {
