@@ -1,4 +1,6 @@
-//! The executor: runs one actor's instruction stream for a step.
+//! The executor: runs one actor's instruction stream for a step, walked by the one interpreter
+//! of instruction streams (`actors/src/interpret.rs`; the training step is its participant in
+//! `executor/walk.rs`).
 //!
 //! Sends, receives and collectives are the same for every job; local compute is delegated to a
 //! [`Computation`] (training on burn). Every instruction is timed, a panic in
@@ -8,19 +10,19 @@
 //! (−1 when none) and bytes moved (exported over OTLP when a collector is configured).
 
 use std::collections::HashMap;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use archipelago_dataflow::{ActorId, ComputeOp, DType, DeviceSpec, FabricKind, Instruction, TensorId};
+use archipelago_dataflow::{ActorId, ComputeOp, DeviceSpec, Instruction, TensorId};
 
-use crate::collectives::{CollectiveWorker, DEFAULT_CHUNK_ELEMS, PendingCollective};
-use crate::error::{ActorFailure, panic_message};
-use crate::fabric::{Fabric, FabricError, Tag};
-use crate::progress::Waiting;
+use crate::collectives::{CollectiveWorker, DEFAULT_CHUNK_ELEMS};
+use crate::error::ActorFailure;
+use crate::fabric::Fabric;
 use crate::typed_tensor::TypedTensor;
+
+mod walk;
 
 /// An actor's host tensors by id (gradient buckets, received tensors, activations).
 #[derive(Default)]
@@ -265,69 +267,39 @@ impl Executor {
         }
     }
 
-    /// Runs the stream once as step `step`. On failure the fabric is aborted.
+    /// Runs the stream once as step `step` (walked by the one interpreter, `interpret.rs`). On failure the
+    /// fabric is aborted.
     pub fn run_step(&mut self, step: u64) -> Result<StepReport, Box<ActorFailure>> {
         let began = Instant::now();
         let began_unix_s = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
-        let mut timings = Vec::with_capacity(self.stream.len());
         // This step's host ⇄ device transfers only (not those of building or restoring).
         crate::transfer::take();
         self.fabric_read = archipelago_dataflow::FabricBytes::default();
-        let mut pending: HashMap<u64, (PendingCollective, Vec<ActorId>, DType)> = HashMap::new();
-        // GPUs: the most live bytes of the device's pool seen at an instruction's end.
-        let mut peak_in_use = 0u64;
-        for index in 0..self.stream.len() {
-            let started = Instant::now();
-            self.progress.set(step, Some(index));
-            let instruction = &self.stream[index];
-            let span = tracing::info_span!(
-                "instruction",
-                job = %self.job,
+        let stream = std::mem::take(&mut self.stream);
+        let mut run = walk::StepRun::new(self, step, began, stream.len());
+        let walked = crate::interpret::block_on(crate::interpret::interpret(&stream, &mut run));
+        let (timings, peak_in_use) = (std::mem::take(&mut run.timings), run.peak_in_use);
+        drop(run);
+        self.stream = stream;
+        if let Err((index, (message, secondary))) = walked {
+            let failure = Box::new(ActorFailure {
+                job: self.job.clone(),
                 step,
-                actor = self.actor,
-                device = %self.device,
-                index,
-                instruction = %instruction,
-                mb = instruction.microbatch().map_or(-1, |m| m as i64),
-                bytes = tracing::field::Empty,
-            );
-            let entered = span.enter();
-            let outcome = self.run_one(step, index, &mut pending);
-            if let Ok(bytes) = &outcome {
-                span.record("bytes", bytes);
-            }
-            drop(entered);
-            if outcome.is_ok()
-                && let Some(memory) = crate::gpus::memory_usage(self.device)
-            {
-                peak_in_use = peak_in_use.max(memory.in_use);
-            }
-            if let Err((message, secondary)) = outcome {
-                let failure = Box::new(ActorFailure {
-                    job: self.job.clone(),
-                    step,
-                    actor: self.actor,
-                    device: self.device,
-                    index: Some(index),
-                    instruction: self.stream[index].to_string(),
-                    message,
-                    secondary,
-                    actor_type: String::new(),
-                    host: String::new(),
-                });
-                self.fabric
-                    .abort(&format!("actor {} failed at step {step}", self.actor));
-                self.table = TensorTable::default();
-                return Err(failure);
-            }
-            timings.push(InstructionTiming {
-                index,
-                label: self.stream[index].to_string(),
-                start_s: (started - began).as_secs_f64(),
-                seconds: started.elapsed().as_secs_f64(),
+                actor: self.actor,
+                device: self.device,
+                index: Some(index),
+                instruction: self.stream[index].to_string(),
+                message,
+                secondary,
+                actor_type: String::new(),
+                host: String::new(),
             });
+            self.fabric
+                .abort(&format!("actor {} failed at step {step}", self.actor));
+            self.table = TensorTable::default();
+            return Err(failure);
         }
         self.progress.set(step, None);
         // A micro-batch's tensors end with its step: an all-reduced activation a Send copied
@@ -349,139 +321,5 @@ impl Executor {
             timings,
             host_peak_rss_bytes: 0,
         })
-    }
-
-    /// A tensor the computation holds outside the table (on its device), moved into host memory
-    /// for a send or a collective.
-    fn exported(computation: &mut dyn Computation, tensor: &TensorId) -> Result<TypedTensor, (String, bool)> {
-        match catch_unwind(AssertUnwindSafe(|| computation.export(tensor))) {
-            Ok(Some(result)) => result.map_err(|m| (m, false)),
-            Ok(None) => Err((format!("`{tensor}` is not here"), false)),
-            Err(payload) => Err((panic_message(payload.as_ref()), false)),
-        }
-    }
-
-    /// Adds `bytes` read from peers for `tensor` (`kind`: its receive's or its collective's) to
-    /// the step's fabric figures `read`.
-    fn count_read(read: &mut archipelago_dataflow::FabricBytes, kind: Option<FabricKind>, bytes: u64) {
-        if let Some(kind) = kind {
-            read.add(kind, bytes);
-        }
-    }
-
-    /// Runs instruction `index`; returns the bytes it moved (sends, receives, collectives).
-    fn run_one(
-        &mut self,
-        step: u64,
-        index: usize,
-        pending: &mut HashMap<u64, (PendingCollective, Vec<ActorId>, DType)>,
-    ) -> Result<u64, (String, bool)> {
-        let edge = |tag: u64| (step << 32) | tag;
-        let fabric_err = |e: FabricError| {
-            let secondary = matches!(e, FabricError::Aborted(_));
-            (e.to_string(), secondary)
-        };
-        match &self.stream[index] {
-            Instruction::Compute { op, inputs, outputs } => {
-                let (computation, table) = (&mut self.computation, &mut self.table);
-                match catch_unwind(AssertUnwindSafe(|| {
-                    computation.compute(step, op, inputs, outputs, table)
-                })) {
-                    Ok(result) => result.map(|()| 0).map_err(|m| (m, false)),
-                    Err(payload) => Err((panic_message(payload.as_ref()), false)),
-                }
-            }
-            Instruction::Send { tensor, to, tag } => {
-                let value = match self.table.get(tensor) {
-                    Some(t) => t.clone(),
-                    None => Self::exported(self.computation.as_mut(), tensor)?,
-                };
-                let bytes = value.byte_len() as u64;
-                self.fabric
-                    .send(
-                        self.actor,
-                        *to,
-                        Tag {
-                            edge: edge(*tag),
-                            seq: 0,
-                        },
-                        value,
-                    )
-                    .map(|()| bytes)
-                    .map_err(fabric_err)
-            }
-            Instruction::Recv { tensor, from, tag } => {
-                self.progress.wait_on(Waiting::Recv {
-                    from: *from,
-                    tag: *tag,
-                });
-                crate::fabric::read_count::take();
-                let received = self.fabric.recv(
-                    self.actor,
-                    *from,
-                    Tag {
-                        edge: edge(*tag),
-                        seq: 0,
-                    },
-                );
-                self.progress.wait_on(Waiting::Nothing);
-                let value = received.map_err(fabric_err)?;
-                let read = crate::fabric::read_count::take();
-                Self::count_read(&mut self.fabric_read, FabricKind::of(tensor), read);
-                let bytes = value.byte_len() as u64;
-                self.table.insert(tensor.clone(), value);
-                Ok(bytes)
-            }
-            Instruction::StartCollective {
-                kind,
-                tensor,
-                group,
-                tag,
-                dtype,
-            } => {
-                let value = match self.table.remove(tensor) {
-                    Some(t) => t,
-                    None => Self::exported(self.computation.as_mut(), tensor)?,
-                };
-                // Mixed precision: an f32 buffer crosses in the edge's 16 bits and is widened
-                // back when the collective ends (masters and buckets stay f32).
-                let held = value.dtype();
-                let value = match value.cast_float(*dtype) {
-                    Ok(cast) if held == DType::F32 || held == *dtype => cast,
-                    _ => {
-                        let why =
-                            format!("`{tensor}` is {held} here, the plan reduces it as {dtype} (tag {tag})");
-                        return Err((why, false));
-                    }
-                };
-                let bytes = value.byte_len() as u64;
-                let started = self.collectives.start(*kind, edge(*tag), group.clone(), value);
-                pending.insert(*tag, (started, group.clone(), held));
-                Ok(bytes)
-            }
-            Instruction::WaitCollective { tensor, tag } => {
-                let (started, group, held) = pending
-                    .remove(tag)
-                    .ok_or_else(|| (format!("collective {tag} was not started"), false))?;
-                self.progress.wait_on(Waiting::Collective { tag: *tag, group });
-                let (finished, read) = started.wait();
-                self.progress.wait_on(Waiting::Nothing);
-                let value = finished.map_err(fabric_err)?;
-                Self::count_read(&mut self.fabric_read, FabricKind::of_collective(tensor), read);
-                let bytes = value.byte_len() as u64;
-                let value = match value.cast_float(held) {
-                    Ok(widened) => widened,
-                    Err(value) => {
-                        let why = format!(
-                            "collective {tag} gave `{tensor}` as {}, not a float",
-                            value.dtype()
-                        );
-                        return Err((why, false));
-                    }
-                };
-                self.table.insert(tensor.clone(), value);
-                Ok(bytes)
-            }
-        }
     }
 }

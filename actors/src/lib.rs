@@ -43,6 +43,7 @@ pub mod host_tensor;
 pub mod inference;
 pub mod inference_sharded;
 pub(crate) mod inference_tp;
+pub(crate) mod interpret;
 pub mod kernels;
 pub mod offload;
 pub mod optim;

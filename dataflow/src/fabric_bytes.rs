@@ -16,12 +16,16 @@
 //! | all-gather | `len − |shardᵢ|` |
 //! | hierarchical all-reduce | reduce-scatter in the island, all-reduce of the own shard across islands, all-gather in the island |
 //! | all-reduce of the maximum | `(n − 1)·len` (an all-gather of every member's `len` values) |
+//!
+//! A compressed collective ([`Codec`]) reads each shard in the codec's wire size instead: the
+//! int8 all-reduce `(n − 1)·wire(|shardᵢ|) + Σ_{j≠i} wire(|shardⱼ|)`, `wire(m) = m + 4·⌈m / block⌉`.
 
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
 use crate::actor_training::shard_range;
+use crate::codec::Codec;
 use crate::instruction::{CollectiveKind, Instruction};
 use crate::plan::{ActorPlan, Plan};
 use crate::tensor_id::TensorId;
@@ -206,6 +210,28 @@ pub fn collective_read_elems(kind: CollectiveKind, group: &[ActorId], me: ActorI
     read as u64
 }
 
+/// The bytes member `me` reads in collective `c`: its elements in the dtype, or, compressed,
+/// each shard it receives in the codec's wire size (the int8 all-reduce's direct reduce-scatter
+/// brings it every other member's copy of its own shard, its all-gather every other shard once;
+/// the reduce-scatter is the first half).
+fn collective_read_bytes(c: &Sized, me: ActorId) -> u64 {
+    let (n, len) = (c.group.len(), c.elems);
+    let i = c.group.iter().position(|&a| a == me);
+    let wire = |k: usize| {
+        c.codec
+            .wire_bytes(shard_range(len, n, k).len() as u64, c.dtype_size)
+    };
+    match (c.codec, c.kind, i) {
+        (Codec::None, ..) | (_, _, None) => c.dtype_size * collective_read_elems(c.kind, c.group, me, len),
+        _ if n < 2 => 0,
+        (_, CollectiveKind::AllReduceSum, Some(i)) => {
+            (n as u64 - 1) * wire(i) + (0..n).filter(|&j| j != i).map(wire).sum::<u64>()
+        }
+        (_, CollectiveKind::ReduceScatterSum, Some(i)) => (n as u64 - 1) * wire(i),
+        _ => c.dtype_size * collective_read_elems(c.kind, c.group, me, len),
+    }
+}
+
 /// Each actor's predicted fabric bytes per step, from its instruction stream: every collective
 /// it takes part in and every tensor it receives, with the sizes the layout gives (a segment's
 /// parameters for its bucket and gathers, in the collective's dtype; a micro-batch of the boundary
@@ -231,6 +257,7 @@ struct Sized<'a> {
     group: &'a [ActorId],
     elems: usize,
     dtype_size: u64,
+    codec: Codec,
 }
 
 /// A class's traffic: its receives, and its collectives by the axes their groups span, with what
@@ -266,6 +293,7 @@ impl<'a> ClassTraffic<'a> {
                     tensor,
                     group,
                     dtype,
+                    codec,
                     ..
                 } => {
                     let Some(fabric) = FabricKind::of_collective(tensor) else {
@@ -278,6 +306,7 @@ impl<'a> ClassTraffic<'a> {
                         group,
                         elems: elems(tensor),
                         dtype_size: dtype.size() as u64,
+                        codec: *codec,
                     };
                     match class.collectives.iter_mut().find(|(s, _)| *s == spanned) {
                         Some((_, all)) => all.push(sized),
@@ -306,8 +335,7 @@ impl<'a> ClassTraffic<'a> {
             let read = self.by_place.entry((*spanned, me)).or_insert_with(|| {
                 let mut read = FabricBytes::default();
                 for c in collectives {
-                    let elems = collective_read_elems(c.kind, c.group, me, c.elems);
-                    read.add(c.fabric, c.dtype_size * elems);
+                    read.add(c.fabric, collective_read_bytes(c, me));
                 }
                 read
             });

@@ -47,6 +47,8 @@ pub enum NodeOp {
         tensor: TensorId,
         /// Its element type on the wire (sums accumulate in f32 whatever it is).
         dtype: DType,
+        /// How its payload is compressed on the wire ([`crate::passes::compress`]).
+        codec: crate::codec::Codec,
     },
 }
 
@@ -151,6 +153,7 @@ impl Graph {
             group,
             tensor: tensor.clone(),
             dtype: DType::F32,
+            codec: crate::codec::Codec::None,
         });
     }
 }

@@ -282,6 +282,9 @@ pub enum Instruction {
         /// before collectives were typed).
         #[serde(default)]
         dtype: DType,
+        /// How the payload is compressed on the wire (none in plans written before issue 43).
+        #[serde(default)]
+        codec: crate::codec::Codec,
     },
     /// Wait until a started collective has finished on this actor.
     WaitCollective {
@@ -369,10 +372,14 @@ impl fmt::Display for Instruction {
                 group,
                 tag,
                 dtype,
+                codec,
             } => {
                 write!(f, "{kind:?}({tensor}")?;
                 if *dtype != DType::F32 {
                     write!(f, " {dtype}")?;
+                }
+                if *codec != crate::codec::Codec::None {
+                    write!(f, " {codec}")?;
                 }
                 write!(f, ", group {group:?}, tag {tag})")
             }

@@ -35,6 +35,7 @@
 
 pub mod activation_checkpoints;
 pub mod actor_training;
+pub mod codec;
 pub mod data;
 pub mod device;
 pub mod dtype;
@@ -75,6 +76,7 @@ pub mod verify;
 
 pub use activation_checkpoints::{ActivationCheckpoints, CheckpointBytes, KeptInput};
 pub use actor_training::{ActorTraining, SegmentPlan, ZeroStage, shard_range};
+pub use codec::{Codec, Compression};
 pub use device::DeviceSpec;
 pub use dtype::DType;
 pub use error::PlanError;

@@ -235,6 +235,7 @@ fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, 
         &sliced.model.ties(),
     );
     crate::passes::precision::apply(&mut graph, &program.precision);
+    crate::passes::compress::apply(&mut graph, program)?;
     let streams = crate::passes::lower::lower(&graph);
     let streams = StreamClasses::verified(symmetry, streams, graph.nodes.len() as u64)?;
     let optimizer_s = optimizer_seconds(sliced, &layout, &cost_model);

@@ -98,7 +98,11 @@ impl Plan {
                 ));
             }
             if let Some(f) = self.fabric.get(a.actor).filter(|f| f.total() > 0) {
-                out.push_str(&format!("  reads from peers per step: {f}\n"));
+                let codec = match self.program.compression {
+                    crate::Compression::None => String::new(),
+                    asked => format!(" (gradient all-reduces as {asked})"),
+                };
+                out.push_str(&format!("  reads from peers per step: {f}{codec}\n"));
             }
             if let Some(t) = self.offload_traffic.get(a.actor).filter(|t| t.total() > 0) {
                 out.push_str(&format!("  offload traffic per step: {t}\n"));

@@ -258,6 +258,13 @@ pub struct Program {
     /// The compute dtype of forward and backward (the master and the optimizer state stay f32).
     #[serde(default)]
     pub precision: crate::precision::Precision,
+    /// How gradients are compressed on the fabric (`--compress`; issue 43).
+    #[serde(default)]
+    pub compression: crate::codec::Compression,
+    /// ZeRO-2/3's gradient reduce-scatter crosses as block-wise int8 (`--quantize-grads int8`,
+    /// ZeRO++'s qgZ).
+    #[serde(default)]
+    pub quantize_grads: bool,
     /// Which parameters take weight decay.
     #[serde(default)]
     pub param_groups: ParamGroups,
@@ -328,6 +335,10 @@ pub enum TestFault {
     /// compute dtype (a 16-bit weight updated in place), so updates below half its last place
     /// vanish (Micikevicius et al. 2018, §3.1).
     RoundedMaster,
+    /// Compression's control: `--compress int8` without its scales ([`crate::Codec::Int8`] with
+    /// `block` 0): every gradient value is rounded to an integer in [−127, 127], so the small
+    /// ones vanish and the run barely learns.
+    UnscaledInt8,
     /// Loss scaling's fault: `actor` writes an inf into the first element of each gradient
     /// bucket it computes in step `step` (from 1), before any collective reads it; the other
     /// actors' own gradients stay finite.
@@ -404,6 +415,8 @@ impl Program {
             lr_schedule: LrSchedule::constant(),
             clip_grad_norm: None,
             precision: Default::default(),
+            compression: Default::default(),
+            quantize_grads: false,
             param_groups: ParamGroups::default(),
             data,
             seed: 0,
@@ -434,6 +447,8 @@ impl Program {
             lr_schedule: LrSchedule::constant(),
             clip_grad_norm: None,
             precision: Default::default(),
+            compression: Default::default(),
+            quantize_grads: false,
             param_groups: ParamGroups::default(),
             data,
             seed: 0,
@@ -477,6 +492,12 @@ impl Program {
     /// Clips the gradients to global L2 norm `max_norm` before each update (`None`: no clipping).
     pub fn with_clip_grad_norm(mut self, max_norm: Option<f32>) -> Program {
         self.clip_grad_norm = max_norm;
+        self
+    }
+
+    /// Compresses the data-parallel gradient reductions as `compression` says (`--compress`).
+    pub fn with_compression(mut self, compression: crate::codec::Compression) -> Program {
+        self.compression = compression;
         self
     }
 

@@ -291,6 +291,7 @@ fn the_symmetry_check_and_the_quotient_refuse_what_they_must() {
         group,
         tag: 1,
         dtype: crate::DType::F32,
+        codec: crate::Codec::None,
     };
     streams[0] = vec![start(vec![0, 2])];
     let refused = symmetry.check(&streams).unwrap_err().to_string();

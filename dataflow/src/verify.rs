@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 
-use crate::instruction::Instruction;
+use crate::instruction::{CollectiveKind, Instruction};
 use crate::tensor_id::TensorId;
 use crate::{ActorId, PlanError};
 
@@ -26,6 +26,7 @@ struct CollectiveFacts<'a> {
     group: &'a [ActorId],
     tensor: &'a TensorId,
     dtype: crate::DType,
+    codec: crate::Codec,
 }
 
 /// Checks that `streams` (indexed by actor) run to completion without deadlock.
@@ -116,12 +117,22 @@ fn advance<'a>(
             sim.defined.insert(tensor);
         }
         Instruction::StartCollective {
+            kind,
             tensor,
             group,
             tag,
             dtype,
-            ..
+            codec,
         } => {
+            let sums = matches!(
+                kind,
+                CollectiveKind::AllReduceSum | CollectiveKind::ReduceScatterSum
+            );
+            if *codec != crate::Codec::None && !(sums && *dtype == crate::DType::F32) {
+                return Err(at(format!(
+                    "collective tag {tag} is {kind:?} of {dtype} compressed as {codec}: codecs encode f32 sums only"
+                )));
+            }
             if !group.contains(&me) {
                 return Err(at("this actor is not a member of the group".into()));
             }
@@ -132,11 +143,14 @@ fn advance<'a>(
                 group,
                 tensor,
                 dtype: *dtype,
+                codec: *codec,
             });
-            if facts.group != group.as_slice() || facts.tensor != tensor || facts.dtype != *dtype {
+            let same = (facts.group, facts.tensor, facts.dtype, facts.codec)
+                == (group.as_slice(), tensor, *dtype, *codec);
+            if !same {
                 return Err(at(format!(
-                    "members disagree on collective tag {tag}: group {:?} on {} `{}` elsewhere",
-                    facts.group, facts.dtype, facts.tensor
+                    "members disagree on collective tag {tag}: group {:?} on {} `{}` (codec {}) elsewhere",
+                    facts.group, facts.dtype, facts.tensor, facts.codec
                 )));
             }
             sim.in_collective.insert(tensor);
@@ -236,6 +250,7 @@ mod tests {
             group: vec![0, 1],
             tag,
             dtype: crate::DType::F32,
+            codec: crate::Codec::None,
         }
     }
     fn wait(tensor: &str, tag: u64) -> Instruction {
@@ -260,6 +275,34 @@ mod tests {
         let error = verify(&streams).unwrap_err().to_string();
         assert!(error.contains("disagree") && error.contains("f32"), "{error}");
         let same = vec![vec![make("g"), start("g", 1), wait("g", 1)]; 2];
+        verify(&same).unwrap();
+    }
+
+    /// Members must agree on a collective's codec, and a codec encodes f32 sums only; control:
+    /// both members compressing an f32 all-reduce alike pass.
+    #[test]
+    fn members_of_a_collective_must_agree_on_its_codec() {
+        let compressed = |dtype| {
+            let mut start = start("g", 1);
+            if let Instruction::StartCollective { codec, dtype: d, .. } = &mut start {
+                *codec = crate::Codec::Int8 { block: 256 };
+                *d = dtype;
+            }
+            start
+        };
+        let streams = vec![
+            vec![make("g"), start("g", 1), wait("g", 1)],
+            vec![make("g"), compressed(crate::DType::F32), wait("g", 1)],
+        ];
+        let error = verify(&streams).unwrap_err().to_string();
+        assert!(
+            error.contains("disagree") && error.contains("codec none"),
+            "{error}"
+        );
+        let bf16 = vec![vec![make("g"), compressed(crate::DType::BF16), wait("g", 1)]; 2];
+        let error = verify(&bf16).unwrap_err().to_string();
+        assert!(error.contains("f32 sums only"), "{error}");
+        let same = vec![vec![make("g"), compressed(crate::DType::F32), wait("g", 1)]; 2];
         verify(&same).unwrap();
     }
 

@@ -1,5 +1,6 @@
 //! Helpers of the mixed-precision tests (`tests/mixed_precision*.rs`): programs in a given
-//! precision, every parameter of a run, element-wise distances.
+//! precision, every parameter of a run, element-wise distances, and the loss comparisons of
+//! runs that are not meant to be equal (mixed precision, loss scaling, compression).
 
 use archipelago_controller::{TrainOptions, TrainReport};
 use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Precision, Program};
@@ -44,5 +45,27 @@ pub fn max_abs(a: &[f32], b: &[f32]) -> f64 {
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max)
+}
+
+/// Steps at the end of a run whose mean loss is compared.
+pub const LAST: usize = 20;
+
+/// The mean loss of the last [`LAST`] steps.
+pub fn mean_last(report: &TrainReport) -> f64 {
+    let tail = &report.steps[report.steps.len() - LAST..];
+    tail.iter().map(|s| s.loss as f64).sum::<f64>() / LAST as f64
+}
+
+/// |mean_last(b) − mean_last(a)| / mean_last(a).
+pub fn loss_gap(a: &TrainReport, b: &TrainReport) -> f64 {
+    let (a, b) = (mean_last(a), mean_last(b));
+    (b - a).abs() / a
+}
+
+/// The largest relative difference of one step's loss between two runs.
+pub fn worst_step(a: &TrainReport, b: &TrainReport) -> f64 {
+    (a.steps.iter().zip(&b.steps))
+        .map(|(x, y)| ((x.loss - y.loss) / x.loss).abs() as f64)
         .fold(0.0, f64::max)
 }

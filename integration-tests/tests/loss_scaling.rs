@@ -17,13 +17,12 @@ use archipelago_dataflow::{
     LossScale, LrSchedule, Offload, OptimizerSpec, ParallelPlan, Precision, Program, StatePlacement,
     TestFault,
 };
-use archipelago_integration_tests::precision::{max_abs, params, program, run};
+use archipelago_integration_tests::precision::{LAST, max_abs, mean_last, params, program, run};
 use archipelago_integration_tests::{MARGIN, assert_caught, train_program};
 
 const GPT: &str = "gpt:vocab=64,ctx=16,d=32,layers=2,heads=2";
 const MLP: &str = "mlp:in=16,hidden=64,layers=3,out=4";
 const STEPS: u64 = 60;
-const LAST: usize = 20;
 /// The bound of the issue: f16's mean loss over the last steps within 2% of f32's.
 const LOSS_BOUND: f64 = 0.02;
 
@@ -36,11 +35,6 @@ fn one_device(batch: usize) -> ParallelPlan {
         batch,
         ..ParallelPlan::default()
     }
-}
-
-fn mean_last(report: &TrainReport) -> f64 {
-    let tail = &report.steps[report.steps.len() - LAST..];
-    tail.iter().map(|s| s.loss as f64).sum::<f64>() / LAST as f64
 }
 
 #[test]

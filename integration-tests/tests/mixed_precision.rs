@@ -10,18 +10,16 @@
 //! f32 master (`TestFault::RoundedMaster`), under SGD at a rate whose updates fall below half a
 //! bf16 place.
 
-use archipelago_controller::TrainReport;
 use archipelago_dataflow::{ModelSpec, OptimizerSpec, ParallelPlan, Precision, TestFault};
-use archipelago_integration_tests::precision::{bf16, program, run};
+use archipelago_integration_tests::precision::{LAST, bf16, loss_gap, mean_last, program, run, worst_step};
 use archipelago_integration_tests::{MARGIN, assert_caught};
 
 const GPT: &str = "gpt:vocab=64,ctx=16,d=32,layers=2,heads=2";
 const MLP: &str = "mlp:in=16,hidden=64,layers=3,out=4";
 /// Wide enough that SGD at 0.02 moves most weights by less than half a bf16 place per step.
 const MLP_WIDE: &str = "mlp:in=16,hidden=512,layers=3,out=4";
-/// Steps of the loss comparisons, and the steps whose mean loss is compared.
+/// Steps of the loss comparisons.
 const STEPS: u64 = 60;
-const LAST: usize = 20;
 /// The bound of the issue: bf16's mean loss over the last steps within 2% of f32's.
 const LOSS_BOUND: f64 = 0.02;
 
@@ -30,26 +28,6 @@ fn one_device(batch: usize) -> ParallelPlan {
         batch,
         ..ParallelPlan::default()
     }
-}
-
-/// The mean loss of the last [`LAST`] steps.
-fn mean_last(report: &TrainReport) -> f64 {
-    let losses: Vec<f64> = report.steps.iter().map(|s| s.loss as f64).collect();
-    let tail = &losses[losses.len() - LAST..];
-    tail.iter().sum::<f64>() / tail.len() as f64
-}
-
-/// |mean_last(b) − mean_last(a)| / mean_last(a).
-fn loss_gap(a: &TrainReport, b: &TrainReport) -> f64 {
-    let (a, b) = (mean_last(a), mean_last(b));
-    (b - a).abs() / a
-}
-
-/// The largest relative difference of one step's loss between two runs.
-fn worst_step(a: &TrainReport, b: &TrainReport) -> f64 {
-    (a.steps.iter().zip(&b.steps))
-        .map(|(x, y)| ((x.loss - y.loss) / x.loss).abs() as f64)
-        .fold(0.0, f64::max)
 }
 
 /// The cases: (model, optimizer, batch).

@@ -10,6 +10,7 @@
 
 pub mod element;
 pub mod hierarchical;
+pub mod quantized;
 pub mod ring_all_reduce;
 pub mod shared;
 pub mod worker;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use archipelago_dataflow::{ActorId, CollectiveKind};
+use archipelago_dataflow::{ActorId, Codec, CollectiveKind};
 use half::{bf16, f16};
 
 use super::element::Reducible;
@@ -18,6 +18,7 @@ use crate::typed_tensor::{DType, Element, TypedTensor};
 
 struct Job {
     kind: CollectiveKind,
+    codec: Codec,
     edge: u64,
     group: Vec<ActorId>,
     tensor: TypedTensor,
@@ -62,6 +63,7 @@ impl CollectiveWorker {
                     crate::fabric::read_count::take();
                     let Job {
                         kind,
+                        codec,
                         edge,
                         group,
                         tensor,
@@ -69,6 +71,7 @@ impl CollectiveWorker {
                     } = job;
                     let call = Call {
                         kind,
+                        codec,
                         edge,
                         group: &group,
                     };
@@ -91,9 +94,22 @@ impl CollectiveWorker {
         group: Vec<ActorId>,
         tensor: TypedTensor,
     ) -> PendingCollective {
+        self.start_encoded(kind, Codec::None, edge, group, tensor)
+    }
+
+    /// Queues a collective whose payload crosses as `codec` says (issue 43's compression).
+    pub fn start_encoded(
+        &self,
+        kind: CollectiveKind,
+        codec: Codec,
+        edge: u64,
+        group: Vec<ActorId>,
+        tensor: TypedTensor,
+    ) -> PendingCollective {
         let (done, result) = mpsc::channel();
         let job = Job {
             kind,
+            codec,
             edge,
             group,
             tensor,
@@ -119,7 +135,12 @@ pub(crate) fn run_collective(
     group: &[ActorId],
     tensor: TypedTensor,
 ) -> Result<TypedTensor, FabricError> {
-    let call = Call { kind, edge, group };
+    let call = Call {
+        kind,
+        codec: Codec::None,
+        edge,
+        group,
+    };
     let mut pool = ChunkPool::default();
     run_job(fabric, me, super::DEFAULT_CHUNK_ELEMS, &mut pool, &call, tensor)
 }
@@ -127,6 +148,7 @@ pub(crate) fn run_collective(
 /// What one collective is, but its tensor.
 struct Call<'a> {
     kind: CollectiveKind,
+    codec: Codec,
     edge: u64,
     group: &'a [ActorId],
 }
@@ -143,6 +165,9 @@ fn run_job(
     job: &Call,
     tensor: TypedTensor,
 ) -> Result<TypedTensor, FabricError> {
+    if let Codec::Int8 { block } = job.codec {
+        return run_int8(fabric, me, job, tensor, block as usize);
+    }
     match tensor.dtype() {
         DType::F32 => run_f32(fabric, me, chunk_elems, pool, job, tensor),
         DType::BF16 => run_reducible::<bf16>(fabric, me, chunk_elems, pool, job, tensor),
@@ -188,6 +213,42 @@ fn run_f32(
         }
         CollectiveKind::AllReduceMax => {
             all_reduce_max(fabric, me, group, edge, &mut data, chunk_elems, pool)?
+        }
+    }
+    Ok(TypedTensor::new(shape, data))
+}
+
+/// A sum whose values cross as block-wise int8 ([`super::quantized`]): f32 all-reduces and
+/// reduce-scatters only (what the compression pass writes; the verifier refuses others).
+fn run_int8(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    job: &Call,
+    tensor: TypedTensor,
+    block: usize,
+) -> Result<TypedTensor, FabricError> {
+    if tensor.dtype() != DType::F32 {
+        return Err(FabricError::Aborted(format!(
+            "an int8-compressed {:?} encodes f32 values; this one brought {}",
+            job.kind,
+            tensor.dtype()
+        )));
+    }
+    let shape = tensor.shape().to_vec();
+    let mut data = tensor.into_f32_vec();
+    let (group, edge) = (job.group, job.edge);
+    match job.kind {
+        CollectiveKind::AllReduceSum => {
+            super::quantized::int8_all_reduce(fabric, me, group, edge, &mut data, block)?
+        }
+        CollectiveKind::ReduceScatterSum => {
+            super::quantized::int8_reduce_scatter(fabric, me, group, edge, &mut data, block)?;
+            return Ok(own_shard(job, me, &data));
+        }
+        other => {
+            return Err(FabricError::Aborted(format!(
+                "{other:?} has no int8 form (sums only)"
+            )));
         }
     }
     Ok(TypedTensor::new(shape, data))

@@ -86,6 +86,7 @@ pub fn reduce_gradients(graph: &mut Graph, layout: &Layout) {
                     group,
                     tensor: TensorId::GradBucket { segment: run.segment },
                     dtype: crate::DType::F32,
+                    codec: crate::Codec::None,
                 };
                 (run.last + 1, reduce)
             })

@@ -82,6 +82,7 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                 group,
                 tensor,
                 dtype,
+                codec,
             } => {
                 for &member in group.iter().filter(|&&a| graph.builds(a)) {
                     let start = Instruction::StartCollective {
@@ -90,6 +91,7 @@ pub fn lower(graph: &Graph) -> Vec<Vec<Instruction>> {
                         group: group.clone(),
                         tag,
                         dtype: *dtype,
+                        codec: *codec,
                     };
                     emit(member, start, &mut pending);
                     let wait = Instruction::WaitCollective {

@@ -1,6 +1,7 @@
 //! Compiler passes, one file each: a parallelism is a pass that builds or rewrites the graph of a
 //! training step ([`step::build_step`] runs them in order).
 
+pub mod compress;
 pub mod data_parallel;
 pub mod islands;
 pub mod layout;

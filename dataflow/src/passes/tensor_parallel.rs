@@ -54,6 +54,7 @@ pub fn reduce_replicated_grads(graph: &mut Graph, layout: &Layout) {
                 group: group.clone(),
                 tensor: tensor.clone(),
                 dtype: crate::DType::F32,
+                codec: crate::Codec::None,
             };
             inserts.push((run.last + 1, reduce));
             for actor in group {

@@ -119,6 +119,7 @@ fn gather_after_update(graph: &mut Graph, layout: &Layout) {
                     group,
                     tensor: tensor.clone(),
                     dtype: crate::DType::F32,
+                    codec: crate::Codec::None,
                 };
                 inserts.push((at, gather));
             }
@@ -175,6 +176,7 @@ fn gather_around_runs(graph: &mut Graph, layout: &Layout) {
                     group,
                     tensor: tensor.clone(),
                     dtype: crate::DType::F32,
+                    codec: crate::Codec::None,
                 });
             }
             nodes

@@ -1,6 +1,7 @@
 //! One participant's interpreter: spawned once on its actor's device thread (in whichever
-//! process holds the actor), it walks the participant's stream, lowered once into a
-//! [`Plan`], every iteration — `Recv` waits for a value from a peer, `Compute` calls the actor's
+//! process holds the actor), it walks the participant's stream with the one interpreter of
+//! instruction streams ([`crate::interpret`], which training steps use too), each instruction
+//! doing what the stream's [`Plan`] (lowered once) says, every iteration — `Recv` waits for a value from a peer, `Compute` calls the actor's
 //! handler (a local call on the same thread), `Send` hands the value to the next interpreter
 //! (see [`routes`](super::routes)). A failed call travels down the stream as an error value, so
 //! an iteration always ends, with the error naming the actor.
@@ -8,12 +9,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use archipelago_dataflow::{ComputeOp, Instruction};
+use archipelago_dataflow::{ActorId, ComputeOp, Instruction, TensorId};
 
 use super::direct::{Deliver, Direct, Onward};
 use super::plan::{Plan, Resolve, Step, StreamCollectives, Table};
 use super::routes::{self, Inbox, Outbox};
 use super::{Invoke, Shared};
+use crate::interpret::{CollectiveStart, Participant};
 use crate::runtime::CallError;
 use crate::typed_tensor::TypedTensor;
 
@@ -82,33 +84,52 @@ pub(crate) fn start(
         },
         None => plan,
     };
-    executor.spawn(interpret(plan, inbox));
+    executor.spawn(iterations(stream.to_vec(), plan, inbox));
     Ok(())
 }
 
-/// One actor's interpreter: its plan, every iteration, until the program is dropped.
-async fn interpret(plan: Plan, mut inbox: Inbox) {
+/// One actor's interpreter: its stream, walked by the one interpreter of instruction streams
+/// every iteration, until the program is dropped or broken.
+async fn iterations(stream: Vec<Instruction>, plan: Plan, mut inbox: Inbox) {
     let mut table = Table::new(plan.slots);
-    while iteration(&plan, &mut inbox, &mut table).await {
+    loop {
+        let mut member = Member {
+            plan: &plan,
+            inbox: &mut inbox,
+            table: &mut table,
+        };
+        if crate::interpret::interpret(&stream, &mut member).await.is_err() {
+            return;
+        }
         table.clear();
     }
 }
 
-/// One iteration of a participant's plan; `false` once the program is dropped or broken.
-async fn iteration(plan: &Plan, inbox: &mut Inbox, table: &mut Table) -> bool {
-    for step in &plan.steps {
-        match step {
-            Step::Recv { slot, from, tag, .. } => {
-                let Some(value) = inbox.take(*from, *tag).await else {
-                    return false;
-                };
-                // A lost process ends the program: the program's own stream reports it,
-                // interpreters stop instead of cycling on the error.
-                if inbox.broken().is_some() {
-                    return false;
-                }
-                table.put(*slot, value);
-            }
+/// One iteration of a participant's plan, as a [`Participant`] of the one interpreter: each
+/// instruction does what the plan's step of the same index says.
+struct Member<'a> {
+    plan: &'a Plan,
+    inbox: &'a mut Inbox,
+    table: &'a mut Table,
+}
+
+/// The program was dropped, or a process it spans was lost (its own stream reports that).
+struct Ended;
+
+impl Participant for Member<'_> {
+    /// The collective's slot and its result.
+    type Started = (usize, Result<Shared, CallError>);
+    type Stop = Ended;
+
+    async fn compute(
+        &mut self,
+        index: usize,
+        _: &ComputeOp,
+        _: &[TensorId],
+        _: &[TensorId],
+    ) -> Result<u64, Ended> {
+        let table = &mut *self.table;
+        match &self.plan.steps[index] {
             Step::Call {
                 node,
                 input,
@@ -121,42 +142,88 @@ async fn iteration(plan: &Plan, inbox: &mut Inbox, table: &mut Table) -> bool {
                     (Some(Ok(_)), None) => Err(CallError::Program {
                         reason: format!("recorded call {node} has no handler in this stream"),
                     }),
-                    (None, _) => continue,
+                    (None, _) => return Ok(0),
                 };
                 table.put(*output, value);
-            }
-            Step::Send { value, tag, port } => {
-                let Some(value) = table.read(*value) else {
-                    continue;
-                };
-                if port.send(*tag, value).is_err() {
-                    return false;
-                }
             }
             Step::Alias { input, output } => {
                 if let Some(value) = table.read(*input) {
                     table.put(*output, value);
                 }
             }
-            Step::Collective {
-                slot,
-                kind,
-                group,
-                me,
-            } => {
-                // A value that never came still takes part (as a failure), so the others do not
-                // wait for this member.
-                let value = table.take(*slot).unwrap_or_else(|| {
-                    Err(CallError::Program {
-                        reason: "a recorded all-reduce's value never came".into(),
-                    })
-                });
-                table.put(*slot, collective(value, *kind, group, *me).await);
-            }
-            Step::Gather { .. } | Step::Return { .. } => {}
+            _ => {}
+        }
+        Ok(0)
+    }
+
+    async fn send(&mut self, index: usize, _: &TensorId, _: ActorId, _: u64) -> Result<u64, Ended> {
+        let Step::Send { value, tag, port } = &self.plan.steps[index] else {
+            return Ok(0);
+        };
+        match self.table.read(*value) {
+            Some(value) => port.send(*tag, value).map(|()| 0).map_err(|_| Ended),
+            None => Ok(0),
         }
     }
-    true
+
+    async fn recv(&mut self, index: usize, _: &TensorId, _: ActorId, _: u64) -> Result<u64, Ended> {
+        let Step::Recv { slot, from, tag, .. } = &self.plan.steps[index] else {
+            return Ok(0);
+        };
+        let value = self.inbox.take(*from, *tag).await.ok_or(Ended)?;
+        // A lost process ends the program: the program's own stream reports it, interpreters
+        // stop instead of cycling on the error.
+        if self.inbox.broken().is_some() {
+            return Err(Ended);
+        }
+        self.table.put(*slot, value);
+        Ok(0)
+    }
+
+    async fn start_collective(
+        &mut self,
+        index: usize,
+        start: CollectiveStart<'_>,
+    ) -> Result<(Self::Started, u64), Ended> {
+        let Step::Collective {
+            slot,
+            kind,
+            group,
+            me,
+        } = &self.plan.steps[index]
+        else {
+            return Err(Ended);
+        };
+        // A value that never came still takes part (as a failure), so the others do not wait
+        // for this member.
+        let value = self.table.take(*slot).unwrap_or_else(|| {
+            Err(CallError::Program {
+                reason: "a recorded all-reduce's value never came".into(),
+            })
+        });
+        let reduced = match group {
+            Some(group) => collective(value, *kind, group, *me).await,
+            None => Err(CallError::Program {
+                reason: format!("recorded collective {} has no group in this stream", start.tag),
+            }),
+        };
+        Ok(((*slot, reduced), 0))
+    }
+
+    async fn wait_collective(
+        &mut self,
+        _: usize,
+        _: &TensorId,
+        _: u64,
+        (slot, reduced): Self::Started,
+    ) -> Result<u64, Ended> {
+        self.table.put(slot, reduced);
+        Ok(0)
+    }
+
+    fn unstarted(&mut self, _: usize, _: u64) -> Ended {
+        Ended
+    }
 }
 
 /// A recorded collective of this stream's actor `me` over `value` (a [`TypedTensor`]). The

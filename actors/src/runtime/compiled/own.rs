@@ -1,21 +1,23 @@
 //! The program's own stream (the last), run once per [`CompiledProgram::run`](super::CompiledProgram::run)
-//! on the caller's thread: it sends the input to the first actors, makes the gathers and takes
-//! the output. Its plan, inbox and table live as long as the program; a run holds them (runs
-//! are handled in order).
+//! on the caller's thread by the one interpreter of instruction streams: it sends the input to
+//! the first actors, makes the gathers and takes the output. Its plan, inbox and table live as
+//! long as the program; a run holds them (runs are handled in order).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use archipelago_dataflow::Instruction;
+use archipelago_dataflow::{ActorId, ComputeOp, Instruction, TensorId};
 use tokio::sync::Mutex;
 
 use super::Shared;
 use super::plan::{Plan, Step, Table};
 use super::routes::Inbox;
+use crate::interpret::{CollectiveStart, Participant};
 use crate::runtime::CallError;
 
 /// The program's own stream, lowered, with what its runs share.
 pub(crate) struct Own {
+    stream: Vec<Instruction>,
     plan: Plan,
     /// The inbox and the table of values, held by one run at a time.
     state: Mutex<(Inbox, Table)>,
@@ -44,6 +46,7 @@ impl Own {
         inbox.unclaimed = vec![0; plan.counters];
         let table = Table::new(plan.slots);
         Own {
+            stream: stream.to_vec(),
             plan,
             state: Mutex::new((inbox, table)),
             abandoned: AtomicBool::new(false),
@@ -88,51 +91,108 @@ impl Own {
         Ok(Arc::try_unwrap(typed).unwrap_or_else(|shared| (*shared).clone()))
     }
 
-    /// Walks the plan up to its return: the output value (or the error it became); an error
-    /// when the stream stopped before its end.
+    /// Walks the stream (the one interpreter, [`crate::interpret`]): the output value (or the
+    /// error it became); an error when the stream stopped before its return.
     async fn walk(
         &self,
         inbox: &mut Inbox,
         table: &mut Table,
     ) -> Result<Result<Shared, CallError>, CallError> {
-        for step in &self.plan.steps {
-            match step {
-                Step::Send { value, tag, port } => {
-                    let value = table.read(*value).unwrap_or_else(|| Err(stopped()));
-                    port.send(*tag, value)?;
-                }
-                Step::Recv {
-                    slot,
-                    from,
-                    tag,
-                    counter,
-                } => {
-                    let value = loop {
-                        let value = inbox.take(*from, *tag).await.ok_or_else(stopped)?;
-                        let unclaimed = &mut inbox.unclaimed[*counter];
-                        *unclaimed = unclaimed.saturating_sub(1);
-                        if *unclaimed == 0 {
-                            break value;
-                        }
-                    };
-                    table.put(*slot, value);
-                }
-                Step::Gather {
-                    inputs,
-                    output,
-                    gather,
-                } => {
-                    let values: Result<Vec<Shared>, CallError> = (inputs.iter())
-                        .map(|i| table.read(*i).unwrap_or_else(|| Err(stopped())))
-                        .collect();
-                    let gather = gather.ok_or_else(stopped)?;
-                    table.put(*output, values.map(gather));
-                }
-                Step::Return { value } => return Ok(table.read(*value).unwrap_or_else(|| Err(stopped()))),
-                Step::Call { .. } | Step::Alias { .. } | Step::Collective { .. } => {}
+        let mut run = OwnRun {
+            plan: &self.plan,
+            inbox,
+            table,
+            output: None,
+        };
+        crate::interpret::interpret(&self.stream, &mut run)
+            .await
+            .map_err(|(_, error)| error)?;
+        run.output.ok_or_else(stopped)
+    }
+}
+
+/// One run of the program's own stream, as a [`Participant`] of the one interpreter: sends of
+/// the input, receives, gathers and the return (its stream has no calls or collectives).
+struct OwnRun<'a> {
+    plan: &'a Plan,
+    inbox: &'a mut Inbox,
+    table: &'a mut Table,
+    output: Option<Result<Shared, CallError>>,
+}
+
+impl Participant for OwnRun<'_> {
+    type Started = ();
+    type Stop = CallError;
+
+    async fn compute(
+        &mut self,
+        index: usize,
+        _: &ComputeOp,
+        _: &[TensorId],
+        _: &[TensorId],
+    ) -> Result<u64, CallError> {
+        let table = &mut *self.table;
+        match &self.plan.steps[index] {
+            Step::Gather {
+                inputs,
+                output,
+                gather,
+            } => {
+                let values: Result<Vec<Shared>, CallError> = (inputs.iter())
+                    .map(|i| table.read(*i).unwrap_or_else(|| Err(stopped())))
+                    .collect();
+                let gather = gather.ok_or_else(stopped)?;
+                table.put(*output, values.map(gather));
             }
+            Step::Return { value } => {
+                self.output = Some(table.read(*value).unwrap_or_else(|| Err(stopped())))
+            }
+            _ => {}
         }
-        Err(stopped())
+        Ok(0)
+    }
+
+    async fn send(&mut self, index: usize, _: &TensorId, _: ActorId, _: u64) -> Result<u64, CallError> {
+        let Step::Send { value, tag, port } = &self.plan.steps[index] else {
+            return Ok(0);
+        };
+        let value = self.table.read(*value).unwrap_or_else(|| Err(stopped()));
+        port.send(*tag, value).map(|()| 0)
+    }
+
+    async fn recv(&mut self, index: usize, _: &TensorId, _: ActorId, _: u64) -> Result<u64, CallError> {
+        let Step::Recv {
+            slot,
+            from,
+            tag,
+            counter,
+        } = &self.plan.steps[index]
+        else {
+            return Ok(0);
+        };
+        // Values of runs dropped midway are skipped: the last unclaimed one is this run's.
+        let value = loop {
+            let value = self.inbox.take(*from, *tag).await.ok_or_else(stopped)?;
+            let unclaimed = &mut self.inbox.unclaimed[*counter];
+            *unclaimed = unclaimed.saturating_sub(1);
+            if *unclaimed == 0 {
+                break value;
+            }
+        };
+        self.table.put(*slot, value);
+        Ok(0)
+    }
+
+    async fn start_collective(&mut self, _: usize, _: CollectiveStart<'_>) -> Result<((), u64), CallError> {
+        Ok(((), 0))
+    }
+
+    async fn wait_collective(&mut self, _: usize, _: &TensorId, _: u64, (): ()) -> Result<u64, CallError> {
+        Ok(0)
+    }
+
+    fn unstarted(&mut self, _: usize, _: u64) -> CallError {
+        stopped()
     }
 }
 

@@ -2,7 +2,8 @@
 //! table reused by every iteration (no map, no hashing of names per run), every send its route
 //! and codec resolved ([`Port`]), every call its invoker, and every read says whether it is the
 //! value's last in the stream — a last read moves the value out, so a value nothing else holds
-//! is moved into the next message instead of copied.
+//! is moved into the next message instead of copied. A plan has one step per instruction (the
+//! one interpreter, [`crate::interpret`], walks the stream and looks its steps up by index).
 
 use std::collections::HashMap;
 
@@ -51,14 +52,16 @@ pub(crate) enum Step {
     /// A value under another name (a member's value entering a collective under the name every
     /// member gives it).
     Alias { input: Read, output: usize },
-    /// A collective over the value in `slot` with `group` (this stream's actor is `me`), its
-    /// result put back there.
+    /// A collective over the value in `slot` with `group` (this stream's actor is `me`; `None`
+    /// when the stream has no group for its tag), its result put back there.
     Collective {
         slot: usize,
         kind: archipelago_dataflow::CollectiveKind,
-        group: crate::runtime::CollectiveGroup,
+        group: Option<crate::runtime::CollectiveGroup>,
         me: archipelago_dataflow::ActorId,
     },
+    /// Nothing to do here (a collective's wait, the program's input, an unknown compute).
+    Skip,
 }
 
 /// A lowered stream and the size of its table.
@@ -152,26 +155,20 @@ impl Plan {
                     port: outbox.port(tensor, *to),
                 },
                 Instruction::Compute { op, inputs, outputs } => {
-                    let Some(step) = compute(op, inputs, outputs, &mut slots, &mut reads, &resolve) else {
-                        continue;
-                    };
-                    step
+                    compute(op, inputs, outputs, &mut slots, &mut reads, &resolve).unwrap_or(Step::Skip)
                 }
                 Instruction::StartCollective {
                     kind, tensor, tag, ..
                 } => {
                     reads.read(&mut slots, tensor);
-                    let Some(group) = resolve.collectives.and_then(|c| c.groups.get(tag)) else {
-                        continue;
-                    };
                     Step::Collective {
                         slot: slots.of(tensor),
                         kind: *kind,
-                        group: group.clone(),
+                        group: resolve.collectives.and_then(|c| c.groups.get(tag)).cloned(),
                         me: resolve.collectives.map_or(0, |c| c.me),
                     }
                 }
-                Instruction::WaitCollective { .. } => continue,
+                Instruction::WaitCollective { .. } => Step::Skip,
             };
             steps.push(step);
         }
@@ -197,6 +194,7 @@ pub(crate) struct Shape {
 impl Plan {
     /// The call of a plan of the [`Shape`]; `None` for any other plan.
     pub(crate) fn shape_node(&self) -> Option<usize> {
+        let steps: Vec<&Step> = self.steps.iter().filter(|s| !matches!(s, Step::Skip)).collect();
         let [
             Step::Recv { slot, .. },
             Step::Call {
@@ -206,11 +204,11 @@ impl Plan {
                 invoke: Some(_),
             },
             sends @ ..,
-        ] = self.steps.as_slice()
+        ] = steps.as_slice()
         else {
             return None;
         };
-        let sends_reply = |s: &Step| matches!(s, Step::Send { value, .. } if value.slot == *output);
+        let sends_reply = |s: &&Step| matches!(s, Step::Send { value, .. } if value.slot == *output);
         ((input.slot, input.last) == (*slot, true) && sends.iter().all(sends_reply)).then_some(*node)
     }
 
@@ -219,7 +217,7 @@ impl Plan {
         if self.shape_node().is_none() {
             return Err(self);
         }
-        let Some(&Step::Recv { from, tag, .. }) = self.steps.first() else {
+        let Some(&Step::Recv { from, tag, .. }) = self.steps.iter().find(|s| !matches!(s, Step::Skip)) else {
             return Err(self);
         };
         let onward = (self.steps.into_iter())
