@@ -18,7 +18,8 @@
 //! | all-reduce of the maximum | `(n − 1)·len` (an all-gather of every member's `len` values) |
 //!
 //! A compressed collective ([`Codec`]) reads each shard in the codec's wire size instead: the
-//! int8 all-reduce `(n − 1)·wire(|shardᵢ|) + Σ_{j≠i} wire(|shardⱼ|)`, `wire(m) = m + 4·⌈m / block⌉`.
+//! int8 all-reduce `(n − 1)·wire(|shardᵢ|) + Σ_{j≠i} wire(|shardⱼ|)`, `wire(m) = m + 4·⌈m / block⌉`;
+//! its reduce-scatter the first term, its all-gather the second.
 
 use std::collections::HashMap;
 
@@ -213,7 +214,7 @@ pub fn collective_read_elems(kind: CollectiveKind, group: &[ActorId], me: ActorI
 /// The bytes member `me` reads in collective `c`: its elements in the dtype, or, compressed,
 /// each shard it receives in the codec's wire size (the int8 all-reduce's direct reduce-scatter
 /// brings it every other member's copy of its own shard, its all-gather every other shard once;
-/// the reduce-scatter is the first half).
+/// the reduce-scatter is the first half, the all-gather the second).
 fn collective_read_bytes(c: &Sized, me: ActorId) -> u64 {
     let (n, len) = (c.group.len(), c.elems);
     let i = c.group.iter().position(|&a| a == me);
@@ -228,6 +229,7 @@ fn collective_read_bytes(c: &Sized, me: ActorId) -> u64 {
             (n as u64 - 1) * wire(i) + (0..n).filter(|&j| j != i).map(wire).sum::<u64>()
         }
         (_, CollectiveKind::ReduceScatterSum, Some(i)) => (n as u64 - 1) * wire(i),
+        (_, CollectiveKind::AllGather, Some(i)) => (0..n).filter(|&j| j != i).map(wire).sum::<u64>(),
         _ => c.dtype_size * collective_read_elems(c.kind, c.group, me, len),
     }
 }

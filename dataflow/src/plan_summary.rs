@@ -98,9 +98,23 @@ impl Plan {
                 ));
             }
             if let Some(f) = self.fabric.get(a.actor).filter(|f| f.total() > 0) {
-                let codec = match self.program.compression {
-                    crate::Compression::None => String::new(),
-                    asked => format!(" (gradient all-reduces as {asked})"),
+                let program = &self.program;
+                let codecs: Vec<String> = [
+                    (program.compression != crate::Compression::None)
+                        .then(|| format!("gradient all-reduces as {}", program.compression)),
+                    program
+                        .quantize_grads
+                        .then(|| "gradient reduce-scatters as int8".to_string()),
+                    program
+                        .quantize_weights
+                        .then(|| "parameter gathers as int8".to_string()),
+                ]
+                .into_iter()
+                .flatten()
+                .collect();
+                let codec = match codecs.is_empty() {
+                    true => String::new(),
+                    false => format!(" ({})", codecs.join(", ")),
                 };
                 out.push_str(&format!("  reads from peers per step: {f}{codec}\n"));
             }

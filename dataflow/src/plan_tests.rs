@@ -122,6 +122,20 @@ fn memory_budget_is_enforced() {
     assert_eq!(m.model_state(), 16 * 8_407_050);
 }
 
+/// Under `--compress int8` the memory remedies that raise ZeRO to 2 swap it for
+/// `--quantize-grads int8` (ZeRO-2/3 reduce-scatter the gradients), and still fit.
+#[test]
+fn remedies_past_zero_1_quantize_the_reduce_scatter_instead() {
+    let mut p = program(2, 64).with_compression(crate::Compression::Int8);
+    p.plan.device_memory = Some(140 << 20);
+    let err = compile(&p).unwrap_err().to_string();
+    assert!(
+        err.contains("--zero 2 --compress none --quantize-grads int8"),
+        "{err}"
+    );
+    assert!(err.contains("--zero 1, or"), "{err}");
+}
+
 /// When no single remedy fits, pairs on different knobs are tried: gpt-tiny at batch 64 under
 /// 100 MiB fits neither with activation checkpointing alone nor with more stages alone, but with
 /// both; under 40 MiB nothing of two remedies fits, and the refusal says so.

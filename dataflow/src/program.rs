@@ -265,6 +265,10 @@ pub struct Program {
     /// ZeRO++'s qgZ).
     #[serde(default)]
     pub quantize_grads: bool,
+    /// ZeRO-3's parameter all-gathers cross as block-wise int8 (`--quantize-weights int8`,
+    /// ZeRO++'s qwZ); each owner keeps its own shard exact.
+    #[serde(default)]
+    pub quantize_weights: bool,
     /// Which parameters take weight decay.
     #[serde(default)]
     pub param_groups: ParamGroups,
@@ -417,6 +421,7 @@ impl Program {
             precision: Default::default(),
             compression: Default::default(),
             quantize_grads: false,
+            quantize_weights: false,
             param_groups: ParamGroups::default(),
             data,
             seed: 0,
@@ -449,6 +454,7 @@ impl Program {
             precision: Default::default(),
             compression: Default::default(),
             quantize_grads: false,
+            quantize_weights: false,
             param_groups: ParamGroups::default(),
             data,
             seed: 0,

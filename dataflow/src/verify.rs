@@ -124,13 +124,13 @@ fn advance<'a>(
             dtype,
             codec,
         } => {
-            let sums = matches!(
+            let encodable = matches!(
                 kind,
-                CollectiveKind::AllReduceSum | CollectiveKind::ReduceScatterSum
+                CollectiveKind::AllReduceSum | CollectiveKind::ReduceScatterSum | CollectiveKind::AllGather
             );
-            if *codec != crate::Codec::None && !(sums && *dtype == crate::DType::F32) {
+            if *codec != crate::Codec::None && !(encodable && *dtype == crate::DType::F32) {
                 return Err(at(format!(
-                    "collective tag {tag} is {kind:?} of {dtype} compressed as {codec}: codecs encode f32 sums only"
+                    "collective tag {tag} is {kind:?} of {dtype} compressed as {codec}: codecs encode f32 sums and gathers only"
                 )));
             }
             if !group.contains(&me) {
@@ -301,7 +301,7 @@ mod tests {
         );
         let bf16 = vec![vec![make("g"), compressed(crate::DType::BF16), wait("g", 1)]; 2];
         let error = verify(&bf16).unwrap_err().to_string();
-        assert!(error.contains("f32 sums only"), "{error}");
+        assert!(error.contains("f32 sums and gathers only"), "{error}");
         let same = vec![vec![make("g"), compressed(crate::DType::F32), wait("g", 1)]; 2];
         verify(&same).unwrap();
     }

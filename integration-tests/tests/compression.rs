@@ -3,7 +3,8 @@
 //! small gpt (Adam and SGD) and an mlp (SGD) at dp=2 within 5% of the uncompressed run's loss
 //! (the mean of the last 20 steps), every replica holding the same parameters, and moves about a
 //! quarter of f32's gradient bytes, measured on every actor and equal to the plan's prediction;
-//! `--quantize-grads int8` (ZeRO++'s qgZ) does the same for ZeRO-2/3's reduce-scatter.
+//! `--quantize-grads int8` (ZeRO++'s qgZ) does the same for ZeRO-2/3's reduce-scatter, and
+//! `--quantize-weights int8` (qwZ) for ZeRO-3's parameter gathers (a half of bf16's).
 //!
 //! Negative controls, each caught at least [`MARGIN`]× past its tolerance: the compressed run
 //! against the uncompressed one at f32's tolerance (it really was compressed); int8 without its
@@ -35,6 +36,12 @@ fn compressed(program: Program, compression: Compression) -> Program {
 /// `program` with ZeRO-2/3's gradient reduce-scatter in int8 (`--quantize-grads int8`).
 fn quantized(mut program: Program) -> Program {
     program.quantize_grads = true;
+    program
+}
+
+/// `program` with ZeRO-3's parameter gathers in int8 (`--quantize-weights int8`).
+fn gathered(mut program: Program) -> Program {
+    program.quantize_weights = true;
     program
 }
 
@@ -92,6 +99,19 @@ fn quantized_zero_gradients_end_within_five_percent() {
     }
 }
 
+/// ZeRO++'s qwZ alone and with qgZ: ZeRO-3's parameter gathers (and its gradient reduce-scatter)
+/// in int8.
+#[test]
+fn quantized_zero3_weights_end_within_five_percent() {
+    let (model, optimizer, batch) = cases()[0];
+    let base = program(model, optimizer, Precision::default(), dp(2, 3, batch));
+    let what = format!("{model} {} dp=2 ZeRO-3", optimizer.name());
+    let weights = gathered(base.clone());
+    ends_near_the_uncompressed_run(&format!("{what} --quantize-weights int8"), &base, &weights);
+    let both = format!("{what} --quantize-weights int8 --quantize-grads int8");
+    ends_near_the_uncompressed_run(&both, &base, &quantized(weights));
+}
+
 #[test]
 fn int8_without_its_scales_is_caught() {
     let (model, optimizer, batch) = cases()[2];
@@ -103,15 +123,19 @@ fn int8_without_its_scales_is_caught() {
     assert_caught("int8 without its scales", gap, LOSS_BOUND, MARGIN);
 }
 
-/// Gradient bytes per step, summed over the actors (each actor's measured bytes equal the plan's
-/// prediction: `run` checks it).
-fn gradient_bytes(program: &Program) -> u64 {
+/// Gradient and parameter bytes per step, summed over the actors (each actor's measured bytes
+/// equal the plan's prediction: `run` checks it).
+fn bytes(program: &Program) -> (u64, u64) {
     let report = run(program, 2);
-    report
-        .actors
-        .iter()
-        .map(|a| a.fabric_bytes_per_step.gradients)
-        .sum()
+    let all = report.actors.iter().map(|a| a.fabric_bytes_per_step);
+    all.fold((0, 0), |(g, p), f| (g + f.gradients, p + f.parameters))
+}
+
+/// One byte a value and a 4-byte scale per 256: 4 / (1 + 4/256) = 3.94 against f32.
+fn assert_a_quarter(what: &str, f32_bytes: u64, int8_bytes: u64) {
+    let ratio = f32_bytes as f64 / int8_bytes as f64;
+    eprintln!("{what}: f32 {f32_bytes} bytes per step, int8 {int8_bytes}: {ratio:.2}x fewer");
+    assert!(ratio > 3.8 && ratio <= 4.0, "{what}: {ratio}");
 }
 
 #[test]
@@ -125,15 +149,33 @@ fn int8_moves_a_quarter_of_f32s_gradient_bytes_as_planned() {
     ] {
         let zero = plan.zero;
         let base = program(GPT, OptimizerSpec::adam(1e-2), Precision::default(), plan);
-        let f32_bytes = gradient_bytes(&base);
         let int8 = match zero {
-            0 | 1 => compressed(base, Compression::Int8),
-            _ => quantized(base),
+            0 | 1 => compressed(base.clone(), Compression::Int8),
+            _ => quantized(base.clone()),
         };
-        let int8_bytes = gradient_bytes(&int8);
-        let ratio = f32_bytes as f64 / int8_bytes as f64;
-        eprintln!("{what}: gradients f32 {f32_bytes} bytes per step, int8 {int8_bytes}: {ratio:.2}x fewer");
-        // One byte a value and a 4-byte scale per 256: 4 / (1 + 4/256) = 3.94.
-        assert!(ratio > 3.8 && ratio <= 4.0, "{what}: {ratio}");
+        assert_a_quarter(&format!("{what}: gradients"), bytes(&base).0, bytes(&int8).0);
+    }
+}
+
+/// qwZ quarters ZeRO-3's gathered bytes against f32 and halves them against bf16's gathers.
+#[test]
+fn quantized_weights_quarter_f32s_gathered_bytes_and_halve_bf16s() {
+    for (what, plan) in [("dp=2 ZeRO-3", dp(2, 3, 8)), ("dp=3 ZeRO-3", dp(3, 3, 12))] {
+        let optimizer = OptimizerSpec::adam(1e-2);
+        let f32_run = program(GPT, optimizer, Precision::default(), plan.clone());
+        let (_, f32_bytes) = bytes(&f32_run);
+        assert_a_quarter(
+            &format!("{what}: parameters"),
+            f32_bytes,
+            bytes(&gathered(f32_run)).1,
+        );
+        let bf16_run = program(GPT, optimizer, Precision::parse("bf16").unwrap(), plan);
+        let (_, bf16_bytes) = bytes(&bf16_run);
+        let (_, int8_bytes) = bytes(&gathered(bf16_run));
+        let ratio = bf16_bytes as f64 / int8_bytes as f64;
+        eprintln!(
+            "{what}: parameters bf16 {bf16_bytes} bytes per step, int8 {int8_bytes}: {ratio:.2}x fewer"
+        );
+        assert!(ratio > 1.9 && ratio <= 2.0, "{what}: {ratio}");
     }
 }

@@ -10,7 +10,8 @@
 //! every other member, and every member — `j` too — takes the dequantized total, so all members
 //! end with the same bits. Member `i` reads `(n − 1)·packed(|shardᵢ|) + Σ_{j≠i} packed(|shardⱼ|)`
 //! bytes, `packed(m) = m + 4·⌈m / block⌉` (the dataflow's `Codec::wire_bytes`): about a quarter of
-//! the f32 ring's. The reduce-scatter is the first half alone.
+//! the f32 ring's. The reduce-scatter is the first half alone; the all-gather (qwZ's parameter
+//! gathers) the second, each member keeping its own shard exact.
 
 use archipelago_dataflow::{ActorId, shard_range};
 
@@ -171,16 +172,20 @@ impl<'a> Exchange<'a> {
         Ok(())
     }
 
-    /// The all-gather of quantized totals: every shard, this member's too, becomes the
-    /// dequantized total its owner sent.
-    fn all_gather(&self, data: &mut [f32]) -> Result<(), FabricError> {
+    /// The all-gather of quantized shards: every other shard becomes the dequantized values its
+    /// owner sent, and this member's own too when `own_alike` (the all-reduce's totals, so that
+    /// every member ends with the same bits); without it the own shard stays exact (qwZ's
+    /// parameters: the owner's master is never rounded).
+    fn all_gather(&self, data: &mut [f32], own_alike: bool) -> Result<(), FabricError> {
         let (n, len) = (self.group.len(), data.len());
         let own = shard_range(len, n, self.i);
         let mine = pack(&data[own.clone()], self.block);
         for (_, &peer) in self.group.iter().enumerate().filter(|&(j, _)| j != self.i) {
             self.send(peer, 1, mine.clone())?;
         }
-        unpack_into(&mine, &mut data[own], self.block, false, self.me)?;
+        if own_alike {
+            unpack_into(&mine, &mut data[own], self.block, false, self.me)?;
+        }
         for (j, &member) in self.group.iter().enumerate().filter(|&(j, _)| j != self.i) {
             let got = self.fabric.recv(self.me, member, self.tag(1, j))?;
             unpack_into(
@@ -210,7 +215,24 @@ pub fn int8_all_reduce(
     }
     let exchange = Exchange::new(fabric, me, group, edge, block)?;
     exchange.reduce_scatter(data)?;
-    exchange.all_gather(data)
+    exchange.all_gather(data, true)
+}
+
+/// All-gather with every shard crossing as int8 (ZeRO++'s qwZ): member `i` brings
+/// `data[shard_range(len, n, i)]` and ends with every other member's shard dequantized, its own
+/// exact. Member `i` reads `Σ_{j≠i} packed(|shardⱼ|)` bytes.
+pub fn int8_all_gather(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    group: &[ActorId],
+    edge: u64,
+    data: &mut [f32],
+    block: usize,
+) -> Result<(), FabricError> {
+    if group.len() < 2 {
+        return Ok(());
+    }
+    Exchange::new(fabric, me, group, edge, block)?.all_gather(data, false)
 }
 
 /// Reduce-scatter (sum) with every value crossing as int8: member `i` ends with the total of
@@ -279,6 +301,47 @@ mod tests {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         })
+    }
+
+    /// qwZ's gather: every member ends with its own shard exact and the others' within half a
+    /// level, reading the others' packed shards.
+    #[test]
+    fn a_gather_keeps_the_own_shard_exact_and_the_others_near() {
+        let (n, len, block) = (3, 1001, 64);
+        let fabric = Arc::new(InProcessFabric::new(n, Duration::from_secs(10)));
+        let values: Vec<f32> = (0..len).map(|k| ((k * 13 % 89) as f32 - 44.0) / 9.0).collect();
+        let results: Vec<(Vec<f32>, u64)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|me| {
+                    let fabric = fabric.clone();
+                    let mut data = vec![0.0f32; len];
+                    let own = shard_range(len, n, me);
+                    data[own.clone()].copy_from_slice(&values[own]);
+                    s.spawn(move || {
+                        crate::fabric::read_count::take();
+                        int8_all_gather(fabric.as_ref(), me, &[0, 1, 2], 9, &mut data, block).unwrap();
+                        (data, crate::fabric::read_count::take())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let packed = |m: usize| (m + 4 * m.div_ceil(block)) as u64;
+        for (me, (got, read)) in results.iter().enumerate() {
+            let own = shard_range(len, n, me);
+            assert_eq!(&got[own.clone()], &values[own], "member {me}'s own shard");
+            for (k, (g, v)) in got.iter().zip(&values).enumerate() {
+                assert!(
+                    (g - v).abs() <= 44.0 / 9.0 / 127.0 / 2.0 + 1e-6,
+                    "member {me} element {k}: {g} for {v}"
+                );
+            }
+            let others: u64 = (0..n)
+                .filter(|&j| j != me)
+                .map(|j| packed(shard_range(len, n, j).len()))
+                .sum();
+            assert_eq!(*read, others, "member {me}");
+        }
     }
 
     #[test]

@@ -218,8 +218,9 @@ fn run_f32(
     Ok(TypedTensor::new(shape, data))
 }
 
-/// A sum whose values cross as block-wise int8 ([`super::quantized`]): f32 all-reduces and
-/// reduce-scatters only (what the compression pass writes; the verifier refuses others).
+/// A collective whose values cross as block-wise int8 ([`super::quantized`]): f32 all-reduces,
+/// reduce-scatters and all-gathers only (what the compression pass writes; the verifier refuses
+/// others).
 fn run_int8(
     fabric: &dyn Fabric,
     me: ActorId,
@@ -245,9 +246,12 @@ fn run_int8(
             super::quantized::int8_reduce_scatter(fabric, me, group, edge, &mut data, block)?;
             return Ok(own_shard(job, me, &data));
         }
+        CollectiveKind::AllGather => {
+            super::quantized::int8_all_gather(fabric, me, group, edge, &mut data, block)?
+        }
         other => {
             return Err(FabricError::Aborted(format!(
-                "{other:?} has no int8 form (sums only)"
+                "{other:?} has no int8 form (sums and gathers only)"
             )));
         }
     }

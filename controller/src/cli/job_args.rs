@@ -82,6 +82,11 @@ pub struct JobArgs {
     /// all-reduce's).
     #[arg(long, default_value = "none")]
     pub quantize_grads: String,
+    /// ZeRO++'s qwZ: ZeRO-3's parameter all-gathers cross as block-wise int8 (`int8`; each owner
+    /// keeps its own shard exact; the default `none` gathers in the compute dtype). Only with
+    /// --zero 3.
+    #[arg(long, default_value = "none")]
+    pub quantize_weights: String,
     /// f16's loss scaling: dynamic (start at 2^16, halve on an overflow, double after 2000 clean
     /// steps; the default), dynamic:INIT, or static:S. A step whose gradients overflow on any
     /// actor is skipped by every actor. Only with --precision f16.
@@ -273,11 +278,15 @@ impl JobArgs {
             program.precision = program.precision.with_grad_reduce(reduce.compute);
         }
         program.compression = self.compress.parse().map_err(anyhow::Error::msg)?;
-        program.quantize_grads = match self.quantize_grads.as_str() {
-            "none" => false,
-            "int8" => true,
-            other => anyhow::bail!("--quantize-grads {other}: the codecs are `int8` and `none`"),
+        let int8 = |flag: &str, value: &str| match value {
+            "none" => Ok(false),
+            "int8" => Ok(true),
+            other => Err(anyhow::anyhow!(
+                "{flag} {other}: the codecs are `int8` and `none`"
+            )),
         };
+        program.quantize_grads = int8("--quantize-grads", &self.quantize_grads)?;
+        program.quantize_weights = int8("--quantize-weights", &self.quantize_weights)?;
         if let Some(text) = &self.loss_scale {
             let scale = LossScale::parse(text).map_err(anyhow::Error::msg)?;
             program.precision = program.precision.with_loss_scale(scale);

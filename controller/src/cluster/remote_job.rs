@@ -349,6 +349,12 @@ fn place(program: &Program, hosts: &[HostInfo], shrink: bool) -> Result<(Plan, V
             break;
         }
         program.plan.dp = dp;
+        if dp < 2 && dp < wanted {
+            // A restart shrunk to one replica has no data-parallel collective left to compress
+            // (the compression pass refuses the flags at dp=1).
+            program.compression = Default::default();
+            (program.quantize_grads, program.quantize_weights) = (false, false);
+        }
         // Actor (r·pp + s)·tp + t (dp outer, tp inner) takes rank t of group s·dp + r.
         let used: Vec<(&HostInfo, archipelago_dataflow::DeviceSpec)> = (0..dp * per_replica * tp)
             .map(|a| {

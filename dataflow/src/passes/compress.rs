@@ -1,9 +1,10 @@
-//! Compression of the gradient reductions (issue 43): writes the codec of `--compress` on every
-//! data-parallel all-reduce of a gradient bucket, and int8 on ZeRO-2/3's reduce-scatter of one
-//! under `--quantize-grads int8` (ZeRO++'s qgZ), whose payload then crosses as the codec says
+//! Compression of the data-parallel collectives (issue 43): writes the codec of `--compress` on
+//! every data-parallel all-reduce of a gradient bucket, int8 on ZeRO-2/3's reduce-scatter of one
+//! under `--quantize-grads int8` (ZeRO++'s qgZ) and on ZeRO-3's parameter gathers under
+//! `--quantize-weights int8` (qwZ), whose payload then crosses as the codec says
 //! (and in f32 before encoding: the codec replaces the reduce dtype's narrowing). Refuses, with
 //! what to change, a compression not built yet and a plan in which nothing would be compressed
-//! (no data parallelism; ZeRO-2/3's reduce-scatter; the hierarchical all-reduce across islands).
+//! (no data parallelism; the wrong ZeRO stage; the hierarchical all-reduce across islands).
 
 use crate::codec::{Codec, Compression, INT8_BLOCK};
 use crate::dtype::DType;
@@ -14,39 +15,74 @@ use crate::program::Program;
 use crate::program::TestFault;
 use crate::tensor_id::TensorId;
 
-/// Sets the codecs of `--compress` and `--quantize-grads` on `graph`'s gradient reductions.
-pub fn apply(graph: &mut Graph, program: &Program) -> Result<(), PlanError> {
-    let (asked, zero) = (program.compression, program.plan.zero);
-    let quantize_grads = program.quantize_grads;
-    if asked == Compression::None && !quantize_grads {
-        return Ok(());
-    }
-    let flag = if asked == Compression::None {
-        "--quantize-grads int8".to_string()
-    } else {
-        format!("--compress {asked}")
+/// The codec of each kind of edge the flags compress.
+struct Codecs {
+    /// The gradient all-reduce's (`--compress`).
+    all_reduce: Codec,
+    /// ZeRO-2/3's gradient reduce-scatter's (`--quantize-grads`).
+    reduce_scatter: Codec,
+    /// ZeRO-3's parameter gathers' (`--quantize-weights`).
+    gather: Codec,
+    /// The flag asked, for refusals.
+    flag: String,
+}
+
+/// The codecs `program`'s flags ask for (`None` when none), or the refusal naming the fix.
+fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
+    let (asked, zero, dp) = (program.compression, program.plan.zero, program.plan.dp);
+    let (grads, weights) = (program.quantize_grads, program.quantize_weights);
+    let flag = match (asked, grads, weights) {
+        (Compression::None, false, false) => return Ok(None),
+        (Compression::None, true, _) => "--quantize-grads int8".to_string(),
+        (Compression::None, false, true) => "--quantize-weights int8".to_string(),
+        (asked, ..) => format!("--compress {asked}"),
     };
+    let conflict = |why: String| Err(PlanError::Conflict(why));
+    if dp < 2 {
+        return conflict(format!(
+            "{flag} compresses the data-parallel collectives, and dp={dp} has none: use --dp 2 or more, or drop {flag}"
+        ));
+    }
+    if grads && zero < 2 {
+        return conflict(format!(
+            "--quantize-grads int8 quantizes ZeRO-2/3's gradient reduce-scatter (ZeRO++'s qgZ); at --zero {zero} the gradients are all-reduced: use --compress int8 there"
+        ));
+    }
+    if weights && zero != 3 {
+        return conflict(format!(
+            "--quantize-weights int8 quantizes ZeRO-3's parameter gathers (ZeRO++'s qwZ); --zero {zero} gathers none before the passes: use --zero 3, or drop --quantize-weights"
+        ));
+    }
     let control = |codec| match (codec, program.test_fault) {
         (Codec::Int8 { .. }, Some(TestFault::UnscaledInt8)) => Codec::Int8 { block: 0 },
         (codec, _) => codec,
     };
-    let all_reduce = control(asked.codec().map_err(PlanError::Conflict)?);
-    let reduce_scatter = control(Codec::Int8 { block: INT8_BLOCK });
-    if program.plan.dp < 2 {
-        return Err(PlanError::Conflict(format!(
-            "{flag} compresses the gradients' data-parallel reduction, and dp={} has none: use --dp 2 or more, or drop {flag}",
-            program.plan.dp
-        )));
-    }
-    if quantize_grads && zero < 2 {
-        return Err(PlanError::Conflict(format!(
-            "--quantize-grads int8 quantizes ZeRO-2/3's gradient reduce-scatter (ZeRO++'s qgZ); at --zero {zero} the gradients are all-reduced: use --compress int8 there"
-        )));
-    }
+    let int8 = |on: bool| {
+        if on {
+            control(Codec::Int8 { block: INT8_BLOCK })
+        } else {
+            Codec::None
+        }
+    };
+    Ok(Some(Codecs {
+        all_reduce: control(asked.codec().map_err(PlanError::Conflict)?),
+        reduce_scatter: int8(grads),
+        gather: int8(weights),
+        flag,
+    }))
+}
+
+/// Sets the codecs of `--compress`, `--quantize-grads` and `--quantize-weights` on `graph`'s
+/// gradient reductions and ZeRO-3 parameter gathers.
+pub fn apply(graph: &mut Graph, program: &Program) -> Result<(), PlanError> {
+    let Some(codecs) = codecs(program)? else {
+        return Ok(());
+    };
+    let (flag, zero) = (&codecs.flag, program.plan.zero);
     for node in &mut graph.nodes {
         let NodeOp::Collective {
             kind,
-            tensor: TensorId::GradBucket { .. },
+            tensor,
             dtype,
             codec: edge,
             ..
@@ -54,19 +90,22 @@ pub fn apply(graph: &mut Graph, program: &Program) -> Result<(), PlanError> {
         else {
             continue;
         };
-        let codec = match kind {
-            CollectiveKind::AllReduceSum => all_reduce,
-            CollectiveKind::ReduceScatterSum if quantize_grads => reduce_scatter,
-            CollectiveKind::ReduceScatterSum => {
+        let codec = match (tensor, kind) {
+            (TensorId::GradBucket { .. }, CollectiveKind::AllReduceSum) => codecs.all_reduce,
+            (TensorId::GradBucket { .. }, CollectiveKind::ReduceScatterSum) => {
+                if codecs.all_reduce != Codec::None {
+                    return Err(PlanError::Conflict(format!(
+                        "{flag} compresses the data-parallel all-reduce; under --zero {zero} the gradients are reduce-scattered: use --quantize-grads int8 (ZeRO++'s qgZ) instead"
+                    )));
+                }
+                codecs.reduce_scatter
+            }
+            (TensorId::GradBucket { .. }, CollectiveKind::HierarchicalAllReduceSum { .. }) => {
                 return Err(PlanError::Conflict(format!(
-                    "{flag} compresses the data-parallel all-reduce; under --zero {zero} the gradients are reduce-scattered: use --quantize-grads int8 (ZeRO++'s qgZ) instead"
+                    "{flag} compresses the flat data-parallel collectives; this dp group spans islands (the hosts' --island), where the gradients are reduced hierarchically, which is not compressed yet: keep the replicas in one island, or drop {flag}"
                 )));
             }
-            CollectiveKind::HierarchicalAllReduceSum { .. } => {
-                return Err(PlanError::Conflict(format!(
-                    "{flag} compresses the flat gradient reduction; its dp group spans islands (the hosts' --island), where the gradients are reduced hierarchically, which is not compressed yet: keep the replicas in one island, or drop {flag}"
-                )));
-            }
+            (TensorId::GatheredParams { .. }, CollectiveKind::AllGather) => codecs.gather,
             _ => continue,
         };
         if codec != Codec::None {
@@ -101,6 +140,36 @@ mod tests {
         let mut program = program(dp, zero, Compression::None);
         program.quantize_grads = true;
         program
+    }
+
+    fn gathered(dp: usize, zero: u8) -> Program {
+        let mut program = program(dp, zero, Compression::None);
+        program.quantize_weights = true;
+        program
+    }
+
+    /// `--quantize-weights int8` puts int8 on ZeRO-3's parameter gathers and nothing else.
+    #[test]
+    fn quantized_weights_are_the_zero3_gathers() {
+        let plan = compile(&gathered(2, 3)).unwrap();
+        let streams: Vec<_> = plan.every_stream().collect();
+        let mut quantized = 0;
+        for i in streams.iter().flat_map(|a| a.instructions.iter()) {
+            if let Instruction::StartCollective {
+                tensor, codec, dtype, ..
+            } = i
+            {
+                let gather = matches!(tensor, crate::TensorId::GatheredParams { .. });
+                quantized += usize::from(gather);
+                let expected = if gather {
+                    (Codec::Int8 { block: 256 }, DType::F32)
+                } else {
+                    (Codec::None, *dtype)
+                };
+                assert_eq!((*codec, *dtype), expected, "{i}");
+            }
+        }
+        assert!(quantized > 0, "nothing quantized");
     }
 
     /// `--quantize-grads int8` puts int8 on ZeRO-2/3's gradient reduce-scatters and nothing else.
@@ -184,6 +253,7 @@ mod tests {
             (program(2, 3, Compression::Int8), "use --quantize-grads int8"),
             (quantized(2, 1), "use --compress int8 there"),
             (quantized(1, 3), "use --dp 2"),
+            (gathered(2, 2), "use --zero 3"),
             (program(2, 0, Compression::TopK { ratio: 0.01 }), "not built yet"),
             (program(2, 0, Compression::Qsgd { bits: 4 }), "not built yet"),
         ] {

@@ -28,11 +28,32 @@ impl Remedy {
 fn remedies(program: &Program) -> Vec<Remedy> {
     let plan = &program.plan;
     let mut out = Vec::new();
+    // ZeRO-2/3 reduce-scatter the gradients: `--compress int8` (the all-reduce's) becomes
+    // `--quantize-grads int8` there.
+    let int8 = program.compression == crate::Compression::Int8;
+    let requantized = |p: &mut Program| {
+        if p.plan.zero >= 2 && p.compression == crate::Compression::Int8 {
+            p.compression = crate::Compression::None;
+            p.quantize_grads = true;
+        }
+    };
+    let swap = |z: u8| {
+        if int8 && z >= 2 {
+            " --compress none --quantize-grads int8"
+        } else {
+            ""
+        }
+    };
     if plan.dp > 1 {
         for z in plan.zero + 1..=3 {
-            out.push(Remedy::new(format!("--zero {z}"), &["zero"], move |p| {
-                p.plan.zero = z
-            }));
+            out.push(Remedy::new(
+                format!("--zero {z}{}", swap(z)),
+                &["zero"],
+                move |p| {
+                    p.plan.zero = z;
+                    requantized(p);
+                },
+            ));
         }
     }
     if !plan.offload.is_some() {
@@ -52,11 +73,12 @@ fn remedies(program: &Program) -> Vec<Remedy> {
             vec![Offload::Cpu, Offload::Nvme { dir: "DIR".into() }]
         };
         for tier in tiers {
-            let flags = format!("--zero 3 --offload {tier} --offload-params");
+            let flags = format!("--zero 3 --offload {tier} --offload-params{}", swap(3));
             out.push(Remedy::new(flags, &["zero", "offload"], move |p| {
                 p.plan.zero = 3;
                 p.plan.offload = tier.clone();
                 p.plan.offload_params = true;
+                requantized(p);
             }));
         }
     }
