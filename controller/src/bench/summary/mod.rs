@@ -50,6 +50,7 @@ fn sections(suite: &str) -> Vec<Section> {
         "kernels" => vec![physical, training::kernels],
         "actor_api" => vec![comm::actor_api],
         "collectives" => vec![comm::collectives],
+        "compression" => vec![training::compression],
         _ => vec![
             physical,
             comm::collectives,

@@ -270,3 +270,42 @@ pub(super) fn device(out: &Value) -> Vec<String> {
     }
     table.lines()
 }
+
+/// Communication compression (`--compression-only`): each run's mean loss of the last steps, its
+/// distance to the uncompressed run of its layout and how many times fewer gradient and
+/// parameter bytes it moved (measured; whether they equal the plan's prediction).
+pub(super) fn compression(out: &Value) -> Vec<String> {
+    let Some(runs) = list(&out["compression"], "runs") else {
+        return missing_section("compression: runs");
+    };
+    let heads = [
+        "last-20 loss",
+        "gap",
+        "grads ×fewer",
+        "params ×fewer",
+        "as planned",
+        "step s",
+    ];
+    let mut table = Table::new("compression, gpt-tiny dp=2", &heads);
+    for run in runs {
+        let gap =
+            at(run, "/against_uncompressed/relative_loss_gap").map_or("—".into(), |g| format!("{g:.2e}"));
+        // "—": the reference run itself, or a kind of bytes neither run moves.
+        let fewer = |key: &str| {
+            at(run, &format!("/against_uncompressed/{key}")).map_or("—".into(), |x| fig(Some(x)))
+        };
+        let planned = run["measured_equals_predicted"]
+            .as_bool()
+            .map_or(MISSING.into(), |b| b.to_string());
+        let cells = vec![
+            fig(at(run, "/mean_last_loss")),
+            gap,
+            fewer("gradient_bytes_fewer"),
+            fewer("parameter_bytes_fewer"),
+            planned,
+            fig(at(run, "/median_step_s")),
+        ];
+        table.row(run["run"].as_str().unwrap_or(MISSING), cells);
+    }
+    table.lines()
+}
