@@ -13,22 +13,28 @@
 //! the f32 ring's. The reduce-scatter is the first half alone; the all-gather (qwZ's parameter
 //! gathers) the second, each member keeping its own shard exact.
 
-use archipelago_dataflow::{ActorId, shard_range};
+use archipelago_dataflow::{ActorId, CollectiveKind, shard_range};
 
 use crate::fabric::{Fabric, FabricError, Tag};
 use crate::typed_tensor::{DType, TypedTensor};
 
-/// `values` quantized: `⌈len / block⌉` f32 scales (little-endian), then `len` int8 values.
-/// `block` 0 is the negative control: no scales, each value rounded to an integer.
-pub fn pack(values: &[f32], block: usize) -> Vec<u8> {
+/// `values` quantized into a u8 message (sent as it is, to every peer alike): `⌈len / block⌉`
+/// f32 scales (little-endian), then `len` int8 values. `block` 0 is the negative control: no
+/// scales, each value rounded to an integer.
+pub fn pack(values: &[f32], block: usize) -> TypedTensor {
+    let blocks = if block == 0 {
+        0
+    } else {
+        values.len().div_ceil(block)
+    };
+    let mut message = TypedTensor::zeros(DType::U8, vec![4 * blocks + values.len()]).expect("a u8 shape");
+    let packed = message.bytes_mut();
     if block == 0 {
-        return values
-            .iter()
-            .map(|v| (v.round().clamp(-127.0, 127.0) as i8) as u8)
-            .collect();
+        for (q, v) in packed.iter_mut().zip(values) {
+            *q = (v.round().clamp(-127.0, 127.0) as i8) as u8;
+        }
+        return message;
     }
-    let blocks = values.len().div_ceil(block);
-    let mut packed = vec![0u8; 4 * blocks + values.len()];
     let (scales, quantized) = packed.split_at_mut(4 * blocks);
     for ((chunk, scale), out) in values
         .chunks(block)
@@ -53,7 +59,7 @@ pub fn pack(values: &[f32], block: usize) -> Vec<u8> {
             *q = (level as i8) as u8;
         }
     }
-    packed
+    message
 }
 
 /// Adds the values `packed` holds (of `out.len()` elements) into `out`, or writes them when
@@ -145,8 +151,7 @@ impl<'a> Exchange<'a> {
         }
     }
 
-    fn send(&self, to: ActorId, phase: u64, packed: Vec<u8>) -> Result<(), FabricError> {
-        let message = TypedTensor::from_values(vec![packed.len()], &packed);
+    fn send(&self, to: ActorId, phase: u64, message: TypedTensor) -> Result<(), FabricError> {
         self.fabric.send(self.me, to, self.tag(phase, self.i), message)
     }
 
@@ -163,7 +168,7 @@ impl<'a> Exchange<'a> {
         total.iter_mut().for_each(|t| *t = 0.0);
         for (j, &member) in self.group.iter().enumerate() {
             if j == self.i {
-                unpack_into(&mine, total, self.block, true, member)?;
+                unpack_into(mine.bytes(), total, self.block, true, member)?;
             } else {
                 let got = self.fabric.recv(self.me, member, self.tag(0, j))?;
                 unpack_into(bytes_of(&got, member)?, total, self.block, true, member)?;
@@ -184,7 +189,7 @@ impl<'a> Exchange<'a> {
             self.send(peer, 1, mine.clone())?;
         }
         if own_alike {
-            unpack_into(&mine, &mut data[own], self.block, false, self.me)?;
+            unpack_into(mine.bytes(), &mut data[own], self.block, false, self.me)?;
         }
         for (j, &member) in self.group.iter().enumerate().filter(|&(j, _)| j != self.i) {
             let got = self.fabric.recv(self.me, member, self.tag(1, j))?;
@@ -200,55 +205,41 @@ impl<'a> Exchange<'a> {
     }
 }
 
-/// Sums `data` over `group` in place with every value crossing as int8 (see the module docs);
-/// every member calls it with the same `edge`, `group`, `block` and length.
-pub fn int8_all_reduce(
+/// Runs collective `kind` over `data` in place with every value crossing as int8 (see the
+/// module docs): the all-reduce (sum), the reduce-scatter (member `i` ends with the total of
+/// `data[shard_range(len, n, i)]`, the other shards left as they were) and the all-gather
+/// (member `i` brings its shard and keeps it exact); any other kind is refused. Every member
+/// calls it with the same `kind`, `edge`, `group`, `block` and length.
+pub fn int8_collective(
     fabric: &dyn Fabric,
     me: ActorId,
-    group: &[ActorId],
-    edge: u64,
+    kind: CollectiveKind,
+    (group, edge): (&[ActorId], u64),
     data: &mut [f32],
     block: usize,
 ) -> Result<(), FabricError> {
+    let supported = [
+        CollectiveKind::AllReduceSum,
+        CollectiveKind::ReduceScatterSum,
+        CollectiveKind::AllGather,
+    ];
+    if !supported.contains(&kind) {
+        return Err(FabricError::Aborted(format!(
+            "{kind:?} has no int8 form (sums and gathers only)"
+        )));
+    }
     if group.len() < 2 {
         return Ok(());
     }
     let exchange = Exchange::new(fabric, me, group, edge, block)?;
-    exchange.reduce_scatter(data)?;
-    exchange.all_gather(data, true)
-}
-
-/// All-gather with every shard crossing as int8 (ZeRO++'s qwZ): member `i` brings
-/// `data[shard_range(len, n, i)]` and ends with every other member's shard dequantized, its own
-/// exact. Member `i` reads `Σ_{j≠i} packed(|shardⱼ|)` bytes.
-pub fn int8_all_gather(
-    fabric: &dyn Fabric,
-    me: ActorId,
-    group: &[ActorId],
-    edge: u64,
-    data: &mut [f32],
-    block: usize,
-) -> Result<(), FabricError> {
-    if group.len() < 2 {
-        return Ok(());
+    if kind != CollectiveKind::AllGather {
+        exchange.reduce_scatter(data)?;
     }
-    Exchange::new(fabric, me, group, edge, block)?.all_gather(data, false)
-}
-
-/// Reduce-scatter (sum) with every value crossing as int8: member `i` ends with the total of
-/// `data[shard_range(len, n, i)]` (the other shards are left as they were).
-pub fn int8_reduce_scatter(
-    fabric: &dyn Fabric,
-    me: ActorId,
-    group: &[ActorId],
-    edge: u64,
-    data: &mut [f32],
-    block: usize,
-) -> Result<(), FabricError> {
-    if group.len() < 2 {
-        return Ok(());
+    match kind {
+        CollectiveKind::ReduceScatterSum => Ok(()),
+        // The all-reduce's totals are taken alike by every member, owner too (the same bits).
+        _ => exchange.all_gather(data, kind == CollectiveKind::AllReduceSum),
     }
-    Exchange::new(fabric, me, group, edge, block)?.reduce_scatter(data)
 }
 
 #[cfg(test)]
@@ -263,9 +254,9 @@ mod tests {
     fn a_block_round_trips_within_half_a_level_and_zeros_stay_zero() {
         let values: Vec<f32> = (0..1000).map(|k| ((k * 37 % 101) as f32 - 50.0) / 7.0).collect();
         let packed = pack(&values, 64);
-        assert_eq!(packed.len(), 1000 + 4 * 16);
+        assert_eq!(packed.byte_len(), 1000 + 4 * 16);
         let mut back = vec![0.0; 1000];
-        unpack_into(&packed, &mut back, 64, false, 0).unwrap();
+        unpack_into(packed.bytes(), &mut back, 64, false, 0).unwrap();
         for (block, got) in values.chunks(64).zip(back.chunks(64)) {
             let level = block.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
             for (v, g) in block.iter().zip(got) {
@@ -274,10 +265,10 @@ mod tests {
         }
         let zeros = pack(&[0.0; 10], 4);
         let mut back = vec![1.0; 10];
-        unpack_into(&zeros, &mut back, 4, false, 0).unwrap();
+        unpack_into(zeros.bytes(), &mut back, 4, false, 0).unwrap();
         assert_eq!(back, [0.0; 10]);
         let mut short = vec![0.0; 11];
-        let refused = unpack_into(&zeros, &mut short, 4, false, 3)
+        let refused = unpack_into(zeros.bytes(), &mut short, 4, false, 3)
             .unwrap_err()
             .to_string();
         assert!(refused.contains("actor 3 sent 22 bytes"), "{refused}");
@@ -294,7 +285,15 @@ mod tests {
                     let (fabric, group, mut data) = (fabric.clone(), group.clone(), inputs[me].clone());
                     s.spawn(move || {
                         crate::fabric::read_count::take();
-                        int8_all_reduce(fabric.as_ref(), me, &group, 7, &mut data, block).unwrap();
+                        int8_collective(
+                            fabric.as_ref(),
+                            me,
+                            CollectiveKind::AllReduceSum,
+                            (&group, 7),
+                            &mut data,
+                            block,
+                        )
+                        .unwrap();
                         (data, crate::fabric::read_count::take())
                     })
                 })
@@ -319,7 +318,15 @@ mod tests {
                     data[own.clone()].copy_from_slice(&values[own]);
                     s.spawn(move || {
                         crate::fabric::read_count::take();
-                        int8_all_gather(fabric.as_ref(), me, &[0, 1, 2], 9, &mut data, block).unwrap();
+                        int8_collective(
+                            fabric.as_ref(),
+                            me,
+                            CollectiveKind::AllGather,
+                            (&[0, 1, 2], 9),
+                            &mut data,
+                            block,
+                        )
+                        .unwrap();
                         (data, crate::fabric::read_count::take())
                     })
                 })

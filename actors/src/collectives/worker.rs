@@ -237,23 +237,10 @@ fn run_int8(
     }
     let shape = tensor.shape().to_vec();
     let mut data = tensor.into_f32_vec();
-    let (group, edge) = (job.group, job.edge);
-    match job.kind {
-        CollectiveKind::AllReduceSum => {
-            super::quantized::int8_all_reduce(fabric, me, group, edge, &mut data, block)?
-        }
-        CollectiveKind::ReduceScatterSum => {
-            super::quantized::int8_reduce_scatter(fabric, me, group, edge, &mut data, block)?;
-            return Ok(own_shard(job, me, &data));
-        }
-        CollectiveKind::AllGather => {
-            super::quantized::int8_all_gather(fabric, me, group, edge, &mut data, block)?
-        }
-        other => {
-            return Err(FabricError::Aborted(format!(
-                "{other:?} has no int8 form (sums and gathers only)"
-            )));
-        }
+    let call = (job.group, job.edge);
+    super::quantized::int8_collective(fabric, me, job.kind, call, &mut data, block)?;
+    if job.kind == CollectiveKind::ReduceScatterSum {
+        return Ok(own_shard(job, me, &data));
     }
     Ok(TypedTensor::new(shape, data))
 }
