@@ -19,7 +19,8 @@
 //!
 //! A compressed collective ([`Codec`]) reads each shard in the codec's wire size instead: the
 //! int8 all-reduce `(n − 1)·wire(|shardᵢ|) + Σ_{j≠i} wire(|shardⱼ|)`, `wire(m) = m + 4·⌈m / block⌉`;
-//! its reduce-scatter the first term, its all-gather the second.
+//! its reduce-scatter the first term, its all-gather the second; the stochastic codecs' all-reduce
+//! (QSGD, TernGrad), which gathers every member's whole contribution, `(n − 1)·wire(len)`.
 
 use std::collections::HashMap;
 
@@ -225,6 +226,9 @@ fn collective_read_bytes(c: &Sized, me: ActorId) -> u64 {
     match (c.codec, c.kind, i) {
         (Codec::None, ..) | (_, _, None) => c.dtype_size * collective_read_elems(c.kind, c.group, me, len),
         _ if n < 2 => 0,
+        (codec, CollectiveKind::AllReduceSum, Some(_)) if codec.gathers_contributions() => {
+            (n as u64 - 1) * codec.wire_bytes(len as u64, c.dtype_size)
+        }
         (_, CollectiveKind::AllReduceSum, Some(i)) => {
             (n as u64 - 1) * wire(i) + (0..n).filter(|&j| j != i).map(wire).sum::<u64>()
         }

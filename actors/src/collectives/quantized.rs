@@ -1,7 +1,9 @@
-//! Int8-compressed sums (issue 43's `--compress int8`; the block-wise absmax quantizer of ZeRO++'s
-//! qgZ, Wang et al. 2023, and of 8-bit optimizers): every member's f32 values cross the fabric as
-//! blocks of `block` int8 values with one f32 scale each (`absmax / 127`, rounded to nearest:
-//! deterministic), never as f32.
+//! Quantized sums and gathers (issue 43's `--compress int8`, `qsgd:BITS`, `terngrad`,
+//! `--quantize-grads`, `--quantize-weights`): every member's f32 values cross the fabric packed as
+//! the edge's codec says, never as f32 — block-wise absmax int8 here (the quantizer of ZeRO++'s
+//! qgZ, Wang et al. 2023, and of 8-bit optimizers: blocks of `block` int8 values with one f32
+//! scale each, `absmax / 127`, rounded to nearest, deterministic), stochastic levels in
+//! [`super::stochastic`].
 //!
 //! The all-reduce is a direct reduce-scatter then an all-gather, both of quantized shards: member
 //! `i` sends every other member `j` its values of shard `j` quantized; `j` dequantizes every
@@ -9,11 +11,13 @@
 //! alike) and sums them in f32 in member order; then it quantizes that total once and sends it to
 //! every other member, and every member — `j` too — takes the dequantized total, so all members
 //! end with the same bits. Member `i` reads `(n − 1)·packed(|shardᵢ|) + Σ_{j≠i} packed(|shardⱼ|)`
-//! bytes, `packed(m) = m + 4·⌈m / block⌉` (the dataflow's `Codec::wire_bytes`): about a quarter of
-//! the f32 ring's. The reduce-scatter is the first half alone; the all-gather (qwZ's parameter
-//! gathers) the second, each member keeping its own shard exact.
+//! bytes (`packed` the dataflow's `Codec::wire_bytes`; `m + 4·⌈m / block⌉` for int8): about a
+//! quarter of the f32 ring's for int8. The reduce-scatter is the first half alone; the
+//! all-gather (qwZ's parameter gathers) the second, each member keeping its own shard exact.
 
-use archipelago_dataflow::{ActorId, CollectiveKind, shard_range};
+use archipelago_dataflow::{ActorId, Codec, CollectiveKind, shard_range};
+
+use super::stochastic::{self, Levels, Salt};
 
 use crate::fabric::{Fabric, FabricError, Tag};
 use crate::typed_tensor::{DType, TypedTensor};
@@ -111,6 +115,51 @@ fn bytes_of(got: &TypedTensor, from: ActorId) -> Result<&[u8], FabricError> {
     Ok(got.values::<u8>())
 }
 
+/// How an encoded collective's values cross: its codec, ready to pack and unpack.
+#[derive(Debug, Clone, Copy)]
+pub enum Wire {
+    /// Block-wise absmax int8 (`block` 0: the unscaled control).
+    Int8 {
+        /// Values per scale.
+        block: usize,
+    },
+    /// Stochastic rounding onto evenly spaced levels (QSGD, TernGrad).
+    Levels(Levels),
+}
+
+impl Wire {
+    /// The wire of `codec` (`None` for values crossing as their dtype).
+    pub fn of(codec: Codec) -> Option<Wire> {
+        match codec {
+            Codec::None => None,
+            Codec::Int8 { block } => Some(Wire::Int8 {
+                block: block as usize,
+            }),
+            Codec::Qsgd { .. } | Codec::TernGrad { .. } => Levels::of(codec).map(Wire::Levels),
+        }
+    }
+
+    fn pack(&self, values: &[f32], salt: Salt) -> TypedTensor {
+        match self {
+            Wire::Int8 { block } => pack(values, *block),
+            Wire::Levels(levels) => stochastic::pack(values, levels, salt),
+        }
+    }
+
+    fn unpack_into(
+        &self,
+        packed: &[u8],
+        out: &mut [f32],
+        add: bool,
+        from: ActorId,
+    ) -> Result<(), FabricError> {
+        match self {
+            Wire::Int8 { block } => unpack_into(packed, out, *block, add, from),
+            Wire::Levels(levels) => stochastic::unpack_into(packed, out, levels, add, from),
+        }
+    }
+}
+
 /// A member's place in its group and the tags of its messages.
 struct Exchange<'a> {
     fabric: &'a dyn Fabric,
@@ -118,7 +167,7 @@ struct Exchange<'a> {
     i: usize,
     group: &'a [ActorId],
     edge: u64,
-    block: usize,
+    wire: Wire,
 }
 
 impl<'a> Exchange<'a> {
@@ -127,7 +176,7 @@ impl<'a> Exchange<'a> {
         me: ActorId,
         group: &'a [ActorId],
         edge: u64,
-        block: usize,
+        wire: Wire,
     ) -> Result<Self, FabricError> {
         let i = group
             .iter()
@@ -139,8 +188,18 @@ impl<'a> Exchange<'a> {
             i,
             group,
             edge,
-            block,
+            wire,
         })
+    }
+
+    /// The randomness of this member's phase-`phase` message of the values from `offset`.
+    fn salt(&self, phase: u64, offset: usize) -> Salt {
+        Salt {
+            edge: self.edge,
+            phase,
+            sender: self.i,
+            offset,
+        }
     }
 
     /// Phase `phase`'s message from member `sender`.
@@ -160,18 +219,43 @@ impl<'a> Exchange<'a> {
     fn reduce_scatter(&self, data: &mut [f32]) -> Result<(), FabricError> {
         let (n, len) = (self.group.len(), data.len());
         for (j, &peer) in self.group.iter().enumerate().filter(|&(j, _)| j != self.i) {
-            self.send(peer, 0, pack(&data[shard_range(len, n, j)], self.block))?;
+            let shard = shard_range(len, n, j);
+            let message = self.wire.pack(&data[shard.clone()], self.salt(0, shard.start));
+            self.send(peer, 0, message)?;
         }
         let own = shard_range(len, n, self.i);
-        let mine = pack(&data[own.clone()], self.block);
+        let mine = self.wire.pack(&data[own.clone()], self.salt(0, own.start));
         let total = &mut data[own];
         total.iter_mut().for_each(|t| *t = 0.0);
         for (j, &member) in self.group.iter().enumerate() {
             if j == self.i {
-                unpack_into(mine.bytes(), total, self.block, true, member)?;
+                self.wire.unpack_into(mine.bytes(), total, true, member)?;
             } else {
                 let got = self.fabric.recv(self.me, member, self.tag(0, j))?;
-                unpack_into(bytes_of(&got, member)?, total, self.block, true, member)?;
+                self.wire
+                    .unpack_into(bytes_of(&got, member)?, total, true, member)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The stochastic codecs' all-reduce (QSGD's and TernGrad's exchange): this member's whole
+    /// contribution quantized once and sent to every other member; every member sums every
+    /// member's dequantized contribution (its own through the same message) in member order, so
+    /// all end with the same bits and no total is rounded again.
+    fn gather_sum(&self, data: &mut [f32]) -> Result<(), FabricError> {
+        let mine = self.wire.pack(data, self.salt(0, 0));
+        for (_, &peer) in self.group.iter().enumerate().filter(|&(j, _)| j != self.i) {
+            self.send(peer, 0, mine.clone())?;
+        }
+        data.iter_mut().for_each(|t| *t = 0.0);
+        for (j, &member) in self.group.iter().enumerate() {
+            if j == self.i {
+                self.wire.unpack_into(mine.bytes(), data, true, member)?;
+            } else {
+                let got = self.fabric.recv(self.me, member, self.tag(0, j))?;
+                self.wire
+                    .unpack_into(bytes_of(&got, member)?, data, true, member)?;
             }
         }
         Ok(())
@@ -184,39 +268,36 @@ impl<'a> Exchange<'a> {
     fn all_gather(&self, data: &mut [f32], own_alike: bool) -> Result<(), FabricError> {
         let (n, len) = (self.group.len(), data.len());
         let own = shard_range(len, n, self.i);
-        let mine = pack(&data[own.clone()], self.block);
+        let mine = self.wire.pack(&data[own.clone()], self.salt(1, own.start));
         for (_, &peer) in self.group.iter().enumerate().filter(|&(j, _)| j != self.i) {
             self.send(peer, 1, mine.clone())?;
         }
         if own_alike {
-            unpack_into(mine.bytes(), &mut data[own], self.block, false, self.me)?;
+            self.wire
+                .unpack_into(mine.bytes(), &mut data[own], false, self.me)?;
         }
         for (j, &member) in self.group.iter().enumerate().filter(|&(j, _)| j != self.i) {
             let got = self.fabric.recv(self.me, member, self.tag(1, j))?;
-            unpack_into(
-                bytes_of(&got, member)?,
-                &mut data[shard_range(len, n, j)],
-                self.block,
-                false,
-                member,
-            )?;
+            let shard = &mut data[shard_range(len, n, j)];
+            self.wire
+                .unpack_into(bytes_of(&got, member)?, shard, false, member)?;
         }
         Ok(())
     }
 }
 
-/// Runs collective `kind` over `data` in place with every value crossing as int8 (see the
-/// module docs): the all-reduce (sum), the reduce-scatter (member `i` ends with the total of
+/// Runs collective `kind` over `data` in place with every value crossing as `wire` says (see
+/// the module docs): the all-reduce (sum), the reduce-scatter (member `i` ends with the total of
 /// `data[shard_range(len, n, i)]`, the other shards left as they were) and the all-gather
 /// (member `i` brings its shard and keeps it exact); any other kind is refused. Every member
-/// calls it with the same `kind`, `edge`, `group`, `block` and length.
-pub fn int8_collective(
+/// calls it with the same `kind`, `edge`, `group`, `wire` and length.
+pub fn quantized_collective(
     fabric: &dyn Fabric,
     me: ActorId,
     kind: CollectiveKind,
     (group, edge): (&[ActorId], u64),
     data: &mut [f32],
-    block: usize,
+    wire: Wire,
 ) -> Result<(), FabricError> {
     let supported = [
         CollectiveKind::AllReduceSum,
@@ -225,13 +306,16 @@ pub fn int8_collective(
     ];
     if !supported.contains(&kind) {
         return Err(FabricError::Aborted(format!(
-            "{kind:?} has no int8 form (sums and gathers only)"
+            "{kind:?} has no quantized form (sums and gathers only)"
         )));
     }
     if group.len() < 2 {
         return Ok(());
     }
-    let exchange = Exchange::new(fabric, me, group, edge, block)?;
+    let exchange = Exchange::new(fabric, me, group, edge, wire)?;
+    if kind == CollectiveKind::AllReduceSum && matches!(wire, Wire::Levels(_)) {
+        return exchange.gather_sum(data);
+    }
     if kind != CollectiveKind::AllGather {
         exchange.reduce_scatter(data)?;
     }
@@ -276,7 +360,7 @@ mod tests {
 
     /// Runs the int8 all-reduce over `n` members of an in-process fabric; every member's result
     /// and the bytes it read.
-    fn all_reduce(n: usize, inputs: &[Vec<f32>], block: usize) -> Vec<(Vec<f32>, u64)> {
+    fn all_reduce(n: usize, inputs: &[Vec<f32>], wire: Wire) -> Vec<(Vec<f32>, u64)> {
         let fabric = Arc::new(InProcessFabric::new(n, Duration::from_secs(10)));
         let group: Vec<ActorId> = (0..n).collect();
         std::thread::scope(|s| {
@@ -285,13 +369,13 @@ mod tests {
                     let (fabric, group, mut data) = (fabric.clone(), group.clone(), inputs[me].clone());
                     s.spawn(move || {
                         crate::fabric::read_count::take();
-                        int8_collective(
+                        quantized_collective(
                             fabric.as_ref(),
                             me,
                             CollectiveKind::AllReduceSum,
                             (&group, 7),
                             &mut data,
-                            block,
+                            wire,
                         )
                         .unwrap();
                         (data, crate::fabric::read_count::take())
@@ -318,13 +402,13 @@ mod tests {
                     data[own.clone()].copy_from_slice(&values[own]);
                     s.spawn(move || {
                         crate::fabric::read_count::take();
-                        int8_collective(
+                        quantized_collective(
                             fabric.as_ref(),
                             me,
                             CollectiveKind::AllGather,
                             (&[0, 1, 2], 9),
                             &mut data,
-                            block,
+                            Wire::Int8 { block },
                         )
                         .unwrap();
                         (data, crate::fabric::read_count::take())
@@ -361,7 +445,7 @@ mod tests {
                         .collect()
                 })
                 .collect();
-            let results = all_reduce(n, &inputs, block);
+            let results = all_reduce(n, &inputs, Wire::Int8 { block });
             let exact: Vec<f32> = (0..len).map(|k| inputs.iter().map(|v| v[k]).sum()).collect();
             for (me, (got, read)) in results.iter().enumerate() {
                 assert_eq!(got, &results[0].0, "member {me} differs from member 0");
@@ -377,6 +461,52 @@ mod tests {
             let bound = (n as f32 + n as f32) * 4.8 / 127.0 / 2.0 + 1e-5;
             for (k, (g, e)) in results[0].0.iter().zip(&exact).enumerate() {
                 assert!((g - e).abs() <= bound, "n={n} element {k}: {g} against {e}");
+            }
+        }
+    }
+
+    /// QSGD and TernGrad: every member ends with the same bits, within a level spacing of each
+    /// contribution's scale of the exact sum, reading every other member's packed contribution
+    /// (what the dataflow predicts).
+    #[test]
+    fn stochastic_sums_agree_on_every_member_near_the_exact_sum() {
+        for codec in [
+            Codec::Qsgd {
+                bits: 4,
+                chunk: 64,
+                seed: 1,
+            },
+            Codec::Qsgd {
+                bits: 8,
+                chunk: 512,
+                seed: 1,
+            },
+            Codec::TernGrad { chunk: 64, seed: 1 },
+        ] {
+            let (n, len) = (3, 1001);
+            let inputs: Vec<Vec<f32>> = (0..n)
+                .map(|m| {
+                    (0..len)
+                        .map(|k| (((k * 31 + m * 17) % 97) as f32 - 48.0) / 10.0)
+                        .collect()
+                })
+                .collect();
+            let results = all_reduce(n, &inputs, Wire::of(codec).unwrap());
+            let spacing = 2.0 / (codec.levels().unwrap() - 1) as f32;
+            let bound = n as f32 * 4.8 * spacing + 1e-4;
+            for (me, (got, read)) in results.iter().enumerate() {
+                assert_eq!(got, &results[0].0, "{codec}: member {me} differs from member 0");
+                // Every other member's whole contribution, packed.
+                let packed = codec.wire_bytes(len as u64, 4);
+                assert_eq!(*read, (n as u64 - 1) * packed, "{codec}: member {me}");
+            }
+            for k in 0..len {
+                let exact: f32 = inputs.iter().map(|v| v[k]).sum();
+                let got = results[0].0[k];
+                assert!(
+                    (got - exact).abs() <= bound,
+                    "{codec}: element {k}: {got} against {exact}"
+                );
             }
         }
     }

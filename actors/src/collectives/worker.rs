@@ -11,6 +11,7 @@ use half::{bf16, f16};
 
 use super::element::Reducible;
 use super::hierarchical::{Islands, hierarchical_all_reduce};
+use super::quantized::Wire;
 use super::ring_all_reduce::{ChunkPool, shard_range};
 use super::{all_gather, all_reduce, all_reduce_max, reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
@@ -165,8 +166,8 @@ fn run_job(
     job: &Call,
     tensor: TypedTensor,
 ) -> Result<TypedTensor, FabricError> {
-    if let Codec::Int8 { block } = job.codec {
-        return run_int8(fabric, me, job, tensor, block as usize);
+    if let Some(wire) = Wire::of(job.codec) {
+        return run_quantized(fabric, me, job, tensor, wire);
     }
     match tensor.dtype() {
         DType::F32 => run_f32(fabric, me, chunk_elems, pool, job, tensor),
@@ -218,19 +219,20 @@ fn run_f32(
     Ok(TypedTensor::new(shape, data))
 }
 
-/// A collective whose values cross as block-wise int8 ([`super::quantized`]): f32 all-reduces,
+/// A collective whose values cross quantized ([`super::quantized`]): f32 all-reduces,
 /// reduce-scatters and all-gathers only (what the compression pass writes; the verifier refuses
 /// others).
-fn run_int8(
+fn run_quantized(
     fabric: &dyn Fabric,
     me: ActorId,
     job: &Call,
     tensor: TypedTensor,
-    block: usize,
+    wire: Wire,
 ) -> Result<TypedTensor, FabricError> {
     if tensor.dtype() != DType::F32 {
         return Err(FabricError::Aborted(format!(
-            "an int8-compressed {:?} encodes f32 values; this one brought {}",
+            "a {}-compressed {:?} encodes f32 values; this one brought {}",
+            job.codec,
             job.kind,
             tensor.dtype()
         )));
@@ -238,7 +240,7 @@ fn run_int8(
     let shape = tensor.shape().to_vec();
     let mut data = tensor.into_f32_vec();
     let call = (job.group, job.edge);
-    super::quantized::int8_collective(fabric, me, job.kind, call, &mut data, block)?;
+    super::quantized::quantized_collective(fabric, me, job.kind, call, &mut data, wire)?;
     if job.kind == CollectiveKind::ReduceScatterSum {
         return Ok(own_shard(job, me, &data));
     }

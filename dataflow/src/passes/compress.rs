@@ -65,7 +65,7 @@ fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
         }
     };
     Ok(Some(Codecs {
-        all_reduce: control(asked.codec().map_err(PlanError::Conflict)?),
+        all_reduce: control(asked.codec(program.seed).map_err(PlanError::Conflict)?),
         reduce_scatter: int8(grads),
         gather: int8(weights),
         flag,
@@ -254,8 +254,11 @@ mod tests {
             (quantized(2, 1), "use --compress int8 there"),
             (quantized(1, 3), "use --dp 2"),
             (gathered(2, 2), "use --zero 3"),
+            (
+                program(2, 2, Compression::Qsgd { bits: 4 }),
+                "use --quantize-grads int8",
+            ),
             (program(2, 0, Compression::TopK { ratio: 0.01 }), "not built yet"),
-            (program(2, 0, Compression::Qsgd { bits: 4 }), "not built yet"),
         ] {
             let refused = compile(&program).unwrap_err().to_string();
             assert!(refused.contains(says), "{refused}");
