@@ -8,9 +8,10 @@
 //! `qsgd:BITS` (Alistarh et al. 2017: stochastic rounding onto a uniform grid of levels per chunk,
 //! unbiased, with the chunk's max-norm as its scale, as in the paper's experiments); `terngrad`
 //! (Wen et al. 2017: three levels −s, 0, s, stochastic, with one scale s — the largest magnitude
-//! — per chunk of [`TERNGRAD_CHUNK`] values rather than per layer). Their randomness is keyed by (seed, step, bucket, sending member, element), so a
-//! run repeats. Parsed and refused with the reason until it is built: `topk:RATIO` (Aji &
-//! Heafield 2017; Lin et al. 2018).
+//! — per chunk of [`TERNGRAD_CHUNK`] values rather than per layer). Their randomness is keyed by
+//! (seed, step, bucket, sending member, element), so a run repeats. `topk:RATIO` (Aji & Heafield
+//! 2017; Lin et al. 2018): the largest `RATIO` of each replica's bucket plus its error-feedback
+//! residual, sent as (index, value) pairs.
 
 use std::fmt;
 
@@ -40,6 +41,16 @@ pub enum Codec {
         chunk: u32,
         /// The run's seed, first key of the rounding's randomness.
         seed: u64,
+    },
+    /// Top-k sparsification with error feedback: each replica sends the [`Codec::kept`]
+    /// entries of largest magnitude of its bucket plus its residual as (u32 index, f32 value)
+    /// pairs and keeps the rest as its next residual; the pairs are gathered and summed.
+    TopK {
+        /// Entries kept per million of a bucket's.
+        per_million: u32,
+        /// Whether the leftover is fed back (false: the negative control,
+        /// `TestFault::TopKWithoutFeedback`, drops it).
+        feedback: bool,
     },
     /// TernGrad: each chunk of `chunk` f32 values crosses as one f32 scale (its largest
     /// magnitude) and 2 bits a value, each rounded stochastically (unbiased) to −1, 0 or 1 times
@@ -76,6 +87,18 @@ impl Codec {
                 (elems * u64::from(bits)).div_ceil(8) + 4 * elems.div_ceil(u64::from(chunk))
             }
             Codec::TernGrad { chunk, .. } => (elems * 2).div_ceil(8) + 4 * elems.div_ceil(u64::from(chunk)),
+            Codec::TopK { .. } => 8 * self.kept(elems),
+        }
+    }
+
+    /// Entries a top-k codec sends of a bucket of `len`: `⌈len · ratio⌉`, at least one, at most
+    /// all (`len` for the other codecs).
+    pub fn kept(self, len: u64) -> u64 {
+        match self {
+            Codec::TopK { per_million, .. } => (len * u64::from(per_million))
+                .div_ceil(1_000_000)
+                .clamp(len.min(1), len),
+            _ => len,
         }
     }
 
@@ -84,7 +107,7 @@ impl Codec {
     /// gradients: one rounding per contribution, the total never re-quantized) rather than
     /// reduce-scattering quantized shards and gathering the quantized totals.
     pub fn gathers_contributions(self) -> bool {
-        self.levels().is_some()
+        self.levels().is_some() || matches!(self, Codec::TopK { .. })
     }
 
     /// The stochastic codecs' number of levels, evenly spaced from −1 to 1 (times the scale):
@@ -95,7 +118,7 @@ impl Codec {
             Codec::Qsgd { bits: 1, .. } => Some(2),
             Codec::Qsgd { bits, .. } => Some((1u32 << bits) - 1),
             Codec::TernGrad { .. } => Some(3),
-            Codec::None | Codec::Int8 { .. } => None,
+            Codec::None | Codec::Int8 { .. } | Codec::TopK { .. } => None,
         }
     }
 }
@@ -107,6 +130,13 @@ impl fmt::Display for Codec {
             Codec::Int8 { block } => write!(f, "int8/{block}"),
             Codec::Qsgd { bits, chunk, .. } => write!(f, "qsgd{bits}/{chunk}"),
             Codec::TernGrad { chunk, .. } => write!(f, "terngrad/{chunk}"),
+            Codec::TopK {
+                per_million,
+                feedback,
+            } => {
+                let without = if *feedback { "" } else { " without feedback" };
+                write!(f, "topk/{}{without}", f64::from(*per_million) / 1e6)
+            }
         }
     }
 }
@@ -119,7 +149,7 @@ pub enum Compression {
     None,
     /// Block-wise absmax int8 gradients (deterministic).
     Int8,
-    /// Top-k sparsification with error feedback, keeping `ratio` of each bucket (not built yet).
+    /// Top-k sparsification with error feedback, keeping `ratio` of each bucket.
     TopK {
         /// Share of the elements sent, in (0, 1].
         ratio: f32,
@@ -134,8 +164,8 @@ pub enum Compression {
 }
 
 impl Compression {
-    /// The codec of a compressed gradient edge of a run seeded `seed`; an error naming what to
-    /// change for a compression not built yet.
+    /// The codec of a compressed gradient edge of a run seeded `seed` (an error naming what to
+    /// change for a compression not built, none today).
     pub fn codec(self, seed: u64) -> Result<Codec, String> {
         match self {
             Compression::None => Ok(Codec::None),
@@ -149,9 +179,10 @@ impl Compression {
                 chunk: TERNGRAD_CHUNK,
                 seed,
             }),
-            other => Err(format!(
-                "--compress {other} is not built yet (issue 43); use --compress int8, qsgd:BITS or terngrad, or drop --compress"
-            )),
+            Compression::TopK { ratio } => Ok(Codec::TopK {
+                per_million: (f64::from(ratio) * 1e6).round().max(1.0) as u32,
+                feedback: true,
+            }),
         }
     }
 }
@@ -215,12 +246,14 @@ mod tests {
             let refused = bad.parse::<Compression>().unwrap_err();
             assert!(refused.contains(says), "{bad}: {refused}");
         }
-        assert!(
-            Compression::TopK { ratio: 0.01 }
-                .codec(0)
-                .unwrap_err()
-                .contains("not built yet")
+        let topk = Compression::TopK { ratio: 0.01 }.codec(0).unwrap();
+        assert_eq!(topk.to_string(), "topk/0.01");
+        assert_eq!(
+            (topk.kept(1000), topk.kept(1001), topk.kept(50), topk.kept(0)),
+            (10, 11, 1, 0)
         );
+        assert_eq!(topk.wire_bytes(1000, 4), 80);
+        assert_eq!(Compression::TopK { ratio: 1.0 }.codec(0).unwrap().kept(7), 7);
     }
 
     #[test]

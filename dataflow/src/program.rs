@@ -343,6 +343,10 @@ pub enum TestFault {
     /// `block` 0): every gradient value is rounded to an integer in [−127, 127], so the small
     /// ones vanish and the run barely learns.
     UnscaledInt8,
+    /// Top-k's control: `--compress topk:RATIO` without error feedback (each replica's leftover
+    /// dropped instead of kept for the next step): what is never among the largest is never
+    /// sent, and the run ends farther from the uncompressed one.
+    TopKWithoutFeedback,
     /// Loss scaling's fault: `actor` writes an inf into the first element of each gradient
     /// bucket it computes in step `step` (from 1), before any collective reads it; the other
     /// actors' own gradients stay finite.

@@ -13,6 +13,7 @@ pub mod hierarchical;
 pub mod quantized;
 pub mod ring_all_reduce;
 pub mod shared;
+pub mod sparse;
 pub mod stochastic;
 pub mod worker;
 

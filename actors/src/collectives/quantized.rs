@@ -128,10 +128,11 @@ pub enum Wire {
 }
 
 impl Wire {
-    /// The wire of `codec` (`None` for values crossing as their dtype).
+    /// The wire of `codec` (`None` for values crossing as their dtype, and for top-k's pairs:
+    /// [`super::sparse`]).
     pub fn of(codec: Codec) -> Option<Wire> {
         match codec {
-            Codec::None => None,
+            Codec::None | Codec::TopK { .. } => None,
             Codec::Int8 { block } => Some(Wire::Int8 {
                 block: block as usize,
             }),

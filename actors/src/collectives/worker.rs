@@ -13,6 +13,7 @@ use super::element::Reducible;
 use super::hierarchical::{Islands, hierarchical_all_reduce};
 use super::quantized::Wire;
 use super::ring_all_reduce::{ChunkPool, shard_range};
+use super::sparse::{Residuals, TopK};
 use super::{all_gather, all_reduce, all_reduce_max, reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
 use crate::typed_tensor::{DType, Element, TypedTensor};
@@ -60,6 +61,7 @@ impl CollectiveWorker {
             .name(format!("collectives-{me}"))
             .spawn(move || {
                 let mut pool = ChunkPool::default();
+                let mut residuals = Residuals::new();
                 for job in queue {
                     crate::fabric::read_count::take();
                     let Job {
@@ -76,7 +78,10 @@ impl CollectiveWorker {
                         edge,
                         group: &group,
                     };
-                    let result = run_job(fabric.as_ref(), me, chunk_elems, &mut pool, &call, tensor);
+                    let result = match TopK::of(codec) {
+                        Some(topk) => run_topk(fabric.as_ref(), me, &call, tensor, topk, &mut residuals),
+                        None => run_job(fabric.as_ref(), me, chunk_elems, &mut pool, &call, tensor),
+                    };
                     let _ = done.send((result, crate::fabric::read_count::take()));
                 }
             })
@@ -244,6 +249,30 @@ fn run_quantized(
     if job.kind == CollectiveKind::ReduceScatterSum {
         return Ok(own_shard(job, me, &data));
     }
+    Ok(TypedTensor::new(shape, data))
+}
+
+/// A top-k all-reduce with error feedback ([`super::sparse`]), the residuals this actor keeps
+/// by bucket in `residuals`: f32 all-reduces only.
+fn run_topk(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    job: &Call,
+    tensor: TypedTensor,
+    topk: TopK,
+    residuals: &mut Residuals,
+) -> Result<TypedTensor, FabricError> {
+    if tensor.dtype() != DType::F32 || job.kind != CollectiveKind::AllReduceSum {
+        return Err(FabricError::Aborted(format!(
+            "a {}-compressed collective is an all-reduce of f32 values; this one is {:?} of {}",
+            job.codec,
+            job.kind,
+            tensor.dtype()
+        )));
+    }
+    let shape = tensor.shape().to_vec();
+    let mut data = tensor.into_f32_vec();
+    super::sparse::topk_all_reduce(fabric, me, (job.group, job.edge), &mut data, topk, residuals)?;
     Ok(TypedTensor::new(shape, data))
 }
 

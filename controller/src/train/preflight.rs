@@ -121,6 +121,12 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
         plan.zero
     );
     notes.push(line);
+    if let archipelago_dataflow::Compression::TopK { ratio } = program.compression {
+        notes.push(format!(
+            "warning: --compress topk:{ratio} keeps an error-feedback residual on every replica, which checkpoints do not hold yet (issue 43): every residual starts at zero, so what was held back before step {} is dropped",
+            manifest.next_step
+        ));
+    }
     for note in &notes {
         tracing::info!("{note}");
     }

@@ -55,6 +55,10 @@ fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
     }
     let control = |codec| match (codec, program.test_fault) {
         (Codec::Int8 { .. }, Some(TestFault::UnscaledInt8)) => Codec::Int8 { block: 0 },
+        (Codec::TopK { per_million, .. }, Some(TestFault::TopKWithoutFeedback)) => Codec::TopK {
+            per_million,
+            feedback: false,
+        },
         (codec, _) => codec,
     };
     let int8 = |on: bool| {
@@ -258,7 +262,10 @@ mod tests {
                 program(2, 2, Compression::Qsgd { bits: 4 }),
                 "use --quantize-grads int8",
             ),
-            (program(2, 0, Compression::TopK { ratio: 0.01 }), "not built yet"),
+            (
+                program(2, 3, Compression::TopK { ratio: 0.01 }),
+                "use --quantize-grads int8",
+            ),
         ] {
             let refused = compile(&program).unwrap_err().to_string();
             assert!(refused.contains(says), "{refused}");
