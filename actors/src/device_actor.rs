@@ -43,6 +43,9 @@ pub struct DeviceActorParams {
     pub fabric: Arc<dyn Fabric>,
     /// Where the executor records the instruction it runs (read by heartbeats).
     pub progress: Arc<ActorProgress>,
+    /// The checkpoint directory to take top-k's error-feedback residuals from (a resume of the
+    /// layout that wrote it).
+    pub residuals_from: Option<PathBuf>,
 }
 
 impl DeviceActorParams {
@@ -86,15 +89,20 @@ impl Actor for DeviceActor {
                 .fabric
                 .abort(&format!("actor {} failed to start", params.actor));
         })?;
-        let executor = Executor::new(
+        let mut executor = Executor::new(
             &params.job,
             params.actor,
             params.device,
             params.stream.to_vec(),
             computation,
-            params.fabric,
+            params.fabric.clone(),
         )
         .with_progress(params.progress);
+        if let Some(dir) = &params.residuals_from {
+            executor.restore_residuals(dir).inspect_err(|_| {
+                (params.fabric).abort(&format!("actor {} failed to start", params.actor));
+            })?;
+        }
         Ok(DeviceActor { executor })
     }
 }

@@ -255,16 +255,24 @@ impl Executor {
         self.computation.block_squares()
     }
 
-    /// Writes this actor's shard of the trainable state into checkpoint directory `dir`.
+    /// Writes this actor's shard of the trainable state into checkpoint directory `dir`, and its
+    /// top-k residuals beside it when it keeps any.
     pub fn save_checkpoint(
         &mut self,
         dir: &std::path::Path,
     ) -> Result<Option<crate::checkpoint::ShardFile>, String> {
         self.computation.sync_host();
+        self.collectives.save_residuals(dir, self.actor)?;
         match self.computation.save_state()? {
             Some(state) => crate::checkpoint::write_shard(dir, self.actor, &state).map(Some),
             None => Ok(None),
         }
+    }
+
+    /// Takes top-k's error-feedback residuals this actor wrote into checkpoint directory `dir`
+    /// (a resume of the layout that wrote them).
+    pub fn restore_residuals(&mut self, dir: &std::path::Path) -> Result<(), String> {
+        self.collectives.restore_residuals(dir, self.actor)
     }
 
     /// Runs the stream once as step `step` (walked by the one interpreter, `interpret.rs`). On failure the

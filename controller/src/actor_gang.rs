@@ -79,13 +79,14 @@ fn device_threads(streams: &[ActorStream]) -> (Vec<DeviceSpec>, Vec<usize>) {
 
 impl ActorGang {
     /// Spawns one actor per stream (with the matching computation factory) and waits until all
-    /// are built.
+    /// are built; each takes top-k's residuals from checkpoint directory `residuals_from` when
+    /// given.
     pub async fn start(
         job: &str,
-        streams: Vec<ActorStream>,
-        factories: Vec<ComputationFactory>,
+        (streams, factories): (Vec<ActorStream>, Vec<ComputationFactory>),
         fabric: Arc<dyn Fabric>,
         watchdog: Duration,
+        residuals_from: Option<std::path::PathBuf>,
     ) -> Result<ActorGang, JobError> {
         let (devices, slots) = device_threads(&streams);
         let runtime = Runtime::new(job, "local", devices);
@@ -102,6 +103,7 @@ impl ActorGang {
                 computation: Arc::new(Mutex::new(Some(factory))),
                 fabric: fabric.clone(),
                 progress: Arc::new(ActorProgress::default()),
+                residuals_from: residuals_from.clone(),
             })
             .collect();
         let mut gang = ActorGang {

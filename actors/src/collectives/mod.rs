@@ -11,6 +11,7 @@
 pub mod element;
 pub mod hierarchical;
 pub mod quantized;
+pub mod residual_file;
 pub mod ring_all_reduce;
 pub mod shared;
 pub mod sparse;

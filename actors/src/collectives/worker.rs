@@ -2,8 +2,9 @@
 //! started, while the actor's compute thread goes on (DDP-style overlap of backward and
 //! all-reduce).
 
-use std::sync::Arc;
+use std::path::Path;
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use archipelago_dataflow::{ActorId, Codec, CollectiveKind};
@@ -51,17 +52,21 @@ impl PendingCollective {
 pub struct CollectiveWorker {
     jobs: Option<mpsc::Sender<Job>>,
     thread: Option<JoinHandle<()>>,
+    /// Top-k's error-feedback residuals, by bucket (the worker's while a collective runs; read
+    /// and written between steps for checkpoints).
+    residuals: Arc<Mutex<Residuals>>,
 }
 
 impl CollectiveWorker {
     /// Starts the worker of actor `me`.
     pub fn spawn(me: ActorId, fabric: Arc<dyn Fabric>, chunk_elems: usize) -> CollectiveWorker {
         let (jobs, queue) = mpsc::channel::<Job>();
+        let residuals = Arc::new(Mutex::new(Residuals::new()));
+        let kept = residuals.clone();
         let thread = std::thread::Builder::new()
             .name(format!("collectives-{me}"))
             .spawn(move || {
                 let mut pool = ChunkPool::default();
-                let mut residuals = Residuals::new();
                 for job in queue {
                     crate::fabric::read_count::take();
                     let Job {
@@ -79,7 +84,10 @@ impl CollectiveWorker {
                         group: &group,
                     };
                     let result = match TopK::of(codec) {
-                        Some(topk) => run_topk(fabric.as_ref(), me, &call, tensor, topk, &mut residuals),
+                        Some(topk) => {
+                            let mut residuals = kept.lock().unwrap_or_else(|p| p.into_inner());
+                            run_topk(fabric.as_ref(), me, &call, tensor, topk, &mut residuals)
+                        }
                         None => run_job(fabric.as_ref(), me, chunk_elems, &mut pool, &call, tensor),
                     };
                     let _ = done.send((result, crate::fabric::read_count::take()));
@@ -89,7 +97,23 @@ impl CollectiveWorker {
         CollectiveWorker {
             jobs: Some(jobs),
             thread: Some(thread),
+            residuals,
         }
+    }
+
+    /// Writes actor `me`'s top-k residuals into checkpoint directory `dir` (nothing when it
+    /// keeps none); between steps, with no collective running.
+    pub fn save_residuals(&self, dir: &Path, me: ActorId) -> Result<(), String> {
+        let residuals = self.residuals.lock().unwrap_or_else(|p| p.into_inner());
+        super::residual_file::write(dir, me, &residuals)
+    }
+
+    /// Takes actor `me`'s top-k residuals from checkpoint directory `dir` (none when it wrote
+    /// none), before the first step.
+    pub fn restore_residuals(&self, dir: &Path, me: ActorId) -> Result<(), String> {
+        let restored = super::residual_file::read(dir, me)?;
+        *self.residuals.lock().unwrap_or_else(|p| p.into_inner()) = restored;
+        Ok(())
     }
 
     /// Queues a collective; it runs after every collective started before it.

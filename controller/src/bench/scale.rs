@@ -172,7 +172,14 @@ fn dispatch(actors: usize, steps: u64, working: bool) -> anyhow::Result<Value> {
             .map(|_| Box::new(|| Ok(Box::new(NoOp) as Box<dyn Computation>)) as ComputationFactory)
             .collect();
         let began = Instant::now();
-        let mut gang = ActorGang::start("noop", streams, factories, fabric, Duration::from_secs(60)).await?;
+        let mut gang = ActorGang::start(
+            "noop",
+            (streams, factories),
+            fabric,
+            Duration::from_secs(60),
+            None,
+        )
+        .await?;
         let start_s = began.elapsed().as_secs_f64();
         let mut times = Vec::new();
         for n in 1..=steps {

@@ -73,8 +73,11 @@ pub struct JobArgs {
     #[arg(long)]
     pub grad_reduce_dtype: Option<String>,
     /// Compress the data-parallel gradient all-reduce on the fabric: `int8` (block-wise absmax,
-    /// 256 values a scale, deterministic: about a quarter of f32's bytes). `topk:RATIO`,
-    /// `qsgd:BITS` and `terngrad` are parsed and refused until they are built.
+    /// 256 values a scale, deterministic: about a quarter of f32's bytes), `qsgd:BITS` (QSGD:
+    /// stochastic, unbiased rounding to 2^BITS − 1 levels, BITS 1–8, a scale per 512 values),
+    /// `terngrad` (three levels, a scale per 64) or `topk:RATIO` (the largest RATIO of each
+    /// bucket, 0 < RATIO ≤ 1, as index-value pairs, the rest kept as an error-feedback residual
+    /// on each replica for the next step). Only at --zero 0 or 1, with --dp 2 or more.
     #[arg(long, default_value = "none")]
     pub compress: String,
     /// ZeRO++'s qgZ: ZeRO-2/3's gradient reduce-scatter crosses as block-wise int8 (`int8`; the

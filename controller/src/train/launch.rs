@@ -53,10 +53,21 @@ pub(crate) async fn start_gang(
     } = launch;
     let devices: Vec<DeviceSpec> = actors.iter().map(|&a| plan.actors[a].device).collect();
     builders.check(&devices).map_err(JobError::Runtime)?;
+    let residuals_from = (restore.as_deref())
+        .filter(|r| same_layout(&r.manifest().layout, &plan.program))
+        .map(|r| r.dir().to_path_buf());
     let factories = trainer_factories(plan, builders, actors, restore);
     let mut streams: Vec<_> = actors.iter().map(|&a| plan.stream(a)).collect();
     crate::hang::inject_stream_fault(&mut streams, plan.program.test_fault);
-    ActorGang::start(job, streams, factories, fabric, patience + WATCHDOG_SLACK).await
+    let watchdog = patience + WATCHDOG_SLACK;
+    ActorGang::start(job, (streams, factories), fabric, watchdog, residuals_from).await
+}
+
+/// Whether a checkpoint of `layout` was written by `program`'s layout: then every actor has the
+/// same buckets and takes back the top-k residuals it wrote (at another layout they start at
+/// zero, and the resume says so: `preflight`).
+pub(crate) fn same_layout(layout: &serde_json::Value, program: &archipelago_dataflow::Program) -> bool {
+    serde_json::to_value(&program.plan).is_ok_and(|now| &now == layout)
 }
 
 /// One computation factory per actor in `actors`: each builds the actor's trainer on its device

@@ -121,9 +121,14 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
         plan.zero
     );
     notes.push(line);
-    if let archipelago_dataflow::Compression::TopK { ratio } = program.compression {
+    let topk = matches!(
+        program.compression,
+        archipelago_dataflow::Compression::TopK { .. }
+    );
+    if topk && !super::launch::same_layout(&manifest.layout, program) {
         notes.push(format!(
-            "warning: --compress topk:{ratio} keeps an error-feedback residual on every replica, which checkpoints do not hold yet (issue 43): every residual starts at zero, so what was held back before step {} is dropped",
+            "warning: --compress topk's error-feedback residuals start at zero: the checkpoint was written on another layout ({}), whose buckets differ, so what each replica held back before step {} is dropped",
+            super::resume_check::layout_words(&manifest.layout),
             manifest.next_step
         ));
     }
