@@ -348,6 +348,10 @@ pub struct RunRecord {
     /// file (absent in checkpoints written before it was recorded, and for runs without one).
     #[serde(default)]
     pub base: Option<BaseWeights>,
+    /// `--compress`: what crosses the data-parallel all-reduce (and, for top-k, the residuals
+    /// each replica keeps); absent, none, in checkpoints written before it was recorded.
+    #[serde(default)]
+    pub compression: archipelago_dataflow::Compression,
 }
 
 /// A weights file a run's frozen parameters come from.

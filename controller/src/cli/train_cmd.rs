@@ -48,8 +48,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Settings --resume may change from the checkpoint's run, comma-separated: optimizer,
-    /// lr-schedule, clip, steps, data, precision (any other difference refuses the resume,
-    /// naming it). `steps` lets a run go on past the --steps it was started with.
+    /// lr-schedule, clip, steps, data, precision, compress (any other difference refuses the
+    /// resume, naming it). `steps` lets a run go on past the --steps it was started with.
     #[arg(long, value_delimiter = ',', requires = "resume")]
     pub resume_override: Vec<String>,
     /// With --controller: `on-failure` re-plans on the hosts left when one dies and goes on from

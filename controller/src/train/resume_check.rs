@@ -11,7 +11,15 @@ use archipelago_actors::checkpoint::{BaseWeights, Manifest, RunRecord};
 use archipelago_dataflow::{LrDecay, LrSchedule, Program};
 
 /// The names `--resume-override` takes, one per recorded setting.
-pub const OVERRIDABLE: [&str; 6] = ["optimizer", "lr-schedule", "clip", "steps", "data", "precision"];
+pub const OVERRIDABLE: [&str; 7] = [
+    "optimizer",
+    "lr-schedule",
+    "clip",
+    "steps",
+    "data",
+    "precision",
+    "compress",
+];
 
 /// What `program`, run to step `total_steps`, records in its checkpoints.
 pub fn record(program: &Program, total_steps: u64) -> RunRecord {
@@ -24,6 +32,7 @@ pub fn record(program: &Program, total_steps: u64) -> RunRecord {
         // The compute dtype; the checkpoint's master and optimizer state are f32 whatever it is.
         precision: program.precision.compute,
         base: base_weights(program),
+        compression: program.compression,
     }
 }
 
@@ -116,6 +125,12 @@ pub fn differences(was: &RunRecord, now: &RunRecord) -> Vec<(&'static str, Strin
             was.precision == now.precision,
             shown(&was.precision),
             shown(&now.precision),
+        ),
+        (
+            "compress",
+            was.compression == now.compression,
+            was.compression.to_string(),
+            now.compression.to_string(),
         ),
     ];
     (settings.into_iter())
@@ -259,5 +274,14 @@ mod tests {
         assert!(past.contains("--steps 11 or more"), "{past}");
         // Written before runs were recorded: the step only.
         check(&manifest(None, 10), dir, &sgd, 20, &[]).unwrap();
+        // Another --compress (a top-k run's residuals would go unused) is said, and overridable.
+        let topk = program(adamw, cosine(30))
+            .with_compression(archipelago_dataflow::Compression::TopK { ratio: 0.01 });
+        let dropped = check(&written, dir, &topk, 30, &[]).unwrap_err();
+        assert!(
+            dropped.contains("compress: ") && dropped.contains("topk:0.01"),
+            "{dropped}"
+        );
+        check(&written, dir, &topk, 30, &["compress".into()]).unwrap();
     }
 }
