@@ -133,6 +133,11 @@ fn advance<'a>(
                     "collective tag {tag} is {kind:?} of {dtype} compressed as {codec}: codecs encode f32 sums and gathers only"
                 )));
             }
+            if matches!(codec, crate::Codec::TopK { .. }) && *kind != CollectiveKind::AllReduceSum {
+                return Err(at(format!(
+                    "collective tag {tag} is {kind:?} compressed as {codec}: top-k's pairs are gathered and summed whole, an all-reduce only"
+                )));
+            }
             if !group.contains(&me) {
                 return Err(at("this actor is not a member of the group".into()));
             }
@@ -304,6 +309,18 @@ mod tests {
         assert!(error.contains("f32 sums and gathers only"), "{error}");
         let same = vec![vec![make("g"), compressed(crate::DType::F32), wait("g", 1)]; 2];
         verify(&same).unwrap();
+        let mut scattered = compressed(crate::DType::F32);
+        if let Instruction::StartCollective { codec, kind, .. } = &mut scattered {
+            *codec = crate::Codec::TopK {
+                per_million: 10_000,
+                feedback: true,
+            };
+            *kind = CollectiveKind::ReduceScatterSum;
+        }
+        let error = verify(&vec![vec![make("g"), scattered, wait("g", 1)]; 2])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("an all-reduce only"), "{error}");
     }
 
     #[test]
