@@ -53,6 +53,13 @@ fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
             "--quantize-weights int8 quantizes ZeRO-3's parameter gathers (ZeRO++'s qwZ); --zero {zero} gathers none before the passes: use --zero 3, or drop --quantize-weights"
         ));
     }
+    let precision = program.precision;
+    let scaled = precision.compute == DType::F16 || precision.loss_scale != crate::precision::LossScale::None;
+    if matches!(asked, Compression::TopK { .. }) && scaled {
+        return conflict(format!(
+            "{flag} keeps each replica's unsent gradient as a residual from step to step, and loss scaling (f16's) changes the gradients' scale and skips an overflowing step whose non-finite values would stay in the residual: use --precision bf16 or f32 with top-k, or another --compress"
+        ));
+    }
     let control = |codec| match (codec, program.test_fault) {
         (Codec::Int8 { .. }, Some(TestFault::UnscaledInt8)) => Codec::Int8 { block: 0 },
         (Codec::TopK { per_million, .. }, Some(TestFault::TopKWithoutFeedback)) => Codec::TopK {
@@ -265,6 +272,11 @@ mod tests {
             (
                 program(2, 3, Compression::TopK { ratio: 0.01 }),
                 "use --quantize-grads int8",
+            ),
+            (
+                program(2, 0, Compression::TopK { ratio: 0.01 })
+                    .with_precision(Precision::parse("f16").unwrap()),
+                "use --precision bf16 or f32 with top-k",
             ),
         ] {
             let refused = compile(&program).unwrap_err().to_string();
