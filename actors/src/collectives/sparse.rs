@@ -131,6 +131,12 @@ pub fn topk_all_reduce(
         .iter()
         .position(|&a| a == me)
         .ok_or(FabricError::NoSuchActor(me))?;
+    if u32::try_from(data.len()).is_err() {
+        return Err(FabricError::Aborted(format!(
+            "a top-k bucket of {} elements is past the u32 indices its pairs carry: use a smaller --bucket-mb",
+            data.len()
+        )));
+    }
     let residual = residuals.entry(edge & 0xffff_ffff).or_default();
     residual.resize(data.len(), 0.0);
     data.iter_mut().zip(residual.iter()).for_each(|(d, r)| *d += r);
