@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need on a fresh Debian machine (Debian's
 # headless `chromium`, which the dashboard tests drive, `openssl` for the TLS tests, `slurm-wlm`
-# and `munge` for the Slurm tests, `libopenblas0-pthread` for the CPU matmul that the kernel tests
+# and `munge` for the Slurm tests, `iproute2` for the slow-link test, `libopenblas0-pthread` for the CPU matmul that the kernel tests
 # check against Flex's), then runs every test of the workspace (arguments go to
 # `cargo test --workspace`, e.g. `-- slurm`) and ends with the list of tests skipped and why.
 #
@@ -57,6 +57,7 @@ need() {
 present chromium chromium || need "for the dashboard tests" chromium
 present openssl openssl || need "for the TLS tests" openssl
 { present slurm-wlm slurmctld && present munge munged; } || need "for the Slurm tests" slurm-wlm munge
+present iproute2 tc || need "for the slow-link test (ip, tc)" iproute2
 present libopenblas0-pthread || need "for the CPU matmul the kernel tests check" libopenblas0-pthread
 if command -v chromium > /dev/null; then chromium --version || true; fi
 

@@ -55,6 +55,7 @@ fn main() {
         Command::Health(args) => archipelago_controller::cluster::health::health(args),
         Command::BenchPeer(args) => archipelago_controller::bench::cross_process::peer_main(args),
         Command::BenchActorHost(args) => archipelago_controller::bench::actor_api::host_main(args),
+        Command::BenchSlowLink(args) => archipelago_controller::bench::slow_link::inner_main(args),
     };
     telemetry.shutdown();
     if let Err(e) = result {

@@ -18,6 +18,8 @@ mod precision;
 mod precision_convergence;
 mod scale;
 mod serving;
+pub mod slow_link;
+mod slow_link_bench;
 mod soak;
 pub mod summary;
 mod training;
@@ -98,6 +100,12 @@ pub struct BenchArgs {
     /// uncompressed run, fabric bytes per step measured and predicted, step time).
     #[arg(long)]
     pub compression_only: bool,
+    /// Run only the slow link and stop (root; iproute2): mlp-8x1024 at dp=2 on two host
+    /// processes in a network namespace of their own, over its loopback shaped to 100 Mbit/s
+    /// with `tc tbf` and `--data-path tcp`, uncompressed and with top-k 1% (steps/s and its
+    /// ratio to the uncompressed run's, gradient and link bytes per step).
+    #[arg(long)]
+    pub slow_link_only: bool,
     /// Run only gpt-tiny's layouts and stop: dp=1, dp=2, pp=2 (GPipe and 1F1B, m=8), ZeRO-3 at
     /// dp=2 and tp=2, one after the other in one window (tokens/s, fabric bytes per step).
     #[arg(long)]
@@ -192,6 +200,9 @@ fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
     } else if args.compression_only {
         let convergence = compression::convergence(if args.quick { 30 } else { 300 })?;
         json!({ "suite": "compression", "quick": args.quick, "compression": convergence, "load_avg_end": load_avg(), "wall_s": wall() })
+    } else if args.slow_link_only {
+        let link = slow_link_bench::slow_link(if args.quick { 6 } else { 20 })?;
+        json!({ "suite": "slow_link", "quick": args.quick, "slow_link": link, "load_avg_end": load_avg(), "wall_s": wall() })
     } else if args.actor_api_only {
         actor_api_only(args, started)?
     } else if args.collectives_only {

@@ -68,6 +68,10 @@ pub enum Command {
     /// The host process of the runtime-API benchmark (started by `bench`).
     #[command(hide = true)]
     BenchActorHost(crate::bench::actor_api::ActorHostArgs),
+    /// The part of a slow-link run inside its network namespace (started by `bench` and the
+    /// slow-link test as `unshare -n archipelago bench-slow-link …`).
+    #[command(hide = true)]
+    BenchSlowLink(crate::bench::slow_link::SlowLinkArgs),
 }
 
 #[cfg(test)]

@@ -51,6 +51,7 @@ fn sections(suite: &str) -> Vec<Section> {
         "actor_api" => vec![comm::actor_api],
         "collectives" => vec![comm::collectives],
         "compression" => vec![training::compression],
+        "slow_link" => vec![training::slow_link],
         _ => vec![
             physical,
             comm::collectives,

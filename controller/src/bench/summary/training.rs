@@ -309,3 +309,34 @@ pub(super) fn compression(out: &Value) -> Vec<String> {
     }
     table.lines()
 }
+
+/// The slow link (`--slow-link-only`): each run's step time, steps/s against the uncompressed
+/// run's, and the gradient bytes the fabric moved and the link carried per step.
+pub(super) fn slow_link(out: &Value) -> Vec<String> {
+    if let Some(why) = out["slow_link"]["not_run"].as_str() {
+        return vec![format!("slow link: not run: {why}")];
+    }
+    let Some(runs) = list(&out["slow_link"], "runs") else {
+        return missing_section("slow_link: runs");
+    };
+    let heads = [
+        "step s",
+        "steps/s",
+        "× uncompressed",
+        "grad bytes/step",
+        "link bytes/step",
+    ];
+    let rate = out["slow_link"]["rate_mbit"].as_u64().unwrap_or(0);
+    let mut table = Table::new(format!("slow link, mlp-8x1024 dp=2 over {rate} Mbit/s"), &heads);
+    for run in runs {
+        let cells = vec![
+            fig(at(run, "/median_step_s")),
+            fig(at(run, "/steps_per_s")),
+            fig(at(run, "/steps_per_s_over_uncompressed")),
+            fig(at(run, "/gradient_fabric_bytes_per_step")),
+            fig(at(run, "/link_bytes_per_step")),
+        ];
+        table.row(run["run"].as_str().unwrap_or(MISSING), cells);
+    }
+    table.lines()
+}
