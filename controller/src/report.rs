@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 pub struct StepRecord {
     /// Step number, from 1.
     pub step: u64,
-    /// Global mean loss.
+    /// Global mean loss (NaN for a diverged step: JSON writes it `null`).
+    #[serde(deserialize_with = "nan_if_null::one")]
     pub loss: f32,
     /// Wall time from the `RunStep` calls to the last reply.
     pub time_s: f64,
@@ -167,10 +168,13 @@ pub struct TrainReport {
     pub steps: Vec<StepRecord>,
     /// The last step's global mean loss on its batch, computed in its forward pass, before that
     /// step's update (not an evaluation of the final parameters).
+    #[serde(deserialize_with = "nan_if_null::one")]
     pub final_loss: f32,
     /// L2 norm of all final parameters.
+    #[serde(deserialize_with = "nan_if_null::one")]
     pub param_l2: f64,
     /// L2 norm of each block's final parameters, in block order.
+    #[serde(deserialize_with = "nan_if_null::each")]
     pub block_l2: Vec<f64>,
     /// Every parameter every actor holds at the end, by actor, when
     /// [`TrainOptions::keep_params`](crate::TrainOptions::keep_params) asks for it (tests and
@@ -253,5 +257,38 @@ pub fn median(values: &mut [f64]) -> f64 {
         values[n / 2]
     } else {
         (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+/// A diverged run's NaN losses and norms, which JSON writes as `null`, read back as NaN (a
+/// report crossing from a controller to its client would be unreadable otherwise).
+mod nan_if_null {
+    use serde::{Deserialize, Deserializer};
+
+    /// A float, NaN for `null`.
+    pub fn one<'de, D: Deserializer<'de>, F: Deserialize<'de> + From<f32>>(d: D) -> Result<F, D::Error> {
+        Ok(Option::<F>::deserialize(d)?.unwrap_or_else(|| F::from(f32::NAN)))
+    }
+
+    /// Floats, NaN for each `null`.
+    pub fn each<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f64>, D::Error> {
+        let values = Vec::<Option<f64>>::deserialize(d)?;
+        Ok(values.into_iter().map(|v| v.unwrap_or(f64::NAN)).collect())
+    }
+}
+
+#[cfg(test)]
+mod nan_tests {
+    /// A diverged step's report survives the JSON round trip, its NaN loss read back as NaN.
+    #[test]
+    fn a_nan_loss_crosses_as_null_and_comes_back_nan() {
+        let transfers = archipelago_actors::transfer::Transfers::default();
+        let json = serde_json::json!({
+            "step": 3, "loss": f32::NAN, "time_s": 0.5, "transfers": transfers,
+            "fabric": archipelago_dataflow::FabricBytes::default(),
+        });
+        assert!(json["loss"].is_null());
+        let step: super::StepRecord = serde_json::from_value(json).unwrap();
+        assert!(step.loss.is_nan());
     }
 }

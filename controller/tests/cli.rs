@@ -363,7 +363,76 @@ fn optimizer_flags_train_and_refuse_conflicts() {
             &["--optimizer", "adamw", "--momentum", "0.9"][..],
             "apply to --optimizer sgd",
         ),
-        (&["--optimizer", "adagrad"][..], "use adam, adamw, sgd or lamb"),
+        (
+            &["--optimizer", "adagrad"][..],
+            "use adam, adamw, sgd, lamb or (on the command line) onebit-adam",
+        ),
+        // 1-bit Adam: what it needs and what it does not combine with.
+        (&["--freeze-step", "5"][..], "use it with --optimizer onebit-adam"),
+        (
+            &["--optimizer", "onebit-adam", "--dp", "2"][..],
+            "needs --freeze-step W",
+        ),
+        (
+            &["--optimizer", "onebit-adam", "--freeze-step", "30", "--dp", "2"][..],
+            "is not below --steps 30",
+        ),
+        (
+            &[
+                "--optimizer",
+                "onebit-adam",
+                "--freeze-step",
+                "5",
+                "--dp",
+                "2",
+                "--compress",
+                "int8",
+            ][..],
+            "drop --compress int8",
+        ),
+        (
+            &["--optimizer", "onebit-adam", "--freeze-step", "5"][..],
+            "dp=1 has none",
+        ),
+        (
+            &[
+                "--optimizer",
+                "onebit-adam",
+                "--freeze-step",
+                "5",
+                "--dp",
+                "2",
+                "--zero",
+                "1",
+            ][..],
+            "use --zero 0",
+        ),
+        (
+            &[
+                "--optimizer",
+                "onebit-adam",
+                "--freeze-step",
+                "5",
+                "--dp",
+                "2",
+                "--clip-grad-norm",
+                "1",
+            ][..],
+            "drop --clip-grad-norm",
+        ),
+        (
+            &[
+                "--optimizer",
+                "onebit-adam",
+                "--freeze-step",
+                "5",
+                "--dp",
+                "2",
+                "--weight-decay",
+                "0.1",
+            ][..],
+            "drop --weight-decay",
+        ),
         (&["--lr-schedule", "step"][..], "use constant, cosine or linear"),
     ] {
         let (ok, text) = archipelago(

@@ -11,7 +11,9 @@
 //! — per chunk of [`TERNGRAD_CHUNK`] values rather than per layer). Their randomness is keyed by
 //! (seed, step, bucket, sending member, element), so a run repeats. `topk:RATIO` (Aji & Heafield
 //! 2017; Lin et al. 2018): the largest `RATIO` of each replica's bucket plus its error-feedback
-//! residual, sent as (index, value) pairs.
+//! residual, sent as (index, value) pairs. `onebit` (1-bit Adam, Tang et al. 2021, from
+//! `--optimizer onebit-adam --freeze-step W`): Adam's momentum exchanged as one sign bit a value
+//! and a scale per chunk after the variance freezes, with error feedback on both sides.
 
 use std::fmt;
 
@@ -61,6 +63,25 @@ pub enum Codec {
         /// The run's seed, first key of the rounding's randomness.
         seed: u64,
     },
+    /// 1-bit Adam's exchange (Tang et al. 2021): up to step `freeze_step` the bucket is an
+    /// f32 gradient all-reduce (plain Adam, the variance still learning) while each member keeps
+    /// Adam's momentum of the sums; after it, each member sends its momentum estimate (its own
+    /// gradient in place of the average) plus its error, as signs and a scale per `chunk`
+    /// values, to the owner of each shard, which averages, adds its own error, and sends the
+    /// shard back the same way; the result is the momentum, the optimizer's with the variance
+    /// frozen. Reads as a reduce-scatter plus an all-gather of `⌈len/8⌉ + 4⌈len/chunk⌉`-byte
+    /// shards after the freeze.
+    OneBit {
+        /// The last step of plain Adam (the variance is frozen after it).
+        freeze_step: u32,
+        /// Adam's β1, β2 and ε, as f32 bits.
+        adam_bits: [u32; 3],
+        /// Values per scale.
+        chunk: u32,
+        /// Whether both errors are fed back (false: the negative control,
+        /// `TestFault::OneBitWithoutFeedback`, drops them).
+        feedback: bool,
+    },
 }
 
 /// Values per scale of `--compress int8` (ZeRO++ quantizes in groups of this order).
@@ -75,6 +96,10 @@ pub const QSGD_CHUNK: u32 = 512;
 /// with one per 64 values (2.5 bits a value) — so the scale is per chunk, QSGD's bucketing.
 pub const TERNGRAD_CHUNK: u32 = 64;
 
+/// Values per scale of 1-bit Adam's exchange (the paper scales per tensor; a scale per 2048
+/// values costs 1/64 bit a value and keeps a bucket's large and small parameters apart).
+pub const ONEBIT_CHUNK: u32 = 2048;
+
 impl Codec {
     /// Bytes a contiguous shard of `elems` values takes on the wire (`dtype_size` bytes each
     /// when uncompressed).
@@ -88,6 +113,7 @@ impl Codec {
             }
             Codec::TernGrad { chunk, .. } => (elems * 2).div_ceil(8) + 4 * elems.div_ceil(u64::from(chunk)),
             Codec::TopK { .. } => 8 * self.kept(elems),
+            Codec::OneBit { chunk, .. } => elems.div_ceil(8) + 4 * elems.div_ceil(u64::from(chunk)),
         }
     }
 
@@ -118,7 +144,7 @@ impl Codec {
             Codec::Qsgd { bits: 1, .. } => Some(2),
             Codec::Qsgd { bits, .. } => Some((1u32 << bits) - 1),
             Codec::TernGrad { .. } => Some(3),
-            Codec::None | Codec::Int8 { .. } | Codec::TopK { .. } => None,
+            Codec::None | Codec::Int8 { .. } | Codec::TopK { .. } | Codec::OneBit { .. } => None,
         }
     }
 }
@@ -136,6 +162,15 @@ impl fmt::Display for Codec {
             } => {
                 let without = if *feedback { "" } else { " without feedback" };
                 write!(f, "topk/{}{without}", f64::from(*per_million) / 1e6)
+            }
+            Codec::OneBit {
+                freeze_step,
+                chunk,
+                feedback,
+                ..
+            } => {
+                let without = if *feedback { "" } else { " without feedback" };
+                write!(f, "onebit/{chunk} after step {freeze_step}{without}")
             }
         }
     }
@@ -161,6 +196,18 @@ pub enum Compression {
     },
     /// TernGrad's three levels, stochastic (unbiased).
     TernGrad,
+    /// 1-bit Adam's momentum exchange after step `freeze_step` (`--optimizer onebit-adam
+    /// --freeze-step W`, not a `--compress` form: it replaces Adam's exchange, not a gradient's).
+    OneBitAdam {
+        /// The last step of plain Adam.
+        freeze_step: u32,
+        /// Adam's first-moment decay.
+        beta1: f32,
+        /// Adam's second-moment decay.
+        beta2: f32,
+        /// Adam's ε.
+        eps: f32,
+    },
 }
 
 impl Compression {
@@ -183,6 +230,17 @@ impl Compression {
                 per_million: (f64::from(ratio) * 1e6).round().max(1.0) as u32,
                 feedback: true,
             }),
+            Compression::OneBitAdam {
+                freeze_step,
+                beta1,
+                beta2,
+                eps,
+            } => Ok(Codec::OneBit {
+                freeze_step,
+                adam_bits: [beta1, beta2, eps].map(f32::to_bits),
+                chunk: ONEBIT_CHUNK,
+                feedback: true,
+            }),
         }
     }
 }
@@ -195,6 +253,9 @@ impl fmt::Display for Compression {
             Compression::TopK { ratio } => write!(f, "topk:{ratio}"),
             Compression::Qsgd { bits } => write!(f, "qsgd:{bits}"),
             Compression::TernGrad => f.write_str("terngrad"),
+            Compression::OneBitAdam { freeze_step, .. } => {
+                write!(f, "onebit-adam (freeze step {freeze_step})")
+            }
         }
     }
 }
@@ -279,5 +340,22 @@ mod tests {
         assert_eq!(terngrad.levels(), Some(3));
         assert_eq!(Codec::Int8 { block: 256 }.levels(), None);
         assert_eq!(qsgd(4).to_string(), "qsgd4/512");
+    }
+
+    #[test]
+    fn onebit_takes_a_bit_a_value_and_a_scale_a_chunk() {
+        let onebit = Compression::OneBitAdam {
+            freeze_step: 10,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+        .codec(0)
+        .unwrap();
+        assert_eq!(onebit.wire_bytes(4096, 4), 512 + 4 * 2);
+        assert_eq!(onebit.wire_bytes(4097, 4), 513 + 4 * 3);
+        assert_eq!(onebit.wire_bytes(0, 4), 0);
+        assert!(!onebit.gathers_contributions());
+        assert_eq!(onebit.to_string(), "onebit/2048 after step 10");
     }
 }

@@ -347,6 +347,10 @@ pub enum TestFault {
     /// dropped instead of kept for the next step): what is never among the largest is never
     /// sent, and the run ends farther from the uncompressed one.
     TopKWithoutFeedback,
+    /// 1-bit Adam's control: its exchange without error feedback (each member's and each
+    /// shard owner's rounding error dropped instead of added to the next step's momentum):
+    /// the signs' bias accumulates, and the run ends farther from Adam.
+    OneBitWithoutFeedback,
     /// Loss scaling's fault: `actor` writes an inf into the first element of each gradient
     /// bucket it computes in step `step` (from 1), before any collective reads it; the other
     /// actors' own gradients stay finite.

@@ -133,9 +133,11 @@ fn advance<'a>(
                     "collective tag {tag} is {kind:?} of {dtype} compressed as {codec}: codecs encode f32 sums and gathers only"
                 )));
             }
-            if matches!(codec, crate::Codec::TopK { .. }) && *kind != CollectiveKind::AllReduceSum {
+            if matches!(codec, crate::Codec::TopK { .. } | crate::Codec::OneBit { .. })
+                && *kind != CollectiveKind::AllReduceSum
+            {
                 return Err(at(format!(
-                    "collective tag {tag} is {kind:?} compressed as {codec}: top-k's pairs are gathered and summed whole, an all-reduce only"
+                    "collective tag {tag} is {kind:?} compressed as {codec}: top-k's pairs and 1-bit Adam's momentum are exchanged whole, an all-reduce only"
                 )));
             }
             if !group.contains(&me) {

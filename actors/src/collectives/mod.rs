@@ -10,6 +10,7 @@
 
 pub mod element;
 pub mod hierarchical;
+pub mod onebit;
 pub mod quantized;
 pub mod residual_file;
 pub mod ring_all_reduce;

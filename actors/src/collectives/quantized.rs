@@ -132,7 +132,7 @@ impl Wire {
     /// [`super::sparse`]).
     pub fn of(codec: Codec) -> Option<Wire> {
         match codec {
-            Codec::None | Codec::TopK { .. } => None,
+            Codec::None | Codec::TopK { .. } | Codec::OneBit { .. } => None,
             Codec::Int8 { block } => Some(Wire::Int8 {
                 block: block as usize,
             }),

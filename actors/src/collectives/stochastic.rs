@@ -37,7 +37,7 @@ impl Levels {
         let (bits, chunk, seed) = match codec {
             Codec::Qsgd { bits, chunk, seed } => (u32::from(bits), chunk.max(1) as usize, seed),
             Codec::TernGrad { chunk, seed } => (2, chunk.max(1) as usize, seed),
-            Codec::None | Codec::Int8 { .. } | Codec::TopK { .. } => return None,
+            Codec::None | Codec::Int8 { .. } | Codec::TopK { .. } | Codec::OneBit { .. } => return None,
         };
         Some(Levels {
             count,

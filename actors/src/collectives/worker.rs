@@ -12,6 +12,7 @@ use half::{bf16, f16};
 
 use super::element::Reducible;
 use super::hierarchical::{Islands, hierarchical_all_reduce};
+use super::onebit::{OneBit, onebit_all_reduce};
 use super::quantized::Wire;
 use super::ring_all_reduce::{ChunkPool, shard_range};
 use super::sparse::{Residuals, TopK};
@@ -83,12 +84,17 @@ impl CollectiveWorker {
                         edge,
                         group: &group,
                     };
-                    let result = match TopK::of(codec) {
-                        Some(topk) => {
+                    let result = match (TopK::of(codec), OneBit::of(codec)) {
+                        (Some(topk), _) => {
                             let mut residuals = kept.lock().unwrap_or_else(|p| p.into_inner());
                             run_topk(fabric.as_ref(), me, &call, tensor, topk, &mut residuals)
                         }
-                        None => run_job(fabric.as_ref(), me, chunk_elems, &mut pool, &call, tensor),
+                        (_, Some(onebit)) => {
+                            let mut state = kept.lock().unwrap_or_else(|p| p.into_inner());
+                            let ring = (chunk_elems, &mut pool);
+                            run_onebit(fabric.as_ref(), me, ring, &call, tensor, onebit, &mut state)
+                        }
+                        _ => run_job(fabric.as_ref(), me, chunk_elems, &mut pool, &call, tensor),
                     };
                     let _ = done.send((result, crate::fabric::read_count::take()));
                 }
@@ -297,6 +303,31 @@ fn run_topk(
     let shape = tensor.shape().to_vec();
     let mut data = tensor.into_f32_vec();
     super::sparse::topk_all_reduce(fabric, me, (job.group, job.edge), &mut data, topk, residuals)?;
+    Ok(TypedTensor::new(shape, data))
+}
+
+/// 1-bit Adam's exchange of an f32 bucket (`onebit_all_reduce`), its warm-up steps on the ring.
+fn run_onebit(
+    fabric: &dyn Fabric,
+    me: ActorId,
+    (chunk_elems, pool): (usize, &mut ChunkPool),
+    job: &Call,
+    tensor: TypedTensor,
+    onebit: OneBit,
+    state: &mut Residuals,
+) -> Result<TypedTensor, FabricError> {
+    if tensor.dtype() != DType::F32 || job.kind != CollectiveKind::AllReduceSum {
+        return Err(FabricError::Aborted(format!(
+            "1-bit Adam's exchange is an all-reduce of f32 values; this one is {:?} of {}",
+            job.kind,
+            tensor.dtype()
+        )));
+    }
+    let (group, edge) = (job.group, job.edge);
+    let shape = tensor.shape().to_vec();
+    let mut data = tensor.into_f32_vec();
+    let dense = |data: &mut [f32]| all_reduce(fabric, me, group, edge, data, chunk_elems, pool);
+    onebit_all_reduce(fabric, me, (group, edge), &mut data, onebit, state, dense)?;
     Ok(TypedTensor::new(shape, data))
 }
 

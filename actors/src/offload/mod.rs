@@ -503,6 +503,7 @@ mod tests {
                     t,
                     lr: spec.lr(),
                     grad_scale: 1.0,
+                    exchanged_momentum_after: None,
                 };
                 actor.update(step, 6, grads[6..].to_vec(), true).unwrap();
                 actor.update(step, 0, grads[..6].to_vec(), true).unwrap();
@@ -523,6 +524,7 @@ mod tests {
                 t: 5,
                 lr: spec.lr(),
                 grad_scale: 1.0,
+                exchanged_momentum_after: None,
             };
             let bad = actor.update(step, 0, vec![1.0; 3], true);
             assert!(bad.is_ok());

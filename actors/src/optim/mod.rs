@@ -41,6 +41,9 @@ pub struct StepContext {
     pub lr: f32,
     /// The clipping factor of this step's gradients (1: not clipped).
     pub grad_scale: f32,
+    /// 1-bit Adam's freeze step, when the rule is 1-bit Adam's: after it the "gradients" are
+    /// the exchanged momentum and the second moment is frozen (`adam::update_with_momentum`).
+    pub exchanged_momentum_after: Option<i32>,
 }
 
 /// An optimizer over one flat parameter vector, updated range by range.
@@ -61,6 +64,9 @@ pub struct FlatOptimizer {
     grad_scale: f32,
     /// LAMB: this step's trust ratio per parameter, once the reduced norms are set.
     trust: Vec<f32>,
+    /// 1-bit Adam's freeze step: after it the "gradients" are the exchanged momentum and the
+    /// variance is frozen ([`FlatOptimizer::with_exchanged_momentum`]).
+    exchanged_momentum_after: Option<i32>,
 }
 
 impl FlatOptimizer {
@@ -78,7 +84,17 @@ impl FlatOptimizer {
             lr: spec.lr(),
             grad_scale: 1.0,
             trust: Vec::new(),
+            exchanged_momentum_after: None,
         }
+    }
+
+    /// The same optimizer as 1-bit Adam's (Tang et al. 2021) with its freeze at step `freeze`:
+    /// plain Adam up to it; after it [`FlatOptimizer::update`]'s `grads` are the momentum the
+    /// collective exchanged (`collectives::onebit`), taken as the first moment, and the second
+    /// moment stays frozen. Only for Adam (the plan refuses the other rules).
+    pub fn with_exchanged_momentum(mut self, freeze: u32) -> FlatOptimizer {
+        self.exchanged_momentum_after = Some(i32::try_from(freeze).unwrap_or(i32::MAX));
+        self
     }
 
     /// The same optimizer with learning-rate schedule `schedule`.
@@ -146,6 +162,7 @@ impl FlatOptimizer {
             t: self.t,
             lr: self.lr,
             grad_scale: self.grad_scale,
+            exchanged_momentum_after: self.exchanged_momentum_after,
         }
     }
 
@@ -415,7 +432,13 @@ pub fn update_range(
                     t: ctx.t,
                     grad_scale: ctx.grad_scale,
                 };
-                adam::update(&step, &mut params[at.clone()], &mut m[mr], &mut v[vr], &grads[at]);
+                let (p, g) = (&mut params[at.clone()], &grads[at]);
+                match ctx.exchanged_momentum_after {
+                    Some(frozen_at) if ctx.t > frozen_at => {
+                        adam::update_with_momentum(&step, frozen_at, p, &mut m[mr], &v[vr], g);
+                    }
+                    _ => adam::update(&step, p, &mut m[mr], &mut v[vr], g),
+                }
             }
             OptimizerSpec::Sgd {
                 momentum,

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use burn::tensor::backend::AutodiffBackend;
 
-use archipelago_dataflow::{ActorId, BlockInfo, ParamDesc, Program, SegmentPlan, SliceState, TrainedLayout};
+use archipelago_dataflow::{
+    ActorId, BlockInfo, Compression, ParamDesc, Program, SegmentPlan, SliceState, TrainedLayout,
+};
 
 use super::data::samples;
 use super::fault::FaultHook;
@@ -254,9 +256,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         let store = Store::of_plan(training, &sharding, &mut held, spawn)?;
         let state_len = store.optimizer_state_len(&sharding);
         let windows = if state_len == 0 { Vec::new() } else { windows };
-        let optimizer = FlatOptimizer::new(program.optimizer, state_len)
+        let mut optimizer = FlatOptimizer::new(program.optimizer, state_len)
             .with_schedule(program.lr_schedule)
             .with_layout(stage_params.layout(&windows, state_len)?);
+        if let Compression::OneBitAdam { freeze_step, .. } = program.compression {
+            optimizer = optimizer.with_exchanged_momentum(freeze_step);
+        }
         Ok(Trainer {
             stage: HeldStage {
                 device,

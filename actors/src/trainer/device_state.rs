@@ -366,9 +366,16 @@ impl<B: Backend> DeviceState<B> {
                     p
                 };
                 let c1 = 1.0 - beta1.powi(ctx.t);
-                let c2_sqrt = (1.0 - beta2.powi(ctx.t)).sqrt();
-                let m = m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1);
-                let v = v.mul_scalar(beta2) + g.clone().mul_scalar(1.0 - beta2) * g;
+                // 1-bit Adam after its freeze: `g` is the exchanged momentum, `v` stays frozen.
+                let frozen = ctx.exchanged_momentum_after.filter(|&w| ctx.t > w);
+                let c2_sqrt = (1.0 - beta2.powi(frozen.unwrap_or(ctx.t))).sqrt();
+                let (m, v) = match frozen {
+                    Some(_) => (g, v),
+                    None => (
+                        m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1),
+                        v.mul_scalar(beta2) + g.clone().mul_scalar(1.0 - beta2) * g,
+                    ),
+                };
                 let denominator = v.clone().sqrt().div_scalar(c2_sqrt).add_scalar(eps);
                 s.put_updated(p - m.clone().mul_scalar(ctx.lr / c1) / denominator);
                 s.m = Some(m);

@@ -74,6 +74,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             t: self.state.store.steps(&self.state.optimizer) + 1,
             lr: self.state.optimizer.next_lr(),
             grad_scale,
+            exchanged_momentum_after: None,
         }
     }
 

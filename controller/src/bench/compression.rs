@@ -2,7 +2,8 @@
 //! (WORKLOADS.md's data and batch) uncompressed and with each codec built — `--compress int8`,
 //! `qsgd:8`, `qsgd:4`, `terngrad` and `topk:0.01` (the gradient all-reduce; top-k under Adam and,
 //! as Deep Gradient Compression, under SGD with momentum, each beside its control without error
-//! feedback), and under ZeRO-3 `--quantize-grads int8` (qgZ), `--quantize-weights int8` (qwZ)
+//! feedback), `--optimizer onebit-adam --freeze-step 100` (1-bit Adam, against Adam), and under
+//! ZeRO-3 `--quantize-grads int8` (qgZ), `--quantize-weights int8` (qwZ)
 //! and both — each run's mean loss of the last 20 steps against the uncompressed run of its
 //! layout and optimizer, and its fabric bytes per step (measured, the plan's prediction, and the
 //! ratio to the uncompressed run's), with the median step time. The bounds are 5% (and,
@@ -65,7 +66,16 @@ struct Compressed(&'static str, Base, Compression, bool, bool, Option<TestFault>
 const TOPK: Compression = Compression::TopK { ratio: 0.01 };
 const DROPPED: Option<TestFault> = Some(TestFault::TopKWithoutFeedback);
 
-const RUNS: [Compressed; 11] = [
+/// 1-bit Adam with plain Adam for the first third of the 300 steps (its warm-up; the bench's
+/// quick runs of 30 steps freeze at 10 by [`run`]).
+const ONEBIT: Compression = Compression::OneBitAdam {
+    freeze_step: 100,
+    beta1: 0.9,
+    beta2: 0.999,
+    eps: 1e-8,
+};
+
+const RUNS: [Compressed; 12] = [
     Compressed(
         "--compress int8",
         Base::Adam,
@@ -124,6 +134,14 @@ const RUNS: [Compressed; 11] = [
         DROPPED,
     ),
     Compressed(
+        "--optimizer onebit-adam --freeze-step 100",
+        Base::Adam,
+        ONEBIT,
+        false,
+        false,
+        None,
+    ),
+    Compressed(
         "ZeRO-3 --quantize-grads int8",
         Base::Zero3,
         Compression::None,
@@ -162,6 +180,20 @@ fn train(program: &Program, job: String, steps: u64) -> anyhow::Result<TrainRepo
 /// Run `run` of [`RUNS`] for `steps` steps.
 fn run(index: usize, run: &Compressed, steps: u64) -> anyhow::Result<TrainReport> {
     let Compressed(_, base, compress, grads, weights, fault) = *run;
+    let compress = match compress {
+        Compression::OneBitAdam {
+            freeze_step,
+            beta1,
+            beta2,
+            eps,
+        } => Compression::OneBitAdam {
+            freeze_step: freeze_step.min((steps / 3) as u32),
+            beta1,
+            beta2,
+            eps,
+        },
+        other => other,
+    };
     let mut program = base.program()?.with_compression(compress);
     (program.quantize_grads, program.quantize_weights) = (grads, weights);
     program.test_fault = fault;

@@ -95,15 +95,16 @@ pub struct BenchArgs {
     #[arg(long)]
     pub precision_only: bool,
     /// Run only communication compression's section and stop: gpt-tiny at dp=2 for 300 steps
-    /// uncompressed, with --compress int8, and under ZeRO-3 with --quantize-grads int8,
+    /// uncompressed, with --compress int8, qsgd:8, qsgd:4, terngrad and topk:0.01, with
+    /// --optimizer onebit-adam, and under ZeRO-3 with --quantize-grads int8,
     /// --quantize-weights int8 and both (the mean loss of the last 20 steps against the
     /// uncompressed run, fabric bytes per step measured and predicted, step time).
     #[arg(long)]
     pub compression_only: bool,
     /// Run only the slow link and stop (root; iproute2): mlp-8x1024 at dp=2 on two host
     /// processes in a network namespace of their own, over its loopback shaped to 100 Mbit/s
-    /// with `tc tbf` and `--data-path tcp`, uncompressed and with top-k 1% (steps/s and its
-    /// ratio to the uncompressed run's, gradient and link bytes per step).
+    /// with `tc tbf` and `--data-path tcp`, uncompressed, with top-k 1% and with 1-bit Adam
+    /// (steps/s and its ratio to the uncompressed run's, gradient and link bytes per step).
     #[arg(long)]
     pub slow_link_only: bool,
     /// Run only gpt-tiny's layouts and stop: dp=1, dp=2, pp=2 (GPipe and 1F1B, m=8), ZeRO-3 at

@@ -1,7 +1,8 @@
 //! `bench --slow-link-only` (issue 43): mlp-8x1024 at dp=2 on two host processes over a loopback
 //! shaped to 100 Mbit/s (`bench::slow_link`, raw TCP), uncompressed and with each compression
-//! that should beat the link — `--compress topk:0.01` — one after the other in one window:
-//! median step time (steps after the first, where a codec's own warm-up is over), steps/s and
+//! that should beat the link — `--compress topk:0.01` and `--optimizer onebit-adam --freeze-step
+//! 5` — one after the other in one window: median step time (steps after the first; for 1-bit
+//! Adam after its freeze, where its exchange runs), steps/s and
 //! its ratio to the uncompressed run's, gradient fabric bytes per step and the bytes the link
 //! carried per step. The issue's bound is ≥ 3× the uncompressed steps/s; printed, not asserted.
 
@@ -21,6 +22,11 @@ struct LinkRun(&'static str, &'static [&'static str], u64);
 const RUNS: &[LinkRun] = &[
     LinkRun("uncompressed", &[], 2),
     LinkRun("--compress topk:0.01", &["--compress", "topk:0.01"], 2),
+    LinkRun(
+        "--optimizer onebit-adam --freeze-step 5",
+        &["--optimizer", "onebit-adam", "--freeze-step", "5"],
+        6,
+    ),
 ];
 
 /// The runs over the slow link, `steps` each (uncompressed: a third of them, at least 3: a

@@ -10,9 +10,12 @@ use archipelago_dataflow::data::DataSpec;
 use archipelago_dataflow::passes::partition::parse_stages;
 use archipelago_dataflow::passes::schedule::Schedule;
 use archipelago_dataflow::{
-    DeviceSpec, InputKind, LossScale, LrDecay, LrSchedule, ModelSpec, OptimizerSpec, ParallelPlan,
-    ParamGroups, Precision, Program,
+    Compression, DeviceSpec, InputKind, LossScale, LrDecay, LrSchedule, ModelSpec, OptimizerSpec,
+    ParallelPlan, ParamGroups, Precision, Program,
 };
+
+/// `--optimizer`'s name for 1-bit Adam (Adam with the exchange of `Compression::OneBitAdam`).
+const ONEBIT_ADAM: &str = "onebit-adam";
 
 /// The flags that describe a job (shared by `train` and `plan`).
 #[derive(Debug, Clone, Args, Serialize)]
@@ -41,9 +44,17 @@ pub struct JobArgs {
     #[arg(long)]
     pub lr: Option<f32>,
     /// Update rule: adam, adamw (decoupled weight decay), sgd (plain, or with --momentum and
-    /// --nesterov) or lamb (per-parameter trust ratio), each with PyTorch's defaults.
+    /// --nesterov), lamb (per-parameter trust ratio), each with PyTorch's defaults, or
+    /// onebit-adam (1-bit Adam, Tang et al. 2021: Adam for --freeze-step steps, then the
+    /// variance frozen and the momentum exchanged between replicas as 1 bit a value plus a scale
+    /// per 2048, with error feedback on both sides; --dp 2 or more, --zero 0, no weight decay,
+    /// no clipping, no offload, no loss scaling, no --compress).
     #[arg(long, default_value = "adam")]
     pub optimizer: String,
+    /// 1-bit Adam's freeze: the last step of plain Adam (the learning-rate warmup is
+    /// --warmup-steps). Needed by --optimizer onebit-adam, and below --steps.
+    #[arg(long)]
+    pub freeze_step: Option<u32>,
     /// SGD's momentum factor (default 0: plain SGD, `p -= lr·g`).
     #[arg(long)]
     pub momentum: Option<f32>,
@@ -281,6 +292,7 @@ impl JobArgs {
             program.precision = program.precision.with_grad_reduce(reduce.compute);
         }
         program.compression = self.compress.parse().map_err(anyhow::Error::msg)?;
+        self.set_onebit(&mut program)?;
         let int8 = |flag: &str, value: &str| match value {
             "none" => Ok(false),
             "int8" => Ok(true),
@@ -341,9 +353,53 @@ fn is_safetensors(path: &std::path::Path) -> bool {
 
 impl JobArgs {
     /// The optimizer, its schedule, clipping and parameter groups from the flags.
+    /// `--optimizer onebit-adam --freeze-step W`: Adam whose gradient all-reduce is 1-bit Adam's
+    /// exchange after step W (`Compression::OneBitAdam`; the plan refuses what it does not
+    /// combine with).
+    fn set_onebit(&self, program: &mut Program) -> anyhow::Result<()> {
+        let onebit = self.optimizer == ONEBIT_ADAM;
+        match (onebit, self.freeze_step) {
+            (false, None) => Ok(()),
+            (false, Some(w)) => anyhow::bail!(
+                "--freeze-step {w} is 1-bit Adam's: use it with --optimizer onebit-adam (the learning-rate warmup is --warmup-steps)"
+            ),
+            (true, None) => anyhow::bail!(
+                "--optimizer onebit-adam needs --freeze-step W: the steps of plain Adam before the variance freezes and the momentum crosses in 1 bit (the paper: about 15-25% of training)"
+            ),
+            (true, Some(w)) if u64::from(w) >= self.steps => anyhow::bail!(
+                "--freeze-step {w} is not below --steps {}: the 1-bit exchange runs after the freeze, so it would never run; use a smaller --freeze-step, or --optimizer adam",
+                self.steps
+            ),
+            (true, Some(_)) if self.compress != "none" => anyhow::bail!(
+                "--optimizer onebit-adam compresses the exchange itself (1 bit a value): drop --compress {}",
+                self.compress
+            ),
+            (true, Some(freeze_step)) => {
+                let OptimizerSpec::Adam {
+                    beta1, beta2, eps, ..
+                } = program.optimizer
+                else {
+                    anyhow::bail!("--optimizer onebit-adam: the update rule is not Adam");
+                };
+                program.compression = Compression::OneBitAdam {
+                    freeze_step,
+                    beta1,
+                    beta2,
+                    eps,
+                };
+                Ok(())
+            }
+        }
+    }
+
     fn set_optimizer(&self, program: &mut Program) -> anyhow::Result<()> {
         let lr = self.lr.unwrap_or(DEFAULT_LR);
-        let mut spec = OptimizerSpec::named(&self.optimizer, lr).map_err(anyhow::Error::msg)?;
+        let rule = if self.optimizer == ONEBIT_ADAM {
+            "adam"
+        } else {
+            &self.optimizer
+        };
+        let mut spec = OptimizerSpec::named(rule, lr).map_err(anyhow::Error::msg)?;
         if self.momentum.is_some() || self.nesterov {
             spec = spec
                 .with_momentum(self.momentum.unwrap_or(0.0), self.nesterov)

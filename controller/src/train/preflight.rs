@@ -132,6 +132,18 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
             manifest.next_step
         ));
     }
+    if let archipelago_dataflow::Compression::OneBitAdam { freeze_step, .. } = program.compression
+        && manifest.step > u64::from(freeze_step)
+        && !super::launch::same_layout(&manifest.layout, program)
+    {
+        return Err(JobError::Plan(archipelago_dataflow::PlanError::Conflict(
+            format!(
+                "--optimizer onebit-adam: the checkpoint at step {} is past the freeze (step {freeze_step}), and 1-bit Adam's exchange state (momentum, frozen variance, both errors) is kept per bucket of the layout that wrote it ({}), which differs from this one; resume on that layout, or go on as plain Adam with --optimizer adam --resume-override compress",
+                manifest.step,
+                super::resume_check::layout_words(&manifest.layout),
+            ),
+        )));
+    }
     for note in &notes {
         tracing::info!("{note}");
     }

@@ -153,7 +153,9 @@ impl OptimizerSpec {
             "adamw" => Ok(OptimizerSpec::adamw(lr)),
             "sgd" => Ok(OptimizerSpec::sgd(lr)),
             "lamb" => Ok(OptimizerSpec::lamb(lr)),
-            other => Err(format!("--optimizer `{other}`: use adam, adamw, sgd or lamb")),
+            other => Err(format!(
+                "--optimizer `{other}`: use adam, adamw, sgd, lamb or (on the command line) onebit-adam"
+            )),
         }
     }
 

@@ -2,7 +2,8 @@
 //! every data-parallel all-reduce of a gradient bucket, int8 on ZeRO-2/3's reduce-scatter of one
 //! under `--quantize-grads int8` (ZeRO++'s qgZ) and on ZeRO-3's parameter gathers under
 //! `--quantize-weights int8` (qwZ), whose payload then crosses as the codec says
-//! (and in f32 before encoding: the codec replaces the reduce dtype's narrowing). Refuses, with
+//! (and in f32 before encoding: the codec replaces the reduce dtype's narrowing); 1-bit Adam's
+//! exchange (`Compression::OneBitAdam`) is the all-reduce's codec too. Refuses, with
 //! what to change, a compression not built yet and a plan in which nothing would be compressed
 //! (no data parallelism; the wrong ZeRO stage; the hierarchical all-reduce across islands).
 
@@ -60,7 +61,24 @@ fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
             "{flag} keeps each replica's unsent gradient as a residual from step to step, and loss scaling (f16's) changes the gradients' scale and skips an overflowing step whose non-finite values would stay in the residual: use --precision bf16 or f32 with top-k, or another --compress"
         ));
     }
+    if let Compression::OneBitAdam { .. } = asked {
+        onebit_supported(program)?;
+    }
     let control = |codec| match (codec, program.test_fault) {
+        (
+            Codec::OneBit {
+                freeze_step,
+                adam_bits,
+                chunk,
+                ..
+            },
+            Some(TestFault::OneBitWithoutFeedback),
+        ) => Codec::OneBit {
+            freeze_step,
+            adam_bits,
+            chunk,
+            feedback: false,
+        },
         (Codec::Int8 { .. }, Some(TestFault::UnscaledInt8)) => Codec::Int8 { block: 0 },
         (Codec::TopK { per_million, .. }, Some(TestFault::TopKWithoutFeedback)) => Codec::TopK {
             per_million,
@@ -81,6 +99,54 @@ fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
         gather: int8(weights),
         flag,
     }))
+}
+
+/// Refuses, naming the fix, what 1-bit Adam does not combine with: it replaces Adam's update
+/// after the freeze (the exchanged momentum, the variance frozen), so the optimizer must be Adam
+/// without weight decay (an L2 term would need the parameters in the exchange); no clipping
+/// (after the freeze no replica ever holds the averaged gradient whose norm clipping needs);
+/// no ZeRO (each replica's momentum is whole, as in DeepSpeed, whose 1-bit Adam does not combine
+/// with ZeRO either); no offload (the update runs on the actor); no loss scaling (an overflowing
+/// step's momentum would stay in the errors).
+fn onebit_supported(program: &Program) -> Result<(), PlanError> {
+    let refuse = |why: &str| Err(PlanError::Conflict(format!("--optimizer onebit-adam {why}")));
+    match program.optimizer {
+        crate::OptimizerSpec::Adam {
+            weight_decay: 0.0, ..
+        } => {}
+        crate::OptimizerSpec::Adam { .. } => {
+            return refuse(
+                "exchanges Adam's momentum, and an L2 --weight-decay would need the parameters in the exchange: drop --weight-decay",
+            );
+        }
+        other => {
+            return refuse(&format!(
+                "is Adam with its momentum exchanged in 1 bit; the program's optimizer is {}: use --optimizer onebit-adam alone",
+                other.name()
+            ));
+        }
+    }
+    if program.clip_grad_norm.is_some() {
+        return refuse(
+            "exchanges momentum, not gradients: after the freeze no replica holds the averaged gradient whose norm --clip-grad-norm needs (each has only its own): drop --clip-grad-norm",
+        );
+    }
+    if program.plan.zero > 0 {
+        return refuse(&format!(
+            "keeps each replica's momentum whole (as DeepSpeed, whose 1-bit Adam does not combine with ZeRO): use --zero 0, not --zero {}",
+            program.plan.zero
+        ));
+    }
+    if program.plan.offload != crate::program::Offload::None || program.plan.offload_params {
+        return refuse("updates on the actor with the exchanged momentum: drop --offload");
+    }
+    let precision = program.precision;
+    if precision.compute == DType::F16 || precision.loss_scale != crate::precision::LossScale::None {
+        return refuse(
+            "keeps rounding errors from step to step, and loss scaling would leave an overflowing step's values in them: use --precision bf16 or f32",
+        );
+    }
+    Ok(())
 }
 
 /// Sets the codecs of `--compress`, `--quantize-grads` and `--quantize-weights` on `graph`'s
@@ -129,6 +195,8 @@ pub fn apply(graph: &mut Graph, program: &Program) -> Result<(), PlanError> {
 
 #[cfg(test)]
 mod tests {
+    use super::codecs;
+    use crate::program::TestFault;
     use crate::{
         Codec, CollectiveKind, Compression, DType, Instruction, ModelSpec, ParallelPlan, Precision, Program,
         compile,
@@ -281,6 +349,64 @@ mod tests {
         ] {
             let refused = compile(&program).unwrap_err().to_string();
             assert!(refused.contains(says), "{refused}");
+        }
+    }
+
+    #[test]
+    fn onebit_adam_is_refused_where_it_does_not_combine_naming_why() {
+        let onebit = Compression::OneBitAdam {
+            freeze_step: 5,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        };
+        let base = program(2, 0, onebit)
+            .with_clip_grad_norm(None)
+            .with_precision(Precision::default());
+        let codec = codecs(&base).unwrap().unwrap().all_reduce;
+        assert!(
+            matches!(
+                codec,
+                Codec::OneBit {
+                    freeze_step: 5,
+                    feedback: true,
+                    ..
+                }
+            ),
+            "{codec}"
+        );
+        let mut control = base.clone();
+        control.test_fault = Some(TestFault::OneBitWithoutFeedback);
+        let codec = codecs(&control).unwrap().unwrap().all_reduce;
+        assert!(matches!(codec, Codec::OneBit { feedback: false, .. }), "{codec}");
+        let refused = |p: Program| match codecs(&p) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("accepted"),
+        };
+        let with = |f: &dyn Fn(&mut Program)| {
+            let mut p = base.clone();
+            f(&mut p);
+            p
+        };
+        for (program, says) in [
+            (
+                with(&|p| p.optimizer = crate::OptimizerSpec::sgd(0.1)),
+                "optimizer is sgd",
+            ),
+            (
+                with(&|p| p.optimizer = crate::OptimizerSpec::adam(0.1).with_weight_decay(0.1)),
+                "drop --weight-decay",
+            ),
+            (with(&|p| p.clip_grad_norm = Some(1.0)), "drop --clip-grad-norm"),
+            (with(&|p| p.plan.zero = 1), "use --zero 0"),
+            (with(&|p| p.plan.dp = 1), "dp=1 has none"),
+            (
+                with(&|p| p.precision = Precision::parse("f16").unwrap()),
+                "--precision bf16 or f32",
+            ),
+        ] {
+            let why = refused(program);
+            assert!(why.contains(says), "{says}: {why}");
         }
     }
 }
