@@ -143,6 +143,10 @@ fn time_one_actor(program: &Program, rows: usize, target: &TimingTarget) -> Resu
     let mut one = program.clone();
     one.data = DataSpec::synthetic_for(one.model.input);
     (one.init, one.cost_model, one.islands) = (None, None, Vec::new());
+    // One actor has no data-parallel collective to compress (and the pass refuses one at dp=1);
+    // the forward, backward and optimizer it times do not depend on the codec.
+    one.compression = archipelago_dataflow::Compression::None;
+    (one.quantize_grads, one.quantize_weights) = (false, false);
     one.plan = ParallelPlan {
         batch: rows,
         state: target.state.unwrap_or(program.plan.state),

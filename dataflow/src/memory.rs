@@ -71,6 +71,11 @@ pub struct MemoryEstimate {
     /// (`--offload-activations cpu`; not in [`MemoryEstimate::total`]).
     #[serde(default)]
     pub activation_checkpoints_host: u64,
+    /// What the compressed gradient exchange keeps from step to step on this replica, f32 by
+    /// bucket: top-k's error-feedback residual (one copy of the gradients), 1-bit Adam's
+    /// momentum, frozen variance and worker error (three) plus its server error (a shard).
+    #[serde(default)]
+    pub compression_state: u64,
 }
 
 impl MemoryEstimate {
@@ -81,7 +86,11 @@ impl MemoryEstimate {
 
     /// Everything.
     pub fn total(&self) -> u64 {
-        self.model_state() + self.activations + self.buffers + self.backward_temporaries
+        self.model_state()
+            + self.activations
+            + self.buffers
+            + self.backward_temporaries
+            + self.compression_state
     }
 
     /// `params 32.1 MiB + grads … `, for messages; then what is offloaded, if anything.
@@ -95,6 +104,9 @@ impl MemoryEstimate {
             mib(self.buffers),
             mib(self.backward_temporaries)
         );
+        if self.compression_state > 0 {
+            out.push_str(&format!(" + compression state {}", mib(self.compression_state)));
+        }
         if self.host > 0 || self.disk > 0 {
             out.push_str(&format!(
                 "; off the device: host {}, disk {}",
@@ -238,6 +250,11 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         backward_temporaries,
         host: 0,
         disk: 0,
+        compression_state: if dp > 1 {
+            compression_state(program, grads)
+        } else {
+            0
+        },
         compute_weights: if zero.shards_parameters() {
             0
         } else {
@@ -257,6 +274,17 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         estimate.optimizer = 0;
     }
     estimate
+}
+
+/// Bytes the compressed all-reduce keeps per replica for `grads` bytes of f32 gradient buckets
+/// (the codecs that keep state run at ZeRO 0 and 1 only, where the buckets are whole).
+fn compression_state(program: &Program, grads: u64) -> u64 {
+    let dp = program.plan.dp.max(1) as u64;
+    match program.compression {
+        crate::Compression::TopK { .. } => grads,
+        crate::Compression::OneBitAdam { .. } => 3 * grads + grads.div_ceil(dp),
+        _ => 0,
+    }
 }
 
 /// Moves the offloaded state off the device (ZeRO-Offload; ZeRO-Infinity for NVMe). The offload
@@ -519,5 +547,28 @@ mod tests {
         for state in [StatePlacement::Host, StatePlacement::Device] {
             assert_eq!(on(DeviceSpec::Cpu(0), state), without_temporaries, "CPU, {state}");
         }
+    }
+
+    /// Top-k keeps one f32 residual per gradient, 1-bit Adam three copies and a shard.
+    #[test]
+    fn compressed_exchanges_count_what_they_keep() {
+        let plan = crate::ParallelPlan {
+            dp: 4,
+            batch: 8,
+            ..crate::ParallelPlan::default()
+        };
+        let program = Program::new(crate::ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3").unwrap())
+            .with_plan(plan);
+        let with = |c| super::compression_state(&program.clone().with_compression(c), 4000);
+        assert_eq!(with(crate::Compression::None), 0);
+        assert_eq!(with(crate::Compression::Int8), 0);
+        assert_eq!(with(crate::Compression::TopK { ratio: 0.01 }), 4000);
+        let onebit = crate::Compression::OneBitAdam {
+            freeze_step: 5,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        };
+        assert_eq!(with(onebit), 3 * 4000 + 1000);
     }
 }
