@@ -15,7 +15,7 @@ use super::hierarchical::{Islands, hierarchical_all_reduce};
 use super::onebit::{OneBit, onebit_all_reduce};
 use super::quantized::Wire;
 use super::ring_all_reduce::{ChunkPool, shard_range};
-use super::sparse::{Residuals, TopK};
+use super::sparse::{Residuals, TopK, topk_all_reduce};
 use super::{all_gather, all_reduce, all_reduce_max, reduce_scatter};
 use crate::fabric::{Fabric, FabricError};
 use crate::typed_tensor::{DType, Element, TypedTensor};
@@ -87,12 +87,19 @@ impl CollectiveWorker {
                     let result = match (TopK::of(codec), OneBit::of(codec)) {
                         (Some(topk), _) => {
                             let mut residuals = kept.lock().unwrap_or_else(|p| p.into_inner());
-                            run_topk(fabric.as_ref(), me, &call, tensor, topk, &mut residuals)
+                            f32_all_reduce(&call, tensor, |data| {
+                                let call = (&group[..], edge);
+                                topk_all_reduce(fabric.as_ref(), me, call, data, topk, &mut residuals)
+                            })
                         }
                         (_, Some(onebit)) => {
                             let mut state = kept.lock().unwrap_or_else(|p| p.into_inner());
-                            let ring = (chunk_elems, &mut pool);
-                            run_onebit(fabric.as_ref(), me, ring, &call, tensor, onebit, &mut state)
+                            let f = fabric.as_ref();
+                            let dense =
+                                |d: &mut [f32]| all_reduce(f, me, &group, edge, d, chunk_elems, &mut pool);
+                            f32_all_reduce(&call, tensor, |data| {
+                                onebit_all_reduce(f, me, (&group, edge), data, onebit, &mut state, dense)
+                            })
                         }
                         _ => run_job(fabric.as_ref(), me, chunk_elems, &mut pool, &call, tensor),
                     };
@@ -284,13 +291,12 @@ fn run_quantized(
 
 /// A top-k all-reduce with error feedback ([`super::sparse`]), the residuals this actor keeps
 /// by bucket in `residuals`: f32 all-reduces only.
-fn run_topk(
-    fabric: &dyn Fabric,
-    me: ActorId,
+/// A compressed all-reduce that runs on the bucket's f32 values (top-k's, 1-bit Adam's):
+/// `reduce` gets them in place; any other kind or dtype is refused.
+fn f32_all_reduce(
     job: &Call,
     tensor: TypedTensor,
-    topk: TopK,
-    residuals: &mut Residuals,
+    reduce: impl FnOnce(&mut [f32]) -> Result<(), FabricError>,
 ) -> Result<TypedTensor, FabricError> {
     if tensor.dtype() != DType::F32 || job.kind != CollectiveKind::AllReduceSum {
         return Err(FabricError::Aborted(format!(
@@ -302,32 +308,7 @@ fn run_topk(
     }
     let shape = tensor.shape().to_vec();
     let mut data = tensor.into_f32_vec();
-    super::sparse::topk_all_reduce(fabric, me, (job.group, job.edge), &mut data, topk, residuals)?;
-    Ok(TypedTensor::new(shape, data))
-}
-
-/// 1-bit Adam's exchange of an f32 bucket (`onebit_all_reduce`), its warm-up steps on the ring.
-fn run_onebit(
-    fabric: &dyn Fabric,
-    me: ActorId,
-    (chunk_elems, pool): (usize, &mut ChunkPool),
-    job: &Call,
-    tensor: TypedTensor,
-    onebit: OneBit,
-    state: &mut Residuals,
-) -> Result<TypedTensor, FabricError> {
-    if tensor.dtype() != DType::F32 || job.kind != CollectiveKind::AllReduceSum {
-        return Err(FabricError::Aborted(format!(
-            "1-bit Adam's exchange is an all-reduce of f32 values; this one is {:?} of {}",
-            job.kind,
-            tensor.dtype()
-        )));
-    }
-    let (group, edge) = (job.group, job.edge);
-    let shape = tensor.shape().to_vec();
-    let mut data = tensor.into_f32_vec();
-    let dense = |data: &mut [f32]| all_reduce(fabric, me, group, edge, data, chunk_elems, pool);
-    onebit_all_reduce(fabric, me, (group, edge), &mut data, onebit, state, dense)?;
+    reduce(&mut data)?;
     Ok(TypedTensor::new(shape, data))
 }
 

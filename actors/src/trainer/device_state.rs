@@ -370,13 +370,23 @@ impl<B: Backend> DeviceState<B> {
                 let frozen = ctx.exchanged_momentum_after.filter(|&w| ctx.t > w);
                 let c2_sqrt = (1.0 - beta2.powi(frozen.unwrap_or(ctx.t))).sqrt();
                 let (m, v) = match frozen {
-                    Some(_) => (g, v),
+                    // A variance frozen at 0 takes no step (`adam::update_with_momentum`).
+                    Some(_) => (g.mask_fill(v.clone().equal_elem(0.0), 0.0), v),
                     None => (
                         m.mul_scalar(beta1) + g.clone().mul_scalar(1.0 - beta1),
                         v.mul_scalar(beta2) + g.clone().mul_scalar(1.0 - beta2) * g,
                     ),
                 };
-                let denominator = v.clone().sqrt().div_scalar(c2_sqrt).add_scalar(eps);
+                let root = v.clone().sqrt().div_scalar(c2_sqrt);
+                // Frozen: the root floored as the flat loop does, so no step exceeds Adam's bound.
+                let root = match frozen {
+                    Some(_) => {
+                        let floor = (1.0 - beta2).sqrt() / ((1.0 - beta1) * c1);
+                        root.max_pair(m.clone().abs().mul_scalar(floor))
+                    }
+                    None => root,
+                };
+                let denominator = root.add_scalar(eps);
                 s.put_updated(p - m.clone().mul_scalar(ctx.lr / c1) / denominator);
                 s.m = Some(m);
                 s.v = Some(v);
