@@ -46,6 +46,8 @@ pub struct DeviceActorParams {
     /// The checkpoint directory to take top-k's error-feedback residuals from (a resume of the
     /// layout that wrote it).
     pub residuals_from: Option<PathBuf>,
+    /// The island of each actor, by id (empty: one island), for the bytes crossing islands.
+    pub islands: Arc<Vec<usize>>,
 }
 
 impl DeviceActorParams {
@@ -97,7 +99,8 @@ impl Actor for DeviceActor {
             computation,
             params.fabric.clone(),
         )
-        .with_progress(params.progress);
+        .with_progress(params.progress)
+        .with_islands(&params.islands);
         if let Some(dir) = &params.residuals_from {
             executor.restore_residuals(dir).inspect_err(|_| {
                 (params.fabric).abort(&format!("actor {} failed to start", params.actor));

@@ -90,6 +90,13 @@ pub struct StepMetrics {
     /// [`crate::fabric::read_count`]).
     #[serde(default)]
     pub fabric: archipelago_dataflow::FabricBytes,
+    /// Of `fabric`, the bytes read from peers on another island (the executor's, when its
+    /// actor knows the islands: [`Executor::with_islands`]).
+    #[serde(default)]
+    pub fabric_crossing_islands: archipelago_dataflow::FabricBytes,
+    /// Bytes of ZeRO++ hpZ's secondary copy held at the step's end.
+    #[serde(default)]
+    pub hpz_secondary_bytes: u64,
     /// The device's memory pool at the step's end (GPUs; set by the executor).
     #[serde(default)]
     pub device_memory: Option<crate::gpus::DeviceMemory>,
@@ -210,6 +217,10 @@ pub struct Executor {
     progress: Arc<crate::progress::ActorProgress>,
     /// The running step's bytes read from peers.
     fabric_read: archipelago_dataflow::FabricBytes,
+    /// Of those, read from peers on other islands.
+    fabric_crossing: archipelago_dataflow::FabricBytes,
+    /// Which actors are on another island (by id; none when empty).
+    far: Arc<[bool]>,
 }
 
 impl Executor {
@@ -234,7 +245,18 @@ impl Executor {
             table: TensorTable::default(),
             progress: Arc::default(),
             fabric_read: Default::default(),
+            fabric_crossing: Default::default(),
+            far: Arc::from(Vec::new()),
         }
+    }
+
+    /// Counts the bytes read from actors on another island than this one apart (`islands`: the
+    /// island of each actor, by id; empty for one island).
+    pub fn with_islands(mut self, islands: &[usize]) -> Executor {
+        let mine = islands.get(self.actor).copied();
+        self.far = islands.iter().map(|&i| Some(i) != mine).collect();
+        self.collectives.set_far(self.far.clone());
+        self
     }
 
     /// Records what it runs in `progress` (read by heartbeats).
@@ -285,6 +307,8 @@ impl Executor {
         // This step's host ⇄ device transfers only (not those of building or restoring).
         crate::transfer::take();
         self.fabric_read = archipelago_dataflow::FabricBytes::default();
+        self.fabric_crossing = archipelago_dataflow::FabricBytes::default();
+        crate::fabric::read_count::set_far(self.far.clone());
         let stream = std::mem::take(&mut self.stream);
         let mut run = walk::StepRun::new(self, step, began, stream.len());
         let walked = crate::interpret::block_on(crate::interpret::interpret(&stream, &mut run));
@@ -316,6 +340,7 @@ impl Executor {
         let mut metrics = self.computation.finish_step();
         metrics.transfers = crate::transfer::take();
         metrics.fabric = self.fabric_read;
+        metrics.fabric_crossing_islands = self.fabric_crossing;
         metrics.device_memory = crate::gpus::memory_usage(self.device).map(|now| crate::gpus::DeviceMemory {
             peak_in_use: peak_in_use.max(now.in_use),
             ..now

@@ -80,14 +80,16 @@ fn device_threads(streams: &[ActorStream]) -> (Vec<DeviceSpec>, Vec<usize>) {
 impl ActorGang {
     /// Spawns one actor per stream (with the matching computation factory) and waits until all
     /// are built; each takes top-k's residuals from checkpoint directory `residuals_from` when
-    /// given.
+    /// given, and counts the bytes it reads from actors on other `islands` (the island of each
+    /// actor, by id; empty for one island) apart.
     pub async fn start(
         job: &str,
         (streams, factories): (Vec<ActorStream>, Vec<ComputationFactory>),
         fabric: Arc<dyn Fabric>,
         watchdog: Duration,
-        residuals_from: Option<std::path::PathBuf>,
+        (residuals_from, islands): (Option<std::path::PathBuf>, Vec<usize>),
     ) -> Result<ActorGang, JobError> {
+        let islands = Arc::new(islands);
         let (devices, slots) = device_threads(&streams);
         let runtime = Runtime::new(job, "local", devices);
         // Local-only by construction: the gang's actors are this process's threads (their
@@ -104,6 +106,7 @@ impl ActorGang {
                 fabric: fabric.clone(),
                 progress: Arc::new(ActorProgress::default()),
                 residuals_from: residuals_from.clone(),
+                islands: islands.clone(),
             })
             .collect();
         let mut gang = ActorGang {

@@ -37,6 +37,10 @@ pub struct StepRecord {
     /// over actors: counted where they arrive on every data path (`fabric::read_count`).
     #[serde(default)]
     pub fabric: archipelago_dataflow::FabricBytes,
+    /// Of `fabric`, the bytes read from peers on another island (hosts, or the devices a
+    /// program names as one), summed over actors: what crosses the slow links.
+    #[serde(default)]
+    pub fabric_crossing_islands: archipelago_dataflow::FabricBytes,
 }
 
 /// Memory of one actor.
@@ -100,6 +104,15 @@ pub struct ActorRecord {
     /// The plan's prediction of `fabric_bytes_per_step` (`archipelago plan` prints it).
     #[serde(default)]
     pub predicted_fabric_bytes_per_step: archipelago_dataflow::FabricBytes,
+    /// Of `fabric_bytes_per_step`, the bytes read from peers on another island (measured).
+    #[serde(default)]
+    pub fabric_crossing_islands_per_step: archipelago_dataflow::FabricBytes,
+    /// ZeRO++ hpZ's secondary copy it held at the last step's end (measured).
+    #[serde(default)]
+    pub hpz_secondary_bytes: u64,
+    /// The plan's estimate of `hpz_secondary_bytes`.
+    #[serde(default)]
+    pub estimated_hpz_secondary_bytes: u64,
     /// Bytes it moved to and from its offload tier in the last step (measured).
     #[serde(default)]
     pub offload_bytes_per_step: archipelago_dataflow::OffloadTraffic,

@@ -96,6 +96,8 @@ pub fn classify(instruction: &Instruction) -> (&'static str, Option<usize>) {
             | ComputeOp::AddTiedGrads { .. } => "optimizer",
             ComputeOp::LoadParams { .. }
             | ComputeOp::ShardParams { .. }
+            | ComputeOp::KeepSecondary { .. }
+            | ComputeOp::SecondaryShard { .. }
             | ComputeOp::DropParams { .. }
             | ComputeOp::TiedValues { .. }
             | ComputeOp::LoadTied { .. } => "params",
@@ -140,6 +142,8 @@ fn short_name(instruction: &Instruction, mb: Option<usize>) -> String {
             ComputeOp::LoadParams { .. } => "load params",
             ComputeOp::ShardParams { .. } => "shard params",
             ComputeOp::DropParams { .. } => "drop params",
+            ComputeOp::KeepSecondary { .. } => "keep secondary",
+            ComputeOp::SecondaryShard { .. } => "secondary shard",
             ComputeOp::User { .. } => "user",
             ComputeOp::Output { .. } => "output",
         },

@@ -215,6 +215,12 @@ pub struct ActorTraining {
     /// tp group, offloaded to host memory).
     #[serde(default)]
     pub checkpoints: crate::ActivationCheckpoints,
+    /// ZeRO++ hpZ: its place among its dp group's members on its island, as (position,
+    /// members): it keeps `shard_range(params, members, position)` of each segment the forward
+    /// gathers as its secondary copy, and brings that slice to the backward's gather inside the
+    /// island. `None` without hpZ.
+    #[serde(default)]
+    pub secondary: Option<(usize, usize)>,
 }
 
 impl ActorTraining {
@@ -253,6 +259,7 @@ impl ActorTraining {
             slices: Vec::new(),
             tp: TpPlace::new(0, plan.tp),
             checkpoints: crate::ActivationCheckpoints::of(plan),
+            secondary: None,
         };
         training.slices = state_layout(&program.model, &training, program.precision.compute);
         training

@@ -167,6 +167,23 @@ pub enum ComputeOp {
         /// One past the last block.
         end: usize,
     },
+    /// ZeRO++ hpZ: keep this replica's island slice of the gathered parameters of blocks
+    /// `start..end` (its input, left in the table for the load that follows) as its secondary
+    /// copy, read by the backward's gather inside the island.
+    KeepSecondary {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
+    /// ZeRO++ hpZ: this replica's slice of the secondary copy of blocks `start..end`, in a buffer
+    /// of the segment's full length, ready for the all-gather inside its island.
+    SecondaryShard {
+        /// First block.
+        start: usize,
+        /// One past the last block.
+        end: usize,
+    },
     /// ZeRO-3: drop the gathered parameters of blocks `start..end` from the compute modules.
     DropParams {
         /// First block.
@@ -354,6 +371,8 @@ impl fmt::Display for ComputeOp {
             ComputeOp::LoadParams { start, end } => write!(f, "LoadParams(blocks {start}..{end})"),
             ComputeOp::ShardParams { start, end } => write!(f, "ShardParams(blocks {start}..{end})"),
             ComputeOp::DropParams { start, end } => write!(f, "DropParams(blocks {start}..{end})"),
+            ComputeOp::KeepSecondary { start, end } => write!(f, "KeepSecondary(blocks {start}..{end})"),
+            ComputeOp::SecondaryShard { start, end } => write!(f, "SecondaryShard(blocks {start}..{end})"),
             ComputeOp::User { name } => write!(f, "Run({name})"),
             ComputeOp::Output { key } => write!(f, "Output({key})"),
         }

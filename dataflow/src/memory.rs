@@ -76,6 +76,10 @@ pub struct MemoryEstimate {
     /// momentum, frozen variance and worker error (three) plus its server error (a shard).
     #[serde(default)]
     pub compression_state: u64,
+    /// ZeRO++ hpZ's secondary copy: this replica's island slice of every segment's f32
+    /// parameters, kept from the forward's gather for the backward's gather inside the island.
+    #[serde(default)]
+    pub secondary_params: u64,
 }
 
 impl MemoryEstimate {
@@ -91,6 +95,7 @@ impl MemoryEstimate {
             + self.buffers
             + self.backward_temporaries
             + self.compression_state
+            + self.secondary_params
     }
 
     /// `params 32.1 MiB + grads … `, for messages; then what is offloaded, if anything.
@@ -106,6 +111,9 @@ impl MemoryEstimate {
         );
         if self.compression_state > 0 {
             out.push_str(&format!(" + compression state {}", mib(self.compression_state)));
+        }
+        if self.secondary_params > 0 {
+            out.push_str(&format!(" + hpZ secondary params {}", mib(self.secondary_params)));
         }
         if self.host > 0 || self.disk > 0 {
             out.push_str(&format!(
@@ -255,6 +263,7 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         } else {
             0
         },
+        secondary_params: 0, // the plan sets it from the actor's island (`plan::actor_plans`)
         compute_weights: if zero.shards_parameters() {
             0
         } else {

@@ -95,6 +95,7 @@ impl Plan {
                     slices: Vec::new(),
                     tp: t.tp,
                     checkpoints: t.checkpoints,
+                    secondary: t.secondary,
                 },
             }
         };
@@ -142,6 +143,11 @@ impl Plan {
         self.streams.template(actor)
     }
 
+    /// The island of each actor, numbered in order of first appearance (empty: one island).
+    pub fn island_indices(&self) -> Vec<usize> {
+        checks::island_indices(&self.program.islands, self.actors.len()).unwrap_or_default()
+    }
+
     /// The plan as pretty JSON.
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("plans are plain data")
@@ -173,6 +179,13 @@ mod remedies;
 use remedies::fitting_remedies;
 
 fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, PlanError> {
+    // hpZ's gathers inside islands run over part of the dp axis, which the stream classes
+    // (translated along whole axes) cannot carry: every actor's stream is built and verified.
+    let build = if program.plan.zero_hpz {
+        Build::EveryActor
+    } else {
+        build
+    };
     let given = program;
     let resolved;
     let program = if program.plan.state == crate::StatePlacement::Auto {
@@ -223,6 +236,8 @@ fn compile_with(program: &Program, suggest: bool, build: Build) -> Result<Plan, 
     layout.islands = checks::island_indices(&program.islands, mesh.size())?;
     layout.checkpoints = crate::ActivationCheckpoints::of(plan);
     checks::check_tp_islands(plan.tp, &layout.islands)?;
+    checks::check_hpz(program, &layout.islands)?;
+    layout.hpz = plan.zero_hpz;
     let symmetry = (build == Build::Classes).then(|| Symmetry::of(&layout.mesh, per_replica));
     layout.built = symmetry.as_ref().map(Symmetry::built);
     let norms = StepNorms::of(program);
@@ -322,6 +337,17 @@ fn actor_plans(
                 peak_in_flight: prediction.peak_in_flight[stage],
             },
         ));
+        let secondary = (layout.hpz).then(|| layout.island_place(actor, stage)).flatten();
+        let training = ActorTraining {
+            tp: TpPlace::new(mesh.coord(actor, "tp"), program.plan.tp),
+            secondary,
+            ..ActorTraining::of(program, &buckets, mesh.coord(actor, "dp"))
+        };
+        if let (Some((position, members)), Some(estimate)) = (secondary, memory.last_mut()) {
+            estimate.secondary_params = (training.segments.iter())
+                .map(|s| 4 * crate::shard_range(s.params, members, position).len() as u64)
+                .sum();
+        }
         actors.push(ActorPlan {
             actor,
             device,
@@ -329,10 +355,7 @@ fn actor_plans(
             replica: mesh.coord(actor, "dp"),
             stage,
             chunks: held,
-            training: ActorTraining {
-                tp: TpPlace::new(mesh.coord(actor, "tp"), program.plan.tp),
-                ..ActorTraining::of(program, &buckets, mesh.coord(actor, "dp"))
-            },
+            training,
         });
     }
     (memory, actors)

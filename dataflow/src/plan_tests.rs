@@ -431,3 +431,63 @@ fn parameters_the_trainer_cannot_hold_are_refused_by_the_plan() {
         assert!(text.contains(said), "{text}");
     }
 }
+
+/// hpZ (ZeRO++) at dp=4 ZeRO-3 over islands a, b, a, b: every backward gather runs over the two
+/// members of one island from the secondary copy, every forward gather over all four keeps
+/// its island slice first, and the plan counts the slice (half of each segment) as memory.
+/// Control: the same plan without hpZ gathers the backward across islands.
+#[test]
+fn hpz_gathers_the_backward_inside_each_island() {
+    use crate::{GatherFor, TensorId};
+    let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let mut p = program(4, 64);
+    p.islands = names(&["a", "b", "a", "b"]);
+    p.plan.zero = 3;
+    p.plan.bucket_bytes = 1 << 20;
+    let backward_groups = |plan: &Plan| -> Vec<Vec<usize>> {
+        (plan.stream(1).instructions.iter())
+            .filter_map(|i| match i {
+                Instruction::StartCollective {
+                    tensor: TensorId::GatheredParams { pass, .. },
+                    group,
+                    ..
+                } if *pass != GatherFor::Forward => Some(group.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let without = compile(&p).unwrap();
+    assert!(backward_groups(&without).iter().all(|g| g == &[0, 1, 2, 3]));
+    assert_eq!(without.memory[1].secondary_params, 0);
+    p.plan.zero_hpz = true;
+    let with = compile(&p).unwrap();
+    let groups = backward_groups(&with);
+    assert!(
+        !groups.is_empty() && groups.iter().all(|g| g == &[1, 3]),
+        "{groups:?}"
+    );
+    let ops = |op: &str| {
+        (with.stream(1).instructions.iter())
+            .filter(|i| i.to_string().contains(op))
+            .count()
+    };
+    let segments = with.actors[1].training.segments.len();
+    assert_eq!(ops("KeepSecondary"), segments);
+    assert_eq!(ops("SecondaryShard"), segments);
+    assert_eq!(with.actors[1].training.secondary, Some((0, 2)));
+    assert_eq!(with.actors[3].training.secondary, Some((1, 2)));
+    let params: usize = with.actors[1].training.segments.iter().map(|s| s.params).sum();
+    assert_eq!(with.memory[1].secondary_params, 4 * params as u64 / 2);
+    assert!(with.memory[1].total() > without.memory[1].total());
+    // Refusals, each naming the fix.
+    let refused = |p: &Program, says: &str| match compile(p) {
+        Err(PlanError::Conflict(why)) => assert!(why.contains(says), "{why}"),
+        other => panic!("expected a refusal naming {says}, got {:?}", other.map(|_| ())),
+    };
+    let mut two = p.clone();
+    two.plan.zero = 2;
+    refused(&two, "--zero 3");
+    let mut one_island = p.clone();
+    one_island.islands = names(&["a", "a", "a", "a"]);
+    refused(&one_island, "two islands or more");
+}

@@ -77,6 +77,12 @@ pub struct ParallelPlan {
     /// then in its sequence-parallel form ([`Program::sequence_parallel`]).
     #[serde(default)]
     pub sequence_parallel: bool,
+    /// ZeRO++'s hierarchical partitioning (Wang et al. 2023, hpZ; `--zero-hpz`): under ZeRO-3
+    /// with the dp group spread over islands, each replica keeps its island's slice of every
+    /// segment the forward gathered (a secondary copy sharded inside the island), and the
+    /// backward's all-gather reads it from the island's members only ([`crate::passes::zero`]).
+    #[serde(default)]
+    pub zero_hpz: bool,
 }
 
 fn one() -> usize {
@@ -219,6 +225,7 @@ impl Default for ParallelPlan {
             partition_activations: false,
             offload_activations: false,
             sequence_parallel: false,
+            zero_hpz: false,
         }
     }
 }
@@ -351,6 +358,9 @@ pub enum TestFault {
     /// shard owner's rounding error dropped instead of added to the next step's momentum):
     /// the signs' bias accumulates, and the run ends farther from Adam.
     OneBitWithoutFeedback,
+    /// hpZ's control: each replica keeps its secondary copy from the first step's forward and
+    /// never refreshes it, so every later backward recomputes with the first step's parameters.
+    HpzStaleSecondary,
     /// Loss scaling's fault: `actor` writes an inf into the first element of each gradient
     /// bucket it computes in step `step` (from 1), before any collective reads it; the other
     /// actors' own gradients stay finite.

@@ -172,20 +172,25 @@ fn run<T: Element>(
     // Every member sees the same published buffers, so every member returns here alike.
     check_in_step(group, mine, &published)?;
     let shard = shard_range(len, n, i);
+    let own = shard.len();
     // What this member reads from its peers: their values of its shard (summed), and in an
     // all-reduce or all-gather every other shard (written into its buffer by the shard's owner).
-    let (peers_of_shard, other_shards) = ((n - 1) * shard.len(), len - shard.len());
-    let read = match phases {
-        Phases::AllReduce => peers_of_shard + other_shards,
-        Phases::ReduceScatter => peers_of_shard,
-        Phases::AllGather => other_shards,
-    };
     match phases {
         Phases::AllReduce => sum(&published, &published, shard),
         Phases::ReduceScatter => sum(&published, &published[i..=i], shard),
         Phases::AllGather => gather_shards_into::<T>(&published, i, mine),
     }
-    crate::fabric::read_count::count((read * std::mem::size_of::<T>()) as u64);
+    // By peer: `j`'s values of this member's shard, and `j`'s own shard written into it.
+    let size = std::mem::size_of::<T>();
+    for (j, &peer) in group.iter().enumerate().filter(|&(j, _)| j != i) {
+        let theirs = shard_range(len, n, j).len();
+        let from_peer = match phases {
+            Phases::AllReduce => own + theirs,
+            Phases::ReduceScatter => own,
+            Phases::AllGather => theirs,
+        };
+        crate::fabric::read_count::count_from(peer, (from_peer * size) as u64);
+    }
     // Nobody returns (and reuses its buffer) while another may still read it.
     round.barrier(i, edge, None)?;
     Ok(())

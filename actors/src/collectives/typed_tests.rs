@@ -57,7 +57,7 @@ fn on_members_counting_reads(
             let (group, tensor) = (group.to_vec(), start(m));
             std::thread::spawn(move || {
                 let (result, read) = worker.start(kind, 7, group, tensor).wait();
-                (result.map_err(|e| e.to_string()), read)
+                (result.map_err(|e| e.to_string()), read.bytes)
             })
         })
         .collect();

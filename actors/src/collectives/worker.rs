@@ -17,6 +17,7 @@ use super::quantized::Wire;
 use super::ring_all_reduce::{ChunkPool, shard_range};
 use super::sparse::{Residuals, TopK, topk_all_reduce};
 use super::{all_gather, all_reduce, all_reduce_max, reduce_scatter};
+use crate::fabric::read_count::Read;
 use crate::fabric::{Fabric, FabricError};
 use crate::typed_tensor::{DType, Element, TypedTensor};
 
@@ -26,12 +27,14 @@ struct Job {
     edge: u64,
     group: Vec<ActorId>,
     tensor: TypedTensor,
+    /// Which actors are on another island than this one (for the crossing bytes).
+    far: Arc<[bool]>,
     done: mpsc::Sender<Finished>,
 }
 
 /// A collective's result, and the bytes this member read from its peers in it
 /// ([`crate::fabric::read_count`]).
-type Finished = (Result<TypedTensor, FabricError>, u64);
+type Finished = (Result<TypedTensor, FabricError>, Read);
 
 /// A started collective; [`PendingCollective::wait`] returns its result.
 pub struct PendingCollective {
@@ -44,7 +47,7 @@ impl PendingCollective {
     pub fn wait(self) -> Finished {
         self.done.recv().unwrap_or_else(|_| {
             let stopped = FabricError::Aborted("the collective worker stopped".into());
-            (Err(stopped), 0)
+            (Err(stopped), Read::default())
         })
     }
 }
@@ -56,6 +59,8 @@ pub struct CollectiveWorker {
     /// Top-k's error-feedback residuals, by bucket (the worker's while a collective runs; read
     /// and written between steps for checkpoints).
     residuals: Arc<Mutex<Residuals>>,
+    /// Which actors are on another island than this one (none by default).
+    far: Arc<[bool]>,
 }
 
 impl CollectiveWorker {
@@ -69,15 +74,17 @@ impl CollectiveWorker {
             .spawn(move || {
                 let mut pool = ChunkPool::default();
                 for job in queue {
-                    crate::fabric::read_count::take();
                     let Job {
                         kind,
                         codec,
                         edge,
                         group,
                         tensor,
+                        far,
                         done,
                     } = job;
+                    crate::fabric::read_count::set_far(far);
+                    crate::fabric::read_count::take_read();
                     let call = Call {
                         kind,
                         codec,
@@ -103,7 +110,7 @@ impl CollectiveWorker {
                         }
                         _ => run_job(fabric.as_ref(), me, chunk_elems, &mut pool, &call, tensor),
                     };
-                    let _ = done.send((result, crate::fabric::read_count::take()));
+                    let _ = done.send((result, crate::fabric::read_count::take_read()));
                 }
             })
             .expect("spawn collective worker");
@@ -111,7 +118,13 @@ impl CollectiveWorker {
             jobs: Some(jobs),
             thread: Some(thread),
             residuals,
+            far: Arc::from(Vec::new()),
         }
+    }
+
+    /// Counts bytes read from the actors marked in `far` (by id) as crossing islands.
+    pub fn set_far(&mut self, far: Arc<[bool]>) {
+        self.far = far;
     }
 
     /// Writes actor `me`'s top-k residuals into checkpoint directory `dir` (nothing when it
@@ -156,13 +169,14 @@ impl CollectiveWorker {
             edge,
             group,
             tensor,
+            far: self.far.clone(),
             done,
         };
         if let Some(jobs) = &self.jobs
             && let Err(mpsc::SendError(job)) = jobs.send(job)
         {
             let stopped = FabricError::Aborted("the collective worker stopped".into());
-            let _ = job.done.send((Err(stopped), 0));
+            let _ = job.done.send((Err(stopped), Read::default()));
         }
         PendingCollective { done: result }
     }

@@ -87,11 +87,12 @@ fn fabric_failed(e: FabricError) -> Failed {
     (e.to_string(), secondary)
 }
 
-/// Adds `bytes` read from peers (`kind`: the receive's or the collective's) to the step's
-/// fabric figures.
-fn count_read(read: &mut archipelago_dataflow::FabricBytes, kind: Option<FabricKind>, bytes: u64) {
+/// Adds what was `read` from peers (`kind`: the receive's or the collective's) to the step's
+/// fabric figures, and its part from peers on other islands to the crossing ones.
+fn count_read(executor: &mut Executor, kind: Option<FabricKind>, read: crate::fabric::read_count::Read) {
     if let Some(kind) = kind {
-        read.add(kind, bytes);
+        executor.fabric_read.add(kind, read.bytes);
+        executor.fabric_crossing.add(kind, read.crossing);
     }
 }
 
@@ -175,12 +176,12 @@ impl Participant for StepRun<'_> {
         let edge = self.edge(tag);
         let executor = &mut *self.executor;
         executor.progress.wait_on(Waiting::Recv { from, tag });
-        crate::fabric::read_count::take();
+        crate::fabric::read_count::take_read();
         let received = executor.fabric.recv(executor.actor, from, Tag { edge, seq: 0 });
         executor.progress.wait_on(Waiting::Nothing);
         let value = received.map_err(fabric_failed)?;
-        let read = crate::fabric::read_count::take();
-        count_read(&mut executor.fabric_read, FabricKind::of(tensor), read);
+        let read = crate::fabric::read_count::take_read();
+        count_read(executor, FabricKind::of(tensor), read);
         let bytes = value.byte_len() as u64;
         executor.table.insert(tensor.clone(), value);
         Ok(bytes)
@@ -230,7 +231,7 @@ impl Participant for StepRun<'_> {
         let (finished, read) = started.wait();
         executor.progress.wait_on(Waiting::Nothing);
         let value = finished.map_err(fabric_failed)?;
-        count_read(&mut executor.fabric_read, FabricKind::of_collective(tensor), read);
+        count_read(executor, FabricKind::of_collective(tensor), read);
         let bytes = value.byte_len() as u64;
         let value = value.cast_float(held).map_err(|value| {
             let why = format!(

@@ -85,7 +85,7 @@ impl Fabric for InProcessFabric {
                 if queue.is_empty() {
                     messages.remove(&(from, tag));
                 }
-                super::read_count::count(tensor.byte_len() as u64);
+                super::read_count::count_from(from, tensor.byte_len() as u64);
                 return Ok(tensor);
             }
             if let Some(reason) = self.abort_reason() {

@@ -296,6 +296,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                 gather_pool: Vec::new(),
                 store,
                 tensor_op_update: false,
+                secondary: super::hpz::Secondary::new(training.secondary),
             },
             samples,
             global_batch: program.plan.batch,

@@ -54,6 +54,11 @@ impl FaultHook {
         self.fault == TestFault::SkipCheckpointGather
     }
 
+    /// `HpzStaleSecondary`: whether a secondary copy once kept is never refreshed.
+    pub(super) fn keeps_stale_secondary(&self) -> bool {
+        self.fault == TestFault::HpzStaleSecondary
+    }
+
     /// `SkipTiedGrads`: whether a tie's gradient is dropped instead of added.
     pub(super) fn skips_tied_grads(&self) -> bool {
         self.fault == TestFault::SkipTiedGrads

@@ -48,6 +48,7 @@ mod device_lamb;
 mod device_state;
 mod fault;
 mod full_vectors;
+mod hpz;
 mod kept_inputs;
 mod norms;
 mod parts;
@@ -234,6 +235,12 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             ComputeOp::ShardParams { start, end } => {
                 self.shard_params(*start..*end, &nth(outputs, 0)?, table)
             }
+            ComputeOp::KeepSecondary { start, end } => {
+                self.keep_secondary(*start..*end, &nth(inputs, 0)?, table)
+            }
+            ComputeOp::SecondaryShard { start, end } => {
+                self.secondary_shard(*start..*end, &nth(outputs, 0)?, table)
+            }
             ComputeOp::DropParams { start, end } => {
                 (*start..*end).for_each(|i| self.stage.blocks[i] = None);
                 Ok(())
@@ -289,7 +296,9 @@ impl<B: AutodiffBackend> Computation for Trainer<B> {
             skipped: std::mem::take(&mut self.state.update.skipped),
             transfers: Default::default(), // the executor's count of the step
             fabric: Default::default(),    // the executor's count of the step
-            device_memory: None,           // the executor reads the device's pool
+            fabric_crossing_islands: Default::default(), // the executor's count of the step
+            hpz_secondary_bytes: self.state.secondary.bytes() as u64,
+            device_memory: None, // the executor reads the device's pool
             offload_traffic: std::mem::take(&mut self.step.offload_traffic),
             activation_checkpoints: std::mem::take(&mut self.step.checkpoint_peak),
         };

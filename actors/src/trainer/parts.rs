@@ -190,4 +190,6 @@ pub(super) struct TrainingState<B: AutodiffBackend> {
     pub(super) store: Store<B::InnerBackend>,
     /// Update the device state with tensor ops even where its buffers are host memory (CPU).
     pub(super) tensor_op_update: bool,
+    /// ZeRO++ hpZ's secondary copy (`super::hpz`).
+    pub(super) secondary: super::hpz::Secondary,
 }

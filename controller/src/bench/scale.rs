@@ -177,7 +177,7 @@ fn dispatch(actors: usize, steps: u64, working: bool) -> anyhow::Result<Value> {
             (streams, factories),
             fabric,
             Duration::from_secs(60),
-            None,
+            (None, Vec::new()),
         )
         .await?;
         let start_s = began.elapsed().as_secs_f64();

@@ -183,6 +183,12 @@ pub struct JobArgs {
     /// gradients), 3 (also parameters; implies --checkpoint-activations).
     #[arg(long, default_value_t = 0)]
     pub zero: u8,
+    /// ZeRO++'s hierarchical partitioning (hpZ): with --zero 3 on hosts of two islands or more,
+    /// each replica keeps its island's slice of every segment the forward gathered, and the
+    /// backward gathers inside the island only (never across); costs 1/k of the parameters per
+    /// device for an island of k replicas (`plan` shows it).
+    #[arg(long)]
+    pub zero_hpz: bool,
     /// Keep the master parameter shard and the optimizer state off the device: `cpu` (host
     /// memory, optimizer on the CPU, ZeRO-Offload) or `nvme:DIR` (preallocated files under DIR,
     /// read ahead and written behind, ZeRO-Infinity).
@@ -203,6 +209,12 @@ pub struct JobArgs {
     /// `cpu:0,cpu:1`; default `cpu:0..` (one per dp × pp × tp actor). `archipelago devices` lists them.
     #[arg(long)]
     pub devices: Option<String>,
+    /// The island of each device, in mesh order (e.g. `a,a,b,b`): devices of one island are
+    /// joined by a fast link, and collectives across islands are arranged to cross them less
+    /// (the hierarchical all-reduce, --zero-hpz). On a cluster the hosts name their islands
+    /// (`archipelago host --island`) and this flag is ignored; default: one island.
+    #[arg(long)]
+    pub islands: Option<String>,
     /// Pin the blocks of each chunk by hand: inclusive block ranges, e.g. `0-2,3-8`.
     #[arg(long)]
     pub stages: Option<String>,
@@ -274,6 +286,7 @@ impl JobArgs {
                 ),
             },
             zero: self.zero,
+            zero_hpz: self.zero_hpz,
             offload: self.offload.parse().map_err(anyhow::Error::msg)?,
             offload_params: self.offload_params,
             state: self.state.parse().map_err(anyhow::Error::msg)?,
@@ -310,6 +323,10 @@ impl JobArgs {
             Some(list) => DeviceSpec::parse_list(list)?,
             None => DeviceSpec::cpus(program.plan.actors()),
         };
+        program.islands = (self.islands.iter())
+            .flat_map(|names| names.split(','))
+            .map(|name| name.trim().to_string())
+            .collect();
         if program.plan.device_memory.is_none() {
             program.plan.device_memory = archipelago_actors::gpus::smallest_memory(
                 &program.devices[..program.devices.len().min(program.plan.actors())],

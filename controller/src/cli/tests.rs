@@ -57,6 +57,14 @@ fn plans_that_cannot_work_are_refused_naming_the_flag() {
             &["--optimizer", "lamb", "--offload", "cpu"][..],
             &["--optimizer lamb", "--offload"][..],
         ),
+        (
+            &["--dp", "4", "--zero", "2", "--zero-hpz", "--islands", "a,a,b,b"][..],
+            &["--zero-hpz", "--zero 3"][..],
+        ),
+        (
+            &["--dp", "4", "--zero", "3", "--zero-hpz"][..],
+            &["--zero-hpz", "two islands or more"][..],
+        ),
     ] {
         let err = compiled(args).unwrap_err();
         assert!(needles.iter().all(|n| err.contains(n)), "{args:?}: {err}");
@@ -67,6 +75,7 @@ fn plans_that_cannot_work_are_refused_naming_the_flag() {
         &["--dp", "2", "--zero", "3", "--offload", "cpu", "--offload-params"][..],
         &["--dp", "2", "--batch", "8"][..],
         &["--optimizer", "lamb", "--state", "device"][..],
+        &["--dp", "4", "--zero", "3", "--zero-hpz", "--islands", "a,a,b,b"][..],
     ] {
         compiled(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
     }

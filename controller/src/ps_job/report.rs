@@ -140,6 +140,7 @@ impl PsReport {
                 skipped: false,
                 transfers: Default::default(),
                 fabric: Default::default(),
+                fabric_crossing_islands: Default::default(),
             })
             .collect();
         let (params, param_l2, block_l2) = match &outcome.model {

@@ -60,14 +60,24 @@ pub(crate) async fn start_gang(
     let mut streams: Vec<_> = actors.iter().map(|&a| plan.stream(a)).collect();
     crate::hang::inject_stream_fault(&mut streams, plan.program.test_fault);
     let watchdog = patience + WATCHDOG_SLACK;
-    ActorGang::start(job, (streams, factories), fabric, watchdog, residuals_from).await
+    let islands = plan.island_indices();
+    ActorGang::start(
+        job,
+        (streams, factories),
+        fabric,
+        watchdog,
+        (residuals_from, islands),
+    )
+    .await
 }
 
 /// Whether a checkpoint of `layout` was written by `program`'s layout: then every actor has the
 /// same buckets and takes back the top-k residuals it wrote (at another layout they start at
 /// zero, and the resume says so: `preflight`).
 pub(crate) fn same_layout(layout: &serde_json::Value, program: &archipelago_dataflow::Program) -> bool {
-    serde_json::to_value(&program.plan).is_ok_and(|now| &now == layout)
+    // Read back as a plan (a field added since takes its default), not compared as JSON.
+    serde_json::from_value::<archipelago_dataflow::ParallelPlan>(layout.clone())
+        .is_ok_and(|then| then == program.plan)
 }
 
 /// One computation factory per actor in `actors`: each builds the actor's trainer on its device

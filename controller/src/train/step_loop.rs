@@ -85,6 +85,10 @@ async fn run_step<G: Gang>(
             all.add_all(&r.metrics.fabric);
             all
         }),
+        fabric_crossing_islands: reports.iter().fold(Default::default(), |mut all, r| {
+            all.add_all(&r.metrics.fabric_crossing_islands);
+            all
+        }),
     };
     Ok((reports, record))
 }

@@ -27,6 +27,9 @@ pub struct Layout {
     pub segment_chunk: Vec<usize>,
     /// The island of each actor (empty: one island).
     pub islands: Vec<usize>,
+    /// ZeRO++'s hpZ (`--zero-hpz`): the backward gathers ZeRO-3's parameters inside each island
+    /// from the secondary copy the forward's gather left there ([`super::zero`]).
+    pub hpz: bool,
     /// How each segment's input (its first block's) and output (its last block's) are held
     /// across a tensor-parallel group (replicated for a block without a tensor-parallel form).
     pub segment_tp: Vec<BlockTp>,
@@ -107,6 +110,7 @@ impl Layout {
             segments,
             segment_chunk,
             islands: Vec::new(),
+            hpz: false,
             segment_tp,
             segment_replicated,
             checkpoints: ActivationCheckpoints::default(),
@@ -166,6 +170,31 @@ impl Layout {
         (0..self.tp())
             .map(|t| self.mesh.group(self.actor_at(0, s, t), "dp"))
             .collect()
+    }
+
+    /// `group` cut by island: the members of each island in group order, islands in the order
+    /// their first member appears (the whole group, once, without islands).
+    pub fn island_subgroups(&self, group: &[ActorId]) -> Vec<Vec<ActorId>> {
+        let island = |a: ActorId| self.islands.get(a).copied().unwrap_or(0);
+        let mut out: Vec<Vec<ActorId>> = Vec::new();
+        for &a in group {
+            match out.iter_mut().find(|g| island(g[0]) == island(a)) {
+                Some(g) => g.push(a),
+                None => out.push(vec![a]),
+            }
+        }
+        out
+    }
+
+    /// hpZ: `actor`'s place in the members of its dp group on its island, as (position,
+    /// members): its slice of the secondary copy is `shard_range(params, members, position)`.
+    pub fn island_place(&self, actor: ActorId, s: usize) -> Option<(usize, usize)> {
+        let group = self.dp_groups(s).into_iter().find(|g| g.contains(&actor))?;
+        let mine = self
+            .island_subgroups(&group)
+            .into_iter()
+            .find(|g| g.contains(&actor))?;
+        Some((mine.iter().position(|&a| a == actor)?, mine.len()))
     }
 
     /// The tensor-parallel group of replica `r` on pipeline device `s`, in rank order.

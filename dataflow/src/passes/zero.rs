@@ -10,6 +10,11 @@
 //! - Stage 3 keeps the parameters as shards too: each forward and backward run of a segment is
 //!   preceded by an all-gather of its parameters (started one segment ahead, as DeepSpeed's
 //!   prefetch does) and their load, and followed by their drop; the update needs no gather.
+//! - With hpZ (ZeRO++, Wang et al. 2023 §3.2: hierarchical partitioning) each forward's gathered
+//!   parameters also leave this replica's island slice behind (`KeepSecondary`: a secondary copy
+//!   sharded over the dp group's members on its island), and each backward gathers from those
+//!   slices over the island's members only (`SecondaryShard`, then an all-gather inside the
+//!   island): the backward's gathers never cross islands.
 
 use crate::ZeroStage;
 use crate::graph::{Graph, NodeOp};
@@ -165,12 +170,21 @@ fn gather_around_runs(graph: &mut Graph, layout: &Layout) {
         let gather = |run: &Run| {
             let tensor = gathered(run);
             let b = &layout.segments[run.segment];
-            let shard = ComputeOp::ShardParams {
-                start: b.start,
-                end: b.end,
+            let (start, end) = (b.start, b.end);
+            let from_secondary = layout.hpz && run.pass != Pass::F;
+            let (shard, groups) = if from_secondary {
+                let groups = (layout.dp_groups(run.device).iter())
+                    .flat_map(|g| layout.island_subgroups(g))
+                    .collect();
+                (ComputeOp::SecondaryShard { start, end }, groups)
+            } else {
+                (
+                    ComputeOp::ShardParams { start, end },
+                    layout.dp_groups(run.device),
+                )
             };
             let mut nodes = on_replicas(layout, run.device, shard, &[], std::slice::from_ref(&tensor));
-            for group in layout.dp_groups(run.device) {
+            for group in groups {
                 nodes.push(NodeOp::Collective {
                     kind: CollectiveKind::AllGather,
                     group,
@@ -185,6 +199,13 @@ fn gather_around_runs(graph: &mut Graph, layout: &Layout) {
         let mut before = if starts_slot { gather(run) } else { Vec::new() };
         if let Some(next) = runs.get(i + 1).filter(|n| slot_of(n) == slot_of(run)) {
             before.extend(gather(next));
+        }
+        if layout.hpz && run.pass == Pass::F {
+            let keep = ComputeOp::KeepSecondary {
+                start: b.start,
+                end: b.end,
+            };
+            before.extend(on_replicas(layout, run.device, keep, &[gathered(run)], &[]));
         }
         let load = ComputeOp::LoadParams {
             start: b.start,

@@ -315,6 +315,43 @@ pub(super) fn check_tp_islands(tp: usize, islands: &[usize]) -> Result<(), PlanE
     Ok(())
 }
 
+/// Refuses `--zero-hpz` where it has nothing to do or is not built yet, naming the fix: it
+/// keeps ZeRO-3's gathered parameters inside islands, so it needs `--zero 3` with `--dp` 2 or
+/// more and replicas on two islands or more; tensor parallelism with it is not built yet.
+pub(super) fn check_hpz(program: &Program, islands: &[usize]) -> Result<(), PlanError> {
+    let plan = &program.plan;
+    if !plan.zero_hpz {
+        return Ok(());
+    }
+    let refuse = |why: String| Err(PlanError::Conflict(format!("--zero-hpz {why}")));
+    if plan.zero != 3 || plan.dp < 2 {
+        return refuse(format!(
+            "keeps a secondary copy of ZeRO-3's gathered parameters inside each island: it needs --zero 3 \
+             and --dp 2 or more (got --zero {} --dp {})",
+            plan.zero, plan.dp
+        ));
+    }
+    if plan.tp > 1 {
+        return refuse(format!(
+            "with --tp {} is not built yet (each tp rank's slice would need its own secondary copy): \
+             drop --zero-hpz or --tp",
+            plan.tp
+        ));
+    }
+    let mut distinct: Vec<usize> = islands.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() < 2 {
+        return refuse(
+            "gathers the backward's parameters inside each island, and every device is on one island: \
+             run on hosts of two islands or more (a cluster's hosts name their islands), or drop \
+             --zero-hpz"
+                .into(),
+        );
+    }
+    Ok(())
+}
+
 /// The most consecutive actors on one island.
 fn largest_run(islands: &[usize]) -> usize {
     let (mut best, mut run) = (0, 0);
