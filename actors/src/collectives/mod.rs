@@ -170,6 +170,8 @@ pub fn all_reduce_max(
 #[cfg(test)]
 mod across_hosts_tests;
 #[cfg(test)]
+mod members_tests;
+#[cfg(test)]
 mod typed_tests;
 
 #[cfg(test)]

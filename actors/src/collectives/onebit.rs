@@ -312,40 +312,25 @@ impl Exchange<'_> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
     use super::*;
+    use crate::collectives::members_tests::on_members;
     use crate::collectives::{ChunkPool, all_reduce};
-    use crate::fabric::InProcessFabric;
 
     /// `steps` exchanges of each member's constant gradient share `inputs[me]` (freeze after
     /// step `freeze`): every member's outputs, step by step.
     fn exchange_steps(inputs: &[Vec<f32>], onebit: OneBit, steps: u64) -> Vec<Vec<Vec<f32>>> {
-        let n = inputs.len();
-        let fabric = Arc::new(InProcessFabric::new(n, Duration::from_secs(10)));
-        let group: Vec<ActorId> = (0..n).collect();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|me| {
-                    let (fabric, group, input) = (fabric.clone(), group.clone(), inputs[me].clone());
-                    s.spawn(move || {
-                        let (mut kept, mut pool) = (Residuals::new(), ChunkPool::default());
-                        (1..=steps)
-                            .map(|step| {
-                                let mut data = input.clone();
-                                let edge = (step << 32) | 4;
-                                let f = fabric.as_ref();
-                                let dense = |d: &mut [f32]| all_reduce(f, me, &group, edge, d, 64, &mut pool);
-                                onebit_all_reduce(f, me, (&group, edge), &mut data, onebit, &mut kept, dense)
-                                    .unwrap();
-                                data
-                            })
-                            .collect()
-                    })
+        on_members(inputs.len(), |me, fabric, group| {
+            let (mut kept, mut pool) = (Residuals::new(), ChunkPool::default());
+            (1..=steps)
+                .map(|step| {
+                    let mut data = inputs[me].clone();
+                    let edge = (step << 32) | 4;
+                    let dense = |d: &mut [f32]| all_reduce(fabric, me, group, edge, d, 64, &mut pool);
+                    onebit_all_reduce(fabric, me, (group, edge), &mut data, onebit, &mut kept, dense)
+                        .unwrap();
+                    data
                 })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+                .collect()
         })
     }
 

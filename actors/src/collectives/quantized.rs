@@ -329,11 +329,8 @@ pub fn quantized_collective(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
     use super::*;
-    use crate::fabric::InProcessFabric;
+    use crate::collectives::members_tests::on_members;
 
     #[test]
     fn a_block_round_trips_within_half_a_level_and_zeros_stay_zero() {
@@ -362,28 +359,12 @@ mod tests {
     /// Runs the int8 all-reduce over `n` members of an in-process fabric; every member's result
     /// and the bytes it read.
     fn all_reduce(n: usize, inputs: &[Vec<f32>], wire: Wire) -> Vec<(Vec<f32>, u64)> {
-        let fabric = Arc::new(InProcessFabric::new(n, Duration::from_secs(10)));
-        let group: Vec<ActorId> = (0..n).collect();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|me| {
-                    let (fabric, group, mut data) = (fabric.clone(), group.clone(), inputs[me].clone());
-                    s.spawn(move || {
-                        crate::fabric::read_count::take();
-                        quantized_collective(
-                            fabric.as_ref(),
-                            me,
-                            CollectiveKind::AllReduceSum,
-                            (&group, 7),
-                            &mut data,
-                            wire,
-                        )
-                        .unwrap();
-                        (data, crate::fabric::read_count::take())
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        on_members(n, |me, fabric, group| {
+            let mut data = inputs[me].clone();
+            crate::fabric::read_count::take();
+            let sum = CollectiveKind::AllReduceSum;
+            quantized_collective(fabric, me, sum, (group, 7), &mut data, wire).unwrap();
+            (data, crate::fabric::read_count::take())
         })
     }
 
@@ -392,31 +373,16 @@ mod tests {
     #[test]
     fn a_gather_keeps_the_own_shard_exact_and_the_others_near() {
         let (n, len, block) = (3, 1001, 64);
-        let fabric = Arc::new(InProcessFabric::new(n, Duration::from_secs(10)));
         let values: Vec<f32> = (0..len).map(|k| ((k * 13 % 89) as f32 - 44.0) / 9.0).collect();
-        let results: Vec<(Vec<f32>, u64)> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|me| {
-                    let fabric = fabric.clone();
-                    let mut data = vec![0.0f32; len];
-                    let own = shard_range(len, n, me);
-                    data[own.clone()].copy_from_slice(&values[own]);
-                    s.spawn(move || {
-                        crate::fabric::read_count::take();
-                        quantized_collective(
-                            fabric.as_ref(),
-                            me,
-                            CollectiveKind::AllGather,
-                            (&[0, 1, 2], 9),
-                            &mut data,
-                            Wire::Int8 { block },
-                        )
-                        .unwrap();
-                        (data, crate::fabric::read_count::take())
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let results: Vec<(Vec<f32>, u64)> = on_members(n, |me, fabric, group| {
+            let mut data = vec![0.0f32; len];
+            let own = shard_range(len, n, me);
+            data[own.clone()].copy_from_slice(&values[own]);
+            crate::fabric::read_count::take();
+            let gather = CollectiveKind::AllGather;
+            let wire = Wire::Int8 { block };
+            quantized_collective(fabric, me, gather, (group, 9), &mut data, wire).unwrap();
+            (data, crate::fabric::read_count::take())
         });
         let packed = |m: usize| (m + 4 * m.div_ceil(block)) as u64;
         for (me, (got, read)) in results.iter().enumerate() {

@@ -170,11 +170,8 @@ pub fn topk_all_reduce(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
     use super::*;
-    use crate::fabric::InProcessFabric;
+    use crate::collectives::members_tests::on_members;
 
     #[test]
     fn the_largest_magnitudes_are_kept_ties_to_the_lower_index() {
@@ -197,31 +194,19 @@ mod tests {
     /// Runs `steps` top-k all-reduces of `inputs` over an in-process fabric, every member
     /// keeping its residuals; every member's results and the bytes it read in the last.
     fn reduce_steps(inputs: &[Vec<f32>], topk: TopK, steps: usize) -> Vec<(Vec<Vec<f32>>, u64)> {
-        let n = inputs.len();
-        let fabric = Arc::new(InProcessFabric::new(n, Duration::from_secs(10)));
-        let group: Vec<ActorId> = (0..n).collect();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = (0..n)
-                .map(|me| {
-                    let (fabric, group, input) = (fabric.clone(), group.clone(), inputs[me].clone());
-                    s.spawn(move || {
-                        let mut residuals = Residuals::new();
-                        let mut results = Vec::new();
-                        let mut read = 0;
-                        for step in 0..steps as u64 {
-                            crate::fabric::read_count::take();
-                            let mut data = input.clone();
-                            let call = (&group[..], (step << 32) | 4);
-                            topk_all_reduce(fabric.as_ref(), me, call, &mut data, topk, &mut residuals)
-                                .unwrap();
-                            read = crate::fabric::read_count::take();
-                            results.push(data);
-                        }
-                        (results, read)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        on_members(inputs.len(), |me, fabric, group| {
+            let mut residuals = Residuals::new();
+            let mut results = Vec::new();
+            let mut read = 0;
+            for step in 0..steps as u64 {
+                crate::fabric::read_count::take();
+                let mut data = inputs[me].clone();
+                let call = (group, (step << 32) | 4);
+                topk_all_reduce(fabric, me, call, &mut data, topk, &mut residuals).unwrap();
+                read = crate::fabric::read_count::take();
+                results.push(data);
+            }
+            (results, read)
         })
     }
 
