@@ -5,6 +5,7 @@
 pub mod closed_form;
 pub mod precision;
 pub mod replicas;
+pub mod state_resume;
 pub mod torch_fixture;
 
 pub use replicas::{assert_replicas_agree, replica_params};

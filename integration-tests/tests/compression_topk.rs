@@ -13,12 +13,9 @@
 //! takes them back and ends bit for bit as one that never stopped; the control — the same resume
 //! with the residual files removed — does not.
 
-use std::path::Path;
-
-use archipelago_controller::TrainOptions;
 use archipelago_dataflow::{Compression, OptimizerSpec, ParallelPlan, Precision, Program, TestFault};
-use archipelago_integration_tests::precision::{LAST, loss_gap, max_abs, mean_last, params, program, run};
-use archipelago_integration_tests::{MARGIN, assert_caught, copy_dir, train_program};
+use archipelago_integration_tests::precision::{LAST, loss_gap, mean_last, params, program, run};
+use archipelago_integration_tests::state_resume::state_resumes;
 
 const GPT: &str = "gpt:vocab=64,ctx=16,d=32,layers=2,heads=2";
 const MLP: &str = "mlp:in=16,hidden=64,layers=3,out=4";
@@ -119,61 +116,9 @@ fn one_percent_moves_at_least_25_times_fewer_gradient_bytes_as_planned() {
     }
 }
 
-fn checkpointed(steps: u64, dir: &Path, resume: bool) -> TrainOptions {
-    TrainOptions {
-        keep_params: true,
-        steps,
-        checkpoint_dir: Some(dir.to_path_buf()),
-        checkpoint_every: 3,
-        resume,
-        resume_override: vec!["steps".into()],
-        ..TrainOptions::default()
-    }
-}
-
 #[test]
 fn a_resume_on_the_same_layout_takes_back_the_residuals_and_equals_not_stopping() {
     let topk =
         program(GPT, OptimizerSpec::adam(1e-2), Precision::default(), dp2(8)).with_compression(ONE_PERCENT);
-    let root = tempfile::tempdir().unwrap();
-    let whole = train_program(
-        &topk,
-        &TrainOptions {
-            keep_params: true,
-            steps: 12,
-            ..TrainOptions::default()
-        },
-    );
-    let stopped = root.path().join("stopped");
-    train_program(&topk, &checkpointed(6, &stopped, false));
-    let step6 = stopped.join("step-00000006");
-    let files: Vec<String> = (std::fs::read_dir(&step6).unwrap())
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|name| name.ends_with(".residuals"))
-        .collect();
-    assert_eq!(files.len(), 2, "one residual file per replica: {files:?}");
-
-    let resumed_dir = root.path().join("resumed");
-    copy_dir(&stopped, &resumed_dir);
-    let resumed = train_program(&topk, &checkpointed(12, &resumed_dir, true));
-    assert_eq!(resumed.steps.first().map(|s| s.step), Some(7));
-    assert!(
-        params(&resumed) == params(&whole),
-        "the resumed run differs from the one that never stopped"
-    );
-
-    // The control: the same resume with the residuals removed (started at zero).
-    let dropped_dir = root.path().join("dropped");
-    copy_dir(&stopped, &dropped_dir);
-    for name in &files {
-        std::fs::remove_file(dropped_dir.join("step-00000006").join(name)).unwrap();
-    }
-    let dropped = train_program(&topk, &checkpointed(12, &dropped_dir, true));
-    let apart = max_abs(&params(&dropped), &params(&whole));
-    assert_caught(
-        "a resume without its residuals, against not stopping",
-        apart,
-        1e-6,
-        MARGIN,
-    );
+    state_resumes(&topk, 6, 12).assert_state_matters("its residuals");
 }
