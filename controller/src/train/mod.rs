@@ -19,6 +19,8 @@ pub(crate) mod launch;
 pub(crate) mod local_job;
 pub mod options;
 pub(crate) mod preflight;
+#[cfg(test)]
+mod preflight_tests;
 pub mod resume_check;
 pub(crate) mod step_loop;
 
