@@ -19,6 +19,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::OptimizerSpec;
+
 /// How a collective's payload crosses the fabric.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Codec {
@@ -53,6 +55,12 @@ pub enum Codec {
         /// Whether the leftover is fed back (false: the negative control,
         /// `TestFault::TopKWithoutFeedback`, drops it).
         feedback: bool,
+        /// Deep Gradient Compression's momentum correction (Lin et al. 2018, §3.2), as f32 bits
+        /// (0: none): SGD's momentum `m` moves from the optimizer into the exchange — each
+        /// replica keeps a velocity `u ← m·u + g` of its own gradient, accumulates `u` (not `g`)
+        /// into its residual, and zeroes both where it sent (momentum factor masking, §3.3); the
+        /// optimizer then runs plain SGD on the summed sparse velocities.
+        momentum_bits: u32,
     },
     /// TernGrad: each chunk of `chunk` f32 values crosses as one f32 scale (its largest
     /// magnitude) and 2 bits a value, each rounded stochastically (unbiased) to −1, 0 or 1 times
@@ -159,9 +167,14 @@ impl fmt::Display for Codec {
             Codec::TopK {
                 per_million,
                 feedback,
+                momentum_bits,
             } => {
                 let without = if *feedback { "" } else { " without feedback" };
-                write!(f, "topk/{}{without}", f64::from(*per_million) / 1e6)
+                write!(f, "topk/{}{without}", f64::from(*per_million) / 1e6)?;
+                match f32::from_bits(*momentum_bits) {
+                    0.0 => Ok(()),
+                    m => write!(f, " with momentum {m} corrected"),
+                }
             }
             Codec::OneBit {
                 freeze_step,
@@ -211,9 +224,36 @@ pub enum Compression {
 }
 
 impl Compression {
-    /// The codec of a compressed gradient edge of a run seeded `seed` (an error naming what to
-    /// change for a compression not built, none today).
-    pub fn codec(self, seed: u64) -> Result<Codec, String> {
+    /// The momentum this compression moves from `optimizer` into the exchange: SGD's, under
+    /// top-k (Deep Gradient Compression's momentum correction); `None` otherwise.
+    pub fn moved_momentum(self, optimizer: OptimizerSpec) -> Option<f32> {
+        match (self, optimizer) {
+            (Compression::TopK { .. }, OptimizerSpec::Sgd { momentum, .. }) if momentum != 0.0 => {
+                Some(momentum)
+            }
+            _ => None,
+        }
+    }
+
+    /// The rule each actor's optimizer applies under this compression: `optimizer`, less the
+    /// momentum [`Compression::moved_momentum`] moves into the exchange (plain SGD on the summed
+    /// velocities).
+    pub fn update_rule(self, optimizer: OptimizerSpec) -> OptimizerSpec {
+        match (self.moved_momentum(optimizer), optimizer) {
+            (Some(_), OptimizerSpec::Sgd { lr, weight_decay, .. }) => OptimizerSpec::Sgd {
+                lr,
+                momentum: 0.0,
+                dampening: 0.0,
+                nesterov: false,
+                weight_decay,
+            },
+            _ => optimizer,
+        }
+    }
+
+    /// The codec of a compressed gradient edge of a run seeded `seed` whose optimizer is
+    /// `optimizer` (an error naming what to change for a compression not built, none today).
+    pub fn codec(self, seed: u64, optimizer: OptimizerSpec) -> Result<Codec, String> {
         match self {
             Compression::None => Ok(Codec::None),
             Compression::Int8 => Ok(Codec::Int8 { block: INT8_BLOCK }),
@@ -229,6 +269,7 @@ impl Compression {
             Compression::TopK { ratio } => Ok(Codec::TopK {
                 per_million: (f64::from(ratio) * 1e6).round().max(1.0) as u32,
                 feedback: true,
+                momentum_bits: self.moved_momentum(optimizer).unwrap_or(0.0).to_bits(),
             }),
             Compression::OneBitAdam {
                 freeze_step,
@@ -307,19 +348,27 @@ mod tests {
             let refused = bad.parse::<Compression>().unwrap_err();
             assert!(refused.contains(says), "{bad}: {refused}");
         }
-        let topk = Compression::TopK { ratio: 0.01 }.codec(0).unwrap();
+        let topk = Compression::TopK { ratio: 0.01 }
+            .codec(0, OptimizerSpec::adam(1e-3))
+            .unwrap();
         assert_eq!(topk.to_string(), "topk/0.01");
         assert_eq!(
             (topk.kept(1000), topk.kept(1001), topk.kept(50), topk.kept(0)),
             (10, 11, 1, 0)
         );
         assert_eq!(topk.wire_bytes(1000, 4), 80);
-        assert_eq!(Compression::TopK { ratio: 1.0 }.codec(0).unwrap().kept(7), 7);
+        assert_eq!(
+            Compression::TopK { ratio: 1.0 }
+                .codec(0, OptimizerSpec::adam(1e-3))
+                .unwrap()
+                .kept(7),
+            7
+        );
     }
 
     #[test]
     fn int8_takes_a_byte_a_value_and_a_scale_a_block() {
-        let int8 = Compression::Int8.codec(0).unwrap();
+        let int8 = Compression::Int8.codec(0, OptimizerSpec::adam(1e-3)).unwrap();
         assert_eq!(int8.wire_bytes(1000, 4), 1000 + 4 * 4);
         assert_eq!(int8.wire_bytes(0, 4), 0);
         assert_eq!(Codec::None.wire_bytes(1000, 2), 2000);
@@ -327,12 +376,16 @@ mod tests {
 
     #[test]
     fn qsgd_and_terngrad_take_their_bits_a_value_and_their_scales() {
-        let qsgd = |bits| Compression::Qsgd { bits }.codec(7).unwrap();
+        let qsgd = |bits| {
+            Compression::Qsgd { bits }
+                .codec(7, OptimizerSpec::adam(1e-3))
+                .unwrap()
+        };
         assert_eq!(qsgd(4).wire_bytes(1000, 4), 500 + 4 * 2);
         assert_eq!(qsgd(3).wire_bytes(1001, 4), 376 + 4 * 2);
         assert_eq!(qsgd(8).wire_bytes(512, 4), 512 + 4);
         assert_eq!(qsgd(4).wire_bytes(0, 4), 0);
-        let terngrad = Compression::TernGrad.codec(7).unwrap();
+        let terngrad = Compression::TernGrad.codec(7, OptimizerSpec::adam(1e-3)).unwrap();
         assert_eq!(terngrad.wire_bytes(1001, 4), 251 + 4 * 16);
         assert_eq!(terngrad.wire_bytes(0, 4), 0);
         let levels: Vec<_> = [1, 2, 4, 8].map(|b| qsgd(b).levels().unwrap()).into();
@@ -350,7 +403,7 @@ mod tests {
             beta2: 0.999,
             eps: 1e-8,
         }
-        .codec(0)
+        .codec(0, OptimizerSpec::adam(1e-3))
         .unwrap();
         assert_eq!(onebit.wire_bytes(4096, 4), 512 + 4 * 2);
         assert_eq!(onebit.wire_bytes(4097, 4), 513 + 4 * 3);

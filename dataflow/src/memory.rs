@@ -231,7 +231,7 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
         0
     };
     let optimizer = sharded(
-        4 * optimized * program.optimizer.state_floats_per_param(),
+        4 * optimized * program.update_rule().state_floats_per_param(),
         ZeroStage::ShardedOptimizer,
     );
     // A tie ([`crate::ties`]) moves its mirror's f32 gradient sum one way and the table's values
@@ -286,11 +286,15 @@ pub fn estimate(program: &Program, model: &ModelDesc, share: ActorShare) -> Memo
 }
 
 /// Bytes the compressed all-reduce keeps per replica for `grads` bytes of f32 gradient buckets
-/// (the codecs that keep state run at ZeRO 0 and 1 only, where the buckets are whole).
+/// (the codecs that keep state run at ZeRO 0 and 1 only, where the buckets are whole): top-k's
+/// residual, and its velocity when it takes SGD's momentum (whose state the optimizer drops).
 fn compression_state(program: &Program, grads: u64) -> u64 {
     let dp = program.plan.dp.max(1) as u64;
     match program.compression {
-        crate::Compression::TopK { .. } => grads,
+        c @ crate::Compression::TopK { .. } => match c.moved_momentum(program.optimizer) {
+            Some(_) => 2 * grads,
+            None => grads,
+        },
         crate::Compression::OneBitAdam { .. } => 3 * grads + grads.div_ceil(dp),
         _ => 0,
     }
@@ -315,7 +319,7 @@ fn offload(
         1
     };
     let full_params: u64 = share.buckets.iter().map(|b| b.bytes).sum();
-    let floats = 1 + program.optimizer.state_floats_per_param();
+    let floats = 1 + program.update_rule().state_floats_per_param();
     let offloaded = (full_params * floats).div_ceil(dp);
     if program.plan.offload_params {
         estimate.params = 0;
@@ -572,6 +576,15 @@ mod tests {
         assert_eq!(with(crate::Compression::None), 0);
         assert_eq!(with(crate::Compression::Int8), 0);
         assert_eq!(with(crate::Compression::TopK { ratio: 0.01 }), 4000);
+        let momentum = crate::OptimizerSpec::sgd(0.1).with_momentum(0.9, false).unwrap();
+        let corrected = program.clone().with_optimizer(momentum);
+        let topk = corrected.with_compression(crate::Compression::TopK { ratio: 0.01 });
+        assert_eq!(super::compression_state(&topk, 4000), 2 * 4000);
+        assert_eq!(
+            topk.update_rule().state_floats_per_param(),
+            0,
+            "the momentum moved"
+        );
         let onebit = crate::Compression::OneBitAdam {
             freeze_step: 5,
             beta1: 0.9,

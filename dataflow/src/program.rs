@@ -513,6 +513,12 @@ impl Program {
         self
     }
 
+    /// The rule each actor's optimizer applies: the program's optimizer, less the momentum its
+    /// compression moves into the exchange (`Compression::update_rule`).
+    pub fn update_rule(&self) -> crate::OptimizerSpec {
+        self.compression.update_rule(self.optimizer)
+    }
+
     /// Clips the gradients to global L2 norm `max_norm` before each update (`None`: no clipping).
     pub fn with_clip_grad_norm(mut self, max_norm: Option<f32>) -> Program {
         self.clip_grad_norm = max_norm;

@@ -316,6 +316,7 @@ mod tests {
             *codec = crate::Codec::TopK {
                 per_million: 10_000,
                 feedback: true,
+                momentum_bits: 0,
             };
             *kind = CollectiveKind::ReduceScatterSum;
         }

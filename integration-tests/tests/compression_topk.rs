@@ -9,7 +9,11 @@
 //! (`TestFault::TopKWithoutFeedback`, each replica's leftover dropped) ends at least 3× as far from
 //! the uncompressed loss as with it.
 //!
-//! The residuals are each replica's state: a run checkpointed and resumed on the same layout
+//! Under SGD with momentum the momentum moves into the exchange (DGC's momentum correction:
+//! each replica's velocity of its own gradient is what accumulates, masked where sent; the
+//! optimizer runs plain SGD on the sum).
+//!
+//! The residuals (and velocities) are each replica's state: a run checkpointed and resumed on the same layout
 //! takes them back and ends bit for bit as one that never stopped; the control — the same resume
 //! with the residual files removed — does not.
 
@@ -121,4 +125,15 @@ fn a_resume_on_the_same_layout_takes_back_the_residuals_and_equals_not_stopping(
     let topk =
         program(GPT, OptimizerSpec::adam(1e-2), Precision::default(), dp2(8)).with_compression(ONE_PERCENT);
     state_resumes(&topk, 6, 12).assert_state_matters("its residuals");
+}
+
+/// Under SGD with momentum each replica's velocity is state beside its residual (Deep Gradient
+/// Compression's momentum correction moves the momentum out of the optimizer): both come back.
+#[test]
+fn a_resume_under_momentum_takes_back_the_velocities_too() {
+    let momentum = OptimizerSpec::sgd(0.05)
+        .with_momentum(0.9, false)
+        .expect("momentum");
+    let topk = program(GPT, momentum, Precision::default(), dp2(8)).with_compression(ONE_PERCENT);
+    state_resumes(&topk, 6, 12).assert_state_matters("its residuals and velocities");
 }

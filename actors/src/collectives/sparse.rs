@@ -8,6 +8,14 @@
 //! replica's pairs, its own from the same message, into a zeroed bucket in replica order — all
 //! end with the same bits. Member `i` reads `(n − 1)·8k` bytes (the dataflow's
 //! `Codec::wire_bytes`).
+//!
+//! Under SGD with momentum the exchange takes the momentum (Deep Gradient Compression's momentum
+//! correction, Lin et al. 2018, §3.2): each replica keeps a velocity `u ← m·u + g` of its own
+//! gradient and accumulates `u` into its residual, so that what it sends, summed over the
+//! replicas, is the momentum SGD would have applied; where it sent, both its residual and its
+//! velocity are zeroed (momentum factor masking, §3.3: a stale velocity would push an entry
+//! that has just moved). The optimizer runs plain SGD on the summed velocities. At a ratio of 1
+//! every entry is sent and masked each step, so the velocity never outlives a step: plain SGD.
 
 use std::collections::HashMap;
 
@@ -17,8 +25,13 @@ use crate::fabric::{Fabric, FabricError, Tag};
 use crate::typed_tensor::{DType, TypedTensor};
 
 /// Each bucket's error-feedback residual on one replica (its own gradient's leftover, sized like
-/// its bucket), by the bucket's collective tag.
+/// its bucket), by the bucket's collective tag; under momentum correction its velocity too, by
+/// [`VELOCITY`] above the tag.
 pub type Residuals = HashMap<u64, Vec<f32>>;
+
+/// The key of a bucket's velocity in [`Residuals`]: this bit above its tag (1-bit Adam's kinds
+/// of state use the same high half, in runs of their own).
+pub const VELOCITY: u64 = 1 << 32;
 
 /// The shape of a top-k exchange.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -27,6 +40,8 @@ pub struct TopK {
     pub per_million: u32,
     /// Whether the leftover is fed back (false: the negative control, dropped).
     pub feedback: bool,
+    /// The momentum moved into the exchange (0: none).
+    pub momentum: f32,
 }
 
 impl TopK {
@@ -36,9 +51,11 @@ impl TopK {
             Codec::TopK {
                 per_million,
                 feedback,
+                momentum_bits,
             } => Some(TopK {
                 per_million,
                 feedback,
+                momentum: f32::from_bits(momentum_bits),
             }),
             _ => None,
         }
@@ -49,6 +66,7 @@ impl TopK {
         Codec::TopK {
             per_million: self.per_million,
             feedback: self.feedback,
+            momentum_bits: self.momentum.to_bits(),
         }
         .kept(len as u64) as usize
     }
@@ -113,9 +131,40 @@ fn scatter_add(message: &TypedTensor, out: &mut [f32], k: usize, from: ActorId) 
     Ok(())
 }
 
-/// The sum over `group` of every member's top-k of `data` plus its residual, in `data`, with the
-/// residual of bucket `edge` (the low 32 bits: the collective's tag) kept in `residuals`. Every
-/// member calls it with the same `edge`, `group`, `topk` and length.
+/// Adds `data` into its velocity (`u ← m·u + g`, when `topk` takes a momentum) and `data` plus
+/// the residual into `data`: what is offered to the top-k.
+fn accumulate(data: &mut [f32], topk: TopK, tag: u64, residuals: &mut Residuals) {
+    if topk.momentum != 0.0 {
+        let velocity = residuals.entry(VELOCITY | tag).or_default();
+        velocity.resize(data.len(), 0.0);
+        for (d, u) in data.iter_mut().zip(velocity.iter_mut()) {
+            *u = topk.momentum * *u + *d;
+            *d = *u;
+        }
+    }
+    let residual = residuals.entry(tag).or_default();
+    residual.resize(data.len(), 0.0);
+    data.iter_mut().zip(residual.iter()).for_each(|(d, r)| *d += r);
+}
+
+/// Keeps what of `offered` is not sent as the next residual (nothing, in the control), and
+/// zeroes the velocity where it was sent (momentum factor masking).
+fn hold_back(offered: &[f32], sent: &[u32], topk: TopK, tag: u64, residuals: &mut Residuals) {
+    let residual = residuals.get_mut(&tag).expect("accumulated this step");
+    residual.copy_from_slice(offered);
+    sent.iter().for_each(|&j| residual[j as usize] = 0.0);
+    if !topk.feedback {
+        residual.iter_mut().for_each(|r| *r = 0.0);
+    }
+    if let Some(velocity) = residuals.get_mut(&(VELOCITY | tag)) {
+        sent.iter().for_each(|&j| velocity[j as usize] = 0.0);
+    }
+}
+
+/// The sum over `group` of every member's top-k of `data` plus its residual (its velocity plus
+/// its residual, under momentum correction), in `data`, with the residual of bucket `edge` (the
+/// low 32 bits: the collective's tag) kept in `residuals`. Every member calls it with the same
+/// `edge`, `group`, `topk` and length.
 pub fn topk_all_reduce(
     fabric: &dyn Fabric,
     me: ActorId,
@@ -137,18 +186,12 @@ pub fn topk_all_reduce(
             data.len()
         )));
     }
-    let residual = residuals.entry(edge & 0xffff_ffff).or_default();
-    residual.resize(data.len(), 0.0);
-    data.iter_mut().zip(residual.iter()).for_each(|(d, r)| *d += r);
+    let bucket = edge & 0xffff_ffff;
+    accumulate(data, topk, bucket, residuals);
     let k = topk.k(data.len());
     let kept = top_indices(data, k);
     let mine = pack(&kept, data);
-    // The leftover: everything but what is sent (dropped instead by the control).
-    residual.copy_from_slice(data);
-    kept.iter().for_each(|&j| residual[j as usize] = 0.0);
-    if !topk.feedback {
-        residual.iter_mut().for_each(|r| *r = 0.0);
-    }
+    hold_back(data, &kept, topk, bucket, residuals);
     let tag = |sender: usize| Tag {
         edge,
         seq: sender as u64,
@@ -229,6 +272,7 @@ mod tests {
             let topk = TopK {
                 per_million: 100_000,
                 feedback,
+                momentum: 0.0,
             };
             let results = reduce_steps(&inputs, topk, steps);
             for (me, (sums, read)) in results.iter().enumerate() {
@@ -258,5 +302,36 @@ mod tests {
                 false => assert!(worst > 2.0 * bound, "the control lost only {worst}"),
             }
         }
+    }
+
+    /// Momentum correction by hand (momentum 0.5, top-1 of two entries, member 1 sending
+    /// zeros): the velocity accumulates into the residual, and where an entry is sent both are
+    /// zeroed; the control drops the residual but keeps the masked velocity. At a ratio of 1
+    /// everything is sent and masked each step: the sum is every step's plain gradient sum.
+    #[test]
+    fn the_velocity_accumulates_into_the_residual_and_is_masked_where_sent() {
+        let inputs = [vec![1.0, 0.6], vec![0.0, 0.0]];
+        let topk = |feedback, per_million| TopK {
+            per_million,
+            feedback,
+            momentum: 0.5,
+        };
+        for (feedback, expected) in [
+            (true, [[1.0, 0.0], [0.0, 1.5], [2.5, 0.0]]),
+            (false, [[1.0, 0.0], [1.0, 0.0], [0.0, 1.05]]),
+        ] {
+            let results = reduce_steps(&inputs, topk(feedback, 500_000), 3);
+            for (step, (got, want)) in results[0].0.iter().zip(expected).enumerate() {
+                let close = got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-6);
+                assert!(close, "feedback {feedback}, step {step}: {got:?}, not {want:?}");
+            }
+            assert_eq!(results[1].0, results[0].0, "the members agree");
+        }
+        let results = reduce_steps(&inputs, topk(true, 1_000_000), 3);
+        assert!(
+            results[0].0.iter().all(|sum| sum == &inputs[0]),
+            "{:?}",
+            results[0].0
+        );
     }
 }

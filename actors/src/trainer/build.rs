@@ -252,11 +252,11 @@ impl<B: AutodiffBackend> Trainer<B> {
                 s.updated.len(),
             )
         };
-        let spawn: OffloadSpawn = (actor, program.optimizer, &offload_layout);
+        let spawn: OffloadSpawn = (actor, program.update_rule(), &offload_layout);
         let store = Store::of_plan(training, &sharding, &mut held, spawn)?;
         let state_len = store.optimizer_state_len(&sharding);
         let windows = if state_len == 0 { Vec::new() } else { windows };
-        let mut optimizer = FlatOptimizer::new(program.optimizer, state_len)
+        let mut optimizer = FlatOptimizer::new(program.update_rule(), state_len)
             .with_schedule(program.lr_schedule)
             .with_layout(stage_params.layout(&windows, state_len)?);
         if let Compression::OneBitAdam { freeze_step, .. } = program.compression {

@@ -1,7 +1,7 @@
 //! Communication compression over a long run (issue 43): gpt-tiny at dp=2 for 300 steps
 //! (WORKLOADS.md's data and batch) uncompressed and with each codec built — `--compress int8`,
 //! `qsgd:8`, `qsgd:4`, `terngrad` and `topk:0.01` (the gradient all-reduce; top-k under Adam and,
-//! as Deep Gradient Compression, under SGD with momentum, each beside its control without error
+//! as Deep Gradient Compression, under SGD with momentum — its momentum corrected —, each beside its control without error
 //! feedback), `--optimizer onebit-adam --freeze-step 100` (1-bit Adam, against Adam), and under
 //! ZeRO-3 `--quantize-grads int8` (qgZ), `--quantize-weights int8` (qwZ)
 //! and both — each run's mean loss of the last 20 steps against the uncompressed run of its
@@ -238,16 +238,29 @@ fn figures(name: &str, report: &TrainReport, plain: Option<&TrainReport>) -> Val
     })
 }
 
-/// Every run's mean loss of the last steps, bytes and step time.
-pub fn convergence(steps: u64) -> anyhow::Result<Value> {
+/// Every run's (or, given `only`, each run's whose name contains it) mean loss of the last
+/// steps, bytes and step time, beside the uncompressed runs they are measured against.
+pub fn convergence(steps: u64, only: Option<&str>) -> anyhow::Result<Value> {
+    let chosen: Vec<(usize, &Compressed)> = (RUNS.iter().enumerate())
+        .filter(|(_, run)| only.is_none_or(|text| run.0.contains(text)))
+        .collect();
+    anyhow::ensure!(
+        !chosen.is_empty(),
+        "--runs {} names none of the compression runs: {}",
+        only.unwrap_or_default(),
+        RUNS.iter().map(|r| r.0).collect::<Vec<_>>().join("; ")
+    );
     let mut plain = Vec::new();
     let mut runs = Vec::new();
     for (index, (base, name)) in Base::ALL.into_iter().enumerate() {
+        if !chosen.iter().any(|(_, run)| run.1 == base) {
+            continue;
+        }
         let report = train(&base.program()?, format!("bench-compression-base-{index}"), steps)?;
         runs.push(figures(name, &report, None));
         plain.push((base, report));
     }
-    for (index, compressed) in RUNS.iter().enumerate() {
+    for (index, compressed) in chosen {
         let report = run(index, compressed, steps)?;
         let base = plain.iter().find(|(b, _)| *b == compressed.1).map(|(_, r)| r);
         runs.push(figures(compressed.0, &report, base));
@@ -255,6 +268,7 @@ pub fn convergence(steps: u64) -> anyhow::Result<Value> {
     Ok(json!({
         "model": "gpt-tiny", "dp": 2, "global_batch": 16, "steps": steps, "mean_of_last": LAST,
         "bound": "within 5% of the uncompressed run's loss (issue 43)",
+        "only_runs_containing": only,
         "runs": runs,
     }))
 }

@@ -101,6 +101,10 @@ pub struct BenchArgs {
     /// uncompressed run, fabric bytes per step measured and predicted, step time).
     #[arg(long)]
     pub compression_only: bool,
+    /// With --compression-only: only the compressed runs whose name contains this text (e.g.
+    /// `topk`), each beside the uncompressed run of its layout and optimizer.
+    #[arg(long)]
+    pub runs: Option<String>,
     /// Run only the slow link and stop (root; iproute2): mlp-8x1024 at dp=2 on two host
     /// processes in a network namespace of their own, over its loopback shaped to 100 Mbit/s
     /// with `tc tbf` and `--data-path tcp`, uncompressed, with top-k 1% and with 1-bit Adam
@@ -199,7 +203,8 @@ fn sub_suite(args: &BenchArgs) -> anyhow::Result<Option<Value>> {
         let convergence = precision_convergence::convergence(if args.quick { 30 } else { 300 })?;
         json!({ "suite": "precision", "quick": args.quick, "precision": precision, "convergence": convergence, "wall_s": wall() })
     } else if args.compression_only {
-        let convergence = compression::convergence(if args.quick { 30 } else { 300 })?;
+        let steps = if args.quick { 30 } else { 300 };
+        let convergence = compression::convergence(steps, args.runs.as_deref())?;
         json!({ "suite": "compression", "quick": args.quick, "compression": convergence, "load_avg_end": load_avg(), "wall_s": wall() })
     } else if args.slow_link_only {
         let link = slow_link_bench::slow_link(if args.quick { 6 } else { 20 })?;

@@ -88,7 +88,9 @@ pub struct JobArgs {
     /// stochastic, unbiased rounding to 2^BITS − 1 levels, BITS 1–8, a scale per 512 values),
     /// `terngrad` (three levels, a scale per 64) or `topk:RATIO` (the largest RATIO of each
     /// bucket, 0 < RATIO ≤ 1, as index-value pairs, the rest kept as an error-feedback residual
-    /// on each replica for the next step). Only at --zero 0 or 1, with --dp 2 or more.
+    /// on each replica for the next step; under SGD with --momentum the momentum moves into
+    /// the exchange, as Deep Gradient Compression's momentum correction). Only at --zero 0 or 1,
+    /// with --dp 2 or more.
     #[arg(long, default_value = "none")]
     pub compress: String,
     /// ZeRO++'s qgZ: ZeRO-2/3's gradient reduce-scatter crosses as block-wise int8 (`int8`; the

@@ -127,7 +127,7 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
     );
     if topk && !super::launch::same_layout(&manifest.layout, program) {
         notes.push(format!(
-            "warning: --compress topk's error-feedback residuals start at zero: the checkpoint was written on another layout ({}), whose buckets differ, so what each replica held back before step {} is dropped",
+            "warning: --compress topk's error-feedback residuals start at zero (and, under SGD with momentum, each replica's velocity): the checkpoint was written on another layout ({}), whose buckets differ, so what each replica held back before step {} is dropped",
             super::resume_check::layout_words(&manifest.layout),
             manifest.next_step
         ));

@@ -64,6 +64,9 @@ fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
     if let Compression::OneBitAdam { .. } = asked {
         onebit_supported(program)?;
     }
+    if asked.moved_momentum(program.optimizer).is_some() {
+        momentum_correction_supported(program)?;
+    }
     let control = |codec| match (codec, program.test_fault) {
         (
             Codec::OneBit {
@@ -80,9 +83,17 @@ fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
             feedback: false,
         },
         (Codec::Int8 { .. }, Some(TestFault::UnscaledInt8)) => Codec::Int8 { block: 0 },
-        (Codec::TopK { per_million, .. }, Some(TestFault::TopKWithoutFeedback)) => Codec::TopK {
+        (
+            Codec::TopK {
+                per_million,
+                momentum_bits,
+                ..
+            },
+            Some(TestFault::TopKWithoutFeedback),
+        ) => Codec::TopK {
             per_million,
             feedback: false,
+            momentum_bits,
         },
         (codec, _) => codec,
     };
@@ -94,11 +105,57 @@ fn codecs(program: &Program) -> Result<Option<Codecs>, PlanError> {
         }
     };
     Ok(Some(Codecs {
-        all_reduce: control(asked.codec(program.seed).map_err(PlanError::Conflict)?),
+        all_reduce: control(
+            asked
+                .codec(program.seed, program.optimizer)
+                .map_err(PlanError::Conflict)?,
+        ),
         reduce_scatter: int8(grads),
         gather: int8(weights),
         flag,
     }))
+}
+
+/// Refuses, naming the fix, what top-k under SGD with momentum does not combine with: its
+/// momentum moves into the exchange (Deep Gradient Compression's momentum correction, each
+/// replica's velocity of its own gradient), so what the optimizer would add to the gradient
+/// before the momentum (weight decay), a momentum of another form (Nesterov's, dampening), or a
+/// norm of the averaged gradient (clipping: no replica holds it) has no place to run.
+fn momentum_correction_supported(program: &Program) -> Result<(), PlanError> {
+    let crate::OptimizerSpec::Sgd {
+        dampening,
+        nesterov,
+        weight_decay,
+        ..
+    } = program.optimizer
+    else {
+        return Ok(());
+    };
+    let refuse = |what: &str, fix: &str| {
+        Err(PlanError::Conflict(format!(
+            "--compress {} under SGD with momentum moves the momentum into the exchange (each replica's velocity of its own gradient, Deep Gradient Compression's momentum correction), which {what}: {fix}",
+            program.compression
+        )))
+    };
+    if nesterov {
+        return refuse("is the heavy-ball form, not Nesterov's", "drop --nesterov");
+    }
+    if dampening != 0.0 {
+        return refuse("accumulates undampened gradients", "drop the dampening");
+    }
+    if weight_decay != 0.0 {
+        return refuse(
+            "would need the parameters' decay term added to each replica's gradient before its velocity",
+            "drop --weight-decay",
+        );
+    }
+    if program.clip_grad_norm.is_some() {
+        return refuse(
+            "no replica holds the averaged gradient whose norm --clip-grad-norm needs",
+            "drop --clip-grad-norm",
+        );
+    }
+    Ok(())
 }
 
 /// Refuses, naming the fix, what 1-bit Adam does not combine with: it replaces Adam's update
@@ -406,6 +463,62 @@ mod tests {
             ),
         ] {
             let why = refused(program);
+            assert!(why.contains(says), "{says}: {why}");
+        }
+    }
+
+    /// Top-k under SGD with momentum moves the momentum into the exchange (Deep Gradient
+    /// Compression's momentum correction): the codec carries it, the control keeps it, the
+    /// optimizer's rule loses it, and what has no place to run then is refused naming the fix.
+    #[test]
+    fn topk_under_momentum_carries_it_and_refuses_what_cannot_follow() {
+        let momentum = |nesterov| {
+            crate::OptimizerSpec::sgd(0.1)
+                .with_momentum(0.9, nesterov)
+                .unwrap()
+        };
+        let topk = Compression::TopK { ratio: 0.01 };
+        let mut base = program(2, 0, topk).with_clip_grad_norm(None);
+        base.optimizer = momentum(false);
+        let moved = 0.9f32.to_bits();
+        let codec = codecs(&base).unwrap().unwrap().all_reduce;
+        let corrected = Codec::TopK {
+            per_million: 10_000,
+            feedback: true,
+            momentum_bits: moved,
+        };
+        assert_eq!(codec, corrected);
+        assert_eq!(codec.to_string(), "topk/0.01 with momentum 0.9 corrected");
+        assert_eq!(topk.update_rule(base.optimizer), crate::OptimizerSpec::sgd(0.1));
+        assert_eq!(
+            topk.update_rule(crate::OptimizerSpec::adam(0.1)),
+            crate::OptimizerSpec::adam(0.1)
+        );
+        let mut control = base.clone();
+        control.test_fault = Some(TestFault::TopKWithoutFeedback);
+        let codec = codecs(&control).unwrap().unwrap().all_reduce;
+        let dropped = Codec::TopK {
+            per_million: 10_000,
+            feedback: false,
+            momentum_bits: moved,
+        };
+        assert_eq!(codec, dropped);
+        let plain = program(2, 0, topk).with_clip_grad_norm(None);
+        let codec = codecs(&plain).unwrap().unwrap().all_reduce;
+        assert!(matches!(codec, Codec::TopK { momentum_bits: 0, .. }), "{codec}");
+        let with = |f: &dyn Fn(&mut Program)| {
+            let mut p = base.clone();
+            f(&mut p);
+            codecs(&p).err().map(|e| e.to_string()).unwrap_or_default()
+        };
+        for (why, says) in [
+            (with(&|p| p.optimizer = momentum(true)), "drop --nesterov"),
+            (
+                with(&|p| p.optimizer = momentum(false).with_weight_decay(1e-4)),
+                "drop --weight-decay",
+            ),
+            (with(&|p| p.clip_grad_norm = Some(1.0)), "drop --clip-grad-norm"),
+        ] {
             assert!(why.contains(says), "{says}: {why}");
         }
     }
