@@ -37,12 +37,15 @@ pub fn record(program: &Program, total_steps: u64) -> RunRecord {
 }
 
 /// The `--init` file of a run with frozen parameters (which its checkpoints do not hold), with
-/// its SHA-256 (computed once per file and size per process).
+/// its SHA-256 (computed once per file and size per process). The path is recorded whole
+/// (canonical), so that `serve --checkpoint` finds the base from any working directory.
 fn base_weights(program: &Program) -> Option<BaseWeights> {
     use sha2::Digest;
     static HASHES: std::sync::Mutex<Vec<(String, u64, String)>> = std::sync::Mutex::new(Vec::new());
     let frozen = program.model.blocks.iter().any(|b| b.has_frozen());
-    let path = program.init.as_ref().filter(|_| frozen)?;
+    let given = program.init.as_ref().filter(|_| frozen)?;
+    let canonical = std::fs::canonicalize(given).ok()?;
+    let path = &canonical.to_str().map_or_else(|| given.clone(), str::to_string);
     let size = std::fs::metadata(path).ok()?.len();
     let mut hashes = HASHES.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((_, _, hash)) = hashes.iter().find(|(p, s, _)| p == path && *s == size) {
@@ -283,5 +286,30 @@ mod tests {
             "{dropped}"
         );
         check(&written, dir, &topk, 30, &["compress".into()]).unwrap();
+    }
+
+    /// A LoRA run records its base file by its whole path, however `--init` named it; a run
+    /// without frozen parameters records none.
+    #[test]
+    fn the_base_file_is_recorded_by_its_whole_path() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("base.safetensors"), b"base weights").unwrap();
+        let lora = archipelago_dataflow::family::LoraSpec {
+            rank: 2,
+            alpha: 4.0,
+            targets: vec!["c_attn".into()],
+        };
+        let model = ModelSpec::parse("gpt2:vocab=16,ctx=8,d=8,layers=1,heads=2").unwrap();
+        let mut adapted = Program::new(model.with_lora(lora).unwrap());
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        let roundabout = dir.path().join("sub/../base.safetensors");
+        adapted.init = Some(roundabout.to_str().unwrap().to_string());
+        let base = record(&adapted, 10).base.expect("a LoRA run records its base");
+        let whole = std::fs::canonicalize(dir.path().join("base.safetensors")).unwrap();
+        assert_eq!(base.path, whole.to_str().unwrap(), "not canonical: {}", base.path);
+        assert_eq!(base.sha256.len(), 64);
+        let mut full = Program::new(ModelSpec::parse("mlp:in=4,hidden=8,layers=2,out=3").unwrap());
+        full.init = adapted.init.clone();
+        assert!(record(&full, 10).base.is_none(), "no frozen parameters, no base");
     }
 }

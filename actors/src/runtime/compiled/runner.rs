@@ -70,38 +70,50 @@ fn nodes_of(stream: &[Instruction]) -> Vec<usize> {
         .collect()
 }
 
-/// Dispatches every participant's stream; fails (before anything runs) when a host cannot run
-/// its part.
-pub(crate) fn dispatch<I, R>(
-    runtime: &RuntimeHandle,
-    recorded: Recorded,
-    streams: Vec<Vec<Instruction>>,
-) -> Result<CompiledProgram<I, R>, CallError> {
-    let refused = |reason: String| CallError::Program { reason };
-    let program = new_program_id();
-    let own = streams.len() - 1;
-    // Where each stream runs: `None` in this process, else the connection to its host.
-    let place: Vec<Option<Arc<HostConnection>>> = recorded
-        .participants
-        .iter()
-        .map(|p| p.connection.clone())
-        .chain([None])
-        .collect();
-    let addr = |q: usize| place[q].as_ref().map(|c| c.addr().to_string());
-    // The codecs of the values each stream sends to another process.
-    let sends = |p: usize| -> Result<HashMap<String, (String, super::registered::ValueCodec)>, CallError> {
+/// A participant's part that runs in this process: its index, the executor of its actor's
+/// device thread, its calls and collective groups, and its outbox.
+type LocalPart = (
+    usize,
+    Executor,
+    (HashMap<usize, Invoke>, StreamCollectives),
+    Outbox,
+);
+
+type Executor = tokio::runtime::Handle;
+
+/// What every participant's part is built from: the program's id, the streams, where each
+/// runs (`None`: in this process, else the connection to its host) and what was recorded.
+struct Parts<'a> {
+    program: u64,
+    streams: &'a [Vec<Instruction>],
+    place: Vec<Option<Arc<HostConnection>>>,
+    recorded: &'a Recorded,
+}
+
+impl Parts<'_> {
+    fn refused(reason: String) -> CallError {
+        CallError::Program { reason }
+    }
+
+    /// The address of stream `q`'s host (`None`: this process).
+    fn addr(&self, q: usize) -> Option<String> {
+        self.place[q].as_ref().map(|c| c.addr().to_string())
+    }
+
+    /// The codecs of the values stream `p` sends to another process.
+    fn sends(&self, p: usize) -> Result<HashMap<String, (String, super::registered::ValueCodec)>, CallError> {
         let mut codecs = HashMap::new();
-        for instruction in &streams[p] {
+        for instruction in &self.streams[p] {
             let Instruction::Send { tensor, to, .. } = instruction else {
                 continue;
             };
-            if addr(*to) == addr(p) {
+            if self.addr(*to) == self.addr(p) {
                 continue;
             }
             let name = value_name(tensor).to_string();
-            let value_type = recorded.value_types.get(&name).copied().unwrap_or("?");
+            let value_type = self.recorded.value_types.get(&name).copied().unwrap_or("?");
             let codec = value_codec(value_type).ok_or_else(|| {
-                refused(format!(
+                Self::refused(format!(
                     "value `{name}` (a `{value_type}`) crosses processes but has no registered codec; add `.program_value::<{}>()` (or a `.compiled::<..>` call taking or returning it) to the Registry",
                     crate::runtime::system::short_name(value_type)
                 ))
@@ -109,94 +121,103 @@ pub(crate) fn dispatch<I, R>(
             codecs.insert(name, (value_type.to_string(), codec));
         }
         Ok(codecs)
-    };
-    let outbox_here = |p: usize| -> Result<Outbox, CallError> {
-        let routes = (routes::destinations(&streams[p]).into_iter())
-            .map(|q| match &place[q] {
-                None => (q, Route::Local(routes::door(program, q))),
+    }
+
+    /// The outbox of stream `p`, run in this process.
+    fn outbox_here(&self, p: usize) -> Result<Outbox, CallError> {
+        let routes = (routes::destinations(&self.streams[p]).into_iter())
+            .map(|q| match &self.place[q] {
+                None => (q, Route::Local(routes::door(self.program, q))),
                 Some(connection) => (q, Route::Host(connection.clone())),
             })
             .collect();
         Ok(Outbox {
-            program,
+            program: self.program,
             me: p,
             routes,
-            codecs: sends(p)?,
+            codecs: self.sends(p)?,
         })
-    };
-    let groups = collective_groups(&recorded.participants, &streams, recorded.patience)?;
-    // Check and build everything before starting anything.
-    let mut local = Vec::new();
-    let mut installs = Vec::new();
-    for (p, participant) in recorded.participants.iter().enumerate() {
-        let nodes = nodes_of(&streams[p]);
-        match &participant.connection {
-            None => {
-                if runtime.strict_registry()
-                    && let Some(key) = nodes
-                        .iter()
-                        .map(|&n| &recorded.keys[n])
-                        .find(|k| node(k).is_none())
-                {
-                    return Err(refused(format!(
-                        "recorded call `{key}` is not registered (strict registration mode: a cluster would refuse it); add `.compiled::<A, M, T>(make)` with the same constructor to the Registry"
-                    )));
-                }
-                let executor = runtime.inner().executor_of(participant.thread, participant.device).ok_or_else(|| refused(format!(
-                    "actor {} is on device {}, which is not one of this runtime's; record calls to actors of the runtime the program runs on",
-                    participant.id, participant.device
-                )))?;
-                let invokers: HashMap<usize, Invoke> = nodes
-                    .iter()
-                    .map(|n| (*n, recorded.invokers[*n].clone()))
-                    .collect();
-                let collectives = StreamCollectives {
-                    me: participant.id,
-                    groups: groups.0.clone(),
-                };
-                local.push((p, executor, (invokers, collectives), outbox_here(p)?));
-            }
-            Some(connection) => {
-                let mut keys = Vec::new();
-                for n in nodes {
-                    let key = &recorded.keys[n];
-                    if node(key).is_none() {
-                        return Err(refused(format!(
-                            "recorded call {n} (`{key}`) is to an actor of host {}, and compiled calls to other hosts must be registered: add `.compiled::<A, M, T>(make)` with the same constructor to the Registry",
-                            connection.host()
-                        )));
-                    }
-                    keys.push((n, key.clone()));
-                }
-                let peers = place
-                    .iter()
-                    .map(|at| match at {
-                        None => Peer::Caller,
-                        Some(c) if c.addr() == connection.addr() => Peer::Here,
-                        Some(c) => Peer::Host {
-                            host: c.host().to_string(),
-                            addr: c.addr().to_string(),
-                        },
-                    })
-                    .collect();
-                let sends = sends(p)?
-                    .into_iter()
-                    .map(|(name, (value_type, _))| (name, value_type))
-                    .collect();
-                let frame = Frame::Program {
-                    program,
-                    me: p,
-                    actor: participant.id,
-                    stream: streams[p].clone(),
-                    nodes: keys,
-                    peers,
-                    sends,
-                };
-                installs.push((connection.clone(), p, frame));
-            }
-        }
     }
-    let own_outbox = outbox_here(own)?;
+
+    /// Participant `p`'s part in this process, checked (its calls registered under a strict
+    /// registry, its device one of the runtime's).
+    fn local(&self, p: usize, runtime: &RuntimeHandle, groups: &Groups) -> Result<LocalPart, CallError> {
+        let (participant, recorded) = (&self.recorded.participants[p], self.recorded);
+        let nodes = nodes_of(&self.streams[p]);
+        if runtime.strict_registry()
+            && let Some(key) = nodes
+                .iter()
+                .map(|&n| &recorded.keys[n])
+                .find(|k| node(k).is_none())
+        {
+            return Err(Self::refused(format!(
+                "recorded call `{key}` is not registered (strict registration mode: a cluster would refuse it); add `.compiled::<A, M, T>(make)` with the same constructor to the Registry"
+            )));
+        }
+        let executor = runtime.inner().executor_of(participant.thread, participant.device).ok_or_else(|| Self::refused(format!(
+            "actor {} is on device {}, which is not one of this runtime's; record calls to actors of the runtime the program runs on",
+            participant.id, participant.device
+        )))?;
+        let invokers: HashMap<usize, Invoke> = nodes
+            .iter()
+            .map(|n| (*n, recorded.invokers[*n].clone()))
+            .collect();
+        let collectives = StreamCollectives {
+            me: participant.id,
+            groups: groups.0.clone(),
+        };
+        Ok((p, executor, (invokers, collectives), self.outbox_here(p)?))
+    }
+
+    /// The frame that installs participant `p`'s part on its host `connection` (every call it
+    /// makes must be registered there).
+    fn host_frame(&self, p: usize, connection: &HostConnection) -> Result<Frame, CallError> {
+        let participant = &self.recorded.participants[p];
+        let mut keys = Vec::new();
+        for n in nodes_of(&self.streams[p]) {
+            let key = &self.recorded.keys[n];
+            if node(key).is_none() {
+                return Err(Self::refused(format!(
+                    "recorded call {n} (`{key}`) is to an actor of host {}, and compiled calls to other hosts must be registered: add `.compiled::<A, M, T>(make)` with the same constructor to the Registry",
+                    connection.host()
+                )));
+            }
+            keys.push((n, key.clone()));
+        }
+        let peers = (self.place.iter())
+            .map(|at| match at {
+                None => Peer::Caller,
+                Some(c) if c.addr() == connection.addr() => Peer::Here,
+                Some(c) => Peer::Host {
+                    host: c.host().to_string(),
+                    addr: c.addr().to_string(),
+                },
+            })
+            .collect();
+        let sends = (self.sends(p)?.into_iter())
+            .map(|(name, (value_type, _))| (name, value_type))
+            .collect();
+        Ok(Frame::Program {
+            program: self.program,
+            me: p,
+            actor: participant.id,
+            stream: self.streams[p].clone(),
+            nodes: keys,
+            peers,
+            sends,
+        })
+    }
+}
+
+/// The hosts a program was installed on (each once) and, per part, its host's name and the
+/// answer to come.
+type Installs = (
+    Vec<Arc<HostConnection>>,
+    Vec<(String, tokio::sync::oneshot::Receiver<Result<(), String>>)>,
+);
+
+/// Sends every host its parts' frames.
+fn install_on_hosts(program: u64, installs: Vec<(Arc<HostConnection>, usize, Frame)>) -> Installs {
     let mut hosts: Vec<Arc<HostConnection>> = Vec::new();
     let mut answers = Vec::new();
     for (connection, p, frame) in installs {
@@ -208,6 +229,44 @@ pub(crate) fn dispatch<I, R>(
             hosts.push(connection);
         }
     }
+    (hosts, answers)
+}
+
+/// Dispatches every participant's stream; fails (before anything runs) when a host cannot run
+/// its part.
+pub(crate) fn dispatch<I, R>(
+    runtime: &RuntimeHandle,
+    recorded: Recorded,
+    streams: Vec<Vec<Instruction>>,
+) -> Result<CompiledProgram<I, R>, CallError> {
+    let program = new_program_id();
+    let own = streams.len() - 1;
+    let place: Vec<Option<Arc<HostConnection>>> = (recorded.participants.iter())
+        .map(|p| p.connection.clone())
+        .chain([None])
+        .collect();
+    let parts = Parts {
+        program,
+        streams: &streams,
+        place,
+        recorded: &recorded,
+    };
+    let groups = collective_groups(&recorded.participants, &streams, recorded.patience)?;
+    // Check and build everything before starting anything.
+    let mut local = Vec::new();
+    let mut installs = Vec::new();
+    for (p, participant) in recorded.participants.iter().enumerate() {
+        match &participant.connection {
+            None => local.push(parts.local(p, runtime, &groups)?),
+            Some(connection) => installs.push((connection.clone(), p, parts.host_frame(p, connection)?)),
+        }
+    }
+    let own_outbox = parts.outbox_here(own)?;
+    let here: Vec<usize> = (parts.place.iter().enumerate())
+        .filter(|(_, at)| at.is_none())
+        .map(|(p, _)| p)
+        .collect();
+    let (hosts, answers) = install_on_hosts(program, installs);
     let inbox = routes::claim_inbox(program, own).expect("a new program's inbox");
     let own_stream = streams.last().cloned().unwrap_or_default();
     let resolve = Resolve {
@@ -221,12 +280,7 @@ pub(crate) fn dispatch<I, R>(
         own: Arc::new(Own::new(&own_stream, plan, inbox)),
         streams,
         hosts,
-        here: place
-            .iter()
-            .enumerate()
-            .filter(|(_, at)| at.is_none())
-            .map(|(p, _)| p)
-            .collect(),
+        here,
         runtime: runtime.clone(),
         _keepers: (recorded.participants.iter())
             .filter_map(|p| p.keeper.clone())
@@ -244,13 +298,13 @@ pub(crate) fn dispatch<I, R>(
             bind,
             &executor,
         )
-        .map_err(refused)?;
+        .map_err(Parts::refused)?;
     }
     // A refusal drops `compiled`, which stops whatever did start.
     for (host, answer) in answers {
         let answer =
             futures::executor::block_on(answer).unwrap_or_else(|_| Err("the connection to it ended".into()));
-        answer.map_err(|e| refused(format!("host {host} could not install its part: {e}")))?;
+        answer.map_err(|e| Parts::refused(format!("host {host} could not install its part: {e}")))?;
     }
     Ok(compiled)
 }

@@ -1,5 +1,5 @@
 //! Forwarding one request of the router ([`super`]) to a replica: the body read (at most
-//! `--max-body-bytes`, else 413), the live replica with the fewest requests in flight picked,
+//! `--max-body-bytes`, else 413; a body that breaks off before its end, 400), the live replica with the fewest requests in flight picked,
 //! a fresh HTTP/1.1 connection opened to it (hyper's client; TLS under the cluster's identity
 //! for an `https://` replica), the request sent with the cluster token, and the answer relayed
 //! chunk by chunk — a server-sent-events stream token by token as the replica sends it.
@@ -53,15 +53,7 @@ pub async fn forward(State(set): State<Arc<ReplicaSet>>, request: Request) -> Re
     let (parts, body) = request.into_parts();
     let body = match axum::body::to_bytes(body, set.max_body_bytes).await {
         Ok(body) => body,
-        Err(_) => {
-            return ApiError::status(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "body_too_large",
-                format!("the request body is over {} bytes", set.max_body_bytes),
-            )
-            .into_response();
-        }
+        Err(e) => return unread_body(e, set.max_body_bytes).into_response(),
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let content_type = parts.headers.get(header::CONTENT_TYPE);
@@ -107,6 +99,27 @@ pub async fn forward(State(set): State<Arc<ReplicaSet>>, request: Request) -> Re
         };
         return lost_answer(replica, &why).into_response();
     }
+}
+
+/// The answer to a request body that could not be read: 413 when it is over `limit` bytes, 400
+/// when it broke off (or was malformed) before its end — the client's fault either way, but
+/// only the first is cured by a smaller body.
+fn unread_body(error: axum::Error, limit: usize) -> ApiError {
+    let error = error.into_inner();
+    if error.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+        return ApiError::status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "body_too_large",
+            format!("the request body is over {limit} bytes (--max-body-bytes)"),
+        );
+    }
+    ApiError::status(
+        StatusCode::BAD_REQUEST,
+        "invalid_request_error",
+        "body_unreadable",
+        format!("the request body could not be read to its end: {error}"),
+    )
 }
 
 /// How long the router waits for a replica to take a connection.
@@ -258,4 +271,38 @@ fn relay(
         Some((last, None))
     });
     Response::from_parts(parts, Body::from_stream(stream))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn read(body: Body, limit: usize) -> StatusCode {
+        match axum::body::to_bytes(body, limit).await {
+            Ok(_) => StatusCode::OK,
+            Err(e) => unread_body(e, limit).into_response().status(),
+        }
+    }
+
+    /// Over the limit is 413; a body that breaks off is 400, not 413 (a smaller body would not
+    /// help); within the limit it reads.
+    #[tokio::test]
+    async fn an_oversized_body_is_413_and_a_broken_one_400() {
+        assert_eq!(
+            read(Body::from(vec![b'x'; 100]), 10).await,
+            StatusCode::PAYLOAD_TOO_LARGE
+        );
+        assert_eq!(read(Body::from(vec![b'x'; 10]), 10).await, StatusCode::OK);
+        let broken = futures::stream::iter([
+            Ok(Bytes::from_static(b"{\"prompt\"")),
+            Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "reset by peer",
+            )),
+        ]);
+        assert_eq!(
+            read(Body::from_stream(broken), 1000).await,
+            StatusCode::BAD_REQUEST
+        );
+    }
 }
