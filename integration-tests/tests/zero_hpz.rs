@@ -2,14 +2,15 @@
 //! SGD (whose step carries any error in the gradient as it is) and Adam, dp=4 ZeRO-3 with
 //! `--zero-hpz` over islands a, b, a, b and a, a, b, b, and dp=2 × pp=2 over a, a, b, b (each
 //! stage's replicas on two islands of one: the secondary copy is the whole segment and the
-//! backward's gather a group of one), trains to the parameters of ZeRO-3 without it bit for bit
+//! backward's gather a group of one), and dp=4 with the parameter shards offloaded
+//! (`--offload cpu --offload-params`), trains to the parameters of ZeRO-3 without it bit for bit
 //! and to one device's within f32 reduction order; the parameter bytes read across islands halve
 //! (one forward and one backward gather per segment and micro-batch). Control: a secondary copy
 //! never refreshed after the first step (`TestFault::HpzStaleSecondary`) is caught.
 //! (`controller/tests/multi_host_hpz.rs` runs it across two host processes.)
 
 use archipelago_controller::TrainReport;
-use archipelago_dataflow::{OptimizerSpec, ParallelPlan, Precision, Program, TestFault};
+use archipelago_dataflow::{Offload, OptimizerSpec, ParallelPlan, Precision, Program, TestFault};
 use archipelago_integration_tests::precision::{max_abs, params, program, run};
 use archipelago_integration_tests::{MARGIN, assert_caught, assert_equivalent, small_plan};
 
@@ -38,10 +39,18 @@ fn crossing_parameters(r: &TrainReport) -> u64 {
 #[test]
 fn hpz_equals_zero_three_and_one_device_and_halves_the_gathers_across_islands() {
     let rules = [OptimizerSpec::sgd(0.1), OptimizerSpec::adam(1e-2)];
+    // ZeRO-Infinity's parameter offload beside it: the shards live with the offload actor, the
+    // gathers (and the secondary copy) on the replica.
+    let offloaded = ParallelPlan {
+        offload: Offload::Cpu,
+        offload_params: true,
+        ..small_plan(4, 1, 3)
+    };
     let layouts = [
         (small_plan(4, 1, 3), "a,b,a,b"),
         (small_plan(4, 1, 3), "a,a,b,b"),
         (small_plan(2, 2, 3), "a,a,b,b"),
+        (offloaded, "a,a,b,b"),
     ];
     for optimizer in &rules {
         let one_device = run(
@@ -50,10 +59,11 @@ fn hpz_equals_zero_three_and_one_device_and_halves_the_gathers_across_islands() 
         );
         for (plan, islands) in &layouts {
             let what = format!(
-                "{} dp={} pp={} islands {islands}",
+                "{} dp={} pp={} offload-params {} islands {islands}",
                 optimizer.name(),
                 plan.dp,
-                plan.pp
+                plan.pp,
+                plan.offload_params
             );
             let zero3 = run(&on_islands(optimizer, plan.clone(), islands, false), STEPS);
             let hpz = run(&on_islands(optimizer, plan.clone(), islands, true), STEPS);

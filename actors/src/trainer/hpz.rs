@@ -78,8 +78,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             return Ok(());
         }
         let slice = self.state.secondary.slice(segment.params)?;
-        let values = gathered.f32s()[slice].to_vec();
-        self.state.secondary.kept.insert(blocks.start, values);
+        // The step before's copy of the segment, refilled in place (no allocation per forward).
+        let kept = self.state.secondary.kept.entry(blocks.start).or_default();
+        kept.clear();
+        kept.extend_from_slice(&gathered.f32s()[slice]);
         Ok(())
     }
 
