@@ -23,6 +23,23 @@ use crate::serve::ServeArgs;
 /// How often the dashboard's figures of a serving replica are refreshed.
 const LOAD_EVERY: Duration = Duration::from_secs(1);
 
+/// How long a load query may go unanswered before each warning naming the part and its host
+/// (the host is alive — a lost one ends the wait — so the part itself is stuck or starved).
+const LOAD_PATIENCE: Duration = Duration::from_secs(10);
+
+/// `work`'s result, with `warn(waited)` called each `every` it is still pending: a wait that
+/// never ends is reported, not silent.
+async fn reported<T>(work: impl Future<Output = T>, every: Duration, mut warn: impl FnMut(Duration)) -> T {
+    tokio::pin!(work);
+    let started = tokio::time::Instant::now();
+    loop {
+        match tokio::time::timeout(every, &mut work).await {
+            Ok(result) => return result,
+            Err(_) => warn(started.elapsed()),
+        }
+    }
+}
+
 /// Why a serving replica ended.
 pub enum Ended {
     /// Its client closed the call.
@@ -177,7 +194,15 @@ impl ServingReplica<'_> {
                 _ = self.job.events.closed() => return Ended::Stopped,
                 _ = tokio::time::sleep(LOAD_EVERY) => {}
             }
-            let figures = match self.unless_lost(losses, part.call(ServingLoad)).await {
+            let warn = |waited: Duration| {
+                tracing::warn!(
+                    "{}: its part on host `{host}` has not answered a load query for {:.0} s (the host is alive: the part is stuck or starved)",
+                    self.who(),
+                    waited.as_secs_f64()
+                );
+            };
+            let load = reported(part.call(ServingLoad), LOAD_PATIENCE, warn);
+            let figures = match self.unless_lost(losses, load).await {
                 // The part's own error names the job and the host.
                 Err(lost) => return lost,
                 Ok(Ok(Ok(figures))) => figures,
@@ -218,5 +243,25 @@ impl ServingReplica<'_> {
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait is reported at each patience while it lasts, and an answer in time says nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_that_lasts_is_reported_each_patience() {
+        let mut warned = Vec::new();
+        let late = async {
+            tokio::time::sleep(Duration::from_secs(35)).await;
+            7
+        };
+        let answer = reported(late, LOAD_PATIENCE, |w| warned.push(w.as_secs())).await;
+        assert_eq!((answer, warned), (7, vec![10, 20, 30]));
+        let mut quiet = 0;
+        let answer = reported(async { 8 }, LOAD_PATIENCE, |_| quiet += 1).await;
+        assert_eq!((answer, quiet), (8, 0));
     }
 }
