@@ -53,7 +53,8 @@ pub enum Codec {
         /// Entries kept per million of a bucket's.
         per_million: u32,
         /// Whether the leftover is fed back (false: the negative control,
-        /// `TestFault::TopKWithoutFeedback`, drops it).
+        /// `TestFault::TopKWithoutFeedback`, drops it; under momentum correction the velocity is
+        /// still kept, masked where sent, so the control drops the residual only).
         feedback: bool,
         /// Deep Gradient Compression's momentum correction (Lin et al. 2018, §3.2), as f32 bits
         /// (0: none): SGD's momentum `m` moves from the optimizer into the exchange — each

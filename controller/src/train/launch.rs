@@ -55,6 +55,7 @@ pub(crate) async fn start_gang(
     builders.check(&devices).map_err(JobError::Runtime)?;
     let residuals_from = (restore.as_deref())
         .filter(|r| same_layout(&r.manifest().layout, &plan.program))
+        .filter(|r| same_exchange(r.manifest(), &plan.program))
         .map(|r| r.dir().to_path_buf());
     let factories = trainer_factories(plan, builders, actors, restore);
     let mut streams: Vec<_> = actors.iter().map(|&a| plan.stream(a)).collect();
@@ -78,6 +79,21 @@ pub(crate) fn same_layout(layout: &serde_json::Value, program: &archipelago_data
     // Read back as a plan (a field added since takes its default), not compared as JSON.
     serde_json::from_value::<archipelago_dataflow::ParallelPlan>(layout.clone())
         .is_ok_and(|then| then == program.plan)
+}
+
+/// Whether a checkpoint was written under `program`'s compression (with the same momentum moved
+/// into the exchange): only then is the per-replica state it holds beside the shards (top-k's
+/// residuals and velocities, 1-bit Adam's momentum and errors) this run's to take back. A
+/// checkpoint from before runs were recorded holds none.
+pub(crate) fn same_exchange(
+    manifest: &archipelago_actors::checkpoint::Manifest,
+    program: &archipelago_dataflow::Program,
+) -> bool {
+    manifest.run.as_ref().is_none_or(|was| {
+        was.compression == program.compression
+            && was.compression.moved_momentum(was.optimizer)
+                == program.compression.moved_momentum(program.optimizer)
+    })
 }
 
 /// One computation factory per actor in `actors`: each builds the actor's trainer on its device

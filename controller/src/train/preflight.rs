@@ -131,6 +131,15 @@ fn resume_point(program: &Program, options: &TrainOptions) -> Result<StartPoint,
             super::resume_check::layout_words(&manifest.layout),
             manifest.next_step
         ));
+    } else if topk && !super::launch::same_exchange(&manifest, program) {
+        let then = manifest
+            .run
+            .as_ref()
+            .map(|r| r.compression.to_string())
+            .unwrap_or_default();
+        notes.push(format!(
+            "warning: --compress topk's error-feedback residuals start at zero (and, under SGD with momentum, each replica's velocity): the checkpoint was written under --compress {then}, whose per-replica state is not top-k's"
+        ));
     }
     if let archipelago_dataflow::Compression::OneBitAdam { freeze_step, .. } = program.compression
         && manifest.step > u64::from(freeze_step)

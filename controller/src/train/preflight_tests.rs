@@ -7,7 +7,8 @@ use super::options::TrainOptions;
 use super::preflight::preflight;
 
 /// A top-k job resumed on the layout that wrote its checkpoint takes its residuals back in
-/// silence; on another layout (dp=2 → dp=4) the notes warn that they start at zero. Control:
+/// silence; on another layout (dp=2 → dp=4), or under another `--compress` (whose state is not
+/// this one's: `launch::same_exchange`), the notes warn that they start at zero. Control:
 /// the same resume without `--compress` says nothing of residuals.
 #[test]
 fn a_topk_resume_on_another_layout_warns_that_the_residuals_start_at_zero() {
@@ -45,5 +46,10 @@ fn a_topk_resume_on_another_layout_warns_that_the_residuals_start_at_zero() {
     assert!(
         !warns(&program(4, Compression::None)),
         "no top-k: nothing to warn of"
+    );
+    // Same layout, another ratio: the residuals were another compression's and start at zero.
+    assert!(
+        warns(&program(2, Compression::TopK { ratio: 0.2 })),
+        "another --compress: the warning"
     );
 }

@@ -84,6 +84,30 @@ pub fn check_base(was: &RunRecord, now: &RunRecord) -> Result<(), String> {
     }
 }
 
+/// Refuses a resume that would move SGD's momentum between the optimizer and top-k's exchange
+/// (Deep Gradient Compression's momentum correction keeps it as each replica's velocity beside
+/// its residual, and the checkpoint's optimizer state then has none): the momentum one side
+/// wrote is not where the other reads it. Not overridable: the state is missing, not changed.
+fn check_momentum_home(was: &RunRecord, now: &RunRecord) -> Result<(), String> {
+    let home = |r: &RunRecord| r.compression.moved_momentum(r.optimizer).is_some();
+    let (then, after) = (home(was), home(now));
+    let sgd_momentum = |r: &RunRecord| matches!(r.optimizer, archipelago_dataflow::OptimizerSpec::Sgd { momentum, .. } if momentum != 0.0);
+    if then == after || !(sgd_momentum(was) && sgd_momentum(now)) {
+        return Ok(());
+    }
+    Err(if then {
+        format!(
+            "the checkpoint's run kept SGD's momentum in top-k's exchange (--compress {}: each replica's velocity, beside its residuals), and this run keeps it in the optimizer, which would start without it: resume with --compress {}",
+            was.compression, was.compression
+        )
+    } else {
+        format!(
+            "the checkpoint's run kept SGD's momentum in the optimizer, and --compress {} keeps it in the exchange (each replica's velocity, Deep Gradient Compression's momentum correction), which would start without it: resume with the checkpoint's --compress {}",
+            now.compression, was.compression
+        )
+    })
+}
+
 /// Whether two schedules give every step the same rate: a constant rate without warmup does not
 /// depend on the total steps.
 fn same_schedule(a: &LrSchedule, b: &LrSchedule) -> bool {
@@ -173,6 +197,7 @@ pub fn check(
     };
     let now = record(program, total_steps);
     check_base(was, &now)?;
+    check_momentum_home(was, &now)?;
     let refused: Vec<(&str, String, String)> = differences(was, &now)
         .into_iter()
         .filter(|(name, _, _)| !overrides.iter().any(|o| o == name))
@@ -286,6 +311,23 @@ mod tests {
             "{dropped}"
         );
         check(&written, dir, &topk, 30, &["compress".into()]).unwrap();
+        // Under SGD with momentum top-k keeps the momentum in the exchange: a resume that moves
+        // it between there and the optimizer is refused, overrides or not.
+        let momentum = OptimizerSpec::sgd(0.1).with_momentum(0.9, false).unwrap();
+        let corrected = program(momentum, cosine(30))
+            .with_compression(archipelago_dataflow::Compression::TopK { ratio: 0.01 });
+        let plain = program(momentum, cosine(30));
+        let all: Vec<String> = OVERRIDABLE.iter().map(|s| s.to_string()).collect();
+        let from_topk = manifest(Some(record(&corrected, 30)), 10);
+        let refused = check(&from_topk, dir, &plain, 30, &all).unwrap_err();
+        assert!(refused.contains("resume with --compress topk:0.01"), "{refused}");
+        let from_plain = manifest(Some(record(&plain, 30)), 10);
+        let refused = check(&from_plain, dir, &corrected, 30, &all).unwrap_err();
+        assert!(
+            refused.contains("resume with the checkpoint's --compress none"),
+            "{refused}"
+        );
+        check(&from_topk, dir, &corrected, 30, &[]).unwrap();
     }
 
     /// A LoRA run records its base file by its whole path, however `--init` named it; a run
